@@ -1,0 +1,24 @@
+"""llama-ane: Llama checkpoints as chunked Core ML programs for the Apple Neural Engine.
+
+    import llama_ane
+    llama_ane.export_model(None, "out/smollm2")          # the embedded default model
+    model = llama_ane.load("out/smollm2")                 # coreml on macOS, torch elsewhere
+    print(model.generate("The capital of France is", max_new_tokens=16).text)
+"""
+
+__version__ = "0.1.0"
+
+
+def load(path, backend="auto", **options):
+    """Load an export folder; see `llama_ane.runtime.model.load`."""
+    from .runtime.model import load as _load
+    return _load(path, backend, **options)
+
+
+def export_model(source, out, **options):
+    """Export a checkpoint; see `llama_ane.export.api.export_model`."""
+    from .export.api import export_model as _export
+    return _export(source, out, **options)
+
+
+__all__ = ["load", "export_model", "__version__"]

@@ -1,0 +1,3 @@
+from llama_ane.cli import main
+
+main()

@@ -1,0 +1,42 @@
+"""The `llama-ane` command line: a click group whose commands live in `llama_ane.commands.*`.
+
+Each command module is imported only when its command runs, so `llama-ane --help` stays fast and
+`llama-ane gpu ...` works without coremltools.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# command name -> module under llama_ane.commands defining a click command called `command`
+COMMANDS = {
+    "export": "export",
+    "generate": "generate",
+    "info": "info",
+    "inspect": "inspect",
+    "verify": "verify",
+    "gpu-generate": "gpu_generate",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        module = COMMANDS.get(name)
+        if module is None:
+            return None
+        return importlib.import_module(f"llama_ane.commands.{module}").command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="llama-ane")
+def main() -> None:
+    """Export Llama checkpoints to chunked Core ML programs for the Apple Neural Engine, and run them."""
+
+
+if __name__ == "__main__":
+    main()

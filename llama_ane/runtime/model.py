@@ -1,0 +1,199 @@
+"""`llama_ane.load()` and the model object it returns: scoring and streaming generation."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..export.manifest import read_manifest
+from .backends.base import Backend
+from .pipeline import Pipeline
+from .sampling import SamplingParams, sample
+
+BACKENDS = ("auto", "coreml", "torch", "mil")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it completes (may be "" while a UTF-8 sequence is open)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str  # "eos", "stop", "length"
+    prefill_seconds: float
+    decode_seconds: float
+    decoded_tokens: int = field(default=0)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def coreml_can_predict() -> bool:
+    """Core ML predictions exist only on macOS."""
+    if platform.system() != "Darwin":
+        return False
+    try:
+        import coremltools  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
+    """Instantiate a backend by name ("auto" = coreml on macOS, else torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "coreml" if coreml_can_predict() and path is not None else "torch"
+    if backend == "torch":
+        from .backends.torch_backend import TorchBackend
+        options.setdefault("precision", manifest.get("precision", "fp32"))
+        return TorchBackend(path, manifest, **options)
+    if path is None:
+        raise ValueError(f"the {backend} backend runs exported packages: pass an export folder")
+    if backend == "coreml":
+        from .backends.coreml_backend import CoreMLBackend
+        return CoreMLBackend(path, manifest, **options)
+    from .backends.mil_backend import MilBackend
+    return MilBackend(path, manifest, **options)
+
+
+def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
+    """Load an export folder (or, with the torch backend, a checkpoint folder / .gguf / "default").
+
+    options go to the backend: `precision` ("fp32"|"fp16") and `device` for torch,
+    `compute_units` for coreml, `precision` for mil. Export-only options for a checkpoint:
+    `context_length`, `prefill_length`, `layers_per_chunk`.
+    """
+    p = Path(path) if path != "default" else None
+    if p is not None and (p / "manifest.json").is_file():
+        manifest = read_manifest(p)
+        folder = p
+    else:
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
+                             "a checkpoint directly: export it first with `llama-ane export`")
+        from ..export.describe import describe_checkpoint
+        ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk") if k in options}
+        manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)
+        options["checkpoint"] = checkpoint
+        backend = "torch"
+    return LlamaANEModel(folder, manifest, make_backend(folder if backend != "torch" else p, manifest, backend, **options))
+
+
+class LlamaANEModel:
+    """A loaded export: `score` for teacher-forced logits, `generate`/`stream` for text."""
+
+    def __init__(self, folder: Path | None, manifest: dict, backend: Backend):
+        self.folder = folder
+        self.manifest = manifest
+        self.backend = backend
+        self.pipeline = Pipeline(backend, manifest)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.manifest["tokenizer"]["eos_token_ids"])
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of `text`; with `chat`, wrapped as one user turn by the recorded chat template."""
+        if chat:
+            if not self.manifest["tokenizer"].get("chat_template"):
+                raise ValueError("this model has no chat template; drop --chat")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return list(self.tokenizer(text).input_ids)
+
+    def score(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits, float32 [T, vocab], through the chunked prefill + cache-update path."""
+        self.pipeline.reset()
+        logits = self.pipeline.prefill(token_ids, all_logits=True)
+        self.pipeline.wait()
+        return logits
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] | None = None, chat: bool = False) -> Iterator[TokenEvent]:
+        """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`."""
+        params = SamplingParams(temperature, top_k, top_p)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        rng = np.random.default_rng(seed)
+        stops = [s for s in (stop or []) if s]
+        self.pipeline.reset()
+        t0 = time.perf_counter()
+        logits = self.pipeline.prefill(ids)
+        t1 = time.perf_counter()
+        out: list[int] = []
+        text, reason = "", "length"
+        decode_start = time.perf_counter()
+        while True:
+            token = sample(logits, params, rng)
+            out.append(token)
+            if token in self.eos_token_ids:
+                reason = "eos"
+                out.pop()
+                break
+            full = self.tokenizer.decode(out, skip_special_tokens=True)
+            delta = ""
+            if not full.endswith("\ufffd"):
+                delta, text = full[len(text):], full
+            hit = next((s for s in stops if s in text), None)
+            if hit is not None:
+                cut = text.index(hit)
+                delta = delta[: max(0, len(delta) - (len(text) - cut))]
+                text, reason = text[:cut], "stop"
+                yield TokenEvent(token, delta)
+                break
+            yield TokenEvent(token, delta)
+            if len(out) >= max_new_tokens:
+                break
+            if self.pipeline.position >= self.pipeline.context_length:
+                reason = "context"
+                break
+            logits = self.pipeline.run_window([token])[0]
+        self.pipeline.wait()
+        t2 = time.perf_counter()
+        self.last_result = GenerationResult(out, text or self.tokenizer.decode(out, skip_special_tokens=True),
+                                            len(ids), reason, t1 - t0, t2 - decode_start,
+                                            decoded_tokens=max(0, len(out) - 1))
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: Sequence[str] | None = None, chat: bool = False,
+                 on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced."""
+        for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat):
+            if on_token is not None:
+                on_token(event)
+        return self.last_result
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.backend.close()
