@@ -1,0 +1,259 @@
+"""Execute the MIL program of a saved `.mlpackage` op by op with numpy.
+
+`PackageExecutor(path, precision)` loads the package's program once with coremltools, compiles
+every function into a flat list of steps (one numpy kernel per op, static parameters resolved
+and const operands prepared once), keeps a single copy of each weight for all functions of a
+multifunction package, and then drops coremltools' program. `run(function, inputs)` feeds
+numpy arrays with the function's declared shapes and returns its outputs by name.
+
+Precision: see `llama_ane.mil.numerics` (fp16 storage between ops with float32 accumulation,
+or fp32 throughout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import kernels  # noqa: F401  (registers the kernels)
+from .kernels.registry import KERNELS, BuildContext, UnsupportedOpError
+from .kernels.value_inference import has_value_inference, value_inference_kernel
+from .numerics import Numerics
+from .package import MilPackage, PackageError
+
+_CONTROL_FLOW = {"cond", "while_loop"}
+
+
+class ExecutionError(RuntimeError):
+    """A kernel failed or produced the wrong shape; the message names op, function and package."""
+
+
+@dataclass
+class _Step:
+    op_type: str
+    op_name: str
+    kernel: Any
+    template: dict[str, Any]
+    single: list[tuple[str, int]]
+    multi: list[tuple[str, list[tuple[bool, Any]]]]
+    out_slots: list[int]
+    out_dtypes: list[np.dtype]
+    out_shapes: list[tuple[int, ...] | None]
+
+
+@dataclass
+class _Input:
+    name: str
+    slot: int
+    dtype: np.dtype
+    shape: tuple[int, ...] | None
+
+
+@dataclass
+class CompiledFunction:
+    """One function, ready to run: its inputs, ordered steps and output slots."""
+
+    name: str
+    where: str
+    inputs: list[_Input]
+    steps: list[_Step]
+    outputs: list[tuple[str, int | None, Any]]  # (name, slot, const value if the output is const)
+    n_slots: int
+    op_types: dict[str, int] = field(default_factory=dict)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run on `feeds` (input name -> array of the declared shape); returns outputs by name.
+
+        Float outputs come back in the storage dtype (float16 in fp16 mode, float32 in fp32 mode).
+        """
+        values: list[Any] = [None] * self.n_slots
+        missing = [i.name for i in self.inputs if i.name not in feeds]
+        if missing:
+            raise ExecutionError(
+                f"{self.where}: missing inputs {missing}; it takes {[i.name for i in self.inputs]}"
+            )
+        for spec in self.inputs:
+            value = np.asarray(feeds[spec.name])
+            if spec.shape is not None and value.shape != spec.shape:
+                raise ExecutionError(
+                    f"{self.where}: input {spec.name!r} has shape {value.shape}, expected {spec.shape}"
+                )
+            values[spec.slot] = value.astype(spec.dtype, copy=False)
+        for step in self.steps:
+            args = dict(step.template)
+            for name, slot in step.single:
+                args[name] = values[slot]
+            for name, items in step.multi:
+                args[name] = tuple(values[p] if is_slot else p for is_slot, p in items)
+            try:
+                result = step.kernel(args)
+            except UnsupportedOpError:
+                raise
+            except Exception as exc:
+                raise ExecutionError(
+                    f"op {step.op_type!r} ({step.op_name}) in {self.where} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            if len(step.out_slots) == 1:
+                result = (result,)
+            for slot, dtype, shape, r in zip(step.out_slots, step.out_dtypes, step.out_shapes, result):
+                arr = np.asarray(r)
+                if arr.dtype != dtype:
+                    arr = arr.astype(dtype)
+                if shape is not None and arr.shape != shape:
+                    raise ExecutionError(
+                        f"op {step.op_type!r} ({step.op_name}) in {self.where} produced shape "
+                        f"{arr.shape}, but coremltools' type inference says {shape}"
+                    )
+                values[slot] = arr
+        return {name: (values[slot] if slot is not None else const) for name, slot, const in self.outputs}
+
+
+def _static_shape(var) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in var.shape)
+    except TypeError:  # symbolic dimension
+        return None
+
+
+def _compile_function(program_fn, name: str, package_name: str, numerics: Numerics,
+                      locations: dict, cache: dict) -> CompiledFunction:
+    where = f"function {name!r} of package {package_name!r}"
+    ctx = BuildContext(numerics, where, locations, cache)
+    slots: dict[int, int] = {}  # id(var) -> slot
+
+    def slot_of(var) -> int:
+        key = id(var)
+        if key not in slots:
+            slots[key] = len(slots)
+        return slots[key]
+
+    inputs = []
+    for in_name, var in program_fn.inputs.items():
+        inputs.append(_Input(in_name, slot_of(var), numerics.storage(var.dtype), _static_shape(var)))
+    materialized: dict[int, Any] = {}  # id(var) -> compile-time value (constexpr ops)
+
+    def const_value(var):
+        if id(var) in materialized:
+            return materialized[id(var)]
+        return ctx.const(var)
+
+    def is_known(var) -> bool:
+        return id(var) in materialized or ctx.is_const(var)
+
+    steps: list[_Step] = []
+    op_types: dict[str, int] = {}
+    for op in program_fn.operations:
+        op_types[op.op_type] = op_types.get(op.op_type, 0) + 1
+        if op.op_type == "const":
+            continue
+        if op.op_type.startswith("constexpr_"):
+            value = op.materialized_val_inference()
+            values = value if isinstance(value, tuple) else (value,)
+            for out, v in zip(op.outputs, values):
+                materialized[id(out)] = np.asarray(v).astype(numerics.storage(out.dtype))
+            continue
+        if all(ctx.is_const(o) for o in op.outputs):
+            continue  # folded at load time by coremltools' value inference
+        if op.op_type in _CONTROL_FLOW or op.blocks:
+            raise UnsupportedOpError(
+                f"the mil backend does not run control flow: op {op.op_type!r} ({op.name}) in {where}; "
+                "exports must not contain cond/while_loop"
+            )
+        factory = KERNELS.get(op.op_type)
+        if factory is None and has_value_inference(op):
+            factory = value_inference_kernel
+        if factory is None:
+            raise UnsupportedOpError(
+                f"the mil backend has no kernel for op {op.op_type!r} ({op.name}) in {where}, and "
+                "coremltools defines no value inference for it; add one in llama_ane/mil/kernels/"
+            )
+        try:
+            kernel = factory(op, ctx)
+        except UnsupportedOpError as exc:
+            raise UnsupportedOpError(f"{exc} (in {where})") from exc
+        template: dict[str, Any] = {}
+        single: list[tuple[str, int]] = []
+        multi: list[tuple[str, list[tuple[bool, Any]]]] = []
+        for param, var in op.inputs.items():
+            if isinstance(var, (list, tuple)):
+                multi.append((param, [(False, const_value(v)) if is_known(v) else (True, slot_of(v)) for v in var]))
+            elif is_known(var):
+                template[param] = const_value(var)
+            else:
+                single.append((param, slot_of(var)))
+        if all(not any(s for s, _ in items) for _, items in multi):
+            for param, items in multi:
+                template[param] = tuple(p for _, p in items)
+            multi = []
+        steps.append(_Step(
+            op_type=op.op_type,
+            op_name=op.name,
+            kernel=kernel,
+            template=template,
+            single=single,
+            multi=multi,
+            out_slots=[slot_of(o) for o in op.outputs],
+            out_dtypes=[numerics.storage(o.dtype) for o in op.outputs],
+            out_shapes=[_static_shape(o) for o in op.outputs],
+        ))
+    outputs = []
+    for var in program_fn.outputs:
+        if is_known(var):
+            outputs.append((var.name, None, const_value(var)))
+        else:
+            outputs.append((var.name, slot_of(var), None))
+    return CompiledFunction(name, where, inputs, steps, outputs, len(slots), op_types)
+
+
+class PackageExecutor:
+    """Every function of one `.mlpackage`, compiled for numpy execution.
+
+    Parameters
+    ----------
+    path : Path
+        The `.mlpackage`.
+    precision : {"fp16", "fp32"}
+        Storage of fp16 tensors (see `llama_ane.mil.numerics`).
+
+    Raises
+    ------
+    UnsupportedOpError
+        If any function uses an op this executor cannot run (the message names op and package).
+    PackageError
+        If the package cannot be read.
+    """
+
+    def __init__(self, path: Path, precision: str = "fp16"):
+        self.package = MilPackage(Path(path))
+        self.numerics = Numerics(precision)
+        self._weights: dict = {}
+        program = self.package.program()
+        self.functions: dict[str, CompiledFunction] = {}
+        for name in self.package.function_names:
+            self.functions[name] = _compile_function(
+                program.functions[name], name, self.package.name, self.numerics,
+                self.package.blob_locations(name), self._weights,
+            )
+        self.package.release_program()
+
+    @property
+    def function_names(self) -> list[str]:
+        return list(self.functions)
+
+    def held_weight_bytes(self) -> int:
+        """Bytes held for weights read from the package's weight blob (a shared weight counts once)."""
+        return sum(
+            v.nbytes for k, v in self._weights.items() if k[0] == "blob" and isinstance(v, np.ndarray)
+        )
+
+    def run(self, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run `function` ("main" for single-function packages) on `inputs`; outputs by name."""
+        fn = self.functions.get(function)
+        if fn is None:
+            raise PackageError(
+                f"package {self.package.name} has no function {function!r}; it has {self.function_names}"
+            )
+        return fn.run(inputs)

@@ -1,0 +1,191 @@
+"""Open a saved `.mlpackage` on any OS: its model spec, functions, weights and MIL program.
+
+coremltools can read a package's protobuf spec and turn its MIL program back into a pymil
+`Program` on Linux (`coremltools.converters.mil.frontend.milproto.load`); it only lacks the
+Core ML runtime that would execute it. This module wraps that loading and adds what the executor
+and the inspector need beyond it: where each const's bytes live in the weight blob (so functions
+of a multifunction package share one copy) and per-function I/O descriptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+WEIGHTS_SUBDIR = Path("Data") / "com.apple.CoreML" / "weights"
+
+# MultiArray dataType enum names in the Core ML spec -> numpy dtypes
+_ARRAY_DTYPES = {
+    "FLOAT16": np.dtype(np.float16),
+    "FLOAT32": np.dtype(np.float32),
+    "DOUBLE": np.dtype(np.float64),
+    "INT32": np.dtype(np.int32),
+    "INT8": np.dtype(np.int8),
+}
+
+
+class PackageError(RuntimeError):
+    """A package could not be read; the message names the package and what to do."""
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """One input or output of a function as the package describes it.
+
+    `shape` is the static shape; `dtype` a numpy dtype name ("float16", "int32", ...);
+    `is_state` marks iOS18 state inputs (read-write buffers).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_state: bool = False
+
+
+def _quiet():
+    """Silence coremltools' logging and prints while it loads a program (it is chatty)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    logger = logging.getLogger("coremltools")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    stack.callback(logger.setLevel, previous)
+    return stack
+
+
+def _feature_desc(feature) -> TensorDesc:
+    kind = feature.type.WhichOneof("Type")
+    is_state = kind == "stateType"
+    array = feature.type.stateType.arrayType if is_state else feature.type.multiArrayType
+    if kind not in ("multiArrayType", "stateType"):
+        return TensorDesc(feature.name, (), kind or "unknown", False)
+    dtype_name = array.DESCRIPTOR.fields_by_name["dataType"].enum_type.values_by_number[array.dataType].name
+    dtype = _ARRAY_DTYPES.get(dtype_name)
+    return TensorDesc(
+        name=feature.name,
+        shape=tuple(int(d) for d in array.shape),
+        dtype=dtype.name if dtype is not None else dtype_name.lower(),
+        is_state=is_state,
+    )
+
+
+class MilPackage:
+    """A saved `.mlpackage` holding an mlprogram (one function or several).
+
+    Parameters
+    ----------
+    path : Path
+        The `.mlpackage` directory.
+
+    Attributes
+    ----------
+    spec : Model_pb2.Model
+        The protobuf model spec (ops, attributes, blob references; weights stay on disk).
+    function_names : list[str]
+        Functions in the package ("main" for single-function packages).
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not (self.path / "Manifest.json").is_file():
+            raise PackageError(
+                f"{self.path} is not an .mlpackage (no Manifest.json). Pass a folder saved by "
+                "coremltools' MLModel.save or ct.utils.save_multifunction."
+            )
+        import coremltools as ct
+
+        with _quiet():
+            try:
+                self.spec = ct.utils.load_spec(str(self.path))
+            except Exception as exc:  # the protobuf reader gives terse errors
+                raise PackageError(f"cannot read the model spec of {self.path}: {exc}") from exc
+        if self.spec.WhichOneof("Type") != "mlProgram":
+            raise PackageError(
+                f"{self.path} holds a neural network model, not an mlprogram; re-export with "
+                "convert_to='mlprogram'."
+            )
+        self.weights_dir = self.path / WEIGHTS_SUBDIR
+        self.function_names = list(self.spec.mlProgram.functions.keys())
+        self._program = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def specification_version(self) -> int:
+        return int(self.spec.specificationVersion)
+
+    def function_spec(self, function: str):
+        """The MIL protobuf `Function` of `function`; a clear error if the package lacks it."""
+        functions = self.spec.mlProgram.functions
+        if function not in functions:
+            raise PackageError(
+                f"package {self.name} has no function {function!r}; it has {sorted(functions)}"
+            )
+        return functions[function]
+
+    def block_spec(self, function: str):
+        """The main block of `function` for the opset it was written for."""
+        fn = self.function_spec(function)
+        return fn.block_specializations[fn.opset]
+
+    def io(self, function: str) -> tuple[list[TensorDesc], list[TensorDesc]]:
+        """(inputs, outputs) of `function` as declared in the model description."""
+        self.function_spec(function)
+        desc = self.spec.description
+        for fdesc in desc.functions:
+            if fdesc.name == function:
+                return [_feature_desc(f) for f in fdesc.input], [_feature_desc(f) for f in fdesc.output]
+        # single-function packages describe their one function at the top level
+        inputs = [_feature_desc(f) for f in desc.input] + [_feature_desc(f) for f in desc.state]
+        return inputs, [_feature_desc(f) for f in desc.output]
+
+    def blob_locations(self, function: str) -> dict[str, tuple[str, int]]:
+        """Map const output name -> (blob file name, byte offset) for consts stored in the weight blob.
+
+        Functions of a multifunction package that share a weight point at the same location,
+        so this is the key under which the executor keeps one copy.
+        """
+        out: dict[str, tuple[str, int]] = {}
+        for op in self.block_spec(function).operations:
+            if op.type != "const" or "val" not in op.attributes:
+                continue
+            value = op.attributes["val"]
+            if value.WhichOneof("value") == "blobFileValue":
+                blob = value.blobFileValue
+                out[op.outputs[0].name] = (blob.fileName.split("/")[-1], int(blob.offset))
+        return out
+
+    def program(self):
+        """The pymil `Program` of all functions, loaded once (weights are read from the blob)."""
+        if self._program is None:
+            from coremltools.converters.mil.frontend.milproto import load as milproto
+
+            with _quiet():
+                try:
+                    self._program = milproto.load(
+                        self.spec,
+                        specification_version=self.specification_version,
+                        file_weights_dir=os.fspath(self.weights_dir),
+                    )
+                except Exception as exc:
+                    raise PackageError(
+                        f"coremltools could not load the MIL program of {self.name}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+        return self._program
+
+    def release_program(self) -> None:
+        """Drop the pymil program (and its copies of the weights) once it is no longer needed."""
+        self._program = None
+
+    def size_bytes(self) -> int:
+        """Bytes on disk of every regular file in the package."""
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
