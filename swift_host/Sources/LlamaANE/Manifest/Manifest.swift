@@ -1,0 +1,174 @@
+import Foundation
+
+/// A Codable mirror of an export's `manifest.json` (format_version 1, see docs/manifest.md): the one
+/// place that names the files, functions, tensors, shapes and dtypes of an exported model.
+///
+/// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, refuses
+/// file names that are absolute or contain `..`, and checks that every named file exists.
+public struct Manifest: Codable, Equatable, Sendable {
+    /// The format versions this package reads.
+    public static let supportedFormatVersions = [1]
+    /// The file name of the manifest inside an export folder.
+    public static let fileName = "manifest.json"
+
+    public var formatVersion: Int
+    public var name: String
+    public var createdBy: [String: String]
+    public var source: Source?
+    public var config: ModelConfig
+    /// Tokens the KV cache holds.
+    public var contextLength: Int
+    /// Query length S of the "prefill" functions.
+    public var prefillLength: Int
+    /// Branches B of the "decode_branches" functions; nil or 0 when the export has none.
+    public var branchWidth: Int?
+    public var precision: String
+    public var deploymentTarget: String
+    /// Whether functions share one package (needs iOS 18 / macOS 15).
+    public var multifunction: Bool
+    public var cache: CacheLayout
+    public var lmHead: LMHead
+    /// Block chunks in execution order.
+    public var chunks: [Chunk]
+    /// Model name ("embeddings", "chunk_0", "lm_head", "cache_update") -> its functions.
+    public var models: [String: ModelEntry]
+    public var tokenizer: TokenizerInfo
+    /// Artifact file name -> sha256 hex (for a directory, see `SHA256.manifestHash`).
+    public var files: [String: String]
+
+    enum CodingKeys: String, CodingKey {
+        case formatVersion = "format_version", name, createdBy = "created_by", source, config
+        case contextLength = "context_length", prefillLength = "prefill_length", branchWidth = "branch_width"
+        case precision, deploymentTarget = "deployment_target", multifunction, cache, lmHead = "lm_head"
+        case chunks, models, tokenizer, files
+    }
+
+    /// Where the checkpoint came from (provenance only).
+    public struct Source: Codable, Equatable, Sendable {
+        public var kind: String
+        public var path: String?
+    }
+
+    /// The model's Hugging Face config fields that a host needs.
+    public struct ModelConfig: Codable, Equatable, Sendable {
+        public var vocabSize: Int
+        public var hiddenSize: Int
+        public var intermediateSize: Int?
+        public var numHiddenLayers: Int
+        public var numAttentionHeads: Int
+        public var numKeyValueHeads: Int
+        public var headDim: Int
+        public var rmsNormEps: Double?
+        public var ropeTheta: Double?
+        public var maxPositionEmbeddings: Int?
+        public var tieWordEmbeddings: Bool?
+        public var bosTokenId: Int?
+        /// Hugging Face writes one id or a list; both decode to a list.
+        public var eosTokenId: [Int]
+        public var modelType: String?
+
+        enum CodingKeys: String, CodingKey {
+            case vocabSize = "vocab_size", hiddenSize = "hidden_size", intermediateSize = "intermediate_size"
+            case numHiddenLayers = "num_hidden_layers", numAttentionHeads = "num_attention_heads"
+            case numKeyValueHeads = "num_key_value_heads", headDim = "head_dim", rmsNormEps = "rms_norm_eps"
+            case ropeTheta = "rope_theta", maxPositionEmbeddings = "max_position_embeddings"
+            case tieWordEmbeddings = "tie_word_embeddings", bosTokenId = "bos_token_id", eosTokenId = "eos_token_id"
+            case modelType = "model_type"
+        }
+
+        public init(from decoder: Decoder) throws {
+            let c = try decoder.container(keyedBy: CodingKeys.self)
+            vocabSize = try c.decode(Int.self, forKey: .vocabSize)
+            hiddenSize = try c.decode(Int.self, forKey: .hiddenSize)
+            intermediateSize = try c.decodeIfPresent(Int.self, forKey: .intermediateSize)
+            numHiddenLayers = try c.decode(Int.self, forKey: .numHiddenLayers)
+            numAttentionHeads = try c.decode(Int.self, forKey: .numAttentionHeads)
+            numKeyValueHeads = try c.decodeIfPresent(Int.self, forKey: .numKeyValueHeads) ?? numAttentionHeads
+            headDim = try c.decodeIfPresent(Int.self, forKey: .headDim) ?? hiddenSize / numAttentionHeads
+            rmsNormEps = try c.decodeIfPresent(Double.self, forKey: .rmsNormEps)
+            ropeTheta = try c.decodeIfPresent(Double.self, forKey: .ropeTheta)
+            maxPositionEmbeddings = try c.decodeIfPresent(Int.self, forKey: .maxPositionEmbeddings)
+            tieWordEmbeddings = try c.decodeIfPresent(Bool.self, forKey: .tieWordEmbeddings)
+            bosTokenId = try c.decodeIfPresent(Int.self, forKey: .bosTokenId)
+            if let list = try? c.decodeIfPresent([Int].self, forKey: .eosTokenId) {
+                eosTokenId = list
+            } else {
+                eosTokenId = try c.decodeIfPresent(Int.self, forKey: .eosTokenId).map { [$0] } ?? []
+            }
+            modelType = try c.decodeIfPresent(String.self, forKey: .modelType)
+        }
+    }
+
+    /// The KV cache layout: `(layers, kv_heads*head_dim, 1, context)` per chunk.
+    public struct CacheLayout: Codable, Equatable, Sendable {
+        public var layout: String
+        public var channels: Int
+        public var dtype: String
+    }
+
+    /// The LM head's vocabulary split: `logits_i` has `vocabSplits[i]` entries, concatenated in order.
+    public struct LMHead: Codable, Equatable, Sendable {
+        public var vocabSplits: [Int]
+        enum CodingKeys: String, CodingKey { case vocabSplits = "vocab_splits" }
+    }
+
+    /// One block chunk: its model name, its layers, and its cache-update functions per phase.
+    public struct Chunk: Codable, Equatable, Sendable {
+        public var model: String
+        public var layers: [Int]
+        /// Phase ("prefill", "decode") -> function name in the "cache_update" model.
+        public var cacheUpdate: [String: String]
+        enum CodingKeys: String, CodingKey { case model, layers, cacheUpdate = "cache_update" }
+    }
+
+    /// A model of the export: its functions by name ("prefill", "decode", "decode_branches", ...).
+    public struct ModelEntry: Codable, Equatable, Sendable {
+        public var functions: [String: Function]
+    }
+
+    /// One function: the package that holds it, its name inside that package, and its I/O.
+    public struct Function: Codable, Equatable, Sendable {
+        public var file: String
+        public var functionName: String
+        public var inputs: [TensorSpec]
+        public var outputs: [TensorSpec]
+        enum CodingKeys: String, CodingKey { case file, functionName = "function_name", inputs, outputs }
+
+        public func input(_ name: String) -> TensorSpec? { inputs.first { $0.name == name } }
+        public func output(_ name: String) -> TensorSpec? { outputs.first { $0.name == name } }
+    }
+
+    /// A tensor's name, shape and dtype ("float16", "float32", "int32").
+    public struct TensorSpec: Codable, Equatable, Sendable {
+        public var name: String
+        public var shape: [Int]
+        public var dtype: String
+
+        public var count: Int { shape.reduce(1, *) }
+    }
+
+    /// What the exporter recorded about the tokenizer.
+    public struct TokenizerInfo: Codable, Equatable, Sendable {
+        public var files: [String]
+        public var bosTokenId: Int?
+        public var eosTokenIds: [Int]
+        public var addBosToken: Bool
+        public var chatTemplate: String?
+        public var specialTokens: [String: Int]
+
+        enum CodingKeys: String, CodingKey {
+            case files, bosTokenId = "bos_token_id", eosTokenIds = "eos_token_ids", addBosToken = "add_bos_token"
+            case chatTemplate = "chat_template", specialTokens = "special_tokens"
+        }
+
+        public init(from decoder: Decoder) throws {
+            let c = try decoder.container(keyedBy: CodingKeys.self)
+            files = try c.decode([String].self, forKey: .files)
+            bosTokenId = try c.decodeIfPresent(Int.self, forKey: .bosTokenId)
+            eosTokenIds = try c.decodeIfPresent([Int].self, forKey: .eosTokenIds) ?? []
+            addBosToken = try c.decodeIfPresent(Bool.self, forKey: .addBosToken) ?? false
+            chatTemplate = try c.decodeIfPresent(String.self, forKey: .chatTemplate)
+            specialTokens = try c.decodeIfPresent([String: Int].self, forKey: .specialTokens) ?? [:]
+        }
+    }
+}

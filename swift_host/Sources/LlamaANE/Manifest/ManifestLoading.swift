@@ -1,0 +1,122 @@
+import Foundation
+
+extension Manifest {
+    /// Reads and checks `folder/manifest.json`: the format version first, then the structure,
+    /// every file name (plain relative names only) and every named file's presence.
+    /// With `verifyHashes` each artifact's sha256 is checked too (slow for large models).
+    public static func load(from folder: URL, verifyHashes: Bool = false) throws -> Manifest {
+        let url = folder.appendingPathComponent(fileName)
+        guard let data = try? Data(contentsOf: url) else { throw ManifestError.missingManifest(folder: folder.path) }
+        let manifest = try decode(data, path: url.path)
+        try manifest.checkFiles(in: folder, verifyHashes: verifyHashes)
+        return manifest
+    }
+
+    /// Decodes manifest JSON, refusing unknown format versions before anything else.
+    public static func decode(_ data: Data, path: String = fileName) throws -> Manifest {
+        struct VersionProbe: Decodable {
+            let formatVersion: Int?
+            enum CodingKeys: String, CodingKey { case formatVersion = "format_version" }
+        }
+        let probe: VersionProbe
+        do { probe = try JSONDecoder().decode(VersionProbe.self, from: data) } catch {
+            throw ManifestError.invalidJSON(path: path, reason: describe(error))
+        }
+        guard let version = probe.formatVersion, supportedFormatVersions.contains(version) else {
+            throw ManifestError.unsupportedFormatVersion(found: probe.formatVersion, supported: supportedFormatVersions)
+        }
+        let manifest: Manifest
+        do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
+            throw ManifestError.invalidJSON(path: path, reason: describe(error))
+        }
+        try manifest.checkStructure()
+        return manifest
+    }
+
+    /// The URL of `name` inside `folder`, refusing absolute paths, `..`, backslashes and empty names.
+    public static func resolve(_ name: String, in folder: URL) throws -> URL {
+        let parts = name.split(separator: "/", omittingEmptySubsequences: false)
+        guard !name.isEmpty, !name.hasPrefix("/"), !name.contains("\\"), !name.hasPrefix("~"),
+              !parts.contains(".."), !parts.contains(""), !parts.contains(".") else {
+            throw ManifestError.unsafePath(name)
+        }
+        return folder.appendingPathComponent(name)
+    }
+
+    /// Every file name the manifest mentions: artifacts, function packages and tokenizer files.
+    public var namedFiles: [String] {
+        var names = Set(files.keys)
+        for entry in models.values { for f in entry.functions.values { names.insert(f.file) } }
+        names.formUnion(tokenizer.files)
+        return names.sorted()
+    }
+
+    /// Checks names, presence and (optionally) hashes of all named files in `folder`.
+    public func checkFiles(in folder: URL, verifyHashes: Bool = false) throws {
+        for name in namedFiles {
+            let url = try Self.resolve(name, in: folder)
+            guard FileManager.default.fileExists(atPath: url.path) else { throw ManifestError.missingFile(name) }
+        }
+        guard verifyHashes else { return }
+        for (name, digest) in files.sorted(by: { $0.key < $1.key }) {
+            let actual = try SHA256.manifestHash(of: try Self.resolve(name, in: folder))
+            guard actual == digest.lowercased() else { throw ManifestError.hashMismatch(name) }
+        }
+    }
+
+    /// The function `function` of model `model`, or an error naming what is missing.
+    public func function(_ model: String, _ function: String) throws -> Function {
+        guard let entry = models[model] else {
+            throw ManifestError.inconsistent("no model \"\(model)\" (models: \(models.keys.sorted().joined(separator: ", ")))")
+        }
+        guard let f = entry.functions[function] else {
+            throw ManifestError.inconsistent("model \"\(model)\" has no function \"\(function)\" "
+                + "(functions: \(entry.functions.keys.sorted().joined(separator: ", ")))")
+        }
+        return f
+    }
+
+    /// Cross-checks that do not need the files: the chunk plan, the cache-update functions and
+    /// the vocabulary split.
+    func checkStructure() throws {
+        guard contextLength > 0, prefillLength > 0, prefillLength <= contextLength else {
+            throw ManifestError.inconsistent("context_length \(contextLength) and prefill_length \(prefillLength) must satisfy 0 < prefill <= context")
+        }
+        let layers = chunks.flatMap(\.layers).sorted()
+        guard layers == Array(0..<config.numHiddenLayers) else {
+            throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
+        }
+        for name in ["embeddings", "lm_head"] {
+            for phase in ["prefill", "decode"] { _ = try function(name, phase) }
+        }
+        for chunk in chunks {
+            for phase in ["prefill", "decode"] {
+                _ = try function(chunk.model, phase)
+                guard let update = chunk.cacheUpdate[phase] else {
+                    throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
+                }
+                _ = try function("cache_update", update)
+            }
+        }
+        guard lmHead.vocabSplits.reduce(0, +) == config.vocabSize else {
+            throw ManifestError.inconsistent("lm_head vocab_splits \(lmHead.vocabSplits) do not add up to vocab_size \(config.vocabSize)")
+        }
+    }
+
+    private static func describe(_ error: Error) -> String {
+        switch error {
+        case let DecodingError.keyNotFound(key, context):
+            return "missing field \(path(context.codingPath + [key]))"
+        case let DecodingError.typeMismatch(_, context), let DecodingError.valueNotFound(_, context):
+            return "field \(path(context.codingPath)) has the wrong type (\(context.debugDescription))"
+        case let DecodingError.dataCorrupted(context):
+            return context.debugDescription
+        default:
+            return "\(error)"
+        }
+    }
+
+    private static func path(_ keys: [CodingKey]) -> String {
+        keys.map { $0.intValue.map { "[\($0)]" } ?? $0.stringValue }.joined(separator: ".")
+    }
+}
