@@ -40,31 +40,34 @@ class RMSNorm(nn.Module):
         return y * torch.rsqrt(var) * self.weight.view(1, -1, 1, 1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of one head, `x*cos + rotate_half(x)*sin`.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """Rotary embedding of all heads at once, `x*cos + rotate_half(x)*sin`; `half` = head_dim // 2.
 
-    x, cos, sin: (B, D, 1, S) -> (B, D, 1, S)
+    x: (H, D, S); cos, sin: (1, D, S) -> (H, D, S). Sizes are Python ints, never read off tensors,
+    so the traced graph holds no shape arithmetic.
     """
-    half = x.shape[1] // 2
     rotated = torch.cat([-x[:, half:], x[:, :half]], dim=1)
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-           mask: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of one head over several key blocks (e.g. the cache and the window).
+def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_win: torch.Tensor,
+                      v_win: torch.Tensor, mask: torch.Tensor, group: int, cache_length: int) -> torch.Tensor:
+    """Softmax attention of all heads over the cache and the current window, grouped for GQA.
 
-    q: (B, D, 1, S), already scaled by 1/sqrt(D); keys[i], values[i]: (B, D, 1, T_i);
-    mask: (B, sum T_i, 1, S) additive, rows in the order of the blocks. -> (B, D, 1, S)
+    q: (G, R, D, S): R = `group` query heads per kv head, already scaled by 1/sqrt(D);
+    k_cache, v_cache: (G, D, T) with T = `cache_length`; k_win, v_win: (G, D, S);
+    mask: (1, 1, S, T + S) additive, cache columns first. -> (G, R, D, S).
+
+    The R heads of a group share one read of their kv head (a broadcast batch dim, nothing is
+    repeated). The cache is neither transposed nor concatenated: the scores are, and the
+    probabilities are split again at T.
     """
-    scores = torch.cat([torch.einsum("bchq,bchk->bkhq", q, k) for k in keys], dim=1) + mask
-    p = torch.softmax(scores, dim=1)
-    out, start = None, 0
-    for v in values:
-        part = torch.einsum("bkhq,bchk->bchq", p[:, start:start + v.shape[3]], v)
-        out = part if out is None else out + part
-        start += v.shape[3]
-    return out
+    qt = q.transpose(2, 3)  # (G, R, S, D)
+    kc, vc, kw, vw = (x.unsqueeze(1) for x in (k_cache, v_cache, k_win, v_win))  # (G, 1, D, *)
+    scores = torch.cat([torch.matmul(qt, kc), torch.matmul(qt, kw)], dim=3) + mask  # (G, R, S, T+S)
+    p = torch.softmax(scores, dim=3)
+    return (torch.matmul(vc, p[..., :cache_length].transpose(2, 3))
+            + torch.matmul(vw, p[..., cache_length:].transpose(2, 3)))
 
 
 def attention_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

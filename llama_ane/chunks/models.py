@@ -1,7 +1,7 @@
 """The four exported models, as torch modules in the ANE layout.
 
     Embeddings   input_ids (1,S) int32, position (1,) int32
-                 -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,T+S,1,S)
+                 -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,1,S,T+S)
     BlockChunk   hidden_states, cos, sin, mask, k_cache/v_cache (L,KV,1,T)
                  -> hidden_states_out (1,C,1,S), k_new/v_new (L,KV,1,S)
     LMHead       hidden_states (1,C,1,S) -> logits_i (1,V_i,1,S), V_i <= 16384
@@ -20,15 +20,16 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig, inv_freq
-from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, attend, conv1x1
+from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, conv1x1, grouped_attention
 
 
 class DecoderLayer(nn.Module):
     """One Llama decoder layer. The 1/sqrt(head_dim) scale is folded into q_proj's weights."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, context_length: int):
         super().__init__()
         self.cfg = cfg
+        self.context_length = context_length
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels)
         self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels)
@@ -40,45 +41,42 @@ class DecoderLayer(nn.Module):
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Norm, projections and RoPE.
 
-        x: (1,C,1,S) -> per-head lists q[h]: (1,D,1,S) for H heads, k[g], v[g]: (1,D,1,S) for
-        the kv heads, plus k, v stacked back to (1,KV,1,S) for the cache.
+        x: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
+        R query heads each.
         """
-        d = self.cfg.head_dim
+        c = self.cfg
+        g, d = c.num_key_value_heads, c.head_dim
+        r = c.num_attention_heads // g
         h = self.input_layernorm(x)
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        qs = [apply_rope(q[:, i * d:(i + 1) * d], cos, sin) for i in range(self.cfg.num_attention_heads)]
-        ks = [apply_rope(k[:, g * d:(g + 1) * d], cos, sin) for g in range(self.cfg.num_key_value_heads)]
-        vs = [v[:, g * d:(g + 1) * d] for g in range(self.cfg.num_key_value_heads)]
-        return qs, ks, vs, torch.cat(ks, dim=1), v
-
-    def finish(self, x: torch.Tensor, heads: list[torch.Tensor]) -> torch.Tensor:
-        """Output projection, residuals and MLP. heads[h]: (1,D,1,S) -> (1,C,1,S)"""
-        x = x + self.o_proj(torch.cat(heads, dim=1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
+        q = apply_rope(self.q_proj(h).reshape(g * r, d, -1), cos, sin, d // 2).reshape(g, r, d, -1)
+        k = apply_rope(self.k_proj(h).reshape(g, d, -1), cos, sin, d // 2)
+        v = self.v_proj(h).reshape(g, d, -1)
+        return q, k, v
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
-        """x: (1,C,1,S); k_cache, v_cache: (1,KV,1,T); mask: (1,T+S,1,S).
+        """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
-        Returns x_out (1,C,1,S), k_new, v_new (1,KV,1,S).
+        Returns x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE).
         """
-        d = self.cfg.head_dim
-        group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        qs, ks, vs, k_new, v_new = self.project_qkv(x, cos, sin)
-        heads = []
-        for i, q in enumerate(qs):
-            g = i // group  # GQA: heads of a group read the same K/V slices, nothing is repeated
-            kc, vc = k_cache[:, g * d:(g + 1) * d], v_cache[:, g * d:(g + 1) * d]
-            heads.append(attend(q, [kc, ks[g]], [vc, vs[g]], mask))
-        return self.finish(x, heads), k_new, v_new
+        c = self.cfg
+        g, d = c.num_key_value_heads, c.head_dim
+        q, k, v = self.project_qkv(x, cos, sin)
+        heads = grouped_attention(q, k_cache.reshape(g, d, self.context_length),
+                                  v_cache.reshape(g, d, self.context_length), k, v, mask,
+                                  c.num_attention_heads // g, self.context_length)
+        x = x + self.o_proj(heads.reshape(1, c.q_channels, 1, -1))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
 class BlockChunk(nn.Module):
     """Decoder layers `first .. first+len(layers)-1` of the model, run in sequence."""
 
-    def __init__(self, cfg: LlamaConfig, layer_indices: list[int]):
+    def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int):
         super().__init__()
         self.layer_indices = list(layer_indices)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in layer_indices)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, context_length) for _ in layer_indices)
 
     def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
         k_out, v_out = [], []
@@ -112,19 +110,19 @@ class Embeddings(nn.Module):
         cos, sin = rope_tables(cfg, context_length + window)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
-        self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, -1, 1, 1))
+        self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
         self.register_buffer("offsets", torch.arange(window, dtype=torch.int32))
         causal = torch.full((window, window), MASK_VALUE).triu(1)  # [query, key], built here, not in-graph
-        self.register_buffer("window_mask", causal.t().reshape(1, window, 1, window).contiguous())
+        self.register_buffer("window_mask", causal.view(1, 1, window, window))
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
         hidden = self.embed_tokens(input_ids).transpose(1, 2).unsqueeze(2)  # (1,S,C) -> (1,C,1,S)
         pos = position + self.offsets  # (S,)
         cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (S,D) -> (1,D,1,S)
         sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
-        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,T,1,1)
-        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, -1, 1, self.window)
-        mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=1)
+        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,1,1,T)
+        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, 1, self.window, -1)
+        mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
         return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
 
 

@@ -89,7 +89,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
 
     `files` maps (model, function) -> (file name, function name inside that file).
     """
-    from .specs import cache_update_function
+    from .specs import cache_update_function, chunk_model_name
 
     models: dict[str, Any] = {}
     for model, functions in specs.items():
@@ -97,7 +97,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         for fn, io in functions.items():
             file, inner = files.get((model, fn), (None, None))
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
-    chunks = [{"model": f"chunk_{i}", "layers": layers,
+    chunks = [{"model": chunk_model_name(i), "layers": layers,
                "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in ("prefill", "decode")}}
               for i, layers in enumerate(plan)]
     lm_outputs = specs["lm_head"]["decode"]["outputs"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..chunks.models import BlockChunk, CacheUpdate, Embeddings, LMHead
+from .specs import chunk_model_name
 from .weights import Checkpoint, chunk_state_dict, embeddings_state_dict, lm_head_state_dict
 
 
@@ -31,6 +32,19 @@ class ModelSet:
             c.offsets = c.offsets.to(torch.int32)
         return self
 
+    def module(self, model: str, window: int) -> torch.nn.Module:
+        """The module behind manifest model `model` for query length `window`."""
+        if model == "embeddings":
+            return self.embeddings[window]
+        if model == "lm_head":
+            return self.lm_head
+        if model == "cache_update":
+            return self.cache_update[window]
+        names = [chunk_model_name(i) for i in range(len(self.chunks))]
+        if model not in names:
+            raise KeyError(f"no model {model!r} in this export")
+        return self.chunks[names.index(model)]
+
     def all_modules(self) -> list[torch.nn.Module]:
         return [*self.embeddings.values(), *self.chunks, self.lm_head, *self.cache_update.values()]
 
@@ -50,7 +64,7 @@ def build_model_set(ckpt: Checkpoint, plan: list[list[int]], context_length: int
         embeddings[s] = e.eval()
     chunks = []
     for layers in plan:
-        chunk = BlockChunk(cfg, layers)
+        chunk = BlockChunk(cfg, layers, context_length)
         chunk.load_state_dict(chunk_state_dict(ckpt, layers), strict=True)
         chunks.append(chunk.eval())
     head = LMHead(cfg)

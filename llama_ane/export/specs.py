@@ -14,6 +14,11 @@ def window_of(function: str, prefill_length: int) -> int:
     return prefill_length if function.startswith("prefill") else 1
 
 
+def chunk_model_name(index: int) -> str:
+    """Manifest model name of the index-th block chunk."""
+    return f"chunk_{index}"
+
+
 def cache_update_function(function: str, layers: int) -> str:
     """Name of the cache-update function for a chunk of `layers` layers, e.g. "decode_l3"."""
     return f"{function}_l{layers}"
@@ -29,19 +34,19 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     c, d, kv, t, f = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, float_dtype
     specs: dict[str, dict[str, dict]] = {"embeddings": {}, "lm_head": {}, "cache_update": {}}
     for i in range(len(plan)):
-        specs[f"chunk_{i}"] = {}
+        specs[chunk_model_name(i)] = {}
     for fn in FUNCTIONS:
         s = window_of(fn, prefill_length)
         specs["embeddings"][fn] = {
             "inputs": [_t("input_ids", [1, s], "int32"), _t("position", [1], "int32")],
             "outputs": [_t("hidden_states", [1, c, 1, s], f), _t("cos", [1, d, 1, s], f),
-                        _t("sin", [1, d, 1, s], f), _t("mask", [1, t + s, 1, s], f)],
+                        _t("sin", [1, d, 1, s], f), _t("mask", [1, 1, s, t + s], f)],
         }
         for i, layers in enumerate(plan):
             n = len(layers)
-            specs[f"chunk_{i}"][fn] = {
+            specs[chunk_model_name(i)][fn] = {
                 "inputs": [_t("hidden_states", [1, c, 1, s], f), _t("cos", [1, d, 1, s], f),
-                           _t("sin", [1, d, 1, s], f), _t("mask", [1, t + s, 1, s], f),
+                           _t("sin", [1, d, 1, s], f), _t("mask", [1, 1, s, t + s], f),
                            _t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f)],
                 "outputs": [_t("hidden_states_out", [1, c, 1, s], f),
                             _t("k_new", [n, kv, 1, s], f), _t("v_new", [n, kv, 1, s], f)],

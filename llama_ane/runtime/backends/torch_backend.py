@@ -39,20 +39,13 @@ class TorchBackend(Backend):
         windows = sorted({manifest["prefill_length"], 1})
         self.models = build_model_set(checkpoint, plan, manifest["context_length"], windows)
         self.models.to(self.torch_dtype, self.device)
-        self._chunks = {c["model"]: i for i, c in enumerate(manifest["chunks"])}
 
     def module(self, model: str, function: str) -> torch.nn.Module:
         """The module that was (or would be) traced for `function` of `model`."""
-        s = window_of(function, self.manifest["prefill_length"])
-        if model == "embeddings":
-            return self.models.embeddings[s]
-        if model == "lm_head":
-            return self.models.lm_head
-        if model == "cache_update":
-            return self.models.cache_update[s]
-        if model in self._chunks:
-            return self.models.chunks[self._chunks[model]]
-        raise BackendError(f"torch backend has no model {model!r}")
+        try:
+            return self.models.module(model, window_of(function, self.manifest["prefill_length"]))
+        except KeyError as e:
+            raise BackendError(f"torch backend: {e.args[0]}") from None
 
     @torch.no_grad()
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,33 @@
+"""Turn the errors that bad input raises into one clear CLI line and a non-zero exit."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import click
+
+from ..config import ConfigError
+from ..export.describe import ExportOptionsError
+from ..export.manifest import ManifestError
+from ..export.weights import CheckpointError
+from ..runtime.backends.base import BackendError
+from ..runtime.pipeline import CacheUpdateError, ContextFullError
+
+USER_ERRORS = (ConfigError, CheckpointError, ExportOptionsError, ManifestError, BackendError,
+               ContextFullError, CacheUpdateError, ValueError, FileNotFoundError)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Report known error types as `Error: <message>` with exit code 1, without a traceback."""
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except USER_ERRORS as e:
+        raise click.ClickException(str(e)) from None
+    except RuntimeError as e:
+        if type(e).__name__ in ("ExportError", "VerifyError"):
+            raise click.ClickException(str(e)) from None
+        raise

@@ -1,0 +1,44 @@
+"""`llama-ane export`: a checkpoint to an export folder of .mlpackage files and manifest.json."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from ..export.describe import TARGETS
+from .errors import user_errors
+
+
+@click.command("export")
+@click.argument("model", required=False)
+@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("--context-length", default=1024, show_default=True, help="Tokens the KV cache holds.")
+@click.option("--prefill-length", default=64, show_default=True, help="Query length of the prefill functions.")
+@click.option("--layers-per-chunk", type=int, default=None,
+              help="Decoder layers per block-chunk file [default: from weight bytes, <= ~1 GB (iOS) / 2 GB (macOS)].")
+@click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
+              help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
+@click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
+@click.option("--swift-fixtures", type=click.Path(path_type=Path), default=None,
+              help="Also write the Swift package's test fixtures to this folder.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def command(model, out, context_length, prefill_length, layers_per_chunk, target, precision, force,
+            no_verify, swift_fixtures, quiet):
+    """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
+    SmolLM2-135M-Instruct) to OUT."""
+    from ..export.api import export_model
+
+    t0 = time.perf_counter()
+    with user_errors():
+        export_model(model, out, context_length=context_length, prefill_length=prefill_length,
+                     layers_per_chunk=layers_per_chunk, target=target, precision=precision, force=force,
+                     verify=not no_verify, progress=not quiet, log=click.echo)
+        if swift_fixtures is not None:
+            from ..export.swift_fixtures import write_swift_fixtures
+            write_swift_fixtures(swift_fixtures)
+            click.echo(f"swift fixtures written to {swift_fixtures}")
+    click.echo(f"done in {time.perf_counter() - t0:.1f} s")

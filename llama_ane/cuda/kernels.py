@@ -1,0 +1,341 @@
+"""Triton kernels of the CUDA path: pure ``@triton.jit`` functions, no host logic.
+
+Every kernel produces *attention states* ``(o, lse)``: ``o`` is the softmax-weighted value vector of
+a query head over a set of keys and ``lse`` the natural-log log-sum-exp of its scaled scores over
+the same set. States over disjoint key sets merge exactly (see ``merge_states_kernel``), which is
+what split-KV, cascade and tree attention are built from.
+
+Inside the kernels scores are kept in base 2 (``exp2`` is one instruction, ``exp`` is two); the
+scale passed in already holds ``log2(e)``, and the LSE written out is converted back to natural log.
+
+Paged KV cache layout (NHD): ``kv[pages, 2, page_size, num_kv_heads, head_dim]``; index 0 of the
+second axis is K, 1 is V. Token ``t`` of a request lives at page ``indices[indptr[b] + t //
+page_size]``, slot ``t % page_size``. The page size is a compile-time constant so that the division
+is a shift for powers of two.
+
+Host wrappers (shape checks, grids, split choice) live in ``ops.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v):
+    """One flash-attention step over a key block: ``s`` [M, N] (base-2 scores, -inf = masked)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row whose keys are all masked so far keeps m = -inf; use 0 as its reference so that
+    # exp2(-inf - ref) = 0 instead of NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
+    """Normalise and store a state; an empty key set gives ``o = 0`` and ``lse = -inf``."""
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(lse_ptrs, lse, mask=row_mask)
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr,
+    o_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Batch decode over a paged KV cache, one program per (request, kv head, KV split).
+
+    The ``GROUP`` query heads that share a kv head are processed together so each K/V row is read
+    once per group. Split ``s`` covers tokens ``[s * chunk_len, (s + 1) * chunk_len)`` and writes
+    state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    page_start = tl.load(indptr_ptr + b)
+    page_end = tl.load(indptr_ptr + b + 1)
+    last_len = tl.load(last_len_ptr + b)
+    seq_len = tl.where(page_end > page_start, (page_end - page_start - 1) * PAGE_SIZE + last_len, 0)
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    kv_head = kv_ptr + kvh * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
+        rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+        k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0)
+        if BLOCK_G == 1:
+            # MHA: a [1, D] x [D, N] product is below the tensor-core tile; a broadcast
+            # multiply-reduce keeps it in registers.
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))
+        if BLOCK_G == 1:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m_i = m_new
+        else:
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+
+    slot = state_offset + split
+    o_ptrs = o_ptr + b * stride_ob + slot * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+    lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
+    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, g_mask)
+
+
+@triton.jit
+def shared_prefix_kernel(
+    q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows,
+    o_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """All queries against one shared paged KV sequence (multi-query attention with LSE).
+
+    Rows are (request, query head within the kv group) pairs, ``row = b * GROUP + g``, so a tile
+    of ``BLOCK_M`` rows turns the shared prefix into a dense matrix product on the tensor cores.
+    Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
+    same KV chunk run at the same time and share it through L2.
+    """
+    mb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < n_rows
+    b = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=r_mask[:, None], other=0.0)
+
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, prefix_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    kv_head = kv_ptr + kvh * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        page = tl.load(indices_ptr + tok // PAGE_SIZE, mask=n_mask, other=0)
+        krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+        k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+
+    slot = state_offset + split
+    o_ptrs = o_ptr + b[:, None] * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
+        + offs_d[None, :]
+    lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
+    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, r_mask)
+
+
+@triton.jit
+def tree_attention_kernel(
+    q_ptr, kv_ptr, tok_loc_ptr,
+    item_tok_start_ptr, item_tok_len_ptr, item_pair_start_ptr, item_nq_ptr, item_full_ptr,
+    pair_query_ptr, pair_slot_ptr, mask_ptr,
+    o_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_page, stride_kv, stride_tok,
+    stride_op, stride_oh, stride_lp,
+    sm_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_WORDS: tl.constexpr,
+):
+    """Flattened tree attention (KV-guided grouping), one program per (work item, kv head).
+
+    A work item is one fixed-size block of the flattened tree KV together with up to
+    ``BLOCK_M // GROUP`` of the queries that see any of its tokens. The block is loaded once for
+    all of them; a per-(block, query) bitmask of ``MASK_WORDS`` int32 words says which of its
+    tokens each query may attend to (skipped when the whole item sees the whole block). Each
+    (block, query) pair writes its state to ``slot = pair_slot[pair]``; the slots of one query are
+    contiguous, so a varlen merge finishes the job.
+    """
+    it = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t0 = tl.load(item_tok_start_ptr + it)
+    tlen = tl.load(item_tok_len_ptr + it)
+    p0 = tl.load(item_pair_start_ptr + it)
+    nq = tl.load(item_nq_ptr + it)
+    full = tl.load(item_full_ptr + it)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    r_mask = qi < nq
+    pair = p0 + qi
+    qid = tl.load(pair_query_ptr + pair, mask=r_mask, other=0)
+    heads = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + qid[:, None].to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=r_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    kv_head = kv_ptr + kvh * HEAD_DIM
+    need_mask = full == 0
+    for n0 in range(0, tlen, BLOCK_N):
+        j = n0 + offs_n
+        n_mask = j < tlen
+        loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
+        krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
+        k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        # Masked loads move no memory, so a fully visible item pays nothing for the bitmask; the
+        # fill value -1 has every bit set.
+        words = tl.load(mask_ptr + pair[:, None].to(tl.int64) * MASK_WORDS + (j // 32)[None, :],
+                        mask=need_mask & r_mask[:, None] & n_mask[None, :], other=-1)
+        visible = ((words >> (j % 32)[None, :]) & 1) != 0
+        s = tl.where(visible & n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+
+    slot = tl.load(pair_slot_ptr + pair, mask=r_mask, other=0).to(tl.int64)
+    o_ptrs = o_ptr + slot[:, None] * stride_op + heads[:, None] * stride_oh + offs_d[None, :]
+    lse_ptrs = lse_ptr + slot * stride_lp + heads
+    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, r_mask)
+
+
+@triton.jit
+def merge_states_kernel(
+    v_ptr, s_ptr, indptr_ptr, o_ptr, lse_ptr,
+    n_states, num_heads,
+    stride_vr, stride_vn, stride_vh,
+    stride_sr, stride_sn, stride_sh,
+    stride_or, stride_oh, stride_lr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """N-ary merge of attention states, one program per (row, head).
+
+    Fixed count: row ``r`` merges ``v[r, 0:n_states, h]``. Varlen: row ``r`` merges the states
+    ``indptr[r]:indptr[r + 1]`` of a flat ``v[states, h]`` (``stride_vr`` unused). Natural-log LSE.
+    """
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    if VARLEN:
+        first = tl.load(indptr_ptr + r)
+        count = tl.load(indptr_ptr + r + 1) - first
+        v_base = v_ptr + first.to(tl.int64) * stride_vn + h * stride_vh
+        s_base = s_ptr + first.to(tl.int64) * stride_sn + h * stride_sh
+    else:
+        count = n_states
+        v_base = v_ptr + r.to(tl.int64) * stride_vr + h * stride_vh
+        s_base = s_ptr + r.to(tl.int64) * stride_sr + h * stride_sh
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, BLOCK_S)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for n0 in range(0, count, BLOCK_S):
+        n = n0 + offs_s
+        n_mask = n < count
+        s = tl.load(s_base + n * stride_sn, mask=n_mask, other=float("-inf")).to(tl.float32)
+        v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        w = tl.exp(s - m_ref)
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * v, 0)
+        m = m_new
+    nonempty = l > 0.0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = acc / l_safe
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    lse = tl.where(nonempty, m_ref + tl.log(l_safe), float("-inf"))
+    tl.store(o_ptr + r.to(tl.int64) * stride_or + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty))
+    tl.store(lse_ptr + r.to(tl.int64) * stride_lr + h + tl.arange(0, 1), lse)
+
+
+@triton.jit
+def merge_two_states_kernel(
+    va_ptr, sa_ptr, vb_ptr, sb_ptr, o_ptr, lse_ptr,
+    num_heads,
+    stride_var, stride_vah, stride_sar,
+    stride_vbr, stride_vbh, stride_sbr,
+    stride_or, stride_oh, stride_lr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Binary merge ``(va, sa) (+) (vb, sb)``, one program per (row, block of heads).
+
+    ``o``/``lse`` may alias ``va``/``sa`` (in-place merge): each program reads its rows before it
+    writes them.
+    """
+    r = tl.program_id(0)
+    hb = tl.program_id(1)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    offs_d = tl.arange(0, HEAD_DIM)
+    r64 = r.to(tl.int64)
+    sa = tl.load(sa_ptr + r64 * stride_sar + heads, mask=h_mask, other=float("-inf")).to(tl.float32)
+    sb = tl.load(sb_ptr + r64 * stride_sbr + heads, mask=h_mask, other=float("-inf")).to(tl.float32)
+    va = tl.load(va_ptr + r64 * stride_var + heads[:, None] * stride_vah + offs_d[None, :],
+                 mask=h_mask[:, None], other=0.0).to(tl.float32)
+    vb = tl.load(vb_ptr + r64 * stride_vbr + heads[:, None] * stride_vbh + offs_d[None, :],
+                 mask=h_mask[:, None], other=0.0).to(tl.float32)
+    m = tl.maximum(sa, sb)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(sa - m_ref)
+    wb = tl.exp(sb - m_ref)
+    l = wa + wb
+    nonempty = l > 0.0
+    l_safe = tl.where(nonempty, l, 1.0)
+    out = (va * wa[:, None] + vb * wb[:, None]) / l_safe[:, None]
+    lse = tl.where(nonempty, m_ref + tl.log(l_safe), float("-inf"))
+    tl.store(o_ptr + r64 * stride_or + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(lse_ptr + r64 * stride_lr + heads, lse, mask=h_mask)

@@ -1,0 +1,78 @@
+"""The Core ML backend (macOS only): runs the exported packages with Core ML, on the Neural Engine
+by default.
+
+Each package is compiled once to an .mlmodelc kept in `OUT/.compiled/` (named by the package's
+sha256, so a changed package is recompiled) and loaded per function with
+`coremltools.models.CompiledMLModel`.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from ...export.manifest import function_entry
+from .base import Backend, BackendError
+
+COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")
+
+
+class CoreMLBackend(Backend):
+    name = "coreml"
+
+    def __init__(self, export_dir: Path, manifest: dict, *, compute_units: str = "CPU_AND_NE"):
+        if platform.system() != "Darwin":
+            raise BackendError("the coreml backend needs macOS (Core ML cannot run predictions elsewhere); "
+                               "use --backend torch or --backend mil")
+        if compute_units not in COMPUTE_UNITS:
+            raise BackendError(f"compute_units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
+        import coremltools as ct
+
+        self.ct = ct
+        self.export_dir = Path(export_dir)
+        self.manifest = manifest
+        self.compute_units = getattr(ct.ComputeUnit, compute_units)
+        self.dtype = np.dtype(np.float16 if manifest["precision"] == "fp16" else np.float32)
+        self._loaded: dict[tuple[str, str], object] = {}
+
+    def _compiled(self, file: str) -> Path:
+        digest = self.manifest["files"][file][:16]
+        target = self.export_dir / ".compiled" / f"{Path(file).stem}-{digest}.mlmodelc"
+        if not target.exists():
+            target.parent.mkdir(exist_ok=True)
+            built = Path(self.ct.utils.compile_model(str(self.export_dir / file)))
+            shutil.move(str(built), str(target))
+        return target
+
+    def _model(self, model: str, function: str, entry: dict):
+        key = (entry["file"], entry["function_name"])
+        if key not in self._loaded:
+            kwargs = {"compute_units": self.compute_units}
+            if self.manifest["multifunction"]:
+                kwargs["function_name"] = entry["function_name"]
+            try:
+                self._loaded[key] = self.ct.models.CompiledMLModel(str(self._compiled(entry["file"])), **kwargs)
+            except Exception as e:
+                raise BackendError(f"Core ML could not load {entry['file']} ({model}/{function}): {e}") from e
+        return self._loaded[key]
+
+    def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        entry = function_entry(self.manifest, model, function)
+        feed = {}
+        for spec in entry["inputs"]:
+            dtype = np.int32 if spec["dtype"] == "int32" else self.dtype
+            feed[spec["name"]] = np.ascontiguousarray(inputs[spec["name"]], dtype=dtype)
+        try:
+            out = self._model(model, function, entry).predict(feed)
+        except BackendError:
+            raise
+        except Exception as e:
+            raise BackendError(f"Core ML prediction failed for {model}/{function}: {e}") from e
+        return {spec["name"]: np.asarray(out[spec["name"]]) for spec in entry["outputs"]}
+
+    def close(self) -> None:
+        self._loaded.clear()

@@ -1,0 +1,90 @@
+"""The mil backend: runs the exported .mlpackage programs themselves, op by op with numpy.
+
+Core ML cannot predict off macOS, but the saved MIL program can still be executed faithfully
+(`llama_ane.mil`). This is what lets Linux CI check the artifact users ship rather than only the
+torch source it was converted from. Packages load lazily on first use, once each; the functions
+of a multifunction package share one copy of its weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from ...export.manifest import function_entry
+from .base import Backend, BackendError
+
+
+class MilBackend(Backend):
+    """Execute an export's packages with the numpy MIL executor.
+
+    Parameters
+    ----------
+    export_dir : Path
+        The export folder (holds manifest.json and the .mlpackage files).
+    manifest : dict
+        Its parsed manifest.
+    precision : {"fp16", "fp32"}
+        "fp16" stores fp16 tensors in half precision between ops, as the ANE does (float32
+        accumulation inside each op); "fp32" holds them in float32 (see `llama_ane.mil.numerics`).
+        Float outputs come back in that dtype.
+    """
+
+    name = "mil"
+
+    def __init__(self, export_dir: Path, manifest: dict, *, precision: str = "fp16"):
+        if precision not in ("fp16", "fp32"):
+            raise BackendError(f"the mil backend computes in 'fp16' or 'fp32', not {precision!r}")
+        self.export_dir = Path(export_dir)
+        self.manifest = manifest
+        self.precision = precision
+        half = manifest.get("precision", "fp16") == "fp16" and precision == "fp16"
+        self.dtype = np.dtype(np.float16 if half else np.float32)
+        self._executors: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _executor(self, file: str):
+        """The compiled executor of package `file`, loaded on first use (thread-safe)."""
+        with self._lock:
+            if file not in self._executors:
+                from ...mil import PackageError, PackageExecutor, UnsupportedOpError
+
+                path = self.export_dir / file
+                if not path.exists():
+                    raise BackendError(f"{path} is missing; the export is incomplete, re-run `llama-ane export`")
+                try:
+                    self._executors[file] = PackageExecutor(path, precision=self.precision)
+                except (UnsupportedOpError, PackageError) as exc:
+                    raise BackendError(f"the mil backend cannot run {file}: {exc}") from exc
+            return self._executors[file]
+
+    def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run manifest function `function` of `model`; returns every output the manifest names."""
+        entry = function_entry(self.manifest, model, function)
+        executor = self._executor(entry["file"])
+        feed = {}
+        for spec in entry["inputs"]:
+            if spec["name"] not in inputs:
+                raise BackendError(f"{model}/{function} needs input {spec['name']!r}; got {sorted(inputs)}")
+            dtype = np.int32 if spec["dtype"] == "int32" else self.dtype
+            feed[spec["name"]] = np.asarray(inputs[spec["name"]], dtype=dtype)
+        from ...mil import ExecutionError, UnsupportedOpError
+
+        try:
+            out = executor.run(entry.get("function_name") or "main", feed)
+        except (ExecutionError, UnsupportedOpError) as exc:
+            raise BackendError(f"mil backend, {model}/{function}: {exc}") from exc
+        missing = [s["name"] for s in entry["outputs"] if s["name"] not in out]
+        if missing:
+            raise BackendError(
+                f"{entry['file']} ({model}/{function}) has no outputs {missing} that the manifest names; "
+                "the package and manifest.json disagree: re-export"
+            )
+        return {s["name"]: out[s["name"]] for s in entry["outputs"]}
+
+    def close(self) -> None:
+        with self._lock:
+            self._executors.clear()
