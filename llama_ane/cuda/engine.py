@@ -47,7 +47,7 @@ def load_hf_model(model_dir: str | Path | None = None, gguf_file: str | None = N
         if ggufs and not (model_dir / "config.json").exists():
             gguf_file = ggufs[0].name
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **kw)
     except Exception:  # a weights-only folder (tests): token ids in, token ids out
@@ -80,13 +80,13 @@ class GPUEngine:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.float16, page_size: int = 16,
                  device: str | torch.device = "cuda") -> None:
-        if not torch.cuda.is_available():
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("the GPU engine needs a CUDA GPU (torch.cuda.is_available() is "
                                "False)")
         cfg = model.config
         if getattr(cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported architecture {cfg.model_type!r}: llama-style only")
-        self.device = torch.device(device)
         self.dtype = dtype
         self.page_size = page_size
         self.n_layers = cfg.num_hidden_layers
@@ -117,6 +117,10 @@ class GPUEngine:
             self.layers.append(layer)
         # HF's rotary module knows every rope_scaling variant; it runs in float32
         self.rotary = model.model.rotary_emb.to(self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- pieces of the network ------------------------------------------------------------------
 
@@ -208,7 +212,7 @@ class GPUEngine:
         generated: list[list[int]] = [[] for _ in range(n_branches)]
         current = [t[0] for t in tails]
         paths_used: dict[str, int] = {}
-        torch.cuda.synchronize()
+        self._sync()
         started = time.perf_counter()
         for step in range(steps):
             ids = torch.tensor(current, device=dev)
@@ -240,7 +244,7 @@ class GPUEngine:
                     if len(generated[b]) < max_new_tokens:
                         generated[b].append(nxt[b])
                     current[b] = nxt[b]
-        torch.cuda.synchronize()
+        self._sync()
         return GenerationResult(tokens=generated, path=plan.path,
                                 decode_seconds=time.perf_counter() - started, steps=steps,
                                 paths_used=paths_used)

@@ -74,7 +74,8 @@ def paged_decode_kernel(
     page_start = tl.load(indptr_ptr + b)
     page_end = tl.load(indptr_ptr + b + 1)
     last_len = tl.load(last_len_ptr + b)
-    seq_len = tl.where(page_end > page_start, (page_end - page_start - 1) * PAGE_SIZE + last_len, 0)
+    # an empty request (no pages, last_len <= page_size) comes out as length <= 0
+    seq_len = tl.maximum((page_end - page_start - 1) * PAGE_SIZE + last_len, 0)
     start = split * chunk_len
     end = tl.minimum(start + chunk_len, seq_len)
 

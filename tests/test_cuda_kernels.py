@@ -1,0 +1,235 @@
+"""Every CUDA-path kernel against its torch reference on the GPU (skipped without CUDA + triton).
+
+Inputs are fresh random normals per case, on shuffled pages with unused pages between them, so
+wrong indexing or unwritten outputs show up as mismatches. Tolerances: fp16 max abs error 2e-3 on
+``o`` and on ``lse``; bf16 (8 mantissa bits) 1e-2 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEADS = [(32, 32), (32, 8)]
+
+
+def _tol(dtype):
+    return dict(atol=2e-3, rtol=0) if dtype == torch.float16 else dict(atol=1e-2, rtol=1e-2)
+
+
+def _make_cache(lengths, page_size, hkv, d, dtype, seed):
+    """Random NHD cache with one sequence per entry of ``lengths`` on shuffled pages."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n_pages = [max(1, -(-n // page_size)) for n in lengths]
+    total = 2 * sum(n_pages) + 1
+    cache = torch.randn(total, 2, page_size, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    perm = torch.randperm(total, device="cuda", generator=gen)[: sum(n_pages)].to(torch.int32)
+    counts = torch.tensor(n_pages, device="cuda")
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = counts.cumsum(0)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, n_pages)],
+                        dtype=torch.int32, device="cuda")
+    return cache, indptr, perm.contiguous(), last, gen
+
+
+def _assert_state(o, lse, ref_o, ref_lse, dtype):
+    assert torch.isfinite(o).all() and not torch.isnan(lse).any()
+    torch.testing.assert_close(o.float(), ref_o, **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+DECODE_CASES = [  # (batch, max length, page size)
+    (1, 16, 1), (1, 32768, 16), (7, 1000, 1), (64, 2049, 16), (256, 129, 16), (3, 32768, 1),
+    (256, 2048, 16),
+]
+
+
+@pytest.mark.parametrize("batch,max_len,page_size", DECODE_CASES)
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_batch_decode(batch, max_len, page_size, hq, hkv, dtype, d):
+    from llama_ane.cuda import ops, reference as ref
+
+    gen = torch.Generator().manual_seed(batch * 7 + max_len)
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
+    lengths[0] = max_len
+    cache, indptr, indices, last, g = _make_cache(lengths, page_size, hkv, d, dtype, max_len)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
+    o, lse = ops.batch_decode(q, cache, indptr, indices, last)
+    _assert_state(o, lse, *ref.batch_decode_ref(q, cache, indptr, indices, last), dtype)
+
+
+PREFIX_CASES = [(1, 16, 16), (16, 1000, 1), (256, 32768, 16), (64, 4103, 16), (5, 32768, 1)]
+
+
+@pytest.mark.parametrize("batch,prefix_len,page_size", PREFIX_CASES)
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_shared_prefix(batch, prefix_len, page_size, hq, hkv, dtype, d):
+    from llama_ane.cuda import ops, reference as ref
+
+    cache, indptr, indices, _, g = _make_cache([prefix_len], page_size, hkv, d, dtype, prefix_len)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
+    o, lse = ops.shared_prefix_attention(q, cache, indices, prefix_len)
+    _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, indices, prefix_len), dtype)
+
+
+CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
+    (1, 16, 1, 1), (16, 1024, 128, 16), (256, 32768, 128, 16), (4, 8192, 2048, 16),
+    (33, 100, 2048, 1), (256, 1024, 2048, 16), (64, 4096, 7, 1),
+]
+
+
+@pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["cascade", "decode", "auto"])
+def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
+    from llama_ane.cuda import reference as ref
+    from llama_ane.cuda.cascade import SharedPrefixBatch
+
+    d = 128
+    gen = torch.Generator().manual_seed(batch + prefix_len + max_suffix)
+    suffix = torch.randint(1, max_suffix + 1, (batch,), generator=gen).tolist()
+    cache, indptr, indices, last, g = _make_cache([prefix_len] + suffix, page_size, hkv, d,
+                                                  dtype, prefix_len + max_suffix)
+    prefix_pages = indices[: int(indptr[1])]
+    s_indptr = (indptr[1:] - indptr[1]).contiguous()
+    s_indices = indices[int(indptr[1]):].contiguous()
+    s_last = last[1:].contiguous()
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
+    plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, s_last,
+                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
+                             path=path)
+    o, lse = plan.run(q, cache)
+    want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, s_indptr, s_indices, s_last)
+    _assert_state(o, lse, *want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+def test_merge_ops(dtype, d):
+    from llama_ane.cuda import ops, reference as ref
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    rows, n, h = 37, 5, 12
+    v = torch.randn(rows, n, h, d, device="cuda", generator=g).to(dtype)
+    s = torch.randn(rows, n, h, device="cuda", generator=g) * 5
+    s[0, :, 0] = float("-inf")  # a row whose every state is empty
+    s[1, 2, :] = float("-inf")  # one empty state among others
+    want_o, want_s = ref.merge_states_ref(v, s)
+    o, lse = ops.merge_states(v, s)
+    torch.testing.assert_close(o.float(), want_o, **_tol(dtype if dtype != torch.float32
+                                                         else torch.float16))
+    torch.testing.assert_close(lse, want_s, atol=1e-5, rtol=1e-5)
+    a_o, a_s = ref.merge_state_ref(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    o2, s2 = ops.merge_state(v[:, 0], s[:, 0].contiguous(), v[:, 1], s[:, 1].contiguous())
+    torch.testing.assert_close(o2.float(), a_o, **_tol(dtype if dtype != torch.float32
+                                                       else torch.float16))
+    torch.testing.assert_close(s2, a_s, atol=1e-5, rtol=1e-5)
+    va, sa = v[:, 0].clone(), s[:, 0].clone()
+    ops.merge_state_in_place(va, sa, v[:, 1].contiguous(), s[:, 1].contiguous())
+    torch.testing.assert_close(va, o2)
+    torch.testing.assert_close(sa, s2)
+
+
+def test_merge_matches_flashinfer_convention_through_adapter():
+    """A base-2 LSE state, converted, merges like the natural-log state it stands for."""
+    from llama_ane.cuda import ops, reference as ref
+    from llama_ane.cuda.lse import lse_base2_to_natural, lse_natural_to_base2
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 8, 64, device="cuda", generator=g)
+    k = torch.randn(100, 8, 64, device="cuda", generator=g)
+    v = torch.randn(100, 8, 64, device="cuda", generator=g)
+    oa, sa = ref.attention_state(q, k[:40], v[:40], 0.125)
+    ob, sb = ref.attention_state(q, k[40:], v[40:], 0.125)
+    o, s = ops.merge_state(oa, lse_base2_to_natural(lse_natural_to_base2(sa)), ob, sb)
+    full_o, full_s = ref.attention_state(q, k, v, 0.125)
+    torch.testing.assert_close(o, full_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, full_s, atol=1e-5, rtol=1e-5)
+
+
+def _spec_tree(n_tokens, gen):
+    """A random draft-token tree: node 0 is the prompt, every other node one token."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n_tokens + 1)]
+
+
+@pytest.mark.parametrize("t,prompt,page_size", [(32, 4096, 1), (64, 4096, 16), (128, 1000, 16),
+                                                (7, 16, 1)])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_attention_spec_tree(t, prompt, page_size, hq, hkv, dtype):
+    from llama_ane.cuda import ops, reference as ref
+    from llama_ane.cuda.tree import build_tree_plan
+
+    d = 128
+    gen = torch.Generator().manual_seed(t + prompt)
+    parents = _spec_tree(t, gen)
+    total = prompt + t
+    n_pages = -(-total // page_size) * 2
+    cache = torch.randn(n_pages, 2, page_size, hkv, d, device="cuda", dtype=dtype)
+    slots = torch.randperm(n_pages * page_size, generator=gen)[:total].tolist()
+    node_slots = [slots[:prompt]] + [[s] for s in slots[prompt:]]
+    query_nodes = list(range(1, t + 1))
+    plan = build_tree_plan(parents, node_slots, query_nodes, group=hq // hkv, num_kv_heads=hkv,
+                           device="cuda")
+    q = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+    o, lse = ops.tree_attention(q, cache, plan)
+    _assert_state(o, lse, *ref.tree_ref(q, cache, parents, node_slots, query_nodes), dtype)
+
+
+@pytest.mark.parametrize("width", [20, 50])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_attention_few_shot(width, dtype):
+    from llama_ane.cuda import ops, reference as ref
+    from llama_ane.cuda.tree import build_tree_plan
+
+    hq, hkv, d, page_size = 32, 8, 128, 16
+    parents, sizes = [-1], [4096]
+    for gi in range(5):
+        parents.append(0)
+        sizes.append(1024)
+        group_node = len(parents) - 1
+        for _ in range(width // 5):
+            parents.append(group_node)
+            sizes.append(128 + gi)
+    gen = torch.Generator().manual_seed(width)
+    n_pages = -(-sum(sizes) // page_size) * 2
+    slots = torch.randperm(n_pages * page_size, generator=gen)[: sum(sizes)].tolist()
+    node_slots, at = [], 0
+    for s in sizes:
+        node_slots.append(slots[at:at + s])
+        at += s
+    query_nodes = [n for n in range(len(parents)) if n > 0 and parents[n] > 0]
+    cache = torch.randn(n_pages, 2, page_size, hkv, d, device="cuda", dtype=dtype)
+    q = torch.randn(len(query_nodes), hq, d, device="cuda", dtype=dtype)
+    plan = build_tree_plan(parents, node_slots, query_nodes, group=hq // hkv, num_kv_heads=hkv,
+                           device="cuda")
+    o, lse = ops.tree_attention(q, cache, plan)
+    _assert_state(o, lse, *ref.tree_ref(q, cache, parents, node_slots, query_nodes), dtype)
+
+
+def test_wrappers_reject_bad_inputs():
+    from llama_ane.cuda import ops
+
+    q = torch.randn(2, 8, 128, device="cuda", dtype=torch.float16)
+    cache = torch.randn(4, 2, 16, 4, 128, device="cuda", dtype=torch.float16)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    last = torch.tensor([3, 4], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="dtype"):
+        ops.batch_decode(q, cache.float(), indptr, idx, last)
+    with pytest.raises(ValueError, match="int32"):
+        ops.batch_decode(q, cache, indptr.long(), idx, last)
+    with pytest.raises(ValueError, match="multiple"):
+        ops.batch_decode(torch.randn(2, 6, 128, device="cuda", dtype=torch.float16), cache,
+                         indptr, idx, last)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.batch_decode(q[..., :96].contiguous(), cache[..., :96].contiguous(), indptr, idx,
+                         last)
