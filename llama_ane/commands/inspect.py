@@ -1,0 +1,31 @@
+"""`llama-ane inspect PATH [--json] [--strict]`: static report of exported programs and ANE rule
+violations. PATH is an export folder or a single .mlpackage."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--strict", is_flag=True, help="Exit with status 1 if there is any ANE rule violation.")
+@click.option("--target", default=None,
+              help="Deployment target for the file-size rule (e.g. iOS18, macOS15); default: the manifest's, "
+                   "or iOS18 for a single package.")
+def command(path: str, as_json: bool, strict: bool, target: str | None) -> None:
+    """Report I/O, op histogram, weight bytes and largest dimension per package and function, then
+    every ANE rule violation."""
+    from ..export.inspect import InspectError, inspect_path
+    from ..mil.package import PackageError
+
+    try:
+        report = inspect_path(path, target=target)
+    except (InspectError, PackageError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report.to_json() if as_json else report.format_text())
+    if strict and report.violations:
+        click.echo(f"{len(report.violations)} ANE rule violation(s) (--strict)", err=True)
+        sys.exit(1)

@@ -1,0 +1,182 @@
+"""The ANE rules an export must follow, checked on a static summary of each program.
+
+Each rule returns `Violation`s naming the package, function, tensor or op, and what to change.
+The rules (see docs/ARCHITECTURE "ANE rules"):
+
+- no dimension above 16384 in any tensor the ANE would process (an embedding table read only
+  by a gather is exempt: the lookup itself is not an ANE op, only its output is);
+- no fp32 inputs or outputs (fp16 I/O; int32 ids and positions are fine);
+- no ops that make the ANE fall back: gather (or scatter) inside a block chunk, cond/while_loop,
+  slicing with runtime offsets, band_part;
+- cache and state tensors: every dimension after the first (the layer axis) that is not 1 is a
+  multiple of 32;
+- package size at most 1 GB for iOS targets, 2 GB for macOS targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MAX_DIM = 16384
+CACHE_MULTIPLE = 32
+MAX_FILE_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
+
+FALLBACK_ANYWHERE = {"cond": "control flow", "while_loop": "control flow", "band_part": "in-graph band_part"}
+FALLBACK_IN_CHUNKS = {"gather", "gather_along_axis", "gather_nd", "scatter", "scatter_along_axis", "scatter_nd"}
+DYNAMIC_SLICE_PARAMS = {
+    "slice_by_index": ("begin", "end", "stride"),
+    "slice_by_size": ("begin", "size"),
+    "slice_update": ("begin", "end", "stride"),
+}
+FLOAT32_DTYPES = {"float32", "float64"}
+
+
+@dataclass
+class TensorInfo:
+    """A tensor of a function: I/O, op output or const; `consumers` are the op types reading it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "input" | "output" | "op" | "const"
+    consumers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class OpInfo:
+    """One op: its type, name and, per parameter, whether each argument is a compile-time const."""
+
+    op_type: str
+    name: str
+    const_params: dict[str, bool]
+
+
+@dataclass
+class FunctionSummary:
+    """What the rules need to know about one function of one package."""
+
+    package: str
+    function: str
+    role: str  # "embeddings" | "chunk" | "lm_head" | "cache_update" | "unknown"
+    inputs: list  # TensorDesc
+    outputs: list  # TensorDesc
+    tensors: list[TensorInfo]
+    ops: list[OpInfo]
+
+
+@dataclass
+class Violation:
+    """One broken rule. `rule` is a stable id: max-dim, fp32-io, fallback-op, cache-multiple, file-size."""
+
+    rule: str
+    package: str
+    function: str | None
+    message: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        where = self.package if self.function is None else f"{self.package}:{self.function}"
+        return f"[{self.rule}] {where}: {self.message}"
+
+
+def check_max_dim(fn: FunctionSummary) -> list[Violation]:
+    out = []
+    for t in fn.tensors:
+        if not t.shape or max(t.shape) <= MAX_DIM:
+            continue
+        if t.kind == "const" and t.consumers and t.consumers <= FALLBACK_IN_CHUNKS:
+            continue  # a lookup table read only by gather: only the gathered rows reach the ANE
+        out.append(Violation(
+            "max-dim", fn.package, fn.function,
+            f"{t.kind} tensor {t.name!r} has shape {list(t.shape)}: a dimension above {MAX_DIM} makes the "
+            "ANE reject the op; split it (e.g. the LM head over the vocabulary)",
+        ))
+    return out
+
+
+def check_fp32_io(fn: FunctionSummary) -> list[Violation]:
+    out = []
+    for kind, descs in (("input", fn.inputs), ("output", fn.outputs)):
+        for d in descs:
+            if d.dtype in FLOAT32_DTYPES:
+                out.append(Violation(
+                    "fp32-io", fn.package, fn.function,
+                    f"{kind} {d.name!r} is {d.dtype}: ANE programs take and give fp16; export with "
+                    "fp16 I/O (no fp32 casts at the boundary)",
+                ))
+    return out
+
+
+def check_fallback_ops(fn: FunctionSummary) -> list[Violation]:
+    out = []
+    for op in fn.ops:
+        if op.op_type in FALLBACK_ANYWHERE:
+            out.append(Violation(
+                "fallback-op", fn.package, fn.function,
+                f"op {op.op_type!r} ({op.name}): {FALLBACK_ANYWHERE[op.op_type]} is not run by the ANE; "
+                "use static masks/shapes instead",
+            ))
+        elif op.op_type in FALLBACK_IN_CHUNKS and fn.role == "chunk":
+            out.append(Violation(
+                "fallback-op", fn.package, fn.function,
+                f"op {op.op_type!r} ({op.name}) inside a block chunk makes the ANE fall back; do lookups "
+                "in the embeddings model and write caches with masks or one-hot matmuls",
+            ))
+        elif op.op_type in DYNAMIC_SLICE_PARAMS:
+            dynamic = [p for p in DYNAMIC_SLICE_PARAMS[op.op_type] if op.const_params.get(p) is False]
+            if dynamic:
+                out.append(Violation(
+                    "fallback-op", fn.package, fn.function,
+                    f"op {op.op_type!r} ({op.name}) slices at runtime offsets ({', '.join(dynamic)}): dynamic "
+                    "slicing makes the ANE fall back; use static slices or one-hot matmuls",
+                ))
+    return out
+
+
+def _is_cache(desc) -> bool:
+    return getattr(desc, "is_state", False) or "cache" in desc.name.lower()
+
+
+def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
+    out = []
+    seen = set()
+    for kind, descs in (("input", fn.inputs), ("output", fn.outputs)):
+        for d in descs:
+            if not _is_cache(d) or d.name in seen:
+                continue
+            seen.add(d.name)
+            bad = [(axis, n) for axis, n in enumerate(d.shape) if axis > 0 and n != 1 and n % CACHE_MULTIPLE]
+            if bad:
+                dims = ", ".join(f"axis {axis} = {n}" for axis, n in bad)
+                out.append(Violation(
+                    "cache-multiple", fn.package, fn.function,
+                    f"{'state' if d.is_state else kind} {d.name!r} {list(d.shape)}: {dims} not a multiple of "
+                    f"{CACHE_MULTIPLE}; pick a context length (and kv channels) that are",
+                ))
+    return out
+
+
+FUNCTION_RULES = (check_max_dim, check_fp32_io, check_fallback_ops, check_cache_multiple)
+
+
+def check_function(fn: FunctionSummary) -> list[Violation]:
+    """Every per-function rule on `fn`."""
+    return [v for rule in FUNCTION_RULES for v in rule(fn)]
+
+
+def platform_of(target: str) -> str:
+    """"iOS" or "macOS" for a deployment target such as "iOS18" or "macOS15"."""
+    return "macOS" if target.lower().startswith("macos") else "iOS"
+
+
+def check_file_size(package: str, size_bytes: int, target: str) -> list[Violation]:
+    limit = MAX_FILE_BYTES[platform_of(target)]
+    if size_bytes <= limit:
+        return []
+    return [Violation(
+        "file-size", package, None,
+        f"{size_bytes / 1e9:.2f} GB is over the {limit / 1e9:.0f} GB a {platform_of(target)} device loads "
+        "comfortably; use fewer layers per chunk (or compress the weights)",
+    )]
