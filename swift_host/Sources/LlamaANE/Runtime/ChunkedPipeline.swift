@@ -1,0 +1,53 @@
+/// The exported models seen as steps, so that the order of calls lives in one place and can be
+/// tested without Core ML. `Activations` is whatever flows between the steps (hidden states, RoPE
+/// tables and mask); the backend keeps the caches and each chunk's new K/V itself.
+public protocol PipelineBackend: AnyObject, Sendable {
+    associatedtype Activations
+    /// Block chunks in execution order.
+    var chunkCount: Int { get }
+    /// embeddings(phase): token ids and position -> hidden states, cos, sin, mask.
+    func embed(_ window: TokenWindow) async throws -> Activations
+    /// chunk_i(phase): reads chunk i's cache, returns the next activations and keeps k_new, v_new.
+    func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations
+    /// cache_update(chunk i's function for phase): writes the kept k_new, v_new at `position`.
+    func updateCache(_ index: Int, phase: Phase, position: Int) async throws
+    /// lm_head(phase): the logits (all vocabulary splits, concatenated) of window column `column`.
+    func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float]
+    /// Empties every cache.
+    func resetCaches() async throws
+}
+
+/// Runs a window through embeddings, every chunk and the LM head, the way docs/manifest.md
+/// describes: each chunk's cache update starts in the background as soon as the chunk has
+/// produced its new K/V, and must finish before that chunk runs again.
+public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @unchecked Sendable {
+    public let backend: Backend
+    public let contextLength: Int
+    public let prefillLength: Int
+    private let updates = CacheUpdateQueue()
+
+    public init(backend: Backend, contextLength: Int, prefillLength: Int) {
+        self.backend = backend
+        self.contextLength = contextLength
+        self.prefillLength = prefillLength
+    }
+
+    public func predict(_ window: TokenWindow) async throws -> [Float] {
+        var x = try await backend.embed(window)
+        for i in 0..<backend.chunkCount {
+            try await updates.wait(i)
+            x = try await backend.runChunk(i, x, phase: window.phase)
+            let backend = self.backend
+            await updates.submit(i) { try await backend.updateCache(i, phase: window.phase, position: window.position) }
+        }
+        return try await backend.logits(x, phase: window.phase, column: window.count - 1)
+    }
+
+    /// Waits for the cache updates still running (e.g. before reading or saving the caches).
+    public func finishUpdates() async throws { try await updates.waitAll() }
+
+    public func reset() async throws {
+        try await updates.waitAll()
+        try await backend.resetCaches()
+    }
+}

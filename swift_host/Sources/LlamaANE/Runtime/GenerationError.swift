@@ -1,0 +1,25 @@
+/// Why generation stopped with an error.
+public enum GenerationError: Error, CustomStringConvertible, Equatable {
+    /// The KV cache cannot take `requested` more tokens at `position` (it holds `capacity`).
+    case contextFull(position: Int, requested: Int, capacity: Int)
+    /// The prompt has no tokens.
+    case emptyPrompt
+    /// A model returned logits of the wrong size.
+    case badLogits(expected: Int, got: Int)
+    /// Branch decoding was asked of an export without "decode_branches" functions.
+    case noBranchWidth
+
+    public var description: String {
+        switch self {
+        case let .contextFull(position, requested, capacity):
+            return "the context is full: \(position) of \(capacity) cache positions are used and \(requested) more were needed. "
+                + "Shorten the prompt or max new tokens, or export with a larger --context-length."
+        case .emptyPrompt:
+            return "the prompt encodes to no tokens; pass some text (or a BOS token) to start from."
+        case let .badLogits(expected, got):
+            return "the model returned \(got) logits where the manifest promises \(expected); the export and its manifest disagree: re-export."
+        case .noBranchWidth:
+            return "this export has no decode_branches functions (branch_width is 0); export with branch decoding enabled."
+        }
+    }
+}

@@ -1,0 +1,54 @@
+/// Which set of exported functions runs a window: "prefill" (S = prefill_length) or "decode" (S = 1).
+public enum Phase: String, Sendable, CaseIterable {
+    case prefill
+    case decode
+}
+
+/// One model call: `tokens` padded with 0 to the phase's length, of which the first `count` are real,
+/// written to the cache at `position ..< position + count`.
+public struct TokenWindow: Equatable, Sendable {
+    public var phase: Phase
+    public var tokens: [Int32]
+    public var count: Int
+    public var position: Int
+
+    public init(phase: Phase, tokens: [Int32], count: Int, position: Int) {
+        self.phase = phase
+        self.tokens = tokens
+        self.count = count
+        self.position = position
+    }
+}
+
+/// Something that turns token windows into next-token logits while keeping its own KV cache:
+/// the Core ML pipeline on Apple platforms, or a closure in tests.
+public protocol TokenPredictor: AnyObject {
+    /// Tokens the cache holds.
+    var contextLength: Int { get }
+    /// Length of a prefill window.
+    var prefillLength: Int { get }
+    /// Runs `window` and returns the logits (vocabulary size) of its last real token.
+    func predict(_ window: TokenWindow) async throws -> [Float]
+    /// Forgets the cached tokens (the next window starts at position 0).
+    func reset() async throws
+}
+
+/// A `TokenPredictor` whose model is a closure: a stand-in for the exported model in tests and
+/// previews.
+public final class ClosurePredictor: TokenPredictor, @unchecked Sendable {
+    public let contextLength: Int
+    public let prefillLength: Int
+    private let body: (TokenWindow) async throws -> [Float]
+    private let onReset: () -> Void
+
+    public init(contextLength: Int, prefillLength: Int, onReset: @escaping () -> Void = {},
+                _ body: @escaping (TokenWindow) async throws -> [Float]) {
+        self.contextLength = contextLength
+        self.prefillLength = prefillLength
+        self.body = body
+        self.onReset = onReset
+    }
+
+    public func predict(_ window: TokenWindow) async throws -> [Float] { try await body(window) }
+    public func reset() async throws { onReset() }
+}

@@ -1,0 +1,61 @@
+@testable import LlamaANE
+
+/// A deterministic stand-in for a language model: the logits are a pseudo-random function of the
+/// whole token history, so any mistake in positions, padding or cache handling changes them.
+enum FakeModel {
+    static func logits(_ history: [Int], vocab: Int, eos: Int? = nil) -> [Float] {
+        var h: UInt64 = 0xcbf2_9ce4_8422_2325
+        for t in history { h = (h ^ UInt64(truncatingIfNeeded: t)) &* 0x100_0000_01b3 }
+        var rng = SeededRandom(seed: h)
+        var out = (0..<vocab).map { _ in Float(rng.nextUnit()) * 4 }
+        // Now and then make the end-of-sequence token the clear favourite.
+        if let eos, h % 5 == 0 { out[eos] = 10 }
+        return out
+    }
+
+    /// A predictor that keeps a fake cache and checks that windows arrive where they should.
+    final class CachePredictor: TokenPredictor, @unchecked Sendable {
+        let contextLength: Int
+        let prefillLength: Int
+        let vocab: Int
+        let eos: Int?
+        var cache: [Int] = []
+        var windows: [TokenWindow] = []
+        var failures: [String] = []
+
+        init(contextLength: Int, prefillLength: Int, vocab: Int, eos: Int? = nil) {
+            self.contextLength = contextLength
+            self.prefillLength = prefillLength
+            self.vocab = vocab
+            self.eos = eos
+        }
+
+        func predict(_ window: TokenWindow) async throws -> [Float] {
+            windows.append(window)
+            let length = window.phase == .prefill ? prefillLength : 1
+            if window.tokens.count != length { failures.append("window of \(window.tokens.count) tokens, expected \(length)") }
+            if window.position != cache.count { failures.append("window at \(window.position), cache holds \(cache.count)") }
+            if window.tokens[window.count...].contains(where: { $0 != 0 }) { failures.append("padding is not 0") }
+            if window.position + window.count > contextLength { failures.append("window past the context") }
+            cache += window.tokens[..<window.count].map(Int.init)
+            return FakeModel.logits(cache, vocab: vocab, eos: eos)
+        }
+
+        func reset() async throws { cache = [] }
+    }
+
+    /// What `Generator` must produce: the same model recomputed on the full history each step.
+    static func reference(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters, vocab: Int,
+                          eos: Int?) -> [Int] {
+        var sampler = Sampler(sampling)
+        var history = prompt
+        var out: [Int] = []
+        while out.count < maxNewTokens {
+            let t = sampler.sample(logits(history, vocab: vocab, eos: eos))
+            out.append(t)
+            history.append(t)
+            if t == eos { break }
+        }
+        return out
+    }
+}
