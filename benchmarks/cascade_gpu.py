@@ -232,6 +232,32 @@ def check_flashinfer_merge(fi, log):
     return res
 
 
+def warm_flashinfer(fi, log):
+    """Build FlashInfer's JIT modules (minutes on first use) on a tiny problem of each kind."""
+    import torch
+
+    ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    for hq, hkv in HEADS:
+        t0 = time.time()
+        t = make_batch(64, 2, 32, hkv, torch.float16)
+        q = torch.randn(2, hq, D, device="cuda", dtype=torch.float16)
+        casc = fi.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
+        casc.plan([torch.tensor([0, 2], dtype=torch.int32, device="cuda"),
+                   torch.arange(3, dtype=torch.int32, device="cuda")],
+                  [torch.tensor([0, 4], dtype=torch.int32, device="cuda"), t["suffix_indptr"]],
+                  [t["prefix_indices"], t["suffix_indices"]],
+                  [torch.tensor([PAGE], dtype=torch.int32, device="cuda"), t["suffix_last"]],
+                  hq, hkv, D, PAGE, q_data_type=torch.float16)
+        casc.run(q, t["cache"])
+        for tc in ((False, True) if hq != hkv else (False,)):
+            dec = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+            dec.plan(t["full_indptr"], t["full_indices"], t["suffix_last"], hq, hkv, D, PAGE,
+                     q_data_type=torch.float16)
+            dec.run(q, t["cache"])
+        torch.cuda.synchronize()
+        log(f"FlashInfer modules for heads {hq}/{hkv} ready in {time.time() - t0:.0f} s")
+
+
 def plot(path: Path) -> Path:
     import matplotlib
 
@@ -273,6 +299,8 @@ def main() -> int:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="only JIT-compile FlashInfer's modules for the grid's shapes, then exit")
     args = ap.parse_args()
     if args.plot:
         print(plot(args.plot))
@@ -292,6 +320,9 @@ def main() -> int:
     def log(msg):
         print(msg, flush=True)
 
+    if args.warm_only:
+        warm_flashinfer(fi, log)
+        return 0
     timer = Timer(args.reps)
     started = time.time()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
