@@ -81,8 +81,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
             tok_files = copy_tokenizer(ckpt, tmp)
             manifest = describe(ckpt, opts, tokenizer_info(tmp, ckpt.config, tok_files), files)
             write_manifest(tmp, manifest)
-            step("validate")
             validate_export(tmp)
+            step("validated")
         finally:
             close()
         if out.exists():

@@ -98,24 +98,24 @@ def convert_all(jobs: list[Job], out: Path, *, context_length: int, target: str,
     with quiet_coremltools(), tempfile.TemporaryDirectory(prefix="llama-ane-convert-", dir=out) as tmp:
         singles: dict[str, list[tuple[str, Path]]] = {}
         for job in jobs:
-            if progress:
-                progress(f"{job.model}/{job.function}")
             name = package_name(job.model, job.function, False)
             path = (Path(tmp) if multifunction else out) / name
             convert_job(job, context_length, target, precision, path)
+            if progress:
+                progress(f"converted {job.model}/{job.function}")
             singles.setdefault(job.model, []).append((job.function, path))
             if not multifunction:
                 files[(job.model, job.function)] = (name, "main")
         if multifunction:
             for model, functions in singles.items():
-                if progress:
-                    progress(f"{model}: merge {len(functions)} functions")
                 name = package_name(model, None, True)
                 desc = ct.utils.MultiFunctionDescriptor()
                 for fn, path in functions:
                     desc.add_function(str(path), src_function_name="main", target_function_name=fn)
                 desc.default_function_name = functions[-1][0]
                 ct.utils.save_multifunction(desc, str(out / name))
+                if progress:
+                    progress(f"merged {model} ({len(functions)} functions)")
                 for fn, _ in functions:
                     files[(model, fn)] = (name, fn)
     return files

@@ -156,6 +156,9 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     for needed in ("gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
             raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
     except Exception as e:

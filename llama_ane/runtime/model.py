@@ -64,7 +64,9 @@ def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> 
         backend = "coreml" if coreml_can_predict() and path is not None else "torch"
     if backend == "torch":
         from .backends.torch_backend import TorchBackend
-        options.setdefault("precision", manifest.get("precision", "fp32"))
+        # fp16 matmuls on a CPU are emulated and slow: compute in fp32 there unless asked otherwise
+        on_cpu = str(options.get("device", "cpu")).startswith("cpu")
+        options.setdefault("precision", "fp32" if on_cpu else manifest.get("precision", "fp32"))
         return TorchBackend(path, manifest, **options)
     if path is None:
         raise ValueError(f"the {backend} backend runs exported packages: pass an export folder")

@@ -1,0 +1,36 @@
+"""`llama-ane verify OUT [--backend mil|coreml] [--text FILE]`: the parity gate of an export.
+
+Scores a fixed real text through the exported packages with the chosen backend and compares with
+the torch backend and transformers; exits 1 below the thresholds."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command("verify")
+@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.option("--backend", type=click.Choice(["mil", "coreml"]), default="mil", show_default=True,
+              help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS).")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="Text file to score instead of the shipped prose.")
+@click.option("--max-tokens", default=128, show_default=True, help="Tokens of the text to score (capped at the context length).")
+@click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
+              help="mil backend only: compute in fp16 (as the ANE; default for fp16 exports) or fp32.")
+@click.option("--no-transformers", is_flag=True, help="Skip the comparison with transformers.")
+def command(out: str, backend: str, text_file: str | None, max_tokens: int, precision: str | None,
+            no_transformers: bool) -> None:
+    """Check that the exported packages reproduce their source model's logits."""
+    from ..export.verify import verify_export
+
+    text = None
+    if text_file is not None:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    report = verify_export(out, backend=backend, text=text, max_tokens=max_tokens, precision=precision,
+                           with_transformers=not no_transformers)
+    click.echo(str(report))
+    if not report.passed:
+        sys.exit(1)

@@ -1,0 +1,211 @@
+"""Parity gate for an export: run a fixed real text through the exported packages and compare.
+
+`verify_export(OUT, backend="mil")` tokenizes a few paragraphs of English prose (shipped as
+`verify_text.txt`) with the export's own tokenizer, takes the first `max_tokens` tokens (at most
+the context length), and scores them teacher-forced through
+
+  * the chosen backend ("mil": the saved .mlpackage programs executed with numpy; "coreml":
+    Core ML on macOS),
+  * the torch backend (the very modules that were converted, in the export's precision),
+  * transformers' LlamaForCausalLM (the reference implementation) on the same checkpoint
+    weights, in float32.
+
+For each reference it reports the max |logit difference|, the mean cosine similarity of the
+per-position logit vectors ([T, vocab]) and the top-1 agreement, and fails below the thresholds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Minimum top-1 agreement and mean cosine for one comparison to pass."""
+
+    top1: float
+    cosine: float
+
+
+# Same modules, same precision: the only differences are Core ML's op lowering and fp16 rounding.
+TORCH_THRESHOLDS = Thresholds(top1=0.99, cosine=0.999)
+# fp16 export against the float32 reference implementation: looser by the cost of half precision.
+TRANSFORMERS_THRESHOLDS = Thresholds(top1=0.9, cosine=0.99)
+
+
+@dataclass
+class Comparison:
+    """One backend-vs-reference comparison over T positions of logits [T, vocab]."""
+
+    reference: str
+    max_abs_diff: float
+    mean_cosine: float
+    top1_agreement: float
+    thresholds: Thresholds
+
+    @property
+    def failures(self) -> list[str]:
+        out = []
+        if not self.top1_agreement >= self.thresholds.top1:
+            out.append(f"top-1 agreement {self.top1_agreement:.3f} < {self.thresholds.top1}")
+        if not self.mean_cosine >= self.thresholds.cosine:
+            out.append(f"mean cosine {self.mean_cosine:.5f} < {self.thresholds.cosine}")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of `verify_export`; `str(report)` is what `llama-ane verify` prints."""
+
+    export_dir: str
+    backend: str
+    precision: str
+    n_tokens: int = 0
+    comparisons: list[Comparison] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and bool(self.comparisons) and all(c.passed for c in self.comparisons)
+
+    def __str__(self) -> str:
+        lines = [f"verify {self.export_dir}: backend {self.backend} ({self.precision}), {self.n_tokens} tokens"]
+        if self.comparisons:
+            lines.append(f"  {'reference':<14} {'max |diff|':>10} {'mean cos':>9} {'top-1':>6}  result")
+        for c in self.comparisons:
+            result = "ok" if c.passed else "FAIL: " + "; ".join(c.failures)
+            lines.append(f"  {c.reference:<14} {c.max_abs_diff:>10.4f} {c.mean_cosine:>9.5f} "
+                         f"{c.top1_agreement:>6.3f}  {result}")
+        lines.extend(f"  {s}" for s in self.skipped)
+        if self.error:
+            lines.append(f"  FAILED: {self.error}")
+        elif not self.passed:
+            lines.append(
+                f"  FAILED: the {self.backend} backend does not reproduce the reference logits. The exported "
+                "packages differ from the model they were converted from: re-export with --force; if it "
+                "persists, run `llama-ane inspect` on the folder and compare --backend mil with fp32 "
+                "(`verify_export(..., precision='fp32')`) to tell conversion errors from fp16 rounding."
+            )
+        else:
+            lines.append("  passed")
+        return "\n".join(lines)
+
+
+def default_text() -> str:
+    """The fixed verification text shipped with the package (a few paragraphs of plain prose)."""
+    return resources.files("llama_ane.export").joinpath("verify_text.txt").read_text(encoding="utf-8")
+
+
+def compare_logits(got: np.ndarray, want: np.ndarray, reference: str, thresholds: Thresholds) -> Comparison:
+    """Compare logits `got` and `want`, both [T, vocab]."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise ValueError(f"logits of shape {got.shape} cannot be compared with {want.shape} ({reference})")
+    norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
+    cosine = np.sum(got * want, axis=-1) / np.maximum(norms, 1e-30)
+    return Comparison(
+        reference=reference,
+        max_abs_diff=float(np.max(np.abs(got - want))) if got.size else 0.0,
+        mean_cosine=float(np.mean(cosine)) if got.size else float("nan"),
+        top1_agreement=float(np.mean(got.argmax(-1) == want.argmax(-1))) if got.size else float("nan"),
+        thresholds=thresholds,
+    )
+
+
+def transformers_logits(manifest: dict, token_ids: list[int]) -> np.ndarray:
+    """float32 logits [T, vocab] of transformers' LlamaForCausalLM on the export's source weights."""
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from .weights import load_checkpoint, source_path
+
+    source = manifest["source"]
+    ckpt = load_checkpoint(source_path(source) if source.get("kind") != "default" else None)
+    config = {k: v for k, v in manifest["config"].items() if v is not None or k == "rope_scaling"}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(HFLlamaConfig(**config))
+    state = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        state[name] = ckpt.tensor(name).to(torch.float32).reshape(param.shape)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.get("tie_word_embeddings"):
+        model.tie_weights()
+    model = model.eval().to(torch.float32)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # buffers off the meta device
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]
+    return logits.float().numpy()
+
+
+def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = None, *,
+                  max_tokens: int = DEFAULT_MAX_TOKENS, precision: str | None = None,
+                  with_transformers: bool = True,
+                  torch_thresholds: Thresholds = TORCH_THRESHOLDS,
+                  transformers_thresholds: Thresholds = TRANSFORMERS_THRESHOLDS) -> VerifyReport:
+    """Score `text` (default: the shipped prose) with `backend` and compare with torch and transformers.
+
+    Parameters
+    ----------
+    out_dir : the export folder.
+    backend : "mil" or "coreml".
+    text : the text to score; its first `max_tokens` tokens (at most the context length) are used.
+    precision : for the mil backend, "fp16" (default for fp16 exports, as the ANE computes) or "fp32".
+
+    Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
+    """
+    from ..runtime.model import load
+
+    out_dir = Path(out_dir)
+    report = VerifyReport(str(out_dir), backend, precision or "export precision")
+    if backend not in ("mil", "coreml"):
+        report.error = f"--backend must be mil or coreml, not {backend!r}"
+        return report
+    try:
+        options = {}
+        if backend == "mil":
+            from .manifest import read_manifest
+
+            manifest_precision = read_manifest(out_dir)["precision"]
+            options["precision"] = precision or manifest_precision
+            report.precision = options["precision"]
+        model = load(out_dir, backend=backend, **options)
+        report.precision = getattr(model.backend, "precision", report.precision)
+        ids = model.encode(text if text is not None else default_text())
+        limit = min(max_tokens, int(model.manifest["context_length"]))
+        ids = [int(t) for t in ids[:limit]]
+        if len(ids) < 2:
+            report.error = f"the text has {len(ids)} token(s); give a longer --text"
+            return report
+        report.n_tokens = len(ids)
+        got = model.score(ids)
+        model.backend.close()
+        reference = load(out_dir, backend="torch")
+        report.comparisons.append(compare_logits(got, reference.score(ids), "torch", torch_thresholds))
+        reference.backend.close()
+    except Exception as exc:  # a broken export must give a report, not a traceback
+        report.error = f"{type(exc).__name__}: {exc}"
+        return report
+    if with_transformers:
+        try:
+            hf = transformers_logits(model.manifest, ids)
+        except Exception as exc:
+            report.skipped.append(f"transformers: skipped, the source checkpoint could not be loaded "
+                                  f"({type(exc).__name__}: {exc})")
+        else:
+            report.comparisons.append(compare_logits(got, hf, "transformers", transformers_thresholds))
+    return report
