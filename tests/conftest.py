@@ -26,3 +26,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_macos)
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip_cuda)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(**config_overrides) -> folder of a tiny random HF Llama checkpoint."""
+    from llama_ane.testing import make_tiny_checkpoint
+
+    made = {}
+
+    def make(**overrides):
+        key = repr(sorted(overrides.items()))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **overrides)
+        return made[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_checkpoint, tmp_path_factory):
+    """One fp16 export of a 5-layer GQA tiny model (2 layers per chunk, context 256), shared by the session."""
+    from llama_ane.export.api import export_model
+
+    ckpt = tiny_checkpoint(num_hidden_layers=5)
+    return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny", context_length=256, prefill_length=64,
+                        layers_per_chunk=2, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(tmp_path_factory):
+    """The default model (SmolLM2-135M-Instruct) exported once per session with default options."""
+    from llama_ane.export.api import export_model
+
+    return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False)
