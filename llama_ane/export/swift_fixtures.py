@@ -355,6 +355,29 @@ LLAMA2_CHAT_TEMPLATE = (
 )
 
 
+# Multi-line layout: exercises trim_blocks / lstrip_blocks, `-` whitespace control, namespace(),
+# a filtered for-loop, `~` and a conditional expression.
+MULTILINE_TEMPLATE = """{%- set ns = namespace(system='') -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'system' -%}
+        {%- set ns.system = message['content'] -%}
+    {%- endif -%}
+{%- endfor -%}
+{{ bos_token }}
+{% for message in messages if message['role'] != 'system' %}
+  {% if message['role'] == 'user' %}
+<|user|>
+{{ ns.system ~ ' ' if ns.system and loop.first else '' }}{{ message['content'] | trim }}
+  {% else %}
+<|assistant|>
+{{ message['content'] }}{{ eos_token }}
+  {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+
+
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
                  bos: str, eos: str) -> str:
     """Render like transformers' `apply_chat_template` (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
@@ -375,6 +398,7 @@ def write_chat_template_cases(path: Path, smol_template: str) -> None:
     templates = {
         "smollm2": (smol_template, "<|im_start|>", "<|im_end|>"),
         "llama2_chat": (LLAMA2_CHAT_TEMPLATE, "<s>", "</s>"),
+        "multiline_blocks": (MULTILINE_TEMPLATE, "<s>", "</s>"),
     }
     out = []
     for name, (template, bos, eos) in templates.items():

@@ -1,0 +1,53 @@
+import Foundation
+
+/// One message of a conversation.
+public struct ChatMessage: Equatable, Sendable {
+    public var role: String
+    public var content: String
+
+    public init(role: String, content: String) {
+        self.role = role
+        self.content = content
+    }
+}
+
+/// A Hugging Face chat template (Jinja), rendered the way transformers' `apply_chat_template` does
+/// for the subset of Jinja that chat templates use. Unsupported syntax fails with a message that
+/// names it, when the template is parsed.
+public struct ChatTemplate {
+    public let source: String
+    private let nodes: [JinjaNode]
+
+    public init(_ source: String) throws {
+        self.source = source
+        nodes = try JinjaParser.parse(source)
+    }
+
+    /// The prompt text for `messages`. `addGenerationPrompt` appends the assistant's turn header.
+    /// `extra` adds variables (e.g. `["tools": ...]`); `bosToken`/`eosToken` fill `bos_token`/`eos_token`.
+    public func render(messages: [ChatMessage], addGenerationPrompt: Bool, bosToken: String? = nil,
+                       eosToken: String? = nil, extra: [String: Any] = [:]) throws -> String {
+        var context: [String: JinjaValue] = [
+            "messages": .array(messages.map { .object([("role", .string($0.role)), ("content", .string($0.content))]) }),
+            "add_generation_prompt": .bool(addGenerationPrompt),
+            "bos_token": .string(bosToken ?? ""),
+            "eos_token": .string(eosToken ?? ""),
+        ]
+        for (k, v) in extra { context[k] = JinjaValue.from(v) }
+        var interpreter = JinjaInterpreter(context: context)
+        return try interpreter.render(nodes)
+    }
+}
+
+extension Tokenizer {
+    /// Renders the tokenizer's chat template for `messages` and encodes it (without adding special
+    /// tokens again: the template writes them).
+    public func applyChatTemplate(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> [Int] {
+        guard let source = chatTemplate else {
+            throw TokenizerError.chatTemplate("this tokenizer has no chat template; pass a plain prompt instead")
+        }
+        let text = try ChatTemplate(source).render(messages: messages, addGenerationPrompt: addGenerationPrompt,
+                                                   bosToken: bosToken, eosToken: eosToken)
+        return encode(text, addSpecialTokens: false)
+    }
+}

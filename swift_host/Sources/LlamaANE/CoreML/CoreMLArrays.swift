@@ -1,0 +1,73 @@
+#if canImport(CoreML)
+import CoreML
+import CoreVideo
+import Foundation
+
+/// Preallocated multi-arrays for the pipeline. fp16 tensors are backed by IOSurface pixel buffers
+/// (`OneComponent16Half`, width = last dimension), which the Neural Engine reads and writes
+/// without a copy; they are passed as inputs and as `MLPredictionOptions.outputBackings`.
+enum CoreMLArrays {
+    /// An array for `spec` (zeroed): IOSurface-backed for float16, plain memory otherwise.
+    static func make(_ spec: Manifest.TensorSpec) throws -> MLMultiArray {
+        let shape = spec.shape.map { NSNumber(value: $0) }
+        switch spec.dtype {
+        case "float16":
+            guard let width = spec.shape.last, width > 0 else {
+                throw CoreMLPipelineError.allocationFailed("\(spec.name) with shape \(spec.shape)")
+            }
+            let height = spec.shape.dropLast().reduce(1, *)
+            let attributes: [String: Any] = [
+                kCVPixelBufferIOSurfacePropertiesKey as String: [String: Any](),
+                kCVPixelBufferMetalCompatibilityKey as String: true,
+            ]
+            var buffer: CVPixelBuffer?
+            let status = CVPixelBufferCreate(kCFAllocatorDefault, width, height, kCVPixelFormatType_OneComponent16Half,
+                                             attributes as CFDictionary, &buffer)
+            guard status == kCVReturnSuccess, let buffer else {
+                throw CoreMLPipelineError.allocationFailed("an IOSurface of \(width)x\(height) fp16 for \(spec.name) (status \(status))")
+            }
+            let array = MLMultiArray(pixelBuffer: buffer, shape: shape)
+            zero(array)
+            return array
+        case "float32", "int32":
+            let array = try MLMultiArray(shape: shape, dataType: spec.dtype == "int32" ? .int32 : .float32)
+            zero(array)
+            return array
+        default:
+            throw CoreMLPipelineError.allocationFailed("\(spec.name): unsupported dtype \(spec.dtype)")
+        }
+    }
+
+    /// Sets every byte (padding included) to zero.
+    static func zero(_ array: MLMultiArray) {
+        array.withUnsafeMutableBytes { raw, _ in
+            if let base = raw.baseAddress { memset(base, 0, raw.count) }
+        }
+    }
+
+    /// Writes `values` into an int32 array along its last dimension.
+    static func write(_ values: [Int32], into array: MLMultiArray) {
+        array.withUnsafeMutableBufferPointer(ofType: Int32.self) { pointer, strides in
+            let stride = strides.last ?? 1
+            for (i, v) in values.enumerated() { pointer[i * stride] = v }
+        }
+    }
+
+    /// Appends column `column` of a (1, N, 1, S) array to `out` as Float (fp16 or fp32 storage).
+    static func appendColumn(_ array: MLMultiArray, column: Int, to out: inout [Float]) {
+        let n = array.shape[1].intValue
+        let isHalf = array.dataType == .float16
+        array.withUnsafeBytes { raw in
+            let strides = array.strides.map(\.intValue)
+            let base = column * strides[3]
+            if isHalf {
+                let p = raw.bindMemory(to: UInt16.self)
+                for i in 0..<n { out.append(floatFromHalfBits(p[base + i * strides[1]])) }
+            } else {
+                let p = raw.bindMemory(to: Float.self)
+                for i in 0..<n { out.append(p[base + i * strides[1]]) }
+            }
+        }
+    }
+}
+#endif

@@ -1,0 +1,16 @@
+#if canImport(CoreML)
+import CoreML
+import Foundation
+
+extension ExportedModel {
+    /// The Core ML pipeline for this export: every function loaded (packages compiled on first
+    /// use and cached), buffers preallocated, cache updates run in the background.
+    public func makeCoreMLPredictor(computeUnits: MLComputeUnits = .cpuAndNeuralEngine,
+                                    cacheDirectory: URL? = nil) async throws -> ChunkedPipeline<CoreMLBackend> {
+        let store = CoreMLModelStore(folder: folder, manifest: manifest, computeUnits: computeUnits,
+                                     cacheDirectory: cacheDirectory)
+        let backend = try await CoreMLBackend.load(manifest: manifest, store: store)
+        return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength)
+    }
+}
+#endif

@@ -1,0 +1,89 @@
+import Foundation
+import LlamaANE
+
+/// Command-line options, parsed by hand (the package takes no dependencies).
+struct Options: Equatable {
+    var folder: String = ""
+    var prompt: String = ""
+    var maxNewTokens = 64
+    var sampling = SamplingParameters(temperature: 0, topK: 0, topP: 1, seed: 0)
+    var chat = false
+    var verifyHashes = false
+    var computeUnits = "cpuAndNeuralEngine"
+
+    static let usage = """
+        usage: llama-ane-swift EXPORT_FOLDER PROMPT [options]
+
+        Runs an export written by `llama-ane export` with Core ML and streams the text.
+
+        options:
+          -n, --max-new-tokens N   tokens to generate (default 64)
+          -t, --temperature T      0 is greedy (default 0)
+              --top-k K            keep the K most likely tokens (default 0: all)
+              --top-p P            nucleus sampling threshold (default 1: off)
+          -s, --seed S             sampler seed (default 0)
+              --chat               wrap the prompt in the model's chat template as a user message
+              --verify-hashes      check every file's sha256 against the manifest first
+              --compute-units U    cpuAndNeuralEngine (default), all, cpuAndGPU or cpuOnly
+          -h, --help               show this help
+        """
+
+    /// Why the arguments were refused.
+    struct ParseError: Error, CustomStringConvertible, Equatable {
+        let message: String
+        var description: String { "\(message)\n\n\(Options.usage)" }
+    }
+
+    /// Parses the arguments after the program name. `nil` means help was asked for.
+    static func parse(_ arguments: [String]) throws -> Options? {
+        var options = Options()
+        var positional: [String] = []
+        var i = 0
+        func value(_ flag: String) throws -> String {
+            i += 1
+            guard i < arguments.count else { throw ParseError(message: "\(flag) needs a value") }
+            return arguments[i]
+        }
+        func number<T: LosslessStringConvertible>(_ flag: String, _ type: T.Type) throws -> T {
+            let text = try value(flag)
+            guard let v = T(text) else { throw ParseError(message: "\(flag) expects a number, got \"\(text)\"") }
+            return v
+        }
+        while i < arguments.count {
+            let arg = arguments[i]
+            switch arg {
+            case "-h", "--help": return nil
+            case "-n", "--max-new-tokens": options.maxNewTokens = try number(arg, Int.self)
+            case "-t", "--temperature": options.sampling.temperature = try number(arg, Float.self)
+            case "--top-k": options.sampling.topK = try number(arg, Int.self)
+            case "--top-p": options.sampling.topP = try number(arg, Float.self)
+            case "-s", "--seed": options.sampling.seed = try number(arg, UInt64.self)
+            case "--chat": options.chat = true
+            case "--verify-hashes": options.verifyHashes = true
+            case "--compute-units":
+                options.computeUnits = try value(arg)
+                guard ["cpuAndNeuralEngine", "all", "cpuAndGPU", "cpuOnly"].contains(options.computeUnits) else {
+                    throw ParseError(message: "unknown compute units \"\(options.computeUnits)\"")
+                }
+            case "--":
+                positional += arguments[(i + 1)...]
+                i = arguments.count
+            default:
+                if arg.hasPrefix("-"), arg.count > 1, Double(arg) == nil {
+                    throw ParseError(message: "unknown option \(arg)")
+                }
+                positional.append(arg)
+            }
+            i += 1
+        }
+        guard positional.count == 2 else {
+            throw ParseError(message: "expected EXPORT_FOLDER and PROMPT, got \(positional.count) positional argument(s)")
+        }
+        options.folder = positional[0]
+        options.prompt = positional[1]
+        guard options.maxNewTokens > 0 else { throw ParseError(message: "--max-new-tokens must be at least 1") }
+        guard options.sampling.temperature >= 0 else { throw ParseError(message: "--temperature must be >= 0") }
+        guard options.sampling.topP > 0, options.sampling.topP <= 1 else { throw ParseError(message: "--top-p must be in (0, 1]") }
+        return options
+    }
+}

@@ -1,0 +1,66 @@
+import Foundation
+import XCTest
+@testable import LlamaANE
+
+/// Chat templates rendered here against jinja2's renderings (generated fixtures).
+final class ChatTemplateTests: XCTestCase {
+    func testMatchesJinja2Renderings() throws {
+        let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("chat_templates.json")))
+        let templates = root["templates"]?.arrayValue ?? []
+        XCTAssertGreaterThanOrEqual(templates.count, 2)
+        var checked = 0
+        for t in templates {
+            let name = t["name"]?.stringValue ?? "?"
+            let template = try ChatTemplate(try XCTUnwrap(t["template"]?.stringValue))
+            for c in t["cases"]?.arrayValue ?? [] {
+                let messages = (c["messages"]?.arrayValue ?? []).map {
+                    ChatMessage(role: $0["role"]?.stringValue ?? "", content: $0["content"]?.stringValue ?? "")
+                }
+                let rendered = try template.render(messages: messages,
+                                                   addGenerationPrompt: c["add_generation_prompt"]?.boolValue ?? false,
+                                                   bosToken: t["bos_token"]?.stringValue, eosToken: t["eos_token"]?.stringValue)
+                XCTAssertEqual(rendered, c["rendered"]?.stringValue, "\(name): \(messages)")
+                checked += 1
+            }
+        }
+        XCTAssertGreaterThanOrEqual(checked, 12)
+    }
+
+    func testRaiseExceptionBecomesAnError() throws {
+        let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("chat_templates.json")))
+        let source = try XCTUnwrap(root["templates"]?.arrayValue?.first { $0["name"]?.stringValue == "llama2_chat" }?["template"]?.stringValue)
+        let messages = [ChatMessage(role: "user", content: "a"), ChatMessage(role: "user", content: "b")]
+        XCTAssertThrowsError(try ChatTemplate(source).render(messages: messages, addGenerationPrompt: false)) { error in
+            XCTAssertEqual(error as? TokenizerError, .chatTemplate("Conversation roles must alternate user/assistant/user/assistant/..."))
+        }
+    }
+
+    func testExpressionsAndWhitespaceControl() throws {
+        func render(_ s: String, _ extra: [String: Any] = [:]) throws -> String {
+            try ChatTemplate(s).render(messages: [], addGenerationPrompt: false, extra: extra)
+        }
+        XCTAssertEqual(try render("{{ 1 + 2 * 3 }}|{{ 7 // 2 }}|{{ 'a' ~ 1 }}|{{ [1,2,3][-1] }}|{{ 'hello'[1:3] }}"), "7|3|a1|3|el")
+        XCTAssertEqual(try render("{% set ns = namespace(n=0) %}{% for x in xs %}{% set ns.n = ns.n + x %}{% endfor %}{{ ns.n }}", ["xs": [1, 2, 3]]), "6")
+        XCTAssertEqual(try render("{% for x in xs if x > 1 %}{{ loop.index }}{{ x }}{% if not loop.last %},{% endif %}{% endfor %}", ["xs": [1, 2, 3]]), "12,23")
+        XCTAssertEqual(try render("  {%- if true -%}  x  {%- endif %}\n"), "x")
+        XCTAssertEqual(try render("a\n  {% if true %}\nb\n  {% endif %}\nc"), "a\nb\nc")
+        XCTAssertEqual(try render("{{ x is defined }}{{ y is not none }}{{ 'b' in 'abc' }}{{ 3 not in [1] }}", ["y": 1]), "FalseTrueTrueTrue")
+        XCTAssertEqual(try render("{{ ' hi '|trim|upper }}{{ xs|length }}{{ xs|join('-') }}{{ d|tojson }}", ["xs": [1, 2], "d": ["k": "v\n"]]),
+                       "HI21-2{\"k\": \"v\\n\"}")
+        XCTAssertEqual(try render("{{ 'yes' if flag else 'no' }}", ["flag": false]), "no")
+        XCTAssertThrowsError(try ChatTemplate("{% macro m() %}{% endmacro %}")) { error in
+            XCTAssertTrue("\(error)".contains("macro"))
+        }
+    }
+
+    func testExportedModelBuildsChatPrompts() throws {
+        let model = try ExportedModel(folder: Fixtures.url("export"))
+        let ids = try model.chatPromptTokens([ChatMessage(role: "user", content: "Hello")])
+        let text = model.tokenizer.decode(ids)
+        XCTAssertTrue(text.hasPrefix("<|im_start|>user\nHello<|im_end|>\n"), text)
+        XCTAssertTrue(text.hasSuffix("<|im_start|>assistant\n"), text)
+        XCTAssertEqual(ids.first, model.manifest.tokenizer.specialTokens["<|im_start|>"])
+        XCTAssertFalse(model.eosTokenIds.isEmpty)
+        XCTAssertEqual(model.promptTokens("Hello"), model.tokenizer.encode("Hello"))
+    }
+}
