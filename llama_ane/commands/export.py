@@ -18,6 +18,10 @@ from .errors import user_errors
 @click.option("--prefill-length", default=64, show_default=True, help="Query length of the prefill functions.")
 @click.option("--layers-per-chunk", type=int, default=None,
               help="Decoder layers per block-chunk file [default: from weight bytes, <= ~1 GB (iOS) / 2 GB (macOS)].")
+@click.option("--branches", "branch_width", default=8, show_default=True,
+              help="Cascade width B: branches decoded per step over a shared prefix (0 = none).")
+@click.option("--suffix-length", default=256, show_default=True,
+              help="Tokens each cascade branch may add after the shared prefix.")
 @click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
@@ -26,7 +30,8 @@ from .errors import user_errors
 @click.option("--swift-fixtures", type=click.Path(path_type=Path), default=None,
               help="Also write the Swift package's test fixtures to this folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def command(model, out, context_length, prefill_length, layers_per_chunk, target, precision, force,
+def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, target,
+            precision, force,
             no_verify, swift_fixtures, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
@@ -35,7 +40,8 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, target
     t0 = time.perf_counter()
     with user_errors():
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
-                     layers_per_chunk=layers_per_chunk, target=target, precision=precision, force=force,
+                     layers_per_chunk=layers_per_chunk, branch_width=branch_width,
+                     suffix_length=suffix_length, target=target, precision=precision, force=force,
                      verify=not no_verify, progress=not quiet, log=click.echo)
         if swift_fixtures is not None:
             from ..export.swift_fixtures import write_swift_fixtures

@@ -35,7 +35,8 @@ def _progress_bar(total: int, enabled: bool) -> tuple[Callable[[str], None], Cal
 
 
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
-                 prefill_length: int = 64, layers_per_chunk: int | None = None, target: str = "iOS18",
+                 prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
+                 suffix_length: int = 256, target: str = "iOS18",
                  precision: str = "fp16", force: bool = False, verify: bool = False,
                  progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
@@ -51,7 +52,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     from .weights import copy_tokenizer, load_checkpoint
 
     say = log or (lambda _m: None)
-    opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision)
+    opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
+                         suffix_length)
     opts.check()
     out = Path(out).expanduser().resolve()
     if out.exists() and not force:
@@ -64,15 +66,15 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     plan = [c["layers"] for c in draft["chunks"]]
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan)} chunk(s) "
         f"{[len(p) for p in plan]}, context {context_length}, prefill window {prefill_length}, "
-        f"{precision}, target {target}")
+        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else ""))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        models = build_model_set(ckpt, plan, context_length, sorted({prefill_length, 1}))
+        models = build_model_set(ckpt, plan, context_length, prefill_length, branch_width, suffix_length)
         specs = model_specs(ckpt.config, plan, context_length, prefill_length,
-                            "float16" if precision == "fp16" else "float32")
-        jobs = jobs_for(models, specs, prefill_length)
+                            "float16" if precision == "fp16" else "float32", branch_width, suffix_length)
+        jobs = jobs_for(models, specs)
         merges = len(specs) if opts.multifunction else 0
         step, close = _progress_bar(len(jobs) + merges + 1, progress)
         try:

@@ -20,7 +20,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .specs import window_of
 
 
 @dataclass(frozen=True)
@@ -121,9 +120,9 @@ def convert_all(jobs: list[Job], out: Path, *, context_length: int, target: str,
     return files
 
 
-def jobs_for(models, specs: dict, prefill_length: int) -> list[Job]:
+def jobs_for(models, specs: dict) -> list[Job]:
     """One job per (model, function) in `specs`, with the module the torch backend also runs."""
-    return [Job(model, fn, models.module(model, window_of(fn, prefill_length)), io)
+    return [Job(model, fn, models.module(model, fn), io)
             for model, functions in specs.items() for fn, io in functions.items()]
 
 

@@ -26,6 +26,8 @@ class ExportOptions:
     layers_per_chunk: int | None = None
     target: str = "iOS18"
     precision: str = "fp16"
+    branch_width: int = 8
+    suffix_length: int = 256
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -40,6 +42,11 @@ class ExportOptions:
             raise ExportOptionsError(f"--layers-per-chunk must be at least 1, got {self.layers_per_chunk}")
         if self.target not in TARGETS:
             raise ExportOptionsError(f"--target {self.target!r} is not one of {', '.join(TARGETS)}")
+        if self.branch_width < 0:
+            raise ExportOptionsError(f"--branches must be >= 0 (0 = no cascade function), got {self.branch_width}")
+        if self.branch_width and (self.suffix_length < 32 or self.suffix_length % 32):
+            raise ExportOptionsError(f"--suffix-length must be a positive multiple of 32 (ANE cache rule), "
+                                     f"got {self.suffix_length}")
         if self.precision not in ("fp16", "fp32"):
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
 
@@ -70,9 +77,11 @@ def describe(ckpt: Checkpoint, opts: ExportOptions, tokenizer: dict,
     plan = plan_chunks(ckpt.config, opts.layers_per_chunk, target=opts.target,
                        bytes_per_weight=2 if opts.precision == "fp16" else 4)
     float_dtype = "float16" if opts.precision == "fp16" else "float32"
-    specs = model_specs(ckpt.config, plan, opts.context_length, opts.prefill_length, float_dtype)
+    specs = model_specs(ckpt.config, plan, opts.context_length, opts.prefill_length, float_dtype,
+                        opts.branch_width, opts.suffix_length)
     return new_manifest(name=ckpt.name, source=ckpt.source, config=ckpt.config.to_dict(), plan=plan, specs=specs,
                         context_length=opts.context_length, prefill_length=opts.prefill_length,
+                        branch_width=opts.branch_width, suffix_length=opts.suffix_length if opts.branch_width else 0,
                         precision=opts.precision, target=opts.target, multifunction=opts.multifunction,
                         tokenizer=tokenizer, files=files, created_by=created_by())
 

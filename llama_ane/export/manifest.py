@@ -82,14 +82,15 @@ def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[
 
 
 def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]], specs: dict,
-                 context_length: int, prefill_length: int, precision: str, target: str,
+                 context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
+                 precision: str, target: str,
                  multifunction: bool, tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]],
                  created_by: dict) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `files` maps (model, function) -> (file name, function name inside that file).
     """
-    from .specs import cache_update_function, chunk_model_name
+    from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name
 
     models: dict[str, Any] = {}
     for model, functions in specs.items():
@@ -98,7 +99,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
             file, inner = files.get((model, fn), (None, None))
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
     chunks = [{"model": chunk_model_name(i), "layers": layers,
-               "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in ("prefill", "decode")}}
+               "cache_update": {fn: cache_update_function(fn, len(layers))
+                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())}}
               for i, layers in enumerate(plan)]
     lm_outputs = specs["lm_head"]["decode"]["outputs"]
     return {
@@ -109,6 +111,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "config": config,
         "context_length": context_length,
         "prefill_length": prefill_length,
+        "branch_width": branch_width,
+        "suffix_length": suffix_length,
         "precision": precision,
         "deployment_target": target,
         "multifunction": multifunction,

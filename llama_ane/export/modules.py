@@ -6,68 +6,64 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
 from ..chunks.models import BlockChunk, CacheUpdate, Embeddings, LMHead
-from .specs import chunk_model_name
+from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name, window_of
 from .weights import Checkpoint, chunk_state_dict, embeddings_state_dict, lm_head_state_dict
 
 
 @dataclass
 class ModelSet:
-    """Every module of an export. Modules that depend on the window length S come per S; they
-    share their weights (the embedding table) across S."""
+    """The module behind every (model, function) of an export. Functions of one model share weights."""
 
-    embeddings: dict[int, Embeddings]
-    chunks: list[BlockChunk]
-    lm_head: LMHead
-    cache_update: dict[int, CacheUpdate]
+    modules: dict[tuple[str, str], torch.nn.Module]
+
+    def module(self, model: str, function: str) -> torch.nn.Module:
+        try:
+            return self.modules[(model, function)]
+        except KeyError:
+            raise KeyError(f"no function {function!r} of model {model!r} in this export") from None
 
     def to(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> "ModelSet":
-        for m in self.all_modules():
+        """Cast floating weights and buffers (index buffers stay int32) and move them."""
+        for m in {id(m): m for m in self.modules.values()}.values():
             m.to(device=device, dtype=dtype)
-        for e in self.embeddings.values():  # index buffers stay int32
-            e.cache_positions = e.cache_positions.to(torch.int32)
-            e.offsets = e.offsets.to(torch.int32)
-        for c in self.cache_update.values():
-            c.slots = c.slots.to(torch.int32)
-            c.offsets = c.offsets.to(torch.int32)
         return self
-
-    def module(self, model: str, window: int) -> torch.nn.Module:
-        """The module behind manifest model `model` for query length `window`."""
-        if model == "embeddings":
-            return self.embeddings[window]
-        if model == "lm_head":
-            return self.lm_head
-        if model == "cache_update":
-            return self.cache_update[window]
-        names = [chunk_model_name(i) for i in range(len(self.chunks))]
-        if model not in names:
-            raise KeyError(f"no model {model!r} in this export")
-        return self.chunks[names.index(model)]
-
-    def all_modules(self) -> list[torch.nn.Module]:
-        return [*self.embeddings.values(), *self.chunks, self.lm_head, *self.cache_update.values()]
 
 
 @torch.no_grad()
-def build_model_set(ckpt: Checkpoint, plan: list[list[int]], context_length: int,
-                    windows: list[int]) -> ModelSet:
+def build_model_set(ckpt: Checkpoint, plan: list[list[int]], context_length: int, prefill_length: int,
+                    branch_width: int = 0, suffix_length: int = 0) -> ModelSet:
     """Instantiate and load all modules in fp32, in eval mode."""
     cfg = ckpt.config
-    emb_state = embeddings_state_dict(ckpt)
-    embeddings = {}
-    for s in windows:
-        e = Embeddings(cfg, context_length, s)
-        e.load_state_dict(emb_state, strict=False)
-        if embeddings:  # share the table across windows
-            e.embed_tokens.weight = next(iter(embeddings.values())).embed_tokens.weight
-        embeddings[s] = e.eval()
-    chunks = []
-    for layers in plan:
+    functions = list(FUNCTIONS) + ([BRANCHES] if branch_width else [])
+    modules: dict[tuple[str, str], torch.nn.Module] = {}
+
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    embed.weight.copy_(embeddings_state_dict(ckpt)["embed_tokens.weight"])
+    for fn in FUNCTIONS:
+        e = Embeddings(cfg, context_length, window_of(fn, prefill_length))
+        e.embed_tokens = embed  # one table for every function
+        modules[("embeddings", fn)] = e
+    if branch_width:
+        modules[("embeddings", BRANCHES)] = BranchEmbeddings(cfg, embed, context_length, branch_width, suffix_length)
+
+    for i, layers in enumerate(plan):
         chunk = BlockChunk(cfg, layers, context_length)
         chunk.load_state_dict(chunk_state_dict(ckpt, layers), strict=True)
-        chunks.append(chunk.eval())
+        name, n = chunk_model_name(i), len(layers)
+        for fn in FUNCTIONS:
+            modules[(name, fn)] = chunk
+            modules[("cache_update", cache_update_function(fn, n))] = CacheUpdate(
+                context_length, window_of(fn, prefill_length))
+        if branch_width:
+            modules[(name, BRANCHES)] = BranchChunk(chunk, suffix_length)
+            modules[("cache_update", cache_update_function(BRANCHES, n))] = SuffixUpdate(cfg, n, suffix_length)
+
     head = LMHead(cfg)
     head.load_state_dict(lm_head_state_dict(ckpt, head.splits), strict=True)
-    updates = {s: CacheUpdate(context_length, s).eval() for s in windows}
-    return ModelSet(embeddings, chunks, head.eval(), updates)
+    for fn in functions:
+        modules[("lm_head", fn)] = head
+    for m in modules.values():
+        m.eval()
+    return ModelSet(modules)

@@ -100,6 +100,14 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
     return LlamaANEModel(folder, manifest, make_backend(folder if backend != "torch" else p, manifest, backend, **options))
 
 
+@dataclass
+class CascadeOutput:
+    """What `generate_branches` returns: one result per branch, in order, and the run's accounting."""
+
+    branches: list
+    stats: object
+
+
 class LlamaANEModel:
     """A loaded export: `score` for teacher-forced logits, `generate`/`stream` for text."""
 
@@ -195,6 +203,58 @@ class LlamaANEModel:
             if on_token is not None:
                 on_token(event)
         return self.last_result
+
+    def generate_branches(self, prefix: str | Sequence[int], continuations: Sequence[str | Sequence[int]] | None = None,
+                          n: int | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                          top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
+                          on_token: Callable[[int, int, str], None] | None = None) -> "CascadeOutput":
+        """Decode several branches over one shared prefix with cascade attention.
+
+        Give either `continuations` (each branch's own text or ids after the prefix, e.g. questions
+        about a document; "" starts from the prefix itself) or `n` (n samples of the prefix).
+        `on_token(branch_index, token_id, text_delta)` streams tokens as they come. Each branch
+        decodes exactly as `prefix + continuation` would alone; the prefix is prefilled and stored
+        once whatever the number of branches.
+        """
+        from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
+
+        if (continuations is None) == (n is None):
+            raise ValueError("give either continuations=[...] or n=N")
+        if n is not None and n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if continuations is not None and len(continuations) == 0:
+            raise ValueError("the list of continuations (questions) is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        params = SamplingParams(temperature, top_k, top_p)
+        prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
+        own = [[] for _ in range(n)] if n is not None else [
+            list(self.tokenizer(c, add_special_tokens=False).input_ids) if isinstance(c, str) else [int(t) for t in c]
+            for c in continuations]
+        decoder = CascadeDecoder(self.pipeline, self.tokenizer, self.eos_token_ids)
+        try:
+            decoder.check_budget(len(prefix_ids), [len(o) for o in own], max_new_tokens)
+            self.pipeline.reset()
+            t0 = time.perf_counter()
+            first = self.pipeline.prefill(prefix_ids)
+            self.pipeline.wait()
+            t1 = time.perf_counter()
+            results = [BranchResult(i, ids) for i, ids in enumerate(own)]
+            steps = 0
+            for start in range(0, len(results), decoder.width):
+                group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first)
+                         for r in results[start:start + decoder.width]]
+                steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params,
+                                           [s for s in (stop or []) if s], on_token)
+            t2 = time.perf_counter()
+        finally:
+            decoder.close()
+        for r in results:
+            r.text = r.text or self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        per_step = prefix_bytes_per_step(self.manifest, len(prefix_ids), self.backend.dtype.itemsize)
+        stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
+                             t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width))
+        return CascadeOutput(results, stats)
 
     def close(self) -> None:
         self.pipeline.close()

@@ -8,22 +8,16 @@ or does not finish in time is raised as `CacheUpdateError` in the caller, never 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import functools
 
 import numpy as np
 
+from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
-
-CACHE_UPDATE_TIMEOUT_S = 120.0
 
 
 class ContextFullError(RuntimeError):
     """The tokens would not fit in the exported context length."""
-
-
-class CacheUpdateError(RuntimeError):
-    """The asynchronous cache-update model failed or did not finish."""
 
 
 class Pipeline:
@@ -42,37 +36,23 @@ class Pipeline:
         self.prefill_length: int = manifest["prefill_length"]
         self.chunks: list[dict] = manifest["chunks"]
         self.lm_outputs = [o["name"] for o in manifest["models"]["lm_head"]["functions"]["decode"]["outputs"]]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-update")
+        self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.reset()
 
     def reset(self) -> None:
         """Empty the caches: the next window starts at position 0."""
         self.wait()
-        kv = self.manifest["cache"]["channels"]
-        self.caches = [
-            {"k": np.zeros((len(c["layers"]), kv, 1, self.context_length), self.backend.dtype),
-             "v": np.zeros((len(c["layers"]), kv, 1, self.context_length), self.backend.dtype)}
-            for c in self.chunks]
-        self._pending: list[Future | None] = [None] * len(self.chunks)
+        self.caches = [{"k": self.new_cache(len(c["layers"])), "v": self.new_cache(len(c["layers"]))}
+                       for c in self.chunks]
         self.position = 0
+
+    def new_cache(self, layers: int) -> np.ndarray:
+        """A zeroed cache of one chunk, (layers, kv_channels, 1, context), in the backend's dtype."""
+        return np.zeros((layers, self.manifest["cache"]["channels"], 1, self.context_length), self.backend.dtype)
 
     def wait(self) -> None:
         """Block until every pending cache update has landed."""
-        for i in range(len(getattr(self, "_pending", []))):
-            self._wait(i)
-
-    def _wait(self, i: int) -> None:
-        fut = self._pending[i]
-        if fut is None:
-            return
-        self._pending[i] = None
-        try:
-            fut.result(timeout=CACHE_UPDATE_TIMEOUT_S)
-        except FutureTimeout:
-            raise CacheUpdateError(f"cache update of {self.chunks[i]['model']} did not finish in "
-                                   f"{CACHE_UPDATE_TIMEOUT_S:.0f} s") from None
-        except Exception as e:
-            raise CacheUpdateError(f"cache update of {self.chunks[i]['model']} failed: {e}") from e
+        self.updates.wait_all()
 
     def _update(self, i: int, function: str, k_new: np.ndarray, v_new: np.ndarray, position: int) -> None:
         cache = self.caches[i]
@@ -103,13 +83,13 @@ class Pipeline:
         emb = self.backend.predict("embeddings", fn, {"input_ids": window, "position": pos})
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(self.chunks):
-            self._wait(i)
+            self.updates.wait(i)
             out = self.backend.predict(chunk["model"], fn, {
                 "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"], "mask": emb["mask"],
                 "k_cache": self.caches[i]["k"], "v_cache": self.caches[i]["v"]})
             hidden = out["hidden_states_out"]
-            self._pending[i] = self._executor.submit(
-                self._update, i, chunk["cache_update"][fn], out["k_new"], out["v_new"], self.position)
+            self.updates.submit(i, functools.partial(
+                self._update, i, chunk["cache_update"][fn], out["k_new"], out["v_new"], self.position))
         logits = self.backend.predict("lm_head", fn, {"hidden_states": hidden})
         full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, S)
         self.position += n
@@ -131,7 +111,4 @@ class Pipeline:
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][0]
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
+        self.updates.close()

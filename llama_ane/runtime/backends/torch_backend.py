@@ -15,7 +15,6 @@ import torch
 
 from ...export.manifest import function_entry
 from ...export.modules import build_model_set
-from ...export.specs import window_of
 from ...export.weights import Checkpoint, load_checkpoint, source_path
 from .base import Backend, BackendError
 
@@ -36,14 +35,14 @@ class TorchBackend(Backend):
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint if checkpoint is not None else source_path(manifest["source"]))
         plan = [c["layers"] for c in manifest["chunks"]]
-        windows = sorted({manifest["prefill_length"], 1})
-        self.models = build_model_set(checkpoint, plan, manifest["context_length"], windows)
+        self.models = build_model_set(checkpoint, plan, manifest["context_length"], manifest["prefill_length"],
+                                      manifest.get("branch_width", 0), manifest.get("suffix_length", 0))
         self.models.to(self.torch_dtype, self.device)
 
     def module(self, model: str, function: str) -> torch.nn.Module:
         """The module that was (or would be) traced for `function` of `model`."""
         try:
-            return self.models.module(model, window_of(function, self.manifest["prefill_length"]))
+            return self.models.module(model, function)
         except KeyError as e:
             raise BackendError(f"torch backend: {e.args[0]}") from None
 

@@ -1,0 +1,214 @@
+"""Branch decoding over a shared prefix (cascade): one prefix cache, B private suffix caches.
+
+The prefix is prefilled once with the ordinary pipeline; its cache then serves every branch. Each
+step runs the "decode_branches" functions: one token per branch, the prefix read once for all
+of them inside the graph, each branch's own suffix cache, and the log-sum-exp merge
+(chunks/cascade.py). Branches advance independently: a branch first feeds its own text (the
+question, in document QA) one token per step, then samples; branches of different lengths and
+branches that have finished are handled with masks. More branches than the exported width B run
+in groups of B, each group reusing the same prefix cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..export.specs import BRANCHES
+from .async_updates import AsyncUpdates
+from .pipeline import ContextFullError, Pipeline
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class BranchResult:
+    """One branch's output: its own input ids, generated ids and text, and why it stopped."""
+
+    index: int
+    input_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+
+
+@dataclass
+class CascadeStats:
+    """Per-run accounting. Bytes are the prefix K/V read per decode step, all layers."""
+
+    prefix_tokens: int
+    branches: int
+    steps: int
+    generated_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    prefix_bytes_per_step_cascade: int
+    prefix_bytes_per_step_separate: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+class _Branch:
+    """Mutable decoding state of one branch within a group."""
+
+    def __init__(self, result: BranchResult, rng: np.random.Generator, first_logits: np.ndarray | None):
+        self.result = result
+        self.rng = rng
+        self.queue = list(result.input_ids)  # own tokens still to feed
+        self.cached = 0  # tokens in this branch's suffix cache
+        self.first_logits = first_logits  # prefix logits, when the branch has no text of its own
+        self.done = False
+        self.text = ""
+
+
+def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of prefix K and V that one decode step reads, over all layers."""
+    return 2 * manifest["config"]["num_hidden_layers"] * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
+
+
+class CascadeDecoder:
+    """Runs groups of up to B branches over the prefix held in `pipeline`'s caches."""
+
+    def __init__(self, pipeline: Pipeline, tokenizer, eos_token_ids: Sequence[int]):
+        manifest = pipeline.manifest
+        self.width = int(manifest.get("branch_width") or 0)
+        if self.width < 1:
+            raise ValueError("this export has no cascade function (exported with --branches 0); "
+                             "re-export with --branches 8")
+        self.pipeline = pipeline
+        self.backend = pipeline.backend
+        self.manifest = manifest
+        self.suffix_length = int(manifest["suffix_length"])
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.lm_outputs = pipeline.lm_outputs
+        self.updates = AsyncUpdates([c["model"] for c in manifest["chunks"]])
+
+    def check_budget(self, prefix_tokens: int, own_tokens: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse branches whose tokens would not fit: clear errors, before any work."""
+        ctx = self.pipeline.context_length
+        if prefix_tokens < 1:
+            raise ValueError("the shared prefix is empty; give a prompt or document")
+        if prefix_tokens > ctx:
+            raise ContextFullError(f"the prefix has {prefix_tokens} tokens but the exported context holds {ctx}; "
+                                   "shorten it or re-export with a larger --context-length")
+        need = max(own_tokens) + max_new_tokens
+        if need > self.suffix_length:
+            raise ContextFullError(
+                f"a branch needs {need} suffix tokens (its own {max(own_tokens)} + {max_new_tokens} new) but the "
+                f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
+                "--suffix-length")
+        if prefix_tokens + need > ctx + self.suffix_length:
+            raise ContextFullError(f"prefix {prefix_tokens} + branch {need} tokens overflow the context")
+
+    def new_suffix(self, layers: int) -> np.ndarray:
+        """Zeroed suffix cache of one chunk: (layers*kv_heads, B, head_dim, suffix_length)."""
+        cfg = self.manifest["config"]
+        return np.zeros((layers * cfg["num_key_value_heads"], self.width, cfg["head_dim"], self.suffix_length),
+                        self.backend.dtype)
+
+    def _update(self, slot: int, suffix: dict, function: str, k_new, v_new, slots: np.ndarray) -> None:
+        out = self.backend.predict("cache_update", function, {
+            "k_suffix": suffix["k"], "v_suffix": suffix["v"], "k_new": k_new, "v_new": v_new,
+            "suffix_positions": slots})
+        suffix["k"], suffix["v"] = out["k_suffix_out"], out["v_suffix_out"]
+
+    def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int, suffixes: list[dict]) -> np.ndarray:
+        """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab)."""
+        positions = (prefix_tokens + cached).astype(np.int32)
+        emb = self.backend.predict("embeddings", BRANCHES, {
+            "input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
+            "prefix_length": np.array([prefix_tokens], np.int32)})
+        hidden = emb["hidden_states"]
+        for i, chunk in enumerate(self.manifest["chunks"]):
+            self.updates.wait(i)
+            prefix = self.pipeline.caches[i]
+            out = self.backend.predict(chunk["model"], BRANCHES, {
+                "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"],
+                "prefix_mask": emb["prefix_mask"], "suffix_mask": emb["suffix_mask"],
+                "k_cache": prefix["k"], "v_cache": prefix["v"],
+                "k_suffix": suffixes[i]["k"], "v_suffix": suffixes[i]["v"]})
+            hidden = out["hidden_states_out"]
+            self.updates.submit(i, functools.partial(
+                self._update, i, suffixes[i], chunk["cache_update"][BRANCHES], out["k_new"], out["v_new"],
+                cached.astype(np.int32)))
+        logits = self.backend.predict("lm_head", BRANCHES, {"hidden_states": hidden})
+        full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, B)
+        return full[0, :, 0, :].T.astype(np.float32)
+
+    def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
+                  params: SamplingParams, stops: Sequence[str],
+                  on_token: Callable[[int, int, str], None] | None) -> int:
+        """Decode one group (<= B branches) to completion. Returns the number of steps run."""
+        suffixes = [{"k": self.new_suffix(len(c["layers"])), "v": self.new_suffix(len(c["layers"]))}
+                    for c in self.manifest["chunks"]]
+        for b in branches:  # a branch without text of its own starts from the prefix's next-token logits
+            if not b.queue:
+                self._emit(b, sample(b.first_logits, params, b.rng), max_new_tokens, stops, on_token)
+        steps = 0
+        while not all(b.done for b in branches):
+            tokens = np.zeros(self.width, np.int32)
+            cached = np.zeros(self.width, np.int32)
+            for j, b in enumerate(branches):
+                cached[j] = min(b.cached, self.suffix_length)
+                if not b.done:
+                    tokens[j] = b.queue[0]
+            logits = self.step(tokens, cached, prefix_tokens, suffixes)
+            steps += 1
+            for j, b in enumerate(branches):
+                if b.done:
+                    continue
+                b.queue.pop(0)
+                b.cached += 1
+                if not b.queue:  # the fed token was the branch's last own token or a generated one
+                    self._emit(b, sample(logits[j], params, b.rng), max_new_tokens, stops, on_token)
+        self.updates.wait_all()
+        return steps
+
+    def _emit(self, b: _Branch, token: int, max_new_tokens: int, stops: Sequence[str],
+              on_token: Callable[[int, int, str], None] | None) -> None:
+        """Record a sampled token; finish the branch on EOS, a stop string or its token budget."""
+        r = b.result
+        if token in self.eos:
+            b.done, r.finish_reason = True, "eos"
+            return
+        r.token_ids.append(token)
+        full = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+        delta = ""
+        if not full.endswith("\ufffd"):
+            delta, b.text = full[len(b.text):], full
+        hit = next((s for s in stops if s in b.text), None)
+        if hit is not None:
+            cut = b.text.index(hit)
+            delta = delta[: max(0, len(delta) - (len(b.text) - cut))]
+            b.text, b.done, r.finish_reason = b.text[:cut], True, "stop"
+        elif len(r.token_ids) >= max_new_tokens:
+            b.done = True
+        if on_token is not None:
+            on_token(r.index, token, delta)
+        if not b.done:
+            b.queue.append(token)
+        r.text = b.text if b.done else r.text
+
+    def close(self) -> None:
+        self.updates.close()
+
+
+def split_shared_prefix(sequences: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
+    """Split token sequences into their longest common prefix and the remainders.
+
+    Each remainder keeps at least one token, so every branch feeds text of its own (the prefix's
+    last logits would otherwise stand in for all of them).
+    """
+    if not sequences:
+        raise ValueError("no branches given")
+    n = min(len(s) for s in sequences)
+    common = 0
+    while common < n and all(s[common] == sequences[0][common] for s in sequences):
+        common += 1
+    common = min(common, n - 1) if len(sequences) > 1 else max(common - 1, 0)
+    return list(sequences[0][:common]), [list(s[common:]) for s in sequences]
