@@ -1,0 +1,156 @@
+"""Parity of the chunked ANE-layout modules (torch backend, fp32) with transformers' LlamaForCausalLM.
+
+Each tiny random checkpoint is loaded twice from the same folder: by transformers (the reference
+implementation) and by `llama_ane.load(..., backend="torch")`, which runs the very modules the
+exporter traces, window by window, with the cache written by the cache-update model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import llama_ane
+from conftest import LLAMA3_ROPE
+
+SEQ_LEN = 150          # crosses several prefill windows
+GREEDY_TOKENS = 32
+MAX_LOGIT_DIFF = 1e-3
+
+# name -> (checkpoint overrides, load options)
+CASES = {
+    "gqa": ({}, {"prefill_length": 32}),
+    "mha": ({"num_key_value_heads": 4}, {"prefill_length": 64}),
+    "5_layers_2_per_chunk": ({"num_hidden_layers": 5}, {"prefill_length": 32, "layers_per_chunk": 2}),
+    "tied_embeddings": ({"tie_word_embeddings": True}, {"prefill_length": 16, "layers_per_chunk": 1}),
+    "untied_embeddings": ({"tie_word_embeddings": False}, {"prefill_length": 32, "layers_per_chunk": 3}),
+    "llama3_rope": ({"rope_scaling": dict(LLAMA3_ROPE)}, {"prefill_length": 32}),
+    "head_dim_32": ({"head_dim": 32}, {"prefill_length": 32, "layers_per_chunk": 2}),
+    "mha_head_dim_8_llama3": ({"num_key_value_heads": 4, "head_dim": 8, "rope_scaling": dict(LLAMA3_ROPE),
+                               "num_hidden_layers": 4}, {"prefill_length": 64, "layers_per_chunk": 3}),
+}
+
+
+def reference(folder):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_logits(ref, ids) -> np.ndarray:
+    return ref(torch.tensor([list(ids)], dtype=torch.long)).logits[0].float().numpy()
+
+
+@torch.no_grad()
+def reference_greedy(ref, prompt, n) -> list[int]:
+    """Greedy tokens by full recomputation: argmax of the last position, no cache, no stopping."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def random_ids(vocab: int, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]  # no special tokens
+
+
+def assert_same_greedy(ours, want, eos_ids):
+    """`ours` stops at EOS; up to there it must equal the reference, which does not stop."""
+    assert ours.token_ids == want[:len(ours.token_ids)]
+    if len(ours.token_ids) < len(want):
+        assert ours.finish_reason == "eos" and want[len(ours.token_ids)] in eos_ids
+    else:
+        assert ours.finish_reason == "length"
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tiny_checkpoint):
+    overrides, options = CASES[request.param]
+    folder = tiny_checkpoint(**overrides)
+    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=256, **options)
+    yield folder, model, reference(folder)
+    model.close()
+
+
+def test_the_case_is_what_it_says(case, request):
+    """Guard against a config override silently not reaching either model."""
+    folder, model, ref = case
+    overrides, options = CASES[request.node.callspec.params["case"]]
+    cfg = model.manifest["config"]
+    for key, value in overrides.items():
+        if key == "rope_scaling":
+            assert cfg["rope_scaling"]["rope_type"] == "llama3"
+            assert (ref.config.rope_parameters or {}).get("rope_type") == "llama3"
+        else:
+            assert cfg[key] == value
+            assert getattr(ref.config, key) == value
+    plan = [c["layers"] for c in model.manifest["chunks"]]
+    if "layers_per_chunk" in options:
+        assert all(len(c) == options["layers_per_chunk"] for c in plan[:-1])
+    assert model.manifest["prefill_length"] == options["prefill_length"]
+    assert SEQ_LEN > 2 * options["prefill_length"]
+
+
+def test_logits_match_transformers(case):
+    folder, model, ref = case
+    ids = random_ids(model.manifest["config"]["vocab_size"], SEQ_LEN, seed=1)
+    got = model.score(ids)
+    want = reference_logits(ref, ids)
+    assert got.dtype == np.float32 and got.shape == want.shape == (SEQ_LEN, model.manifest["config"]["vocab_size"])
+    diff = float(np.abs(got - want).max())
+    print(f"max |logit diff| = {diff:.2e} (logits up to {np.abs(want).max():.1f})")
+    assert diff <= MAX_LOGIT_DIFF
+    assert np.abs(want).max() > 1.0  # the comparison is not between near-zero logits
+
+
+def test_greedy_tokens_match_transformers(case):
+    folder, model, ref = case
+    prompt = random_ids(model.manifest["config"]["vocab_size"], 40, seed=2)  # more than one prefill window
+    want = reference_greedy(ref, prompt, GREEDY_TOKENS)
+    got = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
+    assert_same_greedy(got, want, model.eos_token_ids)
+    assert got.prompt_tokens == len(prompt)
+
+
+def test_text_prompt_through_the_tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    folder = tiny_checkpoint()
+    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=128, prefill_length=16)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = AutoTokenizer.from_pretrained(str(folder))(prompt).input_ids
+    assert model.encode(prompt) == ids
+    want = reference_greedy(reference(folder), ids, 12)
+    assert_same_greedy(model.generate(prompt, max_new_tokens=12), want, model.eos_token_ids)
+    model.close()
+
+
+def test_converted_export_folder_with_the_torch_backend(tiny_export):
+    """The tiny export (5 layers, 2 per chunk, prefill 64, context 256) through its own manifest."""
+    model = llama_ane.load(tiny_export, backend="torch")
+    assert model.backend.name == "torch"
+    assert [c["layers"] for c in model.manifest["chunks"]] == [[0, 1], [2, 3], [4]]
+    ref = reference(model.manifest["source"]["path"])
+    ids = random_ids(model.manifest["config"]["vocab_size"], SEQ_LEN, seed=3)
+    diff = float(np.abs(model.score(ids) - reference_logits(ref, ids)).max())
+    print(f"tiny export, torch fp32: max |logit diff| = {diff:.2e}")
+    assert diff <= MAX_LOGIT_DIFF
+    prompt = ids[:70]
+    assert_same_greedy(model.generate(prompt, max_new_tokens=GREEDY_TOKENS),
+                       reference_greedy(ref, prompt, GREEDY_TOKENS), model.eos_token_ids)
+    model.close()
+
+
+def test_torch_fp16_stays_close_on_the_tiny_export(tiny_export):
+    """The export's own precision (fp16) on torch: looser, but the same argmax almost everywhere."""
+    model = llama_ane.load(tiny_export, backend="torch", precision="fp16")
+    assert model.backend.dtype == np.float16
+    ref = reference(model.manifest["source"]["path"])
+    ids = random_ids(model.manifest["config"]["vocab_size"], SEQ_LEN, seed=4)
+    got, want = model.score(ids), reference_logits(ref, ids)
+    assert np.isfinite(got).all()
+    assert float(np.mean(got.argmax(-1) == want.argmax(-1))) >= 0.95
+    assert float(np.abs(got - want).max()) < 0.1
+    model.close()
