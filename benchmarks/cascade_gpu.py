@@ -180,35 +180,63 @@ def run_decode_bandwidth(timer, fi, log):
     return out
 
 
-def run_prefix_sweep(timer, log):
-    """Split count and launch config of the shared-prefix kernel at 32768 x 256 (MHA)."""
+def run_sweeps(timer, log):
+    """Launch configs and split counts: decode at 64 x 4096 and the cascade at 32768/256/128."""
     import torch
 
     from llama_ane.cuda import ops
+    from llama_ane.cuda.cascade import SharedPrefixBatch
 
-    prefix, batch, hq, hkv = 32768, 256, 32, 32
-    t = make_batch(prefix, 1, 16, hkv, torch.float16)
-    q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
     rows = []
-    for cfg in ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-                {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-                {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-                {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
-                {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}):
-        for splits in (2, 4, 8, 16):
-            chunk = -(-prefix // splits)
-            o = torch.empty(batch, splits, hq, D, device="cuda", dtype=torch.float32)
-            lse = torch.empty(batch, splits, hq, device="cuda", dtype=torch.float32)
-            try:
-                ms = timer.median_ms(lambda: ops.launch_shared_prefix(
-                    q, t["cache"], t["prefix_indices"], prefix, o, lse, 0, splits, chunk,
-                    D ** -0.5, config=cfg))
-            except Exception as exc:  # a config the compiler rejects (e.g. shared memory)
-                log(f"prefix sweep {cfg} splits={splits}: failed: {type(exc).__name__}")
-                continue
-            tflops = 4.0 * batch * hq * prefix * D / (ms * 1e-3) / 1e12
-            rows.append(dict(config=cfg, splits=splits, ms=ms, tflops=tflops))
-            log(f"prefix sweep {cfg} splits={splits}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+    for hq, hkv in HEADS:
+        batch, length, n = 64, 4096, 4096 // PAGE
+        cache = torch.randn(batch * n, 2, PAGE, hkv, D, device="cuda", dtype=torch.float16)
+        indices = torch.randperm(batch * n, device="cuda").to(torch.int32)
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * n
+        last = torch.full((batch,), PAGE, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
+        out = torch.empty_like(q).unsqueeze(1)
+        lse = torch.empty(batch, 1, hq, device="cuda", dtype=torch.float32)
+        nbytes = batch * length * 2 * hkv * D * 2
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = timer.median_ms(lambda: ops.launch_decode(
+                            q, cache, indptr, indices, last, out, lse, 0, 1, length, D ** -0.5,
+                            config=cfg))
+                    except Exception as exc:
+                        log(f"decode sweep {hq}/{hkv} {cfg}: failed: {type(exc).__name__}")
+                        continue
+                    rows.append(dict(kind="decode", hq=hq, hkv=hkv, config=cfg, ms=ms,
+                                     bw_frac=nbytes / (ms * 1e-3) / HBM_PEAK))
+                    log(f"decode sweep {hq}/{hkv} {cfg}: {ms:.3f} ms, "
+                        f"{100 * rows[-1]['bw_frac']:.1f}% of peak")
+        del cache
+    for hq, hkv in HEADS:
+        prefix, batch, suffix = 32768, 256, 128
+        t = make_batch(prefix, batch, suffix, hkv, torch.float16)
+        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
+        configs = [dict(PRE_BLOCK_N=pbn, DEC_BLOCK_N=64, num_warps=w, num_stages=st)
+                   for pbn in (64, 128) for w in (4, 8) for st in (2, 3)]
+        for cfg in configs:
+            for splits in (1, 2, 4, 8):
+                plan = SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"],
+                                         t["suffix_indices"], t["suffix_last"], num_qo_heads=hq,
+                                         num_kv_heads=hkv, head_dim=D, page_size=PAGE,
+                                         path="cascade", config=cfg, prefix_splits=splits)
+                try:
+                    ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
+                except Exception as exc:
+                    log(f"cascade sweep {hq}/{hkv} {cfg} splits={splits}: failed: "
+                        f"{type(exc).__name__}")
+                    continue
+                rows.append(dict(kind="cascade", hq=hq, hkv=hkv, config=cfg, splits=splits,
+                                 ms=ms))
+                log(f"cascade sweep {hq}/{hkv} {cfg} splits={splits}: {ms:.3f} ms")
+        del t
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -335,7 +363,7 @@ def main() -> int:
         result["merge_check"] = check_flashinfer_merge(fi, log)
     result["decode_bandwidth"] = run_decode_bandwidth(timer, fi, log)
     if not args.skip_sweep:
-        result["prefix_sweep"] = run_prefix_sweep(timer, log)
+        result["sweeps"] = run_sweeps(timer, log)
     result["points"] = run_grid(timer, fi, log)
     result["seconds"] = time.time() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)

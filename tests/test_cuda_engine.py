@@ -45,6 +45,24 @@ def test_engine_forward_matches_transformers(tiny_llama):
     assert rel < 1e-2, rel
 
 
+def _assert_same_up_to_ties(engine, prompt, branches, got, want, rel_tie=0.02):
+    """Token lists must be equal, except that they may part at an exact near-tie of the model.
+
+    Cascade and plain decode add the same fp32 terms in a different order, so their fp16 outputs
+    can differ in the last bit; on a random model two logits can be that close. At the first
+    difference both tokens must be within ``rel_tie`` logit-std of each other in a full causal
+    recompute; after it the branches legitimately continue differently.
+    """
+    for b, g, w in zip(branches, got, want):
+        if g == w:
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(g, w)) if x != y)
+        seq = prompt + b + g[:i]
+        logits = engine.prefill_logits(seq)[-1]
+        gap = (logits[g[i]] - logits[w[i]]).abs()
+        assert gap < rel_tie * logits.std(), (i, gap.item(), logits.std().item())
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cascade_tokens_equal_plain_decode(tiny_llama, page_size, dtype):
@@ -60,14 +78,16 @@ def test_cascade_tokens_equal_plain_decode(tiny_llama, page_size, dtype):
     assert cascade.paths_used == {"cascade": cascade.steps}
     assert plain.paths_used == {"decode": plain.steps}
     assert all(len(t) == 24 for t in cascade.tokens)
-    assert cascade.tokens == plain.tokens
-    assert auto.tokens == plain.tokens
-    # and the tokens are what a full causal recompute picks (up to fp16 near-ties)
+    _assert_same_up_to_ties(engine, prompt, branches, cascade.tokens, plain.tokens)
+    _assert_same_up_to_ties(engine, prompt, branches, auto.tokens, plain.tokens)
+    # the tokens are what a full causal recompute picks (up to near-ties)
     for b, toks in zip(branches, cascade.tokens):
         seq = prompt + b + toks
         logits = engine.prefill_logits(seq[:-1])[len(prompt) + len(b) - 1:]
         picked = logits.gather(1, torch.tensor(toks, device="cuda")[:, None])[:, 0]
-        assert (logits.max(1).values - picked).max() < 0.05 * logits.std()
+        assert ((logits.max(1).values - picked) < 0.05 * logits.std(1)).all()
+    identical = sum(c == p for c, p in zip(cascade.tokens, plain.tokens))
+    print(f"{identical}/{len(branches)} branches token-identical")
 
 
 @pytest.mark.skipif(not os.environ.get("LLAMA_ANE_SMOLLM2_DIR"),

@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
-from .splits import choose_decode_splits, choose_prefix_splits
+from .splits import choose_cascade_prefix_splits, choose_decode_splits
 
 PATHS = ("auto", "cascade", "decode")
 
@@ -28,6 +28,7 @@ class SharedPrefixBatch:
     path : ``"auto"`` (cost model), ``"cascade"`` or ``"decode"``
     cost_model : constants of the auto decision
     sm_scale : default ``1 / sqrt(head_dim)``
+    config, prefix_splits : launch overrides for tuning runs (default: the tuned choices)
 
     Plain decode needs one page list per request, prefix pages first; that requires a prefix that
     ends on a page boundary. Otherwise ``auto`` uses the cascade and ``decode`` is refused.
@@ -37,7 +38,8 @@ class SharedPrefixBatch:
                  suffix_indices: torch.Tensor, suffix_last_page_len: torch.Tensor, *,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  path: str = "auto", cost_model: CostModel = DEFAULT_COST_MODEL,
-                 sm_scale: float | None = None, elem_bytes: int = 2) -> None:
+                 sm_scale: float | None = None, elem_bytes: int = 2,
+                 config: dict | None = None, prefix_splits: int | None = None) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if num_qo_heads % num_kv_heads:
@@ -55,6 +57,7 @@ class SharedPrefixBatch:
         self.sm_scale = ops.default_scale(head_dim) if sm_scale is None else sm_scale
         self.prefix_indices = prefix_indices
         self.suffix = (suffix_indptr, suffix_indices, suffix_last_page_len)
+        self.config = config
 
         indptr_h = suffix_indptr.cpu()
         last_h = suffix_last_page_len.cpu()
@@ -76,8 +79,8 @@ class SharedPrefixBatch:
 
         if path == "cascade":
             rows = self.batch * (num_qo_heads // num_kv_heads)
-            self.prefix_splits, self.prefix_chunk = choose_prefix_splits(
-                rows, ops.prefix_block_m(rows), num_kv_heads, self.prefix_len, sms)
+            self.prefix_splits, self.prefix_chunk = choose_cascade_prefix_splits(
+                rows, ops.prefix_block_m(rows), num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms)
             n_states = self.prefix_splits + self.suffix_splits
@@ -130,12 +133,9 @@ class SharedPrefixBatch:
         if batch == 0:
             return out, lse
         if self.path == "cascade":
-            ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
-                                     self.o_buf, self.lse_buf, 0, self.prefix_splits,
-                                     self.prefix_chunk, self.sm_scale)
-            ops.launch_decode(q, kv_cache, *self.suffix, self.o_buf, self.lse_buf,
-                              self.prefix_splits, self.suffix_splits, self.suffix_chunk,
-                              self.sm_scale)
+            ops.launch_cascade(q, kv_cache, self.prefix_indices, self.prefix_len, *self.suffix,
+                               self.o_buf, self.lse_buf, self.prefix_splits, self.prefix_chunk,
+                               self.suffix_splits, self.suffix_chunk, self.sm_scale, self.config)
             ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
         elif self.decode_splits == 1:
             ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,

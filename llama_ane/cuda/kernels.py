@@ -50,6 +50,84 @@ def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
 
 
 @triton.jit
+def _decode_program(
+    q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len, b, kvh, split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Decode work of one (request ``b``, kv head, split): see ``paged_decode_kernel``."""
+    page_start = tl.load(indptr_ptr + b)
+    page_end = tl.load(indptr_ptr + b + 1)
+    last_len = tl.load(last_len_ptr + b)
+    # an empty request (no pages, last_len <= page_size) comes out as length <= 0
+    seq_len = tl.maximum((page_end - page_start - 1) * PAGE_SIZE + last_len, 0)
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, seq_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_head = kv_ptr + kvh * HEAD_DIM
+    slot = state_offset + split
+    if BLOCK_G == 1:
+        # MHA: one query row per program. 1-D vectors and 2-D reductions keep the loop lean
+        # (a [1, D] x [D, N] product is below the tensor-core tile anyway).
+        q = tl.load(q_ptr + b * stride_qb + kvh * stride_qh + offs_d).to(tl.float32)
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
+            page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
+            rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+            k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                        other=0.0)
+            v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
+            s = tl.where(n_mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            m_i = m_new
+        nonempty = l_i > 0.0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+        o_ptrs = o_ptr + b * stride_ob + slot * stride_os + kvh * stride_oh + offs_d
+        tl.store(o_ptrs, (acc / l_safe).to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + b * stride_lb + slot * stride_ls + kvh, lse)
+    else:
+        offs_g = tl.arange(0, BLOCK_G)
+        g_mask = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
+            page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
+            rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+            k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                        other=0.0)
+            v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+        o_ptrs = o_ptr + b * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
+            + offs_d[None, :]
+        lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
+        _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, g_mask)
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr,
     o_ptr, lse_ptr,
@@ -67,85 +145,25 @@ def paged_decode_kernel(
     once per group. Split ``s`` covers tokens ``[s * chunk_len, (s + 1) * chunk_len)`` and writes
     state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``.
     """
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-
-    page_start = tl.load(indptr_ptr + b)
-    page_end = tl.load(indptr_ptr + b + 1)
-    last_len = tl.load(last_len_ptr + b)
-    # an empty request (no pages, last_len <= page_size) comes out as length <= 0
-    seq_len = tl.maximum((page_end - page_start - 1) * PAGE_SIZE + last_len, 0)
-    start = split * chunk_len
-    end = tl.minimum(start + chunk_len, seq_len)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    kv_head = kv_ptr + kvh * HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        n_mask = tok < end
-        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
-        rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
-        k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                    other=0.0)
-        if BLOCK_G == 1:
-            # MHA: a [1, D] x [D, N] product is below the tensor-core tile; a broadcast
-            # multiply-reduce keeps it in registers.
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))
-        if BLOCK_G == 1:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            m_i = m_new
-        else:
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
-
-    slot = state_offset + split
-    o_ptrs = o_ptr + b * stride_ob + slot * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-    lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
-    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, g_mask)
+    _decode_program(
+        q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
+        stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+        state_offset, sm_scale_log2, chunk_len,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N)
 
 
 @triton.jit
-def shared_prefix_kernel(
-    q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows,
-    o_ptr, lse_ptr,
-    stride_qb, stride_qh,
-    stride_page, stride_kv, stride_tok,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls,
-    state_offset, sm_scale_log2, chunk_len,
+def _prefix_program(
+    q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len, mb, kvh, split,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """All queries against one shared paged KV sequence (multi-query attention with LSE).
-
-    Rows are (request, query head within the kv group) pairs, ``row = b * GROUP + g``, so a tile
-    of ``BLOCK_M`` rows turns the shared prefix into a dense matrix product on the tensor cores.
-    Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
-    same KV chunk run at the same time and share it through L2.
-    """
-    mb = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-
+    """Shared-prefix work of one (row block, kv head, split): see ``shared_prefix_kernel``."""
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = rows < n_rows
     b = rows // GROUP
@@ -181,6 +199,86 @@ def shared_prefix_kernel(
 
 
 @triton.jit
+def shared_prefix_kernel(
+    q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows,
+    o_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """All queries against one shared paged KV sequence (multi-query attention with LSE).
+
+    Rows are (request, query head within the kv group) pairs, ``row = b * GROUP + g``, so a tile
+    of ``BLOCK_M`` rows turns the shared prefix into a dense matrix product on the tensor cores.
+    Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
+    same KV chunk run at the same time and share it through L2.
+    """
+    _prefix_program(
+        q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
+        stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+        stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+        state_offset, sm_scale_log2, chunk_len,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def cascade_kernel(
+    q_ptr, kv_ptr, prefix_indices_ptr, prefix_len, n_rows,
+    indptr_ptr, indices_ptr, last_len_ptr,
+    o_ptr, lse_ptr,
+    stride_qb, stride_qh,
+    stride_page, stride_kv, stride_tok,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    sm_scale_log2, prefix_chunk, suffix_chunk,
+    n_row_blocks, prefix_splits, n_prefix, batch, suffix_splits, n_suffix, n_pairs,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRE_BLOCK_N: tl.constexpr,
+    DEC_BLOCK_N: tl.constexpr,
+):
+    """Both levels of the cascade in one launch: shared-prefix tiles and suffix decode programs.
+
+    The prefix tiles are bound by the tensor cores, the suffix programs by HBM; in one grid they
+    share the SMs and overlap instead of running one after the other. The first ``2 * n_pairs``
+    programs alternate prefix, suffix, prefix, ... so every SM starts with one of each; the rest
+    are whichever kind is left. Prefix splits write state slots ``[0, prefix_splits)``, suffix
+    splits the slots after them; ``merge_states_kernel`` finishes.
+    """
+    pid = tl.program_id(0)
+    if pid < 2 * n_pairs:
+        is_prefix = pid % 2 == 0
+        idx = pid // 2
+    else:
+        is_prefix = n_prefix > n_pairs
+        idx = n_pairs + pid - 2 * n_pairs
+    if is_prefix:
+        mb = idx % n_row_blocks
+        rest = idx // n_row_blocks
+        _prefix_program(
+            q_ptr, kv_ptr, prefix_indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
+            stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+            stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+            0, sm_scale_log2, prefix_chunk,
+            mb, rest // prefix_splits, rest % prefix_splits,
+            GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, PRE_BLOCK_N)
+    else:
+        b = idx % batch
+        rest = idx // batch
+        _decode_program(
+            q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
+            stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+            stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+            prefix_splits, sm_scale_log2, suffix_chunk,
+            b, rest // suffix_splits, rest % suffix_splits,
+            GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, DEC_BLOCK_N)
+
+
+@triton.jit
 def tree_attention_kernel(
     q_ptr, kv_ptr, tok_loc_ptr,
     item_tok_start_ptr, item_tok_len_ptr, item_pair_start_ptr, item_nq_ptr, item_full_ptr,
@@ -198,7 +296,8 @@ def tree_attention_kernel(
     A work item is one fixed-size block of the flattened tree KV together with up to
     ``BLOCK_M // GROUP`` of the queries that see any of its tokens. The block is loaded once for
     all of them; a per-(block, query) bitmask of ``MASK_WORDS`` int32 words says which of its
-    tokens each query may attend to (skipped when the whole item sees the whole block). Each
+    tokens each query may attend to (a separate loop without it when the whole item sees the
+    whole block, as for the shared prompt). Each
     (block, query) pair writes its state to ``slot = pair_slot[pair]``; the slots of one query are
     contiguous, so a varlen merge finishes the job.
     """
@@ -225,23 +324,36 @@ def tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_head = kv_ptr + kvh * HEAD_DIM
-    need_mask = full == 0
-    for n0 in range(0, tlen, BLOCK_N):
-        j = n0 + offs_n
-        n_mask = j < tlen
-        loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
-        krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
-        k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        # Masked loads move no memory, so a fully visible item pays nothing for the bitmask; the
-        # fill value -1 has every bit set.
-        words = tl.load(mask_ptr + pair[:, None].to(tl.int64) * MASK_WORDS + (j // 32)[None, :],
-                        mask=need_mask & r_mask[:, None] & n_mask[None, :], other=-1)
-        visible = ((words >> (j % 32)[None, :]) & 1) != 0
-        s = tl.where(visible & n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+    if full != 0:
+        # every query of the item sees the whole block (the shared prompt): no bitmask work
+        for n0 in range(0, tlen, BLOCK_N):
+            j = n0 + offs_n
+            n_mask = j < tlen
+            loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
+            krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
+            k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                        other=0.0)
+            v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+    else:
+        for n0 in range(0, tlen, BLOCK_N):
+            j = n0 + offs_n
+            n_mask = j < tlen
+            loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
+            krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
+            k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                        other=0.0)
+            v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+            words = tl.load(mask_ptr + pair[:, None].to(tl.int64) * MASK_WORDS
+                            + (j // 32)[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                            other=0)
+            visible = ((words >> (j % 32)[None, :]) & 1) != 0
+            s = tl.where(visible & n_mask[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
 
     slot = tl.load(pair_slot_ptr + pair, mask=r_mask, other=0).to(tl.int64)
     o_ptrs = o_ptr + slot[:, None] * stride_op + heads[:, None] * stride_oh + offs_d[None, :]

@@ -89,8 +89,14 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def decode_config(group: int, head_dim: int) -> dict:
+    """Launch parameters of the decode kernel (see benchmarks/results/cuda_notes.md)."""
+    return dict(BLOCK_N=64 if head_dim == 128 else 128, num_warps=4, num_stages=3)
+
+
 def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, state_offset: int,
-                  num_splits: int, chunk_len: int, sm_scale: float) -> None:
+                  num_splits: int, chunk_len: int, sm_scale: float,
+                  config: dict | None = None) -> None:
     """Launch the paged decode kernel into state slots ``[state_offset, state_offset + splits)``.
 
     ``o_buf`` is ``[batch, slots, Hq, D]`` (or ``[batch, Hq, D]`` viewed with one slot) and
@@ -99,8 +105,7 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
-    block_g = _decode_block_g(group)
-    block_n = 64 if d == 128 else 128
+    cfg = decode_config(group, d) if config is None else config
     grid = (batch, hkv, num_splits)
     kernels.paged_decode_kernel[grid](
         q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf,
@@ -109,8 +114,42 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         lse_buf.stride(0), lse_buf.stride(1),
         state_offset, sm_scale * LOG2E, chunk_len,
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_N=block_n,
-        num_warps=4, num_stages=3,
+        GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def cascade_config(block_m: int) -> dict:
+    """Launch parameters of the one-launch cascade kernel (see cuda_notes.md)."""
+    return dict(PRE_BLOCK_N=64, DEC_BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def launch_cascade(q, kv_cache, prefix_indices, prefix_len: int, indptr, indices, last_page_len,
+                   o_buf, lse_buf, prefix_splits: int, prefix_chunk: int, suffix_splits: int,
+                   suffix_chunk: int, sm_scale: float, config: dict | None = None) -> None:
+    """Launch both cascade levels as one grid into state slots ``[0, prefix + suffix splits)``."""
+    batch, hq, d = q.shape
+    _, _, page_size, hkv, _ = kv_cache.shape
+    group = hq // hkv
+    n_rows = batch * group
+    block_m = prefix_block_m(n_rows)
+    cfg = cascade_config(block_m) if config is None else config
+    n_row_blocks = triton.cdiv(n_rows, block_m)
+    n_prefix = n_row_blocks * hkv * prefix_splits
+    n_suffix = batch * hkv * suffix_splits
+    kernels.cascade_kernel[(n_prefix + n_suffix,)](
+        q, kv_cache, prefix_indices, prefix_len, n_rows, indptr, indices, last_page_len,
+        o_buf, lse_buf,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+        lse_buf.stride(0), lse_buf.stride(1),
+        sm_scale * LOG2E, prefix_chunk, suffix_chunk,
+        n_row_blocks, prefix_splits, n_prefix, batch, suffix_splits, n_suffix,
+        min(n_prefix, n_suffix),
+        GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, PRE_BLOCK_N=cfg["PRE_BLOCK_N"], DEC_BLOCK_N=cfg["DEC_BLOCK_N"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -121,7 +160,7 @@ def prefix_block_m(n_rows: int) -> int:
 
 def prefix_config(block_m: int) -> dict:
     """Launch parameters of the shared-prefix kernel for a row tile (see cuda_notes.md)."""
-    return dict(BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, lse_buf,
