@@ -13,7 +13,7 @@ let package = Package(
         .executableTarget(name: "llama-ane-swift", dependencies: ["LlamaANE"]),
         .testTarget(
             name: "LlamaANETests",
-            dependencies: ["LlamaANE"],
+            dependencies: ["LlamaANE", "llama-ane-swift"],
             exclude: ["Fixtures"]
         ),
     ]

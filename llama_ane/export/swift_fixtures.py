@@ -15,7 +15,7 @@ Nothing in those fixtures is written by hand:
   transformers renders them.
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
-  names), made with :func:`llama_ane.export.export_model`.
+  names), made with :func:`llama_ane.export.api.export_model`.
 
 Run ``python -m llama_ane.export.swift_fixtures DIR`` (CI uses
 ``swift_host/Tests/LlamaANETests/Fixtures``), or ``llama-ane export ... --swift-fixtures DIR``.
@@ -437,7 +437,7 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
 
 def write_manifest_fixture(fixtures_dir: Path) -> Path:
     """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``."""
-    from llama_ane.export import export_model
+    from llama_ane.export.api import export_model
     from llama_ane.testing import make_tiny_checkpoint
 
     out = Path(fixtures_dir) / "export"
@@ -446,7 +446,8 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny")
         export_model(checkpoint, out, context_length=64, prefill_length=8, layers_per_chunk=1,
-                     target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+                     branch_width=2, suffix_length=32, target="iOS18", precision="fp16", force=True,
+                     verify=False, progress=False)
     if not (out / "manifest.json").is_file():
         raise FileNotFoundError(f"the exporter wrote no manifest.json into {out}")
     return out

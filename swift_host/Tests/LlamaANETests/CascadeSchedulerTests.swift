@@ -7,33 +7,6 @@ final class CascadeSchedulerTests: XCTestCase {
     private let eos = 2
     private let prefix = [11, 12, 13, 14, 15]
 
-    /// Decodes one branch alone with the same model: what every grouping must reproduce.
-    private func alone(_ r: BranchRequest, suffixCapacity: Int) -> BranchResult {
-        var sampler = Sampler(r.sampling)
-        var suffix: [Int] = []
-        var out: [Int] = []
-        var toFeed = r.forcedTokens
-        if r.maxNewTokens <= 0 { return BranchResult(tokens: [], stopReason: .maxTokens) }
-        func take(_ logits: [Float]) -> BranchStopReason? {
-            let t = sampler.sample(logits)
-            out.append(t)
-            if t == eos { return .endOfSequence }
-            if out.count >= r.maxNewTokens { return .maxTokens }
-            toFeed = [t]
-            return nil
-        }
-        if toFeed.isEmpty, let stop = take(FakeModel.logits(prefix, vocab: vocab, eos: eos)) {
-            return BranchResult(tokens: out, stopReason: stop)
-        }
-        while true {
-            if suffix.count >= suffixCapacity { return BranchResult(tokens: out, stopReason: .suffixFull) }
-            suffix.append(toFeed.removeFirst())
-            if toFeed.isEmpty, let stop = take(FakeModel.logits(prefix + suffix, vocab: vocab, eos: eos)) {
-                return BranchResult(tokens: out, stopReason: stop)
-            }
-        }
-    }
-
     private func requests() -> [BranchRequest] {
         (0..<7).map { i in
             BranchRequest(forcedTokens: i % 3 == 0 ? [] : Array(repeating: 20 + i, count: i % 3),
@@ -44,7 +17,9 @@ final class CascadeSchedulerTests: XCTestCase {
 
     func testEveryGroupingEqualsDecodingEachBranchAlone() async throws {
         let suffixCapacity = 16
-        let expected = requests().map { alone($0, suffixCapacity: suffixCapacity) }
+        let expected = requests().map {
+            FakeModel.decodeAlone(prefix: prefix, $0, suffixCapacity: suffixCapacity, vocab: vocab, eos: eos)
+        }
         XCTAssertTrue(expected.contains { $0.stopReason == .endOfSequence }, "the fixture should exercise EOS")
         XCTAssertTrue(expected.contains { $0.stopReason == .suffixFull }, "the fixture should exercise a full suffix")
 

@@ -58,4 +58,32 @@ enum FakeModel {
         }
         return out
     }
+
+    /// Decodes one cascade branch alone (prefix + its own tokens, recomputed each step): what every
+    /// grouping and every pipeline must reproduce.
+    static func decodeAlone(prefix: [Int], _ r: BranchRequest, suffixCapacity: Int, vocab: Int, eos: Int) -> BranchResult {
+        var sampler = Sampler(r.sampling)
+        var suffix: [Int] = []
+        var out: [Int] = []
+        var toFeed = r.forcedTokens
+        if r.maxNewTokens <= 0 { return BranchResult(tokens: [], stopReason: .maxTokens) }
+        func take(_ logits: [Float]) -> BranchStopReason? {
+            let t = sampler.sample(logits)
+            out.append(t)
+            if t == eos { return .endOfSequence }
+            if out.count >= r.maxNewTokens { return .maxTokens }
+            toFeed = [t]
+            return nil
+        }
+        if toFeed.isEmpty, let stop = take(logits(prefix, vocab: vocab, eos: eos)) {
+            return BranchResult(tokens: out, stopReason: stop)
+        }
+        while true {
+            if suffix.count >= suffixCapacity { return BranchResult(tokens: out, stopReason: .suffixFull) }
+            suffix.append(toFeed.removeFirst())
+            if toFeed.isEmpty, let stop = take(logits(prefix + suffix, vocab: vocab, eos: eos)) {
+                return BranchResult(tokens: out, stopReason: stop)
+            }
+        }
+    }
 }

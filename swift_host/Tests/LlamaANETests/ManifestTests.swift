@@ -49,7 +49,7 @@ final class ManifestTests: XCTestCase {
         let prefill = try manifest.function("embeddings", "prefill")
         XCTAssertEqual(prefill.input("input_ids")?.shape, [1, manifest.prefillLength])
         let mask = try XCTUnwrap(prefill.output("mask"))
-        XCTAssertEqual(mask.shape, [1, manifest.contextLength + manifest.prefillLength, 1, manifest.prefillLength])
+        XCTAssertEqual(mask.shape, [1, 1, manifest.prefillLength, manifest.contextLength + manifest.prefillLength])
         for chunk in manifest.chunks {
             let decode = try manifest.function(chunk.model, "decode")
             XCTAssertEqual(decode.input("k_cache")?.shape,

@@ -2,49 +2,56 @@
 import CoreML
 import Foundation
 
-/// The exported Core ML programs behind `PipelineBackend`: embeddings, the block chunks, the LM
-/// head and the cache-update functions, with every tensor preallocated once.
+/// The exported Core ML programs behind `BranchBackend`: embeddings, the block chunks, the LM head
+/// and the cache-update functions of each phase, with every tensor preallocated once.
 ///
 /// Nothing is copied between stages: each stage writes into IOSurface-backed arrays given as
 /// `outputBackings`, and the next stage reads them as inputs. Activations ping-pong between two
-/// hidden-state buffers. Each chunk's cache is double-buffered: the cache update reads the current
-/// buffer and writes the other, which becomes current when it finishes.
-public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
+/// hidden-state buffers. Caches (the prefix K/V and, for cascades, the branches' suffix K/V) are
+/// double-buffered: a cache update reads the current buffer, writes the other (its outputs
+/// `X_out` back input `X`), and the two swap when it finishes.
+///
+/// Tensors are wired by the names in the manifest: a chunk input comes from the embeddings'
+/// outputs of the same name, the chunk's caches, or the previous stage's hidden states.
+public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
     public struct Activations {
         let hidden: MLMultiArray
         let slot: Int
     }
 
-    /// The functions and buffers of one phase (prefill or decode).
+    /// The functions and buffers of one phase.
     private struct Stage {
         let embeddings: MLModel
         let chunks: [MLModel]
-        let cacheUpdates: [MLModel]
+        let updates: [MLModel]
         let lmHead: MLModel
+        let embeddingsFunction: Manifest.Function
         let chunkFunctions: [Manifest.Function]
         let updateFunctions: [Manifest.Function]
-        let lmHeadFunction: Manifest.Function
-        let inputIds: MLMultiArray
-        let position: MLMultiArray
+        /// The embeddings' int32 inputs (input_ids, position(s), prefix_length), by name.
+        let intInputs: [String: MLMultiArray]
         let hidden: [MLMultiArray]
-        /// Embedding outputs other than the hidden states (cos, sin, mask), by name.
+        /// Embedding outputs other than the hidden states (cos, sin, masks), by name.
         let shared: [String: MLMultiArray]
-        /// Per chunk, the outputs other than the hidden states (k_new, v_new), by name.
+        /// Per chunk, its outputs other than the hidden states (k_new, v_new), by name.
         let chunkOutputs: [[String: MLMultiArray]]
         /// The LM head's logits outputs in vocabulary order.
         let logits: [(name: String, array: MLMultiArray)]
     }
 
-    /// One chunk's K and V caches, double-buffered.
-    private final class ChunkCache: @unchecked Sendable {
+    /// Double-buffered cache tensors of one chunk, by input name ("k_cache", "v_cache", ...).
+    private final class CacheBuffers: @unchecked Sendable {
         private let lock = NSLock()
-        private var buffers: [[String: MLMultiArray]]
+        private let buffers: [[String: MLMultiArray]]
         private var current = 0
 
-        init(_ buffers: [[String: MLMultiArray]]) { self.buffers = buffers }
+        init(_ specs: [Manifest.TensorSpec]) throws {
+            buffers = try (0..<2).map { _ in
+                try Dictionary(uniqueKeysWithValues: specs.map { ($0.name, try CoreMLArrays.make($0)) })
+            }
+        }
 
-        /// (current, spare) buffers by input name ("k_cache", "v_cache").
         func pair() -> (current: [String: MLMultiArray], spare: [String: MLMultiArray]) {
             lock.lock(); defer { lock.unlock() }
             return (buffers[current], buffers[1 - current])
@@ -61,38 +68,40 @@ public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
 
     public let manifest: Manifest
     private let stages: [Phase: Stage]
-    private let caches: [ChunkCache]
+    private let prefixCaches: [CacheBuffers]
+    private let suffixCaches: [CacheBuffers]
 
     public var chunkCount: Int { manifest.chunks.count }
+    public var branchWidth: Int { stages[.decodeBranches] == nil ? 0 : manifest.branchWidth ?? 0 }
+    public var suffixLength: Int { manifest.suffixLength ?? 0 }
 
     /// Loads every function the manifest names (compiling packages on first use) and allocates
-    /// all buffers.
+    /// all buffers. The cascade phase is loaded when the export has one.
     public static func load(manifest: Manifest, store: CoreMLModelStore) async throws -> CoreMLBackend {
         var stages: [Phase: Stage] = [:]
-        for phase in Phase.allCases { stages[phase] = try await makeStage(phase, manifest: manifest, store: store) }
-        var caches: [ChunkCache] = []
-        for chunk in manifest.chunks {
-            let decode = try manifest.function(chunk.model, Phase.decode.rawValue)
-            var sets: [[String: MLMultiArray]] = []
-            for _ in 0..<2 {
-                var set: [String: MLMultiArray] = [:]
-                for name in [TensorNames.kCache, TensorNames.vCache] {
-                    guard let spec = decode.input(name) else {
-                        throw CoreMLPipelineError.unwiredInput(model: chunk.model, input: name)
-                    }
-                    set[name] = try CoreMLArrays.make(spec)
-                }
-                sets.append(set)
-            }
-            caches.append(ChunkCache(sets))
-        }
-        return CoreMLBackend(manifest: manifest, stages: stages, caches: caches)
+        let phases: [Phase] = (manifest.branchWidth ?? 0) > 0 ? Phase.allCases : [.prefill, .decode]
+        for phase in phases { stages[phase] = try await makeStage(phase, manifest: manifest, store: store) }
+        let prefix = try stages[.decode]!.updateFunctions.map { try CacheBuffers(stateSpecs(of: $0)) }
+        let suffix = try (stages[.decodeBranches]?.updateFunctions ?? []).map { try CacheBuffers(stateSpecs(of: $0)) }
+        return CoreMLBackend(manifest: manifest, stages: stages, prefixCaches: prefix, suffixCaches: suffix)
     }
 
-    private init(manifest: Manifest, stages: [Phase: Stage], caches: [ChunkCache]) {
+    private init(manifest: Manifest, stages: [Phase: Stage], prefixCaches: [CacheBuffers], suffixCaches: [CacheBuffers]) {
         self.manifest = manifest
         self.stages = stages
-        self.caches = caches
+        self.prefixCaches = prefixCaches
+        self.suffixCaches = suffixCaches
+    }
+
+    /// The cache tensors a cache-update function rewrites: the inputs X it has an output X_out for.
+    private static func stateSpecs(of update: Manifest.Function) throws -> [Manifest.TensorSpec] {
+        try update.outputs.map { out in
+            let name = String(out.name.dropLast(TensorNames.updatedSuffix.count))
+            guard out.name.hasSuffix(TensorNames.updatedSuffix), let spec = update.input(name) else {
+                throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: out.name)
+            }
+            return spec
+        }
     }
 
     private static func makeStage(_ phase: Phase, manifest: Manifest, store: CoreMLModelStore) async throws -> Stage {
@@ -106,7 +115,6 @@ public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
             }
             return try manifest.function("cache_update", name)
         }
-
         var shared: [String: MLMultiArray] = [:]
         var hidden: [MLMultiArray] = []
         for spec in embeddingsFunction.outputs {
@@ -123,25 +131,25 @@ public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
             try Dictionary(uniqueKeysWithValues: f.outputs.filter { $0.name != TensorNames.hiddenStatesOut }
                 .map { ($0.name, try CoreMLArrays.make($0)) })
         }
+        func splitIndex(_ name: String) -> Int { Int(name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
         let logits = try lmHeadFunction.outputs.filter { $0.name.hasPrefix(TensorNames.logitsPrefix) }
-            .sorted { Int($0.name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 < Int($1.name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
+            .sorted { splitIndex($0.name) < splitIndex($1.name) }
             .map { (name: $0.name, array: try CoreMLArrays.make($0)) }
-        guard let idsSpec = embeddingsFunction.input(TensorNames.inputIds),
-              let positionSpec = embeddingsFunction.input(TensorNames.position) else {
-            throw CoreMLPipelineError.unwiredInput(model: "embeddings", input: "\(TensorNames.inputIds)/\(TensorNames.position)")
-        }
+        let intInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
 
         var chunks: [MLModel] = [], updates: [MLModel] = []
         for f in chunkFunctions { chunks.append(try await store.model(for: f)) }
         for f in updateFunctions { updates.append(try await store.model(for: f)) }
-        return Stage(embeddings: try await store.model(for: embeddingsFunction), chunks: chunks, cacheUpdates: updates,
-                     lmHead: try await store.model(for: lmHeadFunction), chunkFunctions: chunkFunctions,
-                     updateFunctions: updateFunctions, lmHeadFunction: lmHeadFunction,
-                     inputIds: try CoreMLArrays.make(idsSpec), position: try CoreMLArrays.make(positionSpec),
+        return Stage(embeddings: try await store.model(for: embeddingsFunction), chunks: chunks, updates: updates,
+                     lmHead: try await store.model(for: lmHeadFunction), embeddingsFunction: embeddingsFunction,
+                     chunkFunctions: chunkFunctions, updateFunctions: updateFunctions, intInputs: intInputs,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
 
-    private func stage(_ phase: Phase) -> Stage { stages[phase]! }
+    private func stage(_ phase: Phase) throws -> Stage {
+        guard let s = stages[phase] else { throw GenerationError.noBranchWidth }
+        return s
+    }
 
     /// Runs one prediction whose outputs land in `backings`.
     private func predict(_ model: MLModel, inputs: [String: MLMultiArray], backings: [String: MLMultiArray]) async throws {
@@ -155,25 +163,30 @@ public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
         }
     }
 
-    public func embed(_ window: TokenWindow) async throws -> Activations {
-        let s = stage(window.phase)
-        CoreMLArrays.write(window.tokens, into: s.inputIds)
-        CoreMLArrays.write([Int32(window.position)], into: s.position)
+    /// embeddings(phase) with the given int32 inputs, into hidden buffer 0 and the shared outputs.
+    private func embed(_ phase: Phase, _ values: [String: [Int32]]) async throws -> Activations {
+        let s = try stage(phase)
+        for spec in s.embeddingsFunction.inputs {
+            guard let v = values[spec.name], let array = s.intInputs[spec.name] else {
+                throw CoreMLPipelineError.unwiredInput(model: "embeddings", input: spec.name)
+            }
+            CoreMLArrays.write(v, into: array)
+        }
         var backings = s.shared
         backings[TensorNames.hiddenStates] = s.hidden[0]
-        try await predict(s.embeddings, inputs: [TensorNames.inputIds: s.inputIds, TensorNames.position: s.position],
-                          backings: backings)
+        try await predict(s.embeddings, inputs: s.intInputs, backings: backings)
         return Activations(hidden: s.hidden[0], slot: 0)
     }
 
-    public func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations {
-        let s = stage(phase)
-        let cache = caches[index].pair().current
+    private func chunk(_ index: Int, _ input: Activations, _ phase: Phase) async throws -> Activations {
+        let s = try stage(phase)
+        let prefix = prefixCaches[index].pair().current
+        let suffix = phase == .decodeBranches ? suffixCaches[index].pair().current : [:]
         var inputs: [String: MLMultiArray] = [:]
         for spec in s.chunkFunctions[index].inputs {
             if spec.name == TensorNames.hiddenStates {
                 inputs[spec.name] = input.hidden
-            } else if let array = cache[spec.name] ?? s.shared[spec.name] {
+            } else if let array = prefix[spec.name] ?? suffix[spec.name] ?? s.shared[spec.name] {
                 inputs[spec.name] = array
             } else {
                 throw CoreMLPipelineError.unwiredInput(model: manifest.chunks[index].model, input: spec.name)
@@ -186,45 +199,99 @@ public final class CoreMLBackend: PipelineBackend, @unchecked Sendable {
         return out
     }
 
-    public func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
-        let s = stage(phase)
-        let (current, spare) = caches[index].pair()
-        // Its own position array: the next window's embeddings may run while this update does.
-        guard let positionSpec = s.updateFunctions[index].input(TensorNames.position) else {
-            throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: TensorNames.position)
-        }
-        let positionArray = try CoreMLArrays.make(positionSpec)
-        CoreMLArrays.write([Int32(position)], into: positionArray)
-        var inputs: [String: MLMultiArray] = [TensorNames.position: positionArray]
-        for spec in s.updateFunctions[index].inputs where spec.name != TensorNames.position {
-            guard let array = current[spec.name] ?? s.chunkOutputs[index][spec.name] else {
+    /// cache_update(phase) of chunk `index`: reads `cache`'s current buffers and the chunk's new
+    /// K/V, writes the spare buffers, then swaps them.
+    private func update(_ index: Int, _ phase: Phase, _ cache: CacheBuffers, _ values: [String: [Int32]]) async throws {
+        let s = try stage(phase)
+        let function = s.updateFunctions[index]
+        let (current, spare) = cache.pair()
+        var inputs: [String: MLMultiArray] = [:]
+        for spec in function.inputs {
+            if let v = values[spec.name] {
+                // Its own small array: the next window's embeddings may run while this update does.
+                let array = try CoreMLArrays.make(spec)
+                CoreMLArrays.write(v, into: array)
+                inputs[spec.name] = array
+            } else if let array = current[spec.name] ?? s.chunkOutputs[index][spec.name] {
+                inputs[spec.name] = array
+            } else {
                 throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: spec.name)
             }
-            inputs[spec.name] = array
         }
-        guard let k = spare[TensorNames.kCache], let v = spare[TensorNames.vCache] else {
-            throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: TensorNames.kCache)
+        var backings: [String: MLMultiArray] = [:]
+        for spec in function.outputs {
+            guard let array = spare[String(spec.name.dropLast(TensorNames.updatedSuffix.count))] else {
+                throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: spec.name)
+            }
+            backings[spec.name] = array
         }
-        try await predict(s.cacheUpdates[index], inputs: inputs,
-                          backings: [TensorNames.kCacheOut: k, TensorNames.vCacheOut: v])
-        caches[index].swap()
+        try await predict(s.updates[index], inputs: inputs, backings: backings)
+        cache.swap()
+    }
+
+    /// lm_head(phase): the logits of each requested window column, all vocabulary splits concatenated.
+    private func logits(_ input: Activations, _ phase: Phase, columns: [Int]) async throws -> [[Float]] {
+        let s = try stage(phase)
+        try await predict(s.lmHead, inputs: [TensorNames.hiddenStates: input.hidden],
+                          backings: Dictionary(uniqueKeysWithValues: s.logits.map { ($0.name, $0.array) }))
+        return try columns.map { column in
+            var out: [Float] = []
+            out.reserveCapacity(manifest.config.vocabSize)
+            for (_, array) in s.logits { CoreMLArrays.appendColumn(array, column: column, to: &out) }
+            guard out.count == manifest.config.vocabSize else {
+                throw GenerationError.badLogits(expected: manifest.config.vocabSize, got: out.count)
+            }
+            return out
+        }
+    }
+
+    // MARK: PipelineBackend
+
+    public func embed(_ window: TokenWindow) async throws -> Activations {
+        try await embed(window.phase, [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]])
+    }
+
+    public func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations {
+        try await chunk(index, input, phase)
+    }
+
+    public func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
+        try await update(index, phase, prefixCaches[index], [TensorNames.position: [Int32(position)]])
     }
 
     public func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float] {
-        let s = stage(phase)
-        try await predict(s.lmHead, inputs: [TensorNames.hiddenStates: input.hidden],
-                          backings: Dictionary(uniqueKeysWithValues: s.logits.map { ($0.name, $0.array) }))
-        var out: [Float] = []
-        out.reserveCapacity(manifest.config.vocabSize)
-        for (_, array) in s.logits { CoreMLArrays.appendColumn(array, column: column, to: &out) }
-        guard out.count == manifest.config.vocabSize else {
-            throw GenerationError.badLogits(expected: manifest.config.vocabSize, got: out.count)
-        }
-        return out
+        try await logits(input, phase, columns: [column])[0]
     }
 
     public func resetCaches() async throws {
-        caches.forEach { $0.zero() }
+        prefixCaches.forEach { $0.zero() }
+        suffixCaches.forEach { $0.zero() }
+    }
+
+    // MARK: BranchBackend
+
+    public func embedBranches(_ step: BranchStep) async throws -> Activations {
+        try await embed(.decodeBranches, [
+            TensorNames.inputIds: step.tokens,
+            TensorNames.positions: step.suffixPositions.map { Int32(step.prefixLength + $0) },
+            TensorNames.prefixLength: [Int32(step.prefixLength)],
+        ])
+    }
+
+    public func runBranchChunk(_ index: Int, _ input: Activations) async throws -> Activations {
+        try await chunk(index, input, .decodeBranches)
+    }
+
+    public func updateSuffix(_ index: Int, suffixPositions: [Int32]) async throws {
+        try await update(index, .decodeBranches, suffixCaches[index], [TensorNames.suffixPositions: suffixPositions])
+    }
+
+    public func branchLogits(_ input: Activations) async throws -> [[Float]] {
+        try await logits(input, .decodeBranches, columns: Array(0..<branchWidth))
+    }
+
+    public func resetSuffixes() async throws {
+        suffixCaches.forEach { $0.zero() }
     }
 }
 #endif

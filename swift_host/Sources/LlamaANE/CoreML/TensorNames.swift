@@ -3,6 +3,9 @@
 enum TensorNames {
     static let inputIds = "input_ids"
     static let position = "position"
+    static let positions = "positions"
+    static let prefixLength = "prefix_length"
+    static let suffixPositions = "suffix_positions"
     static let hiddenStates = "hidden_states"
     static let hiddenStatesOut = "hidden_states_out"
     static let kCache = "k_cache"
@@ -10,4 +13,6 @@ enum TensorNames {
     static let kCacheOut = "k_cache_out"
     static let vCacheOut = "v_cache_out"
     static let logitsPrefix = "logits_"
+    /// A cache-update output `X_out` is the new value of its input `X`.
+    static let updatedSuffix = "_out"
 }

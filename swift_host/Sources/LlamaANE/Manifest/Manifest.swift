@@ -22,6 +22,8 @@ public struct Manifest: Codable, Equatable, Sendable {
     public var prefillLength: Int
     /// Branches B of the "decode_branches" functions; nil or 0 when the export has none.
     public var branchWidth: Int?
+    /// Tokens each branch's private suffix cache holds (with `branchWidth`).
+    public var suffixLength: Int?
     public var precision: String
     public var deploymentTarget: String
     /// Whether functions share one package (needs iOS 18 / macOS 15).
@@ -39,6 +41,7 @@ public struct Manifest: Codable, Equatable, Sendable {
     enum CodingKeys: String, CodingKey {
         case formatVersion = "format_version", name, createdBy = "created_by", source, config
         case contextLength = "context_length", prefillLength = "prefill_length", branchWidth = "branch_width"
+        case suffixLength = "suffix_length"
         case precision, deploymentTarget = "deployment_target", multifunction, cache, lmHead = "lm_head"
         case chunks, models, tokenizer, files
     }
@@ -116,7 +119,7 @@ public struct Manifest: Codable, Equatable, Sendable {
     public struct Chunk: Codable, Equatable, Sendable {
         public var model: String
         public var layers: [Int]
-        /// Phase ("prefill", "decode") -> function name in the "cache_update" model.
+        /// Function name ("prefill", "decode", "decode_branches") -> function in the "cache_update" model.
         public var cacheUpdate: [String: String]
         enum CodingKeys: String, CodingKey { case model, layers, cacheUpdate = "cache_update" }
     }

@@ -90,13 +90,19 @@ extension Manifest {
             for phase in ["prefill", "decode"] { _ = try function(name, phase) }
         }
         for chunk in chunks {
-            for phase in ["prefill", "decode"] {
+            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil {
+                throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
+            }
+            for (phase, update) in chunk.cacheUpdate {
                 _ = try function(chunk.model, phase)
-                guard let update = chunk.cacheUpdate[phase] else {
-                    throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
-                }
                 _ = try function("cache_update", update)
             }
+        }
+        if (branchWidth ?? 0) > 0 {
+            guard (suffixLength ?? 0) > 0 else {
+                throw ManifestError.inconsistent("branch_width is \(branchWidth ?? 0) but suffix_length is missing")
+            }
+            for name in ["embeddings", "lm_head"] + chunks.map(\.model) { _ = try function(name, Phase.decodeBranches.rawValue) }
         }
         guard lmHead.vocabSplits.reduce(0, +) == config.vocabSize else {
             throw ManifestError.inconsistent("lm_head vocab_splits \(lmHead.vocabSplits) do not add up to vocab_size \(config.vocabSize)")

@@ -25,6 +25,8 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     public let contextLength: Int
     public let prefillLength: Int
     private let updates = CacheUpdateQueue()
+    /// Suffix-cache updates of cascade steps (see `decodeBranches`).
+    let branchUpdates = CacheUpdateQueue()
 
     public init(backend: Backend, contextLength: Int, prefillLength: Int) {
         self.backend = backend
@@ -48,6 +50,7 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
 
     public func reset() async throws {
         try await updates.waitAll()
+        try await branchUpdates.waitAll()
         try await backend.resetCaches()
     }
 }

@@ -1,7 +1,9 @@
-/// Which set of exported functions runs a window: "prefill" (S = prefill_length) or "decode" (S = 1).
+/// Which set of exported functions runs: "prefill" (S = prefill_length), "decode" (S = 1), or
+/// "decode_branches" (one token for each of `branch_width` cascade branches).
 public enum Phase: String, Sendable, CaseIterable {
     case prefill
     case decode
+    case decodeBranches = "decode_branches"
 }
 
 /// One model call: `tokens` padded with 0 to the phase's length, of which the first `count` are real,
