@@ -1,0 +1,58 @@
+"""The Swift fixtures generator: its tokenizer cases are what HF tokenizers says, round-trip, and
+cover what the Swift tests rely on (>= 200 strings, byte fallback, special tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llama_ane.export import swift_fixtures as sf
+
+
+def _load(folder):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")), json.loads((folder / "cases.json").read_text("utf-8"))["cases"]
+
+
+def test_llama2_style_tokenizer_cases(tmp_path):
+    llama2 = sf._llama2_tokenizer()
+    count = sf._write_cases(tmp_path, llama2, ["<s>", "</s>", "<unk>"], seed=2)
+    tok, cases = _load(tmp_path)
+    assert count == len(cases) >= 200
+    assert llama2["model"]["byte_fallback"] and "<0xF0>" in llama2["model"]["vocab"]
+    specials = ("<s>", "</s>", "<unk>")
+    for case in cases:
+        assert tok.encode(case["text"]).ids == case["ids"]
+        assert case["ids"][:1] == [1], "the post-processor adds BOS"
+        if not any(s in case["text"] for s in specials):
+            # SentencePiece-style BPE with byte fallback loses nothing: decode(encode(x)) == x.
+            assert tok.decode(case["ids_without_special"]) == case["text"]
+    emoji = next(c for c in cases if c["text"] == "😀")
+    pieces = [tok.id_to_token(i) for i in emoji["ids_without_special"]]
+    assert pieces[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    texts = [c["text"] for c in cases]
+    assert any("  " in t for t in texts) and any(c.isdigit() for t in texts for c in t)
+    assert any("<s>" in t for t in texts)
+
+
+def test_chat_template_cases_match_jinja(tmp_path):
+    path = tmp_path / "chat.json"
+    sf.write_chat_template_cases(path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    templates = json.loads(path.read_text("utf-8"))["templates"]
+    assert {t["name"] for t in templates} >= {"smollm2", "llama2_chat", "multiline_blocks"}
+    llama2 = next(t for t in templates if t["name"] == "llama2_chat")
+    assert llama2["cases"][2]["rendered"].startswith("<s>[INST] <<SYS>>\nYou are terse.")
+
+
+@pytest.mark.slow
+def test_all_tokenizer_fixtures(tmp_path):
+    counts = sf.write_tokenizer_fixtures(tmp_path)
+    assert set(counts) == {"smollm2", "llama2_sentencepiece", "metaspace_bpe", "byte_level_split"}
+    assert min(counts.values()) >= 200
+    tok, cases = _load(tmp_path / "tokenizers" / "smollm2")
+    for case in cases:  # byte-level BPE is lossless too
+        assert tok.decode(case["ids"], skip_special_tokens=False) == case["text"]
+    special = next(c for c in cases if c["text"] == "<|im_start|>")
+    assert special["ids"] == [tok.token_to_id("<|im_start|>")]
