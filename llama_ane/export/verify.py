@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_MAX_TOKENS = 128
+MIN_TOKENS = 16  # fewer positions say too little about an export to pass it
 
 
 @dataclass(frozen=True)
@@ -107,33 +108,53 @@ def default_text() -> str:
     return resources.files("llama_ane.export").joinpath("verify_text.txt").read_text(encoding="utf-8")
 
 
-def compare_logits(got: np.ndarray, want: np.ndarray, reference: str, thresholds: Thresholds) -> Comparison:
-    """Compare logits `got` and `want`, both [T, vocab]."""
+def top1_agreement(got: np.ndarray, want: np.ndarray) -> float:
+    """Fraction of positions whose top-1 tokens agree; logits [T, vocab].
+
+    A position agrees when the two argmax tokens are equal, or when one side's argmax is also a
+    maximiser of the other side's logits: an exact tie (common when logits are stored in fp16)
+    has no unique top-1, so either of the tied tokens is an agreeing choice. Near-ties are not
+    forgiven: a gap of one fp16 ulp already counts as a disagreement.
+    """
+    a, b = got.argmax(-1), want.argmax(-1)
+    rows = np.arange(got.shape[0])
+    agree = (a == b) | (want[rows, a] == want.max(-1)) | (got[rows, b] == got.max(-1))
+    return float(np.mean(agree))
+
+
+def compare_logits(got: np.ndarray, want: np.ndarray, reference: str,
+                   thresholds: Thresholds | None = None) -> Comparison:
+    """Compare logits `got` and `want`, both [T, vocab]: max |diff|, mean cosine, top-1 agreement."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape:
+    if got.shape != want.shape or got.ndim != 2 or got.shape[0] == 0:
         raise ValueError(f"logits of shape {got.shape} cannot be compared with {want.shape} ({reference})")
     norms = np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1)
     cosine = np.sum(got * want, axis=-1) / np.maximum(norms, 1e-30)
     return Comparison(
         reference=reference,
-        max_abs_diff=float(np.max(np.abs(got - want))) if got.size else 0.0,
-        mean_cosine=float(np.mean(cosine)) if got.size else float("nan"),
-        top1_agreement=float(np.mean(got.argmax(-1) == want.argmax(-1))) if got.size else float("nan"),
-        thresholds=thresholds,
+        max_abs_diff=float(np.max(np.abs(got - want))),
+        mean_cosine=float(np.mean(cosine)),
+        top1_agreement=top1_agreement(got, want),
+        thresholds=thresholds if thresholds is not None else Thresholds(top1=0.0, cosine=-1.0),
     )
 
 
-def transformers_logits(manifest: dict, token_ids: list[int]) -> np.ndarray:
+def load_source_checkpoint(manifest: dict):
+    """The checkpoint the export was made from (its path is recorded in the manifest's `source`)."""
+    from .weights import load_checkpoint, source_path
+
+    source = manifest["source"]
+    return load_checkpoint(source_path(source) if source.get("kind") != "default" else None)
+
+
+def transformers_logits(manifest: dict, token_ids: list[int], checkpoint=None) -> np.ndarray:
     """float32 logits [T, vocab] of transformers' LlamaForCausalLM on the export's source weights."""
     import torch
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
 
-    from .weights import load_checkpoint, source_path
-
-    source = manifest["source"]
-    ckpt = load_checkpoint(source_path(source) if source.get("kind") != "default" else None)
+    ckpt = checkpoint if checkpoint is not None else load_source_checkpoint(manifest)
     config = {k: v for k, v in manifest["config"].items() if v is not None or k == "rope_scaling"}
     with torch.device("meta"):
         model = LlamaForCausalLM(HFLlamaConfig(**config))
@@ -169,6 +190,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
     """
     from ..runtime.model import load
+    from .manifest import read_manifest
 
     out_dir = Path(out_dir)
     report = VerifyReport(str(out_dir), backend, precision or "export precision")
@@ -176,35 +198,38 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         report.error = f"--backend must be mil or coreml, not {backend!r}"
         return report
     try:
+        manifest = read_manifest(out_dir)  # checks format_version and every file's sha256
+        export_precision = manifest["precision"]
         options = {}
         if backend == "mil":
-            from .manifest import read_manifest
-
-            manifest_precision = read_manifest(out_dir)["precision"]
-            options["precision"] = precision or manifest_precision
-            report.precision = options["precision"]
+            options["precision"] = report.precision = precision or export_precision
+        else:
+            report.precision = export_precision
         model = load(out_dir, backend=backend, **options)
-        report.precision = getattr(model.backend, "precision", report.precision)
         ids = model.encode(text if text is not None else default_text())
-        limit = min(max_tokens, int(model.manifest["context_length"]))
+        limit = min(max_tokens, int(manifest["context_length"]))
         ids = [int(t) for t in ids[:limit]]
-        if len(ids) < 2:
-            report.error = f"the text has {len(ids)} token(s); give a longer --text"
+        if len(ids) < MIN_TOKENS:
+            report.error = (f"the text has {len(ids)} token(s); verification needs at least {MIN_TOKENS}: "
+                            "give a longer --text")
             return report
         report.n_tokens = len(ids)
         got = model.score(ids)
         model.backend.close()
-        reference = load(out_dir, backend="torch")
-        report.comparisons.append(compare_logits(got, reference.score(ids), "torch", torch_thresholds))
+        # the torch reference runs the very modules that were converted, in the export's precision
+        checkpoint = load_source_checkpoint(manifest)
+        reference = load(out_dir, backend="torch", precision=export_precision, checkpoint=checkpoint)
+        report.comparisons.append(compare_logits(got, reference.score(ids), f"torch ({export_precision})",
+                                                 torch_thresholds))
         reference.backend.close()
     except Exception as exc:  # a broken export must give a report, not a traceback
         report.error = f"{type(exc).__name__}: {exc}"
         return report
     if with_transformers:
         try:
-            hf = transformers_logits(model.manifest, ids)
+            hf = transformers_logits(manifest, ids, checkpoint)
         except Exception as exc:
-            report.skipped.append(f"transformers: skipped, the source checkpoint could not be loaded "
+            report.skipped.append(f"transformers: skipped, could not build the reference model "
                                   f"({type(exc).__name__}: {exc})")
         else:
             report.comparisons.append(compare_logits(got, hf, "transformers", transformers_thresholds))

@@ -1,0 +1,111 @@
+"""`verify`: the parity gate passes on a good export and fails, with a clear message, on one whose
+weights were deliberately corrupted (whether or not the manifest hashes were rewritten to match)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llama_ane.commands.verify import command as verify_command
+from llama_ane.export.manifest import read_manifest, write_manifest
+from llama_ane.export.verify import compare_logits, default_text, top1_agreement, verify_export
+from llama_ane.mil import MilPackage
+
+BLOB_SENTINEL = 0xDEADBEEF
+
+
+def shuffle_weights(package_path, seed=0) -> int:
+    """Permute the values of every weight blob of a package in place; returns how many blobs.
+
+    The blob file holds, at each const's offset, a header (sentinel, dtype, size, data offset);
+    the values keep their distribution (no NaN) but lose their meaning.
+    """
+    package = MilPackage(package_path)
+    locations = {loc for fn in package.function_names for loc in package.blob_locations(fn).values()}
+    rng = np.random.default_rng(seed)
+    changed = 0
+    for file, offset in sorted(locations):
+        path = package.weights_dir / file
+        raw = bytearray(path.read_bytes())
+        sentinel, _dtype, size, data_offset = struct.unpack_from("<IIQQ", raw, offset)
+        assert sentinel == BLOB_SENTINEL
+        values = np.frombuffer(bytes(raw[data_offset:data_offset + size]), dtype=np.float16)
+        if values.size < 64:
+            continue  # norms and small vectors: leave them, the projections are enough
+        raw[data_offset:data_offset + size] = rng.permutation(values).tobytes()
+        path.write_bytes(bytes(raw))
+        changed += 1
+    return changed
+
+
+@pytest.fixture
+def corrupted_copy(tiny_export, tmp_path):
+    out = tmp_path / "corrupted"
+    shutil.copytree(tiny_export, out)
+    assert shuffle_weights(out / "chunk_0.mlpackage") >= 4
+    return out
+
+
+def test_verify_passes_on_the_tiny_export(tiny_export):
+    result = CliRunner().invoke(verify_command, [str(tiny_export)])
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    assert "max |diff|" in result.output and "top-1" in result.output
+    assert "torch (fp16)" in result.output and "transformers" in result.output
+    assert result.output.rstrip().endswith("passed")
+
+
+def test_verify_fails_on_corrupted_weights_with_matching_hashes(corrupted_copy):
+    # a conversion that wrote wrong weights would also write their hashes: only the numbers can tell
+    manifest = read_manifest(corrupted_copy, check_hashes=False)
+    write_manifest(corrupted_copy, manifest)
+    report = verify_export(corrupted_copy, with_transformers=False)
+    print(report)
+    assert not report.passed
+    assert report.error is None
+    (torch_cmp,) = report.comparisons
+    assert torch_cmp.top1_agreement < 0.9
+    text = str(report)
+    assert "FAIL: top-1 agreement" in text and "does not reproduce the reference logits" in text
+    result = CliRunner().invoke(verify_command, [str(corrupted_copy), "--no-transformers"])
+    assert result.exit_code == 1
+
+
+def test_verify_fails_on_corrupted_weights_caught_by_their_hash(corrupted_copy):
+    report = verify_export(corrupted_copy)
+    assert not report.passed
+    assert "chunk_0.mlpackage does not match its sha256" in report.error
+    result = CliRunner().invoke(verify_command, [str(corrupted_copy)])
+    assert result.exit_code == 1 and "FAILED" in result.output
+
+
+def test_verify_refuses_a_text_too_short_to_tell(tiny_export, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Hi there")
+    result = CliRunner().invoke(verify_command, [str(tiny_export), "--text", str(short)])
+    assert result.exit_code == 1
+    assert "verification needs at least 16" in result.output
+    assert len(default_text().split()) > 200
+
+
+def test_top1_agreement_counts_exact_ties_but_not_near_ties():
+    want = np.array([[1.0, 3.0, 3.0], [0.0, 2.0, 1.0], [5.0, 4.999, 0.0]])
+    got = np.array([[0.0, 1.0, 2.0], [0.0, 2.0, 1.5], [4.0, 5.0, 0.0]])
+    # row 0: got picks 2, tied with 1 in want -> agrees; row 1 agrees; row 2: near tie, disagrees
+    assert top1_agreement(got, want) == pytest.approx(2 / 3)
+    c = compare_logits(got, want, "x")
+    assert c.max_abs_diff == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        compare_logits(got[:, :2], want, "x")
+
+
+@pytest.mark.slow
+def test_verify_passes_on_smollm2(smollm2_export):
+    report = verify_export(smollm2_export)
+    print(report)
+    assert report.passed, str(report)
+    assert report.n_tokens == 128
