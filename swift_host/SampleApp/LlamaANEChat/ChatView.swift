@@ -1,4 +1,5 @@
 import SwiftUI
+import UniformTypeIdentifiers
 
 /// The transcript, an input field and, on macOS, a button to open an export folder.
 struct ChatView: View {

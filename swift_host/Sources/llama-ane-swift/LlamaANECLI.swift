@@ -54,7 +54,7 @@ enum LlamaANECLI {
         }
         return try await model.makeCoreMLPredictor(computeUnits: units)
         #else
-        throw CoreMLPipelineError.unavailable
+        throw PipelineError.unavailable
         #endif
     }
 

@@ -13,7 +13,7 @@ enum CoreMLArrays {
         switch spec.dtype {
         case "float16":
             guard let width = spec.shape.last, width > 0 else {
-                throw CoreMLPipelineError.allocationFailed("\(spec.name) with shape \(spec.shape)")
+                throw PipelineError.allocationFailed("\(spec.name) with shape \(spec.shape)")
             }
             let height = spec.shape.dropLast().reduce(1, *)
             let attributes: [String: Any] = [
@@ -24,7 +24,7 @@ enum CoreMLArrays {
             let status = CVPixelBufferCreate(kCFAllocatorDefault, width, height, kCVPixelFormatType_OneComponent16Half,
                                              attributes as CFDictionary, &buffer)
             guard status == kCVReturnSuccess, let buffer else {
-                throw CoreMLPipelineError.allocationFailed("an IOSurface of \(width)x\(height) fp16 for \(spec.name) (status \(status))")
+                throw PipelineError.allocationFailed("an IOSurface of \(width)x\(height) fp16 for \(spec.name) (status \(status))")
             }
             let array = MLMultiArray(pixelBuffer: buffer, shape: shape)
             zero(array)
@@ -34,7 +34,7 @@ enum CoreMLArrays {
             zero(array)
             return array
         default:
-            throw CoreMLPipelineError.allocationFailed("\(spec.name): unsupported dtype \(spec.dtype)")
+            throw PipelineError.allocationFailed("\(spec.name): unsupported dtype \(spec.dtype)")
         }
     }
 

@@ -11,8 +11,7 @@ import Foundation
 /// double-buffered: a cache update reads the current buffer, writes the other (its outputs
 /// `X_out` back input `X`), and the two swap when it finishes.
 ///
-/// Tensors are wired by the names in the manifest: a chunk input comes from the embeddings'
-/// outputs of the same name, the chunk's caches, or the previous stage's hidden states.
+/// Tensors are wired by name as `PipelineWiring` resolves them from the manifest.
 public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
     public struct Activations {
@@ -27,7 +26,6 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let updates: [MLModel]
         let lmHead: MLModel
         let embeddingsFunction: Manifest.Function
-        let chunkFunctions: [Manifest.Function]
         let updateFunctions: [Manifest.Function]
         /// The embeddings' int32 inputs (input_ids, position(s), prefix_length), by name.
         let intInputs: [String: MLMultiArray]
@@ -67,6 +65,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     }
 
     public let manifest: Manifest
+    private let wiring: PipelineWiring
     private let stages: [Phase: Stage]
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
@@ -78,30 +77,23 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     /// Loads every function the manifest names (compiling packages on first use) and allocates
     /// all buffers. The cascade phase is loaded when the export has one.
     public static func load(manifest: Manifest, store: CoreMLModelStore) async throws -> CoreMLBackend {
+        let wiring = try PipelineWiring(manifest: manifest)
         var stages: [Phase: Stage] = [:]
-        let phases: [Phase] = (manifest.branchWidth ?? 0) > 0 ? Phase.allCases : [.prefill, .decode]
-        for phase in phases { stages[phase] = try await makeStage(phase, manifest: manifest, store: store) }
-        let prefix = try stages[.decode]!.updateFunctions.map { try CacheBuffers(stateSpecs(of: $0)) }
-        let suffix = try (stages[.decodeBranches]?.updateFunctions ?? []).map { try CacheBuffers(stateSpecs(of: $0)) }
-        return CoreMLBackend(manifest: manifest, stages: stages, prefixCaches: prefix, suffixCaches: suffix)
+        for phase in PipelineWiring.phases(of: manifest) {
+            stages[phase] = try await makeStage(phase, manifest: manifest, store: store)
+        }
+        let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0) }
+        let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
+        return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix)
     }
 
-    private init(manifest: Manifest, stages: [Phase: Stage], prefixCaches: [CacheBuffers], suffixCaches: [CacheBuffers]) {
+    private init(manifest: Manifest, wiring: PipelineWiring, stages: [Phase: Stage], prefixCaches: [CacheBuffers],
+                 suffixCaches: [CacheBuffers]) {
         self.manifest = manifest
+        self.wiring = wiring
         self.stages = stages
         self.prefixCaches = prefixCaches
         self.suffixCaches = suffixCaches
-    }
-
-    /// The cache tensors a cache-update function rewrites: the inputs X it has an output X_out for.
-    private static func stateSpecs(of update: Manifest.Function) throws -> [Manifest.TensorSpec] {
-        try update.outputs.map { out in
-            let name = String(out.name.dropLast(TensorNames.updatedSuffix.count))
-            guard out.name.hasSuffix(TensorNames.updatedSuffix), let spec = update.input(name) else {
-                throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: out.name)
-            }
-            return spec
-        }
     }
 
     private static func makeStage(_ phase: Phase, manifest: Manifest, store: CoreMLModelStore) async throws -> Stage {
@@ -125,7 +117,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
             }
         }
         guard hidden.count == 2 else {
-            throw CoreMLPipelineError.unwiredInput(model: "embeddings", input: TensorNames.hiddenStates)
+            throw PipelineError.unwiredInput(model: "embeddings", input: TensorNames.hiddenStates)
         }
         let chunkOutputs = try chunkFunctions.map { f in
             try Dictionary(uniqueKeysWithValues: f.outputs.filter { $0.name != TensorNames.hiddenStatesOut }
@@ -142,7 +134,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         for f in updateFunctions { updates.append(try await store.model(for: f)) }
         return Stage(embeddings: try await store.model(for: embeddingsFunction), chunks: chunks, updates: updates,
                      lmHead: try await store.model(for: lmHeadFunction), embeddingsFunction: embeddingsFunction,
-                     chunkFunctions: chunkFunctions, updateFunctions: updateFunctions, intInputs: intInputs,
+                     updateFunctions: updateFunctions, intInputs: intInputs,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
 
@@ -159,8 +151,13 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         if #available(macOS 14.0, iOS 17.0, *) {
             _ = try await model.prediction(from: provider, options: options)
         } else {
-            _ = try model.prediction(from: provider, options: options)
+            try Self.predictBlocking(model, provider, options)
         }
+    }
+
+    /// The synchronous prediction of macOS 13 / iOS 16 (a synchronous context picks that overload).
+    private static func predictBlocking(_ model: MLModel, _ provider: MLFeatureProvider, _ options: MLPredictionOptions) throws {
+        _ = try model.prediction(from: provider, options: options)
     }
 
     /// embeddings(phase) with the given int32 inputs, into hidden buffer 0 and the shared outputs.
@@ -168,7 +165,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let s = try stage(phase)
         for spec in s.embeddingsFunction.inputs {
             guard let v = values[spec.name], let array = s.intInputs[spec.name] else {
-                throw CoreMLPipelineError.unwiredInput(model: "embeddings", input: spec.name)
+                throw PipelineError.unwiredInput(model: "embeddings", input: spec.name)
             }
             CoreMLArrays.write(v, into: array)
         }
@@ -183,14 +180,17 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let prefix = prefixCaches[index].pair().current
         let suffix = phase == .decodeBranches ? suffixCaches[index].pair().current : [:]
         var inputs: [String: MLMultiArray] = [:]
-        for spec in s.chunkFunctions[index].inputs {
-            if spec.name == TensorNames.hiddenStates {
-                inputs[spec.name] = input.hidden
-            } else if let array = prefix[spec.name] ?? suffix[spec.name] ?? s.shared[spec.name] {
-                inputs[spec.name] = array
-            } else {
-                throw CoreMLPipelineError.unwiredInput(model: manifest.chunks[index].model, input: spec.name)
+        for (name, source) in wiring.chunkInputs[phase]?[index] ?? [:] {
+            let array: MLMultiArray?
+            switch source {
+            case .hiddenStates: array = input.hidden
+            case let .embeddingsOutput(n): array = s.shared[n]
+            case let .cache(n): array = prefix[n]
+            case let .suffixCache(n): array = suffix[n]
+            case .chunkOutput, .value: array = nil
             }
+            guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
+            inputs[name] = array
         }
         let out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot)
         var backings = s.chunkOutputs[index]
@@ -206,24 +206,30 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let function = s.updateFunctions[index]
         let (current, spare) = cache.pair()
         var inputs: [String: MLMultiArray] = [:]
-        for spec in function.inputs {
-            if let v = values[spec.name] {
+        for (name, source) in wiring.updateInputs[phase]?[index] ?? [:] {
+            switch source {
+            case let .value(n):
                 // Its own small array: the next window's embeddings may run while this update does.
+                guard let v = values[n], let spec = function.input(n) else {
+                    throw PipelineError.unwiredInput(model: "cache_update", input: name)
+                }
                 let array = try CoreMLArrays.make(spec)
                 CoreMLArrays.write(v, into: array)
-                inputs[spec.name] = array
-            } else if let array = current[spec.name] ?? s.chunkOutputs[index][spec.name] {
-                inputs[spec.name] = array
-            } else {
-                throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: spec.name)
+                inputs[name] = array
+            case let .cache(n), let .suffixCache(n):
+                guard let array = current[n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
+                inputs[name] = array
+            case let .chunkOutput(n):
+                guard let array = s.chunkOutputs[index][n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
+                inputs[name] = array
+            case .hiddenStates, .embeddingsOutput:
+                throw PipelineError.unwiredInput(model: "cache_update", input: name)
             }
         }
         var backings: [String: MLMultiArray] = [:]
-        for spec in function.outputs {
-            guard let array = spare[String(spec.name.dropLast(TensorNames.updatedSuffix.count))] else {
-                throw CoreMLPipelineError.unwiredInput(model: "cache_update", input: spec.name)
-            }
-            backings[spec.name] = array
+        for spec in wiring.updatedState[phase]?[index] ?? [] {
+            guard let array = spare[spec.name] else { throw PipelineError.unwiredInput(model: "cache_update", input: spec.name) }
+            backings[spec.name + TensorNames.updatedSuffix] = array
         }
         try await predict(s.updates[index], inputs: inputs, backings: backings)
         cache.swap()

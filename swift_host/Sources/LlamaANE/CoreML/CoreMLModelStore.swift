@@ -30,7 +30,7 @@ public actor CoreMLModelStore {
         let configuration = MLModelConfiguration()
         configuration.computeUnits = computeUnits
         if manifest.multifunction {
-            guard #available(macOS 15.0, iOS 18.0, *) else { throw CoreMLPipelineError.multifunctionNeedsNewerOS }
+            guard #available(macOS 15.0, iOS 18.0, *) else { throw PipelineError.multifunctionNeedsNewerOS }
             configuration.functionName = function.functionName
         }
         let model = try await MLModel.load(contentsOf: url, configuration: configuration)

@@ -1,5 +1,5 @@
-/// Why the Core ML pipeline could not be built or run.
-public enum CoreMLPipelineError: Error, CustomStringConvertible, Equatable {
+/// Why the model pipeline could not be built or run.
+public enum PipelineError: Error, CustomStringConvertible, Equatable {
     /// Core ML is not available on this platform (Linux, Windows).
     case unavailable
     /// A multifunction export needs iOS 18 / macOS 15.

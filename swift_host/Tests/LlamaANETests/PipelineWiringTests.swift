@@ -1,0 +1,50 @@
+import Foundation
+import XCTest
+@testable import LlamaANE
+
+/// The host's tensor wiring resolved from the real tiny export: what the Core ML backend feeds
+/// each function, checked on Linux against what the exporter actually wrote.
+final class PipelineWiringTests: XCTestCase {
+    func testEveryInputOfTheRealExportIsProduced() throws {
+        let manifest = try Manifest.load(from: Fixtures.url("export"))
+        let wiring = try PipelineWiring(manifest: manifest)
+        let phases = PipelineWiring.phases(of: manifest)
+        XCTAssertEqual(Set(wiring.chunkInputs.keys), Set(phases))
+        for phase in phases {
+            for (i, chunk) in manifest.chunks.enumerated() {
+                let inputs = try XCTUnwrap(wiring.chunkInputs[phase]?[i])
+                let function = try manifest.function(chunk.model, phase.rawValue)
+                XCTAssertEqual(Set(inputs.keys), Set(function.inputs.map(\.name)), "\(chunk.model) \(phase)")
+                XCTAssertEqual(inputs[TensorNames.hiddenStates], .hiddenStates)
+                XCTAssertEqual(inputs[TensorNames.kCache], .cache(TensorNames.kCache), "the prefix cache feeds every phase")
+                XCTAssertEqual(inputs["cos"], .embeddingsOutput("cos"))
+                let update = try XCTUnwrap(wiring.updateInputs[phase]?[i])
+                XCTAssertEqual(update["k_new"], .chunkOutput("k_new"))
+                let state = try XCTUnwrap(wiring.updatedState[phase]?[i]).map(\.name)
+                if phase == .decodeBranches {
+                    XCTAssertEqual(inputs["k_suffix"], .suffixCache("k_suffix"))
+                    XCTAssertEqual(update[TensorNames.suffixPositions], .value(TensorNames.suffixPositions))
+                    XCTAssertEqual(Set(state), ["k_suffix", "v_suffix"])
+                } else {
+                    XCTAssertEqual(update[TensorNames.position], .value(TensorNames.position))
+                    XCTAssertEqual(Set(state), [TensorNames.kCache, TensorNames.vCache])
+                }
+            }
+            // The embeddings take only ints the host writes.
+            let embeddings = try manifest.function("embeddings", phase.rawValue)
+            let known: Set<String> = [TensorNames.inputIds, TensorNames.position, TensorNames.positions, TensorNames.prefixLength]
+            XCTAssertTrue(Set(embeddings.inputs.map(\.name)).isSubset(of: known), "\(embeddings.inputs.map(\.name))")
+            XCTAssertTrue(embeddings.inputs.allSatisfy { $0.dtype == "int32" })
+        }
+    }
+
+    func testAnInputNothingProducesIsRefused() throws {
+        var manifest = try Manifest.load(from: Fixtures.url("export"))
+        let model = manifest.chunks[0].model
+        manifest.models[model]?.functions["decode"]?.inputs.append(
+            Manifest.TensorSpec(name: "rotary_cache", shape: [1], dtype: "float16"))
+        XCTAssertThrowsError(try PipelineWiring(manifest: manifest)) { error in
+            XCTAssertEqual(error as? PipelineError, .unwiredInput(model: "\(model) (decode)", input: "rotary_cache"))
+        }
+    }
+}
