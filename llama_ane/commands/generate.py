@@ -1,4 +1,9 @@
-"""`llama-ane generate`: stream text from an export, then report prefill and decode speed."""
+"""`llama-ane generate`: stream text from an export, or decode many branches over one shared prefix.
+
+    llama-ane generate OUT --prompt "..."                          one continuation, streamed
+    llama-ane generate OUT --prompt-file doc.txt --question A --question B   document QA (cascade)
+    llama-ane generate OUT --prompt "..." --samples 8 --temperature 0.8      N samples (cascade)
+"""
 
 from __future__ import annotations
 
@@ -10,35 +15,58 @@ import click
 from ..runtime.model import BACKENDS
 from .errors import user_errors
 
+QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+
 
 @click.command("generate")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Read the prompt (e.g. a document) from this file.")
+@click.option("--question", "questions", multiple=True,
+              help="A question about the prompt (repeatable): each is a branch over the shared prompt.")
+@click.option("--samples", type=int, default=None, help="Decode N samples of the prompt as branches.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
-              help="torch/mil compute precision [default: the export's].")
+              help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
-def command(out, prompt, chat, max_new_tokens, backend, precision, temperature, top_k, top_p, seed, stop, as_json):
+def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, backend, precision, temperature,
+            top_k, top_p, seed, stop, as_json):
     """Generate text from the export in OUT."""
     import llama_ane
 
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if questions and samples is not None:
+        raise click.UsageError("--question and --samples cannot be combined")
+    text = prompt if prompt is not None else prompt_file.read_text()
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    stop=list(stop))
     with user_errors():
+        if samples is not None and samples < 1:
+            raise ValueError(f"--samples must be at least 1, got {samples}")
         options = {"precision": precision} if precision and backend in ("torch", "mil", "auto") else {}
         model = llama_ane.load(out, backend=backend, **options)
         try:
-            result = model.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                    top_p=top_p, seed=seed, stop=list(stop), chat=chat,
-                                    on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
+            if questions or samples is not None:
+                _branches(model, text, list(questions), samples, chat, sampling, as_json)
+            else:
+                _single(model, text, chat, sampling, as_json)
         finally:
             model.close()
+
+
+def _single(model, text, chat, sampling, as_json):
+    result = model.generate(text, chat=chat, **sampling,
+                            on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
     stats = {"backend": model.backend.name, "prompt_tokens": result.prompt_tokens,
              "generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
              "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
@@ -52,3 +80,40 @@ def command(out, prompt, chat, max_new_tokens, backend, precision, temperature, 
     click.echo(f"[{stats['backend']}] prefill: {result.prompt_tokens} tokens, {stats['prefill_tokens_per_s']} tok/s | "
                f"decode: {result.decoded_tokens} tokens, {stats['decode_tokens_per_s']} tok/s | "
                f"finish: {result.finish_reason}", err=True)
+
+
+def _branches(model, text, questions, samples, chat, sampling, as_json):
+    """Document QA (one branch per question) or N samples, decoded with the cascade."""
+    from ..runtime.cascade import split_shared_prefix
+
+    if samples is not None:
+        labels = [f"sample {i + 1}" for i in range(samples)]
+        out = model.generate_branches(model.encode(text, chat), n=samples, **sampling)
+        if sampling["temperature"] == 0 and samples > 1 and not as_json:
+            click.echo("[note: at --temperature 0 every sample is the same greedy text]", err=True)
+    else:
+        labels = [f"Q: {q}" for q in questions]
+        if chat:
+            prefix, own = split_shared_prefix([model.encode(f"{text}\n\nQuestion: {q}", chat=True) for q in questions])
+        else:
+            prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
+        out = model.generate_branches(prefix, own, **sampling)
+    s = out.stats
+    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "branches": s.branches,
+               "steps": s.steps, "generated_tokens": s.generated_tokens,
+               "prefill_seconds": round(s.prefill_seconds, 3), "decode_seconds": round(s.decode_seconds, 3),
+               "aggregate_decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
+               "prefix_bytes_per_step_cascade": s.prefix_bytes_per_step_cascade,
+               "prefix_bytes_per_step_separate": s.prefix_bytes_per_step_separate}
+    if as_json:
+        click.echo(json.dumps({"branches": [{"label": label, "text": r.text, "token_ids": r.token_ids,
+                                             "finish_reason": r.finish_reason}
+                                            for label, r in zip(labels, out.branches)], **summary}))
+        return
+    for label, r in zip(labels, out.branches):
+        click.echo(f"--- [{r.index + 1}] {label}")
+        click.echo(r.text.strip())
+    click.echo(f"[{summary['backend']}] {s.branches} branches over a {s.prefix_tokens}-token prefix: "
+               f"{s.generated_tokens} tokens in {s.steps} steps, {summary['aggregate_decode_tokens_per_s']} tok/s "
+               f"aggregate | prefix K/V read per step: {s.prefix_bytes_per_step_cascade / 1e6:.2f} MB cascade vs "
+               f"{s.prefix_bytes_per_step_separate / 1e6:.2f} MB separately", err=True)

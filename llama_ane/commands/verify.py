@@ -16,7 +16,8 @@ import click
               help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS).")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
               help="Text file to score instead of the shipped prose.")
-@click.option("--max-tokens", default=128, show_default=True, help="Tokens of the text to score (capped at the context length).")
+@click.option("--max-tokens", default=128, show_default=True,
+              help="Tokens of the text to score (capped at the context length).")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="mil backend only: compute in fp16 (as the ANE; default for fp16 exports) or fp32.")
 @click.option("--no-transformers", is_flag=True, help="Skip the comparison with transformers.")

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import shutil
+import multiprocessing
+import os
 import tempfile
 import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -72,7 +74,7 @@ def convert_job(job: Job, context_length: int, target: str, precision: str, path
 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = torch.jit.trace(job.module.float().eval(), example_inputs(job.io, context_length))
+        traced = torch.jit.trace(job.module.float().eval(), example_inputs(job.io, context_length), check_trace=False)
     inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=_np_dtype(t["dtype"])) for t in job.io["inputs"]]
     outputs = [ct.TensorType(name=t["name"], dtype=_np_dtype(t["dtype"])) for t in job.io["outputs"]]
     mlmodel = ct.convert(
@@ -95,16 +97,15 @@ def convert_all(jobs: list[Job], out: Path, *, context_length: int, target: str,
 
     files: dict[tuple[str, str], tuple[str, str]] = {}
     with quiet_coremltools(), tempfile.TemporaryDirectory(prefix="llama-ane-convert-", dir=out) as tmp:
-        singles: dict[str, list[tuple[str, Path]]] = {}
-        for job in jobs:
-            name = package_name(job.model, job.function, False)
-            path = (Path(tmp) if multifunction else out) / name
-            convert_job(job, context_length, target, precision, path)
+        paths = [(Path(tmp) if multifunction else out) / package_name(j.model, j.function, False) for j in jobs]
+        for i in _convert_in_parallel(jobs, paths, context_length, target, precision):
             if progress:
-                progress(f"converted {job.model}/{job.function}")
+                progress(f"converted {jobs[i].model}/{jobs[i].function}")
+        singles: dict[str, list[tuple[str, Path]]] = {}
+        for job, path in zip(jobs, paths):
             singles.setdefault(job.model, []).append((job.function, path))
             if not multifunction:
-                files[(job.model, job.function)] = (name, "main")
+                files[(job.model, job.function)] = (path.name, "main")
         if multifunction:
             for model, functions in singles.items():
                 name = package_name(model, None, True)
@@ -120,11 +121,43 @@ def convert_all(jobs: list[Job], out: Path, *, context_length: int, target: str,
     return files
 
 
+_FORKED: tuple | None = None  # the jobs, as seen by forked workers (inherited, never pickled)
+
+
+def _convert_forked(i: int) -> int:
+    jobs, paths, context_length, target, precision = _FORKED
+    torch.set_num_threads(1)
+    with quiet_coremltools():
+        convert_job(jobs[i], context_length, target, precision, paths[i])
+    return i
+
+
+def _convert_in_parallel(jobs: list[Job], paths: list[Path], context_length: int, target: str, precision: str):
+    """Convert jobs on every core (conversion is single-threaded Python); yield indices as they finish.
+
+    Workers are forked so they inherit the modules instead of receiving pickled weights. Largest
+    jobs (block chunks) go first so the cores finish together.
+    """
+    global _FORKED
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        for i in range(len(jobs)):
+            convert_job(jobs[i], context_length, target, precision, paths[i])
+            yield i
+        return
+    order = sorted(range(len(jobs)), key=lambda i: -sum(p.numel() for p in jobs[i].module.parameters()))
+    _FORKED = (jobs, paths, context_length, target, precision)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = [pool.submit(_convert_forked, i) for i in order]
+            for fut in as_completed(futures):
+                yield fut.result()
+    finally:
+        _FORKED = None
+
+
 def jobs_for(models, specs: dict) -> list[Job]:
     """One job per (model, function) in `specs`, with the module the torch backend also runs."""
     return [Job(model, fn, models.module(model, fn), io)
             for model, functions in specs.items() for fn, io in functions.items()]
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

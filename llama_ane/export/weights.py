@@ -156,13 +156,20 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     for needed in ("gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
             raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    saved, gguf_utils.tqdm = gguf_utils.tqdm, functools.partial(tqdm, disable=True)  # its own per-tensor bar
     try:
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
     except Exception as e:
         raise CheckpointError(f"could not read {file} as a GGUF Llama checkpoint ({type(e).__name__}: {e})") from None
+    finally:
+        gguf_utils.tqdm = saved
     config = LlamaConfig.from_hf_dict(model.config.to_dict())
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")

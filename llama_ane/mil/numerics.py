@@ -11,8 +11,8 @@ fp16 mode ("as the ANE computes")
         products in float32;
       * reductions (reduce_*, softmax, layer_norm) accumulate in float32.
     Apple does not publish the width of the ANE's accumulators; float32 accumulation with one
-    fp16 rounding per op output is the model used here (and by the public ANE reverse-engineering
-    notes). What this mode catches is what matters for an export: every intermediate tensor
+    fp16 rounding per op output is the model used here. What this mode catches is what matters
+    for an export: every intermediate tensor
     round-trips through fp16, so overflow to inf (an RMSNorm sum of squares, a -inf mask) and
     fp16 saturation show up exactly where they would on device.
 

@@ -127,7 +127,9 @@ def matmul(op, ctx: BuildContext):
 @kernel("linear")
 def linear(op, ctx: BuildContext):
     """x (..., D_in) @ weight (D_out, D_in)^T + bias (D_out,)."""
-    wt = ctx.prepared(op.weight, "f32_T", lambda w: np.ascontiguousarray(_f32(w).T)) if ctx.is_const(op.weight) else None
+    wt = None
+    if ctx.is_const(op.weight):
+        wt = ctx.prepared(op.weight, "f32_T", lambda w: np.ascontiguousarray(_f32(w).T))
     has_bias = op.inputs.get("bias") is not None
 
     def run(a):

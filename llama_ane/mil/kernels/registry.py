@@ -73,7 +73,7 @@ class BuildContext:
         key = self._key(var, tag)
         if key not in self._cache:
             value = var.val
-            if isinstance(value, np.ndarray) or np.isscalar(value) and not isinstance(value, str):
+            if isinstance(value, np.ndarray) or (np.isscalar(value) and not isinstance(value, str)):
                 value = np.asarray(value, dtype=self.numerics.storage(var.dtype))
             self._cache[key] = prepare(value)
         return self._cache[key]

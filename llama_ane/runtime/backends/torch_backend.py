@@ -34,6 +34,7 @@ class TorchBackend(Backend):
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint if checkpoint is not None else source_path(manifest["source"]))
+        self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
         plan = [c["layers"] for c in manifest["chunks"]]
         self.models = build_model_set(checkpoint, plan, manifest["context_length"], manifest["prefill_length"],
                                       manifest.get("branch_width", 0), manifest.get("suffix_length", 0))
