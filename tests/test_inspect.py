@@ -31,7 +31,8 @@ def save(prog, path, *, fp16=True):
 def clean_chunk(path):
     w = np.random.default_rng(0).standard_normal((64, 64, 1, 1)).astype(np.float16)
 
-    @mb.program(input_specs=[mb.TensorSpec((1, 64, 1, 8), dtype=FP16), mb.TensorSpec((2, 64, 1, 128), dtype=FP16)], opset_version=IOS18)
+    @mb.program(input_specs=[mb.TensorSpec((1, 64, 1, 8), dtype=FP16), mb.TensorSpec((2, 64, 1, 128), dtype=FP16)],
+                opset_version=IOS18)
     def prog(hidden_states, k_cache):
         y = mb.conv(x=hidden_states, weight=w)
         s = mb.slice_by_index(x=k_cache, begin=[0, 0, 0, 0], end=[1, 64, 1, 128])
@@ -90,7 +91,8 @@ def test_fp32_output_is_found(tmp_path):
 
 
 def test_cond_dynamic_slice_band_part_and_cache_dims_are_found(tmp_path):
-    @mb.program(input_specs=[mb.TensorSpec((2, 48, 1, 64), dtype=FP16), mb.TensorSpec((4,), dtype=types.int32)], opset_version=IOS18)
+    @mb.program(input_specs=[mb.TensorSpec((2, 48, 1, 64), dtype=FP16), mb.TensorSpec((4,), dtype=types.int32)],
+                opset_version=IOS18)
     def prog(k_cache, begin):
         window = mb.slice_by_size(x=k_cache, begin=begin, size=[1, 48, 1, 8])
         banded = mb.band_part(x=mb.reshape(x=window, shape=[48, 8]), lower=0, upper=-1)
@@ -138,3 +140,22 @@ def test_cli_json_and_strict_exit_codes(tmp_path):
     assert strict_good.exit_code == 0 and "no ANE rule violations" in strict_good.output
     missing = runner.invoke(inspect_command, [str(tmp_path / "nothing")])
     assert missing.exit_code != 0 and "neither an export folder" in missing.output
+
+
+def test_tiny_export_has_no_violations(tiny_export):
+    report = inspect_path(tiny_export)
+    assert report.target_source == "manifest"
+    assert report.violations == [], "\n".join(map(str, report.violations))
+    roles = {fn.model: fn.role for pkg in report.packages for fn in pkg.functions}
+    assert roles["embeddings"] == "embeddings" and roles["chunk_0"] == "chunk"
+    assert all(fn.weight_bytes > 0 for pkg in report.packages if pkg.file.startswith("chunk")
+               for fn in pkg.functions)
+
+
+@pytest.mark.slow
+def test_default_export_has_no_violations(smollm2_export):
+    report = inspect_path(smollm2_export)
+    print(report.format_text())
+    assert report.violations == [], "\n".join(map(str, report.violations))
+    lm_head = [fn for pkg in report.packages for fn in pkg.functions if fn.role == "lm_head"]
+    assert lm_head and all(fn.largest_dim <= 16384 for fn in lm_head)  # the vocabulary is split

@@ -51,7 +51,8 @@ def test_every_function_of_every_package_matches_torch(tiny_export, precision, t
     assert {f for _, f in functions} >= {"prefill", "decode", "decode_branches"}
     for model, function in functions:
         feeds = function_inputs(torch_model.manifest, model, function)
-        want = torch_model.backend.predict(model, function, {k: v.astype(torch_model.backend.dtype) if v.dtype != np.int32 else v for k, v in feeds.items()})
+        torch_feeds = {k: v if v.dtype == np.int32 else v.astype(torch_model.backend.dtype) for k, v in feeds.items()}
+        want = torch_model.backend.predict(model, function, torch_feeds)
         got = mil.predict(model, function, feeds)
         assert list(got) == list(want), (model, function)
         for name in want:
@@ -65,13 +66,20 @@ def test_every_function_of_every_package_matches_torch(tiny_export, precision, t
                                        for e in m["functions"].values()})
 
 
-def test_tiny_mil_fp16_matches_torch_fp16_on_real_text(tiny_export):
-    mil = llama_ane.load(tiny_export, backend="mil", precision="fp16")
+def mil_vs_torch_fp16_on_text(export, label: str):
+    """Score the first 128 tokens of the verify text with mil (fp16) and torch (fp16); print the numbers."""
+    mil = llama_ane.load(export, backend="mil", precision="fp16")
     ids = mil.encode(default_text())[:128]
     assert len(ids) == 128
-    torch_model = llama_ane.load(tiny_export, backend="torch", precision="fp16")
+    torch_model = llama_ane.load(export, backend="torch", precision="fp16")
     c = compare_logits(mil.score(ids), torch_model.score(ids), "torch")
-    print(f"tiny: max |logit diff| {c.max_abs_diff:.4f}, mean cosine {c.mean_cosine:.6f}, top-1 {c.top1_agreement:.3f}")
+    print(f"{label}: max |logit diff| {c.max_abs_diff:.4f}, mean cosine {c.mean_cosine:.6f}, "
+          f"top-1 {c.top1_agreement:.4f}")
+    return c
+
+
+def test_tiny_mil_fp16_matches_torch_fp16_on_real_text(tiny_export):
+    c = mil_vs_torch_fp16_on_text(tiny_export, "tiny")
     assert c.top1_agreement >= 0.99
     assert c.mean_cosine > 0.999
 
@@ -100,14 +108,9 @@ def test_bad_precision_is_refused(tiny_export):
 
 @pytest.mark.slow
 def test_smollm2_mil_fp16_matches_torch_fp16_on_128_tokens(smollm2_export):
-    mil = llama_ane.load(smollm2_export, backend="mil", precision="fp16")
-    ids = mil.encode(default_text())[:128]
-    assert len(ids) == 128
-    torch_model = llama_ane.load(smollm2_export, backend="torch", precision="fp16")
-    c = compare_logits(mil.score(ids), torch_model.score(ids), "torch")
-    print(f"SmolLM2: max |logit diff| {c.max_abs_diff:.4f}, mean cosine {c.mean_cosine:.6f}, "
-          f"top-1 {c.top1_agreement:.4f}")
+    c = mil_vs_torch_fp16_on_text(smollm2_export, "SmolLM2")
     assert c.top1_agreement >= 0.99
+    assert c.mean_cosine > 0.999
 
 
 PROMPTS = [

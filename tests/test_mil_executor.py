@@ -150,7 +150,8 @@ class Embeddings(nn.Module):
 
 def test_embeddings_gather_and_position_math(tmp_path):
     module = Embeddings()
-    example = {"ids": torch.tensor([[3, 7, 49, 0]], dtype=torch.int32), "position": torch.tensor([5], dtype=torch.int32)}
+    example = {"ids": torch.tensor([[3, 7, 49, 0]], dtype=torch.int32),
+               "position": torch.tensor([5], dtype=torch.int32)}
     path = convert_torch(module, example, tmp_path / "emb.mlpackage", fp16=False, out_names=["h", "cos", "mask"])
     ex = PackageExecutor(path, precision="fp32")
     for position in (0, 5, 12):
@@ -196,7 +197,9 @@ def test_builder_ops_match_numpy(tmp_path):
     """Ops torch rarely emits, written directly with the MIL builder; references in numpy."""
     x_np = np.random.default_rng(0).standard_normal((2, 6, 5)).astype(np.float32)
 
-    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 6, 5)), mb.TensorSpec(shape=(2,), dtype=ct.converters.mil.mil.types.int32)])
+    int32 = ct.converters.mil.mil.types.int32
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 6, 5)), mb.TensorSpec(shape=(2,), dtype=int32)])
     def prog(x, begin):
         band = mb.band_part(x=x, lower=1, upper=0)
         dyn = mb.slice_by_size(x=x, begin=mb.concat(values=[begin, [0]], axis=0), size=[1, 2, -1])
