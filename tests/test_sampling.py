@@ -1,0 +1,115 @@
+"""Next-token sampling: greedy, seeded determinism, temperature, top-k and top-p support."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llama_ane
+from llama_ane.runtime.sampling import SamplingParams, sample
+
+
+def draws(logits, params, n=4000, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.array([sample(logits, params, rng) for _ in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_is_argmax(seed):
+    logits = np.random.default_rng(seed).normal(size=1000).astype(np.float32)
+    rng = np.random.default_rng(0)
+    assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
+    # top-k / top-p do not change greedy, nor does the generator's state
+    assert sample(logits, SamplingParams(0.0, top_k=5, top_p=0.5), rng) == int(np.argmax(logits))
+
+
+def test_seeded_sampling_is_deterministic():
+    logits = np.random.default_rng(1).normal(size=500)
+    params = SamplingParams(temperature=1.0)
+    a, b = draws(logits, params, 200, seed=7), draws(logits, params, 200, seed=7)
+    c = draws(logits, params, 200, seed=8)
+    assert (a == b).all()
+    assert (a != c).any()
+
+
+def test_temperature_follows_softmax():
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
+    for t in (1.0, 0.5, 2.0):
+        want = np.exp(logits / t) / np.exp(logits / t).sum()
+        got = np.bincount(draws(logits, SamplingParams(temperature=t), 20000), minlength=4) / 20000
+        np.testing.assert_allclose(got, want, atol=0.015)
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_restricts_the_support(k):
+    logits = np.random.default_rng(2).normal(size=50)
+    top = set(np.argsort(-logits)[:k].tolist())
+    got = set(draws(logits, SamplingParams(temperature=5.0, top_k=k)).tolist())  # hot: all k get drawn
+    assert got == top
+
+
+def test_top_k_larger_than_vocab_is_no_filter():
+    logits = np.zeros(6)
+    assert set(draws(logits, SamplingParams(temperature=1.0, top_k=100), 2000).tolist()) == set(range(6))
+
+
+@pytest.mark.parametrize("top_p, support", [
+    (0.4, {0}),           # the top token alone reaches 0.4
+    (0.7, {0, 1}),
+    (0.79, {0, 1}),       # 0.5 + 0.3 reaches it
+    (0.81, {0, 1, 2}),
+    (0.99, {0, 1, 2, 3}),
+])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, support):
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    order = np.array([2, 0, 3, 1])  # shuffled positions: the filter must sort
+    logits = np.empty(4)
+    logits[order] = np.log(probs)
+    got = set(draws(logits, SamplingParams(temperature=1.0, top_p=top_p), 4000).tolist())
+    assert got == {int(order[i]) for i in support}
+
+
+def test_top_p_renormalises():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    got = np.bincount(draws(logits, SamplingParams(temperature=1.0, top_p=0.75), 20000), minlength=4) / 20000
+    np.testing.assert_allclose(got, [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=0.015)
+
+
+def test_top_k_and_top_p_together():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    # top-k 3 renormalises to [4/9, 3/9, 2/9]; top-p 0.7 then keeps the first two (4/9 + 3/9 >= 0.7)
+    got = set(draws(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7)).tolist())
+    assert got == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_bad_parameters(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    model = llama_ane.load(tiny_checkpoint(), backend="torch", context_length=128, prefill_length=16)
+    yield model
+    model.close()
+
+
+def test_generate_with_a_seed_is_reproducible(tiny_model):
+    prompt = list(range(10, 30))
+    a = tiny_model.generate(prompt, max_new_tokens=24, temperature=1.0, seed=11)
+    b = tiny_model.generate(prompt, max_new_tokens=24, temperature=1.0, seed=11)
+    c = tiny_model.generate(prompt, max_new_tokens=24, temperature=1.0, seed=12)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_generate_top_k_1_is_greedy(tiny_model):
+    prompt = list(range(40, 60))
+    greedy = tiny_model.generate(prompt, max_new_tokens=16)
+    assert tiny_model.generate(prompt, max_new_tokens=16, temperature=1.5, top_k=1, seed=3).token_ids == greedy.token_ids
