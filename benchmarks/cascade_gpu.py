@@ -181,62 +181,54 @@ def run_decode_bandwidth(timer, fi, log):
 
 
 def run_sweeps(timer, log):
-    """Launch configs and split counts: decode at 64 x 4096 and the cascade at 32768/256/128."""
+    """Launch configs, split counts and cascade modes at 32768/256/128 (both head layouts)."""
     import torch
 
     from llama_ane.cuda import ops
     from llama_ane.cuda.cascade import SharedPrefixBatch
 
     rows = []
+    prefix, batch, suffix = 32768, 256, 128
     for hq, hkv in HEADS:
-        batch, length, n = 64, 4096, 4096 // PAGE
-        cache = torch.randn(batch * n, 2, PAGE, hkv, D, device="cuda", dtype=torch.float16)
-        indices = torch.randperm(batch * n, device="cuda").to(torch.int32)
-        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * n
-        last = torch.full((batch,), PAGE, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-        out = torch.empty_like(q).unsqueeze(1)
-        lse = torch.empty(batch, 1, hq, device="cuda", dtype=torch.float32)
-        nbytes = batch * length * 2 * hkv * D * 2
-        for bn in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-                    try:
-                        ms = timer.median_ms(lambda: ops.launch_decode(
-                            q, cache, indptr, indices, last, out, lse, 0, 1, length, D ** -0.5,
-                            config=cfg))
-                    except Exception as exc:
-                        log(f"decode sweep {hq}/{hkv} {cfg}: failed: {type(exc).__name__}")
-                        continue
-                    rows.append(dict(kind="decode", hq=hq, hkv=hkv, config=cfg, ms=ms,
-                                     bw_frac=nbytes / (ms * 1e-3) / HBM_PEAK))
-                    log(f"decode sweep {hq}/{hkv} {cfg}: {ms:.3f} ms, "
-                        f"{100 * rows[-1]['bw_frac']:.1f}% of peak")
-        del cache
-    for hq, hkv in HEADS:
-        prefix, batch, suffix = 32768, 256, 128
         t = make_batch(prefix, batch, suffix, hkv, torch.float16)
         q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-        configs = [dict(PRE_BLOCK_N=pbn, DEC_BLOCK_N=64, num_warps=w, num_stages=st)
-                   for pbn in (64, 128) for w in (4, 8) for st in (2, 3)]
-        if hq != hkv:  # fewer for GQA: its key point is far from FlashInfer's already
-            configs = configs[:1] + configs[-1:]
-        for cfg in configs:
-            for splits in ((1, 2, 4, 8) if hq == hkv else (1, 2, 4)):
-                plan = SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"],
-                                         t["suffix_indices"], t["suffix_last"], num_qo_heads=hq,
-                                         num_kv_heads=hkv, head_dim=D, page_size=PAGE,
-                                         path="cascade", config=cfg, prefix_splits=splits)
+        n_rows = batch * hq // hkv
+        pre_cfgs = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                    for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+        for cfg in pre_cfgs:
+            for splits in (2, 4, 8):
+                chunk = -(-prefix // splits)
+                o = torch.empty(batch, splits, hq, D, device="cuda", dtype=torch.float32)
+                lse = torch.empty(batch, splits, hq, device="cuda", dtype=torch.float32)
                 try:
-                    ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
-                except Exception as exc:
-                    log(f"cascade sweep {hq}/{hkv} {cfg} splits={splits}: failed: "
+                    ms = timer.median_ms(lambda: ops.launch_shared_prefix(
+                        q, t["cache"], t["prefix_indices"], prefix, o, lse, 0, splits, chunk,
+                        D ** -0.5, config=cfg))
+                except Exception as exc:  # e.g. more shared memory than an SM has
+                    log(f"prefix sweep {hq}/{hkv} {cfg} splits={splits}: failed: "
                         f"{type(exc).__name__}")
                     continue
-                rows.append(dict(kind="cascade", hq=hq, hkv=hkv, config=cfg, splits=splits,
-                                 ms=ms))
-                log(f"cascade sweep {hq}/{hkv} {cfg} splits={splits}: {ms:.3f} ms")
+                tflops = 4.0 * n_rows * hkv * prefix * D / (ms * 1e-3) / 1e12
+                rows.append(dict(kind="prefix", hq=hq, hkv=hkv, config=cfg, splits=splits,
+                                 ms=ms, tflops=tflops))
+                log(f"prefix sweep {hq}/{hkv} {cfg} splits={splits}: {ms:.3f} ms, "
+                    f"{tflops:.0f} TFLOP/s")
+        best = sorted((r for r in rows if r["kind"] == "prefix" and r["hq"] == hq
+                       and r["hkv"] == hkv), key=lambda r: r["ms"])[:3]
+        for overlap in (False, True):
+            for r in best:
+                for splits in ((1, 2) if overlap else (r["splits"],)):
+                    cfg = dict(prefix=r["config"], overlap=overlap)
+                    plan = SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"],
+                                             t["suffix_indices"], t["suffix_last"],
+                                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
+                                             page_size=PAGE, path="cascade", config=cfg,
+                                             prefix_splits=splits)
+                    ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
+                    rows.append(dict(kind="cascade", hq=hq, hkv=hkv, config=cfg, splits=splits,
+                                     ms=ms))
+                    log(f"cascade sweep {hq}/{hkv} overlap={overlap} {r['config']} "
+                        f"splits={splits}: {ms:.3f} ms")
         del t
         torch.cuda.empty_cache()
     return rows

@@ -45,11 +45,12 @@ def test_engine_forward_matches_transformers(tiny_llama):
     assert rel < 1e-2, rel
 
 
-def _assert_same_up_to_ties(engine, prompt, branches, got, want, rel_tie=0.02):
+def _assert_same_up_to_ties(engine, prompt, branches, got, want, rel_tie):
     """Token lists must be equal, except that they may part at an exact near-tie of the model.
 
     Cascade and plain decode add the same fp32 terms in a different order, so their fp16 outputs
-    can differ in the last bit; on a random model two logits can be that close. At the first
+    can differ in the last bit; on a random model two logits can be that close (bf16 keeps 8
+    bits, so its ties are wider than fp16's). At the first
     difference both tokens must be within ``rel_tie`` logit-std of each other in a full causal
     recompute; after it the branches legitimately continue differently.
     """
@@ -78,8 +79,9 @@ def test_cascade_tokens_equal_plain_decode(tiny_llama, page_size, dtype):
     assert cascade.paths_used == {"cascade": cascade.steps}
     assert plain.paths_used == {"decode": plain.steps}
     assert all(len(t) == 24 for t in cascade.tokens)
-    _assert_same_up_to_ties(engine, prompt, branches, cascade.tokens, plain.tokens)
-    _assert_same_up_to_ties(engine, prompt, branches, auto.tokens, plain.tokens)
+    rel_tie = 0.02 if dtype == torch.float16 else 0.06
+    _assert_same_up_to_ties(engine, prompt, branches, cascade.tokens, plain.tokens, rel_tie)
+    _assert_same_up_to_ties(engine, prompt, branches, auto.tokens, plain.tokens, rel_tie)
     # the tokens are what a full causal recompute picks (up to near-ties)
     for b, toks in zip(branches, cascade.tokens):
         seq = prompt + b + toks

@@ -88,7 +88,7 @@ CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["cascade", "decode", "auto"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
 def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
     from llama_ane.cuda import reference as ref
     from llama_ane.cuda.cascade import SharedPrefixBatch
@@ -105,7 +105,8 @@ def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype,
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
     plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, s_last,
                              num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-                             path=path)
+                             path="cascade" if path == "overlap" else path,
+                             config={"overlap": True} if path == "overlap" else None)
     o, lse = plan.run(q, cache)
     want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, s_indptr, s_indices, s_last)
     _assert_state(o, lse, *want, dtype)

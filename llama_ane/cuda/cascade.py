@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
-from .splits import choose_cascade_prefix_splits, choose_decode_splits
+from .splits import choose_cascade_prefix_splits, choose_decode_splits, choose_prefix_splits
 
 PATHS = ("auto", "cascade", "decode")
 
@@ -28,7 +28,8 @@ class SharedPrefixBatch:
     path : ``"auto"`` (cost model), ``"cascade"`` or ``"decode"``
     cost_model : constants of the auto decision
     sm_scale : default ``1 / sqrt(head_dim)``
-    config, prefix_splits : launch overrides for tuning runs (default: the tuned choices)
+    config, prefix_splits : launch overrides for tuning runs (default: the tuned choices):
+        ``{"prefix": {...}, "decode": {...}, "overlap": bool}``
 
     Plain decode needs one page list per request, prefix pages first; that requires a prefix that
     ends on a page boundary. Otherwise ``auto`` uses the cascade and ``decode`` is refused.
@@ -79,7 +80,11 @@ class SharedPrefixBatch:
 
         if path == "cascade":
             rows = self.batch * (num_qo_heads // num_kv_heads)
-            self.prefix_splits, self.prefix_chunk = choose_cascade_prefix_splits(
+            self.overlap = bool((config or {}).get("overlap", False))
+            if self.overlap:
+                self.side_stream = torch.cuda.Stream(device, priority=-1)
+            split_fn = choose_cascade_prefix_splits if self.overlap else choose_prefix_splits
+            self.prefix_splits, self.prefix_chunk = split_fn(
                 rows, ops.prefix_block_m(rows), num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms)
@@ -109,6 +114,36 @@ class SharedPrefixBatch:
                 self.lse_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads,
                                            dtype=torch.float32, device=device)
 
+    def _run_cascade(self, q, kv_cache, out, lse) -> None:
+        cfg = self.config or {}
+        pre_cfg, dec_cfg = cfg.get("prefix"), cfg.get("decode")
+        ps, pc = self.prefix_splits, self.prefix_chunk
+        if self.overlap:
+            # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
+            # this one: the scheduler fills SM slots the prefix leaves free with decode programs
+            cur = torch.cuda.current_stream(q.device)
+            self.side_stream.wait_stream(cur)
+            with torch.cuda.stream(self.side_stream):
+                ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
+                                         self.o_buf, self.lse_buf, 0, ps, pc, self.sm_scale,
+                                         pre_cfg)
+            ops.launch_decode(q, kv_cache, *self.suffix, self.o_buf, self.lse_buf, ps,
+                              self.suffix_splits, self.suffix_chunk, self.sm_scale, dec_cfg)
+            cur.wait_stream(self.side_stream)
+            ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
+            return
+        ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len, self.o_buf,
+                                 self.lse_buf, 0, ps, pc, self.sm_scale, pre_cfg)
+        if self.suffix_splits == 1:
+            # two launches: the decode program merges the prefix states into its own
+            ops.launch_decode(q, kv_cache, *self.suffix, out.unsqueeze(1), lse.unsqueeze(1), 0,
+                              1, self.suffix_chunk, self.sm_scale, dec_cfg,
+                              merge_from=(self.o_buf, self.lse_buf, ps))
+        else:
+            ops.launch_decode(q, kv_cache, *self.suffix, self.o_buf, self.lse_buf, ps,
+                              self.suffix_splits, self.suffix_chunk, self.sm_scale, dec_cfg)
+            ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of every request's query over prefix + its suffix.
 
@@ -133,10 +168,7 @@ class SharedPrefixBatch:
         if batch == 0:
             return out, lse
         if self.path == "cascade":
-            ops.launch_cascade(q, kv_cache, self.prefix_indices, self.prefix_len, *self.suffix,
-                               self.o_buf, self.lse_buf, self.prefix_splits, self.prefix_chunk,
-                               self.suffix_splits, self.suffix_chunk, self.sm_scale, self.config)
-            ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
+            self._run_cascade(q, kv_cache, out, lse)
         elif self.decode_splits == 1:
             ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,
                               out.unsqueeze(1), lse.unsqueeze(1), 0, 1, self.decode_chunk,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .splits import choose_cascade_prefix_splits, choose_decode_splits
+from .splits import choose_decode_splits, choose_prefix_splits
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class CostModel:
         flops = 4.0 * padded_rows * num_kv_heads * prefix_len * head_dim
         prefix = max(prefix_len * tok / self.hbm_bytes_per_s, flops / self.tc_flops)
         suffix = batch * suffix_len * tok / self.hbm_bytes_per_s
-        sp, _ = choose_cascade_prefix_splits(rows, block_m, num_kv_heads, prefix_len,
+        sp, _ = choose_prefix_splits(rows, block_m, num_kv_heads, prefix_len,
                                              self.num_sms)
         ss, _ = choose_decode_splits(batch, num_kv_heads, int(suffix_len), self.num_sms)
         states = 2 * batch * (sp + ss) * num_qo_heads * head_dim * 4  # fp32 write + read

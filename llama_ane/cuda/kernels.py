@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E_C = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -55,10 +56,16 @@ def _decode_program(
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     state_offset, sm_scale_log2, chunk_len, b, kvh, split,
+    pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_PREFIX: tl.constexpr,
 ):
-    """Decode work of one (request ``b``, kv head, split): see ``paged_decode_kernel``."""
+    """Decode work of one (request ``b``, kv head, split): see ``paged_decode_kernel``.
+
+    With ``MERGE_PREFIX`` the ``n_pre`` states ``pre_o[b, i, head]`` / ``pre_lse[b, i, head]``
+    (natural log; the shared-prefix kernel's splits) are merged into this program's state before
+    it is stored, which saves the cascade a merge launch and a round trip of the states.
+    """
     page_start = tl.load(indptr_ptr + b)
     page_end = tl.load(indptr_ptr + b + 1)
     last_len = tl.load(last_len_ptr + b)
@@ -95,6 +102,18 @@ def _decode_program(
             l_i = l_i * alpha + tl.sum(p, 0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
             m_i = m_new
+        if MERGE_PREFIX:
+            for i in range(0, n_pre):
+                lse2 = tl.load(pre_lse_ptr + b * stride_plb + i * stride_pls + kvh) * LOG2E_C
+                o_pre = tl.load(pre_o_ptr + b * stride_pb + i * stride_ps + kvh * stride_ph
+                                + offs_d).to(tl.float32)
+                m_new = tl.maximum(m_i, lse2)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_ref)
+                w = tl.exp2(lse2 - m_ref)
+                l_i = l_i * alpha + w
+                acc = acc * alpha + o_pre * w
+                m_i = m_new
         nonempty = l_i > 0.0
         l_safe = tl.where(nonempty, l_i, 1.0)
         lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
@@ -121,6 +140,20 @@ def _decode_program(
                         mask=n_mask[:, None], other=0.0)
             s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+        if MERGE_PREFIX:
+            for i in range(0, n_pre):
+                lse2 = tl.load(pre_lse_ptr + b * stride_plb + i * stride_pls + heads,
+                               mask=g_mask, other=float("-inf")) * LOG2E_C
+                o_pre = tl.load(pre_o_ptr + b * stride_pb + i * stride_ps
+                                + heads[:, None] * stride_ph + offs_d[None, :],
+                                mask=g_mask[:, None], other=0.0).to(tl.float32)
+                m_new = tl.maximum(m_i, lse2)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_ref)
+                w = tl.exp2(lse2 - m_ref)
+                l_i = l_i * alpha + w
+                acc = acc * alpha[:, None] + o_pre * w[:, None]
+                m_i = m_new
         o_ptrs = o_ptr + b * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
             + offs_d[None, :]
         lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
@@ -136,14 +169,16 @@ def paged_decode_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     state_offset, sm_scale_log2, chunk_len,
+    pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_PREFIX: tl.constexpr,
 ):
     """Batch decode over a paged KV cache, one program per (request, kv head, KV split).
 
     The ``GROUP`` query heads that share a kv head are processed together so each K/V row is read
     once per group. Split ``s`` covers tokens ``[s * chunk_len, (s + 1) * chunk_len)`` and writes
-    state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``.
+    state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``;
+    ``MERGE_PREFIX`` folds in precomputed states first (see ``_decode_program``).
     """
     _decode_program(
         q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
@@ -151,7 +186,8 @@ def paged_decode_kernel(
         stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
         state_offset, sm_scale_log2, chunk_len,
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
+        GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, MERGE_PREFIX)
 
 
 @triton.jit
@@ -175,11 +211,27 @@ def _prefix_program(
 
     start = split * chunk_len
     end = tl.minimum(start + chunk_len, prefix_len)
+    # whole key blocks need no bounds mask; only the last partial block does
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_head = kv_ptr + kvh * HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
+        tok = n0 + offs_n
+        page = tl.load(indices_ptr + tok // PAGE_SIZE)
+        krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+        k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
+        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        # every row sees at least one key here, so the running max is finite: no -inf guard
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, end, BLOCK_N):
         tok = n0 + offs_n
         n_mask = tok < end
         page = tl.load(indices_ptr + tok // PAGE_SIZE, mask=n_mask, other=0)
@@ -224,58 +276,6 @@ def shared_prefix_kernel(
         state_offset, sm_scale_log2, chunk_len,
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def cascade_kernel(
-    q_ptr, kv_ptr, prefix_indices_ptr, prefix_len, n_rows,
-    indptr_ptr, indices_ptr, last_len_ptr,
-    o_ptr, lse_ptr,
-    stride_qb, stride_qh,
-    stride_page, stride_kv, stride_tok,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls,
-    sm_scale_log2, prefix_chunk, suffix_chunk,
-    n_row_blocks, prefix_splits, n_prefix, batch, suffix_splits, n_suffix, n_pairs,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, PRE_BLOCK_N: tl.constexpr,
-    DEC_BLOCK_N: tl.constexpr,
-):
-    """Both levels of the cascade in one launch: shared-prefix tiles and suffix decode programs.
-
-    The prefix tiles are bound by the tensor cores, the suffix programs by HBM; in one grid they
-    share the SMs and overlap instead of running one after the other. The first ``2 * n_pairs``
-    programs alternate prefix, suffix, prefix, ... so every SM starts with one of each; the rest
-    are whichever kind is left. Prefix splits write state slots ``[0, prefix_splits)``, suffix
-    splits the slots after them; ``merge_states_kernel`` finishes.
-    """
-    pid = tl.program_id(0)
-    if pid < 2 * n_pairs:
-        is_prefix = pid % 2 == 0
-        idx = pid // 2
-    else:
-        is_prefix = n_prefix > n_pairs
-        idx = n_pairs + pid - 2 * n_pairs
-    if is_prefix:
-        mb = idx % n_row_blocks
-        rest = idx // n_row_blocks
-        _prefix_program(
-            q_ptr, kv_ptr, prefix_indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
-            stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
-            stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-            0, sm_scale_log2, prefix_chunk,
-            mb, rest // prefix_splits, rest % prefix_splits,
-            GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, PRE_BLOCK_N)
-    else:
-        b = idx % batch
-        rest = idx // batch
-        _decode_program(
-            q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
-            stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
-            stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-            prefix_splits, sm_scale_log2, suffix_chunk,
-            b, rest // suffix_splits, rest % suffix_splits,
-            GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, DEC_BLOCK_N)
 
 
 @triton.jit

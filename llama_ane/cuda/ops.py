@@ -90,22 +90,34 @@ def triton_next_pow2(n: int) -> int:
 
 
 def decode_config(group: int, head_dim: int) -> dict:
-    """Launch parameters of the decode kernel (see benchmarks/results/cuda_notes.md)."""
-    return dict(BLOCK_N=64 if head_dim == 128 else 128, num_warps=4, num_stages=3)
+    """Launch parameters of the decode kernel, from the run-3 sweep at 64 x 4096 tokens
+    (benchmarks/results/cuda_notes.md): 128-token blocks for MHA, 32 for GQA, 4 warps."""
+    if group == 1:
+        return dict(BLOCK_N=128 if head_dim <= 128 else 64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=3)
 
 
 def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, state_offset: int,
                   num_splits: int, chunk_len: int, sm_scale: float,
-                  config: dict | None = None) -> None:
+                  config: dict | None = None, merge_from: tuple | None = None) -> None:
     """Launch the paged decode kernel into state slots ``[state_offset, state_offset + splits)``.
 
     ``o_buf`` is ``[batch, slots, Hq, D]`` (or ``[batch, Hq, D]`` viewed with one slot) and
-    ``lse_buf`` ``[batch, slots, Hq]``. No checks: callers have validated the inputs.
+    ``lse_buf`` ``[batch, slots, Hq]``. ``merge_from = (o_states, lse_states, n)`` merges the
+    first ``n`` states of those ``[batch, slots, Hq(, D)]`` buffers into the result (one split
+    only). No checks: callers have validated the inputs.
     """
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
     cfg = decode_config(group, d) if config is None else config
+    if merge_from is None:
+        pre_o, pre_lse, n_pre = lse_buf, lse_buf, 0
+        pre_strides = (0, 0, 0, 0, 0)
+    else:
+        pre_o, pre_lse, n_pre = merge_from
+        pre_strides = (pre_o.stride(0), pre_o.stride(1), pre_o.stride(2), pre_lse.stride(0),
+                       pre_lse.stride(1))
     grid = (batch, hkv, num_splits)
     kernels.paged_decode_kernel[grid](
         q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf,
@@ -114,41 +126,9 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         lse_buf.stride(0), lse_buf.stride(1),
         state_offset, sm_scale * LOG2E, chunk_len,
+        pre_o, pre_lse, n_pre, *pre_strides,
         GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def cascade_config(block_m: int) -> dict:
-    """Launch parameters of the one-launch cascade kernel (see cuda_notes.md)."""
-    return dict(PRE_BLOCK_N=64, DEC_BLOCK_N=64, num_warps=4, num_stages=3)
-
-
-def launch_cascade(q, kv_cache, prefix_indices, prefix_len: int, indptr, indices, last_page_len,
-                   o_buf, lse_buf, prefix_splits: int, prefix_chunk: int, suffix_splits: int,
-                   suffix_chunk: int, sm_scale: float, config: dict | None = None) -> None:
-    """Launch both cascade levels as one grid into state slots ``[0, prefix + suffix splits)``."""
-    batch, hq, d = q.shape
-    _, _, page_size, hkv, _ = kv_cache.shape
-    group = hq // hkv
-    n_rows = batch * group
-    block_m = prefix_block_m(n_rows)
-    cfg = cascade_config(block_m) if config is None else config
-    n_row_blocks = triton.cdiv(n_rows, block_m)
-    n_prefix = n_row_blocks * hkv * prefix_splits
-    n_suffix = batch * hkv * suffix_splits
-    kernels.cascade_kernel[(n_prefix + n_suffix,)](
-        q, kv_cache, prefix_indices, prefix_len, n_rows, indptr, indices, last_page_len,
-        o_buf, lse_buf,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-        lse_buf.stride(0), lse_buf.stride(1),
-        sm_scale * LOG2E, prefix_chunk, suffix_chunk,
-        n_row_blocks, prefix_splits, n_prefix, batch, suffix_splits, n_suffix,
-        min(n_prefix, n_suffix),
-        GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, PRE_BLOCK_N=cfg["PRE_BLOCK_N"], DEC_BLOCK_N=cfg["DEC_BLOCK_N"],
+        BLOCK_N=cfg["BLOCK_N"], MERGE_PREFIX=merge_from is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
