@@ -28,6 +28,10 @@ enum LlamaANECLI {
             : model.promptTokens(options.prompt)
         log("\(model.manifest.name): \(model.manifest.chunks.count) chunks, context \(model.manifest.contextLength), "
             + "prompt \(prompt.count) tokens")
+        if options.branches > 0 {
+            try await runBranches(model, prompt: prompt, options: options)
+            return
+        }
         let predictor = try await makePredictor(model, computeUnits: options.computeUnits)
         let generator = model.generator(predictor: predictor)
         for try await event in generator.generate(prompt: prompt, maxNewTokens: options.maxNewTokens, sampling: options.sampling) {
@@ -43,20 +47,48 @@ enum LlamaANECLI {
         }
     }
 
-    static func makePredictor(_ model: ExportedModel, computeUnits: String) async throws -> TokenPredictor {
+    /// `--branches N`: N sampled continuations of the prompt, decoded as a cascade over it.
+    static func runBranches(_ model: ExportedModel, prompt: [Int], options: Options) async throws {
         #if canImport(CoreML)
-        let units: MLComputeUnits
-        switch computeUnits {
-        case "all": units = .all
-        case "cpuAndGPU": units = .cpuAndGPU
-        case "cpuOnly": units = .cpuOnly
-        default: units = .cpuAndNeuralEngine
+        let pipeline = try await model.makeCoreMLPredictor(computeUnits: computeUnits(options.computeUnits))
+        let requests = (0..<options.branches).map { i in
+            var sampling = options.sampling
+            sampling.seed &+= UInt64(i)
+            return BranchRequest(sampling: sampling, maxNewTokens: options.maxNewTokens)
         }
-        return try await model.makeCoreMLPredictor(computeUnits: units)
+        let start = Date()
+        let results = try await pipeline.decodeBranches(prefix: prompt, branches: requests, eosTokenIds: model.eosTokenIds)
+        let seconds = Date().timeIntervalSince(start)
+        for (i, r) in results.enumerated() {
+            print("--- branch \(i) (\(r.tokens.count) tokens, \(r.stopReason.rawValue))")
+            print(model.tokenizer.decode(r.tokens, skipSpecialTokens: true))
+        }
+        let total = results.map(\.tokens.count).reduce(0, +)
+        log(String(format: "%d branches, %d tokens in %.2f s (prefill included): %.1f tokens/s",
+                   results.count, total, seconds, Double(total) / max(seconds, 1e-9)))
         #else
         throw PipelineError.unavailable
         #endif
     }
+
+    static func makePredictor(_ model: ExportedModel, computeUnits name: String) async throws -> TokenPredictor {
+        #if canImport(CoreML)
+        return try await model.makeCoreMLPredictor(computeUnits: computeUnits(name))
+        #else
+        throw PipelineError.unavailable
+        #endif
+    }
+
+    #if canImport(CoreML)
+    static func computeUnits(_ name: String) -> MLComputeUnits {
+        switch name {
+        case "all": return .all
+        case "cpuAndGPU": return .cpuAndGPU
+        case "cpuOnly": return .cpuOnly
+        default: return .cpuAndNeuralEngine
+        }
+    }
+    #endif
 
     static func log(_ message: String) {
         FileHandle.standardError.write(Data((message + "\n").utf8))

@@ -8,6 +8,7 @@ struct Options: Equatable {
     var maxNewTokens = 64
     var sampling = SamplingParameters(temperature: 0, topK: 0, topP: 1, seed: 0)
     var chat = false
+    var branches = 0
     var verifyHashes = false
     var computeUnits = "cpuAndNeuralEngine"
 
@@ -22,6 +23,8 @@ struct Options: Equatable {
               --top-k K            keep the K most likely tokens (default 0: all)
               --top-p P            nucleus sampling threshold (default 1: off)
           -s, --seed S             sampler seed (default 0)
+              --branches N         decode N continuations over the prompt as one shared prefix
+                                   (cascade; branch i samples with seed S+i)
               --chat               wrap the prompt in the model's chat template as a user message
               --verify-hashes      check every file's sha256 against the manifest first
               --compute-units U    cpuAndNeuralEngine (default), all, cpuAndGPU or cpuOnly
@@ -59,6 +62,7 @@ struct Options: Equatable {
             case "--top-p": options.sampling.topP = try number(arg, Float.self)
             case "-s", "--seed": options.sampling.seed = try number(arg, UInt64.self)
             case "--chat": options.chat = true
+            case "--branches": options.branches = try number(arg, Int.self)
             case "--verify-hashes": options.verifyHashes = true
             case "--compute-units":
                 options.computeUnits = try value(arg)
@@ -81,6 +85,7 @@ struct Options: Equatable {
         }
         options.folder = positional[0]
         options.prompt = positional[1]
+        guard options.branches >= 0 else { throw ParseError(message: "--branches must be >= 0") }
         guard options.maxNewTokens > 0 else { throw ParseError(message: "--max-new-tokens must be at least 1") }
         guard options.sampling.temperature >= 0 else { throw ParseError(message: "--temperature must be >= 0") }
         guard options.sampling.topP > 0, options.sampling.topP <= 1 else { throw ParseError(message: "--top-p must be in (0, 1]") }
