@@ -177,7 +177,10 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
         template: dict[str, Any] = {}
         single: list[tuple[str, int]] = []
         multi: list[tuple[str, list[tuple[bool, Any]]]] = []
+        owned = getattr(kernel, "owned_params", frozenset())
         for param, var in op.inputs.items():
+            if param in owned:
+                continue  # the kernel holds its own prepared copy
             if isinstance(var, (list, tuple)):
                 multi.append((param, [(False, const_value(v)) if is_known(v) else (True, slot_of(v)) for v in var]))
             elif is_known(var):

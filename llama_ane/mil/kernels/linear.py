@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from coremltools.converters.mil.mil.ops.defs._utils import aggregated_pad
 
-from .registry import BuildContext, kernel, static
+from .registry import BuildContext, kernel, owns_consts, static
 
 F32 = np.float32
 
@@ -67,7 +67,7 @@ def conv(op, ctx: BuildContext):
                 y += bias_col if bias_col is not None else _f32(a["bias"]).reshape(c_out, 1)
             return y.reshape(out_shape)
 
-        return run
+        return owns_consts(run, op, ctx, "weight", "bias")
 
     cin_g = w_shape[1]
     cout_g = c_out // groups
@@ -101,7 +101,7 @@ def conv(op, ctx: BuildContext):
             y += b.reshape((1, c_out) + (1,) * spatial)
         return y
 
-    return run_general
+    return owns_consts(run_general, op, ctx, "weight", "bias")
 
 
 @kernel("matmul")
@@ -121,7 +121,10 @@ def matmul(op, ctx: BuildContext):
 
     get_x = side(op.x, tx, "x")
     get_y = side(op.y, ty, "y")
-    return lambda a: np.matmul(get_x(a), get_y(a))
+    def run(a):
+        return np.matmul(get_x(a), get_y(a))
+
+    return owns_consts(run, op, ctx, "x", "y")
 
 
 @kernel("linear")
@@ -139,7 +142,7 @@ def linear(op, ctx: BuildContext):
             y += _f32(a["bias"])
         return y
 
-    return run
+    return owns_consts(run, op, ctx, "weight")
 
 
 @kernel("einsum")

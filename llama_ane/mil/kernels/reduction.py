@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import BuildContext, kernel, static
+from .registry import BuildContext, kernel, owns_consts, static
 
 F32 = np.float32
 
@@ -107,4 +107,4 @@ def layer_norm(op, ctx: BuildContext):
             y = y + beta
         return y
 
-    return run
+    return owns_consts(run, op, ctx, "gamma", "beta")

@@ -83,6 +83,13 @@ class BuildContext:
         return self.numerics.storage(var.dtype)
 
 
+def owns_consts(kernel: Kernel, op, ctx: "BuildContext", *params: str) -> Kernel:
+    """Mark `params` of `op` whose const values `kernel` prepared itself (e.g. a float32 weight
+    matrix): the executor then leaves them out of `args`, so no second copy of them is held."""
+    kernel.owned_params = frozenset(p for p in params if ctx.is_const(op.inputs.get(p)))
+    return kernel
+
+
 def static(op, name: str, default: Any = None) -> Any:
     """The compile-time value of parameter `name` of `op` (python/numpy), or `default` if absent.
 
