@@ -5,22 +5,18 @@ import XCTest
 enum Fixtures {
     static let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Fixtures")
 
-    /// The fixture at `relativePath`, failing the test with the command that makes it when absent.
+    /// The fixture at `relativePath`; throws (failing the test) with the command that makes it when absent.
     static func url(_ relativePath: String) throws -> URL {
         let url = root.appendingPathComponent(relativePath)
         guard FileManager.default.fileExists(atPath: url.path) else {
-            throw XCTSkipUnlessFixtureError(path: url.path)
+            throw MissingFixtureError(path: url.path)
         }
         return url
-    }
-
-    static func json(_ relativePath: String) throws -> Any {
-        try JSONSerialization.jsonObject(with: Data(contentsOf: url(relativePath)))
     }
 }
 
 /// Missing fixtures are an error, not a skip: CI must generate them before `swift test`.
-struct XCTSkipUnlessFixtureError: Error, CustomStringConvertible {
+struct MissingFixtureError: Error, CustomStringConvertible {
     let path: String
     var description: String {
         "missing fixture \(path). Generate the fixtures first: "

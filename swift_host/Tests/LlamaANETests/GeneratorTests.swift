@@ -36,12 +36,12 @@ final class GeneratorTests: XCTestCase {
         XCTAssertEqual(tokens, FakeModel.reference(prompt: prompt, maxNewTokens: 200, sampling: .greedy, vocab: vocab, eos: eos))
     }
 
-    func testContextFullIsRefusedBeforeAnyModelCall() async throws {
+    func testAPromptThatDoesNotFitIsRefusedBeforeAnyModelCall() async throws {
         let model = FakeModel.CachePredictor(contextLength: 12, prefillLength: 4, vocab: vocab)
         let generator = Generator(predictor: model, eosTokenIds: [])
         do {
-            _ = try await generator.generateAll(prompt: Array(repeating: 9, count: 10), maxNewTokens: 4)
-            XCTFail("a prompt of 10 plus 3 decode steps cannot fit 12 positions")
+            _ = try await generator.generateAll(prompt: Array(repeating: 9, count: 13), maxNewTokens: 1)
+            XCTFail("13 prompt tokens cannot fit 12 positions")
         } catch let error as GenerationError {
             XCTAssertEqual(error, .contextFull(position: 0, requested: 13, capacity: 12))
             XCTAssertTrue(error.description.contains("--context-length"))
@@ -50,6 +50,24 @@ final class GeneratorTests: XCTestCase {
         // Exactly full is fine: 10 prompt tokens + 2 decode steps = 12.
         let (tokens, _) = try await generator.generateAll(prompt: Array(repeating: 9, count: 10), maxNewTokens: 3)
         XCTAssertEqual(tokens.count, 3)
+        XCTAssertEqual(model.failures, [])
+    }
+
+    func testFillingTheContextWhileDecodingStreamsThenThrows() async throws {
+        let model = FakeModel.CachePredictor(contextLength: 12, prefillLength: 4, vocab: vocab)
+        let generator = Generator(predictor: model, eosTokenIds: [])
+        var streamed: [Int] = []
+        do {
+            for try await event in generator.generate(prompt: Array(repeating: 9, count: 10), maxNewTokens: 8) {
+                if case let .token(id, _) = event { streamed.append(id) }
+            }
+            XCTFail("the cache fills after two decode steps")
+        } catch {
+            XCTAssertEqual(error as? GenerationError, .contextFull(position: 12, requested: 1, capacity: 12))
+        }
+        // The prefill token and two decode tokens filled positions 10 and 11; the third needs 12.
+        XCTAssertEqual(streamed.count, 3)
+        XCTAssertEqual(model.windows.filter { $0.phase == .decode }.map(\.position), [10, 11])
         XCTAssertEqual(model.failures, [])
     }
 

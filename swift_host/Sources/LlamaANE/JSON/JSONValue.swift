@@ -6,7 +6,7 @@ import Foundation
 /// `String`s by canonical equivalence: two vocabulary entries such as `"é"` (U+00E9) and `"e\u{301}"`
 /// would collapse into one dictionary key. Here object keys stay a list of pairs, and the tokenizer
 /// keys its tables by UTF-8 bytes.
-public enum JSONValue: Equatable {
+enum JSONValue: Equatable {
     case null
     case bool(Bool)
     case number(Double)
@@ -14,7 +14,7 @@ public enum JSONValue: Equatable {
     case array([JSONValue])
     case object([(String, JSONValue)])
 
-    public static func == (lhs: JSONValue, rhs: JSONValue) -> Bool {
+    static func == (lhs: JSONValue, rhs: JSONValue) -> Bool {
         switch (lhs, rhs) {
         case (.null, .null): return true
         case let (.bool(a), .bool(b)): return a == b
@@ -28,34 +28,34 @@ public enum JSONValue: Equatable {
     }
 
     /// Parses UTF-8 JSON text.
-    public static func parse(_ data: Data) throws -> JSONValue {
+    static func parse(_ data: Data) throws -> JSONValue {
         var parser = JSONParser(bytes: [UInt8](data))
         return try parser.parseDocument()
     }
 
     /// The value of `key` in an object (first occurrence), or nil.
-    public subscript(key: String) -> JSONValue? {
+    subscript(key: String) -> JSONValue? {
         guard case let .object(pairs) = self else { return nil }
         return pairs.first { $0.0 == key }?.1
     }
 
-    public var stringValue: String? { if case let .string(s) = self { return s }; return nil }
-    public var boolValue: Bool? { if case let .bool(b) = self { return b }; return nil }
-    public var doubleValue: Double? { if case let .number(n) = self { return n }; return nil }
-    public var intValue: Int? {
+    var stringValue: String? { if case let .string(s) = self { return s }; return nil }
+    var boolValue: Bool? { if case let .bool(b) = self { return b }; return nil }
+    var doubleValue: Double? { if case let .number(n) = self { return n }; return nil }
+    var intValue: Int? {
         guard case let .number(n) = self, n == n.rounded(), abs(n) < 9.0e15 else { return nil }
         return Int(n)
     }
-    public var arrayValue: [JSONValue]? { if case let .array(a) = self { return a }; return nil }
-    public var objectValue: [(String, JSONValue)]? { if case let .object(o) = self { return o }; return nil }
-    public var isNull: Bool { if case .null = self { return true }; return false }
+    var arrayValue: [JSONValue]? { if case let .array(a) = self { return a }; return nil }
+    var objectValue: [(String, JSONValue)]? { if case let .object(o) = self { return o }; return nil }
+    var isNull: Bool { if case .null = self { return true }; return false }
 }
 
 /// A JSON syntax error with the byte offset where parsing stopped.
-public struct JSONParseError: Error, CustomStringConvertible {
-    public let offset: Int
-    public let reason: String
-    public var description: String { "invalid JSON at byte \(offset): \(reason)" }
+struct JSONParseError: Error, CustomStringConvertible {
+    let offset: Int
+    let reason: String
+    var description: String { "invalid JSON at byte \(offset): \(reason)" }
 }
 
 private struct JSONParser {

@@ -32,8 +32,10 @@ public struct GenerationStats: Equatable, Sendable {
 /// Generates tokens from a `TokenPredictor`: prefill windows for the prompt, then one decode
 /// step per token, streaming each token (and its text) through an `AsyncThrowingStream`.
 ///
-/// The predictor's cache is reset at the start of every generation. Stops at an end-of-sequence id,
-/// after `maxNewTokens`, and throws `GenerationError.contextFull` when the cache has no room.
+/// The predictor's cache is reset at the start of every generation. Stops at an end-of-sequence id
+/// or after `maxNewTokens`. A prompt that does not fit the cache is refused before any model call;
+/// when decoding fills the cache, the tokens so far have been streamed and the stream then throws
+/// `GenerationError.contextFull`.
 public final class Generator: @unchecked Sendable {
     public let predictor: TokenPredictor
     public let eosTokenIds: Set<Int>
@@ -87,12 +89,7 @@ public final class Generator: @unchecked Sendable {
                                     decodeSeconds: 0, stopReason: .maxTokens)
         try await predictor.reset()
 
-        // Room for the prompt and every decode step is checked before any model call.
-        let windows = try cache.prefillWindows(prompt)
-        let decodeSteps = max(maxNewTokens - 1, 0)
-        guard prompt.count + decodeSteps <= cache.capacity else {
-            throw GenerationError.contextFull(position: 0, requested: prompt.count + decodeSteps, capacity: cache.capacity)
-        }
+        let windows = try cache.prefillWindows(prompt)  // refuses a prompt that does not fit
         guard maxNewTokens > 0 else { return stats }
 
         let clock = ContinuousClock()
