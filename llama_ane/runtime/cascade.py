@@ -32,6 +32,7 @@ class BranchResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
+    logits: list = field(default_factory=list, repr=False)  # per fed token, when recording (teacher forcing)
 
 
 @dataclass
@@ -142,12 +143,18 @@ class CascadeDecoder:
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, stops: Sequence[str],
-                  on_token: Callable[[int, int, str], None] | None) -> int:
-        """Decode one group (<= B branches) to completion. Returns the number of steps run."""
+                  on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:
+        """Decode one group (<= B branches) to completion. Returns the number of steps run.
+
+        With `record_logits` and `max_new_tokens` 0, each branch only feeds its own tokens and keeps
+        the logits after each one (teacher forcing).
+        """
         suffixes = [{"k": self.new_suffix(len(c["layers"])), "v": self.new_suffix(len(c["layers"]))}
                     for c in self.manifest["chunks"]]
         for b in branches:  # a branch without text of its own starts from the prefix's next-token logits
-            if not b.queue:
+            if not b.queue and max_new_tokens == 0:
+                b.done = True
+            elif not b.queue:
                 self._emit(b, sample(b.first_logits, params, b.rng), max_new_tokens, stops, on_token)
         steps = 0
         while not all(b.done for b in branches):
@@ -164,7 +171,11 @@ class CascadeDecoder:
                     continue
                 b.queue.pop(0)
                 b.cached += 1
-                if not b.queue:  # the fed token was the branch's last own token or a generated one
+                if record_logits:
+                    b.result.logits.append(logits[j])
+                if not b.queue and max_new_tokens == 0:
+                    b.done = True
+                elif not b.queue:  # the fed token was the branch's last own token or a generated one
                     self._emit(b, sample(logits[j], params, b.rng), max_new_tokens, stops, on_token)
         self.updates.wait_all()
         return steps

@@ -81,8 +81,8 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
     """Load an export folder (or, with the torch backend, a checkpoint folder / .gguf / "default").
 
     options go to the backend: `precision` ("fp32"|"fp16") and `device` for torch,
-    `compute_units` for coreml, `precision` for mil. Export-only options for a checkpoint:
-    `context_length`, `prefill_length`, `layers_per_chunk`.
+    `compute_units` for coreml, `precision` for mil. Export options, for a checkpoint:
+    `context_length`, `prefill_length`, `layers_per_chunk`, `branch_width`, `suffix_length`.
     """
     p = Path(path) if path != "default" else None
     if p is not None and (p / "manifest.json").is_file():
@@ -93,7 +93,8 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
             raise ValueError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
                              "a checkpoint directly: export it first with `llama-ane export`")
         from ..export.describe import describe_checkpoint
-        ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk") if k in options}
+        ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
+                                                 "branch_width", "suffix_length") if k in options}
         manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)
         options["checkpoint"] = checkpoint
         backend = "torch"
@@ -207,7 +208,8 @@ class LlamaANEModel:
     def generate_branches(self, prefix: str | Sequence[int], continuations: Sequence[str | Sequence[int]] | None = None,
                           n: int | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                           top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
-                          on_token: Callable[[int, int, str], None] | None = None) -> "CascadeOutput":
+                          on_token: Callable[[int, int, str], None] | None = None,
+                          teacher_forced: bool = False) -> "CascadeOutput":
         """Decode several branches over one shared prefix with cascade attention.
 
         Give either `continuations` (each branch's own text or ids after the prefix, e.g. questions
@@ -215,6 +217,9 @@ class LlamaANEModel:
         `on_token(branch_index, token_id, text_delta)` streams tokens as they come. Each branch
         decodes exactly as `prefix + continuation` would alone; the prefix is prefilled and stored
         once whatever the number of branches.
+
+        With `teacher_forced`, nothing is sampled: each branch feeds its continuation and its
+        `logits` hold float32 [vocab] after each continuation token (see `score_branches`).
         """
         from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
 
@@ -224,7 +229,9 @@ class LlamaANEModel:
             raise ValueError(f"n must be at least 1, got {n}")
         if continuations is not None and len(continuations) == 0:
             raise ValueError("the list of continuations (questions) is empty")
-        if max_new_tokens < 1:
+        if teacher_forced:
+            max_new_tokens = 0
+        elif max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p)
         prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
@@ -245,7 +252,7 @@ class LlamaANEModel:
                 group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first)
                          for r in results[start:start + decoder.width]]
                 steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params,
-                                           [s for s in (stop or []) if s], on_token)
+                                           [s for s in (stop or []) if s], on_token, record_logits=teacher_forced)
             t2 = time.perf_counter()
         finally:
             decoder.close()
@@ -255,6 +262,12 @@ class LlamaANEModel:
         stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
                              t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width))
         return CascadeOutput(results, stats)
+
+    def score_branches(self, prefix: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced cascade logits: for each branch, float32 [len(continuation), vocab], the
+        logits after each of its tokens (compare with `score(prefix + continuation)[len(prefix):]`)."""
+        out = self.generate_branches(prefix, continuations, teacher_forced=True)
+        return [np.stack(r.logits) for r in out.branches]
 
     def close(self) -> None:
         self.pipeline.close()

@@ -1,0 +1,153 @@
+"""Cascade branch decoding: each branch must equal decoding prefix + branch alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llama_ane
+from llama_ane.runtime.cascade import split_shared_prefix
+from llama_ane.runtime.pipeline import ContextFullError
+
+from conftest import LLAMA3_ROPE
+
+SHAPES = {
+    "gqa": {},
+    "mha": {"num_key_value_heads": 4},
+    "llama3-rope-tied": {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True},
+}
+
+
+def _load(folder, **kw):
+    opts = dict(backend="torch", precision="fp32", context_length=256, prefill_length=32, layers_per_chunk=2,
+                branch_width=4, suffix_length=64)
+    opts.update(kw)
+    return llama_ane.load(folder, **opts)
+
+
+def _inputs(seed=0, prefix_len=70, lengths=(1, 3, 7, 2, 5, 9)):
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 300, prefix_len)], [[int(t) for t in rng.integers(3, 300, k)] for k in lengths]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_branches_equal_decoding_alone_fp32(tiny_checkpoint, shape):
+    model = _load(tiny_checkpoint(num_hidden_layers=3, **SHAPES[shape]))
+    prefix, conts = _inputs()  # 6 branches over width 4: two groups; own texts of different lengths
+    out = model.generate_branches(prefix, conts, max_new_tokens=12)
+    assert [r.index for r in out.branches] == list(range(len(conts)))
+    for r, cont in zip(out.branches, conts):
+        alone = model.generate(prefix + cont, max_new_tokens=12)
+        assert r.token_ids == alone.token_ids, f"branch {r.index} differs from decoding it alone"
+        assert r.finish_reason == alone.finish_reason
+
+
+def test_teacher_forced_branch_logits_match_score(tiny_checkpoint):
+    model = _load(tiny_checkpoint(num_hidden_layers=3))
+    prefix, conts = _inputs(seed=1, lengths=(20, 5, 33))
+    for logits, cont in zip(model.score_branches(prefix, conts), conts):
+        ref = model.score(prefix + cont)[len(prefix):]
+        assert logits.shape == ref.shape
+        assert np.abs(logits - ref).max() < 1e-3
+
+
+def test_fp16_top1_agreement(tiny_checkpoint):
+    folder = tiny_checkpoint(num_hidden_layers=3)
+    m16, m32 = _load(folder, precision="fp16"), _load(folder)
+    prefix, conts = _inputs(seed=2, lengths=(40, 25, 30, 41))
+    agree = total = 0
+    for branch, cont in zip(m16.score_branches(prefix, conts), conts):
+        ref = m32.score(prefix + cont)[len(prefix):]
+        agree += int((branch.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(cont)
+    assert agree / total >= 0.99
+
+
+def test_samples_share_the_prefix_and_are_seeded(tiny_checkpoint):
+    model = _load(tiny_checkpoint(num_hidden_layers=3))
+    prefix, _ = _inputs(seed=3)
+    a = model.generate_branches(prefix, n=5, max_new_tokens=6, temperature=1.0, seed=7)
+    b = model.generate_branches(prefix, n=5, max_new_tokens=6, temperature=1.0, seed=7)
+    assert [r.token_ids for r in a.branches] == [r.token_ids for r in b.branches]
+    assert len({tuple(r.token_ids) for r in a.branches}) > 1  # different per-branch streams
+    greedy = model.generate_branches(prefix, n=3, max_new_tokens=6)
+    alone = model.generate(prefix, max_new_tokens=6)
+    assert all(r.token_ids == alone.token_ids for r in greedy.branches)
+
+
+class _Recorder:
+    """Wraps a backend and records which prefix buffers the branch functions read."""
+
+    def __init__(self, backend):
+        self.backend, self.name, self.dtype = backend, backend.name, backend.dtype
+        self.prefix_buffers, self.suffix_shapes = set(), set()
+
+    def predict(self, model, function, inputs):
+        if function == "decode_branches" and model.startswith("chunk_"):
+            self.prefix_buffers.add(inputs["k_cache"].__array_interface__["data"][0])
+            self.prefix_buffers.add(inputs["v_cache"].__array_interface__["data"][0])
+            self.suffix_shapes.add(inputs["k_suffix"].shape)
+        return self.backend.predict(model, function, inputs)
+
+    def close(self):
+        self.backend.close()
+
+
+@pytest.mark.parametrize("width", [2, 8])
+def test_prefix_cache_exists_once_whatever_b(tiny_checkpoint, width):
+    model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width)
+    rec = _Recorder(model.backend)
+    model.backend = model.pipeline.backend = rec
+    prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6))
+    out = model.generate_branches(prefix, conts, max_new_tokens=4)
+    chunks = len(model.manifest["chunks"])
+    assert len(rec.prefix_buffers) == 2 * chunks  # one K and one V prefix buffer per chunk, for all groups
+    assert {s[1] for s in rec.suffix_shapes} == {width}  # branches live only in the suffix caches
+    assert out.stats.prefix_bytes_per_step_separate == out.stats.prefix_bytes_per_step_cascade * min(width, 5)
+
+
+def test_split_shared_prefix():
+    prefix, rest = split_shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]])
+    assert prefix == [1, 2] and rest == [[3, 4], [5], [3]]
+    prefix, rest = split_shared_prefix([[1, 2], [1, 2]])  # every branch keeps one token of its own
+    assert prefix == [1] and rest == [[2], [2]]
+
+
+def test_bad_branch_input(tiny_checkpoint):
+    folder = tiny_checkpoint(num_hidden_layers=3)
+    model = _load(folder)
+    prefix, conts = _inputs()
+    with pytest.raises(ValueError, match="empty"):
+        model.generate_branches(prefix, [], max_new_tokens=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        model.generate_branches(prefix, n=0)
+    with pytest.raises(ContextFullError, match="context"):
+        model.generate_branches(list(range(3, 300)), conts)  # 297 > 256
+    with pytest.raises(ContextFullError, match="suffix"):
+        model.generate_branches(prefix, conts, max_new_tokens=60)  # 9 + 60 > 64
+    no_cascade = _load(folder, branch_width=0)
+    with pytest.raises(ValueError, match="--branches"):
+        no_cascade.generate_branches(prefix, conts)
+
+
+def test_branches_on_converted_export(tiny_export):
+    """The exported tiny model (branch width 8 by default), run with the torch backend."""
+    model = llama_ane.load(tiny_export, backend="torch", precision="fp32")
+    prefix, conts = _inputs(seed=5)
+    out = model.generate_branches(prefix, conts, max_new_tokens=8)
+    for r, cont in zip(out.branches, conts):
+        assert r.token_ids == model.generate(prefix + cont, max_new_tokens=8).token_ids
+
+
+def test_branches_mil_backend_top1(tiny_export):
+    """The converted decode_branches programs themselves, executed by the mil backend in fp16,
+    against the same backend decoding each branch alone through the prefill/decode programs."""
+    pytest.importorskip("llama_ane.runtime.backends.mil_backend")
+    mil = llama_ane.load(tiny_export, backend="mil")
+    prefix, conts = _inputs(seed=6, lengths=(30, 20, 25))
+    agree = total = 0
+    for branch, cont in zip(mil.score_branches(prefix, conts), conts):
+        want = mil.score(prefix + cont)[len(prefix):]
+        agree += int((branch.argmax(-1) == want.argmax(-1)).sum())
+        total += len(cont)
+    assert agree / total >= 0.99
