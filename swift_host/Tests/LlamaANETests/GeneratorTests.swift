@@ -99,6 +99,32 @@ final class GeneratorTests: XCTestCase {
         XCTAssertEqual(finished?.generatedTokens, target.count)
     }
 
+    func testLeavingTheStreamStopsGeneration() async throws {
+        final class Counter: @unchecked Sendable {
+            private let lock = NSLock()
+            private var n = 0
+            func bump() { lock.lock(); n += 1; lock.unlock() }
+            var value: Int { lock.lock(); defer { lock.unlock() }; return n }
+        }
+        let calls = Counter()
+        let model = ClosurePredictor(contextLength: 4096, prefillLength: 4) { _ in
+            calls.bump()
+            try await Task.sleep(nanoseconds: 1_000_000)
+            return [0, 1]
+        }
+        let generator = Generator(predictor: model, eosTokenIds: [])
+        var received = 0
+        for try await event in generator.generate(prompt: [1], maxNewTokens: 2000) {
+            if case .token = event { received += 1 }
+            if received == 3 { break }
+        }
+        try await Task.sleep(nanoseconds: 100_000_000)
+        let afterStop = calls.value
+        try await Task.sleep(nanoseconds: 100_000_000)
+        XCTAssertEqual(calls.value, afterStop, "the model kept running after the consumer left")
+        XCTAssertLessThan(afterStop, 50)
+    }
+
     func testStreamCarriesErrors() async throws {
         let model = FakeModel.CachePredictor(contextLength: 4, prefillLength: 4, vocab: vocab)
         let generator = Generator(predictor: model, eosTokenIds: [])

@@ -57,14 +57,15 @@ enum CoreMLArrays {
     static func appendColumn(_ array: MLMultiArray, column: Int, to out: inout [Float]) {
         let n = array.shape[1].intValue
         let isHalf = array.dataType == .float16
-        array.withUnsafeBytes { raw in
-            let strides = array.strides.map(\.intValue)
+        // The mutable accessor is the one that reports the storage's strides, which for
+        // IOSurface-backed arrays include row padding and may differ from `array.strides`.
+        array.withUnsafeMutableBytes { raw, strides in
             let base = column * strides[3]
             if isHalf {
-                let p = raw.bindMemory(to: UInt16.self)
+                let p = UnsafeRawBufferPointer(raw).bindMemory(to: UInt16.self)
                 for i in 0..<n { out.append(floatFromHalfBits(p[base + i * strides[1]])) }
             } else {
-                let p = raw.bindMemory(to: Float.self)
+                let p = UnsafeRawBufferPointer(raw).bindMemory(to: Float.self)
                 for i in 0..<n { out.append(p[base + i * strides[1]]) }
             }
         }
