@@ -49,7 +49,8 @@ def test_chat_template_cases_match_jinja(tmp_path):
 @pytest.mark.slow
 def test_all_tokenizer_fixtures(tmp_path):
     counts = sf.write_tokenizer_fixtures(tmp_path)
-    assert set(counts) == {"smollm2", "llama2_sentencepiece", "metaspace_bpe", "byte_level_split"}
+    assert set(counts) == {"smollm2", "llama2_sentencepiece", "metaspace_bpe", "byte_level_split",
+                           "byte_level_digits_nfc"}
     assert min(counts.values()) >= 200
     tok, cases = _load(tmp_path / "tokenizers" / "smollm2")
     for case in cases:  # byte-level BPE is lossless too

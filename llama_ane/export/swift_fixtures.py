@@ -9,7 +9,8 @@ Nothing in those fixtures is written by hand:
   - ``smollm2``: the embedded SmolLM2-135M-Instruct tokenizer (byte-level BPE);
   - ``llama2_sentencepiece``: a Llama-2-style SentencePiece BPE with byte fallback, trained here;
   - ``metaspace_bpe``: the same vocabulary behind a ``Metaspace`` pre-tokenizer (newer exports);
-  - ``byte_level_split``: the SmolLM2 vocabulary behind a Llama-3-style ``Split`` regex.
+  - ``byte_level_split``: the SmolLM2 vocabulary behind a Llama-3-style ``Split`` regex;
+  - ``byte_level_digits_nfc``: the SmolLM2 vocabulary behind NFC, single-digit splits and ByteLevel.
 
 * ``chat_templates.json``: conversations rendered with each template through jinja2, the way
   transformers renders them.
@@ -330,6 +331,18 @@ def _byte_level_split_variant(smol: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _digits_nfc_variant(smol: dict[str, Any]) -> dict[str, Any]:
+    """The SmolLM2 vocabulary as the hub's SmolLM2 tokenizer.json splits it (each digit alone, then
+    byte-level with the GPT-2 regex), behind an NFC normalizer (as Qwen-style tokenizers use)."""
+    out = json.loads(json.dumps(smol))
+    out["normalizer"] = {"type": "NFC"}
+    out["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ]}
+    return out
+
+
 CHAT_CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
@@ -431,6 +444,8 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
     counts["metaspace_bpe"] = _write_cases(root / "metaspace_bpe", _metaspace_variant(llama2), ["<s>", "</s>"], 3)
     counts["byte_level_split"] = _write_cases(root / "byte_level_split", _byte_level_split_variant(smol),
                                               smol_specials, 4)
+    counts["byte_level_digits_nfc"] = _write_cases(root / "byte_level_digits_nfc", _digits_nfc_variant(smol),
+                                                   smol_specials, 5)
     write_chat_template_cases(Path(fixtures_dir) / "chat_templates.json", smol_config.get("chat_template") or "")
     return counts
 

@@ -54,6 +54,7 @@ final class TokenizerFixtureTests: XCTestCase {
     func testLlama2SentencePieceByteFallback() throws { try check("llama2_sentencepiece") }
     func testMetaspacePreTokenizer() throws { try check("metaspace_bpe") }
     func testLlama3StyleSplitRegex() throws { try check("byte_level_split") }
+    func testNFCAndSingleDigitSplits() throws { try check("byte_level_digits_nfc") }
 
     func testSpecialTokensAreSingleIds() throws {
         let (tokenizer, _) = try load("smollm2")
