@@ -180,21 +180,33 @@ def run_decode_bandwidth(timer, fi, log):
     return out
 
 
+def _plan(t, prefix, hq, hkv, path, **kw):
+    from llama_ane.cuda.cascade import SharedPrefixBatch
+
+    return SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"], t["suffix_indices"],
+                             t["suffix_last"], num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
+                             page_size=PAGE, path=path, **kw)
+
+
 def run_sweeps(timer, log):
-    """Launch configs, split counts and cascade modes at 32768/256/128 (both head layouts)."""
+    """Prefix tiles and cascade modes at 32768/256/128; decode splits at 1024/16/128."""
     import torch
 
     from llama_ane.cuda import ops
-    from llama_ane.cuda.cascade import SharedPrefixBatch
 
     rows = []
     prefix, batch, suffix = 32768, 256, 128
+    pre_cfgs = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+                dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+                dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=2),
+                dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3),
+                dict(BLOCK_M=256, BLOCK_N=32, num_warps=8, num_stages=3),
+                dict(BLOCK_M=256, BLOCK_N=32, num_warps=8, num_stages=4)]
     for hq, hkv in HEADS:
         t = make_batch(prefix, batch, suffix, hkv, torch.float16)
         q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
         n_rows = batch * hq // hkv
-        pre_cfgs = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-                    for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
         for cfg in pre_cfgs:
             for splits in (2, 4, 8):
                 chunk = -(-prefix // splits)
@@ -214,16 +226,12 @@ def run_sweeps(timer, log):
                 log(f"prefix sweep {hq}/{hkv} {cfg} splits={splits}: {ms:.3f} ms, "
                     f"{tflops:.0f} TFLOP/s")
         best = sorted((r for r in rows if r["kind"] == "prefix" and r["hq"] == hq
-                       and r["hkv"] == hkv), key=lambda r: r["ms"])[:3]
+                       and r["hkv"] == hkv), key=lambda r: r["ms"])[:2]
         for overlap in (False, True):
             for r in best:
-                for splits in ((1, 2) if overlap else (r["splits"],)):
+                for splits in ((r["splits"], 2 * r["splits"]) if overlap else (r["splits"],)):
                     cfg = dict(prefix=r["config"], overlap=overlap)
-                    plan = SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"],
-                                             t["suffix_indices"], t["suffix_last"],
-                                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
-                                             page_size=PAGE, path="cascade", config=cfg,
-                                             prefix_splits=splits)
+                    plan = _plan(t, prefix, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
                     ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
                     rows.append(dict(kind="cascade", hq=hq, hkv=hkv, config=cfg, splits=splits,
                                      ms=ms))
@@ -231,6 +239,22 @@ def run_sweeps(timer, log):
                         f"splits={splits}: {ms:.3f} ms")
         del t
         torch.cuda.empty_cache()
+    for hq, hkv in HEADS:
+        for prefix, batch, suffix in ((1024, 16, 128), (1024, 16, 2048), (1024, 64, 2048)):
+            t = make_batch(prefix, batch, suffix, hkv, torch.float16)
+            q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
+            for bn in (32, 64, 128):
+                for splits in (1, 2, 4):
+                    cfg = dict(decode=dict(BLOCK_N=bn, num_warps=4, num_stages=3))
+                    for path in ("decode", "cascade"):
+                        plan = _plan(t, prefix, hq, hkv, path, config=cfg, decode_splits=splits)
+                        ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
+                        rows.append(dict(kind=f"small-{path}", hq=hq, hkv=hkv, prefix=prefix,
+                                         batch=batch, suffix=suffix, config=cfg,
+                                         splits=splits, ms=ms))
+                        log(f"small sweep {prefix}/{batch}/{suffix} {hq}/{hkv} {path} "
+                            f"BLOCK_N={bn} splits={splits}: {ms:.4f} ms")
+            del t
     return rows
 
 

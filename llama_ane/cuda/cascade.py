@@ -28,7 +28,8 @@ class SharedPrefixBatch:
     path : ``"auto"`` (cost model), ``"cascade"`` or ``"decode"``
     cost_model : constants of the auto decision
     sm_scale : default ``1 / sqrt(head_dim)``
-    config, prefix_splits : launch overrides for tuning runs (default: the tuned choices):
+    config, prefix_splits, decode_splits : launch overrides for tuning runs (default: the tuned
+        choices; ``decode_splits`` applies to the suffix of the cascade and to plain decode):
         ``{"prefix": {...}, "decode": {...}, "overlap": bool}``
 
     Plain decode needs one page list per request, prefix pages first; that requires a prefix that
@@ -40,7 +41,8 @@ class SharedPrefixBatch:
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  path: str = "auto", cost_model: CostModel = DEFAULT_COST_MODEL,
                  sm_scale: float | None = None, elem_bytes: int = 2,
-                 config: dict | None = None, prefix_splits: int | None = None) -> None:
+                 config: dict | None = None, prefix_splits: int | None = None,
+                 decode_splits: int | None = None) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if num_qo_heads % num_kv_heads:
@@ -84,10 +86,11 @@ class SharedPrefixBatch:
             if self.overlap:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
             split_fn = choose_cascade_prefix_splits if self.overlap else choose_prefix_splits
+            block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or ops.prefix_block_m(rows)
             self.prefix_splits, self.prefix_chunk = split_fn(
-                rows, ops.prefix_block_m(rows), num_kv_heads, self.prefix_len, sms, prefix_splits)
+                rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
-                self.batch, num_kv_heads, self.max_suffix, sms)
+                self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
             n_states = self.prefix_splits + self.suffix_splits
             self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
                                      dtype=torch.float32, device=device)
@@ -107,7 +110,7 @@ class SharedPrefixBatch:
                 torch.int32).to(device)
             self.full_last = torch.where(counts > 0, last_h, page_size).to(torch.int32).to(device)
             self.decode_splits, self.decode_chunk = choose_decode_splits(
-                self.batch, num_kv_heads, self.prefix_len + self.max_suffix, sms)
+                self.batch, num_kv_heads, self.prefix_len + self.max_suffix, sms, decode_splits)
             if self.decode_splits > 1:
                 self.o_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads, head_dim,
                                          dtype=torch.float32, device=device)
@@ -172,11 +175,11 @@ class SharedPrefixBatch:
         elif self.decode_splits == 1:
             ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,
                               out.unsqueeze(1), lse.unsqueeze(1), 0, 1, self.decode_chunk,
-                              self.sm_scale)
+                              self.sm_scale, (self.config or {}).get("decode"))
         else:
             ops.launch_decode(q, kv_cache, self.full_indptr, self.full_indices, self.full_last,
                               self.o_buf, self.lse_buf, 0, self.decode_splits, self.decode_chunk,
-                              self.sm_scale)
+                              self.sm_scale, (self.config or {}).get("decode"))
             ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
         return out, lse
 

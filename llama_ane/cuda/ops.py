@@ -148,14 +148,15 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
                          sm_scale: float, config: dict | None = None) -> None:
     """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``.
 
-    ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages) for tuning runs.
+    ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages and optionally
+    BLOCK_M) for tuning runs.
     """
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
     n_rows = batch * group
-    block_m = prefix_block_m(n_rows)
-    cfg = prefix_config(block_m) if config is None else config
+    cfg = prefix_config(prefix_block_m(n_rows)) if config is None else config
+    block_m = cfg.get("BLOCK_M") or prefix_block_m(n_rows)
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
     kernels.shared_prefix_kernel[grid](
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,

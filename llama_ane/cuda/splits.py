@@ -11,9 +11,10 @@ MIN_DECODE_CHUNK = 256
 MIN_PREFIX_CHUNK = 512
 DECODE_BLOCK_N = 64
 PREFIX_BLOCK_N = 64
-# Decode programs are small (4 warps, little shared memory): several stay resident per SM, and
-# HBM needs that many loads in flight.
-DECODE_PROGRAMS_PER_SM = 4
+# Decode programs are small (4 warps, little shared memory) and several stay resident per SM;
+# two per SM already keep HBM busy, and every extra split costs a merge (run 4: 64 x 4096 GQA
+# with two splits and a merge 75% of peak, against 85.8% unsplit in run 3).
+DECODE_PROGRAMS_PER_SM = 2
 # Two shared-prefix programs with a 128-row tile fit an SM (registers) and hide each other's
 # load latency: run 2 measured 0.395 ms with 256 programs against 0.611 ms with 128.
 PREFIX_PROGRAMS_PER_SM = 2
