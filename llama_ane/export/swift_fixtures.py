@@ -368,6 +368,25 @@ LLAMA2_CHAT_TEMPLATE = (
 )
 
 
+# Llama 3's template (set with a filtered concatenation, loop.index0, bos_token).
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# Mistral-style: refuses a system message with raise_exception (the fixture records the error).
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
 # Multi-line layout: exercises trim_blocks / lstrip_blocks, `-` whitespace control, namespace(),
 # a filtered for-loop, `~` and a conditional expression.
 MULTILINE_TEMPLATE = """{%- set ns = namespace(system='') -%}
@@ -407,19 +426,28 @@ def _render_chat(template: str, messages: list[dict[str, str]], add_generation_p
 
 
 def write_chat_template_cases(path: Path, smol_template: str) -> None:
-    """Write chat_templates.json: each template with conversations and their jinja2 renderings."""
+    """Write chat_templates.json: each template with conversations and their jinja2 renderings
+    (or the error a template raises for them)."""
+    from jinja2.exceptions import TemplateError
+
     templates = {
         "smollm2": (smol_template, "<|im_start|>", "<|im_end|>"),
         "llama2_chat": (LLAMA2_CHAT_TEMPLATE, "<s>", "</s>"),
         "multiline_blocks": (MULTILINE_TEMPLATE, "<s>", "</s>"),
+        "llama3": (LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"),
+        "mistral": (MISTRAL_TEMPLATE, "<s>", "</s>"),
     }
     out = []
     for name, (template, bos, eos) in templates.items():
         cases = []
         for messages in CHAT_CONVERSATIONS:
             for gen in (False, True):
-                cases.append({"messages": messages, "add_generation_prompt": gen,
-                              "rendered": _render_chat(template, messages, gen, bos, eos)})
+                case = {"messages": messages, "add_generation_prompt": gen}
+                try:
+                    case["rendered"] = _render_chat(template, messages, gen, bos, eos)
+                except TemplateError as e:  # raise_exception: the Swift side must refuse it too
+                    case["error"] = str(e)
+                cases.append(case)
         out.append({"name": name, "template": template, "bos_token": bos, "eos_token": eos, "cases": cases})
     path.write_text(json.dumps({"templates": out}, ensure_ascii=False, indent=1), encoding="utf-8")
 

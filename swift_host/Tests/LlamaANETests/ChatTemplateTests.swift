@@ -7,8 +7,8 @@ final class ChatTemplateTests: XCTestCase {
     func testMatchesJinja2Renderings() throws {
         let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("chat_templates.json")))
         let templates = root["templates"]?.arrayValue ?? []
-        XCTAssertGreaterThanOrEqual(templates.count, 2)
-        var checked = 0
+        XCTAssertGreaterThanOrEqual(templates.count, 5)
+        var checked = 0, errors = 0
         for t in templates {
             let name = t["name"]?.stringValue ?? "?"
             let template = try ChatTemplate(try XCTUnwrap(t["template"]?.stringValue))
@@ -16,14 +16,23 @@ final class ChatTemplateTests: XCTestCase {
                 let messages = (c["messages"]?.arrayValue ?? []).map {
                     ChatMessage(role: $0["role"]?.stringValue ?? "", content: $0["content"]?.stringValue ?? "")
                 }
-                let rendered = try template.render(messages: messages,
-                                                   addGenerationPrompt: c["add_generation_prompt"]?.boolValue ?? false,
-                                                   bosToken: t["bos_token"]?.stringValue, eosToken: t["eos_token"]?.stringValue)
-                XCTAssertEqual(rendered, c["rendered"]?.stringValue, "\(name): \(messages)")
+                let render = {
+                    try template.render(messages: messages, addGenerationPrompt: c["add_generation_prompt"]?.boolValue ?? false,
+                                        bosToken: t["bos_token"]?.stringValue, eosToken: t["eos_token"]?.stringValue)
+                }
+                if let expectedError = c["error"]?.stringValue {
+                    XCTAssertThrowsError(try render(), "\(name): \(messages)") { error in
+                        XCTAssertEqual(error as? TokenizerError, .chatTemplate(expectedError))
+                    }
+                    errors += 1
+                } else {
+                    XCTAssertEqual(try render(), c["rendered"]?.stringValue, "\(name): \(messages)")
+                }
                 checked += 1
             }
         }
-        XCTAssertGreaterThanOrEqual(checked, 12)
+        XCTAssertGreaterThanOrEqual(checked, 24)
+        XCTAssertGreaterThan(errors, 0, "the fixtures should include a template that raises")
     }
 
     func testRaiseExceptionBecomesAnError() throws {
