@@ -1,0 +1,52 @@
+"""The notebooks run top to bottom on the current Python, in a temporary folder."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+MAX_COMMITTED_OUTPUT_CHARS = 20_000
+
+
+def notebook_paths() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in notebook_paths()][:1] == ["01_export_and_parity.ipynb"]
+
+
+@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.name)
+def test_notebook_is_committed_small(path):
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    size = sum(len(str(o)) for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
+    assert size <= MAX_COMMITTED_OUTPUT_CHARS, "clear the notebook's outputs before committing it"
+
+
+@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    pytest.importorskip("matplotlib")
+
+    work = tmp_path / path.stem
+    work.mkdir()
+    shutil.copy(path, work / path.name)
+    nb = nbformat.read(str(work / path.name), as_version=4)
+    # kernel "python3" from ipykernel: jupyter_client starts it with this interpreter (sys.executable)
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(work)}})
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, if a cell fails
+
+    text = "\n".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                     for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+    if path.name == "01_export_and_parity.ipynb":
+        assert "torch fp32 vs transformers fp32: max |diff|" in text and "mil fp16 vs transformers fp32" in text
+        assert "identical over" in text
+        assert (work / "notebook_work" / "parity.png").stat().st_size > 1000
+        assert (work / "notebook_work" / "export" / "manifest.json").is_file()
