@@ -79,6 +79,17 @@ def test_shared_prefix(batch, prefix_len, page_size, hq, hkv, dtype, d):
     _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, indices, prefix_len), dtype)
 
 
+@pytest.mark.parametrize("q_scale", [4.0, 16.0])
+def test_shared_prefix_large_scores(q_scale):
+    """Peaked scores move the running max often: exercises the lazy rescaling of the main loop."""
+    from llama_ane.cuda import ops, reference as ref
+
+    cache, _, indices, _, g = _make_cache([8192 + 37], 16, 8, 128, torch.float16, 3)
+    q = (torch.randn(64, 32, 128, device="cuda", generator=g) * q_scale).half()
+    o, lse = ops.shared_prefix_attention(q, cache, indices, 8192 + 37)
+    _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, indices, 8192 + 37), torch.float16)
+
+
 CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
     (1, 16, 1, 1), (16, 1024, 128, 16), (256, 32768, 128, 16), (4, 8192, 2048, 16),
     (33, 100, 2048, 1), (256, 1024, 2048, 16), (64, 4096, 7, 1),

@@ -90,11 +90,15 @@ def triton_next_pow2(n: int) -> int:
 
 
 def decode_config(group: int, head_dim: int) -> dict:
-    """Launch parameters of the decode kernel, from the run-3 sweep at 64 x 4096 tokens
-    (benchmarks/results/cuda_notes.md): 128-token blocks for MHA, 32 for GQA, 4 warps."""
+    """Launch parameters of the decode kernel, from the run-3/5 sweeps (cuda_notes.md).
+
+    ``BLOCK_G`` is the row tile of the query heads of one kv head: 1 selects the MHA broadcast
+    path, >= 16 the tensor-core path (rows past the group are padding).
+    """
     if group == 1:
-        return dict(BLOCK_N=128 if head_dim <= 128 else 64, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=32, num_warps=4, num_stages=3)
+        return dict(BLOCK_G=1, BLOCK_N=128 if head_dim <= 128 else 64, num_warps=4,
+                    num_stages=3)
+    return dict(BLOCK_G=_decode_block_g(group), BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, state_offset: int,
@@ -127,8 +131,8 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
         lse_buf.stride(0), lse_buf.stride(1),
         state_offset, sm_scale * LOG2E, chunk_len,
         pre_o, pre_lse, n_pre, *pre_strides,
-        GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_N=cfg["BLOCK_N"], MERGE_PREFIX=merge_from is not None,
+        GROUP=group, BLOCK_G=cfg.get("BLOCK_G") or _decode_block_g(group), HEAD_DIM=d,
+        PAGE_SIZE=page_size, BLOCK_N=cfg["BLOCK_N"], MERGE_PREFIX=merge_from is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

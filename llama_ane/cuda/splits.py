@@ -11,10 +11,12 @@ MIN_DECODE_CHUNK = 256
 MIN_PREFIX_CHUNK = 512
 DECODE_BLOCK_N = 64
 PREFIX_BLOCK_N = 64
-# Decode programs are small (4 warps, little shared memory) and several stay resident per SM;
-# two per SM already keep HBM busy, and every extra split costs a merge (run 4: 64 x 4096 GQA
-# with two splits and a merge 75% of peak, against 85.8% unsplit in run 3).
-DECODE_PROGRAMS_PER_SM = 2
+# Decode programs are small (4 warps, little shared memory) and several stay resident per SM.
+# A batch with two programs per SM is not split (every split costs a merge: run 4, 64 x 4096 GQA
+# split in two, 75% of peak against 86% unsplit); smaller batches are split up to four per SM
+# (run 5: 1024/16/128 GQA 0.0233 ms with 4 splits, 0.0252 with 2).
+DECODE_NO_SPLIT_PER_SM = 2
+DECODE_PROGRAMS_PER_SM = 4
 # Two shared-prefix programs with a 128-row tile fit an SM (registers) and hide each other's
 # load latency: run 2 measured 0.395 ms with 256 programs against 0.611 ms with 128.
 PREFIX_PROGRAMS_PER_SM = 2
@@ -41,7 +43,8 @@ def choose_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sm
     max_seq_len = max(int(max_seq_len), 1)
     if num_splits is None:
         programs = max(batch * num_kv_heads, 1)
-        want = _cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
+        want = 1 if programs >= DECODE_NO_SPLIT_PER_SM * num_sms else \
+            _cdiv(DECODE_PROGRAMS_PER_SM * num_sms, programs)
         num_splits = max(1, min(want, max_seq_len // MIN_DECODE_CHUNK, MAX_SPLITS))
     chunk = _round_up(_cdiv(max_seq_len, num_splits), DECODE_BLOCK_N)
     return _cdiv(max_seq_len, chunk), chunk
