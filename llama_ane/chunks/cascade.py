@@ -139,7 +139,7 @@ class BranchEmbeddings(nn.Module):
 
 
 class SuffixUpdate(nn.Module):
-    """Write each branch's new K/V into its suffix cache at its own slot (a one-hot blend, no indexing).
+    """Write each branch's new K/V into its suffix cache at its own slot (a one-hot select, no indexing).
 
     k_suffix: (L*G,B,D,U); k_new: (L,KV,1,B); suffix_positions: (B,) int32 -> (L*G,B,D,U)
     """
@@ -150,10 +150,9 @@ class SuffixUpdate(nn.Module):
         self.register_buffer("slots", torch.arange(suffix_length, dtype=torch.int32).view(1, 1, 1, -1))
 
     def forward(self, k_suffix, v_suffix, k_new, v_new, suffix_positions):
-        onehot = (self.slots == suffix_positions.view(1, -1, 1, 1)).to(k_suffix.dtype)  # (1,B,1,U)
-        keep = 1.0 - onehot
+        slot = self.slots == suffix_positions.view(1, -1, 1, 1)  # (1,B,1,U) one-hot, bool
 
         def write(cache, new):
             new = new.reshape(self.rows, self.head_dim, -1).transpose(1, 2).unsqueeze(3)  # (L*G,B,D,1)
-            return cache * keep + new * onehot
+            return torch.where(slot, new, cache)  # one elementwise select: reads and writes the cache once
         return write(k_suffix, k_new), write(v_suffix, v_new)

@@ -13,8 +13,27 @@ from torch import nn
 MASK_VALUE = -1.0e4  # large negative but finite: -inf turns a fully masked fp16 row into NaN
 
 
-def conv1x1(in_channels: int, out_channels: int) -> nn.Conv2d:
-    return nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
+class Conv1x1(nn.Conv2d):
+    """A bias-free 1x1 Conv2d over (1, C_in, 1, S) -> (1, C_out, 1, S): the ANE's matmul.
+
+    Traced for export it is a conv. Run eagerly (the torch backend), the same weights go through
+    `linear`, which torch's CPU kernels run up to 4x faster than a 1x1 conv at the small S of
+    (branch) decoding. The arithmetic is the same matrix product.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__(in_channels, out_channels, kernel_size=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing() or x.shape[0] != 1 or x.shape[2] != 1:
+            return super().forward(x)
+        c, s = x.shape[1], x.shape[3]
+        y = nn.functional.linear(x.reshape(c, s).t(), self.weight.reshape(self.out_channels, c))  # (S, C_out)
+        return y.t().reshape(1, self.out_channels, 1, s)
+
+
+def conv1x1(in_channels: int, out_channels: int) -> Conv1x1:
+    return Conv1x1(in_channels, out_channels)
 
 
 class RMSNorm(nn.Module):
