@@ -171,10 +171,10 @@ def run_decode_bandwidth(timer, fi, log):
         if hq == hkv:  # the tensor-core tile for MHA too (rows 1..15 padding)
             for bn in (64, 128):
                 cfg = dict(BLOCK_G=16, BLOCK_N=bn, num_warps=4, num_stages=3)
-                out, lse = torch.empty_like(q).unsqueeze(1), torch.empty(
+                o1, lse1 = torch.empty_like(q).unsqueeze(1), torch.empty(
                     batch, 1, hq, device="cuda", dtype=torch.float32)
                 t_ms = timer.median_ms(lambda: ops.launch_decode(
-                    q, cache, indptr, indices, last, out, lse, 0, 1, length, D ** -0.5,
+                    q, cache, indptr, indices, last, o1, lse1, 0, 1, length, D ** -0.5,
                     config=cfg))
                 rec[f"dot_tile_bn{bn}_bw_frac"] = nbytes / (t_ms * 1e-3) / HBM_PEAK
                 log(f"decode bandwidth MHA with BLOCK_G=16 BLOCK_N={bn}: {t_ms:.3f} ms = "
