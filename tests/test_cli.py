@@ -166,7 +166,7 @@ def test_generate_json(tiny_export):
                 "--backend", "torch", "--json")
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == GENERATE_FIELDS
+    assert GENERATE_FIELDS <= set(out)
     model = llama_ane.load(tiny_export, backend="torch")
     want = model.generate("The quick brown fox", max_new_tokens=12)
     model.close()

@@ -278,11 +278,14 @@ def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_p
 
 
 def test_failed_forced_export_keeps_the_previous_one(tiny_export, tmp_path, monkeypatch):
+    """--force over a good export, interrupted (Ctrl-C) during conversion: the old export survives."""
     from llama_ane.export import api, convert
 
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
     out = tmp_path / "prev"
     shutil.copytree(tiny_export, out)
-    monkeypatch.setattr(convert, "convert_all", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(convert, "convert_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         api.export_model(read_manifest(out)["source"]["path"], out, context_length=256, prefill_length=64,
                          layers_per_chunk=2, force=True, progress=False)
