@@ -8,7 +8,7 @@ from __future__ import annotations
 # Below this many tokens per split the merge and the per-program start-up cost more than the
 # parallelism gains.
 MIN_DECODE_CHUNK = 256
-MIN_PREFIX_CHUNK = 512
+MIN_PREFIX_CHUNK = 256
 DECODE_BLOCK_N = 64
 PREFIX_BLOCK_N = 64
 # Decode programs are small (4 warps, little shared memory) and several stay resident per SM.
