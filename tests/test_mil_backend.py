@@ -84,6 +84,25 @@ def test_tiny_mil_fp16_matches_torch_fp16_on_real_text(tiny_export):
     assert c.mean_cosine > 0.999
 
 
+TINY_VARIANTS = {
+    "mha-tied": {"num_key_value_heads": 4, "tie_word_embeddings": True},
+    "llama3-rope": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_tiny_variants_mil_fp16_match_torch_fp16_on_real_text(variant, tiny_checkpoint, tmp_path):
+    from llama_ane.export.api import export_model
+
+    out = export_model(tiny_checkpoint(**TINY_VARIANTS[variant]), tmp_path / variant, context_length=256,
+                       prefill_length=64, progress=False)
+    c = mil_vs_torch_fp16_on_text(out, f"tiny {variant}")
+    assert c.top1_agreement >= 0.99
+    assert c.mean_cosine > 0.999
+
+
 def test_unknown_op_through_the_backend_names_op_and_package(tmp_path):
     from coremltools.converters.mil import Builder as mb
 
