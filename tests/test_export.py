@@ -267,14 +267,23 @@ def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_p
     """A failure during conversion or validation leaves no OUT and no partial folder."""
     from llama_ane.export import api, convert, validate
 
+    seen = {}
+
     def boom(*args, **kwargs):
+        if stage == "validate_export":  # the partial folder is complete but for the rename
+            seen["partial"] = Path(args[0])
+            seen["names"] = sorted(p.name for p in Path(args[0]).iterdir())
         raise RuntimeError(f"simulated failure in {stage}")
     monkeypatch.setattr(convert if stage == "convert_all" else validate, stage, boom)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="simulated failure"):
-        api.export_model(tiny_checkpoint(), out, context_length=64, prefill_length=32, progress=False)
+        api.export_model(tiny_checkpoint(num_hidden_layers=1), out, context_length=64, prefill_length=32,
+                         progress=False)
     assert not out.exists()
     assert leftovers(tmp_path, "out") == []
+    if stage == "validate_export":
+        assert seen["partial"].name.startswith(".out.partial-") and not seen["partial"].exists()
+        assert "manifest.json" in seen["names"] and "chunk_0.mlpackage" in seen["names"]
 
 
 def test_failed_forced_export_keeps_the_previous_one(tiny_export, tmp_path, monkeypatch):
