@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
-from .splits import choose_cascade_prefix_splits, choose_decode_splits, choose_prefix_splits
+from .splits import choose_decode_splits, choose_prefix_splits
 
 PATHS = ("auto", "cascade", "decode")
 # Prefix work above which the prefix tiles run on a side stream next to the suffix decode (three
@@ -90,7 +90,9 @@ class SharedPrefixBatch:
             self.overlap = bool((config or {}).get("overlap", flops >= OVERLAP_MIN_FLOPS))
             if self.overlap:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
-            split_fn = choose_cascade_prefix_splits if self.overlap else choose_prefix_splits
+            # run 8: overlap with one prefix program per SM (2 splits) took 0.749 ms at 32768 x 256;
+            # with the standalone choice (4 splits, two per SM) 0.539-0.551 in runs 5 and 7
+            split_fn = choose_prefix_splits
             block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or ops.prefix_block_m(rows)
             self.prefix_splits, self.prefix_chunk = split_fn(
                 rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)

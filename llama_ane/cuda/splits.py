@@ -20,8 +20,6 @@ DECODE_PROGRAMS_PER_SM = 4
 # Two shared-prefix programs with a 128-row tile fit an SM (registers) and hide each other's
 # load latency: run 2 measured 0.395 ms with 256 programs against 0.611 ms with 128.
 PREFIX_PROGRAMS_PER_SM = 2
-# In the overlapped cascade one slot per SM runs prefix tiles, the other suffix decode.
-CASCADE_PREFIX_PER_SM = 1
 MAX_SPLITS = 64
 
 
@@ -73,14 +71,3 @@ def choose_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_le
     chunk = _round_up(_cdiv(prefix_len, num_splits), PREFIX_BLOCK_N)
     return _cdiv(prefix_len, chunk), chunk
 
-
-def choose_cascade_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_len: int,
-                                 num_sms: int, num_splits: int | None = None) -> tuple[int, int]:
-    """Prefix splits of the overlapped cascade, where suffix programs share the SMs.
-
-    Same wave model as :func:`choose_prefix_splits` with one prefix program per SM: the other
-    resident slot belongs to the memory-bound suffix programs that overlap with it.
-    """
-    return choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len,
-                                num_sms * CASCADE_PREFIX_PER_SM // PREFIX_PROGRAMS_PER_SM,
-                                num_splits)

@@ -14,7 +14,9 @@ from typing import Callable
 import torch
 
 FLUSH_BYTES = 256 * 1024 * 1024
-SPIN_CYCLES = 200_000  # ~0.1 ms at H100 clocks: longer than any wrapper's host overhead here
+# ~0.75 ms at H100 clocks: far longer than any wrapper's host overhead, so that a host-side
+# hiccup (run 8 had single points 2x off between two identical plans) cannot open a gap
+SPIN_CYCLES = 1_500_000
 
 
 class Timer:
