@@ -9,7 +9,8 @@ The rules (see docs/ARCHITECTURE "ANE rules"):
 - no ops that make the ANE fall back: gather (or scatter) inside a block chunk, cond/while_loop,
   slicing with runtime offsets, band_part;
 - cache and state tensors: every dimension after the first (the layer axis) that is not 1 is a
-  multiple of 32;
+  multiple of 32; for cascade suffix caches (layers*kv_heads, branches, head_dim, length) the
+  branch axis is a batch axis too, and head_dim and length are checked;
 - package size at most 1 GB for iOS targets, 2 GB for macOS targets.
 """
 
@@ -136,7 +137,14 @@ def check_fallback_ops(fn: FunctionSummary) -> list[Violation]:
 
 
 def _is_cache(desc) -> bool:
-    return getattr(desc, "is_state", False) or "cache" in desc.name.lower()
+    name = desc.name.lower()
+    return getattr(desc, "is_state", False) or "cache" in name or "suffix" in name and "mask" not in name
+
+
+def _first_checked_axis(desc) -> int:
+    """Leading batch-like axes are exempt: layers, and for suffix caches also branches."""
+    name = desc.name.lower()
+    return 2 if "suffix" in name and "cache" not in name else 1
 
 
 def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
@@ -147,7 +155,8 @@ def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
             if not _is_cache(d) or d.name in seen:
                 continue
             seen.add(d.name)
-            bad = [(axis, n) for axis, n in enumerate(d.shape) if axis > 0 and n != 1 and n % CACHE_MULTIPLE]
+            first = _first_checked_axis(d)
+            bad = [(axis, n) for axis, n in enumerate(d.shape) if axis >= first and n != 1 and n % CACHE_MULTIPLE]
             if bad:
                 dims = ", ".join(f"axis {axis} = {n}" for axis, n in bad)
                 out.append(Violation(
