@@ -7,6 +7,7 @@ Each command module is imported only when its command runs, so `llama-ane --help
 from __future__ import annotations
 
 import importlib
+import logging
 
 import click
 
@@ -34,8 +35,13 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="llama-ane")
-def main() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Show coremltools' own warnings.")
+def main(verbose: bool) -> None:
     """Export Llama checkpoints to chunked Core ML programs for the Apple Neural Engine, and run them."""
+    if not verbose:
+        # coremltools warns at import that it cannot predict off macOS and about untested torch
+        # versions; the commands say what matters themselves.
+        logging.getLogger("coremltools").setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":

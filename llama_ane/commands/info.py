@@ -29,6 +29,8 @@ def command(out, as_json):
     click.echo(f"  context   {m['context_length']} tokens, prefill window {m['prefill_length']}, "
                f"{m['precision']}, target {m['deployment_target']}, "
                f"{'multifunction' if m['multifunction'] else 'single-function'} packages")
+    if m.get("branch_width"):
+        click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
     for chunk in m["chunks"]:
         click.echo(f"  {chunk['model']:<10} layers {chunk['layers'][0]}..{chunk['layers'][-1]}")
     click.echo(f"  lm head   vocab split {m['lm_head']['vocab_splits']}")
