@@ -300,6 +300,31 @@ def warm_flashinfer(fi, log):
         log(f"FlashInfer modules for heads {hq}/{hkv} ready in {time.time() - t0:.0f} s")
 
 
+def table(path: Path) -> str:
+    """Markdown table of a result JSON (what docs/cuda.md shows)."""
+    data = json.loads(path.read_text())
+    lines = ["| prefix | batch | suffix | heads | auto ms (path) | ours cascade | ours decode "
+             "| FI cascade | FI decode | vs FI cascade | vs FI decode | vs best FI | BW | roofline |",
+             "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in data["points"]:
+        lines.append(
+            f"| {p['prefix']} | {p['batch']} | {p['suffix']} | {p['hq']}/{p['hkv']} "
+            f"| {p['ours_auto_ms']:.3f} ({p['auto_path']}) | {p['ours_cascade_ms']:.3f} "
+            f"| {p['ours_decode_ms']:.3f} | {p['fi_cascade_ms']:.3f} | {p['fi_decode_ms']:.3f} "
+            f"| {p['auto_vs_fi_cascade']:.2f}x | {p['auto_vs_fi_decode']:.2f}x "
+            f"| {p['auto_vs_fi_best']:.2f}x | {100 * p['bw_frac']:.0f}% "
+            f"| {100 * p['roofline_frac']:.0f}% |")
+    bw = data["decode_bandwidth"]
+    lines.append("")
+    lines.append("| plain decode, 64 x 4096 tokens, no sharing | ours ms | % of 3.35 TB/s "
+                 "| FlashInfer ms | FlashInfer % |")
+    lines.append("|---|---:|---:|---:|---:|")
+    for r in bw:
+        lines.append(f"| heads {r['hq']}/{r['hkv']} | {r['ours_ms']:.3f} | {100 * r['bw_frac']:.1f}% "
+                     f"| {r['fi_ms']:.3f} | {100 * r['fi_bw_frac']:.1f}% |")
+    return "\n".join(lines)
+
+
 def plot(path: Path) -> Path:
     import matplotlib
 
@@ -338,6 +363,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_cascade.json"))
     ap.add_argument("--plot", type=Path, help="only draw the PNG of an existing JSON")
+    ap.add_argument("--table", type=Path, help="only print the markdown table of an existing JSON")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-sweep", action="store_true")
@@ -346,6 +372,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.plot:
         print(plot(args.plot))
+        return 0
+    if args.table:
+        print(table(args.table))
         return 0
 
     import torch

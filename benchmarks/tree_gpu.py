@@ -50,7 +50,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_tree.json"))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--table", type=Path, help="only print the markdown table of an existing JSON")
     args = ap.parse_args()
+    if args.table:
+        rows = json.loads(args.table.read_text())["rows"]
+        print("| workload | heads | queries | per-branch decode ms | two-level cascade ms "
+              "| tree kernel ms | vs per-branch | vs cascade |")
+        print("|---|:---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['workload']} | {r['hq']}/{r['hkv']} | {r['queries']} "
+                  f"| {r['per_branch_ms']:.4f} | {r['cascade_ms']:.4f} | {r['tree_ms']:.4f} "
+                  f"| {r['speedup_vs_per_branch']:.2f}x | {r['speedup_vs_cascade']:.2f}x |")
+        return 0
 
     import torch
 

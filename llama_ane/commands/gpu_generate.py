@@ -33,7 +33,8 @@ DEFAULT_PROMPT = ("You are a helpful assistant. Answer each question in one shor
 @click.option("--dtype", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True)
 @click.option("--page-size", default=16, show_default=True)
 @click.option("--check", is_flag=True,
-              help="Also decode with plain paged decode and report whether the tokens agree.")
+              help="Also decode with the cascade and with plain paged decode (both forced) and "
+                   "report whether their tokens agree.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, dtype, page_size,
             check, as_json):
@@ -65,8 +66,10 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
     branch_ids = [tokenizer(b, add_special_tokens=False)["input_ids"] for b in branches]
     try:
         result = engine.generate(prompt_ids, branch_ids, max_new_tokens, path=attn_path)
-        plain = engine.generate(prompt_ids, branch_ids, max_new_tokens, path="decode") \
-            if check else None
+        pair = None
+        if check:
+            pair = (engine.generate(prompt_ids, branch_ids, max_new_tokens, path="cascade"),
+                    engine.generate(prompt_ids, branch_ids, max_new_tokens, path="decode"))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
@@ -74,8 +77,8 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
                          for b, t, ids in zip(branches, texts, result.tokens)],
                paths=result.paths_used, steps=result.steps,
                tokens_per_second=result.tokens_per_second)
-    if plain is not None:
-        out["identical_to_plain_decode"] = plain.tokens == result.tokens
+    if pair is not None:
+        out["cascade_identical_to_plain_decode"] = pair[0].tokens == pair[1].tokens
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -83,6 +86,6 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
         click.echo(f"--- {b!r}\n{t}")
     click.echo(f"\n{len(branches)} branches, {result.steps} steps, attention paths "
                f"{result.paths_used}: {result.tokens_per_second:.1f} tokens/s")
-    if plain is not None:
-        click.echo("cascade tokens identical to plain decode: "
-                   f"{out['identical_to_plain_decode']}")
+    if pair is not None:
+        click.echo("forced cascade tokens identical to forced plain decode: "
+                   f"{out['cascade_identical_to_plain_decode']}")
