@@ -42,6 +42,14 @@ class AsyncUpdates:
         except Exception as e:
             raise CacheUpdateError(f"cache update of {self.names[slot]} failed: {e}") from e
 
+    def discard(self) -> None:
+        """Join every pending update, dropping its result or error: the caches are being thrown away."""
+        for slot in list(self._pending):
+            try:
+                self.wait(slot)
+            except CacheUpdateError:
+                pass
+
     def wait_all(self) -> None:
         for slot in list(self._pending):
             self.wait(slot)

@@ -21,6 +21,7 @@ from ..export.specs import BRANCHES
 from .async_updates import AsyncUpdates
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, sample
+from .text_stream import TextStream
 
 
 @dataclass
@@ -56,14 +57,15 @@ class CascadeStats:
 class _Branch:
     """Mutable decoding state of one branch within a group."""
 
-    def __init__(self, result: BranchResult, rng: np.random.Generator, first_logits: np.ndarray | None):
+    def __init__(self, result: BranchResult, rng: np.random.Generator, first_logits: np.ndarray | None,
+                 text: TextStream):
         self.result = result
         self.rng = rng
         self.queue = list(result.input_ids)  # own tokens still to feed
         self.cached = 0  # tokens in this branch's suffix cache
         self.first_logits = first_logits  # prefix logits, when the branch has no text of its own
+        self.text = text
         self.done = False
-        self.text = ""
 
 
 def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
@@ -142,8 +144,7 @@ class CascadeDecoder:
         return full[0, :, 0, :].T.astype(np.float32)
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
-                  params: SamplingParams, stops: Sequence[str],
-                  on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:
+                  params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:
         """Decode one group (<= B branches) to completion. Returns the number of steps run.
 
         With `record_logits` and `max_new_tokens` 0, each branch only feeds its own tokens and keeps
@@ -155,7 +156,7 @@ class CascadeDecoder:
             if not b.queue and max_new_tokens == 0:
                 b.done = True
             elif not b.queue:
-                self._emit(b, sample(b.first_logits, params, b.rng), max_new_tokens, stops, on_token)
+                self._emit(b, sample(b.first_logits, params, b.rng), max_new_tokens, on_token)
         steps = 0
         while not all(b.done for b in branches):
             tokens = np.zeros(self.width, np.int32)
@@ -176,34 +177,28 @@ class CascadeDecoder:
                 if not b.queue and max_new_tokens == 0:
                     b.done = True
                 elif not b.queue:  # the fed token was the branch's last own token or a generated one
-                    self._emit(b, sample(logits[j], params, b.rng), max_new_tokens, stops, on_token)
+                    self._emit(b, sample(logits[j], params, b.rng), max_new_tokens, on_token)
         self.updates.wait_all()
         return steps
 
-    def _emit(self, b: _Branch, token: int, max_new_tokens: int, stops: Sequence[str],
+    def _emit(self, b: _Branch, token: int, max_new_tokens: int,
               on_token: Callable[[int, int, str], None] | None) -> None:
         """Record a sampled token; finish the branch on EOS, a stop string or its token budget."""
         r = b.result
         if token in self.eos:
             b.done, r.finish_reason = True, "eos"
-            return
-        r.token_ids.append(token)
-        full = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        delta = ""
-        if not full.endswith("\ufffd"):
-            delta, b.text = full[len(b.text):], full
-        hit = next((s for s in stops if s in b.text), None)
-        if hit is not None:
-            cut = b.text.index(hit)
-            delta = delta[: max(0, len(delta) - (len(b.text) - cut))]
-            b.text, b.done, r.finish_reason = b.text[:cut], True, "stop"
-        elif len(r.token_ids) >= max_new_tokens:
-            b.done = True
-        if on_token is not None:
-            on_token(r.index, token, delta)
-        if not b.done:
-            b.queue.append(token)
-        r.text = b.text if b.done else r.text
+        else:
+            delta = b.text.push(token)
+            if b.text.stopped:
+                b.done, r.finish_reason = True, "stop"
+            elif len(b.text.token_ids) >= max_new_tokens:
+                b.done = True
+            else:
+                b.queue.append(token)
+            if on_token is not None:
+                on_token(r.index, token, delta)
+        if b.done:
+            r.token_ids, r.text = b.text.token_ids, b.text.text
 
     def close(self) -> None:
         self.updates.close()

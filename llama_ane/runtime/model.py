@@ -14,6 +14,7 @@ from ..export.manifest import read_manifest
 from .backends.base import Backend
 from .pipeline import Pipeline
 from .sampling import SamplingParams, sample
+from .text_stream import TextStream
 
 BACKENDS = ("auto", "coreml", "torch", "mil")
 
@@ -34,7 +35,7 @@ class GenerationResult:
     finish_reason: str  # "eos", "stop", "length"
     prefill_seconds: float
     decode_seconds: float
-    decoded_tokens: int = field(default=0)
+    decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -156,44 +157,33 @@ class LlamaANEModel:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         rng = np.random.default_rng(seed)
-        stops = [s for s in (stop or []) if s]
         self.pipeline.reset()
         t0 = time.perf_counter()
         logits = self.pipeline.prefill(ids)
         t1 = time.perf_counter()
-        out: list[int] = []
-        text, reason = "", "length"
+        text = TextStream(self.tokenizer, stop or [])
+        reason, steps = "length", 0
         decode_start = time.perf_counter()
         while True:
             token = sample(logits, params, rng)
-            out.append(token)
             if token in self.eos_token_ids:
                 reason = "eos"
-                out.pop()
                 break
-            full = self.tokenizer.decode(out, skip_special_tokens=True)
-            delta = ""
-            if not full.endswith("\ufffd"):
-                delta, text = full[len(text):], full
-            hit = next((s for s in stops if s in text), None)
-            if hit is not None:
-                cut = text.index(hit)
-                delta = delta[: max(0, len(delta) - (len(text) - cut))]
-                text, reason = text[:cut], "stop"
-                yield TokenEvent(token, delta)
+            yield TokenEvent(token, text.push(token))
+            if text.stopped:
+                reason = "stop"
                 break
-            yield TokenEvent(token, delta)
-            if len(out) >= max_new_tokens:
+            if len(text.token_ids) >= max_new_tokens:
                 break
             if self.pipeline.position >= self.pipeline.context_length:
                 reason = "context"
                 break
             logits = self.pipeline.run_window([token])[0]
+            steps += 1
         self.pipeline.wait()
         t2 = time.perf_counter()
-        self.last_result = GenerationResult(out, text or self.tokenizer.decode(out, skip_special_tokens=True),
-                                            len(ids), reason, t1 - t0, t2 - decode_start,
-                                            decoded_tokens=max(0, len(out) - 1))
+        self.last_result = GenerationResult(text.token_ids, text.text, len(ids), reason, t1 - t0,
+                                            t2 - decode_start, decoded_tokens=steps)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -249,15 +239,14 @@ class LlamaANEModel:
             results = [BranchResult(i, ids) for i, ids in enumerate(own)]
             steps = 0
             for start in range(0, len(results), decoder.width):
-                group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first)
+                group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first,
+                                 TextStream(self.tokenizer, stop or []))
                          for r in results[start:start + decoder.width]]
-                steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params,
-                                           [s for s in (stop or []) if s], on_token, record_logits=teacher_forced)
+                steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params, on_token,
+                                           record_logits=teacher_forced)
             t2 = time.perf_counter()
         finally:
             decoder.close()
-        for r in results:
-            r.text = r.text or self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
         per_step = prefix_bytes_per_step(self.manifest, len(prefix_ids), self.backend.dtype.itemsize)
         stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
                              t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width))

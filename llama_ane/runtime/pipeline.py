@@ -40,8 +40,9 @@ class Pipeline:
         self.reset()
 
     def reset(self) -> None:
-        """Empty the caches: the next window starts at position 0."""
-        self.wait()
+        """Empty the caches: the next window starts at position 0 (a failed update of the previous
+        sequence is dropped with its caches)."""
+        self.updates.discard()
         self.caches = [{"k": self.new_cache(len(c["layers"])), "v": self.new_cache(len(c["layers"]))}
                        for c in self.chunks]
         self.position = 0
