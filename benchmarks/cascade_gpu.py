@@ -200,57 +200,27 @@ def _plan(t, prefix, hq, hkv, path, **kw):
 
 
 def run_sweeps(timer, log):
-    """Prefix splits and cascade modes at 32768/256/128; MHA decode tiles at small shapes."""
+    """The cascade's three schedules at the largest shared prefixes (run 10 onwards)."""
     import torch
 
-    from llama_ane.cuda import ops
-
     rows = []
-    prefix, batch, suffix = 32768, 256, 128
     for hq, hkv in HEADS:
-        t = make_batch(prefix, batch, suffix, hkv, torch.float16)
-        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-        n_rows = batch * hq // hkv
-        for splits in (4, 8):
-            chunk = -(-prefix // splits)
-            o = torch.empty(batch, splits, hq, D, device="cuda", dtype=torch.float32)
-            lse = torch.empty(batch, splits, hq, device="cuda", dtype=torch.float32)
-            ms = timer.median_ms(lambda: ops.launch_shared_prefix(
-                q, t["cache"], t["prefix_indices"], prefix, o, lse, 0, splits, chunk, D ** -0.5))
-            tflops = 4.0 * n_rows * hkv * prefix * D / (ms * 1e-3) / 1e12
-            rows.append(dict(kind="prefix", hq=hq, hkv=hkv, splits=splits, ms=ms, tflops=tflops))
-            log(f"prefix sweep {hq}/{hkv} splits={splits}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-        dec_cfgs = [None] if hq != hkv else [
-            None, dict(BLOCK_G=16, BLOCK_N=64, num_warps=4, num_stages=3),
-            dict(BLOCK_G=16, BLOCK_N=128, num_warps=4, num_stages=3)]
-        for dec in dec_cfgs:
-            for overlap in (False, True):
+        for prefix, batch, suffix in ((32768, 256, 128), (32768, 64, 128), (8192, 256, 128),
+                                      (32768, 256, 2048)):
+            t = make_batch(prefix, batch, suffix, hkv, torch.float16)
+            q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
+            for name, cfg in (("sequential", dict(overlap=False, fused_suffix=False)),
+                              ("overlap", dict(overlap=True, fused_suffix=False)),
+                              ("fused", dict(fused_suffix=True))):
                 for splits in (4, 8):
-                    cfg = dict(decode=dec, overlap=overlap)
                     plan = _plan(t, prefix, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
                     ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
-                    rows.append(dict(kind="cascade", hq=hq, hkv=hkv, config=cfg, splits=splits,
-                                     ms=ms))
-                    log(f"cascade sweep {hq}/{hkv} overlap={overlap} decode={dec} "
+                    rows.append(dict(kind="cascade", hq=hq, hkv=hkv, prefix=prefix, batch=batch,
+                                     suffix=suffix, schedule=name, splits=splits, ms=ms))
+                    log(f"cascade sweep {prefix}/{batch}/{suffix} {hq}/{hkv} {name} "
                         f"splits={splits}: {ms:.3f} ms")
-        del t
-        torch.cuda.empty_cache()
-    hq = hkv = 32
-    for prefix, batch, suffix in ((1024, 16, 128), (1024, 16, 2048)):
-        t = make_batch(prefix, batch, suffix, hkv, torch.float16)
-        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-        for bg, bn in ((1, 128), (16, 64), (16, 128)):
-            for splits in (1, 2, 4):
-                cfg = dict(decode=dict(BLOCK_G=bg, BLOCK_N=bn, num_warps=4, num_stages=3))
-                for path in ("decode", "cascade"):
-                    plan = _plan(t, prefix, hq, hkv, path, config=cfg, decode_splits=splits)
-                    ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
-                    rows.append(dict(kind=f"small-{path}", hq=hq, hkv=hkv, prefix=prefix,
-                                     batch=batch, suffix=suffix, config=cfg, splits=splits,
-                                     ms=ms))
-                    log(f"small sweep {prefix}/{batch}/{suffix} {hq}/{hkv} {path} BLOCK_G={bg} "
-                        f"BLOCK_N={bn} splits={splits}: {ms:.4f} ms")
-        del t
+            del t
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -17,6 +17,8 @@ PATHS = ("auto", "cascade", "decode")
 # launches) instead of before a decode that merges their states (two launches): ~50 us of tensor
 # work. Runs 5 and 7 at 32768 x 256 (1.4e11 flops): 0.539 against 0.555 ms, 0.551 against 0.580.
 OVERLAP_MIN_FLOPS = 2e10
+# Longest per-program slice of the suffixes for which the one-launch cascade is used.
+FUSED_MAX_CHUNK = 64
 
 
 class SharedPrefixBatch:
@@ -98,6 +100,11 @@ class SharedPrefixBatch:
                 rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
+            # one launch for both levels when each prefix program takes only a short slice of
+            # its rows' suffixes (a long per-row token loop would outlast the prefix work)
+            self.fused_chunk = -(-self.max_suffix // self.prefix_splits)
+            fused_default = flops >= OVERLAP_MIN_FLOPS and self.fused_chunk <= FUSED_MAX_CHUNK
+            self.fused_suffix = bool((config or {}).get("fused_suffix", fused_default))
             n_states = self.prefix_splits + self.suffix_splits
             self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
                                      dtype=torch.float32, device=device)
@@ -128,6 +135,12 @@ class SharedPrefixBatch:
         cfg = self.config or {}
         pre_cfg, dec_cfg = cfg.get("prefix"), cfg.get("decode")
         ps, pc = self.prefix_splits, self.prefix_chunk
+        if self.fused_suffix:
+            ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
+                                     self.o_buf, self.lse_buf, 0, ps, pc, self.sm_scale, pre_cfg,
+                                     suffix=(*self.suffix, self.fused_chunk))
+            ops.launch_merge(self.o_buf[:, :ps], self.lse_buf[:, :ps], out, lse)
+            return
         if self.overlap:
             # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
             # this one: the scheduler fills SM slots the prefix leaves free with decode programs

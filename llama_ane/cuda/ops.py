@@ -147,8 +147,12 @@ def prefix_config(block_m: int) -> dict:
 
 def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, lse_buf,
                          state_offset: int, num_splits: int, chunk_len: int,
-                         sm_scale: float, config: dict | None = None) -> None:
+                         sm_scale: float, config: dict | None = None,
+                         suffix: tuple | None = None) -> None:
     """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``.
+
+    ``suffix = (indptr, indices, last_page_len, chunk)`` adds each row's own suffix tokens, chunk
+    ``s`` to split ``s`` (the one-launch cascade).
 
     ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages and optionally
     BLOCK_M) for tuning runs.
@@ -167,7 +171,9 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         lse_buf.stride(0), lse_buf.stride(1),
         state_offset, sm_scale * LOG2E, chunk_len,
+        *(suffix if suffix is not None else (prefix_indices, prefix_indices, prefix_indices, 0)),
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        HAS_SUFFIX=suffix is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
