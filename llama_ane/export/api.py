@@ -98,7 +98,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     say(f"exported {out} in {time.perf_counter() - t0:.1f} s")
     if verify:
         from .verify import verify_export
-        report = verify_export(out)
+        report = verify_export(out, checkpoint=ckpt)
         say(str(report))
         if not report.passed:
             raise ExportError(f"the export in {out} failed verification; see above (pass --no-verify to skip)")

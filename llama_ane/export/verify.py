@@ -177,7 +177,8 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
                   max_tokens: int = DEFAULT_MAX_TOKENS, precision: str | None = None,
                   with_transformers: bool = True,
                   torch_thresholds: Thresholds = TORCH_THRESHOLDS,
-                  transformers_thresholds: Thresholds = TRANSFORMERS_THRESHOLDS) -> VerifyReport:
+                  transformers_thresholds: Thresholds = TRANSFORMERS_THRESHOLDS,
+                  checkpoint=None) -> VerifyReport:
     """Score `text` (default: the shipped prose) with `backend` and compare with torch and transformers.
 
     Parameters
@@ -186,6 +187,8 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     backend : "mil" or "coreml".
     text : the text to score; its first `max_tokens` tokens (at most the context length) are used.
     precision : for the mil backend, "fp16" (default for fp16 exports, as the ANE computes) or "fp32".
+    checkpoint : the source `Checkpoint`, when the caller has it loaded already (the exporter);
+        otherwise it is loaded from the manifest's `source`.
 
     Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
     """
@@ -224,7 +227,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         report.error = f"the {backend} backend could not score the text: {type(exc).__name__}: {exc}"
         return report
     try:
-        checkpoint = load_source_checkpoint(manifest)
+        checkpoint = checkpoint or load_source_checkpoint(manifest)
     except Exception as exc:
         report.error = (f"the source checkpoint recorded in manifest.json ({manifest['source']}) cannot be "
                         f"loaded, and the references are built from it: {type(exc).__name__}: {exc}")
