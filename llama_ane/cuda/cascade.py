@@ -17,8 +17,6 @@ PATHS = ("auto", "cascade", "decode")
 # launches) instead of before a decode that merges their states (two launches): ~50 us of tensor
 # work. Runs 5 and 7 at 32768 x 256 (1.4e11 flops): 0.539 against 0.555 ms, 0.551 against 0.580.
 OVERLAP_MIN_FLOPS = 2e10
-# Longest per-program slice of the suffixes for which the one-launch cascade is used.
-FUSED_MAX_CHUNK = 64
 
 
 class SharedPrefixBatch:
@@ -100,11 +98,12 @@ class SharedPrefixBatch:
                 rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
-            # one launch for both levels when each prefix program takes only a short slice of
-            # its rows' suffixes (a long per-row token loop would outlast the prefix work)
+            # opt-in only: one launch for both levels, each prefix program also taking a slice of
+            # its rows' suffixes, one token per row per step. Correct, but run 15 measured it
+            # slower everywhere (32768/256/128: 0.93 ms against 0.52 overlapped): the per-row
+            # token loop issues small dependent gathers that the tensor phase cannot hide.
             self.fused_chunk = -(-self.max_suffix // self.prefix_splits)
-            fused_default = flops >= OVERLAP_MIN_FLOPS and self.fused_chunk <= FUSED_MAX_CHUNK
-            self.fused_suffix = bool((config or {}).get("fused_suffix", fused_default))
+            self.fused_suffix = bool((config or {}).get("fused_suffix", False))
             n_states = self.prefix_splits + self.suffix_splits
             self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
                                      dtype=torch.float32, device=device)
