@@ -89,6 +89,14 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _layout_args(q, kv_cache, o_buf, lse_buf) -> tuple:
+    """Strides the decode and shared-prefix kernels take, in their parameter order."""
+    return (q.stride(0), q.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+            lse_buf.stride(0), lse_buf.stride(1))
+
+
 def decode_config(group: int, head_dim: int) -> dict:
     """Launch parameters of the decode kernel, from the run-3/5 sweeps (cuda_notes.md).
 
@@ -123,10 +131,7 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     grid = (batch, hkv, num_splits)
     kernels.paged_decode_kernel[grid](
         q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-        lse_buf.stride(0), lse_buf.stride(1),
+        *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
         pre_o, pre_lse, n_pre, *pre_strides,
         GROUP=group, BLOCK_G=cfg.get("BLOCK_G") or _decode_block_g(group), HEAD_DIM=d,
@@ -166,10 +171,7 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
     kernels.shared_prefix_kernel[grid](
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-        lse_buf.stride(0), lse_buf.stride(1),
+        *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
         *(suffix if suffix is not None else (prefix_indices, prefix_indices, prefix_indices, 0)),
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
