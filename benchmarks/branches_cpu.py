@@ -35,14 +35,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
-    model = llama_ane.load(args.model, backend="torch", precision="fp32", branch_width=max(widths))
-    prefix = model.encode(DOCUMENT)[:400]
-    starts = [model.tokenizer(s, add_special_tokens=False).input_ids[:1] for s in BRANCH_STARTS]
-    model.generate(prefix[:64], max_new_tokens=4)  # warm-up
-
     rows = []
     for b in widths:
-        conts = starts[:b]
+        # an export of cascade width B for B branches, as a deployment decoding B branches would use
+        model = llama_ane.load(args.model, backend="torch", precision="fp32", branch_width=b)
+        prefix = model.encode(DOCUMENT)[:400]
+        conts = [model.tokenizer(s, add_special_tokens=False).input_ids[:1] for s in BRANCH_STARTS[:b]]
+        model.generate(prefix[:64], max_new_tokens=4)  # warm-up
         t0 = time.perf_counter()
         out = model.generate_branches(prefix, conts, max_new_tokens=args.new_tokens)
         cascade_wall = time.perf_counter() - t0
@@ -63,6 +62,7 @@ def main() -> None:
                "identical_tokens": bool(same)}
         row["speedup"] = row["cascade_tok_per_s"] / row["sequential_tok_per_s"]
         rows.append(row)
+        model.close()
         print(f"B={b}: cascade {row['cascade_tok_per_s']:7.2f} tok/s  sequential {row['sequential_tok_per_s']:7.2f} tok/s"
               f"  speedup {row['speedup']:.2f}x  identical={same}  prefix K/V per step "
               f"{row['prefix_bytes_per_step_cascade'] / 1e6:.2f} MB vs {row['prefix_bytes_per_step_separate'] / 1e6:.2f} MB",
