@@ -156,7 +156,7 @@ def test_cli_export_of_the_default_model(tmp_path):
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "passed" in proc.stdout  # the parity check ran on the exported programs
-    converted = re.search(r"exported .* in (\d+\.\d) s", proc.stdout)
+    converted = re.search(r"converted in (\d+\.\d) s", proc.stdout)
     done = re.search(r"done in (\d+\.\d) s", proc.stdout)
     assert converted and done, proc.stdout
     printed = float(done.group(1))

@@ -42,7 +42,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
     Returns the export folder. Raises ConfigError/CheckpointError/ExportOptionsError for bad input
-    (before anything is written) and ExportError for an existing OUT without `force`.
+    (before anything is written), and ExportError for an existing OUT without `force` or an export
+    that fails `verify` (then nothing is written; an existing OUT is kept).
     """
     from .convert import convert_all, jobs_for
     from .modules import build_model_set
@@ -87,6 +88,16 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
             step("validated")
         finally:
             close()
+        say(f"converted in {time.perf_counter() - t0:.1f} s")
+        if verify:  # the parity gate runs before the rename: a failing export is never left in place
+            from .verify import verify_export
+
+            report = verify_export(tmp, checkpoint=ckpt)
+            report.export_dir = str(out)
+            say(str(report))
+            if not report.passed:
+                raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was not written; "
+                                  "pass --no-verify to keep it anyway")
         if out.exists():
             old = out.parent / f".{out.name}.old-{int(time.time())}"
             out.rename(old)
@@ -96,10 +107,4 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     say(f"exported {out} in {time.perf_counter() - t0:.1f} s")
-    if verify:
-        from .verify import verify_export
-        report = verify_export(out, checkpoint=ckpt)
-        say(str(report))
-        if not report.passed:
-            raise ExportError(f"the export in {out} failed verification; see above (pass --no-verify to skip)")
     return out
