@@ -191,3 +191,40 @@ def test_smollm2_fp16_branches_top1(smollm2_torch):
         agree += int((branch.argmax(-1) == alone.argmax(-1)).sum())
         total += len(cont)
     assert agree / total >= 0.99
+
+
+def test_cli_document_qa_and_samples(tiny_export, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The quick brown fox jumps over the lazy dog. Caches hold keys and values. " * 3)
+    runner = CliRunner()
+    res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt-file", str(doc),
+                               "--question", "What jumps?", "--question", "What do caches hold?",
+                               "--max-new-tokens", "6", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [b["label"] for b in out["branches"]] == ["Q: What jumps?", "Q: What do caches hold?"]
+    assert out["branches"] and out["prefix_bytes_per_step_separate"] == 2 * out["prefix_bytes_per_step_cascade"]
+    model = llama_ane.load(tiny_export, backend="torch")
+    for q, b in zip(["What jumps?", "What do caches hold?"], out["branches"]):
+        alone = model.generate(model.encode(doc.read_text()) + model.tokenizer(
+            f"\n\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids, max_new_tokens=6)
+        assert b["token_ids"] == alone.token_ids
+
+    res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt", "Caches hold",
+                               "--samples", "3", "--temperature", "1.0", "--seed", "1", "--max-new-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("--- [") == 3 and "aggregate" in res.stderr
+
+    res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt", "x", "--samples", "0"])
+    assert res.exit_code != 0 and "--samples must be at least 1" in res.output
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text("word " * 400)  # longer than the 256-token context
+    res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt-file", str(long_doc),
+                               "--question", "q?"])
+    assert res.exit_code != 0 and "context" in res.output and "Traceback" not in res.output

@@ -99,7 +99,7 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
         out = model.generate_branches(prefix, own, **sampling)
     s = out.stats
-    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "branches": s.branches,
+    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "num_branches": s.branches,
                "steps": s.steps, "generated_tokens": s.generated_tokens,
                "prefill_seconds": round(s.prefill_seconds, 3), "decode_seconds": round(s.decode_seconds, 3),
                "aggregate_decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
