@@ -1,0 +1,3 @@
+from .api import export_model
+
+__all__ = ["export_model"]
