@@ -99,7 +99,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
         manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)
         options["checkpoint"] = checkpoint
         backend = "torch"
-    return LlamaANEModel(folder, manifest, make_backend(folder if backend != "torch" else p, manifest, backend, **options))
+    return LlamaANEModel(folder, manifest, make_backend(p, manifest, backend, **options))
 
 
 @dataclass
