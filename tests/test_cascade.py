@@ -27,6 +27,16 @@ def _load(folder, **kw):
     return llama_ane.load(folder, **opts)
 
 
+def _top1(branch_model, alone_model, prefix, conts) -> float:
+    """Top-1 agreement of teacher-forced cascade logits with scoring prefix + continuation alone."""
+    agree = total = 0
+    for branch, cont in zip(branch_model.score_branches(prefix, conts), conts):
+        alone = alone_model.score(prefix + cont)[len(prefix):]
+        agree += int((branch.argmax(-1) == alone.argmax(-1)).sum())
+        total += len(cont)
+    return agree / total
+
+
 def _inputs(seed=0, prefix_len=70, lengths=(1, 3, 7, 2, 5, 9)):
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(3, 300, prefix_len)], [[int(t) for t in rng.integers(3, 300, k)] for k in lengths]
@@ -57,12 +67,7 @@ def test_fp16_top1_agreement(tiny_checkpoint):
     folder = tiny_checkpoint(num_hidden_layers=3)
     m16, m32 = _load(folder, precision="fp16"), _load(folder)
     prefix, conts = _inputs(seed=2, lengths=(40, 25, 30, 41))
-    agree = total = 0
-    for branch, cont in zip(m16.score_branches(prefix, conts), conts):
-        ref = m32.score(prefix + cont)[len(prefix):]
-        agree += int((branch.argmax(-1) == ref.argmax(-1)).sum())
-        total += len(cont)
-    assert agree / total >= 0.99
+    assert _top1(m16, m32, prefix, conts) >= 0.99
 
 
 def test_samples_share_the_prefix_and_are_seeded(tiny_checkpoint):
@@ -147,12 +152,7 @@ def test_branches_mil_backend_top1(tiny_export):
     pytest.importorskip("llama_ane.runtime.backends.mil_backend")
     mil = llama_ane.load(tiny_export, backend="mil")
     prefix, conts = _inputs(seed=6, lengths=(30, 20, 25))
-    agree = total = 0
-    for branch, cont in zip(mil.score_branches(prefix, conts), conts):
-        want = mil.score(prefix + cont)[len(prefix):]
-        agree += int((branch.argmax(-1) == want.argmax(-1)).sum())
-        total += len(cont)
-    assert agree / total >= 0.99
+    assert _top1(mil, mil, prefix, conts) >= 0.99
 
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "benchmarks" / "document.txt").read_text()
@@ -185,12 +185,7 @@ def test_smollm2_fp16_branches_top1(smollm2_torch):
         [m16.encode(f"{DOCUMENT}\n\nQuestion: {q}", chat=True) for q in QUESTIONS])
     # teacher-force each question plus the fp32 model's own answer
     forced = [cont + smollm2_torch["fp32"].generate(prefix + cont, max_new_tokens=16).token_ids for cont in own]
-    agree = total = 0
-    for branch, cont in zip(m16.score_branches(prefix, forced), forced):
-        alone = m16.score(prefix + cont)[len(prefix):]
-        agree += int((branch.argmax(-1) == alone.argmax(-1)).sum())
-        total += len(cont)
-    assert agree / total >= 0.99
+    assert _top1(m16, m16, prefix, forced) >= 0.99
 
 
 def test_cli_document_qa_and_samples(tiny_export, tmp_path):
