@@ -154,10 +154,10 @@ _FORKED: tuple | None = None  # the jobs, as seen by forked workers (inherited, 
 
 
 def _convert_forked(i: int) -> int:
+    # forked inside convert_all's quiet_coremltools(): the patched coremltools comes along
     jobs, paths, context_length, target, precision = _FORKED
     torch.set_num_threads(1)
-    with quiet_coremltools():
-        convert_job(jobs[i], context_length, target, precision, paths[i])
+    convert_job(jobs[i], context_length, target, precision, paths[i])
     return i
 
 

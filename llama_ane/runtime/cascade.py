@@ -105,8 +105,6 @@ class CascadeDecoder:
                 f"a branch needs {need} suffix tokens (its own {max(own_tokens)} + {max_new_tokens} new) but the "
                 f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
                 "--suffix-length")
-        if prefix_tokens + need > ctx + self.suffix_length:
-            raise ContextFullError(f"prefix {prefix_tokens} + branch {need} tokens overflow the context")
 
     def new_suffix(self, layers: int) -> np.ndarray:
         """Zeroed suffix cache of one chunk: (layers*kv_heads, B, head_dim, suffix_length)."""
