@@ -13,7 +13,8 @@ import torch
 from llama_ane.cuda import reference as ref
 from llama_ane.cuda.cost_model import CostModel
 from llama_ane.cuda.lse import lse_base2_to_natural, lse_natural_to_base2
-from llama_ane.cuda.splits import choose_decode_splits, choose_prefix_splits
+from llama_ane.cuda.splits import (choose_decode_splits, choose_overlap_prefix_splits,
+                                   choose_prefix_splits, overlap_time)
 from llama_ane.cuda.tree import build_tree_plan
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda_cascade.json"
@@ -148,6 +149,30 @@ def test_splits_cover_the_sequence():
         splits, chunk = choose_prefix_splits(batch, 128, hkv, length, 132)
         assert splits >= 1 and splits * chunk >= length and (splits - 1) * chunk < length
     assert choose_decode_splits(1, 8, 32768, 132)[0] > 1  # one long request must be split
+
+
+def test_overlap_model():
+    # two programs per SM and no suffix: the prefix kernel's own time
+    assert overlap_time(264, 1e-3, 0.0, 132) == pytest.approx(1e-3)
+    # a free half-SM per single program absorbs decode work: a big suffix costs less than in series
+    assert overlap_time(192, 1e-3, 0.6e-3, 132) < 1e-3 * 264 / 192 + 0.6e-3
+    with pytest.raises(ValueError, match="one wave"):
+        overlap_time(265, 1e-3, 0.0, 132)
+
+
+def test_overlap_splits_leave_room_for_large_suffixes():
+    # run 23 (32768 x 256 x 128): MHA suffixes are 0.6x the prefix time -> 3 splits measured best;
+    # GQA 32/8 suffixes a fifth -> the standalone 4
+    model = CostModel()
+    for (hq, hkv), want in (((32, 32), 3), ((32, 8), 4)):
+        rows = 256 * hq // hkv
+        prefix_s = model.prefix_time(256, 32768, hq, hkv, 128)
+        suffix_s = model.suffix_time(256, 128, hkv, 128)
+        splits, chunk = choose_overlap_prefix_splits(rows, 128, hkv, 32768, 132, prefix_s, suffix_s)
+        assert splits == want and splits * chunk >= 32768 and chunk % 64 == 0
+    # no suffix at all: the standalone choice
+    assert choose_overlap_prefix_splits(256, 128, 32, 32768, 132, 3e-4, 0.0)[0] == \
+        choose_prefix_splits(256, 128, 32, 32768, 132)[0]
 
 
 def test_cost_model_prefers_cascade_for_long_shared_prefixes():

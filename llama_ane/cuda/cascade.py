@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
-from .splits import choose_decode_splits, choose_prefix_splits
+from .splits import choose_decode_splits, choose_overlap_prefix_splits, choose_prefix_splits
 
 PATHS = ("auto", "cascade", "decode")
 # Prefix work above which the prefix tiles run on a side stream next to the suffix decode (three
@@ -90,12 +90,18 @@ class SharedPrefixBatch:
             self.overlap = bool((config or {}).get("overlap", flops >= OVERLAP_MIN_FLOPS))
             if self.overlap:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
-            # run 8: overlap with one prefix program per SM (2 splits) took 0.749 ms at 32768 x 256;
-            # with the standalone choice (4 splits, two per SM) 0.539-0.551 in runs 5 and 7
-            split_fn = choose_prefix_splits
             block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or ops.prefix_block_m(rows)
-            self.prefix_splits, self.prefix_chunk = split_fn(
-                rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
+            if self.overlap and prefix_splits is None:
+                # as many prefix programs as leave the suffix decode room to run beside them
+                self.prefix_splits, self.prefix_chunk = choose_overlap_prefix_splits(
+                    rows, block_m, num_kv_heads, self.prefix_len, sms,
+                    cost_model.prefix_time(self.batch, self.prefix_len, num_qo_heads,
+                                           num_kv_heads, head_dim, elem_bytes),
+                    cost_model.suffix_time(self.batch, mean_suffix, num_kv_heads, head_dim,
+                                           elem_bytes))
+            else:
+                self.prefix_splits, self.prefix_chunk = choose_prefix_splits(
+                    rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
             # opt-in only: one launch for both levels, each prefix program also taking a slice of
@@ -143,6 +149,10 @@ class SharedPrefixBatch:
         if self.overlap:
             # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
             # this one: the scheduler fills SM slots the prefix leaves free with decode programs
+            # (128-key blocks: run 23 measured 0.497 against 0.510 ms with 64 at 32768 x 256)
+            if dec_cfg is None:
+                dec_cfg = dict(ops.decode_config(self.num_qo_heads // self.num_kv_heads,
+                                                 self.head_dim), BLOCK_N=128)
             cur = torch.cuda.current_stream(q.device)
             self.side_stream.wait_stream(cur)
             with torch.cuda.stream(self.side_stream):

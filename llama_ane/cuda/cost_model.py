@@ -50,19 +50,30 @@ class CostModel:
                 / self.hbm_bytes_per_s
         return self.launch_s + unique / self.hbm_bytes_per_s + reread / self.l2_bytes_per_s + merge
 
-    def cascade_time(self, batch: int, prefix_len: int, suffix_len: float, num_qo_heads: int,
-                     num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
-        """Modelled seconds of the three-launch cascade."""
+    def prefix_time(self, batch: int, prefix_len: int, num_qo_heads: int, num_kv_heads: int,
+                    head_dim: int, elem_bytes: int = 2) -> float:
+        """Modelled seconds of the shared-prefix kernel alone: its bytes or its flops."""
         tok = 2 * num_kv_heads * head_dim * elem_bytes
-        group = num_qo_heads // num_kv_heads
-        rows = batch * group
+        rows = batch * (num_qo_heads // num_kv_heads)
         block_m = min(128, max(16, 1 << max(0, (rows - 1).bit_length())))
         padded_rows = -(-rows // block_m) * block_m
         flops = 4.0 * padded_rows * num_kv_heads * prefix_len * head_dim
-        prefix = max(prefix_len * tok / self.hbm_bytes_per_s, flops / self.tc_flops)
-        suffix = batch * suffix_len * tok / self.hbm_bytes_per_s
-        sp, _ = choose_prefix_splits(rows, block_m, num_kv_heads, prefix_len,
-                                             self.num_sms)
+        return max(prefix_len * tok / self.hbm_bytes_per_s, flops / self.tc_flops)
+
+    def suffix_time(self, batch: int, suffix_len: float, num_kv_heads: int, head_dim: int,
+                    elem_bytes: int = 2) -> float:
+        """Modelled seconds of the paged decode over every request's own suffix."""
+        return batch * suffix_len * 2 * num_kv_heads * head_dim * elem_bytes / self.hbm_bytes_per_s
+
+    def cascade_time(self, batch: int, prefix_len: int, suffix_len: float, num_qo_heads: int,
+                     num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
+        """Modelled seconds of the three-launch cascade."""
+        rows = batch * (num_qo_heads // num_kv_heads)
+        block_m = min(128, max(16, 1 << max(0, (rows - 1).bit_length())))
+        prefix = self.prefix_time(batch, prefix_len, num_qo_heads, num_kv_heads, head_dim,
+                                  elem_bytes)
+        suffix = self.suffix_time(batch, suffix_len, num_kv_heads, head_dim, elem_bytes)
+        sp, _ = choose_prefix_splits(rows, block_m, num_kv_heads, prefix_len, self.num_sms)
         ss, _ = choose_decode_splits(batch, num_kv_heads, int(suffix_len), self.num_sms)
         states = 2 * batch * (sp + ss) * num_qo_heads * head_dim * 4  # fp32 write + read
         return 3 * self.launch_s + prefix + suffix + states / self.hbm_bytes_per_s

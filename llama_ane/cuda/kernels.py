@@ -40,6 +40,38 @@ def _online_softmax_step(s, m_i, l_i, acc, v):
 
 
 @triton.jit
+def _page_rows(indices_ptr, tok, n_mask, PAGE_SIZE: tl.constexpr, stride_page, stride_tok):
+    """Element offsets of the slots of tokens ``tok`` [N] in a paged cache (``indices_ptr``
+    points at the request's first page); rows outside ``n_mask`` point at page ``indices[0]``."""
+    page = tl.load(indices_ptr + tok // PAGE_SIZE, mask=n_mask, other=0)
+    return page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+
+
+@triton.jit
+def _load_kv(kv_head, krow, offs_d, stride_kv, n_mask):
+    """K and V [N, D] at slot offsets ``krow`` [N] of one kv head; rows outside ``n_mask`` are 0."""
+    ptrs = kv_head + krow[:, None] + offs_d[None, :]
+    k = tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+    v = tl.load(ptrs + stride_kv, mask=n_mask[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _prefix_row_tile(q_ptr, mb, kvh, n_rows, stride_qb, stride_qh, GROUP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Row tile ``mb`` of kv head ``kvh`` in the shared-prefix kernel: rows are (request, query
+    head of the group) pairs. Returns the row mask, requests and heads [BLOCK_M] and q [BLOCK_M, D]."""
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < n_rows
+    b = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=r_mask[:, None], other=0.0)
+    return r_mask, b, heads, q
+
+
+@triton.jit
 def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
     """Normalise and store a state; an empty key set gives ``o = 0`` and ``lse = -inf``."""
     nonempty = l_i > 0.0
@@ -51,21 +83,28 @@ def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
 
 
 @triton.jit
-def _decode_program(
+def paged_decode_kernel(
     q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    state_offset, sm_scale_log2, chunk_len, b, kvh, split,
+    state_offset, sm_scale_log2, chunk_len,
     pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_PREFIX: tl.constexpr,
 ):
-    """Decode work of one (request ``b``, kv head, split): see ``paged_decode_kernel``.
+    """Batch decode over a paged KV cache, one program per (request, kv head, KV split).
+
+    The ``GROUP`` query heads that share a kv head are processed together so each K/V row is read
+    once per group. Split ``s`` covers tokens ``[s * chunk_len, (s + 1) * chunk_len)`` and writes
+    state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``.
 
     With ``MERGE_PREFIX`` the ``n_pre`` states ``pre_o[b, i, head]`` / ``pre_lse[b, i, head]``
     (natural log; the shared-prefix kernel's splits) are merged into this program's state before
     it is stored, which saves the cascade a merge launch and a round trip of the states.
     """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     page_start = tl.load(indptr_ptr + b)
     page_end = tl.load(indptr_ptr + b + 1)
     last_len = tl.load(last_len_ptr + b)
@@ -87,12 +126,9 @@ def _decode_program(
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
             n_mask = tok < end
-            page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
-            rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
-            k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0)
-            v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0)
+            rows = _page_rows(indices_ptr + page_start, tok, n_mask, PAGE_SIZE, stride_page,
+                              stride_tok)
+            k, v = _load_kv(kv_head, rows, offs_d, stride_kv, n_mask)
             s = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
             s = tl.where(n_mask, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -132,12 +168,9 @@ def _decode_program(
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
             n_mask = tok < end
-            page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=n_mask, other=0)
-            rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
-            k = tl.load(kv_head + rows[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0)
-            v = tl.load(kv_head + stride_kv + rows[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0)
+            rows = _page_rows(indices_ptr + page_start, tok, n_mask, PAGE_SIZE, stride_page,
+                              stride_tok)
+            k, v = _load_kv(kv_head, rows, offs_d, stride_kv, n_mask)
             s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
         if MERGE_PREFIX:
@@ -161,54 +194,34 @@ def _decode_program(
 
 
 @triton.jit
-def paged_decode_kernel(
-    q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr,
-    o_ptr, lse_ptr,
-    stride_qb, stride_qh,
-    stride_page, stride_kv, stride_tok,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls,
-    state_offset, sm_scale_log2, chunk_len,
-    pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_PREFIX: tl.constexpr,
-):
-    """Batch decode over a paged KV cache, one program per (request, kv head, KV split).
-
-    The ``GROUP`` query heads that share a kv head are processed together so each K/V row is read
-    once per group. Split ``s`` covers tokens ``[s * chunk_len, (s + 1) * chunk_len)`` and writes
-    state slot ``state_offset + s`` of ``o[b, slot, head, :]`` and ``lse[b, slot, head]``;
-    ``MERGE_PREFIX`` folds in precomputed states first (see ``_decode_program``).
-    """
-    _decode_program(
-        q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
-        stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-        state_offset, sm_scale_log2, chunk_len,
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        pre_o_ptr, pre_lse_ptr, n_pre, stride_pb, stride_ps, stride_ph, stride_plb, stride_pls,
-        GROUP, BLOCK_G, HEAD_DIM, PAGE_SIZE, BLOCK_N, MERGE_PREFIX)
-
-
-@triton.jit
-def _prefix_program(
+def shared_prefix_kernel(
     q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-    state_offset, sm_scale_log2, chunk_len, mb, kvh, split,
+    state_offset, sm_scale_log2, chunk_len,
     s_indptr_ptr, s_indices_ptr, s_last_ptr, s_chunk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SUFFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+    HAS_SUFFIX: tl.constexpr,
 ):
-    """Shared-prefix work of one (row block, kv head, split): see ``shared_prefix_kernel``."""
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_mask = rows < n_rows
-    b = rows // GROUP
-    heads = kvh * GROUP + rows % GROUP
+    """All queries against one shared paged KV sequence (multi-query attention with LSE).
+
+    Rows are (request, query head within the kv group) pairs, ``row = b * GROUP + g``, so a tile
+    of ``BLOCK_M`` rows turns the shared prefix into a dense matrix product on the tensor cores.
+    Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
+    same KV chunk run at the same time and share it through L2. ``WHOLE_BLOCKS`` says that
+    ``prefix_len`` and ``chunk_len`` are multiples of ``BLOCK_N``: no split has a partial key
+    block, and the masked tail loop is left out of the program. With ``HAS_SUFFIX`` split ``s``
+    also covers suffix tokens ``[s * s_chunk, (s + 1) * s_chunk)`` of every row's own request
+    (CSR tables ``s_indptr``/``s_indices``/``s_last``): the whole cascade in one launch plus merge.
+    """
+    mb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    r_mask, b, heads, q = _prefix_row_tile(q_ptr, mb, kvh, n_rows, stride_qb, stride_qh, GROUP,
+                                           BLOCK_M, HEAD_DIM)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=r_mask[:, None], other=0.0)
 
     start = split * chunk_len
     end = tl.minimum(start + chunk_len, prefix_len)
@@ -235,17 +248,17 @@ def _prefix_program(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    for n0 in range(full_end, end, BLOCK_N):
-        tok = n0 + offs_n
-        n_mask = tok < end
-        page = tl.load(indices_ptr + tok // PAGE_SIZE, mask=n_mask, other=0)
-        krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
-        k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+    if not WHOLE_BLOCKS:
+        # run 19: this second (masked) loop after the main one cost 6% at 32768 x 256 even where
+        # it never executes, so prefixes of whole key blocks are compiled without it
+        for n0 in range(full_end, end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
+            krow = _page_rows(indices_ptr, tok, n_mask, PAGE_SIZE, stride_page, stride_tok)
+            k, v = _load_kv(kv_head, krow, offs_d, stride_kv, n_mask)
+            s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
 
     if HAS_SUFFIX:
         # Each row's own suffix tokens [split * s_chunk, (split + 1) * s_chunk), one token of
@@ -263,9 +276,7 @@ def _prefix_program(
             valid = (j < s_len) & r_mask
             page = tl.load(s_indices_ptr + sp0 + j // PAGE_SIZE, mask=valid, other=0)
             roff = page.to(tl.int64) * stride_page + (j % PAGE_SIZE) * stride_tok
-            k = tl.load(kv_head + roff[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(kv_head + stride_kv + roff[:, None] + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
+            k, v = _load_kv(kv_head, roff, offs_d, stride_kv, valid)
             sj = tl.where(valid, tl.sum(qf * k.to(tl.float32), 1) * sm_scale_log2,
                           float("-inf"))
             m_new = tl.maximum(m_i, sj)
@@ -281,38 +292,6 @@ def _prefix_program(
         + offs_d[None, :]
     lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
     _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, r_mask)
-
-
-@triton.jit
-def shared_prefix_kernel(
-    q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows,
-    o_ptr, lse_ptr,
-    stride_qb, stride_qh,
-    stride_page, stride_kv, stride_tok,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls,
-    state_offset, sm_scale_log2, chunk_len,
-    s_indptr_ptr, s_indices_ptr, s_last_ptr, s_chunk,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SUFFIX: tl.constexpr,
-):
-    """All queries against one shared paged KV sequence (multi-query attention with LSE).
-
-    Rows are (request, query head within the kv group) pairs, ``row = b * GROUP + g``, so a tile
-    of ``BLOCK_M`` rows turns the shared prefix into a dense matrix product on the tensor cores.
-    Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
-    same KV chunk run at the same time and share it through L2. With ``HAS_SUFFIX`` split ``s``
-    also covers suffix tokens ``[s * s_chunk, (s + 1) * s_chunk)`` of every row's own request
-    (CSR tables ``s_indptr``/``s_indices``/``s_last``): the whole cascade in one launch plus merge.
-    """
-    _prefix_program(
-        q_ptr, kv_ptr, indices_ptr, prefix_len, n_rows, o_ptr, lse_ptr,
-        stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-        state_offset, sm_scale_log2, chunk_len,
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        s_indptr_ptr, s_indices_ptr, s_last_ptr, s_chunk,
-        GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_SUFFIX)
 
 
 @triton.jit
@@ -368,10 +347,7 @@ def tree_attention_kernel(
             n_mask = j < tlen
             loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
             krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
-            k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0)
-            v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0)
+            k, v = _load_kv(kv_head, krow, offs_d, stride_kv, n_mask)
             s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
     else:
@@ -380,10 +356,7 @@ def tree_attention_kernel(
             n_mask = j < tlen
             loc = tl.load(tok_loc_ptr + t0 + j, mask=n_mask, other=0)
             krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
-            k = tl.load(kv_head + krow[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0)
-            v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0)
+            k, v = _load_kv(kv_head, krow, offs_d, stride_kv, n_mask)
             s = tl.dot(q, tl.trans(k)) * sm_scale_log2
             words = tl.load(mask_ptr + pair[:, None].to(tl.int64) * MASK_WORDS
                             + (j // 32)[None, :], mask=r_mask[:, None] & n_mask[None, :],

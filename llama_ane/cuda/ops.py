@@ -153,8 +153,9 @@ def prefix_config(block_m: int) -> dict:
 def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, lse_buf,
                          state_offset: int, num_splits: int, chunk_len: int,
                          sm_scale: float, config: dict | None = None,
-                         suffix: tuple | None = None) -> None:
-    """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``.
+                         suffix: tuple | None = None):
+    """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``;
+    returns Triton's compiled-kernel handle (registers, spills, shared memory).
 
     ``suffix = (indptr, indices, last_page_len, chunk)`` adds each row's own suffix tokens, chunk
     ``s`` to split ``s`` (the one-launch cascade).
@@ -168,13 +169,15 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     n_rows = batch * group
     cfg = prefix_config(prefix_block_m(n_rows)) if config is None else config
     block_m = cfg.get("BLOCK_M") or prefix_block_m(n_rows)
+    block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
-    kernels.shared_prefix_kernel[grid](
+    return kernels.shared_prefix_kernel[grid](
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,
         *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
         *(suffix if suffix is not None else (prefix_indices, prefix_indices, prefix_indices, 0)),
-        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        WHOLE_BLOCKS=prefix_len % block_n == 0 and chunk_len % block_n == 0,
         HAS_SUFFIX=suffix is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

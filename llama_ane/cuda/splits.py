@@ -71,3 +71,51 @@ def choose_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_le
     chunk = _round_up(_cdiv(prefix_len, num_splits), PREFIX_BLOCK_N)
     return _cdiv(prefix_len, chunk), chunk
 
+
+
+# A shared-prefix program alone on its SM runs at this fraction of the rate of two sharing one
+# (run 2: 256 programs 0.395 ms, 128 programs 0.611 ms at 32768 x 256).
+PREFIX_SOLO_RATE = 0.65
+
+
+def overlap_time(programs: int, prefix_s: float, suffix_s: float, num_sms: int) -> float:
+    """Modelled seconds of the prefix kernel (``programs`` equal programs, ``prefix_s`` seconds of
+    work when every SM runs two of them) next to the suffix decode (``suffix_s`` seconds on the
+    whole GPU), for ``programs <= 2 * num_sms`` (one wave).
+
+    The first ``num_sms`` programs take one SM each, the rest a second slot on as many SMs. Two
+    programs fill an SM's registers, so the decode runs only on SMs with one (at half an SM until
+    that program ends, then a whole SM) or none, and on every SM once the prefix is done.
+    """
+    if not 0 < programs <= 2 * num_sms:
+        raise ValueError(f"overlap_time models one wave of 1..{2 * num_sms} programs, got {programs}")
+    work = prefix_s * num_sms / programs            # one program's work, in SM-seconds
+    doubled = max(0, programs - num_sms)            # SMs running two programs
+    single = min(programs, num_sms) - doubled       # SMs running one
+    idle = num_sms - doubled - single
+    t_double = 2 * work if doubled else 0.0
+    t_single = work / PREFIX_SOLO_RATE if single else 0.0
+    prefix_end = max(t_double, t_single)
+    capacity = idle * prefix_end + single * (0.5 * t_single + (prefix_end - t_single))
+    return prefix_end + max(0.0, suffix_s * num_sms - capacity) / num_sms
+
+
+def choose_overlap_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_len: int,
+                                 num_sms: int, prefix_s: float, suffix_s: float) -> tuple[int, int]:
+    """``(splits, chunk_len)`` of the prefix kernel when it runs next to the suffix decode.
+
+    Fewer programs than two per SM leave SMs with a free half for the decode: worth it when the
+    suffixes are a large share of the work (run 23, 32768 x 256 x 128: heads 32/32 0.497 ms with
+    3 splits against 0.511 with 4; heads 32/8, a quarter of the suffix bytes, 0.354 with 4 against
+    0.413 with 3). Candidates are the one-wave split counts, modelled by :func:`overlap_time`, and
+    the standalone choice, modelled as the prefix followed by the decode.
+    """
+    standalone = choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len, num_sms)
+    units = _cdiv(max(n_rows, 1), block_m) * num_kv_heads
+    best = (prefix_s + suffix_s, standalone[0])
+    max_s = max(1, min(MAX_SPLITS, prefix_len // MIN_PREFIX_CHUNK))
+    for s in range(1, max_s + 1):
+        if units * s > PREFIX_PROGRAMS_PER_SM * num_sms:
+            break
+        best = min(best, (overlap_time(units * s, prefix_s, suffix_s, num_sms), s))
+    return choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len, num_sms, best[1])
