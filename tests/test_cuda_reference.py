@@ -170,6 +170,8 @@ def test_overlap_splits_leave_room_for_large_suffixes():
         suffix_s = model.suffix_time(256, 128, hkv, 128)
         splits, chunk = choose_overlap_prefix_splits(rows, 128, hkv, 32768, 132, prefix_s, suffix_s)
         assert splits == want and splits * chunk >= 32768 and chunk % 64 == 0
+    # however large the suffixes, every SM keeps at least one prefix program
+    assert choose_overlap_prefix_splits(256, 128, 32, 32768, 132, 3e-4, 3e-2)[0] == 3
     # no suffix at all: the standalone choice
     assert choose_overlap_prefix_splits(256, 128, 32, 32768, 132, 3e-4, 0.0)[0] == \
         choose_prefix_splits(256, 128, 32, 32768, 132)[0]

@@ -73,9 +73,10 @@ def choose_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_le
 
 
 
-# A shared-prefix program alone on its SM runs at this fraction of the rate of two sharing one
-# (run 2: 256 programs 0.395 ms, 128 programs 0.611 ms at 32768 x 256).
-PREFIX_SOLO_RATE = 0.65
+# A shared-prefix program alone on its SM, next to decode programs, runs at this fraction of the
+# rate of two prefix programs sharing one: fitted to run 23 (3 splits at 32768 x 256 x 128, 32/32:
+# 0.497 ms). Without decode programs beside it run 2 measured 0.65 (0.395 against 0.611 ms).
+PREFIX_SOLO_RATE = 0.58
 
 
 def overlap_time(programs: int, prefix_s: float, suffix_s: float, num_sms: int) -> float:
@@ -107,8 +108,10 @@ def choose_overlap_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, p
     Fewer programs than two per SM leave SMs with a free half for the decode: worth it when the
     suffixes are a large share of the work (run 23, 32768 x 256 x 128: heads 32/32 0.497 ms with
     3 splits against 0.511 with 4; heads 32/8, a quarter of the suffix bytes, 0.354 with 4 against
-    0.413 with 3). Candidates are the one-wave split counts, modelled by :func:`overlap_time`, and
-    the standalone choice, modelled as the prefix followed by the decode.
+    0.413 with 3). Candidates are the split counts that give every SM one or two programs, modelled
+    by :func:`overlap_time`, and the standalone choice, modelled as the prefix then the decode.
+    Fewer programs than SMs are not tried: with 2 splits (128 programs) run 23 measured 0.65 ms,
+    far off any such model.
     """
     standalone = choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len, num_sms)
     units = _cdiv(max(n_rows, 1), block_m) * num_kv_heads
@@ -117,5 +120,7 @@ def choose_overlap_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, p
     for s in range(1, max_s + 1):
         if units * s > PREFIX_PROGRAMS_PER_SM * num_sms:
             break
+        if units * s <= num_sms:
+            continue
         best = min(best, (overlap_time(units * s, prefix_s, suffix_s, num_sms), s))
     return choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len, num_sms, best[1])
