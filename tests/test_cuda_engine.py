@@ -107,3 +107,21 @@ def test_smollm2_cascade_equals_plain_decode():
     cascade = engine.generate(prompt, branches, 32, path="cascade")
     print("SmolLM2 branches:", [tok.decode(t) for t in cascade.tokens])
     assert cascade.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("path", ["cascade", "decode"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_replays_the_eager_step(tiny_llama, path, page_size):
+    """The decode step replayed as a CUDA graph gives exactly the eager loop's tokens."""
+    from llama_ane.cuda.engine import GPUEngine, load_hf_model
+
+    model, _ = load_hf_model(tiny_llama)
+    engine = GPUEngine(model, dtype=torch.float16, page_size=page_size)
+    prompt = _branches(4, 1, 200, 200)[0]
+    branches = _branches(5, 6, 1, 20)
+    eager = engine.generate(prompt, branches, 40, path=path, cuda_graph=False)
+    graph = engine.generate(prompt, branches, 40, path=path, cuda_graph=True)
+    assert graph.tokens == eager.tokens
+    assert graph.paths_used == eager.paths_used == {path: eager.steps}
+    print(f"{path} page {page_size}: eager {eager.tokens_per_second:.0f} tokens/s, "
+          f"graph {graph.tokens_per_second:.0f} tokens/s")

@@ -124,6 +124,41 @@ def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype,
     _assert_state(o, lse, *want, dtype)
 
 
+@pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size",
+                         [(16, 1024, 128, 16), (64, 4096, 7, 1), (256, 32768, 128, 16)])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode"])
+def test_plan_with_reserved_pages_follows_set_suffix_lengths(batch, prefix_len, max_suffix,
+                                                             page_size, path):
+    """A plan over pages reserved ahead, shortened by set_suffix_lengths, equals the reference
+    over exactly the pages those lengths use (the engine's decode loop and CUDA graph)."""
+    from llama_ane.cuda import reference as ref
+    from llama_ane.cuda.cascade import SharedPrefixBatch
+
+    d, hq, hkv, dtype = 128, 32, 8, torch.float16
+    cache, indptr, indices, last, g = _make_cache([prefix_len] + [max_suffix] * batch, page_size,
+                                                  hkv, d, dtype, prefix_len + max_suffix)
+    prefix_pages = indices[: int(indptr[1])]
+    s_indptr = (indptr[1:] - indptr[1]).contiguous()
+    s_indices = indices[int(indptr[1]):].contiguous()
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
+    plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, last[1:].clone(),
+                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
+                             path="decode" if path == "decode" else "cascade",
+                             config={"overlap": path == "overlap"})
+    lengths = torch.randint(1, max_suffix + 1, (batch,), generator=torch.Generator().manual_seed(7))
+    plan.set_suffix_lengths(lengths.to(torch.int32).cuda())
+    o, lse = plan.run(q, cache)
+    # the tables of exactly the pages in use
+    pages = (lengths + page_size - 1) // page_size
+    starts = s_indptr[:-1].cpu()
+    used = torch.cat([s_indices.cpu()[int(a):int(a) + int(n)] for a, n in zip(starts, pages)])
+    u_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), pages.cumsum(0)]).to(torch.int32)
+    u_last = (lengths - (pages - 1) * page_size).to(torch.int32)
+    want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, u_indptr.cuda(),
+                           used.to(torch.int32).cuda(), u_last.cuda())
+    _assert_state(o, lse, *want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 def test_merge_ops(dtype, d):

@@ -35,9 +35,12 @@ DEFAULT_PROMPT = ("You are a helpful assistant. Answer each question in one shor
 @click.option("--check", is_flag=True,
               help="Also decode with the cascade and with plain paged decode (both forced) and "
                    "report whether their tokens agree.")
+@click.option("--eager", is_flag=True,
+              help="Launch every kernel from Python at every step instead of replaying the "
+                   "decode step as a CUDA graph.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, dtype, page_size,
-            check, as_json):
+            check, eager, as_json):
     """Decode several branches that share PROMPT on the GPU (default model: SmolLM2-135M)."""
     try:
         import torch
@@ -65,11 +68,15 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
     prompt_ids = tokenizer(prompt)["input_ids"]
     branch_ids = [tokenizer(b, add_special_tokens=False)["input_ids"] for b in branches]
     try:
-        result = engine.generate(prompt_ids, branch_ids, max_new_tokens, path=attn_path)
+        graph = not eager
+        result = engine.generate(prompt_ids, branch_ids, max_new_tokens, path=attn_path,
+                                 cuda_graph=graph)
         pair = None
         if check:
-            pair = (engine.generate(prompt_ids, branch_ids, max_new_tokens, path="cascade"),
-                    engine.generate(prompt_ids, branch_ids, max_new_tokens, path="decode"))
+            pair = (engine.generate(prompt_ids, branch_ids, max_new_tokens, path="cascade",
+                                    cuda_graph=graph),
+                    engine.generate(prompt_ids, branch_ids, max_new_tokens, path="decode",
+                                    cuda_graph=graph))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]

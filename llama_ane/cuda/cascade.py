@@ -136,6 +136,24 @@ class SharedPrefixBatch:
                 self.lse_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads,
                                            dtype=torch.float32, device=device)
 
+    def set_suffix_lengths(self, lengths: torch.Tensor) -> None:
+        """Give every suffix a new length on its listed pages, without planning again.
+
+        For a plan built once over pages reserved ahead (a decode loop, a CUDA graph): request
+        ``b`` uses the first ``lengths[b]`` tokens of its listed suffix pages. The split choices
+        and the cascade-or-decode decision stay those of the lengths the plan was built with.
+        ``lengths`` is an int32 [batch] tensor on the plan's device; nothing is read back. The
+        new values are written into the ``suffix_last_page_len`` tensor the plan was given.
+
+        The kernels take a request's length as ``(pages - 1) * page_size + last_page_len``, so
+        pages listed past the length give a ``last_page_len`` of 0 or below.
+        """
+        indptr, _, last = self.suffix
+        last.copy_(lengths - (indptr[1:] - indptr[:-1] - 1) * self.page_size)
+        if self.path == "decode":
+            self.full_last.copy_(lengths - (self.full_indptr[1:] - self.full_indptr[:-1] - 1)
+                                 * self.page_size + self.prefix_len)
+
     def _run_cascade(self, q, kv_cache, out, lse) -> None:
         cfg = self.config or {}
         pre_cfg, dec_cfg = cfg.get("prefix"), cfg.get("decode")

@@ -171,11 +171,14 @@ class GPUEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], branch_ids: list[list[int]], max_new_tokens: int,
-                 *, path: str = "auto") -> GenerationResult:
+                 *, path: str = "auto", cuda_graph: bool = True) -> GenerationResult:
         """Greedy-decode ``max_new_tokens`` after ``prompt + branch`` for every branch.
 
         The prompt's whole pages are shared by all branches (computed once); everything after is
-        per branch. Returns the generated ids per branch and the decode-phase timing.
+        per branch. The attention path (``auto``: the cost model) is chosen once, for the
+        generation's full length. With ``cuda_graph`` the decode step runs eagerly once and is
+        then replayed as one CUDA graph (the same launches, without the per-launch host cost).
+        Returns the generated ids per branch and the decode-phase timing.
         """
         ps, dev = self.page_size, self.device
         n_branches = len(branch_ids)
@@ -207,36 +210,59 @@ class GPUEngine:
             x = x + F.linear(a.transpose(0, 1).reshape(shared, -1), layer["o"])
             x = self._mlp(layer, x)
 
+        # one plan for the whole generation over the pages reserved for every branch; each step
+        # only moves the suffix lengths (set_suffix_lengths), so the step is a fixed sequence of
+        # launches that a CUDA graph replays
         prefix_pages = torch.arange(n_prefix_pages, device=dev, dtype=torch.int32)
         branch_base = n_prefix_pages + torch.arange(n_branches, device=dev) * pages_per_branch
-        generated: list[list[int]] = [[] for _ in range(n_branches)]
-        current = [t[0] for t in tails]
-        paths_used: dict[str, int] = {}
-        self._sync()
-        started = time.perf_counter()
-        for step in range(steps):
-            ids = torch.tensor(current, device=dev)
-            cos, sin = self._rope(torch.full((1,), shared + step, device=dev))
-            n_pages = step // ps + 1
-            page_of_step = (branch_base + step // ps).long()
-            indices = (branch_base[:, None] + torch.arange(n_pages, device=dev)[None]).reshape(-1)
-            plan = SharedPrefixBatch(
-                prefix_pages, shared,
-                torch.arange(n_branches + 1, device=dev, dtype=torch.int32) * n_pages,
-                indices.to(torch.int32).contiguous(),
-                torch.full((n_branches,), step % ps + 1, device=dev, dtype=torch.int32),
-                num_qo_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.head_dim,
-                page_size=ps, path=path, elem_bytes=self.embed.element_size())
-            paths_used[plan.path] = paths_used.get(plan.path, 0) + 1
-            x = self.embed[ids]
+        plan = SharedPrefixBatch(
+            prefix_pages, shared,
+            torch.arange(n_branches + 1, device=dev, dtype=torch.int32) * pages_per_branch,
+            (branch_base[:, None] + torch.arange(pages_per_branch, device=dev)[None]).reshape(-1)
+            .to(torch.int32).contiguous(),
+            torch.full((n_branches,), ps, device=dev, dtype=torch.int32),
+            num_qo_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.head_dim,
+            page_size=ps, path=path, elem_bytes=self.embed.element_size())
+        ids_buf = torch.zeros(n_branches, device=dev, dtype=torch.long)
+        pos_buf = torch.zeros(1, device=dev, dtype=torch.long)
+        page_buf = torch.zeros(n_branches, device=dev, dtype=torch.long)
+        slot_buf = torch.zeros(1, device=dev, dtype=torch.long)
+
+        def step_argmax() -> torch.Tensor:
+            """The next token of every branch [n_branches] from the tokens in ``ids_buf``."""
+            x = self.embed[ids_buf]
+            cos, sin = self._rope(pos_buf)
             for li, layer in enumerate(self.layers):
                 q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
-                cache[li, page_of_step, 0, step % ps] = k
-                cache[li, page_of_step, 1, step % ps] = v
+                cache[li, page_buf, 0, slot_buf] = k
+                cache[li, page_buf, 1, slot_buf] = v
                 o, _ = plan.run(q.contiguous(), cache[li])
                 x = x + F.linear(o.reshape(n_branches, -1), layer["o"])
                 x = self._mlp(layer, x)
-            nxt = self._logits(x).argmax(-1).tolist()
+            return self._logits(x).argmax(-1)
+
+        graph, graph_out = None, None
+        generated: list[list[int]] = [[] for _ in range(n_branches)]
+        current = [t[0] for t in tails]
+        self._sync()
+        started = time.perf_counter()
+        for step in range(steps):
+            ids_buf.copy_(torch.tensor(current))
+            pos_buf.fill_(shared + step)
+            page_buf.copy_(branch_base + step // ps)
+            slot_buf.fill_(step % ps)
+            plan.set_suffix_lengths(torch.full((n_branches,), step + 1, device=dev,
+                                               dtype=torch.int32))
+            if not cuda_graph or step == 0:
+                # eager (and, for the graph, the warm-up that compiles every kernel once)
+                nxt = step_argmax().tolist()
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        graph_out = step_argmax()
+                graph.replay()
+                nxt = graph_out.tolist()
             for b in range(n_branches):
                 if step + 1 < len(tails[b]):
                     current[b] = tails[b][step + 1]  # still reading the branch's own text
@@ -244,6 +270,7 @@ class GPUEngine:
                     if len(generated[b]) < max_new_tokens:
                         generated[b].append(nxt[b])
                     current[b] = nxt[b]
+        paths_used = {plan.path: steps}
         self._sync()
         return GenerationResult(tokens=generated, path=plan.path,
                                 decode_seconds=time.perf_counter() - started, steps=steps,
