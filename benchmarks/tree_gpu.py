@@ -51,6 +51,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_tree.json"))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--table", type=Path, help="only print the markdown table of an existing JSON")
+    ap.add_argument("--sweep-blocks", action="store_true",
+                    help="also time the tree kernel at every block size the planner may choose")
     args = ap.parse_args()
     if args.table:
         rows = json.loads(args.table.read_text())["rows"]
@@ -68,7 +70,7 @@ def main() -> int:
     from llama_ane.cuda import ops
     from llama_ane.cuda.cascade import SharedPrefixBatch
     from llama_ane.cuda.timing import Timer
-    from llama_ane.cuda.tree import build_tree_plan
+    from llama_ane.cuda.tree import BLOCK_TOKEN_CHOICES, build_tree_plan
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -143,6 +145,17 @@ def main() -> int:
                   f"x{rec['speedup_vs_cascade']:.2f} vs cascade; items {plan.n_items}, "
                   f"block {plan.block_tokens}) maxdiff {rec['maxdiff_tree_vs_decode']:.1e}",
                   flush=True)
+            if args.sweep_blocks:
+                # the tree kernel at every block size the planner may choose
+                rec["tree_ms_by_block"] = {}
+                for bt in BLOCK_TOKEN_CHOICES:
+                    p = build_tree_plan(parents, node_slots, query_nodes, group=hq // hkv,
+                                        num_kv_heads=hkv, block_tokens=bt, device="cuda")
+                    rec["tree_ms_by_block"][bt] = timer.median_ms(
+                        lambda p=p: ops.tree_attention(q, cache, p))
+                print("    block sweep: " + ", ".join(
+                    f"{bt}: {ms:.4f} ms ({-(-total // bt)} blocks)"
+                    for bt, ms in rec["tree_ms_by_block"].items()), flush=True)
             del cache
             torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)

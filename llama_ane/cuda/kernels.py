@@ -351,6 +351,8 @@ def tree_attention_kernel(
             s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
     else:
+        tl.static_assert(BLOCK_N == 64, "the bitmask loop reads two 32-bit words per key block")
+        row_words = mask_ptr + pair.to(tl.int64) * MASK_WORDS
         for n0 in range(0, tlen, BLOCK_N):
             j = n0 + offs_n
             n_mask = j < tlen
@@ -358,10 +360,12 @@ def tree_attention_kernel(
             krow = (loc // PAGE_SIZE).to(tl.int64) * stride_page + (loc % PAGE_SIZE) * stride_tok
             k, v = _load_kv(kv_head, krow, offs_d, stride_kv, n_mask)
             s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-            words = tl.load(mask_ptr + pair[:, None].to(tl.int64) * MASK_WORDS
-                            + (j // 32)[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                            other=0)
-            visible = ((words >> (j % 32)[None, :]) & 1) != 0
+            # the block's two mask words per row, [BLOCK_M] each, spread over its 64 keys (one
+            # load per row and word instead of one per row and key)
+            w_lo = tl.load(row_words + n0 // 32, mask=r_mask, other=0)
+            w_hi = tl.load(row_words + n0 // 32 + 1, mask=r_mask & (n0 + 32 < tlen), other=0)
+            words = tl.where((offs_n < 32)[None, :], w_lo[:, None], w_hi[:, None])
+            visible = ((words >> (offs_n % 32)[None, :]) & 1) != 0
             s = tl.where(visible & n_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
 
