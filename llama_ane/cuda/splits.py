@@ -72,7 +72,6 @@ def choose_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_le
     return _cdiv(prefix_len, chunk), chunk
 
 
-
 # A shared-prefix program alone on its SM, next to decode programs, runs at this fraction of the
 # rate of two prefix programs sharing one: fitted to run 23 (3 splits at 32768 x 256 x 128, 32/32:
 # 0.497 ms). Without decode programs beside it run 2 measured 0.65 (0.395 against 0.611 ms).
