@@ -6,6 +6,8 @@ Workloads (head_dim 128, fp16, page size 1 so any token can be any node's):
   tree token is a query (tree verification) and sees the prompt and its ancestors;
 * few-shot trees: a 4096-token prompt with width 20 / 50 branches of 256 tokens, one query each.
 
+"auto" is ``TreeBatch``'s pick (the cascade when no node below the root is shared).
+
     python benchmarks/tree_gpu.py --out benchmarks/results/cuda_tree.json
 """
 
@@ -57,12 +59,14 @@ def main() -> int:
     if args.table:
         rows = json.loads(args.table.read_text())["rows"]
         print("| workload | heads | queries | per-branch decode ms | two-level cascade ms "
-              "| tree kernel ms | vs per-branch | vs cascade |")
-        print("|---|:---:|---:|---:|---:|---:|---:|---:|")
+              "| tree kernel ms | vs per-branch | vs cascade | auto ms (path) |")
+        print("|---|:---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
+            auto = f"{r['auto_ms']:.4f} ({r['auto_path']})" if "auto_ms" in r else "-"
             print(f"| {r['workload']} | {r['hq']}/{r['hkv']} | {r['queries']} "
                   f"| {r['per_branch_ms']:.4f} | {r['cascade_ms']:.4f} | {r['tree_ms']:.4f} "
-                  f"| {r['speedup_vs_per_branch']:.2f}x | {r['speedup_vs_cascade']:.2f}x |")
+                  f"| {r['speedup_vs_per_branch']:.2f}x | {r['speedup_vs_cascade']:.2f}x "
+                  f"| {auto} |")
         return 0
 
     import torch
@@ -71,6 +75,7 @@ def main() -> int:
     from llama_ane.cuda.cascade import SharedPrefixBatch
     from llama_ane.cuda.timing import Timer
     from llama_ane.cuda.tree import BLOCK_TOKEN_CHOICES, build_tree_plan
+    from llama_ane.cuda.tree_batch import TreeBatch
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -129,6 +134,10 @@ def main() -> int:
             rec["per_branch_ms"] = timer.median_ms(per_branch)
             rec["cascade_ms"] = timer.median_ms(lambda: cascade.run(q, cache))
             rec["tree_ms"] = timer.median_ms(lambda: ops.tree_attention(q, cache, plan))
+            auto = TreeBatch(parents, node_slots, query_nodes, num_qo_heads=hq,
+                             num_kv_heads=hkv, head_dim=D, page_size=1)
+            rec["auto_path"] = auto.path
+            rec["auto_ms"] = timer.median_ms(lambda: auto.run(q, cache))
             o_tree, _ = ops.tree_attention(q, cache, plan)
             o_dec, _ = per_branch()
             o_cas, _ = cascade.run(q, cache)
@@ -143,7 +152,8 @@ def main() -> int:
                   f" | cascade {rec['cascade_ms']:.4f} | tree {rec['tree_ms']:.4f} "
                   f"(x{rec['speedup_vs_per_branch']:.2f} vs per-branch, "
                   f"x{rec['speedup_vs_cascade']:.2f} vs cascade; items {plan.n_items}, "
-                  f"block {plan.block_tokens}) maxdiff {rec['maxdiff_tree_vs_decode']:.1e}",
+                  f"block {plan.block_tokens}) | auto {rec['auto_ms']:.4f} ({rec['auto_path']}) "
+                  f"maxdiff {rec['maxdiff_tree_vs_decode']:.1e}",
                   flush=True)
             if args.sweep_blocks:
                 # the tree kernel at every block size the planner may choose

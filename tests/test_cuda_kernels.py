@@ -281,3 +281,49 @@ def test_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match="head_dim"):
         ops.batch_decode(q[..., :96].contiguous(), cache[..., :96].contiguous(), indptr, idx,
                          last)
+
+
+def _page_aligned_slots(sizes, page_size, gen):
+    """Node tokens that fill fresh pages from their first slot, pages shuffled."""
+    n_pages = [-(-n // page_size) for n in sizes]
+    perm = torch.randperm(sum(n_pages) + 8, generator=gen).tolist()
+    slots, at = [], 0
+    for n, p in zip(sizes, n_pages):
+        pages = perm[at:at + p]
+        at += p
+        slots.append([pages[i // page_size] * page_size + i % page_size for i in range(n)])
+    return slots, len(perm)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["few-shot", "spec"])
+def test_tree_batch_paths(kind, page_size):
+    """TreeBatch picks the cascade for a prompt with private branches and the tree kernel for a
+    tree that shares nodes below the root; both paths equal the reference."""
+    from llama_ane.cuda import reference as ref
+    from llama_ane.cuda.tree_batch import TreeBatch
+
+    hq, hkv, d, dtype = 32, 8, 128, torch.float16
+    gen = torch.Generator().manual_seed(page_size)
+    if kind == "few-shot":
+        parents, sizes = [-1] + [0] * 12, [1000] + [100 + i for i in range(12)]
+    else:
+        parents = _spec_tree(48, gen)
+        sizes = [1000] + [1] * 48
+    query_nodes = list(range(1, len(parents)))
+    node_slots, n_pages = _page_aligned_slots(sizes, page_size, gen)
+    cache = torch.randn(n_pages, 2, page_size, hkv, d, device="cuda", dtype=dtype)
+    q = torch.randn(len(query_nodes), hq, d, device="cuda", dtype=dtype)
+    want = ref.tree_ref(q, cache, parents, node_slots, query_nodes)
+    shape = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    auto = TreeBatch(parents, node_slots, query_nodes, **shape)
+    assert auto.path == ("cascade" if kind == "few-shot" else "tree")
+    _assert_state(*auto.run(q, cache), *want, dtype)
+    for path in ("tree", "cascade"):
+        if path == "cascade" and kind == "spec" and page_size > 1:
+            # one-token nodes cannot each start a page: no two-level form
+            with pytest.raises(ValueError, match="cascade path needs"):
+                TreeBatch(parents, node_slots, query_nodes, path=path, **shape)
+            continue
+        _assert_state(*TreeBatch(parents, node_slots, query_nodes, path=path, **shape).run(
+            q, cache), *want, dtype)

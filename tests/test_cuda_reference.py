@@ -195,3 +195,19 @@ def test_cost_model_within_5_percent_on_measured_grid():
         best = min(p["ours_cascade_ms"], p["ours_decode_ms"])
         chosen = p["ours_cascade_ms"] if pick == "cascade" else p["ours_decode_ms"]
         assert chosen <= 1.05 * best, (p, pick)
+
+
+def test_tree_structure_decides_tree_or_cascade():
+    from llama_ane.cuda.tree import cascade_tables, shares_below_root
+
+    spec = [-1, 0, 1, 1, 2]  # queries at 2, 3 and 4 all see node 1
+    assert shares_below_root(spec, [2, 3, 4])
+    few = [-1, 0, 0, 0]  # a prompt and three private branches
+    assert not shares_below_root(few, [1, 2, 3])
+    # page size 4: the root's 6 tokens on pages 5 and 9, each branch from the start of a page
+    slots = [[20, 21, 22, 23, 36, 37], [8, 9, 10, 11, 12], [40, 41], [44]]
+    assert cascade_tables(few, slots, [1, 2, 3], 4) == ([5, 9], 6, [0, 2, 3, 4], [2, 3, 10, 11],
+                                                        [1, 2, 1])
+    # a branch that starts mid-page, or two roots, is no two-level cascade
+    assert cascade_tables(few, [slots[0], slots[1], [41, 42], slots[3]], [1, 2, 3], 4) is None
+    assert cascade_tables([-1, -1, 0, 1], [[0], [1], [2], [3]], [2, 3], 1) is None

@@ -8,7 +8,8 @@ triton; only launching a kernel does):
                  merge_state_in_place, tree_attention
 * ``cascade``    SharedPrefixBatch (two-level cascade with auto-dispatch), cascade_attention
 * ``cost_model`` the cascade-or-decode model; ``splits`` the split-KV heuristics
-* ``tree``       DeFT-style tree plans; ``reference`` torch references; ``lse`` LSE conventions
+* ``tree``       DeFT-style tree plans; ``tree_batch`` TreeBatch (tree kernel or cascade per tree)
+* ``reference``  torch references; ``lse`` LSE conventions
 * ``engine``     a small Llama decode engine that uses the kernels
 """
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "cascade_attention": "cascade",
     "CostModel": "cost_model",
     "build_tree_plan": "tree",
+    "TreeBatch": "tree_batch",
     "lse_base2_to_natural": "lse",
     "lse_natural_to_base2": "lse",
 }

@@ -13,6 +13,9 @@ Instead the plan:
 3. cuts each block's query list into work items of at most ``block_m // group`` queries;
 4. orders the (block, query) partial states by query so that one varlen merge finishes.
 
+``shares_below_root`` and ``cascade_tables`` tell when a tree is really a two-level cascade (one
+root, private paths below it) and give its page tables (``tree_batch.TreeBatch`` runs either).
+
 Pure Python + torch (for the final device tensors): the plan is built and checked on any machine.
 """
 
@@ -205,3 +208,68 @@ def build_tree_plan(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
         query_indptr=as_i32(query_indptr), n_queries=len(query_nodes),
         n_items=len(item_tok_start), n_pairs=len(pair_query), block_tokens=block_tokens,
         mask_words=words, block_m=block_m, group=group, host=host)
+
+
+def shares_below_root(parents: Sequence[int], query_nodes: Sequence[int]) -> bool:
+    """True if some node that is not a root is the node or an ancestor of two or more queries."""
+    seen: set[int] = set()
+    for qn in query_nodes:
+        chain, n = set(), qn
+        while parents[n] >= 0:
+            chain.add(n)
+            n = parents[n]
+        if chain & seen:
+            return True
+        seen |= chain
+    return False
+
+
+def _pages(slots: Sequence[int], page_size: int) -> list[int] | None:
+    """The pages holding ``slots`` in order from the start of a page, or None if they do not."""
+    pages: list[int] = []
+    for i, s in enumerate(slots):
+        if s % page_size != i % page_size:
+            return None
+        if i % page_size == 0:
+            pages.append(s // page_size)
+        elif s // page_size != pages[-1]:
+            return None
+    return pages
+
+
+def cascade_tables(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
+                   query_nodes: Sequence[int], page_size: int):
+    """The tree as a two-level cascade, or None where it is not one.
+
+    Returns ``(prefix_pages, prefix_len, suffix_indptr, suffix_indices, suffix_last)`` as lists:
+    the root's tokens are the prefix, each query's path below the root (root side first) its
+    suffix. Needs a single root above every query and node tokens that fill pages from their
+    first slot on (always true for page size 1).
+    """
+    roots = {_root(parents, qn) for qn in query_nodes}
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    prefix_pages = _pages(node_slots[root], page_size)
+    if prefix_pages is None:
+        return None
+    indptr, indices, last = [0], [], []
+    for qn in query_nodes:
+        chain, n = [], qn
+        while n != root:
+            chain.append(n)
+            n = parents[n]
+        slots = [s for m in reversed(chain) for s in node_slots[m]]
+        pages = _pages(slots, page_size)
+        if pages is None:
+            return None
+        indices.extend(pages)
+        indptr.append(len(indices))
+        last.append(len(slots) - (len(pages) - 1) * page_size if pages else 0)
+    return prefix_pages, len(node_slots[root]), indptr, indices, last
+
+
+def _root(parents: Sequence[int], n: int) -> int:
+    while parents[n] >= 0:
+        n = parents[n]
+    return n
