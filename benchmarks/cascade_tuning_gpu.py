@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from llama_ane.cuda.kernels import (_load_kv, _online_softmax_step, _page_rows, _prefix_row_tile,
-                                    _store_state)
+                                    _store_state, _whole_page_rows)
 
 PREFIX, BATCH, D, PAGE = 32768, 256, 128, 16
 
@@ -81,27 +81,20 @@ def prefix_variant_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_head = kv_ptr + kvh * HEAD_DIM
     if PIPE:
-        tok = start + offs_n
-        page = tl.load(indices_ptr + tok // PAGE_SIZE)
-        krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+        krow = _whole_page_rows(indices_ptr, start + offs_n, PAGE_SIZE, stride_page, stride_tok)
         s = tl.dot(q, tl.trans(tl.load(kv_head + krow[:, None] + offs_d[None, :])))
         for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            page = tl.load(indices_ptr + tok // PAGE_SIZE)
-            krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+            krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
             v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
             # the last iteration recomputes its own block instead of reading past the chunk
-            tok1 = tl.minimum(n0 + BLOCK_N, end - BLOCK_N) + offs_n
-            page1 = tl.load(indices_ptr + tok1 // PAGE_SIZE)
-            krow1 = page1.to(tl.int64) * stride_page + (tok1 % PAGE_SIZE) * stride_tok
+            krow1 = _whole_page_rows(indices_ptr, tl.minimum(n0 + BLOCK_N, end - BLOCK_N) + offs_n,
+                                     PAGE_SIZE, stride_page, stride_tok)
             s_next = tl.dot(q, tl.trans(tl.load(kv_head + krow1[:, None] + offs_d[None, :])))
             m_i, l_i, acc = _softmax_block(s, m_i, l_i, acc, v, sm_scale_log2, EXP16)
             s = s_next
     else:
         for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            page = tl.load(indices_ptr + tok // PAGE_SIZE)
-            krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+            krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
             k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
             v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
             s = tl.dot(q, tl.trans(k))

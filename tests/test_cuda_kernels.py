@@ -81,7 +81,7 @@ def test_shared_prefix(batch, prefix_len, page_size, hq, hkv, dtype, d):
 
 @pytest.mark.parametrize("q_scale", [4.0, 16.0])
 def test_shared_prefix_large_scores(q_scale):
-    """Peaked scores move the running max often: exercises the lazy rescaling of the main loop."""
+    """Peaked scores move the running max often: exercises the rescaling in the main loop."""
     from llama_ane.cuda import ops, reference as ref
 
     cache, _, indices, _, g = _make_cache([8192 + 37], 16, 8, 128, torch.float16, 3)

@@ -72,11 +72,10 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
         result = engine.generate(prompt_ids, branch_ids, max_new_tokens, path=attn_path,
                                  cuda_graph=graph)
         pair = None
-        if check:
-            pair = (engine.generate(prompt_ids, branch_ids, max_new_tokens, path="cascade",
-                                    cuda_graph=graph),
-                    engine.generate(prompt_ids, branch_ids, max_new_tokens, path="decode",
-                                    cuda_graph=graph))
+        if check:  # both paths forced; the run above already is one of them when it was forced
+            pair = tuple(result if attn_path == p else
+                         engine.generate(prompt_ids, branch_ids, max_new_tokens, path=p,
+                                         cuda_graph=graph) for p in ("cascade", "decode"))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]

@@ -10,7 +10,8 @@ import torch
 
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
-from .splits import choose_decode_splits, choose_overlap_prefix_splits, choose_prefix_splits
+from .splits import (choose_decode_splits, choose_overlap_prefix_splits, choose_prefix_splits,
+                     prefix_block_m)
 
 PATHS = ("auto", "cascade", "decode")
 # Prefix work above which the prefix tiles run on a side stream next to the suffix decode (three
@@ -64,6 +65,7 @@ class SharedPrefixBatch:
         self.sm_scale = ops.default_scale(head_dim) if sm_scale is None else sm_scale
         self.prefix_indices = prefix_indices
         self.suffix = (suffix_indptr, suffix_indices, suffix_last_page_len)
+        self._listed_before_last = None  # set_suffix_lengths' per-request offsets, made once
         self.config = config
 
         indptr_h = suffix_indptr.cpu()
@@ -90,7 +92,7 @@ class SharedPrefixBatch:
             self.overlap = bool((config or {}).get("overlap", flops >= OVERLAP_MIN_FLOPS))
             if self.overlap:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
-            block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or ops.prefix_block_m(rows)
+            block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or prefix_block_m(rows)
             if self.overlap and prefix_splits is None:
                 # as many prefix programs as leave the suffix decode room to run beside them
                 self.prefix_splits, self.prefix_chunk = choose_overlap_prefix_splits(
@@ -148,11 +150,13 @@ class SharedPrefixBatch:
         The kernels take a request's length as ``(pages - 1) * page_size + last_page_len``, so
         pages listed past the length give a ``last_page_len`` of 0 or below.
         """
-        indptr, _, last = self.suffix
-        last.copy_(lengths - (indptr[1:] - indptr[:-1] - 1) * self.page_size)
+        if self._listed_before_last is None:  # tokens on the listed pages before the last one
+            indptr = self.suffix[0]
+            self._listed_before_last = (indptr[1:] - indptr[:-1] - 1) * self.page_size
+        self.suffix[2].copy_(lengths - self._listed_before_last)
         if self.path == "decode":
-            self.full_last.copy_(lengths - (self.full_indptr[1:] - self.full_indptr[:-1] - 1)
-                                 * self.page_size + self.prefix_len)
+            # full lists: the prefix's whole pages, then the same suffix pages
+            self.full_last.copy_(self.suffix[2])
 
     def _run_cascade(self, q, kv_cache, out, lse) -> None:
         cfg = self.config or {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .splits import choose_decode_splits, choose_prefix_splits
+from .splits import choose_decode_splits, choose_prefix_splits, prefix_block_m
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class CostModel:
         """Modelled seconds of the shared-prefix kernel alone: its bytes or its flops."""
         tok = 2 * num_kv_heads * head_dim * elem_bytes
         rows = batch * (num_qo_heads // num_kv_heads)
-        block_m = min(128, max(16, 1 << max(0, (rows - 1).bit_length())))
+        block_m = prefix_block_m(rows)
         padded_rows = -(-rows // block_m) * block_m
         flops = 4.0 * padded_rows * num_kv_heads * prefix_len * head_dim
         return max(prefix_len * tok / self.hbm_bytes_per_s, flops / self.tc_flops)
@@ -69,7 +69,7 @@ class CostModel:
                      num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
         """Modelled seconds of the three-launch cascade."""
         rows = batch * (num_qo_heads // num_kv_heads)
-        block_m = min(128, max(16, 1 << max(0, (rows - 1).bit_length())))
+        block_m = prefix_block_m(rows)
         prefix = self.prefix_time(batch, prefix_len, num_qo_heads, num_kv_heads, head_dim,
                                   elem_bytes)
         suffix = self.suffix_time(batch, suffix_len, num_kv_heads, head_dim, elem_bytes)

@@ -48,6 +48,13 @@ def _page_rows(indices_ptr, tok, n_mask, PAGE_SIZE: tl.constexpr, stride_page, s
 
 
 @triton.jit
+def _whole_page_rows(indices_ptr, tok, PAGE_SIZE: tl.constexpr, stride_page, stride_tok):
+    """``_page_rows`` for tokens that all exist (a whole key block): no mask on the loads."""
+    page = tl.load(indices_ptr + tok // PAGE_SIZE)
+    return page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+
+
+@triton.jit
 def _load_kv(kv_head, krow, offs_d, stride_kv, n_mask):
     """K and V [N, D] at slot offsets ``krow`` [N] of one kv head; rows outside ``n_mask`` are 0."""
     ptrs = kv_head + krow[:, None] + offs_d[None, :]
@@ -232,9 +239,7 @@ def shared_prefix_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_head = kv_ptr + kvh * HEAD_DIM
     for n0 in range(start, full_end, BLOCK_N):
-        tok = n0 + offs_n
-        page = tl.load(indices_ptr + tok // PAGE_SIZE)
-        krow = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE) * stride_tok
+        krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
         k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
         v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
         s = tl.dot(q, tl.trans(k))

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from . import kernels
-from .splits import choose_decode_splits, choose_prefix_splits
+from .splits import choose_decode_splits, choose_prefix_splits, prefix_block_m
 
 from .lse import LOG2E
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -138,11 +138,6 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
         PAGE_SIZE=page_size, BLOCK_N=cfg["BLOCK_N"], MERGE_PREFIX=merge_from is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-def prefix_block_m(n_rows: int) -> int:
-    """Row tile of the shared-prefix kernel: the smallest tensor-core tile that holds the rows."""
-    return min(128, max(16, triton_next_pow2(n_rows)))
 
 
 def prefix_config(block_m: int) -> dict:

@@ -23,6 +23,12 @@ PREFIX_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
 
+def prefix_block_m(n_rows: int) -> int:
+    """Row tile of the shared-prefix and tree kernels: the smallest tensor-core tile (16..128,
+    a power of two) that holds the rows."""
+    return min(128, max(16, 1 << max(0, (n_rows - 1).bit_length())))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from .splits import prefix_block_m
+
 BLOCK_TOKEN_CHOICES = (128, 256, 512, 1024)
 
 
@@ -111,7 +113,7 @@ def build_tree_plan(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
     if len(node_slots) != len(parents):
         raise ValueError(f"{len(parents)} parents but {len(node_slots)} node_slots")
     if block_m is None:
-        block_m = min(128, max(16, 1 << max(0, (len(query_nodes) * group - 1).bit_length())))
+        block_m = prefix_block_m(len(query_nodes) * group)
     if block_m % group or block_m < group:
         raise ValueError(f"block_m {block_m} must be a multiple of group {group}")
     order = _dfs_order(parents)

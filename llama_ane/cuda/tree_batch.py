@@ -40,11 +40,11 @@ class TreeBatch:
                  device: torch.device | str = "cuda") -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        tables = cascade_tables(parents, node_slots, query_nodes, page_size) \
-            if path != "tree" else None
+        tables = None
+        if path == "cascade" or path == "auto" and not shares_below_root(parents, query_nodes):
+            tables = cascade_tables(parents, node_slots, query_nodes, page_size)
         if path == "auto":
-            path = "cascade" if tables is not None and not shares_below_root(
-                parents, query_nodes) else "tree"
+            path = "cascade" if tables is not None else "tree"
         if path == "cascade" and tables is None:
             raise ValueError("the cascade path needs one root above every query and node tokens "
                              "that fill KV pages from their first slot; use path='tree'")

@@ -138,7 +138,7 @@ def check_fallback_ops(fn: FunctionSummary) -> list[Violation]:
 
 def _is_cache(desc) -> bool:
     name = desc.name.lower()
-    return getattr(desc, "is_state", False) or "cache" in name or "suffix" in name and "mask" not in name
+    return getattr(desc, "is_state", False) or "cache" in name or ("suffix" in name and "mask" not in name)
 
 
 def _first_checked_axis(desc) -> int:
