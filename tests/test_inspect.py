@@ -116,8 +116,8 @@ def test_file_size_limits_depend_on_the_target(tmp_path, monkeypatch):
     path = clean_chunk(tmp_path / "chunk_0.mlpackage")
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert inspect_path(path, target="iOS18").violations == []
-    monkeypatch.setitem(ane_rules.MAX_FILE_BYTES, "iOS", size - 1)
-    monkeypatch.setitem(ane_rules.MAX_FILE_BYTES, "macOS", size)
+    monkeypatch.setitem(ane_rules.FILE_LIMIT_BYTES, "iOS", size - 1)
+    monkeypatch.setitem(ane_rules.FILE_LIMIT_BYTES, "macOS", size)
     assert rules(inspect_path(path, target="iOS18")) == ["file-size"]
     assert inspect_path(path, target="macOS15").violations == []
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from llama_ane.chunks.models import vocab_splits
-from llama_ane.chunks.plan import GB, file_limit_bytes, layer_weight_bytes, plan_chunks
+from llama_ane.chunks.plan import layer_weight_bytes, plan_chunks
+from llama_ane.export import ane_rules
+from llama_ane.limits import file_limit_bytes
 from llama_ane.config import LlamaConfig
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -68,7 +70,7 @@ def test_default_plan_respects_the_file_limit(fields, target, bytes_per_weight):
     plan = plan_chunks(c, None, target=target, bytes_per_weight=bytes_per_weight)
     assert_partition(plan, c.num_hidden_layers)
     per_layer = layer_weight_bytes(c, bytes_per_weight)
-    limit = file_limit_bytes(target)
+    limit = ane_rules.FILE_LIMIT_BYTES[ane_rules.platform_of(target)]  # the limit inspect enforces
     for chunk in plan:
         assert len(chunk) * per_layer <= limit or len(chunk) == 1
     # the fewest chunks the limit allows, spread evenly
@@ -77,9 +79,20 @@ def test_default_plan_respects_the_file_limit(fields, target, bytes_per_weight):
     assert max(map(len, plan)) - min(map(len, plan)) <= 1
 
 
-def test_file_limits():
-    assert file_limit_bytes("iOS18") == GB
-    assert file_limit_bytes("macOS15") == 2 * GB
+def test_plan_limit_is_the_one_inspect_enforces():
+    for target in ("iOS16", "iOS18", "macOS13", "macOS15"):
+        size = file_limit_bytes(target)
+        assert ane_rules.check_file_size("x.mlpackage", size, target) == []
+        assert [v.rule for v in ane_rules.check_file_size("x.mlpackage", size + 1, target)] == ["file-size"]
+    assert file_limit_bytes("iOS18") == 1_000_000_000 and file_limit_bytes("macOS15") == 2_000_000_000
+
+
+def test_default_llama_3b_chunks_pass_inspect():
+    """A 3B iOS plan once chose 5-layer chunks of ~1.007 GB that `inspect --strict` then rejected."""
+    c = cfg(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+            num_attention_heads=24, num_key_value_heads=8, head_dim=128)
+    plan = plan_chunks(c, None, target="iOS18")
+    assert all(ane_rules.check_file_size("c", len(ch) * layer_weight_bytes(c), "iOS18") == [] for ch in plan)
 
 
 def test_default_plan_of_known_models():

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig, inv_freq
+from ..limits import MAX_DIM
 from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, conv1x1, grouped_attention
 
 
@@ -126,7 +127,7 @@ class Embeddings(nn.Module):
         return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
 
 
-def vocab_splits(vocab_size: int, limit: int = 16384) -> list[int]:
+def vocab_splits(vocab_size: int, limit: int = MAX_DIM) -> list[int]:
     """Split the vocabulary into the fewest near-equal parts of at most `limit` rows each."""
     n = -(-vocab_size // limit)
     base, extra = divmod(vocab_size, n)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ..config import LlamaConfig
-
-GB = 1 << 30
+from ..limits import file_limit_bytes
 
 
 def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2) -> int:
@@ -14,18 +13,14 @@ def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2) -> int:
     return params * bytes_per_weight
 
 
-def file_limit_bytes(target: str) -> int:
-    """The largest model file a device loads comfortably: ~1 GB on iOS, ~2 GB on macOS."""
-    return 2 * GB if target.lower().startswith("macos") else GB
-
-
 def plan_chunks(cfg: LlamaConfig, layers_per_chunk: int | None = None, *,
                 target: str = "iOS18", bytes_per_weight: int = 2) -> list[list[int]]:
     """Group layer indices into chunks.
 
     With `layers_per_chunk` K, chunks hold K layers and the last one the remainder (5 layers at
     K=2 -> [0,1], [2,3], [4]). Without it, K is the most layers whose weights fit the target's file
-    limit, and the layers are spread evenly over the fewest chunks that K allows. Every layer lands in
+    limit (`limits.file_limit_bytes`, the one `inspect --strict` enforces), and the layers are
+    spread evenly over the fewest chunks that K allows. Every layer lands in
     exactly one chunk.
     """
     n = cfg.num_hidden_layers

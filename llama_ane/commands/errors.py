@@ -8,6 +8,8 @@ from typing import Iterator
 import click
 
 from ..config import ConfigError
+from ..export.budget import MemoryBudgetError
+from ..export.convert import ConversionError
 from ..export.describe import ExportOptionsError
 from ..export.manifest import ManifestError
 from ..export.weights import CheckpointError
@@ -15,7 +17,8 @@ from ..runtime.backends.base import BackendError
 from ..runtime.pipeline import CacheUpdateError, ContextFullError
 
 USER_ERRORS = (ConfigError, CheckpointError, ExportOptionsError, ManifestError, BackendError,
-               ContextFullError, CacheUpdateError, ValueError, FileNotFoundError)
+               ContextFullError, CacheUpdateError, MemoryBudgetError, ConversionError, ValueError,
+               FileNotFoundError)
 
 
 @contextlib.contextmanager

@@ -25,14 +25,18 @@ from .errors import user_errors
 @click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
+@click.option("--workers", type=int, default=None,
+              help="Packages built at once [default: from cores and available memory].")
+@click.option("--max-memory", "max_memory", type=float, default=None,
+              help="Memory budget in GB, instead of what the machine reports as available; an export "
+                   "estimated above it is refused before anything is converted.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
 @click.option("--swift-fixtures", type=click.Path(path_type=Path), default=None,
               help="Also write the Swift package's test fixtures to this folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, target,
-            precision, force,
-            no_verify, swift_fixtures, quiet):
+            precision, workers, max_memory, force, no_verify, swift_fixtures, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..export.api import export_model
@@ -42,7 +46,7 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, target=target, precision=precision, force=force,
-                     verify=not no_verify, progress=not quiet, log=click.echo)
+                     verify=not no_verify, workers=workers, max_memory_gb=max_memory, progress=not quiet, log=click.echo)
         if swift_fixtures is not None:
             from ..export.swift_fixtures import write_swift_fixtures
             write_swift_fixtures(swift_fixtures)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-MAX_DIM = 16384
-CACHE_MULTIPLE = 32
-MAX_FILE_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
+from ..limits import CACHE_MULTIPLE, FILE_LIMIT_BYTES, MAX_DIM, platform_of
 
 FALLBACK_ANYWHERE = {"cond": "control flow", "while_loop": "control flow", "band_part": "in-graph band_part"}
 FALLBACK_IN_CHUNKS = {"gather", "gather_along_axis", "gather_nd", "scatter", "scatter_along_axis", "scatter_nd"}
@@ -175,13 +173,8 @@ def check_function(fn: FunctionSummary) -> list[Violation]:
     return [v for rule in FUNCTION_RULES for v in rule(fn)]
 
 
-def platform_of(target: str) -> str:
-    """"iOS" or "macOS" for a deployment target such as "iOS18" or "macOS15"."""
-    return "macOS" if target.lower().startswith("macos") else "iOS"
-
-
 def check_file_size(package: str, size_bytes: int, target: str) -> list[Violation]:
-    limit = MAX_FILE_BYTES[platform_of(target)]
+    limit = FILE_LIMIT_BYTES[platform_of(target)]
     if size_bytes <= limit:
         return []
     return [Violation(

@@ -7,13 +7,14 @@ that looks complete.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-from .describe import ExportOptions, describe
+from .describe import ExportOptions, ExportOptionsError
 from .manifest import write_manifest
 
 
@@ -21,33 +22,59 @@ class ExportError(RuntimeError):
     """The export could not be written; the message says why and what to do."""
 
 
-def _progress_bar(total: int, enabled: bool) -> tuple[Callable[[str], None], Callable[[], None]]:
-    if not enabled:
-        return (lambda _label: None), (lambda: None)
-    from tqdm import tqdm
+class _Progress:
+    """A progress bar over the bytes of weights to build, so its ETA follows the real work."""
 
-    bar = tqdm(total=total, unit="step", desc="export", dynamic_ncols=True)
+    def __init__(self, plan, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
 
-    def step(label: str) -> None:
-        bar.set_postfix_str(label)
-        bar.update(1)
-    return step, bar.close
+            total = sum(p.weight_bytes + OVERHEAD_BYTES for p in plan.packages)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
+
+    def built(self, spec) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"built {spec.file}")
+            self.bar.update(spec.weight_bytes + OVERHEAD_BYTES)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+OVERHEAD_BYTES = 20_000_000  # a package's fixed cost in the progress bar (graph building, hashing)
+
+
+def check_writable_parent(out: Path) -> None:
+    """Refuse an OUT whose parent folder cannot be created or written, before any work."""
+    parent = out.parent
+    existing = parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {out}: {existing} is not a writable folder; choose another -o/--out")
 
 
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
                  suffix_length: int = 256, target: str = "iOS18",
                  precision: str = "fp16", force: bool = False, verify: bool = False,
+                 workers: int | None = None, max_memory_gb: float | None = None,
                  progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
-    Returns the export folder. Raises ConfigError/CheckpointError/ExportOptionsError for bad input
-    (before anything is written), and ExportError for an existing OUT without `force` or an export
-    that fails `verify` (then nothing is written; an existing OUT is kept).
+    Packages are built one per worker process with only their own weights in memory; the number
+    of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb` sets
+    the memory budget). Returns the export folder. Raises ConfigError/CheckpointError/
+    ExportOptionsError/MemoryBudgetError for bad input or an export that would not fit (before
+    anything is written), and ExportError for an existing OUT without `force` or an export that
+    fails `verify` (then nothing is written; an existing OUT is kept).
     """
-    from .convert import convert_all, jobs_for
-    from .modules import build_model_set
-    from .specs import model_specs
+    from .budget import GB, plan_memory
+    from .convert import convert_all
+    from .describe import plan_export
+    from .memory import PeakMemory, available_bytes
     from .tokenizer_info import tokenizer_info
     from .validate import validate_export
     from .weights import copy_tokenizer, load_checkpoint
@@ -56,48 +83,48 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
                          suffix_length)
     opts.check()
+    if workers is not None and workers < 1:
+        raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
+    if max_memory_gb is not None and max_memory_gb <= 0:
+        raise ExportOptionsError(f"--max-memory must be a positive number of GB, got {max_memory_gb}")
     out = Path(out).expanduser().resolve()
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder")
+    check_writable_parent(out)
     t0 = time.perf_counter()
     ckpt = load_checkpoint(source)
-    draft = describe(ckpt, opts, {"files": []}, {})  # checks the plan and options against the config
-    plan = [c["layers"] for c in draft["chunks"]]
-    say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan)} chunk(s) "
-        f"{[len(p) for p in plan]}, context {context_length}, prefill window {prefill_length}, "
+    plan = plan_export(ckpt.config, opts)
+    memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
+                         max_memory=None if max_memory_gb is None else int(max_memory_gb * GB))
+    say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
+        f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else ""))
+    say(f"memory: {memory.describe()}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        models = build_model_set(ckpt, plan, context_length, prefill_length, branch_width, suffix_length)
-        specs = model_specs(ckpt.config, plan, context_length, prefill_length,
-                            "float16" if precision == "fp16" else "float32", branch_width, suffix_length)
-        jobs = jobs_for(models, specs)
-        merges = len(specs) if opts.multifunction else 0
-        step, close = _progress_bar(len(jobs) + merges + 1, progress)
-        try:
-            files = convert_all(jobs, tmp, context_length=context_length, target=target, precision=precision,
-                                multifunction=opts.multifunction, progress=step)
+        with PeakMemory() as meter:
+            bar = _Progress(plan, progress)
+            try:
+                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built)
+            finally:
+                bar.close()
             tok_files = copy_tokenizer(ckpt, tmp)
-            manifest = describe(ckpt, opts, tokenizer_info(tmp, ckpt.config, tok_files), files)
-            write_manifest(tmp, manifest)
+            write_manifest(tmp, plan.manifest(ckpt.name, ckpt.source, tokenizer_info(tmp, ckpt.config, tok_files)))
             validate_export(tmp)
-            step("validated")
-        finally:
-            close()
-        say(f"converted in {time.perf_counter() - t0:.1f} s")
-        if verify:  # the parity gate runs before the rename: a failing export is never left in place
-            from .verify import verify_export
+            say(f"converted in {time.perf_counter() - t0:.1f} s")
+            if verify:  # the parity gate runs before the rename: a failing export is never left in place
+                from .verify import verify_export
 
-            report = verify_export(tmp, checkpoint=ckpt)
-            report.export_dir = str(out)
-            say(str(report))
-            if not report.passed:
-                raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was not written; "
-                                  "pass --no-verify to keep it anyway")
+                report = verify_export(tmp, checkpoint=ckpt)
+                report.export_dir = str(out)
+                say(str(report))
+                if not report.passed:
+                    raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was not "
+                                      "written; pass --no-verify to keep it anyway")
         if out.exists():
             old = out.parent / f".{out.name}.old-{int(time.time())}"
             out.rename(old)
@@ -106,5 +133,6 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    say(f"exported {out} in {time.perf_counter() - t0:.1f} s")
+    say(f"exported {out} in {time.perf_counter() - t0:.1f} s, peak memory {meter.peak / GB:.2f} GB "
+        f"({'summed PSS of the process tree' if meter.method == 'pss-tree' else 'peak RSS'})")
     return out

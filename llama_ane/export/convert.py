@@ -1,8 +1,10 @@
-"""Trace each module and convert it with coremltools to an mlprogram; merge functions into packages.
+"""Build and save every package of an export, each in a short-lived worker process.
 
-One conversion job per (model, function). On iOS18/macOS15 targets the functions of a model are
-merged into one multifunction package whose functions share weights; on older targets each
-function becomes its own package.
+A worker reads only its package's tensors from the checkpoint (lazily, in the export dtype), builds
+the package's MIL program with every function sharing those weights, writes the .mlpackage and
+exits, so the memory it used goes back to the system before the next package starts. The parent
+holds no weights at all. How many workers run at once is decided by the caller from cores and
+memory (see budget.py); the largest packages go first so the workers finish together.
 """
 
 from __future__ import annotations
@@ -11,182 +13,136 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
+import shutil
 import tempfile
-import warnings
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+import traceback
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
+
+from .describe import ExportPlan, PackageSpec
+from .weights import Checkpoint
+
+SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
 
 
-
-@dataclass(frozen=True)
-class Job:
-    model: str
-    function: str
-    module: torch.nn.Module
-    io: dict  # {"inputs": [...], "outputs": [...]} from specs
-
-
-def example_inputs(io: dict, context_length: int) -> tuple[torch.Tensor, ...]:
-    """Valid trace inputs for a spec: small ids and positions, random floats."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for t in io["inputs"]:
-        if t["dtype"] == "int32":
-            high = 2 if t["name"] == "input_ids" else max(2, context_length // 2)
-            out.append(torch.randint(0, high, t["shape"], dtype=torch.int32, generator=g))
-        else:
-            out.append(torch.randn(t["shape"], generator=g) * 0.1)
-    return tuple(out)
+class ConversionError(RuntimeError):
+    """A package could not be built; the message names it and what to try."""
 
 
 @contextlib.contextmanager
 def quiet_coremltools():
-    """Silence coremltools' per-op progress bars and info warnings during our own progress bar."""
+    """Silence coremltools' per-pass progress bars and info logging during our own progress bar."""
     from tqdm import tqdm
-    from coremltools.converters.mil.frontend.torch import ops
     from coremltools.converters.mil.mil.passes import pass_pipeline
 
-    saved = ops._tqdm, pass_pipeline.tqdm
+    saved = pass_pipeline.tqdm
     logger = logging.getLogger("coremltools")
     level = logger.level
-    ops._tqdm = pass_pipeline.tqdm = functools.partial(tqdm, disable=True)
+    pass_pipeline.tqdm = functools.partial(tqdm, disable=True)
     logger.setLevel(logging.ERROR)
-    try:
-        with validate_once_per_pipeline():
-            yield
-    finally:
-        ops._tqdm, pass_pipeline.tqdm = saved
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def validate_once_per_pipeline():
-    """Validate the MIL program once after each pass pipeline instead of after each of its ~100 passes.
-
-    coremltools re-validates the whole program after every graph pass; on a 30-layer chunk that is
-    a third of the conversion time. A program a pass broke is still caught, at the end of its
-    pipeline, and the saved artifact is then checked again by `validate_export` and `verify`.
-    """
-    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
-    from coremltools.converters.mil.mil.program import Program
-
-    real_apply, real_validate = PassPipelineManager.apply_pipeline, Program.validate
-
-    def apply_pipeline(prog, pass_pipeline):
-        Program.validate = lambda self, *args, **kwargs: None
-        try:
-            real_apply(prog, pass_pipeline)
-        finally:
-            Program.validate = real_validate
-        prog.validate()
-
-    PassPipelineManager.apply_pipeline = staticmethod(apply_pipeline)
     try:
         yield
     finally:
-        PassPipelineManager.apply_pipeline = staticmethod(real_apply)
+        pass_pipeline.tqdm = saved
+        logger.setLevel(level)
 
 
-def _np_dtype(name: str):
-    return {"int32": np.int32, "float16": np.float16, "float32": np.float32}[name]
-
-
-def convert_job(job: Job, context_length: int, target: str, precision: str, path: Path) -> None:
-    """Trace `job.module` on example inputs and save the converted mlprogram at `path`."""
+def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path) -> Path:
+    """Read `spec`'s weights, build its program and save it as `folder / spec.file`."""
     import coremltools as ct
 
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace(job.module.float().eval(), example_inputs(job.io, context_length), check_trace=False)
-    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=_np_dtype(t["dtype"])) for t in job.io["inputs"]]
-    outputs = [ct.TensorType(name=t["name"], dtype=_np_dtype(t["dtype"])) for t in job.io["outputs"]]
-    mlmodel = ct.convert(
-        traced, inputs=inputs, outputs=outputs, convert_to="mlprogram",
-        minimum_deployment_target=getattr(ct.target, target),
-        compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
-        skip_model_load=True)
-    mlmodel.save(str(path))
+    from .package_weights import PackageWeights
+    from .programs import build_program, save_program
+
+    o = plan.options
+    dtype = np.float16 if o.precision == "fp16" else np.float32
+    weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions)
+    functions = {fn: plan.specs[spec.model][fn] for fn in spec.functions}
+    with quiet_coremltools():
+        prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
+                             opset=getattr(ct.target, o.target), layers=len(spec.layers),
+                             context_length=o.context_length, suffix_length=o.suffix_length)
+        path = folder / spec.file
+        save_program(prog, path, SPECIFICATION_VERSIONS[o.target], o.multifunction)
+    return path
 
 
-def package_name(model: str, function: str | None, multifunction: bool) -> str:
-    return f"{model}.mlpackage" if multifunction else f"{model}_{function}.mlpackage"
+def _worker(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path, errors) -> None:
+    """Body of a forked worker: build one package, report a failure through `errors`."""
+    import torch
 
-
-def convert_all(jobs: list[Job], out: Path, *, context_length: int, target: str, precision: str,
-                multifunction: bool, progress: Callable[[str], None] | None = None
-                ) -> dict[tuple[str, str], tuple[str, str]]:
-    """Convert every job into `out`. Returns (model, function) -> (file name, function name in file)."""
-    import coremltools as ct
-
-    files: dict[tuple[str, str], tuple[str, str]] = {}
-    with quiet_coremltools(), tempfile.TemporaryDirectory(prefix="llama-ane-convert-", dir=out) as tmp:
-        paths = [(Path(tmp) if multifunction else out) / package_name(j.model, j.function, False) for j in jobs]
-        for i in _convert_in_parallel(jobs, paths, context_length, target, precision):
-            if progress:
-                progress(f"converted {jobs[i].model}/{jobs[i].function}")
-        singles: dict[str, list[tuple[str, Path]]] = {}
-        for job, path in zip(jobs, paths):
-            singles.setdefault(job.model, []).append((job.function, path))
-            if not multifunction:
-                files[(job.model, job.function)] = (path.name, "main")
-        if multifunction:
-            for model, functions in singles.items():
-                name = package_name(model, None, True)
-                desc = ct.utils.MultiFunctionDescriptor()
-                for fn, path in functions:
-                    desc.add_function(str(path), src_function_name="main", target_function_name=fn)
-                desc.default_function_name = functions[-1][0]
-                ct.utils.save_multifunction(desc, str(out / name))
-                if progress:
-                    progress(f"merged {model} ({len(functions)} functions)")
-                for fn, _ in functions:
-                    files[(model, fn)] = (name, fn)
-    return files
-
-
-_FORKED: tuple | None = None  # the jobs, as seen by forked workers (inherited, never pickled)
-
-
-def _convert_forked(i: int) -> int:
-    # forked inside convert_all's quiet_coremltools(): the patched coremltools comes along
-    jobs, paths, context_length, target, precision = _FORKED
     torch.set_num_threads(1)
-    convert_job(jobs[i], context_length, target, precision, paths[i])
-    return i
-
-
-def _convert_in_parallel(jobs: list[Job], paths: list[Path], context_length: int, target: str, precision: str):
-    """Convert jobs on every core (conversion is single-threaded Python); yield indices as they finish.
-
-    Workers are forked so they inherit the modules instead of receiving pickled weights. Largest
-    jobs (block chunks) go first so the cores finish together.
-    """
-    global _FORKED
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        for i in range(len(jobs)):
-            convert_job(jobs[i], context_length, target, precision, paths[i])
-            yield i
-        return
-    order = sorted(range(len(jobs)), key=lambda i: -sum(p.numel() for p in jobs[i].module.parameters()))
-    _FORKED = (jobs, paths, context_length, target, precision)
+    tempfile.tempdir = str(scratch)  # coremltools' temporary weight folders stay inside the export
     try:
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_convert_forked, i) for i in order]
-            for fut in as_completed(futures):
-                yield fut.result()
+        build_package(spec, plan, ckpt, folder)
+    except BaseException as exc:  # the parent turns this into a ConversionError
+        errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        os._exit(1)
+    os._exit(0)
+
+
+def _death(spec: PackageSpec, code: int) -> ConversionError:
+    if code < 0:
+        cause = (f"was killed by signal {-code}" + (" (most likely the out-of-memory killer)" if -code == 9 else ""))
+    else:
+        cause = f"exited with code {code}"
+    return ConversionError(
+        f"the worker building {spec.file} ({spec.weight_bytes / 1e9:.2f} GB of weights) {cause}; try "
+        "--workers 1, a smaller --layers-per-chunk, or closing other programs")
+
+
+def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: int,
+                progress: Callable[[PackageSpec], None] | None = None) -> None:
+    """Build every package of `plan` into `folder`, at most `workers` at a time.
+
+    Raises ConversionError naming the package when a worker fails or dies; the caller removes
+    `folder`. Without `fork` (Windows) the packages are built one by one in this process.
+    """
+    scratch = folder / ".scratch"
+    scratch.mkdir(exist_ok=True)
+    order = sorted(plan.packages, key=lambda p: -p.weight_bytes)
+    try:
+        if "fork" not in multiprocessing.get_all_start_methods():
+            for spec in order:
+                build_package(spec, plan, ckpt, folder)
+                if progress:
+                    progress(spec)
+            return
+        _run_forked(order, plan, ckpt, folder, scratch, max(1, workers), progress)
     finally:
-        _FORKED = None
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def jobs_for(models, specs: dict) -> list[Job]:
-    """One job per (model, function) in `specs`, with the module the torch backend also runs."""
-    return [Job(model, fn, models.module(model, fn), io)
-            for model, functions in specs.items() for fn, io in functions.items()]
+def _run_forked(order: list[PackageSpec], plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path,
+                workers: int, progress) -> None:
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.SimpleQueue()
+    todo, running = list(order), {}
+    try:
+        while todo or running:
+            while todo and len(running) < workers:
+                spec = todo.pop(0)
+                proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors),
+                                   name=f"build {spec.file}", daemon=True)
+                proc.start()
+                running[proc.sentinel] = (proc, spec)
+            done = multiprocessing.connection.wait(list(running))
+            for sentinel in done:
+                proc, spec = running.pop(sentinel)
+                proc.join()
+                if proc.exitcode != 0:
+                    detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                    if detail:
+                        raise ConversionError(f"building {spec.file} failed: {detail}")
+                    raise _death(spec, proc.exitcode)
+                if progress:
+                    progress(spec)
+    finally:
+        for proc, _ in running.values():
+            proc.kill()
+            proc.join()
+

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..limits import COREML_ARRAY_DTYPES, MAX_DIM
 from .manifest import ManifestError, read_manifest
-
-MAX_DIM = 16384
-_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}  # Core ML ArrayFeatureType codes
 
 
 def _features(package: Path, function_name: str) -> tuple[dict, dict]:
@@ -23,7 +21,7 @@ def _features(package: Path, function_name: str) -> tuple[dict, dict]:
         desc = matches[0]
 
     def table(features):
-        return {f.name: (list(f.type.multiArrayType.shape), _DTYPES.get(f.type.multiArrayType.dataType, "?"))
+        return {f.name: (list(f.type.multiArrayType.shape), COREML_ARRAY_DTYPES.get(f.type.multiArrayType.dataType, "?"))
                 for f in features}
     return table(desc.input), table(desc.output)
 

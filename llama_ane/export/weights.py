@@ -212,17 +212,19 @@ def as_conv(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(w.shape[0], w.shape[1], 1, 1)
 
 
+def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
+    """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32."""
+    w = ckpt.tensor(f"model.layers.{layer}.{LAYER_TENSORS[ours]}").to(torch.float32)
+    if ours.endswith("proj.weight"):
+        w = as_conv(w)
+    if ours == "q_proj.weight":
+        w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
+    return w
+
+
 def layer_state_dict(ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
     """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in fp32."""
-    out = {}
-    for ours, hf in LAYER_TENSORS.items():
-        w = ckpt.tensor(f"model.layers.{layer}.{hf}").to(torch.float32)
-        if ours.endswith("proj.weight"):
-            w = as_conv(w)
-        if ours == "q_proj.weight":
-            w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
-        out[ours] = w
-    return out
+    return {ours: layer_tensor(ckpt, layer, ours) for ours in LAYER_TENSORS}
 
 
 def chunk_state_dict(ckpt: Checkpoint, layers: list[int]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,142 @@
+"""Memory of this machine and of this process tree: what is available, and what an export used.
+
+Resident sizes (RSS) count pages shared between a parent and its forked workers once per process,
+so they overstate a process tree. The proportional set size (PSS, from `/proc/PID/smaps_rollup`)
+divides each shared page among the processes mapping it: summed over a tree it counts every page
+once. `PeakMemory` samples that sum in a background thread. Where /proc does not exist (macOS),
+it falls back to the peak RSS the kernel reports for this process and its waited-for children.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+
+GB = 1 << 30
+
+
+def available_bytes() -> int | None:
+    """Memory a new allocation can get without swapping: MemAvailable, capped by a cgroup limit."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None and sys.platform == "darwin":
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    limit = _cgroup_room()
+    if limit is not None:
+        avail = limit if avail is None else min(avail, limit)
+    return avail
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under a cgroup v2 memory limit, if this process runs under one."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and all its descendants (Linux /proc)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(_children(pid))
+    return out
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of one process, 0 if it is gone or unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def tree_pss_bytes(root: int | None = None) -> int:
+    """Summed PSS of `root` (default: this process) and its descendants."""
+    return sum(pss_bytes(p) for p in tree_pids(os.getpid() if root is None else root))
+
+
+def have_pss() -> bool:
+    return Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
+
+
+def max_rss_bytes() -> int:
+    """Peak RSS of this process and of its largest waited-for child (the kernel's own counters)."""
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
+    return max(own, kids)
+
+
+class PeakMemory:
+    """Sample the summed PSS of a process tree every `interval` seconds; `peak` is the largest seen.
+
+    Use as a context manager around the work to measure. `method` says what `peak` counts.
+    """
+
+    def __init__(self, root: int | None = None, interval: float = 0.2):
+        self.root = os.getpid() if root is None else root
+        self.interval = interval
+        self.peak = 0
+        self.method = "pss-tree" if have_pss() else "max-rss"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        now = tree_pss_bytes(self.root) if self.method == "pss-tree" else max_rss_bytes()
+        self.peak = max(self.peak, now)
+        return now
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "PeakMemory":
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="peak-memory", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+
+
+def wait_and_sample(proc, meter: PeakMemory, poll: float = 0.2) -> int:
+    """Wait for a subprocess.Popen while `meter` samples its tree; return its exit code."""
+    while proc.poll() is None:
+        meter.sample()
+        time.sleep(poll)
+    return proc.returncode

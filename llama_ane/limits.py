@@ -1,0 +1,30 @@
+"""Every limit an export is held to, in one place: the planner, the exporter, `inspect` and the
+manifest checks all read them from here.
+
+- MAX_DIM: the ANE rejects an op with a dimension above 16384 (the LM head is split over the
+  vocabulary to stay under it).
+- CACHE_MULTIPLE: cache and state dimensions are multiples of 32, or Core ML leaves them off the ANE.
+- FILE_LIMIT_BYTES: the largest package a device loads comfortably, ~1 GB on iOS and ~2 GB on
+  macOS; the chunk planner fills chunks up to it and `inspect --strict` rejects a package over it.
+"""
+
+from __future__ import annotations
+
+MAX_DIM = 16384
+CACHE_MULTIPLE = 32
+FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
+
+# Core ML ArrayFeatureType codes and MIL dtype names -> the names the manifest uses
+COREML_ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}
+PRECISION_DTYPES = {"fp16": "float16", "fp32": "float32"}
+BYTES_PER_WEIGHT = {"fp16": 2, "fp32": 4}
+
+
+def platform_of(target: str) -> str:
+    """"iOS" or "macOS" for a deployment target such as "iOS18" or "macOS15"."""
+    return "macOS" if target.lower().startswith("macos") else "iOS"
+
+
+def file_limit_bytes(target: str) -> int:
+    """The package size limit of a deployment target."""
+    return FILE_LIMIT_BYTES[platform_of(target)]
