@@ -7,11 +7,15 @@ the context length), and scores them teacher-forced through
   * the chosen backend ("mil": the saved .mlpackage programs executed with numpy; "coreml":
     Core ML on macOS),
   * the torch backend (the very modules that were converted, in the export's precision),
-  * transformers' LlamaForCausalLM (the reference implementation) on the same checkpoint
+  * transformers' Llama decoder layers (the reference implementation) on the same checkpoint
     weights, in float32.
 
 For each reference it reports the max |logit difference|, the mean cosine similarity of the
 per-position logit vectors ([T, vocab]) and the top-1 agreement, and fails below the thresholds.
+
+All three are streamed so that the gate runs in about one package's memory, whatever the model's
+size: the backends score chunk-major (`Pipeline.score_streamed`: every window through one model,
+which is then released, before the next loads), and transformers runs one decoder layer at a time.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class VerifyReport:
     comparisons: list[Comparison] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     error: str | None = None
+    method: str = ""  # which comparison ran
 
     @property
     def passed(self) -> bool:
@@ -82,6 +87,8 @@ class VerifyReport:
 
     def __str__(self) -> str:
         lines = [f"verify {self.export_dir}: backend {self.backend} ({self.precision}), {self.n_tokens} tokens"]
+        if self.method:
+            lines.append(f"  {self.method}")
         if self.comparisons:
             lines.append(f"  {'reference':<14} {'max |diff|':>10} {'mean cos':>9} {'top-1':>6}  result")
         for c in self.comparisons:
@@ -149,28 +156,57 @@ def load_source_checkpoint(manifest: dict):
 
 
 def transformers_logits(manifest: dict, token_ids: list[int], checkpoint=None) -> np.ndarray:
-    """float32 logits [T, vocab] of transformers' LlamaForCausalLM on the export's source weights."""
+    """float32 logits [T, vocab] of transformers' Llama on the export's source weights, one layer at a time.
+
+    The arithmetic of `LlamaForCausalLM(input_ids).logits[0]` without holding the model: the
+    embedding lookup, then each `LlamaDecoderLayer` built with only its own weights in float32
+    (attention "sdpa" with attention_mask=None, which is causal over the whole sequence; cos/sin
+    from the model's `LlamaRotaryEmbedding`), then the final norm and the (tied or untied) LM head
+    in blocks of the vocabulary. Memory: one layer's weights, one head block, activations (T, C).
+    """
     import torch
     from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
     ckpt = checkpoint if checkpoint is not None else load_source_checkpoint(manifest)
     config = {k: v for k, v in manifest["config"].items() if v is not None or k == "rope_scaling"}
-    with torch.device("meta"):
-        model = LlamaForCausalLM(HFLlamaConfig(**config))
-    state = {}
-    for name, param in model.state_dict().items():
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
-        state[name] = ckpt.tensor(name).to(torch.float32).reshape(param.shape)
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.get("tie_word_embeddings"):
-        model.tie_weights()
-    model = model.eval().to(torch.float32)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # buffers off the meta device
+    hf = HFLlamaConfig(**config)
+    hf._attn_implementation = "sdpa"
+
+    def weights(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`."""
+        state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
+                 for name, t in module.state_dict().items()}
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval()
+
+    block = 16384  # rows of the LM head multiplied at once: (block, C) in float32
     with torch.no_grad():
-        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]
-    return logits.float().numpy()
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
+        positions = torch.arange(len(token_ids))[None]  # (1, T)
+        rope = LlamaRotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
+        for n in range(hf.num_hidden_layers):
+            with torch.device("meta"):
+                layer = LlamaDecoderLayer(hf, n)
+            layer = weights(layer, f"model.layers.{n}.")
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
+            del layer  # before the next layer's weights are read
+        with torch.device("meta"):
+            norm = LlamaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        h = weights(norm, "model.norm.")(x)[0]  # (T, C)
+        head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)
+        logits = torch.cat([h @ head[s:s + block].to(torch.float32).T for s in range(0, head.shape[0], block)],
+                           dim=1)  # (T, V)
+    return logits.numpy()
+
+
+def streamed_method(n_chunks: int, with_transformers: bool) -> str:
+    """The report line that says how the logits were computed."""
+    line = (f"streamed: one model in memory at a time (embeddings, {n_chunks} chunk{'s' * (n_chunks != 1)}, "
+            "lm_head)")
+    return line + ("; transformers one decoder layer at a time" if with_transformers else "")
 
 
 def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = None, *,
@@ -206,6 +242,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         report.error = f"the export cannot be read: {exc}"
         return report
     export_precision = manifest["precision"]
+    model = None
     try:
         options = {}
         if backend == "mil":
@@ -221,26 +258,34 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
                             "give a longer --text")
             return report
         report.n_tokens = len(ids)
-        got = model.score(ids)
-        model.backend.close()
+        report.method = streamed_method(len(manifest["chunks"]), with_transformers)
+        got = model.pipeline.score_streamed(ids)  # [T, vocab], one model in memory at a time
     except Exception as exc:  # a broken export must give a report, not a traceback
         report.error = f"the {backend} backend could not score the text: {type(exc).__name__}: {exc}"
         return report
+    finally:
+        if model is not None:
+            model.close()
+    del model  # its pipeline's caches too, before the references load
     try:
         checkpoint = checkpoint or load_source_checkpoint(manifest)
     except Exception as exc:
         report.error = (f"the source checkpoint recorded in manifest.json ({manifest['source']}) cannot be "
                         f"loaded, and the references are built from it: {type(exc).__name__}: {exc}")
         return report
+    reference = None
     try:
         # the torch reference runs the very modules that were converted, in the export's precision
         reference = load(out_dir, backend="torch", precision=export_precision, checkpoint=checkpoint)
-        report.comparisons.append(compare_logits(got, reference.score(ids), f"torch ({export_precision})",
-                                                 torch_thresholds))
-        reference.backend.close()
+        want = reference.pipeline.score_streamed(ids)
+        report.comparisons.append(compare_logits(got, want, f"torch ({export_precision})", torch_thresholds))
     except Exception as exc:
         report.error = f"the torch reference failed: {type(exc).__name__}: {exc}"
         return report
+    finally:
+        if reference is not None:
+            reference.close()
+    del reference, want
     if with_transformers:
         try:
             hf = transformers_logits(manifest, ids, checkpoint)

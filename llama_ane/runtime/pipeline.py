@@ -4,6 +4,10 @@ with each chunk's cache written by the cache-update model in the background.
 After chunk i runs, its cache update is submitted to a worker thread and chunk i+1 starts at once;
 chunk i waits for its own update only when it runs again, at the next window. An update that fails
 or does not finish in time is raised as `CacheUpdateError` in the caller, never a hang.
+
+`Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
+model, then the next model), with the same per-window steps, so only one model's weights need to
+be loaded at a time.
 """
 
 from __future__ import annotations
@@ -62,49 +66,113 @@ class Pipeline:
             "position": np.array([position], np.int32)})
         cache["k"], cache["v"] = out["k_cache_out"], out["v_cache_out"]
 
+    def _window(self, token_ids: np.ndarray) -> tuple[str, np.ndarray]:
+        """The function and the input_ids of a window of n = len(token_ids) tokens.
+
+        One token runs the "decode" functions with input_ids (1, 1); more run "prefill" with
+        (1, prefill_length), padded with 0 (the padding's cache entries lie past the new position
+        and are masked until overwritten).
+        """
+        n = len(token_ids)
+        if not 1 <= n <= self.prefill_length:
+            raise ValueError(f"a window holds 1..{self.prefill_length} tokens, got {n}")
+        fn = "decode" if n == 1 else "prefill"
+        window = np.zeros((1, 1 if n == 1 else self.prefill_length), np.int32)
+        window[0, :n] = token_ids
+        return fn, window
+
+    def _embed(self, fn: str, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
+        """The embeddings model on input_ids (1, S) at `position`: hidden_states (1, C, 1, S), cos and
+        sin (1, D, 1, S), mask (1, 1, S, context + S)."""
+        return self.backend.predict("embeddings", fn, {"input_ids": window, "position": np.array([position], np.int32)})
+
+    def _run_chunk(self, i: int, fn: str, emb: dict[str, np.ndarray], hidden: np.ndarray) -> dict[str, np.ndarray]:
+        """Block chunk i on hidden (1, C, 1, S) against its current caches: hidden_states_out
+        (1, C, 1, S) and the window's k_new, v_new (layers, kv_channels, 1, S)."""
+        return self.backend.predict(self.chunks[i]["model"], fn, {
+            "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"], "mask": emb["mask"],
+            "k_cache": self.caches[i]["k"], "v_cache": self.caches[i]["v"]})
+
+    def _logits(self, fn: str, hidden: np.ndarray, n: int) -> np.ndarray:
+        """The LM head on hidden (1, C, 1, S), its split logits joined: float32 [n, vocab] for the
+        window's first n positions."""
+        logits = self.backend.predict("lm_head", fn, {"hidden_states": hidden})
+        full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, S)
+        return full[0, :, 0, :n].T.astype(np.float32)
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.context_length:
+            raise ContextFullError(
+                f"{n} tokens do not fit: {self.position} are cached and the exported context length "
+                f"is {self.context_length}; shorten the prompt or re-export with a larger --context-length")
+
     def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
 
-        One token runs the "decode" functions, more run "prefill" (the window padded with 0; the
-        padding's cache entries lie past the new position and are masked until overwritten).
+        Token-major: the window goes through the embeddings, every chunk and the LM head; each
+        chunk's cache update runs in the background while the next chunk computes.
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
-        n = len(ids)
-        if not 1 <= n <= self.prefill_length:
-            raise ValueError(f"a window holds 1..{self.prefill_length} tokens, got {n}")
-        if self.position + n > self.context_length:
+        fn, window = self._window(ids)
+        if self.position + len(ids) > self.context_length:
             raise ContextFullError(
-                f"the context is full: {self.position} + {n} tokens exceed the exported context length "
+                f"the context is full: {self.position} + {len(ids)} tokens exceed the exported context length "
                 f"{self.context_length}; re-export with a larger --context-length")
-        fn = "decode" if n == 1 else "prefill"
-        s = 1 if n == 1 else self.prefill_length
-        window = np.zeros((1, s), np.int32)
-        window[0, :n] = ids
-        pos = np.array([self.position], np.int32)
-        emb = self.backend.predict("embeddings", fn, {"input_ids": window, "position": pos})
+        emb = self._embed(fn, window, self.position)
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
-            out = self.backend.predict(chunk["model"], fn, {
-                "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"], "mask": emb["mask"],
-                "k_cache": self.caches[i]["k"], "v_cache": self.caches[i]["v"]})
+            out = self._run_chunk(i, fn, emb, hidden)
             hidden = out["hidden_states_out"]
             self.updates.submit(i, functools.partial(
                 self._update, i, chunk["cache_update"][fn], out["k_new"], out["v_new"], self.position))
-        logits = self.backend.predict("lm_head", fn, {"hidden_states": hidden})
-        full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, S)
-        self.position += n
-        return full[0, :, 0, :n].T.astype(np.float32)
+        logits = self._logits(fn, hidden, len(ids))
+        self.position += len(ids)
+        return logits
+
+    def score_streamed(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Teacher-forced logits float32 [T, vocab] of `token_ids` from position 0, one model at a time.
+
+        The same windows, functions and cache updates as `prefill(token_ids, all_logits=True)` after
+        `reset()`, in chunk-major order: every window through the embeddings, then every window
+        through chunk 0 (against chunk 0's own caches, updated after each window), then chunk 1, ...,
+        then the LM head. Each model is released (`Backend.release`) before the next one loads, and
+        a chunk's caches are dropped once it has seen every window, so memory holds one model's
+        weights, one chunk's caches and the windows' activations (hidden states, T x C). A window's
+        computation does not depend on the order, so the logits are the token-major ones exactly.
+
+        Starts and ends with `reset()`: whatever sequence the pipeline held is dropped.
+        """
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if len(ids) == 0:
+            raise ValueError("no tokens to score")
+        self.reset()  # the caches of chunks not yet run are untouched zeros (np.zeros commits no pages)
+        self._check_room(len(ids))
+        starts = range(0, len(ids), self.prefill_length)
+        parts = [ids[start:start + self.prefill_length] for start in starts]
+        windows = [self._window(part) for part in parts]  # (function, input_ids (1, S))
+        embs = [self._embed(fn, window, start) for (fn, window), start in zip(windows, starts)]
+        self.backend.release("embeddings")
+        hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
+        for i, chunk in enumerate(self.chunks):
+            for w, ((fn, _), start) in enumerate(zip(windows, starts)):
+                out = self._run_chunk(i, fn, embs[w], hidden[w])
+                hidden[w] = out["hidden_states_out"]
+                # synchronous: the next window of this chunk reads the updated caches at once
+                self._update(i, chunk["cache_update"][fn], out["k_new"], out["v_new"], start)
+            self.caches[i] = None  # chunk i has seen every window
+            self.backend.release(chunk["model"])
+        logits = [self._logits(fn, h, len(part)) for (fn, _), h, part in zip(windows, hidden, parts)]
+        self.backend.release("lm_head")  # the cache-update model holds no weights and stays
+        self.reset()
+        return np.concatenate(logits, axis=0)
 
     def prefill(self, token_ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Run `token_ids` in windows. Returns logits [T, vocab] if `all_logits`, else [vocab] of the last."""
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
             raise ValueError("no tokens to prefill")
-        if self.position + len(ids) > self.context_length:
-            raise ContextFullError(
-                f"{len(ids)} tokens do not fit: {self.position} are cached and the exported context length "
-                f"is {self.context_length}; shorten the prompt or re-export with a larger --context-length")
+        self._check_room(len(ids))
         outs = []
         for start in range(0, len(ids), self.prefill_length):
             logits = self.run_window(ids[start:start + self.prefill_length])

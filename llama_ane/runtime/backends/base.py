@@ -39,5 +39,9 @@ class Backend(ABC):
         manifest shape. Returns every output named there, as numpy arrays.
         """
 
+    def release(self, model: str) -> None:
+        """Drop what the backend holds for manifest model `model` (its weights); it loads again
+        on next use. Streamed scoring calls this to keep one model in memory at a time."""
+
     def close(self) -> None:
         """Release models and threads. Safe to call twice."""

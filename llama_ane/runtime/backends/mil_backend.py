@@ -2,8 +2,8 @@
 
 Core ML cannot predict off macOS, but the saved MIL program can still be executed faithfully
 (`llama_ane.mil`). This is what lets Linux CI check the artifact users ship rather than only the
-torch source it was converted from. Packages load lazily on first use, once each; the functions
-of a multifunction package share one copy of its weights.
+torch source it was converted from. Packages load lazily on first use, once each, until released
+(`release`); the functions of a multifunction package share one copy of its weights.
 """
 
 from __future__ import annotations
@@ -84,6 +84,15 @@ class MilBackend(Backend):
                 "the package and manifest.json disagree: re-export"
             )
         return {s["name"]: out[s["name"]] for s in entry["outputs"]}
+
+    def release(self, model: str) -> None:
+        """Drop the executors (and so the prepared weights) of the package files `model`'s functions
+        live in. Keyed by file, as the executors are: a file shared with another model is dropped
+        too and reloads on that model's next use."""
+        files = {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}
+        with self._lock:
+            for file in files:
+                self._executors.pop(file, None)
 
     def close(self) -> None:
         with self._lock:

@@ -2,11 +2,13 @@
 
 It is the ground truth the converted programs are checked against. Weights come from the source
 checkpoint recorded in the manifest (or one passed explicitly), through the same loader and
-mapping the exporter uses.
+mapping the exporter uses. The modules of each manifest model are built on first use, reading only
+that model's weights, and dropped by `release`, so streamed scoring holds one model at a time.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Mapping
 
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from ...export.manifest import function_entry
-from ...export.modules import build_model_set
+from ...export.modules import build_model
 from ...export.weights import Checkpoint, load_checkpoint, source_path
 from .base import Backend, BackendError
 
@@ -35,17 +37,37 @@ class TorchBackend(Backend):
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint if checkpoint is not None else source_path(manifest["source"]))
         self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
-        plan = [c["layers"] for c in manifest["chunks"]]
-        self.models = build_model_set(checkpoint, plan, manifest["context_length"], manifest["prefill_length"],
-                                      manifest.get("branch_width", 0), manifest.get("suffix_length", 0))
-        self.models.to(self.torch_dtype, self.device)
+        self._built: dict[str, dict[str, torch.nn.Module]] = {}  # model -> {function: module}, built on use
+        self._lock = threading.Lock()  # cache updates run on worker threads: build each model once
 
     def module(self, model: str, function: str) -> torch.nn.Module:
-        """The module that was (or would be) traced for `function` of `model`."""
+        """The module `function` of `model` is converted from, built on first use with only its weights."""
+        with self._lock:
+            if model not in self._built:
+                m = self.manifest
+                try:
+                    modules = build_model(self.checkpoint, model, [c["layers"] for c in m["chunks"]],
+                                          m["context_length"], m["prefill_length"], m.get("branch_width", 0),
+                                          m.get("suffix_length", 0))
+                except KeyError as e:
+                    raise BackendError(f"torch backend: {e.args[0]}") from None
+                for mod in {id(x): x for x in modules.values()}.values():
+                    mod.to(device=self.device, dtype=self.torch_dtype)  # index buffers stay int32
+                self._built[model] = modules
+            built = self._built[model]
         try:
-            return self.models.module(model, function)
-        except KeyError as e:
-            raise BackendError(f"torch backend: {e.args[0]}") from None
+            return built[function]
+        except KeyError:
+            raise BackendError(f"torch backend: no function {function!r} of model {model!r} in this export") from None
+
+    def release(self, model: str) -> None:
+        """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
+        with self._lock:
+            self._built.pop(model, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._built.clear()
 
     @torch.no_grad()
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

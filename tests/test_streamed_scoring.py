@@ -1,0 +1,201 @@
+"""Chunk-major (streamed) teacher-forced scoring, the backends' `release`, and the streamed
+transformers reference of the parity gate.
+
+`Pipeline.score_streamed` runs every window through one model before the next model loads; its
+logits must be the token-major ones exactly, and at no point may a backend hold the weights of
+more than one model. The transformers reference computed one decoder layer at a time must match
+`LlamaForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import llama_ane
+from conftest import LLAMA3_ROPE
+from llama_ane.export.modules import build_model, build_model_set, model_names
+from llama_ane.export.verify import transformers_logits
+from llama_ane.export.weights import LAYER_TENSORS, load_checkpoint
+
+CONTEXT, WINDOW = 128, 32
+# 3 full prefill windows and a 1-token (decode) window; 3 full windows and a partial one
+LENGTHS = (3 * WINDOW + 1, 2 * WINDOW + 13)
+WEIGHTED = ("embeddings", "chunk_", "lm_head")  # manifest models with weights (cache_update has none)
+
+
+def random_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+@pytest.fixture(scope="module")
+def chunked_export(tiny_checkpoint, tmp_path_factory):
+    """An fp16 export of a 3-layer tiny model, one layer per chunk (3 chunks), context 128, window 32."""
+    from llama_ane.export.api import export_model
+
+    ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32)
+    return export_model(ckpt, tmp_path_factory.mktemp("export") / "chunked", context_length=CONTEXT,
+                        prefill_length=WINDOW, layers_per_chunk=1, progress=False)
+
+
+def token_major(model, ids) -> np.ndarray:
+    """Logits [T, vocab] of the ordinary forward loop (window after window through every model)."""
+    model.pipeline.reset()
+    logits = model.pipeline.prefill(ids, all_logits=True)
+    model.pipeline.wait()
+    return logits
+
+
+class LiveCounter:
+    """Weak references to the objects a backend builds, to count how many are still alive."""
+
+    def __init__(self):
+        self.refs: list[tuple[str, weakref.ref]] = []
+
+    def add(self, label: str, obj) -> None:
+        self.refs.append((label, weakref.ref(obj)))
+
+    def alive(self) -> list[str]:
+        return sorted(label for label, ref in self.refs if ref() is not None)
+
+
+def watch_predict(backend, counter: LiveCounter, seen: list[list[str]]) -> None:
+    """Record the live objects of `counter` at every prediction of `backend`."""
+    inner = backend.predict
+
+    def predict(model, function, inputs):
+        out = inner(model, function, inputs)
+        seen.append(counter.alive())
+        return out
+    backend.predict = predict
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_streamed_equals_token_major_torch_fp32(chunked_export, n):
+    model = llama_ane.load(chunked_export, backend="torch", precision="fp32")
+    try:
+        ids = random_ids(model.manifest["config"]["vocab_size"], n)
+        want = token_major(model, ids)
+        got = model.pipeline.score_streamed(ids)
+        assert got.dtype == np.float32 and got.shape == want.shape == (n, model.manifest["config"]["vocab_size"])
+        np.testing.assert_array_equal(got, want)
+        assert model.pipeline.position == 0  # left reset, ready for another sequence
+        np.testing.assert_array_equal(token_major(model, ids), want)  # the released models load again
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_streamed_equals_token_major_mil_fp16(chunked_export, n):
+    model = llama_ane.load(chunked_export, backend="mil", precision="fp16")
+    try:
+        ids = random_ids(model.manifest["config"]["vocab_size"], n, seed=1)
+        want = token_major(model, ids)
+        got = model.pipeline.score_streamed(ids)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        model.close()
+
+
+def test_mil_backend_holds_one_package_at_a_time(chunked_export, monkeypatch):
+    import llama_ane.mil as mil
+
+    counter = LiveCounter()
+
+    class CountedExecutor(mil.PackageExecutor):
+        def __init__(self, path, *args, **kwargs):
+            super().__init__(path, *args, **kwargs)
+            counter.add(path.name, self)
+
+    monkeypatch.setattr(mil, "PackageExecutor", CountedExecutor)
+    model = llama_ane.load(chunked_export, backend="mil")
+    seen: list[list[str]] = []
+    watch_predict(model.backend, counter, seen)
+    try:
+        model.pipeline.score_streamed(random_ids(model.manifest["config"]["vocab_size"], 2 * WINDOW + 5))
+    finally:
+        model.close()
+    assert len(model.manifest["chunks"]) == 3
+    # every package ran, and was freed (not only forgotten) before the next one loaded
+    loaded = sorted({name for names in seen for name in names})
+    assert loaded == sorted(["embeddings.mlpackage", "chunk_0.mlpackage", "chunk_1.mlpackage",
+                             "chunk_2.mlpackage", "lm_head.mlpackage", "cache_update.mlpackage"])
+    for names in seen:
+        weighted = [name for name in names if name.startswith(WEIGHTED)]
+        assert len(weighted) <= 1, names
+    assert counter.alive() == []  # close() dropped the rest
+
+
+def test_torch_backend_holds_one_model_at_a_time(chunked_export, monkeypatch):
+    import llama_ane.runtime.backends.torch_backend as torch_backend
+
+    counter = LiveCounter()
+
+    def counted_build(ckpt, model, *args, **kwargs):
+        modules = build_model(ckpt, model, *args, **kwargs)
+        for module in {id(m): m for m in modules.values()}.values():
+            counter.add(model, module)
+        return modules
+
+    monkeypatch.setattr(torch_backend, "build_model", counted_build)
+    model = llama_ane.load(chunked_export, backend="torch", precision="fp16")
+    seen: list[list[str]] = []
+    watch_predict(model.backend, counter, seen)
+    try:
+        model.pipeline.score_streamed(random_ids(model.manifest["config"]["vocab_size"], 2 * WINDOW + 5))
+    finally:
+        model.close()
+    assert sorted({name for names in seen for name in names}) == sorted(
+        ["embeddings", "chunk_0", "chunk_1", "chunk_2", "lm_head", "cache_update"])
+    for names in seen:
+        assert len({name for name in names if name.startswith(WEIGHTED)}) <= 1, names
+
+
+def layer_tensors(layer: int) -> set[str]:
+    return {f"model.layers.{layer}.{name}" for name in LAYER_TENSORS.values()}
+
+
+def test_build_model_reads_only_its_own_weights(tiny_checkpoint):
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=3, tie_word_embeddings=True))
+    plan = [[0], [1, 2]]
+    read: list[str] = []
+    get = ckpt.get
+    ckpt.get = lambda name: read.append(name) or get(name)
+    want = {
+        "embeddings": {"model.embed_tokens.weight"},
+        "chunk_0": layer_tensors(0),
+        "chunk_1": layer_tensors(1) | layer_tensors(2),
+        "lm_head": {"model.embed_tokens.weight", "model.norm.weight"},  # tied
+        "cache_update": set(),
+    }
+    assert model_names(plan) == list(want)
+    for name, tensors in want.items():
+        read.clear()
+        modules = build_model(ckpt, name, plan, 64, 16)
+        assert set(read) == tensors, name
+        assert all(t.device.type == "cpu" for m in modules.values() for t in [*m.parameters(), *m.buffers()])
+    with pytest.raises(KeyError, match="chunk_2"):
+        build_model(ckpt, "chunk_2", plan, 64, 16)
+    # the whole-model set is the union of the per-model builds, weights shared across functions
+    models = build_model_set(ckpt, plan, 64, 16)
+    assert models.module("chunk_1", "prefill") is models.module("chunk_1", "decode")
+    assert models.module("embeddings", "prefill").embed_tokens is models.module("embeddings", "decode").embed_tokens
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_scaling": dict(LLAMA3_ROPE)}],
+                         ids=["untied", "tied", "llama3_rope"])
+def test_streamed_transformers_reference_matches_llama_for_causal_lm(tiny_checkpoint, overrides):
+    from transformers import LlamaForCausalLM
+
+    folder = tiny_checkpoint(**overrides)
+    ckpt = load_checkpoint(folder)
+    ids = random_ids(ckpt.config.vocab_size, 100, seed=2)  # longer than the llama3 original context (64)
+    full = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = full(torch.tensor([ids])).logits[0].numpy()
+    got = transformers_logits({"config": ckpt.config.to_dict()}, ids, ckpt)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
