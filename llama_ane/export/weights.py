@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..config import LlamaConfig
+from ..config import ConfigError, LlamaConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,34 +149,28 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
 
 
 def _load_gguf(file: Path, name: str) -> Checkpoint:
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers is a dependency
-        raise CheckpointError(f"loading a .gguf needs transformers ({e})") from None
-    for needed in ("gguf", "accelerate"):
+    """Open a .gguf lazily: tensors are dequantized one at a time when asked for (gguf_lazy)."""
+    for needed in ("gguf", "transformers"):
         if importlib.util.find_spec(needed) is None:
             raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
-    import functools
-
-    from tqdm.auto import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .gguf_lazy import open_gguf
+
     hf_logging.disable_progress_bar()
-    saved, gguf_utils.tqdm = gguf_utils.tqdm, functools.partial(tqdm, disable=True)  # its own per-tensor bar
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
-    except Exception as e:
+        reader = open_gguf(file)
+        config = LlamaConfig.from_hf_dict(reader.config_dict)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"could not read {file} as a GGUF Llama checkpoint ({type(e).__name__}: {e})") from None
-    finally:
-        gguf_utils.tqdm = saved
-    config = LlamaConfig.from_hf_dict(model.config.to_dict())
-    state = {k: v.detach() for k, v in model.state_dict().items()}
     tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")
     tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     tok.save_pretrained(tmp.name)
     return Checkpoint(name=name, config=config, source={"kind": "gguf", "path": str(file)},
-                      tokenizer_dir=Path(tmp.name), get=state.__getitem__, _tmp=[tmp])
+                      tokenizer_dir=Path(tmp.name), get=reader.get, _tmp=[tmp])
 
 
 def copy_tokenizer(ckpt: Checkpoint, out: Path) -> list[str]:

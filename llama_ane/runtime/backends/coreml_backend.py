@@ -74,5 +74,11 @@ class CoreMLBackend(Backend):
             raise BackendError(f"Core ML prediction failed for {model}/{function}: {e}") from e
         return {spec["name"]: np.asarray(out[spec["name"]]) for spec in entry["outputs"]}
 
+    def release(self, model: str) -> None:
+        """Unload the Core ML models of `model`'s package files (the compiled .mlmodelc stays on disk)."""
+        files = {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}
+        for key in [k for k in self._loaded if k[0] in files]:
+            del self._loaded[key]
+
     def close(self) -> None:
         self._loaded.clear()

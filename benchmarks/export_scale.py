@@ -1,0 +1,380 @@
+"""Wall time, peak memory, output size and /tmp leftovers of `llama-ane export` at real Llama scales.
+
+Writes random bf16 checkpoints shaped exactly like Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
+(sharded safetensors, as the hub ships them) into --workdir, runs the real CLI on each as a
+subprocess and measures it: peak memory is the summed PSS of its process tree (forked workers count
+once). Optionally: `inspect --strict` (default for 8b), a second export compared hash for hash
+(--repeat), and the same export by the exporter of another git ref (--reference) for new/reference
+ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
+
+    python benchmarks/export_scale.py --models 1b --reference 4d46c05
+    python benchmarks/export_scale.py --models tiny,smollm2 -- --no-verify --max-memory 10
+    python benchmarks/export_scale.py --models 8b --repeat --keep
+
+Presets: 1b, 3b, 8b, tiny (2 layers, seconds), smollm2 (the embedded default model). Arguments after
+`--` go to the new exporter only. Checkpoints are kept unless --clean, exports removed unless --keep.
+Exit status 1 if any export (or inspect) failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from llama_ane.export.memory import GB, PeakMemory, wait_and_sample
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SHARD_LIMIT = 2 * GB
+PRESETS = ("1b", "3b", "8b", "tiny", "smollm2")
+NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama"}
+MARKER = ".complete"
+TAIL = 40
+
+
+class BenchError(RuntimeError):
+    """A problem the user has to fix before the benchmark can run (disk space, unknown preset...)."""
+
+
+def preset_config(preset: str) -> dict | None:
+    """The config.json of a preset (a fresh dict), or None for smollm2, which has nothing to write."""
+    if preset == "smollm2":
+        return None
+    shapes = {  # hidden, intermediate, layers, heads, kv heads, head_dim, tied, rope factor, vocab
+        "1b": (2048, 8192, 16, 32, 8, 64, True, 32.0, 128256),
+        "3b": (3072, 8192, 28, 24, 8, 128, True, 32.0, 128256),
+        "8b": (4096, 14336, 32, 32, 8, 128, False, 8.0, 128256),
+        # the vocabulary of the SmolLM2 tokenizer it is given, so every token id is a valid row
+        "tiny": (128, 256, 2, 4, 2, 32, True, 32.0, 49152),
+    }
+    if preset not in shapes:
+        raise BenchError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    h, i, n, heads, kv, hd, tied, factor, vocab = shapes[preset]
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": h, "intermediate_size": i, "num_hidden_layers": n, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True, "torch_dtype": "bfloat16",
+        # tiny keeps the SmolLM2 tokenizer's own ids: 128000/128001 are outside its 49152 rows
+        "bos_token_id": 1 if preset == "tiny" else 128000, "eos_token_id": 2 if preset == "tiny" else 128001,
+    }
+
+
+def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a LlamaForCausalLM checkpoint with its HF name and shape, in file order."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    layer = {"input_layernorm": (h,), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+             "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
+             "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    return ([("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+            + [(f"model.layers.{n}.{k}.weight", s) for n in range(cfg["num_hidden_layers"]) for k, s in layer.items()]
+            + [("model.norm.weight", (h,))]
+            + ([] if cfg["tie_word_embeddings"] else [("lm_head.weight", (cfg["vocab_size"], h))]))
+
+
+def param_count(cfg: dict) -> int:
+    """Parameters of a Llama config, from the closed formula (one embedding matrix if tied)."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    layer = 2 * h * q + 2 * h * kv + 3 * h * cfg["intermediate_size"] + 2 * h
+    heads = 1 if cfg["tie_word_embeddings"] else 2
+    return heads * cfg["vocab_size"] * h + cfg["num_hidden_layers"] * layer + h
+
+
+def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Group tensors in order into shards whose files (header included) stay within `limit` bytes."""
+    shards: list[list] = [[]]
+    used = 64  # length prefix, metadata and padding of the header
+    for name, shape in shapes:
+        need = 2 * int(torch.Size(shape).numel()) + 128 + len(name)  # data + a bound on its header entry
+        if need + 64 > limit:
+            raise BenchError(f"{name} {shape} alone exceeds the shard limit of {limit} bytes")
+        if used + need > limit and shards[-1]:
+            shards.append([])
+            used = 64
+        shards[-1].append((name, shape))
+        used += need
+    return shards
+
+
+def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator) -> dict[str, str]:
+    """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shard:
+        size = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+    with open(file, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for name, shape in shard:
+            t = (torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1  # norm weights
+                 else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
+            f.write(memoryview(t.view(torch.uint8).numpy()))
+    return {name: file.name for name, _ in shard}
+
+
+def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = SHARD_LIMIT,
+                     tokenizer: bool = True) -> bool:
+    """Write a random HF checkpoint for `cfg` into `folder` unless a complete one is there; True if written."""
+    stamp = json.dumps({"config": cfg, "seed": seed, "shard_limit": shard_limit}, sort_keys=True)
+    marker = folder / MARKER
+    if marker.is_file() and marker.read_text() == stamp and (not tokenizer or (folder / "tokenizer.json").is_file()):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)  # a checkpoint that did not finish, or of another config
+    folder.mkdir(parents=True)
+    need, free = 2 * param_count(cfg), shutil.disk_usage(folder).free
+    if need > free:
+        folder.rmdir()
+        raise BenchError(f"the {folder.name} checkpoint needs {need / GB:.1f} GiB but {folder.parent} has "
+                         f"{free / GB:.1f} GiB free; free some space or pass --workdir elsewhere")
+    shards = plan_shards(tensor_shapes(cfg), shard_limit)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, 1):
+        weight_map.update(write_shard(folder / f"model-{k:05d}-of-{len(shards):05d}.safetensors", shard, gen))
+    index = {"metadata": {"total_size": need}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        from llama_ane.export.weights import default_gguf_path
+
+        gguf = default_gguf_path()  # no network here: the embedded SmolLM2 tokenizer, ids < every vocab
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
+    marker.write_text(stamp)
+    return True
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder (symlinks not followed; unreadable = 0)."""
+    try:
+        if stat.S_ISDIR(path.lstat().st_mode):
+            return sum(tree_bytes(p) for p in path.iterdir())
+        return path.lstat().st_size
+    except OSError:
+        return 0
+
+
+def _pump(stream, sink) -> None:
+    """Copy a child's output to the console and its log as it comes (progress bars included)."""
+    for chunk in iter(lambda: stream.read1(1 << 16), b""):
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        sink.write(chunk)
+
+
+def log_tail(log: Path, lines: int = TAIL) -> list[str]:
+    """The last lines of a log as a terminal shows them (only the last redraw of a progress bar)."""
+    text = log.read_bytes()[-(1 << 16):].decode(errors="replace")
+    shown = [ln.rsplit("\r", 1)[-1].rstrip() for ln in text.replace("\r\n", "\n").split("\n")]
+    return [ln for ln in shown if ln][-lines:]
+
+
+def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, str]) -> dict:
+    """Run one export command, streaming its output to the console and `log`, and measure it."""
+    tmp = Path(tempfile.gettempdir())
+    before = {p.name for p in tmp.iterdir()}
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, sink), daemon=True)
+        pump.start()
+        meter = PeakMemory(root=proc.pid)
+        code = wait_and_sample(proc, meter)
+        pump.join()
+    wall = time.perf_counter() - t0
+    left = sorted({p.name for p in tmp.iterdir()} - before)
+    files = {p.name: tree_bytes(p) for p in sorted(out.iterdir())} if out.is_dir() else {}
+    text = log.read_text(errors="replace")
+    passed = any(ln.strip() == "passed" for ln in text.replace("\r", "\n").split("\n"))
+    return {"command": shlex.join(cmd), "exit_code": code, "wall_s": round(wall, 1),
+            "peak_pss_gib": round(meter.peak / GB, 3), "memory_method": meter.method, "files": files,
+            "total_bytes": sum(files.values()),
+            "verify": "passed" if passed else ("skipped" if "--no-verify" in cmd else "not passed"),
+            "tmp_leftovers": {"names": left, "bytes": sum(tree_bytes(tmp / n) for n in left)},
+            "log": str(log), "output_tail": log_tail(log)}
+
+
+def manifest_hashes(out: Path) -> dict[str, str]:
+    """The per-file sha256 map of an export's manifest.json (empty if there is none)."""
+    path = out / "manifest.json"
+    return json.loads(path.read_text()).get("files", {}) if path.is_file() else {}
+
+
+def git(*args: str) -> str:
+    """Output of a git command in the repository, stripped; BenchError with git's message on failure."""
+    r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        raise BenchError(f"git {' '.join(args)}: {r.stderr.strip()}")
+    return r.stdout.strip()
+
+
+def remove_worktree(path: Path) -> None:
+    """Remove a worktree made by `add_worktree`, and git's record of it."""
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+
+
+def add_worktree(ref: str, workdir: Path) -> Path:
+    """A detached worktree of `ref` in the work folder, checked to be what `-m llama_ane` imports there."""
+    path = workdir / f"ref-{git('rev-parse', '--short', '--verify', ref + '^{commit}')}"
+    remove_worktree(path)  # one left by an interrupted run
+    git("worktree", "add", "--detach", str(path), ref)
+    probe = subprocess.run([sys.executable, "-c", "import llama_ane; print(llama_ane.__file__)"], cwd=path,
+                           env={**os.environ, "PYTHONPATH": str(path)}, capture_output=True, text=True)
+    if not probe.stdout.strip().startswith(str(path)):
+        remove_worktree(path)
+        raise BenchError(f"{ref}'s llama_ane is not what `-m llama_ane` imports in its worktree "
+                         f"({probe.stdout}{probe.stderr})")
+    return path
+
+
+def machine() -> dict:
+    """CPU count and total memory of this machine."""
+    meminfo = Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").is_file() else []
+    kib = next((int(ln.split()[1]) for ln in meminfo if ln.startswith("MemTotal:")), 0)
+    return {"cpu_count": os.cpu_count(), "mem_total_gib": round(kib * 1024 / GB, 1)}
+
+
+def benchmark(preset: str, args: argparse.Namespace, extra: list[str], ref_tree: Path | None) -> dict:
+    """Prepare the checkpoint of one preset, export it (and its reference, repeat, inspect), and measure."""
+    cfg = preset_config(preset)
+    work = args.workdir
+    ckpt = work / "checkpoints" / NAMES[preset] if cfg else None
+    if cfg and write_checkpoint(cfg, ckpt, seed=args.seed):
+        print(f"wrote {ckpt} ({param_count(cfg):,} parameters)", flush=True)
+    exports, logs = work / "exports", work / "logs"
+
+    def export(out: Path, tree: Path, more: list[str], label: str) -> dict:
+        cmd = [sys.executable, "-m", "llama_ane", "export", *([str(ckpt)] if ckpt else []), "-o", str(out), "--force"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": str(tree)} if tree != ROOT else {})}
+        return run_export(cmd + more, out, logs / f"{preset}-{label}.log", tree, env)
+
+    def drop(out: Path) -> None:
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+    entry: dict = {"model": preset, "checkpoint": str(ckpt) if ckpt else "embedded SmolLM2",
+                   "params": param_count(cfg) if cfg else None, "command": args.command_line,
+                   "extra_args": extra, "commit": args.commit, "machine": machine(),
+                   "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if ref_tree is not None:  # its export is removed before the new one runs: at 8b each is ~16 GB
+        out = exports / f"{preset}-ref"
+        entry["reference"] = {"ref": args.reference, "commit": git("rev-parse", "--short", args.reference),
+                              **export(out, ref_tree, [], "ref")}
+        drop(out)
+    out = exports / preset
+    entry["new"] = export(out, ROOT, extra, "new")
+    ok = entry["new"]["exit_code"] == 0
+    if ok and (args.inspect if args.inspect is not None else preset == "8b"):
+        r = subprocess.run([sys.executable, "-m", "llama_ane", "inspect", str(out), "--strict"], cwd=ROOT,
+                           capture_output=True, text=True)
+        entry["inspect"] = {"exit_code": r.returncode, "output_tail": (r.stdout + r.stderr).splitlines()[-TAIL:]}
+    if ok and args.repeat:
+        out2 = exports / f"{preset}-2"
+        second = export(out2, ROOT, extra, "repeat")
+        first_hashes, second_hashes = manifest_hashes(out), manifest_hashes(out2)
+        differ = sorted(k for k in first_hashes.keys() | second_hashes.keys()
+                        if first_hashes.get(k) != second_hashes.get(k))
+        entry["repeat"] = {"identical": second["exit_code"] == 0 and bool(first_hashes) and not differ,
+                           "differing_files": differ, **{k: second[k] for k in ("exit_code", "wall_s", "peak_pss_gib")}}
+        drop(out2)
+    drop(out)
+    ref = entry.get("reference")
+    if ref and ref["exit_code"] == 0 and ok:
+        entry["ratios"] = {"wall": round(entry["new"]["wall_s"] / ref["wall_s"], 3),
+                           "peak": round(entry["new"]["peak_pss_gib"] / ref["peak_pss_gib"], 3)}
+        print(f"{preset}: new/reference wall {entry['ratios']['wall']:.2f}x, peak {entry['ratios']['peak']:.2f}x")
+    if args.clean and ckpt:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    entry["failed"] = any(entry.get(k, {}).get("exit_code", 0) != 0 for k in ("new", "reference", "repeat", "inspect"))
+    return entry
+
+
+def table(results: dict) -> str:
+    """A markdown table of every model in the results file."""
+    rows = ["| model | exit | wall s | peak GiB | packages GB | verify | /tmp leftovers | inspect | repeat "
+            "identical | new/ref wall, peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, e in results.items():
+        n, left = e["new"], e["new"]["tmp_leftovers"]
+        ratio = f"{e['ratios']['wall']:.2f}x, {e['ratios']['peak']:.2f}x" if "ratios" in e else "-"
+        leftovers = f"{len(left['names'])} ({left['bytes'] / 1e6:.1f} MB)" if left["names"] else "none"
+        inspect = "-" if "inspect" not in e else "ok" if e["inspect"]["exit_code"] == 0 else "FAIL"
+        repeat = "-" if "repeat" not in e else "yes" if e["repeat"]["identical"] else "NO"
+        rows.append(f"| {name} | {n['exit_code']} | {n['wall_s']:.1f} | {n['peak_pss_gib']:.2f} | "
+                    f"{n['total_bytes'] / 1e9:.2f} | {n['verify']} | {leftovers} | {inspect} | {repeat} | {ratio} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line (arguments after `--` go to the new exporter), run, write the results."""
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="1b", help=f"comma-separated presets: {','.join(PRESETS)}")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / ".scale")
+    ap.add_argument("--reference", metavar="GIT_REF", help="also export with the exporter at this git ref")
+    ap.add_argument("--inspect", action=argparse.BooleanOptionalAction, default=None,
+                    help="run `inspect --strict` on the export [default: only for 8b]")
+    ap.add_argument("--repeat", action="store_true", help="export twice and compare the manifests' hashes")
+    ap.add_argument("--keep", action="store_true", help="keep the exports (default: removed after measuring)")
+    ap.add_argument("--clean", action="store_true", help="delete the checkpoints after measuring")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv[:cut])
+    args.command_line = shlex.join(["python", "benchmarks/export_scale.py", *argv])
+    extra = argv[cut + 1:]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown or not models:
+        ap.error(f"unknown preset(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PRESETS)}")
+    args.workdir = args.workdir.resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.commit = git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+    path = RESULTS / "export_scale.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    ref_tree = None
+    try:
+        ref_tree = add_worktree(args.reference, args.workdir) if args.reference else None
+        for preset in models:
+            results[preset] = benchmark(preset, args, extra, ref_tree)
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=2) + "\n")  # after each model: a later crash keeps it
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if ref_tree is not None:
+            remove_worktree(ref_tree)
+    md = table(results)
+    (RESULTS / "export_scale.md").write_text(md)
+    print("\n" + md)
+    return 1 if any(results[m]["failed"] for m in models) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The lazy GGUF reader: a tiny GGUF written here read back exactly, one dequantization per `get`,
+clear errors, llama3/linear RoPE scaling from the file, and (slow) the embedded SmolLM2 against transformers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from llama_ane.config import LlamaConfig, inv_freq  # noqa: E402
+from llama_ane.export.gguf_lazy import GGUFError, open_gguf  # noqa: E402
+
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+               "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, CTX = 64, 32, 48, 2, 4, 2, 8, 256
+EPS = float(np.float32(1e-5))  # GGUF stores it as float32
+
+
+def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert script on q/k rows: each head's (2, D/2) halves -> (D/2, 2) pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llamacpp_rope_freqs(theta: float, factor: float, low: float, high: float, ctx: int) -> np.ndarray:
+    """The rope_freqs.weight llama.cpp's convert script writes for a llama3 `rope_scaling`."""
+    out = []
+    for i in range(0, HEAD_DIM, 2):
+        wavelen = 2 * math.pi * theta ** (i / HEAD_DIM)
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            smooth = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_tiny(path: Path, *, untied: bool = False, arch: str = "llama", theta: float = 10000.0,
+               rope_freqs: np.ndarray | None = None, scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
+    """A 2-layer Llama GGUF: layer 0 and the norms in F32, layer 1, embeddings and head in F16.
+
+    Returns the HF tensors as the file should give them back (F16 ones already rounded to fp16).
+    """
+    rng = np.random.default_rng(0)
+    hf: dict[str, np.ndarray] = {}
+    tensors: list[tuple[str, np.ndarray]] = []
+
+    def add(hf_name: str, gguf_name: str, shape: tuple[int, ...], f16: bool, permute_heads: int = 0):
+        w = rng.standard_normal(shape).astype(np.float16 if f16 else np.float32)
+        hf[hf_name] = w.astype(np.float32)
+        tensors.append((gguf_name, llamacpp_permute(w, permute_heads) if permute_heads else w))
+
+    add("model.embed_tokens.weight", "token_embd.weight", (VOCAB, HIDDEN), True)
+    for i in range(LAYERS):
+        p, b, f16 = f"model.layers.{i}.", f"blk.{i}.", i == 1
+        add(p + "input_layernorm.weight", b + "attn_norm.weight", (HIDDEN,), False)
+        add(p + "self_attn.q_proj.weight", b + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), f16, HEADS)
+        add(p + "self_attn.k_proj.weight", b + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), f16, KV_HEADS)
+        add(p + "self_attn.v_proj.weight", b + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), f16)
+        add(p + "self_attn.o_proj.weight", b + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), f16)
+        add(p + "post_attention_layernorm.weight", b + "ffn_norm.weight", (HIDDEN,), False)
+        add(p + "mlp.gate_proj.weight", b + "ffn_gate.weight", (INTER, HIDDEN), f16)
+        add(p + "mlp.up_proj.weight", b + "ffn_up.weight", (INTER, HIDDEN), f16)
+        add(p + "mlp.down_proj.weight", b + "ffn_down.weight", (HIDDEN, INTER), f16)
+    add("model.norm.weight", "output_norm.weight", (HIDDEN,), False)
+    if untied:
+        add("lm_head.weight", "output.weight", (VOCAB, HIDDEN), True)
+    if rope_freqs is not None:
+        tensors.append(("rope_freqs.weight", rope_freqs))
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(CTX)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_block_count(LAYERS)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(EPS)
+    w.add_vocab_size(VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(scaling[0]))
+        w.add_rope_scaling_factor(scaling[1])
+    for name, t in tensors:
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_tiny_gguf_reads_back_config_and_every_tensor(tmp_path, untied):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = tmp_path / "tiny.gguf"
+    hf = write_tiny(path, untied=untied)
+    lazy = open_gguf(path)
+    assert lazy.config_dict == {
+        "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "rms_norm_eps": EPS, "rope_theta": 10000.0, "max_position_embeddings": CTX,
+        "tie_word_embeddings": not untied, "bos_token_id": 1, "eos_token_id": 2}
+    theirs = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert {k: lazy.config_dict.get(k) for k in CONFIG_KEYS} == {k: theirs.get(k) for k in CONFIG_KEYS}
+    LlamaConfig.from_hf_dict(lazy.config_dict)  # one the exporter accepts
+
+    assert sorted(lazy.names()) == sorted(hf)
+    for name, want in hf.items():
+        got = lazy.get(name)
+        assert got.dtype == torch.float32 and tuple(got.shape) == want.shape, name
+        # F32 tensors exactly; F16 ones exactly their fp16 rounding, widened losslessly to float32
+        assert torch.equal(got, torch.from_numpy(want)), name
+
+
+def test_get_dequantizes_only_the_requested_tensor(tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    hf = write_tiny(path)
+    calls: list[tuple[tuple[int, ...], str]] = []
+    real = gguf.dequantize
+
+    def counting(data, qtype):
+        calls.append((tuple(data.shape), qtype.name))
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf, "dequantize", counting)
+    lazy = open_gguf(path)
+    assert calls == []  # opening reads metadata only
+    for name, want in hf.items():
+        calls.clear()
+        lazy.get(name)
+        # one call, on data of exactly this tensor's size (a whole-file read would pass more)
+        assert len(calls) == 1 and math.prod(calls[0][0]) == want.size, (name, calls)
+
+
+def test_get_returns_a_tensor_the_caller_owns(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path)
+    lazy = open_gguf(path)
+    norm = lazy.get("model.norm.weight")  # F32: gguf hands back a view of the read-only map
+    norm.zero_()
+    assert lazy.get("model.norm.weight").abs().sum() > 0
+
+
+def test_unknown_names_raise_key_error(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny(path)
+    lazy = open_gguf(path)
+    assert "lm_head.weight" not in lazy.names()
+    for name in ("lm_head.weight", "model.layers.2.self_attn.q_proj.weight", "blk.0.attn_q.weight"):
+        with pytest.raises(KeyError):
+            lazy.get(name)
+
+
+def llama3(factor: float, low: float, high: float, ctx: int) -> dict:
+    return {"factor": factor, "low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": ctx}
+
+
+# with head_dim 8: Llama 3.1's values leave one frequency in the smooth band (found among the known
+# settings), theta 100 leaves two (fitted); low_freq_factor 2 is the same RoPE as 1 with half the context
+@pytest.mark.parametrize("theta,rope", [
+    (500000.0, llama3(8.0, 1.0, 4.0, 8192)), (100.0, llama3(8.0, 1.0, 4.0, 64)), (100.0, llama3(4.0, 2.0, 8.0, 128)),
+], ids=["llama3.1", "fitted", "equivalent"])
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path, theta, rope):
+    path = tmp_path / "llama3.gguf"
+    freqs = llamacpp_rope_freqs(theta, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                                rope["original_max_position_embeddings"])
+    write_tiny(path, theta=theta, rope_freqs=freqs)
+    lazy = open_gguf(path)
+    assert "rope_freqs.weight" not in lazy.names()
+    ours = lazy.config_dict["rope_scaling"]
+    if rope["low_freq_factor"] == 1.0:
+        assert ours == {"rope_type": "llama3", **rope}
+    # the frequencies RoPE uses are what the file says, whatever the parametrisation
+    want = LlamaConfig.from_hf_dict({**lazy.config_dict, "rope_scaling": {"rope_type": "llama3", **rope}})
+    np.testing.assert_allclose(inv_freq(LlamaConfig.from_hf_dict(lazy.config_dict)), inv_freq(want), rtol=1e-6)
+
+
+def test_linear_rope_scaling(tmp_path):
+    path = tmp_path / "linear.gguf"
+    write_tiny(path, scaling=("linear", 4.0))
+    assert open_gguf(path).config_dict["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_unreadable_or_unsupported_files_say_what_is_supported(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(GGUFError, match="not a readable GGUF.*supported: general.architecture 'llama'"):
+        open_gguf(junk)
+    with pytest.raises(GGUFError, match="does not exist"):
+        open_gguf(tmp_path / "missing.gguf")
+    qwen = tmp_path / "qwen.gguf"
+    write_tiny(qwen, arch="qwen2")
+    with pytest.raises(GGUFError, match="holds a 'qwen2' model; supported: general.architecture 'llama'"):
+        open_gguf(qwen)
+    yarn = tmp_path / "yarn.gguf"
+    write_tiny(yarn, scaling=("yarn", 4.0))
+    with pytest.raises(GGUFError, match="RoPE scaling 'yarn'; supported"):
+        open_gguf(yarn)
+    odd = tmp_path / "odd.gguf"
+    write_tiny(odd, rope_freqs=np.array([1.0, 3.0, 1.0, 8.0], dtype=np.float32))
+    with pytest.raises(GGUFError, match="match no llama3 RoPE scaling"):
+        open_gguf(odd)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_full_load():
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from llama_ane.export.weights import default_gguf_path
+
+    path = default_gguf_path()
+    lazy = open_gguf(path)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert {k: lazy.config_dict.get(k) for k in CONFIG_KEYS} == {k: theirs.get(k) for k in CONFIG_KEYS}
+    assert "rope_scaling" not in lazy.config_dict and lazy.config_dict["tie_word_embeddings"] is True
+
+    state = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).state_dict()
+    # a tied model's state dict repeats the embedding as lm_head.weight; the file holds it once
+    assert set(lazy.names()) == set(state) - {"lm_head.weight"}
+    for name in lazy.names():
+        got = lazy.get(name)
+        assert got.shape == state[name].shape and torch.equal(got, state[name]), name
