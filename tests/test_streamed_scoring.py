@@ -9,6 +9,7 @@ more than one model. The transformers reference computed one decoder layer at a 
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import numpy as np
@@ -22,7 +23,7 @@ from llama_ane.export.verify import transformers_logits
 from llama_ane.export.weights import LAYER_TENSORS, load_checkpoint
 
 CONTEXT, WINDOW = 128, 32
-# 3 full prefill windows and a 1-token (decode) window; 3 full windows and a partial one
+# 3 full prefill windows and a 1-token (decode) window; 2 full windows and a partial one
 LENGTHS = (3 * WINDOW + 1, 2 * WINDOW + 13)
 WEIGHTED = ("embeddings", "chunk_", "lm_head")  # manifest models with weights (cache_update has none)
 
@@ -62,15 +63,31 @@ class LiveCounter:
         return sorted(label for label, ref in self.refs if ref() is not None)
 
 
-def watch_predict(backend, counter: LiveCounter, seen: list[list[str]]) -> None:
-    """Record the live objects of `counter` at every prediction of `backend`."""
-    inner = backend.predict
+def watch(backend, counter: LiveCounter) -> tuple[list[list[str]], list[tuple[str, list[str]]]]:
+    """Record the live objects of `counter` after every prediction of `backend`, and after every
+    release (with the released model's name). Returns both lists, filled as the backend runs."""
+    predicted: list[list[str]] = []
+    released: list[tuple[str, list[str]]] = []
+    predict, release = backend.predict, backend.release
 
-    def predict(model, function, inputs):
-        out = inner(model, function, inputs)
-        seen.append(counter.alive())
+    def predict_and_count(model, function, inputs):
+        out = predict(model, function, inputs)
+        predicted.append(counter.alive())
         return out
-    backend.predict = predict
+
+    def release_and_count(model):
+        release(model)
+        released.append((model, counter.alive()))
+    backend.predict, backend.release = predict_and_count, release_and_count
+    return predicted, released
+
+
+@pytest.fixture
+def no_gc():
+    """Garbage collection off: what a release frees must be freed by reference counting, at once."""
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -100,7 +117,7 @@ def test_streamed_equals_token_major_mil_fp16(chunked_export, n):
         model.close()
 
 
-def test_mil_backend_holds_one_package_at_a_time(chunked_export, monkeypatch):
+def test_mil_backend_holds_one_package_at_a_time(chunked_export, monkeypatch, no_gc):
     import llama_ane.mil as mil
 
     counter = LiveCounter()
@@ -112,24 +129,46 @@ def test_mil_backend_holds_one_package_at_a_time(chunked_export, monkeypatch):
 
     monkeypatch.setattr(mil, "PackageExecutor", CountedExecutor)
     model = llama_ane.load(chunked_export, backend="mil")
-    seen: list[list[str]] = []
-    watch_predict(model.backend, counter, seen)
+    predicted, released = watch(model.backend, counter)
     try:
         model.pipeline.score_streamed(random_ids(model.manifest["config"]["vocab_size"], 2 * WINDOW + 5))
     finally:
         model.close()
     assert len(model.manifest["chunks"]) == 3
-    # every package ran, and was freed (not only forgotten) before the next one loaded
-    loaded = sorted({name for names in seen for name in names})
-    assert loaded == sorted(["embeddings.mlpackage", "chunk_0.mlpackage", "chunk_1.mlpackage",
-                             "chunk_2.mlpackage", "lm_head.mlpackage", "cache_update.mlpackage"])
-    for names in seen:
-        weighted = [name for name in names if name.startswith(WEIGHTED)]
-        assert len(weighted) <= 1, names
+    packages = ["embeddings", "chunk_0", "chunk_1", "chunk_2", "lm_head"]
+    assert sorted({name for names in predicted for name in names}) == sorted(
+        [f"{p}.mlpackage" for p in [*packages, "cache_update"]])  # every package ran
+    for names in predicted:
+        assert len([name for name in names if name.startswith(WEIGHTED)]) <= 1, names
+    # each package is freed (not only forgotten) when released, before the next one loads
+    assert [model for model, _ in released] == packages
+    for model_name, names in released:
+        assert set(names) <= {"cache_update.mlpackage"}, (model_name, names)
     assert counter.alive() == []  # close() dropped the rest
 
 
-def test_torch_backend_holds_one_model_at_a_time(chunked_export, monkeypatch):
+def test_mil_executor_holds_one_function_program_at_a_time(chunked_export, monkeypatch):
+    # coremltools reads a copy of the weights for each function of a package: loading them one
+    # at a time, each freed before the next, keeps one such copy beside the prepared weights
+    import llama_ane.mil.executor as executor
+
+    programs: list[weakref.ref] = []
+    load = executor._function_program
+
+    def counted(package, name):
+        assert all(ref() is None for ref in programs), f"a program is still alive when {name!r} loads"
+        program = load(package, name)
+        programs.append(weakref.ref(program))
+        return program
+
+    monkeypatch.setattr(executor, "_function_program", counted)
+    package = executor.PackageExecutor(chunked_export / "chunk_0.mlpackage")
+    assert len(programs) == len(package.function_names) >= 2
+    assert all(ref() is None for ref in programs)
+    assert gc.get_freeze_count() == 0  # the collections' freeze was undone
+
+
+def test_torch_backend_holds_one_model_at_a_time(chunked_export, monkeypatch, no_gc):
     import llama_ane.runtime.backends.torch_backend as torch_backend
 
     counter = LiveCounter()
@@ -142,16 +181,17 @@ def test_torch_backend_holds_one_model_at_a_time(chunked_export, monkeypatch):
 
     monkeypatch.setattr(torch_backend, "build_model", counted_build)
     model = llama_ane.load(chunked_export, backend="torch", precision="fp16")
-    seen: list[list[str]] = []
-    watch_predict(model.backend, counter, seen)
+    predicted, released = watch(model.backend, counter)
     try:
         model.pipeline.score_streamed(random_ids(model.manifest["config"]["vocab_size"], 2 * WINDOW + 5))
     finally:
         model.close()
-    assert sorted({name for names in seen for name in names}) == sorted(
+    assert sorted({name for names in predicted for name in names}) == sorted(
         ["embeddings", "chunk_0", "chunk_1", "chunk_2", "lm_head", "cache_update"])
-    for names in seen:
+    for names in predicted:
         assert len({name for name in names if name.startswith(WEIGHTED)}) <= 1, names
+    for model_name, names in released:
+        assert set(names) <= {"cache_update"}, (model_name, names)
 
 
 def layer_tensors(layer: int) -> set[str]:

@@ -56,6 +56,9 @@ def test_verify_passes_on_the_tiny_export(tiny_export):
     assert result.exit_code == 0, result.output
     assert "max |diff|" in result.output and "top-1" in result.output
     assert "torch (fp16)" in result.output and "transformers" in result.output
+    # the three logits come from streamed scoring, one model's weights in memory at a time
+    assert ("streamed: one model in memory at a time (embeddings, 3 chunks, lm_head); "
+            "transformers one decoder layer at a time") in result.output
     assert result.output.rstrip().endswith("passed")
 
 
@@ -69,6 +72,7 @@ def test_verify_fails_on_corrupted_weights_with_matching_hashes(corrupted_copy):
     assert report.error is None
     (torch_cmp,) = report.comparisons
     assert torch_cmp.top1_agreement < 0.9
+    assert report.method == "streamed: one model in memory at a time (embeddings, 3 chunks, lm_head)"
     text = str(report)
     assert "FAIL: top-1 agreement" in text and "does not reproduce the reference logits" in text
     result = CliRunner().invoke(verify_command, [str(corrupted_copy), "--no-transformers"])

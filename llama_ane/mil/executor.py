@@ -1,10 +1,11 @@
 """Execute the MIL program of a saved `.mlpackage` op by op with numpy.
 
-`PackageExecutor(path, precision)` loads the package's program once with coremltools, compiles
-every function into a flat list of steps (one numpy kernel per op, static parameters resolved
-and const operands prepared once), keeps a single copy of each weight for all functions of a
-multifunction package, and then drops coremltools' program. `run(function, inputs)` feeds
-numpy arrays with the function's declared shapes and returns its outputs by name.
+`PackageExecutor(path, precision)` loads the package's program with coremltools one function at
+a time, compiles each function into a flat list of steps (one numpy kernel per op, static
+parameters resolved and const operands prepared once), keeps a single copy of each weight for all
+functions of a multifunction package, and drops each function's coremltools program before the
+next one loads. `run(function, inputs)` feeds numpy arrays with the function's declared shapes
+and returns its outputs by name.
 
 Precision: see `llama_ane.mil.numerics` (fp16 storage between ops with float32 accumulation,
 or fp32 throughout).
@@ -12,9 +13,12 @@ or fp32 throughout).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -22,7 +26,7 @@ from . import kernels  # noqa: F401  (registers the kernels)
 from .kernels.registry import KERNELS, BuildContext, UnsupportedOpError
 from .kernels.value_inference import has_value_inference, value_inference_kernel
 from .numerics import Numerics
-from .package import MilPackage, PackageError
+from .package import MilPackage, PackageError, _quiet
 
 _CONTROL_FLOW = {"cond", "while_loop"}
 
@@ -211,6 +215,46 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
     return CompiledFunction(name, where, inputs, steps, outputs, len(slots), op_types)
 
 
+@contextlib.contextmanager
+def _young_collections() -> Iterator[None]:
+    """Within the block, `gc.collect()` scans only the objects allocated since it began.
+
+    The older objects are set aside with `gc.freeze` (a full collection in a process with torch
+    loaded takes a quarter of a second). Not done when the process has frozen objects of its own:
+    `gc.unfreeze` would release those too; collections are then full, slower, as correct.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _function_program(package: MilPackage, name: str):
+    """The pymil `Program` of function `name` of `package` alone (its consts read from the blob)."""
+    if len(package.function_names) == 1:
+        program = package.program()
+        package.release_program()  # held by the caller only, freed when it is done
+        return program
+    from coremltools import proto
+    from coremltools.converters.mil.frontend.milproto.load import load_mil_proto
+
+    spec = package.spec.mlProgram
+    single = proto.MIL_pb2.Program(version=spec.version)
+    single.functions[name].CopyFrom(package.function_spec(name))
+    for key, value in spec.attributes.items():
+        single.attributes[key].CopyFrom(value)
+    with _quiet():
+        try:
+            return load_mil_proto(single, package.specification_version, os.fspath(package.weights_dir))
+        except Exception as exc:
+            raise PackageError(f"coremltools could not load function {name!r} of {package.name}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+
 class PackageExecutor:
     """Every function of one `.mlpackage`, compiled for numpy execution.
 
@@ -233,14 +277,25 @@ class PackageExecutor:
         self.package = MilPackage(Path(path))
         self.numerics = Numerics(precision)
         self._weights: dict = {}
-        program = self.package.program()
         self.functions: dict[str, CompiledFunction] = {}
-        for name in self.package.function_names:
-            self.functions[name] = _compile_function(
-                program.functions[name], name, self.package.name, self.numerics,
-                self.package.blob_locations(name), self._weights,
-            )
-        self.package.release_program()
+        # coremltools gives every function its own copy of the weights it reads, although the
+        # functions share them in the blob: load and compile one function at a time, so only one
+        # such copy exists beside the prepared weights (the later functions find theirs cached).
+        # A pymil program is a graph of reference cycles, freed only by a collection: collect after
+        # each function, scanning only the objects made since here.
+        with _young_collections():
+            for name in self.package.function_names:
+                program = _function_program(self.package, name)
+                self.functions[name] = _compile_function(
+                    program.functions[name], name, self.package.name, self.numerics,
+                    self.package.blob_locations(name), self._weights,
+                )
+                # consts not in the blob are cached under their var's id(), valid only while this
+                # program lives (the compiled steps hold their own references)
+                for key in [k for k in self._weights if k[0] != "blob"]:
+                    del self._weights[key]
+                del program
+                gc.collect()
 
     @property
     def function_names(self) -> list[str]:
