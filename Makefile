@@ -31,7 +31,7 @@ test-python: setup
 
 test-swift: setup
 	@if command -v swift >/dev/null 2>&1; then \
-	  $(PY) -m llama_ane.export.swift_fixtures $(FIXTURES) && \
+	  $(PY) tests/swift_fixtures.py $(FIXTURES) && \
 	  cd swift_host && swift build -j 2 && swift test -j 2 --disable-swift-testing; \
 	else echo "swift not found: skipping the Swift package (see swift_host/README.md)"; fi
 

@@ -10,6 +10,7 @@ ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
     python benchmarks/export_scale.py --models 1b --reference 4d46c05
     python benchmarks/export_scale.py --models tiny,smollm2 -- --no-verify --max-memory 10
     python benchmarks/export_scale.py --models 8b --repeat --keep
+    python benchmarks/export_scale.py --models 1b --label 1b-lut4 --inspect -- --quantize lut4 --quantize-lm-head lut6
 
 Presets: 1b, 3b, 8b, tiny (2 layers, seconds), smollm2 (the embedded default model). Arguments after
 `--` go to the new exporter only. Checkpoints are kept unless --clean, exports removed unless --keep.
@@ -34,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from llama_ane.export.memory import GB, PeakMemory, wait_and_sample
+from llama_ane.export.memory import GIB, PeakMemory, wait_and_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-SHARD_LIMIT = 2 * GB
+SHARD_LIMIT = 2 * GIB
 PRESETS = ("1b", "3b", "8b", "tiny", "smollm2")
 NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama"}
 MARKER = ".complete"
@@ -146,8 +147,8 @@ def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = 
     need, free = 2 * param_count(cfg), shutil.disk_usage(folder).free
     if need > free:
         folder.rmdir()
-        raise BenchError(f"the {folder.name} checkpoint needs {need / GB:.1f} GiB but {folder.parent} has "
-                         f"{free / GB:.1f} GiB free; free some space or pass --workdir elsewhere")
+        raise BenchError(f"the {folder.name} checkpoint needs {need / GIB:.1f} GiB but {folder.parent} has "
+                         f"{free / GIB:.1f} GiB free; free some space or pass --workdir elsewhere")
     shards = plan_shards(tensor_shapes(cfg), shard_limit)
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
@@ -159,7 +160,7 @@ def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = 
     if tokenizer:
         from transformers import AutoTokenizer
 
-        from llama_ane.export.weights import default_gguf_path
+        from llama_ane.checkpoint.loader import default_gguf_path
 
         gguf = default_gguf_path()  # no network here: the embedded SmolLM2 tokenizer, ids < every vocab
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
@@ -212,7 +213,7 @@ def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, s
     text = log.read_text(errors="replace")
     passed = any(ln.strip() == "passed" for ln in text.replace("\r", "\n").split("\n"))
     return {"command": shlex.join(cmd), "exit_code": code, "wall_s": round(wall, 1),
-            "peak_pss_gib": round(meter.peak / GB, 3), "memory_method": meter.method, "files": files,
+            "peak_pss_gib": round(meter.peak / GIB, 3), "memory_method": meter.method, "files": files,
             "total_bytes": sum(files.values()),
             "verify": "passed" if passed else ("skipped" if "--no-verify" in cmd else "not passed"),
             "tmp_leftovers": {"names": left, "bytes": sum(tree_bytes(tmp / n) for n in left)},
@@ -258,7 +259,7 @@ def machine() -> dict:
     """CPU count and total memory of this machine."""
     meminfo = Path("/proc/meminfo").read_text().splitlines() if Path("/proc/meminfo").is_file() else []
     kib = next((int(ln.split()[1]) for ln in meminfo if ln.startswith("MemTotal:")), 0)
-    return {"cpu_count": os.cpu_count(), "mem_total_gib": round(kib * 1024 / GB, 1)}
+    return {"cpu_count": os.cpu_count(), "mem_total_gib": round(kib * 1024 / GIB, 1)}
 
 
 def benchmark(preset: str, args: argparse.Namespace, extra: list[str], ref_tree: Path | None) -> dict:
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the exports (default: removed after measuring)")
     ap.add_argument("--clean", action="store_true", help="delete the checkpoints after measuring")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", help="record the (single) model under this name instead of its preset, e.g. for "
+                                    "a run with other exporter options")
     args = ap.parse_args(argv[:cut])
     args.command_line = shlex.join(["python", "benchmarks/export_scale.py", *argv])
     extra = argv[cut + 1:]
@@ -360,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_tree = None
     try:
         ref_tree = add_worktree(args.reference, args.workdir) if args.reference else None
+        if args.label and len(models) != 1:
+            raise BenchError("--label names the results of one model: give one --models preset")
         for preset in models:
-            results[preset] = benchmark(preset, args, extra, ref_tree)
+            results[args.label or preset] = benchmark(preset, args, extra, ref_tree)
             RESULTS.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=2) + "\n")  # after each model: a later crash keeps it
     except BenchError as e:
@@ -373,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(results)
     (RESULTS / "export_scale.md").write_text(md)
     print("\n" + md)
-    return 1 if any(results[m]["failed"] for m in models) else 0
+    return 1 if any(results[args.label or m]["failed"] for m in models) else 0
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ def load(path, backend="auto", **options):
 
 
 def export_model(source, out, **options):
-    """Export a checkpoint; see `llama_ane.export.api.export_model`."""
-    from .export.api import export_model as _export
+    """Export a checkpoint; see `llama_ane.api.export_model`."""
+    from .api import export_model as _export
     return _export(source, out, **options)
 
 

@@ -5,7 +5,9 @@ manifest checks all read them from here.
   vocabulary to stay under it).
 - CACHE_MULTIPLE: cache and state dimensions are multiples of 32, or Core ML leaves them off the ANE.
 - FILE_LIMIT_BYTES: the largest package a device loads comfortably, ~1 GB on iOS and ~2 GB on
-  macOS; the chunk planner fills chunks up to it and `inspect --strict` rejects a package over it.
+  macOS; `inspect --strict` rejects a package over it. The planner fills each package with at most
+  `weight_budget(target)` bytes of weights: the limit less PROGRAM_BYTES, the room a package needs
+  for its program and the weight blob's headers (a 3-function, 8-layer chunk's program is 0.7 MB).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 MAX_DIM = 16384
 CACHE_MULTIPLE = 32
 FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
+PROGRAM_BYTES = 4_000_000
 
 # Core ML ArrayFeatureType codes and MIL dtype names -> the names the manifest uses
 COREML_ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}
@@ -28,3 +31,8 @@ def platform_of(target: str) -> str:
 def file_limit_bytes(target: str) -> int:
     """The package size limit of a deployment target."""
     return FILE_LIMIT_BYTES[platform_of(target)]
+
+
+def weight_budget(target: str) -> int:
+    """The weight bytes one package of a deployment target may hold."""
+    return file_limit_bytes(target) - PROGRAM_BYTES

@@ -53,7 +53,7 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 
     head_dim is 32 (explicit, > hidden/heads) so every cache dimension is ANE-aligned, as in real models.
     """
-    from llama_ane.export.api import export_model
+    from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=5, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny", context_length=256, prefill_length=64,
@@ -63,6 +63,6 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_export(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct) exported once per session with default options."""
-    from llama_ane.export.api import export_model
+    from llama_ane.api import export_model
 
     return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False)

@@ -133,14 +133,35 @@ def test_info(tiny_export):
     m = json.loads((tiny_export / "manifest.json").read_text())
     assert m["name"] in r.stdout
     assert "5 layers" in r.stdout and "context   256 tokens" in r.stdout and "prefill window 64" in r.stdout
-    assert "chunk_0    layers 0..1" in r.stdout and "chunk_2    layers 4..4" in r.stdout
+    assert "chunk_0      layers 0..1" in r.stdout and "chunk_2      layers 4..4" in r.stdout
     assert "sha256 verified" in r.stdout
 
 
 def test_info_json(tiny_export):
     r = run_cli("info", tiny_export, "--json")
     assert r.exit_code == 0, r.stderr
-    assert json.loads(r.stdout) == json.loads((tiny_export / "manifest.json").read_text())
+    got = json.loads(r.stdout)
+    traffic = got.pop("decode_step_bytes")
+    assert got == json.loads((tiny_export / "manifest.json").read_text())
+    # 5 layers, 2 kv heads x 32, context 256, fp16: each step reads every K and V cache once, and the
+    # cache update reads and writes them again
+    cache = 5 * 64 * 256 * 2
+    assert traffic["cache_read"] == 2 * cache and traffic["cache_update"] == 4 * cache
+    stepped = [c["model"] for c in got["chunks"]] + got["lm_head"]["models"]
+    assert traffic["weights"] == sum(got["weights"][m]["bytes"] for m in stepped) + 64 * 2  # + one embedding row
+    assert traffic["total"] == traffic["weights"] + 6 * cache
+
+
+def test_info_bandwidth_bound(tiny_export):
+    m = json.loads((tiny_export / "manifest.json").read_text())
+    r = run_cli("info", tiny_export, "--bandwidth", "100", "--json")
+    assert r.exit_code == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["bandwidth_bound_tokens_per_s"] == pytest.approx(100e9 / got["decode_step_bytes"]["total"])
+    text = run_cli("info", tiny_export, "--bandwidth", "100").stdout
+    assert "upper bound" in text and "not a measurement" in text and "MB per token" in text
+    assert m["name"] in text
+    assert_one_error_line(run_cli("info", tiny_export, "--bandwidth", "0"), "--bandwidth", "positive")
 
 
 def test_info_on_a_folder_that_is_not_an_export(tiny_checkpoint):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import llama_ane
-from llama_ane.export.manifest import ManifestError, read_manifest, write_manifest
+from llama_ane.contract.manifest import FORMAT_VERSION, ManifestError, read_manifest, write_manifest
 from llama_ane.export.validate import MAX_DIM, validate_export
 from llama_ane.testing import CHAT_TEMPLATE
 
@@ -50,7 +50,7 @@ def all_tensors(manifest):
 # ---- what a good export records --------------------------------------------------------------------
 
 def test_manifest_records(manifest, tiny_export):
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["context_length"] == 256 and manifest["prefill_length"] == 64
     assert manifest["precision"] == "fp16" and manifest["multifunction"] is True
     assert manifest["source"]["kind"] == "hf"
@@ -197,7 +197,7 @@ def test_missing_function_is_caught(copy):
         validate_export(copy)
 
 
-@pytest.mark.parametrize("version", [2, None, "1"])
+@pytest.mark.parametrize("version", [1, 3, None, "2"])
 def test_unknown_format_version_is_refused(copy, version):
     rewrite_manifest(copy, lambda m: m.update(format_version=version))
     with pytest.raises(ManifestError, match="format_version"):
@@ -242,7 +242,7 @@ def test_dimension_over_16384_is_caught(tmp_path):
     mlmodel.save(str(tmp_path / "wide.mlpackage"))
     io = {"inputs": [{"name": "x", "shape": [1, width], "dtype": "float16"}],
           "outputs": [{"name": "y", "shape": [1, width], "dtype": "float16"}]}
-    manifest = {"format_version": 1, "files": ["wide.mlpackage"],
+    manifest = {"format_version": FORMAT_VERSION, "files": ["wide.mlpackage"],
                 "models": {"wide": {"functions": {"main": {"file": "wide.mlpackage", "function_name": "main", **io}}}}}
     write_manifest(tmp_path, manifest)
     with pytest.raises(ManifestError, match=f"wide.mlpackage \\(main\\) input 'x' has a dimension over {MAX_DIM}"):
@@ -256,7 +256,7 @@ def leftovers(parent: Path, name: str) -> list[str]:
 
 
 def test_existing_out_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
-    from llama_ane.export.api import ExportError, export_model
+    from llama_ane.api import ExportError, export_model
 
     out = tmp_path / "out"
     out.mkdir()
@@ -269,7 +269,8 @@ def test_existing_out_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("stage", ["convert_all", "validate_export"])
 def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_path, monkeypatch, stage):
     """A failure during conversion or validation leaves no OUT and no partial folder."""
-    from llama_ane.export import api, convert, validate
+    from llama_ane import api
+    from llama_ane.export import convert, validate
 
     seen = {}
 
@@ -292,7 +293,8 @@ def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_p
 
 def test_failed_forced_export_keeps_the_previous_one(tiny_export, tmp_path, monkeypatch):
     """--force over a good export, interrupted (Ctrl-C) during conversion: the old export survives."""
-    from llama_ane.export import api, convert
+    from llama_ane import api
+    from llama_ane.export import convert
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -316,8 +318,8 @@ def test_failed_forced_export_keeps_the_previous_one(tiny_export, tmp_path, monk
     ({"precision": "int4"}, ["--precision"]),
 ])
 def test_bad_options_are_refused_before_anything_is_written(tiny_checkpoint, tmp_path, options, words):
-    from llama_ane.export.api import export_model
-    from llama_ane.export.describe import ExportOptionsError
+    from llama_ane.api import export_model
+    from llama_ane.contract.plan import ExportOptionsError
 
     out = tmp_path / "out"
     with pytest.raises(ExportOptionsError) as e:

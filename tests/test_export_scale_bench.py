@@ -36,7 +36,7 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
 def test_tiny_checkpoint_matches_transformers_and_is_sharded(bench, tmp_path):
     from safetensors import safe_open
 
-    from llama_ane.export.weights import check_safetensors
+    from llama_ane.checkpoint.loader import check_safetensors
 
     cfg = bench.preset_config("tiny")
     shapes = dict(bench.tensor_shapes(cfg))

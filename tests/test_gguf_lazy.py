@@ -13,7 +13,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from llama_ane.config import LlamaConfig, inv_freq  # noqa: E402
-from llama_ane.export.gguf_lazy import GGUFError, open_gguf  # noqa: E402
+from llama_ane.checkpoint.gguf_lazy import GGUFError, open_gguf  # noqa: E402
 
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
@@ -220,7 +220,7 @@ def test_smollm2_matches_transformers_full_load():
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from llama_ane.export.weights import default_gguf_path
+    from llama_ane.checkpoint.loader import default_gguf_path
 
     path = default_gguf_path()
     lazy = open_gguf(path)

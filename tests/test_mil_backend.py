@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import llama_ane
-from llama_ane.export.verify import compare_logits, default_text
+from llama_ane.verify import compare_logits, default_text
 from llama_ane.runtime.backends.base import BackendError
 from llama_ane.runtime.backends.mil_backend import MilBackend
 
@@ -94,7 +94,7 @@ TINY_VARIANTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
 def test_tiny_variants_mil_fp16_match_torch_fp16_on_real_text(variant, tiny_checkpoint, tmp_path):
-    from llama_ane.export.api import export_model
+    from llama_ane.api import export_model
 
     out = export_model(tiny_checkpoint(**TINY_VARIANTS[variant]), tmp_path / variant, context_length=256,
                        prefill_length=64, progress=False)

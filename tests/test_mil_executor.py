@@ -131,6 +131,25 @@ def test_block_fp16_stores_half_and_stays_close(block_packages):
         assert 0 < np.abs(h.astype(np.float32) - w).max() < 3e-2
 
 
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_stored_weights_give_the_same_outputs_with_half_the_bytes(block_packages, monkeypatch, precision):
+    """widen_weights=False keeps the fp16 conv weights as stored and widens them per call, a few rows
+    at a time (the block is shrunk here so every weight takes several): the same float32 products,
+    summed by BLAS in blocks (so an fp16 output may round one ulp the other way), half the bytes."""
+    from llama_ane.mil.kernels import linear
+
+    monkeypatch.setattr(linear, "_WIDEN_BLOCK", 5 * 64)  # 5 rows of a 64-channel weight per block
+    feeds = {k: v.numpy().astype(np.float16) for k, v in block_packages["example"].items()}
+    wide = PackageExecutor(block_packages["fp16"], precision=precision)
+    stored = PackageExecutor(block_packages["fp16"], precision=precision, widen_weights=False)
+    for w, s in zip(wide.run("main", feeds).values(), stored.run("main", feeds).values()):
+        assert s.dtype == w.dtype
+        tol = 2 ** -10 if precision == "fp16" else 1e-6  # one fp16 ulp, or float32 rounding
+        np.testing.assert_allclose(s.astype(np.float32), w.astype(np.float32), rtol=tol, atol=tol)
+    if precision == "fp16":
+        assert stored.held_weight_bytes() * 2 == pytest.approx(wide.held_weight_bytes(), rel=0.05)
+
+
 class Embeddings(nn.Module):
     """gather by token id, a RoPE table sliced at a runtime position, a mask from the position."""
 

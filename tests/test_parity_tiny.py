@@ -7,6 +7,8 @@ exporter traces, window by window, with the cache written by the cache-update mo
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -128,8 +130,9 @@ def test_text_prompt_through_the_tokenizer(tiny_checkpoint):
 
 
 def test_converted_export_folder_with_the_torch_backend(tiny_export):
-    """The tiny export (5 layers, 2 per chunk, prefill 64, context 256) through its own manifest."""
-    model = llama_ane.load(tiny_export, backend="torch")
+    """The tiny export (5 layers, 2 per chunk, prefill 64, context 256) through its own manifest,
+    with the checkpoint's fp32 weights."""
+    model = llama_ane.load(tiny_export, backend="torch", checkpoint=load_checkpoint_of(tiny_export))
     assert model.backend.name == "torch"
     assert [c["layers"] for c in model.manifest["chunks"]] == [[0, 1], [2, 3], [4]]
     ref = reference(model.manifest["source"]["path"])
@@ -154,3 +157,31 @@ def test_torch_fp16_stays_close_on_the_tiny_export(tiny_export):
     assert float(np.mean(got.argmax(-1) == want.argmax(-1))) >= 0.95
     assert float(np.abs(got - want).max()) < 0.1
     model.close()
+
+
+def load_checkpoint_of(export):
+    from llama_ane.contract.manifest import read_manifest
+
+    return read_manifest(export)["source"]["path"]
+
+
+def test_a_copied_export_runs_its_own_weights_with_the_torch_backend(tiny_export, tmp_path):
+    """Moved away from its checkpoint, an export still runs on the torch backend, from the weights in
+    its packages: the same values the mil backend executes, so in fp32 the two agree closely."""
+    import shutil
+
+    copy = tmp_path / "moved"
+    shutil.copytree(tiny_export, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["source"]["path"] = str(tmp_path / "no-such-checkpoint")  # the checkpoint is gone
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    ids = random_ids(manifest["config"]["vocab_size"], 100, seed=5)
+    torch_model = llama_ane.load(copy, backend="torch", precision="fp32")
+    mil_model = llama_ane.load(copy, backend="mil", precision="fp32")
+    try:
+        diff = float(np.abs(torch_model.score(ids) - mil_model.score(ids)).max())
+    finally:
+        torch_model.close()
+        mil_model.close()
+    print(f"torch (export weights) vs mil, fp32: max |logit diff| = {diff:.2e}")
+    assert diff <= MAX_LOGIT_DIFF

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_ane.export.weights import DEFAULT_GGUF, default_gguf_path
+from llama_ane.checkpoint.loader import DEFAULT_GGUF, default_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def reference():
 @pytest.fixture(scope="module")
 def default_checkpoint():
     """What `llama_ane.load("default", backend="torch", ...)` builds: manifest, checkpoint, tokenizer folder."""
-    from llama_ane.export.describe import describe_checkpoint
+    from llama_ane.contract.plan import describe_checkpoint
 
     return describe_checkpoint(None, context_length=CONTEXT, prefill_length=WINDOW)
 
@@ -174,8 +174,14 @@ def test_cli_export_of_the_default_model(tmp_path):
     assert info.exit_code == 0, info.stderr
     assert "SmolLM2-135M-Instruct" in info.stdout and "30 layers" in info.stdout and "sha256 verified" in info.stdout
     as_json = CliRunner().invoke(main, ["info", str(out), "--json"])
-    manifest = json.loads(as_json.stdout)
+    printed = json.loads(as_json.stdout)
+    traffic = printed.pop("decode_step_bytes")
+    manifest = printed
     assert validate_export(out) == manifest
+    assert traffic["total"] == traffic["weights"] + traffic["cache_read"] + traffic["cache_update"]
+    one_embedding_row = manifest["config"]["hidden_size"] * 2
+    assert traffic["weights"] == sum(w["bytes"] for name, w in manifest["weights"].items()
+                                     if name != "embeddings") + one_embedding_row
     assert manifest["lm_head"]["vocab_splits"] == [16384, 16384, 16384]
     dims = [d for m in manifest["models"].values() for f in m["functions"].values()
             for t in f["inputs"] + f["outputs"] for d in t["shape"]]

@@ -18,9 +18,11 @@ import torch
 
 import llama_ane
 from conftest import LLAMA3_ROPE
-from llama_ane.export.modules import build_model, build_model_set, model_names
-from llama_ane.export.verify import transformers_logits
-from llama_ane.export.weights import LAYER_TENSORS, load_checkpoint
+from llama_ane.checkpoint.loader import load_checkpoint
+from llama_ane.checkpoint.mapping import LAYER_TENSORS
+from llama_ane.contract.plan import ExportOptions, plan_export
+from llama_ane.runtime.backends.torch_modules import build_model, model_names
+from llama_ane.reference import transformers_logits
 
 CONTEXT, WINDOW = 128, 32
 # 3 full prefill windows and a 1-token (decode) window; 2 full windows and a partial one
@@ -35,7 +37,7 @@ def random_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
 @pytest.fixture(scope="module")
 def chunked_export(tiny_checkpoint, tmp_path_factory):
     """An fp16 export of a 3-layer tiny model, one layer per chunk (3 chunks), context 128, window 32."""
-    from llama_ane.export.api import export_model
+    from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "chunked", context_length=CONTEXT,
@@ -173,8 +175,8 @@ def test_torch_backend_holds_one_model_at_a_time(chunked_export, monkeypatch, no
 
     counter = LiveCounter()
 
-    def counted_build(ckpt, model, *args, **kwargs):
-        modules = build_model(ckpt, model, *args, **kwargs)
+    def counted_build(ckpt, manifest, model, *args, **kwargs):
+        modules = build_model(ckpt, manifest, model, *args, **kwargs)
         for module in {id(m): m for m in modules.values()}.values():
             counter.add(model, module)
         return modules
@@ -200,29 +202,35 @@ def layer_tensors(layer: int) -> set[str]:
 
 def test_build_model_reads_only_its_own_weights(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=3, tie_word_embeddings=True))
-    plan = [[0], [1, 2]]
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, layers_per_chunk=2,
+                                                  branch_width=2, suffix_length=32))
+    manifest = plan.manifest("tiny", {}, {}, files={})
+    assert plan.chunks == [[0, 1], [2]]
     read: list[str] = []
-    get = ckpt.get
+    get, get_rows = ckpt.get, ckpt.get_rows
     ckpt.get = lambda name: read.append(name) or get(name)
+    ckpt.get_rows = lambda name, start, end: read.append(name) or get_rows(name, start, end)
     want = {
         "embeddings": {"model.embed_tokens.weight"},
-        "chunk_0": layer_tensors(0),
-        "chunk_1": layer_tensors(1) | layer_tensors(2),
+        "chunk_0": layer_tensors(0) | layer_tensors(1),
+        "chunk_1": layer_tensors(2),
         "lm_head": {"model.embed_tokens.weight", "model.norm.weight"},  # tied
         "cache_update": set(),
     }
-    assert model_names(plan) == list(want)
+    assert model_names(manifest) == list(want)
     for name, tensors in want.items():
         read.clear()
-        modules = build_model(ckpt, name, plan, 64, 16)
+        modules = build_model(ckpt, manifest, name)
         assert set(read) == tensors, name
         assert all(t.device.type == "cpu" for m in modules.values() for t in [*m.parameters(), *m.buffers()])
+        assert set(modules) == set(manifest["models"][name]["functions"])
     with pytest.raises(KeyError, match="chunk_2"):
-        build_model(ckpt, "chunk_2", plan, 64, 16)
-    # the whole-model set is the union of the per-model builds, weights shared across functions
-    models = build_model_set(ckpt, plan, 64, 16)
-    assert models.module("chunk_1", "prefill") is models.module("chunk_1", "decode")
-    assert models.module("embeddings", "prefill").embed_tokens is models.module("embeddings", "decode").embed_tokens
+        build_model(ckpt, manifest, "chunk_2")
+    # the functions of one model share its weights
+    chunk = build_model(ckpt, manifest, "chunk_1")
+    assert chunk["prefill"] is chunk["decode"] and chunk["decode_branches"].chunk is chunk["decode"]
+    emb = build_model(ckpt, manifest, "embeddings")
+    assert emb["prefill"].embed_tokens is emb["decode"].embed_tokens is emb["decode_branches"].embed_tokens
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_scaling": dict(LLAMA3_ROPE)}],
@@ -236,6 +244,6 @@ def test_streamed_transformers_reference_matches_llama_for_causal_lm(tiny_checkp
     full = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         want = full(torch.tensor([ids])).logits[0].numpy()
-    got = transformers_logits({"config": ckpt.config.to_dict()}, ids, ckpt)
+    got = transformers_logits(ids, ckpt)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 
 from llama_ane.cli import main
 from llama_ane.export import convert
-from llama_ane.export.api import export_model
-from llama_ane.export.budget import GB, MemoryBudgetError, plan_memory
-from llama_ane.export.describe import ExportOptions, plan_export
+from llama_ane.api import export_model
+from llama_ane.export.budget import GIB, MemoryBudgetError, plan_memory
+from llama_ane.contract.plan import ExportOptions, plan_export
 from llama_ane.export.package_weights import model_hf_names
-from llama_ane.export.weights import load_checkpoint
+from llama_ane.checkpoint.loader import load_checkpoint
 
 TINY = dict(num_hidden_layers=5, head_dim=32)
 OPTIONS = dict(context_length=256, prefill_length=64, layers_per_chunk=2)
@@ -58,7 +58,7 @@ def test_too_small_max_memory_is_refused_before_any_conversion(tiny_checkpoint, 
     result = CliRunner().invoke(main, ["export", str(tiny_checkpoint(**TINY)), "-o", str(out), "--max-memory", "0.5",
                                        "--context-length", "256", "--layers-per-chunk", "2", "--quiet"])
     assert result.exit_code == 1
-    assert "the --max-memory is 0.5 GB; nothing was converted" in result.output
+    assert "the --max-memory is 0.5 GiB; nothing was converted" in result.output
     assert "What would fit" in result.output and "Traceback" not in result.output
     assert list(tmp_path.iterdir()) == []
 
@@ -66,12 +66,12 @@ def test_too_small_max_memory_is_refused_before_any_conversion(tiny_checkpoint, 
 def test_memory_plan_chooses_fewer_workers_when_memory_is_short(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint(**TINY))
     plan = plan_export(ckpt.config, ExportOptions(**OPTIONS))
-    roomy = plan_memory(plan, available=64 * GB, cores=8)
+    roomy = plan_memory(plan, available=64 * GIB, cores=8)
     assert roomy.workers == 6  # one per package: 3 chunks, embeddings, lm_head, cache_update
     one = plan_memory(plan, available=None, max_memory=roomy.build_peak - 1, cores=8, verify=False)
     assert 1 <= one.workers < 6 and one.build_peak < roomy.build_peak
     with pytest.raises(MemoryBudgetError, match="--max-memory is"):
-        plan_memory(plan, available=None, max_memory=GB // 2, cores=8)
+        plan_memory(plan, available=None, max_memory=GIB // 2, cores=8)
 
 
 def test_a_worker_killed_by_the_system_is_a_clear_error(tiny_checkpoint, tmp_path, monkeypatch):

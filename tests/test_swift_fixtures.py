@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llama_ane.export import swift_fixtures as sf
+import swift_fixtures as sf
 
 
 def _load(folder):

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from llama_ane.export.weights import (CheckpointError, chunk_state_dict, copy_tokenizer, embeddings_state_dict,
-                                      lm_head_state_dict, load_checkpoint)
+from llama_ane.checkpoint.loader import CheckpointError, copy_tokenizer, load_checkpoint
+from llama_ane.checkpoint.mapping import chunk_state_dict, embeddings_state_dict, lm_head_state_dict
 
 
 @pytest.fixture(scope="module")

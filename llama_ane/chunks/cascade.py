@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import LlamaConfig
 from .layers import MASK_VALUE
-from .models import BlockChunk, DecoderLayer, rope_tables
+from .models import BlockChunk, DecoderLayer, lookup, rope_tables
 
 
 def prefix_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
@@ -118,7 +118,8 @@ class BranchEmbeddings(nn.Module):
     def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, branches: int,
                  suffix_length: int):
         super().__init__()
-        self.embed_tokens = embed_tokens
+        self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
+        self.vocab_size = cfg.vocab_size
         cos, sin = rope_tables(cfg, context_length + suffix_length + 1)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -127,7 +128,7 @@ class BranchEmbeddings(nn.Module):
         self.register_buffer("self_column", torch.zeros(1, branches, 1, 1))
 
     def forward(self, input_ids, positions, prefix_length):
-        hidden = self.embed_tokens(input_ids).transpose(1, 2).unsqueeze(2)  # (1,C,1,B)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,B)
         cos = self.cos_table[positions].t().unsqueeze(0).unsqueeze(2)  # (1,D,1,B)
         sin = self.sin_table[positions].t().unsqueeze(0).unsqueeze(2)
         in_prefix = (self.prefix_slots < prefix_length.view(1, 1, 1, 1)).to(hidden.dtype)

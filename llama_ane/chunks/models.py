@@ -1,10 +1,13 @@
-"""The four exported models, as torch modules in the ANE layout.
+"""The exported models, as torch modules in the ANE layout.
 
     Embeddings   input_ids (1,S) int32, position (1,) int32
                  -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,1,S,T+S)
+    EmbeddingsPart  input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
+                 (a later file of an embedding table cut by rows: adds the lookup of its rows)
     BlockChunk   hidden_states, cos, sin, mask, k_cache/v_cache (L,KV,1,T)
                  -> hidden_states_out (1,C,1,S), k_new/v_new (L,KV,1,S)
-    LMHead       hidden_states (1,C,1,S) -> logits_i (1,V_i,1,S), V_i <= 16384
+    LMHead       hidden_states (1,C,1,S) -> logits_j (1,V_j,1,S), V_j <= 16384 (all splits j, or a
+                 file's group of them)
     CacheUpdate  k_cache/v_cache (L,KV,1,T), k_new/v_new (L,KV,1,S), position (1,) int32
                  -> k_cache_out/v_cache_out (L,KV,1,T)
 
@@ -22,6 +25,7 @@ from torch import nn
 from ..config import LlamaConfig, inv_freq
 from ..limits import MAX_DIM
 from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, conv1x1, grouped_attention
+from .plan import ROW_UNIT, even_parts
 
 
 class DecoderLayer(nn.Module):
@@ -96,18 +100,34 @@ def rope_tables(cfg: LlamaConfig, positions: int) -> tuple[torch.Tensor, torch.T
     return emb.cos(), emb.sin()
 
 
+def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """Channels-first embeddings of `input_ids` (1,S) -> (1,C,1,S) from `table`, rows start..start+n-1
+    of the vocabulary. A table of the whole vocabulary is a plain lookup; a part of it gives zeros
+    for ids outside its rows (their lookup is clamped into range and multiplied by 0), so the parts'
+    lookups add up to the whole one exactly."""
+    n = table.num_embeddings
+    if start == 0 and n == vocab_size:
+        return table(input_ids).transpose(1, 2).unsqueeze(2)
+    local = (input_ids - start).clamp(0, n - 1)
+    hit = ((input_ids >= start) & (input_ids < start + n)).unsqueeze(2)  # (1,S,1)
+    found = table(local)  # (1,S,C)
+    return (found * hit.to(found.dtype)).transpose(1, 2).unsqueeze(2)
+
+
 class Embeddings(nn.Module):
     """Token lookup, RoPE tables and the attention mask for one window of S tokens.
 
     The RoPE tables are constants covering positions 0 .. T+S-1 (computed in fp32, stored in the
     export precision) and are read with a gather: fp16 cannot compute cos(position * freq) for large
-    positions. Gathers are fine here; block chunks have none.
+    positions. Gathers are fine here; block chunks have none. With `rows` < vocab_size, the table
+    holds the first `rows` rows of the vocabulary and EmbeddingsPart files add the others.
     """
 
-    def __init__(self, cfg: LlamaConfig, context_length: int, window: int):
+    def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None):
         super().__init__()
         self.window = window
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.vocab_size = cfg.vocab_size
+        self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
         cos, sin = rope_tables(cfg, context_length + window)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -117,7 +137,7 @@ class Embeddings(nn.Module):
         self.register_buffer("window_mask", causal.view(1, 1, window, window))
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
-        hidden = self.embed_tokens(input_ids).transpose(1, 2).unsqueeze(2)  # (1,S,C) -> (1,C,1,S)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,S)
         pos = position + self.offsets  # (S,)
         cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (S,D) -> (1,D,1,S)
         sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
@@ -127,23 +147,43 @@ class Embeddings(nn.Module):
         return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
 
 
+class EmbeddingsPart(nn.Module):
+    """A later file of an embedding table cut by rows: adds the lookup of vocabulary rows
+    start .. start+rows-1 to the hidden states of the files before it.
+
+    input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
+    """
+
+    def __init__(self, cfg: LlamaConfig, start: int, rows: int):
+        super().__init__()
+        self.start, self.vocab_size = start, cfg.vocab_size
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size)
+
+
 def vocab_splits(vocab_size: int, limit: int = MAX_DIM) -> list[int]:
-    """Split the vocabulary into the fewest near-equal parts of at most `limit` rows each."""
-    n = -(-vocab_size // limit)
-    base, extra = divmod(vocab_size, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
+    """Split the vocabulary into the fewest near-equal parts of at most `limit` rows each, cut at
+    multiples of ROW_UNIT rows (the last part takes the remainder)."""
+    parts = -(-vocab_size // limit)
+    while max(b - a for a, b in even_parts(vocab_size, parts, ROW_UNIT)) > limit:
+        parts += 1
+    return [b - a for a, b in even_parts(vocab_size, parts, ROW_UNIT)]
 
 
 class LMHead(nn.Module):
     """Final norm and vocabulary projection, split so no dimension exceeds 16384.
 
-    hidden_states (1,C,1,S) -> tuple of logits_i (1,V_i,1,S)
+    hidden_states (1,C,1,S) -> tuple of logits_j (1,V_j,1,S), for the splits j in `heads` (default:
+    all; an LM head cut into files computes a group of them in each)
     """
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, heads: list[int] | None = None):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.splits = vocab_splits(cfg.vocab_size)
+        splits = vocab_splits(cfg.vocab_size)
+        self.splits = [splits[j] for j in (heads if heads is not None else range(len(splits)))]
         self.heads = nn.ModuleList(conv1x1(cfg.hidden_size, n) for n in self.splits)
 
     def forward(self, hidden_states):

@@ -1,27 +1,57 @@
-"""The chunk plan: which decoder layers go into which block-chunk file."""
+"""Which weights go into which file: decoder layers into block chunks, and the rows of the
+vocabulary matrices (embedding table, LM head) into as many files as the target's limit needs."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 from ..config import LlamaConfig
-from ..limits import file_limit_bytes
+from ..limits import weight_budget
 
 
-def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2) -> int:
-    """Weight bytes of one decoder layer (projections, MLP, two norms)."""
+def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of a decoder layer (its name in DecoderLayer) and its shape: (out, in) for the
+    projections, (C,) for the norms."""
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
-    params = c * q + 2 * c * kv + q * c + 3 * c * i + 2 * c
-    return params * bytes_per_weight
+    return {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
+            "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
+            "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+
+
+def weight_part(name: str) -> str | None:
+    """The part of the model a parameter belongs to, for compression: "embeddings" (the token
+    table), "attention" (q/k/v/o projections), "mlp", "lm_head" (the vocabulary heads), or None
+    (norms, RoPE tables: never compressed). `name` as in the modules: "layers.3.q_proj.weight"."""
+    if name == "embed_tokens.weight":
+        return "embeddings"
+    if name.startswith("heads."):
+        return "lm_head"
+    if name.startswith("layers.") and name.endswith("proj.weight"):
+        return "mlp" if ".mlp." in name else "attention"
+    return None
+
+
+def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2,
+                       stored: Callable[[str, tuple[int, ...]], int] | None = None) -> int:
+    """Weight bytes of one decoder layer (projections, MLP, two norms): dense at `bytes_per_weight`,
+    or as `stored(name, shape)` says (compressed weights)."""
+    shapes = layer_shapes(cfg)
+    if stored is None:
+        return sum(math.prod(shape) for shape in shapes.values()) * bytes_per_weight
+    return sum(stored(name, shape) for name, shape in shapes.items())
 
 
 def plan_chunks(cfg: LlamaConfig, layers_per_chunk: int | None = None, *,
-                target: str = "iOS18", bytes_per_weight: int = 2) -> list[list[int]]:
+                target: str = "iOS18", bytes_per_weight: int = 2, layer_bytes: int | None = None) -> list[list[int]]:
     """Group layer indices into chunks.
 
     With `layers_per_chunk` K, chunks hold K layers and the last one the remainder (5 layers at
-    K=2 -> [0,1], [2,3], [4]). Without it, K is the most layers whose weights fit the target's file
-    limit (`limits.file_limit_bytes`, the one `inspect --strict` enforces), and the layers are
-    spread evenly over the fewest chunks that K allows. Every layer lands in
-    exactly one chunk.
+    K=2 -> [0,1], [2,3], [4]). Without it, K is the most layers whose weights fit the target's
+    weight budget (`limits.weight_budget`: the file limit `inspect --strict` enforces, less room for
+    the program), and the layers are spread evenly over the fewest chunks that K allows. Every
+    layer lands in exactly one chunk. `layer_bytes` replaces the dense bytes of a layer (compressed
+    weights).
     """
     n = cfg.num_hidden_layers
     if layers_per_chunk is not None:
@@ -29,13 +59,43 @@ def plan_chunks(cfg: LlamaConfig, layers_per_chunk: int | None = None, *,
             raise ValueError(f"--layers-per-chunk must be at least 1, got {layers_per_chunk}")
         k = min(layers_per_chunk, n)
         return [list(range(s, min(s + k, n))) for s in range(0, n, k)]
-    per_layer = layer_weight_bytes(cfg, bytes_per_weight)
-    k = max(1, min(n, file_limit_bytes(target) // per_layer))
-    count = -(-n // k)
-    base, extra = divmod(n, count)
-    chunks, start = [], 0
-    for c in range(count):
-        size = base + (1 if c < extra else 0)
-        chunks.append(list(range(start, start + size)))
-        start += size
-    return chunks
+    per_layer = layer_bytes or layer_weight_bytes(cfg, bytes_per_weight)
+    k = max(1, min(n, weight_budget(target) // per_layer))
+    return [list(range(a, b)) for a, b in even_parts(n, -(-n // k))]
+
+
+ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
+
+
+def even_parts(count: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """[start, end) ranges of `count` items cut into `parts` consecutive near-equal parts, each
+    boundary a multiple of `unit` (the last part takes the remainder)."""
+    units = -(-count // unit)
+    base, extra = divmod(units, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(min(count, bounds[-1] + (base + (1 if i < extra else 0)) * unit))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def vocab_row_ranges(rows: int, row_bytes: int, budget: int, fixed_bytes: int = 0) -> list[tuple[int, int]]:
+    """[start, end) row ranges of a (rows, C) table cut into the fewest near-equal files whose bytes
+    (`fixed_bytes` of other weights each, plus its rows) fit `budget`; boundaries at ROW_UNIT rows."""
+    files = max(1, -(-(rows * row_bytes + fixed_bytes) // budget))
+    while max(b - a for a, b in even_parts(rows, files, ROW_UNIT)) * row_bytes + fixed_bytes > budget:
+        files += 1
+    return even_parts(rows, files, ROW_UNIT)
+
+
+def group_heads(splits: list[int], row_bytes: int, budget: int, fixed_bytes: int = 0) -> list[list[int]]:
+    """The LM head's vocabulary splits (rows per head) grouped, consecutive and near-equal in count,
+    into the fewest files whose bytes fit `budget`; returns each file's head indices."""
+    if max(splits) * row_bytes + fixed_bytes > budget:
+        raise ValueError(f"a head of {max(splits)} rows ({max(splits) * row_bytes} bytes) does not fit "
+                         f"one file of {budget} bytes")
+    files = max(1, -(-(sum(splits) * row_bytes + fixed_bytes) // budget))
+    while True:
+        groups = [list(range(a, b)) for a, b in even_parts(len(splits), files)]
+        if all(sum(splits[i] for i in g) * row_bytes + fixed_bytes <= budget for g in groups):
+            return groups
+        files += 1

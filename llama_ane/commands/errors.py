@@ -10,14 +10,15 @@ import click
 from ..config import ConfigError
 from ..export.budget import MemoryBudgetError
 from ..export.convert import ConversionError
-from ..export.describe import ExportOptionsError
-from ..export.manifest import ManifestError
-from ..export.weights import CheckpointError
+from ..contract.plan import ExportOptionsError
+from ..contract.manifest import ManifestError
+from ..checkpoint.loader import CheckpointError
+from ..quantize import QuantizeError
 from ..runtime.backends.base import BackendError
 from ..runtime.pipeline import CacheUpdateError, ContextFullError
 
 USER_ERRORS = (ConfigError, CheckpointError, ExportOptionsError, ManifestError, BackendError,
-               ContextFullError, CacheUpdateError, MemoryBudgetError, ConversionError, ValueError,
+               ContextFullError, CacheUpdateError, MemoryBudgetError, ConversionError, QuantizeError, ValueError,
                FileNotFoundError)
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..export.describe import TARGETS
+from ..contract.plan import TARGETS
+from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
 from .errors import user_errors
 
 
@@ -28,27 +29,35 @@ from .errors import user_errors
 @click.option("--workers", type=int, default=None,
               help="Packages built at once [default: from cores and available memory].")
 @click.option("--max-memory", "max_memory", type=float, default=None,
-              help="Memory budget in GB, instead of what the machine reports as available; an export "
+              help="Memory budget in GiB, instead of what the machine reports as available; an export "
                    "estimated above it is refused before anything is converted.")
+@click.option("--quantize", default="none", show_default=True, metavar="SCHEME",
+              help=f"Compress the weights: {', '.join(SCHEMES)} (lutN: N-bit palettization, intN: N-bit integers).")
+@click.option("--quantize-embeddings", metavar="SCHEME", help="Scheme of the embedding table [default: --quantize].")
+@click.option("--quantize-attention", metavar="SCHEME", help="Scheme of the q/k/v/o projections [default: --quantize].")
+@click.option("--quantize-mlp", metavar="SCHEME", help="Scheme of the MLP projections [default: --quantize].")
+@click.option("--quantize-lm-head", metavar="SCHEME", help="Scheme of the LM head [default: --quantize].")
+@click.option("--group-size", type=int, default=None,
+              help=f"Output channels sharing one LUT [default: {DEFAULT_GROUP_SIZE} on iOS18/macOS15; 0 = one per tensor].")
+@click.option("--block-size", type=int, default=None,
+              help="Input channels sharing one scale [default: 32 for int4, 0 (one per output channel) for int8].")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
-@click.option("--swift-fixtures", type=click.Path(path_type=Path), default=None,
-              help="Also write the Swift package's test fixtures to this folder.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, target,
-            precision, workers, max_memory, force, no_verify, swift_fixtures, quiet):
+            precision, workers, max_memory, quantize, quantize_embeddings, quantize_attention, quantize_mlp,
+            quantize_lm_head, group_size, block_size, force, no_verify, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
-    from ..export.api import export_model
+    from ..api import export_model
 
     t0 = time.perf_counter()
     with user_errors():
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, target=target, precision=precision, force=force,
-                     verify=not no_verify, workers=workers, max_memory_gb=max_memory, progress=not quiet, log=click.echo)
-        if swift_fixtures is not None:
-            from ..export.swift_fixtures import write_swift_fixtures
-            write_swift_fixtures(swift_fixtures)
-            click.echo(f"swift fixtures written to {swift_fixtures}")
+                     verify=not no_verify, workers=workers, max_memory_gb=max_memory, quantize=quantize,
+                     quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
+                     quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
+                     block_size=block_size, progress=not quiet, log=click.echo)
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")

@@ -12,15 +12,26 @@ from .errors import user_errors
 
 @click.command("info")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def command(out, as_json):
-    """Describe the export in OUT (the hashes are checked)."""
-    from ..export.manifest import read_manifest
+@click.option("--bandwidth", type=float, default=None, metavar="GB/S",
+              help="Memory bandwidth of a device: adds the decode tokens/s that bandwidth bounds (an upper "
+                   "bound, not a measurement).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest, with the decode step's traffic, as JSON.")
+def command(out, bandwidth, as_json):
+    """Describe the export in OUT (the hashes are checked): its models, weights and the bytes one
+    decode step reads."""
+    from ..contract.manifest import read_manifest
+    from ..contract.traffic import decode_step_traffic
 
     with user_errors():
         m = read_manifest(out)
+        if bandwidth is not None and bandwidth <= 0:
+            raise ValueError(f"--bandwidth must be a positive number of GB/s, got {bandwidth}")
+    traffic = decode_step_traffic(m)
     if as_json:
-        click.echo(json.dumps(m, indent=2))
+        extra = {"decode_step_bytes": traffic.to_dict()}
+        if bandwidth is not None:
+            extra["bandwidth_bound_tokens_per_s"] = traffic.tokens_per_s_bound(bandwidth)
+        click.echo(json.dumps({**m, **extra}, indent=2))
         return
     c = m["config"]
     click.echo(f"{m['name']}  (format {m['format_version']}, made by llama_ane {m['created_by'].get('llama_ane')})")
@@ -31,9 +42,36 @@ def command(out, as_json):
                f"{'multifunction' if m['multifunction'] else 'single-function'} packages")
     if m.get("branch_width"):
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
+    weights = m.get("weights", {})
+
+    def mb(model: str) -> str:
+        w = weights.get(model)
+        if not w:
+            return ""
+        dense = f" ({w['dense_bytes'] / 1e6:.1f} MB dense)" if w["dense_bytes"] != w["bytes"] else ""
+        return f", {w['bytes'] / 1e6:.1f} MB{dense}"
+    for model, (a, b) in zip(m["embeddings"]["models"], m["embeddings"]["vocab_ranges"]):
+        click.echo(f"  {model:<12} token rows {a}..{b - 1}{mb(model)}")
     for chunk in m["chunks"]:
-        click.echo(f"  {chunk['model']:<10} layers {chunk['layers'][0]}..{chunk['layers'][-1]}")
-    click.echo(f"  lm head   vocab split {m['lm_head']['vocab_splits']}")
+        click.echo(f"  {chunk['model']:<12} layers {chunk['layers'][0]}..{chunk['layers'][-1]}{mb(chunk['model'])}")
+    for model in m["lm_head"]["models"]:
+        splits = [o["shape"][1] for o in m["models"][model]["functions"]["decode"]["outputs"]]
+        click.echo(f"  {model:<12} vocab splits {splits}{mb(model)}")
+    schemes = {part: d["scheme"] for part, d in m.get("quantization", {}).items()}
+    if any(s != "none" for s in schemes.values()):
+        click.echo("  weights   " + ", ".join(f"{part} {scheme}" for part, scheme in schemes.items()))
+    t = traffic
+    compressed = t.weights != t.weights_dense
+    click.echo(f"  decode    {t.total / 1e6:.1f} MB per token: weights {t.weights / 1e6:.1f} MB"
+               + (f" as stored ({t.weights_dense / 1e6:.1f} MB decompressed)" if compressed else "")
+               + f", KV cache read {t.cache_read / 1e6:.1f} MB, cache update {t.cache_update / 1e6:.1f} MB "
+                 "(read and written)")
+    if bandwidth is not None:
+        bound = f"{t.tokens_per_s_bound(bandwidth):.1f}"
+        if compressed:
+            bound += f" ({t.tokens_per_s_bound(bandwidth, dense=True):.1f} if decompressed at load)"
+        click.echo(f"  bound     at {bandwidth:g} GB/s: at most {bound} tokens/s (upper bound from bytes per token, "
+                   "not a measurement)")
     size = sum(f.stat().st_size for name in m["files"] for f in ([out / name] if (out / name).is_file()
                                                                    else (out / name).rglob("*")) if f.is_file())
     click.echo(f"  files     {len(m['files'])}, {size / 1e6:.1f} MB, sha256 verified")

@@ -24,7 +24,7 @@ import click
 def command(out: str, backend: str, text_file: str | None, max_tokens: int, precision: str | None,
             no_transformers: bool) -> None:
     """Check that the exported packages reproduce their source model's logits."""
-    from ..export.verify import verify_export
+    from ..verify import verify_export
 
     text = None
     if text_file is not None:

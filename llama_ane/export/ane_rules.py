@@ -11,7 +11,9 @@ The rules (see docs/ARCHITECTURE "ANE rules"):
 - cache and state tensors: every dimension after the first (the layer axis) that is not 1 is a
   multiple of 32; for cascade suffix caches (layers*kv_heads, branches, head_dim, length) the
   branch axis is a batch axis too, and head_dim and length are checked;
-- package size at most 1 GB for iOS targets, 2 GB for macOS targets.
+- package size at most 1 GB for iOS targets, 2 GB for macOS targets;
+- compressed weights only in forms the target runs: grouped LUTs, blockwise and 4-bit integers
+  (constexpr_blockwise_shift_scale, the iOS18 constexpr_lut_to_dense) need iOS18/macOS15.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..limits import CACHE_MULTIPLE, FILE_LIMIT_BYTES, MAX_DIM, platform_of
+
+IOS18_COMPRESSION = {  # constexpr op (form) -> what it is, for the message
+    "constexpr_blockwise_shift_scale": "blockwise or 4-bit integer weights",
+    "constexpr_lut_to_dense/iOS18": "per-grouped-channel LUT weights",
+    "constexpr_lut_to_sparse": "sparse LUT weights",
+    "constexpr_sparse_blockwise_shift_scale": "sparse blockwise weights",
+    "constexpr_cast": "cast weights",
+}
+IOS18_TARGETS = ("iOS18", "macOS15")
 
 FALLBACK_ANYWHERE = {"cond": "control flow", "while_loop": "control flow", "band_part": "in-graph band_part"}
 FALLBACK_IN_CHUNKS = {"gather", "gather_along_axis", "gather_nd", "scatter", "scatter_along_axis", "scatter_nd"}
@@ -166,6 +177,32 @@ def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
 
 
 FUNCTION_RULES = (check_max_dim, check_fp32_io, check_fallback_ops, check_cache_multiple)
+
+
+def compression_form(op: OpInfo) -> str:
+    """The constexpr op's form: its type, with "/iOS18" for the iOS18 signature of
+    constexpr_lut_to_dense (its indices and LUT are inputs; the iOS16 one holds them, and a
+    `shape`, as attributes)."""
+    if op.op_type == "constexpr_lut_to_dense" and "indices" in op.const_params:
+        return "constexpr_lut_to_dense/iOS18"
+    return op.op_type
+
+
+def check_compression(fn: FunctionSummary, target: str) -> list[Violation]:
+    """Compressed weights the target cannot decompress: a Core ML load error on the device."""
+    if target in IOS18_TARGETS:
+        return []
+    platform = "macOS15" if platform_of(target) == "macOS" else "iOS18"
+    out = []
+    for op in fn.ops:
+        what = IOS18_COMPRESSION.get(compression_form(op))
+        if what:
+            out.append(Violation(
+                "compression-op", fn.package, fn.function,
+                f"op {op.op_type!r} ({op.name}): {what} need {platform} or later, the target is {target}; "
+                f"export with --target {platform}, or with a scheme {target} runs (int8, lutN without --group-size)",
+            ))
+    return out
 
 
 def check_function(fn: FunctionSummary) -> list[Violation]:

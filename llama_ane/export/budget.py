@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass
 
 from ..chunks.plan import layer_weight_bytes
-from .describe import ExportPlan
+from ..contract.plan import ExportPlan
 
-GB = 1 << 30
-PARENT_BYTES = int(0.9 * GB)  # python, torch, coremltools and the tokenizer, before any weight
-WORKER_BYTES = int(0.25 * GB)  # a forked worker's own pages beyond those it shares with the parent
+GIB = 1 << 30
+PARENT_BYTES = int(0.9 * GIB)  # python, torch, coremltools and the tokenizer, before any weight
+WORKER_BYTES = int(0.25 * GIB)  # a forked worker's own pages beyond those it shares with the parent
 BUILD_FACTOR = 2.0  # peak bytes of building a package, per byte of its weights
 VERIFY_FACTOR = 3.5  # peak bytes of verifying a package, per byte of its weights
 
@@ -41,14 +41,14 @@ class MemoryPlan:
         return max(self.build_peak, self.verify_peak)
 
     def describe(self) -> str:
-        room = f" of {self.budget / GB:.1f} GB" if self.budget else ""
-        return (f"{self.workers} worker(s), estimated peak {self.peak / GB:.1f} GB{room} "
-                f"(build {self.build_peak / GB:.1f}, verify {self.verify_peak / GB:.1f})")
+        room = f" of {self.budget / GIB:.1f} GiB" if self.budget else ""
+        return (f"{self.workers} worker(s), estimated peak {self.peak / GIB:.1f} GiB{room} "
+                f"(build {self.build_peak / GIB:.1f}, verify {self.verify_peak / GIB:.1f})")
 
 
 def build_peak(plan: ExportPlan, workers: int) -> int:
     """Estimated peak while `workers` packages are built at once (the largest ones first)."""
-    sizes = sorted((p.weight_bytes for p in plan.packages), reverse=True)[:max(1, workers)]
+    sizes = sorted((p.dense_bytes for p in plan.packages), reverse=True)[:max(1, workers)]
     return PARENT_BYTES + sum(WORKER_BYTES + int(BUILD_FACTOR * s) for s in sizes)
 
 
@@ -56,13 +56,13 @@ def verify_peak(plan: ExportPlan, verify: bool) -> int:
     """Estimated peak of the streamed parity gate (0 without it)."""
     if not verify:
         return 0
-    return PARENT_BYTES + int(VERIFY_FACTOR * max(p.weight_bytes for p in plan.packages))
+    return PARENT_BYTES + int(VERIFY_FACTOR * max(p.dense_bytes for p in plan.packages))
 
 
 def _fits_chunk(plan: ExportPlan, budget: int, verify: bool) -> int | None:
     """The largest --layers-per-chunk whose packages fit `budget` with one worker, if any."""
     cfg, per_weight = plan.config, 2 if plan.options.precision == "fp16" else 4
-    other = max((p.weight_bytes for p in plan.packages if not p.layers), default=0)
+    other = max((p.dense_bytes for p in plan.packages if not p.layers), default=0)
     factor = max(BUILD_FACTOR, VERIFY_FACTOR if verify else 0)
     for k in range(max(len(c) for c in plan.chunks) - 1, 0, -1):
         if PARENT_BYTES + WORKER_BYTES + factor * max(other, k * layer_weight_bytes(cfg, per_weight)) <= budget:
@@ -90,16 +90,16 @@ def plan_memory(plan: ExportPlan, *, available: int | None, max_memory: int | No
     where = "--max-memory" if max_memory is not None else "available memory"
     hints = []
     if chosen > 1:
-        hints.append(f"--workers 1 (estimated {max(build_peak(plan, 1), result.verify_peak) / GB:.1f} GB)")
+        hints.append(f"--workers 1 (estimated {max(build_peak(plan, 1), result.verify_peak) / GIB:.1f} GiB)")
     if verify and result.verify_peak > budget and build_peak(plan, chosen) <= budget:
-        hints.append(f"--no-verify (estimated {build_peak(plan, chosen) / GB:.1f} GB; run `llama-ane verify` "
+        hints.append(f"--no-verify (estimated {build_peak(plan, chosen) / GIB:.1f} GiB; run `llama-ane verify` "
                      "later on a larger machine)")
     k = _fits_chunk(plan, budget, verify)
     if k is not None:
         hints.append(f"--layers-per-chunk {k}")
     if max_memory is None:
-        hints.append("--max-memory GB to proceed with a budget you set")
+        hints.append("--max-memory GiB to proceed with a budget you set")
     raise MemoryBudgetError(
-        f"this export needs about {result.peak / GB:.1f} GB ({result.describe()}) but the {where} is "
-        f"{budget / GB:.1f} GB; nothing was converted. What would fit: " + ("; ".join(hints) or
+        f"this export needs about {result.peak / GIB:.1f} GiB ({result.describe()}) but the {where} is "
+        f"{budget / GIB:.1f} GiB; nothing was converted. What would fit: " + ("; ".join(hints) or
                                                                            "a machine with more memory"))

@@ -23,8 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from .describe import ExportPlan, PackageSpec
-from .weights import Checkpoint
+from ..contract.plan import ExportPlan, PackageSpec
+from ..checkpoint.loader import Checkpoint
 
 SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
 
@@ -51,8 +51,23 @@ def quiet_coremltools():
         logger.setLevel(level)
 
 
-def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path) -> Path:
-    """Read `spec`'s weights, build its program and save it as `folder / spec.file`."""
+def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None):
+    """Parameter name inside `spec`'s program -> its input channels' importance (see
+    reference.activation_importance, keyed by HF layer), or None."""
+    def find(name: str) -> np.ndarray | None:
+        if not importance:
+            return None
+        if name.startswith("layers."):
+            _, j, rest = name.split(".", 2)
+            return importance.get(f"layers.{spec.layers[int(j)]}.{rest}")
+        return importance.get("heads") if name.startswith("heads.") else None
+    return find
+
+
+def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path,
+                  importance: dict[str, np.ndarray] | None = None) -> Path:
+    """Read `spec`'s weights, build its program and save it as `folder / spec.file`; `importance`
+    weighs the LUT fits of compressed weights."""
     import coremltools as ct
 
     from .package_weights import PackageWeights
@@ -60,25 +75,28 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
 
     o = plan.options
     dtype = np.float16 if o.precision == "fp16" else np.float32
-    weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions)
+    weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions, spec.rows)
     functions = {fn: plan.specs[spec.model][fn] for fn in spec.functions}
     with quiet_coremltools():
         prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
                              opset=getattr(ct.target, o.target), layers=len(spec.layers),
-                             context_length=o.context_length, suffix_length=o.suffix_length)
+                             context_length=o.context_length, suffix_length=o.suffix_length, rows=spec.rows,
+                             compressions=plan.compression, importance=importance_of(spec, importance),
+                             multifunction=o.multifunction)
         path = folder / spec.file
         save_program(prog, path, SPECIFICATION_VERSIONS[o.target], o.multifunction)
     return path
 
 
-def _worker(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path, errors) -> None:
+def _worker(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path, errors,
+            importance) -> None:
     """Body of a forked worker: build one package, report a failure through `errors`."""
     import torch
 
     torch.set_num_threads(1)
     tempfile.tempdir = str(scratch)  # coremltools' temporary weight folders stay inside the export
     try:
-        build_package(spec, plan, ckpt, folder)
+        build_package(spec, plan, ckpt, folder, importance)
     except BaseException as exc:  # the parent turns this into a ConversionError
         errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
         os._exit(1)
@@ -91,34 +109,36 @@ def _death(spec: PackageSpec, code: int) -> ConversionError:
     else:
         cause = f"exited with code {code}"
     return ConversionError(
-        f"the worker building {spec.file} ({spec.weight_bytes / 1e9:.2f} GB of weights) {cause}; try "
+        f"the worker building {spec.file} ({spec.dense_bytes / 1e9:.2f} GB of weights) {cause}; try "
         "--workers 1, a smaller --layers-per-chunk, or closing other programs")
 
 
 def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: int,
-                progress: Callable[[PackageSpec], None] | None = None) -> None:
-    """Build every package of `plan` into `folder`, at most `workers` at a time.
+                progress: Callable[[PackageSpec], None] | None = None,
+                importance: dict[str, np.ndarray] | None = None) -> None:
+    """Build every package of `plan` into `folder`, at most `workers` at a time (`importance`:
+    see build_package).
 
     Raises ConversionError naming the package when a worker fails or dies; the caller removes
     `folder`. Without `fork` (Windows) the packages are built one by one in this process.
     """
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
-    order = sorted(plan.packages, key=lambda p: -p.weight_bytes)
+    order = sorted(plan.packages, key=lambda p: -p.dense_bytes)
     try:
         if "fork" not in multiprocessing.get_all_start_methods():
             for spec in order:
-                build_package(spec, plan, ckpt, folder)
+                build_package(spec, plan, ckpt, folder, importance)
                 if progress:
                     progress(spec)
             return
-        _run_forked(order, plan, ckpt, folder, scratch, max(1, workers), progress)
+        _run_forked(order, plan, ckpt, folder, scratch, max(1, workers), progress, importance)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_forked(order: list[PackageSpec], plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path,
-                workers: int, progress) -> None:
+                workers: int, progress, importance) -> None:
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
     todo, running = list(order), {}
@@ -126,7 +146,7 @@ def _run_forked(order: list[PackageSpec], plan: ExportPlan, ckpt: Checkpoint, fo
         while todo or running:
             while todo and len(running) < workers:
                 spec = todo.pop(0)
-                proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors),
+                proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors, importance),
                                    name=f"build {spec.file}", daemon=True)
                 proc.start()
                 running[proc.sentinel] = (proc, spec)

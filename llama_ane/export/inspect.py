@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..mil.package import MilPackage
+from ..contract.specs import model_kind
 from .ane_rules import (
     FunctionSummary,
     OpInfo,
     TensorInfo,
     Violation,
+    check_compression,
     check_file_size,
     check_function,
     platform_of,
@@ -51,7 +53,8 @@ class FunctionReport:
     outputs: list
     op_histogram: dict[str, int]
     const_count: int
-    weight_bytes: int
+    weight_bytes: int  # as stored: dense weights, and the codes and LUTs or scales of compressed ones
+    dense_weight_bytes: int  # the same weights decompressed
     largest_dim: int
     largest_dim_tensor: str
 
@@ -60,8 +63,8 @@ class FunctionReport:
             "function": self.function, "model": self.model, "role": self.role,
             "inputs": [_desc_dict(d) for d in self.inputs], "outputs": [_desc_dict(d) for d in self.outputs],
             "op_histogram": self.op_histogram, "const_count": self.const_count,
-            "weight_bytes": self.weight_bytes, "largest_dim": self.largest_dim,
-            "largest_dim_tensor": self.largest_dim_tensor,
+            "weight_bytes": self.weight_bytes, "dense_weight_bytes": self.dense_weight_bytes,
+            "largest_dim": self.largest_dim, "largest_dim_tensor": self.largest_dim_tensor,
         }
 
 
@@ -101,7 +104,9 @@ class InspectReport:
             lines.append(f"\n{pkg.file}  {pkg.size_bytes / 1e6:.1f} MB")
             for fn in pkg.functions:
                 label = f"{fn.model}/{fn.function}" if fn.model else fn.function
-                lines.append(f"  {label}  [{fn.role}]  weights {fn.weight_bytes / 1e6:.2f} MB, "
+                dense = (f" ({fn.dense_weight_bytes / 1e6:.2f} MB dense)"
+                         if fn.dense_weight_bytes != fn.weight_bytes else "")
+                lines.append(f"  {label}  [{fn.role}]  weights {fn.weight_bytes / 1e6:.2f} MB{dense}, "
                              f"largest dim {fn.largest_dim} ({fn.largest_dim_tensor})")
                 for kind, descs in (("in ", fn.inputs), ("out", fn.outputs)):
                     for d in descs:
@@ -134,6 +139,15 @@ def _tensor_type(value_type) -> tuple[tuple[int, ...], str, float]:
     return shape, name, size
 
 
+def _bytes(value_type) -> int:
+    """Bytes of a tensor of MIL ValueType `value_type` (sub-byte elements packed)."""
+    shape, _, size = _tensor_type(value_type)
+    n = 1
+    for d in shape:
+        n *= d
+    return int(-(-n * size // 1))
+
+
 def _walk_ops(block):
     """Every op of `block` and of the blocks nested in it (cond/while bodies)."""
     for op in block.operations:
@@ -152,25 +166,35 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
         shape, dtype, _ = _tensor_type(inp.type)
         tensors[inp.name] = TensorInfo(inp.name, shape, dtype, "input")
     const_names: set[str] = set()
-    blobs: dict[tuple[str, int], int] = {}
+    blobs: dict[tuple[str, int], int] = {}  # blob entry -> bytes as stored
+    dense: dict[tuple[str, int], int] = {}  # blob entry (a const's, or a constexpr's first input's) -> dense bytes
     histogram: Counter = Counter()
     ops: list[OpInfo] = []
     for op in _walk_ops(block):
         is_const = op.type == "const"
+        compressed = op.type.startswith("constexpr_")  # a compile-time weight decompressed at load
         if is_const:
             const_names.add(op.outputs[0].name)
             value = op.attributes["val"]
             if value.WhichOneof("value") == "blobFileValue":
-                shape, _, size = _tensor_type(op.outputs[0].type)
-                n = 1
-                for d in shape:
-                    n *= d
-                blobs[(value.blobFileValue.fileName, int(value.blobFileValue.offset))] = int(n * size)
+                key = (value.blobFileValue.fileName, int(value.blobFileValue.offset))
+                blobs[key] = dense[key] = _bytes(op.outputs[0].type)
         else:
             histogram[op.type] += 1
+        if compressed:
+            # iOS18 forms bind their data as inputs, the iOS16 forms hold it as attributes
+            values = [b.value for arg in op.inputs.values() for b in arg.arguments if b.WhichOneof("binding") == "value"]
+            values += [v for k, v in sorted(op.attributes.items()) if k != "name"]
+            entries = [(v.blobFileValue.fileName, int(v.blobFileValue.offset), v.type)
+                       for v in values if v.WhichOneof("value") == "blobFileValue"]
+            for file, offset, value_type in entries:
+                blobs[(file, offset)] = _bytes(value_type)
+            if entries:
+                dense[entries[0][:2]] = _bytes(op.outputs[0].type)
+            const_names.update(out.name for out in op.outputs)
         for out in op.outputs:
             shape, dtype, _ = _tensor_type(out.type)
-            tensors[out.name] = TensorInfo(out.name, shape, dtype, "const" if is_const else "op")
+            tensors[out.name] = TensorInfo(out.name, shape, dtype, "const" if is_const or compressed else "op")
         const_params = {}
         for param, arg in op.inputs.items():
             names = [b.name for b in arg.arguments if b.WhichOneof("binding") == "name"]
@@ -189,6 +213,7 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
         "op_histogram": dict(histogram),
         "const_count": len(const_names),
         "weight_bytes": sum(blobs.values()),
+        "dense_weight_bytes": sum(dense.values()),
         "largest_dim": max(largest.shape, default=0) if largest else 0,
         "largest_dim_tensor": largest.name if largest else "",
     }
@@ -196,14 +221,17 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
 
 
 def role_of_model(model: str, manifest: dict | None) -> str:
-    """The role of a manifest model (or a package stem without a manifest)."""
+    """The role of a manifest model (or a package stem without a manifest): "embeddings" (every
+    file of the table), "chunk", "lm_head" (every file of the head), "cache_update" or "unknown"."""
     if manifest is not None and any(c["model"] == model for c in manifest.get("chunks", [])):
         return "chunk"
-    if model in ("embeddings", "lm_head", "cache_update"):
-        return model
-    if manifest is None and model.startswith("chunk"):
-        return "chunk"
-    return "unknown"
+    try:
+        kind = model_kind(model)
+    except ValueError:
+        return "unknown"
+    if kind == "chunk" and manifest is not None:
+        return "unknown"  # named like a chunk but not one of the manifest's
+    return "embeddings" if kind == "embeddings_part" else kind
 
 
 def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str] | None = None,
@@ -223,6 +251,7 @@ def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str]
         summary, stats = summarize_function(package, function, role)
         functions.append(FunctionReport(function, model, role, summary.inputs, summary.outputs, **stats))
         violations.extend(check_function(summary))
+        violations.extend(check_compression(summary, target))
     size = package.size_bytes()
     violations.extend(check_file_size(package.name, size, target))
     return PackageReport(package.name, size, functions), violations
@@ -238,7 +267,7 @@ def inspect_path(path: str | Path, *, target: str | None = None) -> InspectRepor
     manifest_file = path / "manifest.json"
     if not manifest_file.is_file():
         raise InspectError(f"{path} is neither an export folder (no manifest.json) nor an .mlpackage")
-    from .manifest import read_manifest
+    from ..contract.manifest import read_manifest
 
     manifest = read_manifest(path, check_hashes=False)
     if target:

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-GB = 1 << 30
+GIB = 1 << 30
 
 
 def available_bytes() -> int | None:

@@ -11,7 +11,7 @@ docstrings); sizes are Python ints, so every shape is static.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -19,6 +19,8 @@ from coremltools.converters.mil import Builder as mb
 
 from ..chunks.layers import MASK_VALUE
 from ..config import LlamaConfig
+from ..quantize import Compression
+from .compressed import Payload, compress, constexpr
 
 Weights = Callable[[str], np.ndarray]  # our parameter name -> array in the export dtype
 
@@ -28,11 +30,18 @@ class Graph:
     """What every helper needs: the float dtype of the program and where its weights come from.
 
     `weight(name)` makes a const of parameter `name` whose blob entry is shared by every function
-    of the package that uses the same name.
+    of the package that uses the same name, or, when `compressions(name)` says so, the constexpr
+    op that decompresses it (see compressed.py). Each weight is read (and compressed) once for all
+    functions; a compressed weight's dense array is not kept. `ios18`: the program's opset has
+    the grouped and blockwise constexpr ops.
     """
 
     dtype: type  # np.float16 or np.float32
     weights: Weights
+    compressions: Callable[[str], Compression | None] = lambda name: None
+    ios18: bool = True
+    importance: Callable[[str], np.ndarray | None] = lambda name: None
+    _values: dict[str, np.ndarray | Payload] = field(default_factory=dict)
 
     def scalar(self, value: float):
         return self.dtype(value)
@@ -41,7 +50,14 @@ class Graph:
         return mb.const(val=np.asarray(value, self.dtype), name=name)
 
     def weight(self, name: str):
-        var = mb.const(val=self.weights(name), name=name.replace(".", "_"))
+        if name not in self._values:
+            c = self.compressions(name)
+            self._values[name] = (self.weights(name) if c is None
+                                  else compress(self.weights(name), c, self.importance(name)))
+        value = self._values[name]
+        if isinstance(value, Payload):
+            return constexpr(name, value, self.ios18)
+        var = mb.const(val=value, name=name.replace(".", "_"))
         var.op.weight_id = name
         return var
 

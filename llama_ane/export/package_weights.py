@@ -3,8 +3,10 @@
 A `PackageWeights` maps our parameter names (as in the torch modules: "layers.0.q_proj.weight",
 "embed_tokens.weight", "heads.1.weight", "cos_table", ...) to arrays in the export dtype. It reads
 the checkpoint tensor by tensor through the same pure mapping the torch backend uses (layer_tensor,
-as_conv), keeps each array once (every function of the package shares it), and never touches a
-tensor that belongs to another package.
+as_conv) and never touches a tensor that belongs to another package. Each name is read once: the
+program builder keeps what it was given (or its compressed form) for every function; only what
+several names share (the LM head matrix the heads are cut from, the pair of RoPE tables) is kept
+here.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 
 from ..chunks.models import vocab_splits
 from ..config import LlamaConfig
+from ..contract.specs import model_kind
 from .programs import rope_weights
-from .weights import Checkpoint, as_conv, layer_tensor
+from ..checkpoint.loader import Checkpoint
+from ..checkpoint.mapping import as_conv, layer_tensor
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -31,12 +35,13 @@ def to_array(t: torch.Tensor, dtype: type) -> np.ndarray:
 
 def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int]) -> set[str]:
     """The checkpoint tensors a package of `model` reads (what lazy loading may touch)."""
-    if model == "embeddings":
+    kind = model_kind(model)
+    if kind in ("embeddings", "embeddings_part"):
         return {"model.embed_tokens.weight"}
-    if model == "lm_head":
+    if kind == "lm_head":
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         return {head, "model.norm.weight"}
-    from .weights import LAYER_TENSORS
+    from ..checkpoint.mapping import LAYER_TENSORS
     return {f"model.layers.{n}.{hf}" for n in layers for hf in LAYER_TENSORS.values()}
 
 
@@ -49,44 +54,48 @@ class PackageWeights:
     layers : HF layer indices of a block chunk, in order ("layers.j.*" is HF layer `layers[j]`).
     dtype : np.float16 or np.float32.
     rope_positions : rows of the RoPE tables the embeddings functions may read.
+    rows : [start, end) vocabulary rows of an embeddings or LM head file: "embed_tokens.weight" is
+        those rows of the table, and only the rows of the heads inside them are read.
     """
 
-    def __init__(self, ckpt: Checkpoint, dtype: type, layers: list[int] | None = None, rope_positions: int = 0):
+    def __init__(self, ckpt: Checkpoint, dtype: type, layers: list[int] | None = None, rope_positions: int = 0,
+                 rows: tuple[int, int] | None = None):
         self.ckpt = ckpt
         self.cfg = ckpt.config
         self.dtype = dtype
         self.layers = list(layers or [])
         self.rope_positions = rope_positions
+        self.rows = rows or (0, self.cfg.vocab_size)
         self._arrays: dict[str, np.ndarray] = {}
 
     def __call__(self, name: str) -> np.ndarray:
-        if name not in self._arrays:
-            self._arrays[name] = self._read(name)
-        return self._arrays[name]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for k, a in self._arrays.items() if not k.startswith("heads."))
+        if name in self._arrays:
+            return self._arrays[name]
+        return self._read(name)
 
     def _read(self, name: str) -> np.ndarray:
         if name.startswith("layers."):
             _, j, ours = name.split(".", 2)
             return to_array(layer_tensor(self.ckpt, self.layers[int(j)], ours), self.dtype)
         if name == "embed_tokens.weight":
-            return to_array(self.ckpt.tensor("model.embed_tokens.weight"), self.dtype)
+            return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype)
         if name in ("cos_table", "sin_table"):
             tables = rope_weights(self.cfg, self.rope_positions, self.dtype)
-            self._arrays.update(tables)
+            self._arrays.update(tables)  # made together, read one at a time
             return tables[name]
         if name == "norm.weight":
             return to_array(self.ckpt.tensor("model.norm.weight"), self.dtype)
-        if name.startswith("heads."):
-            matrix = self("lm_head_matrix")
-            i = int(name.split(".")[1])
+        if name.startswith("heads."):  # heads.j: vocabulary split j, inside this file's rows
+            if "lm_head_matrix" not in self._arrays:  # read once, cut into every head
+                self._arrays["lm_head_matrix"] = self._read("lm_head_matrix")
+            matrix = self._arrays["lm_head_matrix"]
+            j = int(name.split(".")[1])
             splits = vocab_splits(self.cfg.vocab_size)
-            start = sum(splits[:i])
-            return as_conv(torch.from_numpy(matrix[start:start + splits[i]])).numpy()
-        if name == "lm_head_matrix":
+            start = sum(splits[:j]) - self.rows[0]
+            if start < 0 or start + splits[j] > len(matrix):
+                raise KeyError(f"{name} is not inside this file's vocabulary rows {self.rows}")
+            return as_conv(torch.from_numpy(matrix[start:start + splits[j]])).numpy()
+        if name == "lm_head_matrix":  # this file's rows of the (tied or untied) output matrix
             hf = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-            return to_array(self.ckpt.tensor(hf), self.dtype)
+            return to_array(self.ckpt.rows(hf, *self.rows), self.dtype)
         raise KeyError(f"no weight {name!r} in this package")

@@ -24,7 +24,7 @@ from coremltools.converters.mil.mil import Function, Program, types
 from ..chunks.models import rope_tables
 from ..config import LlamaConfig
 from . import mil_layers as L
-from .specs import BRANCHES
+from ..contract.specs import BRANCHES, model_kind
 
 _TYPES = {"float16": types.fp16, "float32": types.fp32, "int32": types.int32}
 
@@ -44,14 +44,28 @@ def _shape(io: dict, name: str, where: str = "inputs") -> list[int]:
     return next(t["shape"] for t in io[where] if t["name"] == name)
 
 
-def embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int):
+def lookup(g: L.Graph, input_ids, rows: tuple[int, int], vocab_size: int):
+    """Embeddings of input_ids (1,S) from vocabulary rows [start, end) -> (1,C,1,S) (chunks.models.lookup):
+    ids outside the rows are clamped into range and their lookup multiplied by 0."""
+    table = g.weight("embed_tokens.weight")
+    start, end = rows
+    if start == 0 and end == vocab_size:
+        found = mb.gather(x=table, indices=input_ids, axis=0)  # (1,S,C)
+    else:
+        local = mb.minimum(x=mb.maximum(x=mb.sub(x=input_ids, y=np.int32(start)), y=np.int32(0)),
+                           y=np.int32(end - start - 1))
+        hit = mb.logical_and(x=mb.greater_equal(x=input_ids, y=np.int32(start)), y=mb.less(x=input_ids, y=np.int32(end)))
+        hit = mb.expand_dims(x=mb.cast(x=hit, dtype="fp16" if g.dtype == np.float16 else "fp32"), axes=[2])  # (1,S,1)
+        found = mb.mul(x=mb.gather(x=table, indices=local, axis=0), y=hit)
+    return mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2])  # (1,S,C) -> (1,C,1,S)
+
+
+def embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
     """Token lookup, RoPE rows and the mask of one window (chunks.models.Embeddings)."""
     def body(inputs):
         s = _shape(io, "input_ids")[1]
         t = context_length
-        table = g.weight("embed_tokens.weight")
-        hidden = mb.expand_dims(x=mb.transpose(x=mb.gather(x=table, indices=inputs["input_ids"], axis=0),
-                                               perm=[0, 2, 1]), axes=[2])  # (1,S,C) -> (1,C,1,S)
+        hidden = lookup(g, inputs["input_ids"], rows, cfg.vocab_size)
         pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
         cos, sin = (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=pos, axis=0), perm=[1, 0]),
                                shape=[1, cfg.head_dim, 1, s]) for name in ("cos_table", "sin_table"))
@@ -66,14 +80,13 @@ def embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: 
     return body
 
 
-def branch_embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int, suffix_length: int):
+def branch_embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int, suffix_length: int,
+                               rows: tuple[int, int]):
     """Token lookup, per-branch RoPE rows, prefix and suffix masks (chunks.cascade.BranchEmbeddings)."""
     def body(inputs):
         b = _shape(io, "input_ids")[1]
         t, u = context_length, suffix_length
-        table = g.weight("embed_tokens.weight")
-        hidden = mb.expand_dims(x=mb.transpose(x=mb.gather(x=table, indices=inputs["input_ids"], axis=0),
-                                               perm=[0, 2, 1]), axes=[2])
+        hidden = lookup(g, inputs["input_ids"], rows, cfg.vocab_size)
         cos, sin = (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=inputs["positions"], axis=0),
                                               perm=[1, 0]), shape=[1, cfg.head_dim, 1, b])
                     for name in ("cos_table", "sin_table"))
@@ -85,6 +98,14 @@ def branch_embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_l
                                 axis=3)
         return {"hidden_states": hidden, "cos": cos, "sin": sin, "prefix_mask": prefix_mask,
                 "suffix_mask": suffix_mask}
+    return body
+
+
+def embeddings_part_function(g: L.Graph, cfg: LlamaConfig, rows: tuple[int, int]):
+    """A later embeddings file: the hidden states plus the lookup of its rows (chunks.models.EmbeddingsPart)."""
+    def body(inputs):
+        return {"hidden_states_out": mb.add(x=inputs["hidden_states"],
+                                            y=lookup(g, inputs["input_ids"], rows, cfg.vocab_size))}
     return body
 
 
@@ -123,10 +144,11 @@ def _stack(vars_: list):
 
 
 def lm_head_function(g: L.Graph, cfg: LlamaConfig, io: dict):
-    """Final norm and the vocabulary projection split by rows (chunks.models.LMHead)."""
+    """Final norm and the vocabulary projection split by rows (chunks.models.LMHead); output logits_j
+    is vocabulary split j, whose weight is "heads.j.weight"."""
     def body(inputs):
         h = L.rms_norm(g, inputs["hidden_states"], "norm.weight", cfg.rms_norm_eps, cfg.hidden_size)
-        return {t["name"]: L.conv(g, h, f"heads.{i}.weight") for i, t in enumerate(io["outputs"])}
+        return {t["name"]: L.conv(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight") for t in io["outputs"]}
     return body
 
 
@@ -160,15 +182,19 @@ def suffix_update_function(g: L.Graph, cfg: LlamaConfig, io: dict):
 
 
 def function_body(model: str, function: str, g: L.Graph, cfg: LlamaConfig, io: dict, *, layers: int,
-                  context_length: int, suffix_length: int):
-    """The builder of one (model, function) of the export."""
-    if model == "embeddings":
+                  context_length: int, suffix_length: int, rows: tuple[int, int] | None = None):
+    """The builder of one (model, function) of the export; `rows` are the vocabulary rows of an
+    embeddings file."""
+    kind = model_kind(model)
+    if kind == "embeddings":
         if function == BRANCHES:
-            return branch_embeddings_function(g, cfg, io, context_length, suffix_length)
-        return embeddings_function(g, cfg, io, context_length)
-    if model == "lm_head":
+            return branch_embeddings_function(g, cfg, io, context_length, suffix_length, rows)
+        return embeddings_function(g, cfg, io, context_length, rows)
+    if kind == "embeddings_part":
+        return embeddings_part_function(g, cfg, rows)
+    if kind == "lm_head":
         return lm_head_function(g, cfg, io)
-    if model == "cache_update":
+    if kind == "cache_update":
         return (suffix_update_function(g, cfg, io) if function.startswith(BRANCHES)
                 else cache_update_function(g, io))
     if function == BRANCHES:
@@ -177,18 +203,27 @@ def function_body(model: str, function: str, g: L.Graph, cfg: LlamaConfig, io: d
 
 
 def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weights: L.Weights, *, dtype: type,
-                  opset, layers: int, context_length: int, suffix_length: int) -> Program:
-    """A Program with one function per entry of `functions` ({function: io spec}) of `model`."""
-    g = L.Graph(dtype, weights)
+                  opset, layers: int, context_length: int, suffix_length: int,
+                  rows: tuple[int, int] | None = None, compressions=lambda name: None,
+                  importance=lambda name: None, multifunction: bool = True) -> Program:
+    """A Program with one function per entry of `functions` ({function: io spec}) of `model`
+    (without `multifunction`, its one function is "main", the name single-function packages use);
+    `compressions(name)` gives the Compression of a parameter (None: dense), `importance(name)` the
+    weights of its input channels in a LUT fit (None: equal)."""
+    import coremltools as ct
+
+    if not multifunction and len(functions) != 1:
+        raise ValueError(f"a single-function package holds one function, not {list(functions)}")
+    g = L.Graph(dtype, weights, compressions, ios18=opset >= ct.target.iOS18, importance=importance)
     prog = Program()
     for fn, io in functions.items():
         body = function_body(model, fn, g, cfg, io, layers=layers, context_length=context_length,
-                             suffix_length=suffix_length)
+                             suffix_length=suffix_length, rows=rows)
         with Function(_placeholders(io), opset_version=opset) as func:
             outs = body(func.inputs)
             func.set_outputs([_named(outs[t["name"]], t["name"]) for t in io["outputs"]])
-        prog.add_function(fn, func)
-    prog.default_function_name = list(functions)[-1]
+        prog.add_function(fn if multifunction else "main", func)
+    prog.default_function_name = list(functions)[-1] if multifunction else "main"
     return prog
 
 

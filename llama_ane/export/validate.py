@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..limits import COREML_ARRAY_DTYPES, MAX_DIM
-from .manifest import ManifestError, read_manifest
+from ..contract.manifest import ManifestError, read_manifest
 
 
 def _features(package: Path, function_name: str) -> tuple[dict, dict]:

@@ -123,9 +123,10 @@ def _static_shape(var) -> tuple[int, ...] | None:
 
 
 def _compile_function(program_fn, name: str, package_name: str, numerics: Numerics,
-                      locations: dict, cache: dict) -> CompiledFunction:
+                      locations: dict, cache: dict, widen_weights: bool = True,
+                      constexprs: dict | None = None) -> CompiledFunction:
     where = f"function {name!r} of package {package_name!r}"
-    ctx = BuildContext(numerics, where, locations, cache)
+    ctx = BuildContext(numerics, where, locations, cache, widen_weights)
     slots: dict[int, int] = {}  # id(var) -> slot
 
     def slot_of(var) -> int:
@@ -137,16 +138,6 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
     inputs = []
     for in_name, var in program_fn.inputs.items():
         inputs.append(_Input(in_name, slot_of(var), numerics.storage(var.dtype), _static_shape(var)))
-    materialized: dict[int, Any] = {}  # id(var) -> compile-time value (constexpr ops)
-
-    def const_value(var):
-        if id(var) in materialized:
-            return materialized[id(var)]
-        return ctx.const(var)
-
-    def is_known(var) -> bool:
-        return id(var) in materialized or ctx.is_const(var)
-
     steps: list[_Step] = []
     op_types: dict[str, int] = {}
     for op in program_fn.operations:
@@ -154,10 +145,7 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
         if op.op_type == "const":
             continue
         if op.op_type.startswith("constexpr_"):
-            value = op.materialized_val_inference()
-            values = value if isinstance(value, tuple) else (value,)
-            for out, v in zip(op.outputs, values):
-                materialized[id(out)] = np.asarray(v).astype(numerics.storage(out.dtype))
+            ctx.decompress(op, (constexprs or {}).get(op.outputs[0].name))
             continue
         if all(ctx.is_const(o) for o in op.outputs):
             continue  # folded at load time by coremltools' value inference
@@ -186,9 +174,9 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
             if param in owned:
                 continue  # the kernel holds its own prepared copy
             if isinstance(var, (list, tuple)):
-                multi.append((param, [(False, const_value(v)) if is_known(v) else (True, slot_of(v)) for v in var]))
-            elif is_known(var):
-                template[param] = const_value(var)
+                multi.append((param, [(False, ctx.const(v)) if ctx.is_const(v) else (True, slot_of(v)) for v in var]))
+            elif ctx.is_const(var):
+                template[param] = ctx.const(var)
             else:
                 single.append((param, slot_of(var)))
         if all(not any(s for s, _ in items) for _, items in multi):
@@ -208,8 +196,8 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
         ))
     outputs = []
     for var in program_fn.outputs:
-        if is_known(var):
-            outputs.append((var.name, None, const_value(var)))
+        if ctx.is_const(var):
+            outputs.append((var.name, None, ctx.const(var)))
         else:
             outputs.append((var.name, slot_of(var), None))
     return CompiledFunction(name, where, inputs, steps, outputs, len(slots), op_types)
@@ -264,6 +252,11 @@ class PackageExecutor:
         The `.mlpackage`.
     precision : {"fp16", "fp32"}
         Storage of fp16 tensors (see `llama_ane.mil.numerics`).
+    widen_weights : bool
+        True (default): keep float32 copies of the contraction weights, the fastest to run.
+        False: keep them as stored (fp16 in an fp16 package) and widen them block by block in each
+        call, so the executor holds about one copy of the package's weights (streamed
+        verification of large models). Outputs agree to float32 rounding (BLAS sums block by block).
 
     Raises
     ------
@@ -273,7 +266,7 @@ class PackageExecutor:
         If the package cannot be read.
     """
 
-    def __init__(self, path: Path, precision: str = "fp16"):
+    def __init__(self, path: Path, precision: str = "fp16", widen_weights: bool = True):
         self.package = MilPackage(Path(path))
         self.numerics = Numerics(precision)
         self._weights: dict = {}
@@ -288,11 +281,13 @@ class PackageExecutor:
                 program = _function_program(self.package, name)
                 self.functions[name] = _compile_function(
                     program.functions[name], name, self.package.name, self.numerics,
-                    self.package.blob_locations(name), self._weights,
+                    self.package.blob_locations(name), self._weights, widen_weights,
+                    self.package.constexpr_sources(name),
                 )
                 # consts not in the blob are cached under their var's id(), valid only while this
                 # program lives (the compiled steps hold their own references)
-                for key in [k for k in self._weights if k[0] != "blob"]:
+                for key in [k for k in self._weights if k[0] not in ("blob", "constexpr")
+                            or k[0] == "constexpr" and isinstance(k[1], int)]:
                     del self._weights[key]
                 del program
                 gc.collect()
@@ -304,7 +299,8 @@ class PackageExecutor:
     def held_weight_bytes(self) -> int:
         """Bytes held for weights read from the package's weight blob (a shared weight counts once)."""
         return sum(
-            v.nbytes for k, v in self._weights.items() if k[0] == "blob" and isinstance(v, np.ndarray)
+            v.nbytes for k, v in self._weights.items()
+            if k[0] in ("blob", "constexpr") and k[-1] != "raw" and isinstance(v, np.ndarray)
         )
 
     def run(self, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..export.specs import BRANCHES
+from ..contract.specs import BRANCHES
 from .async_updates import AsyncUpdates
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, sample
@@ -88,7 +88,6 @@ class CascadeDecoder:
         self.suffix_length = int(manifest["suffix_length"])
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
-        self.lm_outputs = pipeline.lm_outputs
         self.updates = AsyncUpdates([c["model"] for c in manifest["chunks"]])
 
     def check_budget(self, prefix_tokens: int, own_tokens: Sequence[int], max_new_tokens: int) -> None:
@@ -121,7 +120,7 @@ class CascadeDecoder:
     def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int, suffixes: list[dict]) -> np.ndarray:
         """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab)."""
         positions = (prefix_tokens + cached).astype(np.int32)
-        emb = self.backend.predict("embeddings", BRANCHES, {
+        emb = self.pipeline.embed(BRANCHES, {
             "input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
             "prefix_length": np.array([prefix_tokens], np.int32)})
         hidden = emb["hidden_states"]
@@ -137,9 +136,7 @@ class CascadeDecoder:
             self.updates.submit(i, functools.partial(
                 self._update, i, suffixes[i], chunk["cache_update"][BRANCHES], out["k_new"], out["v_new"],
                 cached.astype(np.int32)))
-        logits = self.backend.predict("lm_head", BRANCHES, {"hidden_states": hidden})
-        full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, B)
-        return full[0, :, 0, :].T.astype(np.float32)
+        return self.pipeline.logits(BRANCHES, hidden)
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..export.manifest import read_manifest
+from ..contract.manifest import read_manifest
 from .backends.base import Backend
 from .pipeline import Pipeline
 from .sampling import SamplingParams, sample
@@ -93,7 +93,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
         if backend not in ("auto", "torch"):
             raise ValueError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
                              "a checkpoint directly: export it first with `llama-ane export`")
-        from ..export.describe import describe_checkpoint
+        from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
                                                  "branch_width", "suffix_length") if k in options}
         manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)

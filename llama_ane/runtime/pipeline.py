@@ -39,7 +39,10 @@ class Pipeline:
         self.context_length: int = manifest["context_length"]
         self.prefill_length: int = manifest["prefill_length"]
         self.chunks: list[dict] = manifest["chunks"]
-        self.lm_outputs = [o["name"] for o in manifest["models"]["lm_head"]["functions"]["decode"]["outputs"]]
+        self.embedding_models: list[str] = manifest["embeddings"]["models"]
+        self.head_models: list[str] = manifest["lm_head"]["models"]
+        self.lm_outputs = [o["name"] for model in self.head_models
+                           for o in manifest["models"][model]["functions"]["decode"]["outputs"]]
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.reset()
 
@@ -81,10 +84,20 @@ class Pipeline:
         window[0, :n] = token_ids
         return fn, window
 
-    def _embed(self, fn: str, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
-        """The embeddings model on input_ids (1, S) at `position`: hidden_states (1, C, 1, S), cos and
-        sin (1, D, 1, S), mask (1, 1, S, context + S)."""
-        return self.backend.predict("embeddings", fn, {"input_ids": window, "position": np.array([position], np.int32)})
+    def embed(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Function `fn` of the embeddings files in order on `inputs` (input_ids and the function's
+        positions): hidden_states (1, C, 1, S), the RoPE tables and the masks. Each file after the
+        first adds the lookup of its rows of the table to the hidden states."""
+        out = dict(self.backend.predict(self.embedding_models[0], fn, inputs))
+        for part in self.embedding_models[1:]:
+            out["hidden_states"] = self._embed_part(part, fn, inputs["input_ids"], out["hidden_states"])
+        return out
+
+    def _embed_part(self, part: str, fn: str, input_ids: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+        return self.backend.predict(part, fn, {"input_ids": input_ids, "hidden_states": hidden})["hidden_states_out"]
+
+    def _window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
+        return {"input_ids": window, "position": np.array([position], np.int32)}
 
     def _run_chunk(self, i: int, fn: str, emb: dict[str, np.ndarray], hidden: np.ndarray) -> dict[str, np.ndarray]:
         """Block chunk i on hidden (1, C, 1, S) against its current caches: hidden_states_out
@@ -93,12 +106,17 @@ class Pipeline:
             "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"], "mask": emb["mask"],
             "k_cache": self.caches[i]["k"], "v_cache": self.caches[i]["v"]})
 
-    def _logits(self, fn: str, hidden: np.ndarray, n: int) -> np.ndarray:
-        """The LM head on hidden (1, C, 1, S), its split logits joined: float32 [n, vocab] for the
-        window's first n positions."""
-        logits = self.backend.predict("lm_head", fn, {"hidden_states": hidden})
-        full = np.concatenate([logits[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, S)
-        return full[0, :, 0, :n].T.astype(np.float32)
+    def logits(self, fn: str, hidden: np.ndarray) -> np.ndarray:
+        """Function `fn` of every LM head file on hidden (1, C, 1, S), the split logits joined in
+        vocabulary order: float32 [S, vocab]."""
+        parts: dict[str, np.ndarray] = {}
+        for model in self.head_models:
+            parts.update(self.backend.predict(model, fn, {"hidden_states": hidden}))
+        return self._join(parts)
+
+    def _join(self, parts: dict[str, np.ndarray]) -> np.ndarray:
+        full = np.concatenate([parts[name] for name in self.lm_outputs], axis=1)  # (1, V, 1, S)
+        return full[0, :, 0, :].T.astype(np.float32)
 
     def _check_room(self, n: int) -> None:
         if self.position + n > self.context_length:
@@ -118,7 +136,7 @@ class Pipeline:
             raise ContextFullError(
                 f"the context is full: {self.position} + {len(ids)} tokens exceed the exported context length "
                 f"{self.context_length}; re-export with a larger --context-length")
-        emb = self._embed(fn, window, self.position)
+        emb = self.embed(fn, self._window_inputs(window, self.position))  # hidden (1,C,1,S), cos, sin, mask
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
@@ -126,7 +144,7 @@ class Pipeline:
             hidden = out["hidden_states_out"]
             self.updates.submit(i, functools.partial(
                 self._update, i, chunk["cache_update"][fn], out["k_new"], out["v_new"], self.position))
-        logits = self._logits(fn, hidden, len(ids))
+        logits = self.logits(fn, hidden)[:len(ids)]
         self.position += len(ids)
         return logits
 
@@ -151,8 +169,14 @@ class Pipeline:
         starts = range(0, len(ids), self.prefill_length)
         parts = [ids[start:start + self.prefill_length] for start in starts]
         windows = [self._window(part) for part in parts]  # (function, input_ids (1, S))
-        embs = [self._embed(fn, window, start) for (fn, window), start in zip(windows, starts)]
-        self.backend.release("embeddings")
+        first, *later = self.embedding_models
+        embs = [dict(self.backend.predict(first, fn, self._window_inputs(window, start)))
+                for (fn, window), start in zip(windows, starts)]
+        self.backend.release(first)
+        for part in later:
+            for emb, (fn, window) in zip(embs, windows):
+                emb["hidden_states"] = self._embed_part(part, fn, window, emb["hidden_states"])
+            self.backend.release(part)
         hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
@@ -162,10 +186,13 @@ class Pipeline:
                 self._update(i, chunk["cache_update"][fn], out["k_new"], out["v_new"], start)
             self.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
-        logits = [self._logits(fn, h, len(part)) for (fn, _), h, part in zip(windows, hidden, parts)]
-        self.backend.release("lm_head")  # the cache-update model holds no weights and stays
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in windows]
+        for model in self.head_models:
+            for out, (fn, _), h in zip(outputs, windows, hidden):
+                out.update(self.backend.predict(model, fn, {"hidden_states": h}))
+            self.backend.release(model)  # the cache-update model holds no weights and stays
         self.reset()
-        return np.concatenate(logits, axis=0)
+        return np.concatenate([self._join(out)[:len(part)] for out, part in zip(outputs, parts)], axis=0)
 
     def prefill(self, token_ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Run `token_ids` in windows. Returns logits [T, vocab] if `all_logits`, else [vocab] of the last."""

@@ -1,6 +1,11 @@
 """Contractions: conv, matmul, linear, einsum. Operands are widened to float32 and the products
 accumulated in float32 (BLAS); the executor then rounds the result to the output's storage dtype.
 
+Const weights are held as float32 copies, or, when the build context says not to widen them
+(`BuildContext.widen_weights`), in their storage dtype and widened a block of rows at a time in
+each call: one copy of an fp16 package's weights instead of a float32 one, the same products
+(summed by BLAS block by block, so float32 rounding may differ).
+
 Layouts follow the MIL op definitions: conv x (N, C_in, *spatial), weight
 (C_out, C_in / groups, *kernel), bias (C_out,); matmul/linear as numpy matmul with MIL's
 transpose flags; einsum as `numpy.einsum` with size-1 batch dimensions broadcast.
@@ -44,6 +49,28 @@ def batched_matmul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
+_WIDEN_BLOCK = 1 << 22  # weight elements widened to float32 at a time (16 MB)
+
+
+def weight_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """w (M, K) @ x (..., K, P) -> float32 (..., M, P); a w stored narrower than float32 is widened
+    _WIDEN_BLOCK elements' worth of rows at a time."""
+    if w.dtype == F32:
+        return batched_matmul(w, x)
+    rows = max(1, _WIDEN_BLOCK // max(1, w.shape[1]))
+    out = np.empty(x.shape[:-2] + (w.shape[0], x.shape[-1]), F32)
+    for r in range(0, w.shape[0], rows):
+        out[..., r:r + rows, :] = batched_matmul(w[r:r + rows].astype(F32), x)
+    return out
+
+
+def const_weight(var, ctx: BuildContext, tag: str, shape: tuple[int, ...]):
+    """The const `var` reshaped to `shape`: float32, or in its storage dtype when weights are not widened."""
+    if ctx.widen_weights:
+        return ctx.prepared(var, f"f32_{tag}", lambda w: _f32(w).reshape(shape))
+    return ctx.prepared(var, f"stored_{tag}", lambda w: np.asarray(w).reshape(shape), as_stored=True)
+
+
 @kernel("conv")
 def conv(op, ctx: BuildContext):
     """(N, C_in, *S) x (C_out, C_in/g, *K) -> (N, C_out, *S_out); a 1x1 stride-1 conv is one matmul."""
@@ -80,13 +107,13 @@ def conv(op, ctx: BuildContext):
         bias = ctx.prepared(bias_var, "f32", _f32) if ctx.is_const(bias_var) else None
 
     if pointwise:
-        w2 = ctx.prepared(op.weight, "f32_2d", lambda w: _f32(w).reshape(c_out, -1)) if weight_is_const else None
+        w2 = const_weight(op.weight, ctx, "2d", (c_out, -1)) if weight_is_const else None
         bias_col = None if bias is None else bias.reshape(c_out, 1)
 
         def run(a):
             w = w2 if w2 is not None else _f32(a["weight"]).reshape(c_out, -1)
             x = _f32(a["x"]).reshape(x_shape[0], x_shape[1], -1)
-            y = batched_matmul(w, x)
+            y = weight_matmul(w, x)
             if bias_var is not None:
                 y += bias_col if bias_col is not None else _f32(a["bias"]).reshape(c_out, 1)
             return y.reshape(out_shape)
@@ -154,14 +181,18 @@ def matmul(op, ctx: BuildContext):
 @kernel("linear")
 def linear(op, ctx: BuildContext):
     """x (..., D_in) @ weight (D_out, D_in)^T + bias (D_out,)."""
-    wt = None
-    if ctx.is_const(op.weight):
-        wt = ctx.prepared(op.weight, "f32_T", lambda w: np.ascontiguousarray(_f32(w).T))
+    w = const_weight(op.weight, ctx, "2d", tuple(op.weight.shape)) if ctx.is_const(op.weight) else None
     has_bias = op.inputs.get("bias") is not None
 
     def run(a):
-        w = wt if wt is not None else _f32(a["weight"]).T
-        y = batched_matmul(_f32(a["x"]), w)
+        x, weight = _f32(a["x"]), w if w is not None else _f32(a["weight"])
+        if weight.dtype == F32:
+            y = batched_matmul(x, weight.T)
+        else:  # widened a block of output features at a time
+            rows = max(1, _WIDEN_BLOCK // max(1, weight.shape[1]))
+            y = np.empty(x.shape[:-1] + (weight.shape[0],), F32)
+            for r in range(0, weight.shape[0], rows):
+                y[..., r:r + rows] = batched_matmul(x, weight[r:r + rows].astype(F32).T)
         if has_bias:
             y += _f32(a["bias"])
         return y

@@ -46,34 +46,63 @@ class BuildContext:
         The precision policy (storage dtypes, accumulation dtype).
     where : str
         "function F of package P", for error messages.
+    widen_weights : bool
+        True: contraction kernels keep float32 copies of their const weights (fastest, twice the
+        memory of an fp16 package). False: weights stay in their storage dtype and are widened a
+        block at a time in each call (one copy of the package's weights; the same products, summed
+        block by block).
     """
 
-    def __init__(self, numerics: Numerics, where: str, locations: dict[str, tuple[str, int]], cache: dict):
+    def __init__(self, numerics: Numerics, where: str, locations: dict[str, tuple[str, int]], cache: dict,
+                 widen_weights: bool = True):
         self.numerics = numerics
         self.where = where
+        self.widen_weights = widen_weights
         self._locations = locations
         self._cache = cache  # shared by all functions of a package: weights live here once
+        self._decompressed: dict[int, tuple] = {}  # id(var) -> cache key of a constexpr op's output
 
     def _key(self, var, tag: str):
+        if id(var) in self._decompressed:
+            return self._decompressed[id(var)] + (tag,)
         location = self._locations.get(var.name)
         if location is not None and var.op is not None and var.op.op_type == "const":
             return ("blob", location, tag, self.numerics.precision)
         return ("var", id(var), tag)
 
+    def decompress(self, op, source: tuple | None) -> None:
+        """Make the outputs of constexpr `op` (a compressed weight) known consts, decompressed once
+        per package: `source`, the blob entries it reads (`MilPackage.constexpr_sources`), is the
+        same in every function that uses the weight, which then shares the dense array (and any
+        float32 copy of it). Without a source, the value is this function's own."""
+        base = ("constexpr", source if source is not None else id(op), self.numerics.precision)
+        if base + (0, "raw") not in self._cache:
+            value = op.materialized_val_inference()
+            values = value if isinstance(value, tuple) else (value,)
+            for i, v in enumerate(values):
+                self._cache[base + (i, "raw")] = np.asarray(v)  # in the op's output dtype
+        for i, out in enumerate(op.outputs):
+            self._decompressed[id(out)] = base + (i,)
+
     def is_const(self, var) -> bool:
-        """True if the value of `var` is known when compiling (a const, or folded by coremltools)."""
-        return var is not None and not isinstance(var, (list, tuple)) and var.val is not None
+        """True if the value of `var` is known when compiling (a const, a decompressed weight, or
+        folded by coremltools)."""
+        if var is None or isinstance(var, (list, tuple)):
+            return False
+        return id(var) in self._decompressed or var.val is not None
 
     def const(self, var) -> Any:
         """The value of const `var` in its storage dtype (cached; shared across functions by blob)."""
         return self.prepared(var, "storage", lambda v: v)
 
-    def prepared(self, var, tag: str, prepare: Callable[[Any], Any]) -> Any:
-        """`prepare(value of var)` computed once per weight and cached under `tag`."""
+    def prepared(self, var, tag: str, prepare: Callable[[Any], Any], as_stored: bool = False) -> Any:
+        """`prepare(value of var)` computed once per weight and cached under `tag`. The value is in
+        its storage dtype under the precision policy, or with `as_stored` in the dtype the package
+        holds it in (fp16 weights stay fp16 even in fp32 mode, to be widened where used)."""
         key = self._key(var, tag)
         if key not in self._cache:
-            value = var.val
-            if isinstance(value, np.ndarray) or (np.isscalar(value) and not isinstance(value, str)):
+            value = self._cache[self._key(var, "raw")] if id(var) in self._decompressed else var.val
+            if not as_stored and (isinstance(value, np.ndarray) or (np.isscalar(value) and not isinstance(value, str))):
                 value = np.asarray(value, dtype=self.numerics.storage(var.dtype))
             self._cache[key] = prepare(value)
         return self._cache[key]

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...export.manifest import function_entry
+from ...contract.manifest import function_entry
 from .base import Backend, BackendError
 
 COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...export.manifest import function_entry
+from ...contract.manifest import function_entry
 from .base import Backend, BackendError
 
 
@@ -31,16 +31,20 @@ class MilBackend(Backend):
         "fp16" stores fp16 tensors in half precision between ops, as the ANE does (float32
         accumulation inside each op); "fp32" holds them in float32 (see `llama_ane.mil.numerics`).
         Float outputs come back in that dtype.
+    widen_weights : bool
+        True (default): float32 copies of the weights, fastest. False: weights stay as stored and
+        are widened per call, about one copy of a package in memory (the streamed parity gate).
     """
 
     name = "mil"
 
-    def __init__(self, export_dir: Path, manifest: dict, *, precision: str = "fp16"):
+    def __init__(self, export_dir: Path, manifest: dict, *, precision: str = "fp16", widen_weights: bool = True):
         if precision not in ("fp16", "fp32"):
             raise BackendError(f"the mil backend computes in 'fp16' or 'fp32', not {precision!r}")
         self.export_dir = Path(export_dir)
         self.manifest = manifest
         self.precision = precision
+        self.widen_weights = widen_weights
         half = manifest.get("precision", "fp16") == "fp16" and precision == "fp16"
         self.dtype = np.dtype(np.float16 if half else np.float32)
         self._executors: dict[str, object] = {}
@@ -56,7 +60,8 @@ class MilBackend(Backend):
                 if not path.exists():
                     raise BackendError(f"{path} is missing; the export is incomplete, re-run `llama-ane export`")
                 try:
-                    self._executors[file] = PackageExecutor(path, precision=self.precision)
+                    self._executors[file] = PackageExecutor(path, precision=self.precision,
+                                                           widen_weights=self.widen_weights)
                 except (UnsupportedOpError, PackageError) as exc:
                     raise BackendError(f"the mil backend cannot run {file}: {exc}") from exc
             return self._executors[file]

@@ -1,9 +1,11 @@
-"""The torch backend: runs the very modules that the exporter traces, in fp32 or fp16, on CPU or CUDA.
+"""The torch backend: runs the torch modules of `llama_ane.chunks`, in fp32 or fp16, on CPU or CUDA.
 
-It is the ground truth the converted programs are checked against. Weights come from the source
-checkpoint recorded in the manifest (or one passed explicitly), through the same loader and
-mapping the exporter uses. The modules of each manifest model are built on first use, reading only
-that model's weights, and dropped by `release`, so streamed scoring holds one model at a time.
+They are the reference the exported MIL programs are written from, op for op, and the ground
+truth those programs are checked against. Weights come from the export's own packages (compressed
+weights decompressed as Core ML does: a copied export needs nothing else), or, given `checkpoint`,
+from that checkpoint through the same loader and mapping the exporter uses. The modules of each
+manifest model are built on first use, reading only that model's weights, and dropped by
+`release`, so streamed scoring holds one model at a time.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ...export.manifest import function_entry
-from ...export.modules import build_model
-from ...export.weights import Checkpoint, load_checkpoint, source_path
+from ...checkpoint.loader import Checkpoint, load_checkpoint
+from ...contract.manifest import function_entry
 from .base import Backend, BackendError
+from .torch_modules import CheckpointWeights, ExportWeights, build_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -27,28 +29,32 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
-                 device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None):
-        if precision not in DTYPES:
+                 device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
+                 weights_precision: str | None = None):
+        """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
+        before computing in `precision`, as an export in that precision stores them."""
+        if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
+        self.round_to = DTYPES[weights_precision] if weights_precision else None
         self.manifest = manifest
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = load_checkpoint(checkpoint if checkpoint is not None else source_path(manifest["source"]))
+        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            checkpoint = load_checkpoint(checkpoint)
+        if checkpoint is None and export_dir is None:
+            raise BackendError("the torch backend needs an export folder or a checkpoint to read weights from")
         self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
+        self.weights = CheckpointWeights(checkpoint) if checkpoint is not None else ExportWeights(export_dir, manifest)
         self._built: dict[str, dict[str, torch.nn.Module]] = {}  # model -> {function: module}, built on use
         self._lock = threading.Lock()  # cache updates run on worker threads: build each model once
 
     def module(self, model: str, function: str) -> torch.nn.Module:
-        """The module `function` of `model` is converted from, built on first use with only its weights."""
+        """The module behind `function` of `model`, built on first use with only its weights."""
         with self._lock:
             if model not in self._built:
-                m = self.manifest
                 try:
-                    modules = build_model(self.checkpoint, model, [c["layers"] for c in m["chunks"]],
-                                          m["context_length"], m["prefill_length"], m.get("branch_width", 0),
-                                          m.get("suffix_length", 0))
+                    modules = build_model(self.weights, self.manifest, model, self.torch_dtype, self.round_to)
                 except KeyError as e:
                     raise BackendError(f"torch backend: {e.args[0]}") from None
                 for mod in {id(x): x for x in modules.values()}.values():

@@ -1,7 +1,7 @@
 import Foundation
 import XCTest
 
-/// Locates the generated fixtures (`python -m llama_ane.export.swift_fixtures DIR`).
+/// Locates the generated fixtures (`python tests/swift_fixtures.py DIR`).
 enum Fixtures {
     static let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Fixtures")
 
@@ -20,6 +20,6 @@ struct MissingFixtureError: Error, CustomStringConvertible {
     let path: String
     var description: String {
         "missing fixture \(path). Generate the fixtures first: "
-            + "python -m llama_ane.export.swift_fixtures swift_host/Tests/LlamaANETests/Fixtures"
+            + "python tests/swift_fixtures.py swift_host/Tests/LlamaANETests/Fixtures"
     }
 }

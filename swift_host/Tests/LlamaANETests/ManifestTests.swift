@@ -2,7 +2,8 @@ import Foundation
 import XCTest
 @testable import LlamaANE
 
-/// Manifest decoding on a real export of the tiny model, and refusal of tampered copies.
+/// Manifest decoding on a real export of the tiny model and on a split variant of its manifest, and
+/// refusal of tampered copies.
 final class ManifestTests: XCTestCase {
     private var scratch: URL!
 
@@ -40,10 +41,14 @@ final class ManifestTests: XCTestCase {
     func testRealExportDecodesAndMatchesItsHashes() throws {
         let folder = try Fixtures.url("export")
         let manifest = try Manifest.load(from: folder, verifyHashes: true)
-        XCTAssertEqual(manifest.formatVersion, 1)
+        XCTAssertEqual(manifest.formatVersion, 2)
         XCTAssertGreaterThan(manifest.contextLength, 0)
         XCTAssertEqual(manifest.chunks.flatMap(\.layers).sorted(), Array(0..<manifest.config.numHiddenLayers))
         XCTAssertEqual(manifest.lmHead.vocabSplits.reduce(0, +), manifest.config.vocabSize)
+        // The tiny table and head fit one file each.
+        XCTAssertEqual(manifest.embeddings.models, ["embeddings"])
+        XCTAssertEqual(manifest.embeddings.vocabRanges, [[0, manifest.config.vocabSize]])
+        XCTAssertEqual(manifest.lmHead.models, ["lm_head"])
 
         // Shapes the pipeline relies on, read from the manifest rather than assumed.
         let prefill = try manifest.function("embeddings", "prefill")
@@ -68,9 +73,140 @@ final class ManifestTests: XCTestCase {
 
     func testWrongFormatVersionIsRefused() throws {
         let folder = try copyOfExport()
-        try editManifest(folder) { $0["format_version"] = 2 }
-        assertRefused(folder, as: .unsupportedFormatVersion(found: 2, supported: [1]))
-        XCTAssertTrue(ManifestError.unsupportedFormatVersion(found: 2, supported: [1]).description.contains("Re-export"))
+        try editManifest(folder) { $0["format_version"] = 1 }
+        assertRefused(folder, as: .unsupportedFormatVersion(found: 1, supported: [2]))
+        XCTAssertTrue(ManifestError.unsupportedFormatVersion(found: 1, supported: [2]).description.contains("Re-export"))
+        try editManifest(folder) { $0["format_version"] = 3 }
+        assertRefused(folder, as: .unsupportedFormatVersion(found: 3, supported: [2]))
+    }
+
+    func testFormatVersion1IsRefusedBeforeItsMissingSectionsAreRead() throws {
+        // A version 1 manifest has no "embeddings" section and no lm_head "models": the version is
+        // what gets reported, not a missing field.
+        let data = try SplitManifest.data { m in
+            m["format_version"] = 1
+            m["embeddings"] = nil
+            m["lm_head"] = ["vocab_splits": (m["lm_head"] as? [String: Any])?["vocab_splits"] ?? []]
+        }
+        XCTAssertThrowsError(try Manifest.decode(data)) { error in
+            XCTAssertEqual(error as? ManifestError, .unsupportedFormatVersion(found: 1, supported: [2]))
+        }
+    }
+
+    // MARK: Split embeddings and LM head
+
+    private func assertDecodeRefused(_ data: Data, as reason: String, file: StaticString = #filePath, line: UInt = #line) {
+        XCTAssertThrowsError(try Manifest.decode(data), file: file, line: line) { error in
+            XCTAssertEqual(error as? ManifestError, .inconsistent(reason), file: file, line: line)
+        }
+    }
+
+    func testSplitEmbeddingsAndLMHeadDecode() throws {
+        let (size, half) = try SplitManifest.vocab()
+        let manifest = try Manifest.decode(SplitManifest.data())
+        XCTAssertEqual(manifest.formatVersion, 2)
+        XCTAssertEqual(manifest.embeddings.models, ["embeddings", "embeddings_1"])
+        XCTAssertEqual(manifest.embeddings.vocabRanges, [[0, half], [half, size]])
+        XCTAssertEqual(manifest.lmHead.models, ["lm_head", "lm_head_1"])
+        XCTAssertEqual(manifest.lmHead.vocabSplits, [half, size - half])
+        for phase in Phase.allCases.map(\.rawValue) {
+            let first = try manifest.function("embeddings", phase)
+            let part = try manifest.function("embeddings_1", phase)
+            XCTAssertEqual(part.file, "embeddings_1.mlpackage")
+            XCTAssertEqual(part.inputs.map(\.name), ["input_ids", "hidden_states"])
+            XCTAssertEqual(part.input("input_ids"), first.input("input_ids"))
+            XCTAssertEqual(part.output("hidden_states_out")?.shape, first.output("hidden_states")?.shape)
+            XCTAssertEqual(try manifest.function("lm_head", phase).outputs.map(\.name), ["logits_0"])
+            XCTAssertEqual(try manifest.function("lm_head_1", phase).outputs.map(\.name), ["logits_1"])
+        }
+        XCTAssertTrue(manifest.namedFiles.contains("embeddings_1.mlpackage"))
+        XCTAssertTrue(manifest.namedFiles.contains("lm_head_1.mlpackage"))
+    }
+
+    func testGapInVocabRangesIsRefused() throws {
+        let (size, half) = try SplitManifest.vocab()
+        let data = try SplitManifest.data { m in
+            m["embeddings"] = ["models": ["embeddings", "embeddings_1"], "vocab_ranges": [[0, half - 10], [half, size]]]
+        }
+        assertDecodeRefused(data, as: "embeddings vocab_ranges [[0, \(half - 10)], [\(half), \(size)]] are not consecutive from 0: "
+            + "embeddings_1 starts at \(half), not at \(half - 10)")
+    }
+
+    func testVocabRangesMustCoverTheVocabularyOncePerModel() throws {
+        let (size, half) = try SplitManifest.vocab()
+        let short = try SplitManifest.data { m in
+            m["embeddings"] = ["models": ["embeddings", "embeddings_1"], "vocab_ranges": [[0, half], [half, size - 1]]]
+        }
+        assertDecodeRefused(short, as: "embeddings vocab_ranges [[0, \(half)], [\(half), \(size - 1)]] end at \(size - 1), not at vocab_size \(size)")
+        let notStartingAtZero = try SplitManifest.data { m in
+            m["embeddings"] = ["models": ["embeddings", "embeddings_1"], "vocab_ranges": [[1, half], [half, size]]]
+        }
+        assertDecodeRefused(notStartingAtZero, as: "embeddings vocab_ranges [[1, \(half)], [\(half), \(size)]] are not consecutive from 0: "
+            + "embeddings starts at 1, not at 0")
+        let oneRange = try SplitManifest.data { m in
+            m["embeddings"] = ["models": ["embeddings", "embeddings_1"], "vocab_ranges": [[0, size]]]
+        }
+        assertDecodeRefused(oneRange, as: "embeddings has 2 models [\"embeddings\", \"embeddings_1\"] but 1 vocab_ranges [[0, \(size)]]")
+    }
+
+    func testMissingLogitsIsRefused() throws {
+        let data = try SplitManifest.data { m in
+            SplitManifest.editFunction(&m, "lm_head_1", "decode") { $0?["outputs"] = [] }
+        }
+        assertDecodeRefused(data, as: "no lm_head model (lm_head, lm_head_1) outputs logits_1 in decode, but vocab_splits has 2 entries")
+    }
+
+    func testDuplicateOrUnknownLogitsAreRefused() throws {
+        let (_, half) = try SplitManifest.vocab()
+        let twice = try SplitManifest.data { m in
+            SplitManifest.editFunction(&m, "lm_head_1", "decode") { f in
+                f?["outputs"] = [["name": "logits_0", "shape": [1, half, 1, 1], "dtype": "float16"]]
+            }
+        }
+        assertDecodeRefused(twice, as: "lm_head models lm_head and lm_head_1 (decode) both output logits_0")
+        let beyond = try SplitManifest.data { m in
+            SplitManifest.editFunction(&m, "lm_head_1", "prefill") { f in
+                var outputs = f?["outputs"] as? [[String: Any]] ?? []
+                outputs[0]["name"] = "logits_2"
+                f?["outputs"] = outputs
+            }
+        }
+        assertDecodeRefused(beyond, as: "lm_head model lm_head_1 (prefill) outputs logits_2, which is not one of logits_0..logits_1 "
+            + "(vocab_splits has 2 entries)")
+    }
+
+    func testEmbeddingsPartWithoutDecodeIsRefused() throws {
+        let data = try SplitManifest.data { m in SplitManifest.editFunction(&m, "embeddings_1", "decode") { $0 = nil } }
+        assertDecodeRefused(data, as: "model \"embeddings_1\" has no function \"decode\" (functions: decode_branches, prefill)")
+    }
+
+    func testLMHeadPartWithoutDecodeBranchesIsRefusedWhenTheExportHasBranches() throws {
+        let data = try SplitManifest.data { m in SplitManifest.editFunction(&m, "lm_head_1", "decode_branches") { $0 = nil } }
+        assertDecodeRefused(data, as: "model \"lm_head_1\" has no function \"decode_branches\" (functions: decode, prefill)")
+        // Without a branch width the cascade functions are not needed.
+        let noBranches = try SplitManifest.data { m in
+            m["branch_width"] = 0
+            SplitManifest.editFunction(&m, "lm_head_1", "decode_branches") { $0 = nil }
+        }
+        XCTAssertNoThrow(try Manifest.decode(noBranches))
+    }
+
+    func testUnlistedModelsAreRefused() throws {
+        let missing = try SplitManifest.data { m in
+            m["lm_head"] = ["models": ["lm_head", "lm_head_2"], "vocab_splits": (m["lm_head"] as? [String: Any])?["vocab_splits"] ?? []]
+        }
+        XCTAssertThrowsError(try Manifest.decode(missing)) { error in
+            guard case let .inconsistent(reason)? = error as? ManifestError else { return XCTFail("\(error)") }
+            XCTAssertTrue(reason.hasPrefix("no model \"lm_head_2\""), reason)
+        }
+        let twice = try SplitManifest.data { m in
+            m["lm_head"] = ["models": ["lm_head", "lm_head"], "vocab_splits": (m["lm_head"] as? [String: Any])?["vocab_splits"] ?? []]
+        }
+        assertDecodeRefused(twice, as: "lm_head models [\"lm_head\", \"lm_head\"] name \"lm_head\" twice")
+        let none = try SplitManifest.data { m in
+            m["embeddings"] = ["models": [String](), "vocab_ranges": [[Int]]()]
+        }
+        assertDecodeRefused(none, as: "embeddings models is empty")
     }
 
     func testDotDotPathIsRefused() throws {
@@ -120,7 +256,7 @@ final class ManifestTests: XCTestCase {
 
     func testMissingManifestAndBadJSON() throws {
         assertRefused(scratch, as: .missingManifest(folder: scratch.path))
-        try Data("{\"format_version\": 1, \"name\": 3}".utf8).write(to: scratch.appendingPathComponent("manifest.json"))
+        try Data("{\"format_version\": 2, \"name\": 3}".utf8).write(to: scratch.appendingPathComponent("manifest.json"))
         XCTAssertThrowsError(try Manifest.load(from: scratch)) { error in
             guard case .invalidJSON? = error as? ManifestError else { return XCTFail("\(error)") }
         }

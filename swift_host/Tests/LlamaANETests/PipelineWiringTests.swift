@@ -35,6 +35,41 @@ final class PipelineWiringTests: XCTestCase {
             let known: Set<String> = [TensorNames.inputIds, TensorNames.position, TensorNames.positions, TensorNames.prefixLength]
             XCTAssertTrue(Set(embeddings.inputs.map(\.name)).isSubset(of: known), "\(embeddings.inputs.map(\.name))")
             XCTAssertTrue(embeddings.inputs.allSatisfy { $0.dtype == "int32" })
+            XCTAssertEqual(wiring.embeddingInputs[phase]?.count, 0, "one embeddings file: no later parts")
+        }
+    }
+
+    func testLaterEmbeddingsPartsReadTheIdsAndThePreviousHiddenStates() throws {
+        let manifest = try Manifest.decode(SplitManifest.data())
+        let wiring = try PipelineWiring(manifest: manifest)
+        for phase in PipelineWiring.phases(of: manifest) {
+            XCTAssertEqual(wiring.embeddingInputs[phase],
+                           [[TensorNames.inputIds: .value(TensorNames.inputIds), TensorNames.hiddenStates: .hiddenStates]],
+                           "\(phase)")
+        }
+    }
+
+    func testAMisshapedOrUnfedEmbeddingsPartIsRefused() throws {
+        let wrongShape = try Manifest.decode(SplitManifest.data { m in
+            SplitManifest.editFunction(&m, "embeddings_1", "decode") { f in
+                f?["outputs"] = [["name": "hidden_states_out", "shape": [1, 1, 1, 1], "dtype": "float16"]]
+            }
+        })
+        let hidden = try XCTUnwrap(try wrongShape.function("embeddings", "decode").output(TensorNames.hiddenStates))
+        XCTAssertThrowsError(try PipelineWiring(manifest: wrongShape)) { error in
+            XCTAssertEqual(error as? ManifestError, .inconsistent(
+                "embeddings part embeddings_1 (decode) must take hidden_states and output hidden_states_out, "
+                    + "both \(hidden.dtype) \(hidden.shape) like the hidden_states of embeddings"))
+        }
+        let unfed = try Manifest.decode(SplitManifest.data { m in
+            SplitManifest.editFunction(&m, "embeddings_1", "prefill") { f in
+                var inputs = f?["inputs"] as? [[String: Any]] ?? []
+                inputs.append(["name": "token_type_ids", "shape": [1, 1], "dtype": "int32"])
+                f?["inputs"] = inputs
+            }
+        })
+        XCTAssertThrowsError(try PipelineWiring(manifest: unfed)) { error in
+            XCTAssertEqual(error as? PipelineError, .unwiredInput(model: "embeddings_1 (prefill)", input: "token_type_ids"))
         }
     }
 

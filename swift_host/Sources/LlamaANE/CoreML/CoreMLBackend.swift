@@ -2,12 +2,13 @@
 import CoreML
 import Foundation
 
-/// The exported Core ML programs behind `BranchBackend`: embeddings, the block chunks, the LM head
-/// and the cache-update functions of each phase, with every tensor preallocated once.
+/// The exported Core ML programs behind `BranchBackend`: the embeddings parts, the block chunks, the
+/// LM head models and the cache-update functions of each phase, with every tensor preallocated once.
 ///
 /// Nothing is copied between stages: each stage writes into IOSurface-backed arrays given as
 /// `outputBackings`, and the next stage reads them as inputs. Activations ping-pong between two
-/// hidden-state buffers. Caches (the prefix K/V and, for cascades, the branches' suffix K/V) are
+/// hidden-state buffers, through the later embeddings parts (when the table is cut by vocabulary
+/// rows) and the chunks alike. Caches (the prefix K/V and, for cascades, the branches' suffix K/V) are
 /// double-buffered: a cache update reads the current buffer, writes the other (its outputs
 /// `X_out` back input `X`), and the two swap when it finishes.
 ///
@@ -21,20 +22,26 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
 
     /// The functions and buffers of one phase.
     private struct Stage {
+        /// The first embeddings part (ids and positions to hidden states, RoPE tables, masks).
         let embeddings: MLModel
+        /// The later embeddings parts in manifest order; each adds its rows' lookup to the hidden states.
+        let embeddingParts: [(name: String, model: MLModel)]
         let chunks: [MLModel]
         let updates: [MLModel]
-        let lmHead: MLModel
+        /// The LM head models in manifest order, each with its own logits output arrays by name
+        /// (the same arrays as `logits`).
+        let lmHeads: [(model: MLModel, outputs: [String: MLMultiArray])]
         let embeddingsFunction: Manifest.Function
         let updateFunctions: [Manifest.Function]
-        /// The embeddings' int32 inputs (input_ids, position(s), prefix_length), by name.
+        /// The first embeddings part's int32 inputs (input_ids, position(s), prefix_length), by name;
+        /// the later parts read the same arrays.
         let intInputs: [String: MLMultiArray]
         let hidden: [MLMultiArray]
         /// Embedding outputs other than the hidden states (cos, sin, masks), by name.
         let shared: [String: MLMultiArray]
         /// Per chunk, its outputs other than the hidden states (k_new, v_new), by name.
         let chunkOutputs: [[String: MLMultiArray]]
-        /// The LM head's logits outputs in vocabulary order.
+        /// The logits outputs of all LM head models in vocabulary order (logits_0, logits_1, ...).
         let logits: [(name: String, array: MLMultiArray)]
     }
 
@@ -98,8 +105,10 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
 
     private static func makeStage(_ phase: Phase, manifest: Manifest, store: CoreMLModelStore) async throws -> Stage {
         let p = phase.rawValue
-        let embeddingsFunction = try manifest.function("embeddings", p)
-        let lmHeadFunction = try manifest.function("lm_head", p)
+        let firstPart = manifest.embeddings.models.first ?? ""
+        let embeddingsFunction = try manifest.function(firstPart, p)
+        let partFunctions = try manifest.embeddings.models.dropFirst().map { try manifest.function($0, p) }
+        let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
         let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, p) }
         let updateFunctions = try manifest.chunks.map { chunk -> Manifest.Function in
             guard let name = chunk.cacheUpdate[p] else {
@@ -117,23 +126,38 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
             }
         }
         guard hidden.count == 2 else {
-            throw PipelineError.unwiredInput(model: "embeddings", input: TensorNames.hiddenStates)
+            throw PipelineError.unwiredInput(model: firstPart, input: TensorNames.hiddenStates)
         }
         let chunkOutputs = try chunkFunctions.map { f in
             try Dictionary(uniqueKeysWithValues: f.outputs.filter { $0.name != TensorNames.hiddenStatesOut }
                 .map { ($0.name, try CoreMLArrays.make($0)) })
         }
+        // Every head model writes its own logits_j into its own arrays; together they are the vocabulary.
+        var headOutputs: [[String: MLMultiArray]] = []
+        for (name, f) in zip(manifest.lmHead.models, headFunctions) {
+            if let other = f.inputs.first(where: { $0.name != TensorNames.hiddenStates }) {
+                throw PipelineError.unwiredInput(model: "\(name) (\(p))", input: other.name)
+            }
+            headOutputs.append(try Dictionary(uniqueKeysWithValues: f.outputs.filter { $0.name.hasPrefix(TensorNames.logitsPrefix) }
+                .map { ($0.name, try CoreMLArrays.make($0)) }))
+        }
         func splitIndex(_ name: String) -> Int { Int(name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
-        let logits = try lmHeadFunction.outputs.filter { $0.name.hasPrefix(TensorNames.logitsPrefix) }
+        let logits = headOutputs.flatMap { $0.map { (name: $0.key, array: $0.value) } }
             .sorted { splitIndex($0.name) < splitIndex($1.name) }
-            .map { (name: $0.name, array: try CoreMLArrays.make($0)) }
         let intInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
 
+        var parts: [(name: String, model: MLModel)] = [], heads: [(model: MLModel, outputs: [String: MLMultiArray])] = []
         var chunks: [MLModel] = [], updates: [MLModel] = []
+        for (name, f) in zip(manifest.embeddings.models.dropFirst(), partFunctions) {
+            parts.append((name: name, model: try await store.model(for: f)))
+        }
         for f in chunkFunctions { chunks.append(try await store.model(for: f)) }
         for f in updateFunctions { updates.append(try await store.model(for: f)) }
-        return Stage(embeddings: try await store.model(for: embeddingsFunction), chunks: chunks, updates: updates,
-                     lmHead: try await store.model(for: lmHeadFunction), embeddingsFunction: embeddingsFunction,
+        for (k, f) in headFunctions.enumerated() {
+            heads.append((model: try await store.model(for: f), outputs: headOutputs[k]))
+        }
+        return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
+                     updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
                      updateFunctions: updateFunctions, intInputs: intInputs,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
@@ -160,19 +184,37 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         _ = try model.prediction(from: provider, options: options)
     }
 
-    /// embeddings(phase) with the given int32 inputs, into hidden buffer 0 and the shared outputs.
+    /// The embeddings of `phase` with the given int32 inputs: the first part into hidden buffer 0
+    /// and the shared outputs, then each later part from the current hidden buffer into the other.
     private func embed(_ phase: Phase, _ values: [String: [Int32]]) async throws -> Activations {
         let s = try stage(phase)
         for spec in s.embeddingsFunction.inputs {
             guard let v = values[spec.name], let array = s.intInputs[spec.name] else {
-                throw PipelineError.unwiredInput(model: "embeddings", input: spec.name)
+                throw PipelineError.unwiredInput(model: manifest.embeddings.models.first ?? "", input: spec.name)
             }
             CoreMLArrays.write(v, into: array)
         }
         var backings = s.shared
         backings[TensorNames.hiddenStates] = s.hidden[0]
         try await predict(s.embeddings, inputs: s.intInputs, backings: backings)
-        return Activations(hidden: s.hidden[0], slot: 0)
+        var current = Activations(hidden: s.hidden[0], slot: 0)
+        for (index, part) in s.embeddingParts.enumerated() {
+            var inputs: [String: MLMultiArray] = [:]
+            for (name, source) in wiring.embeddingInputs[phase]?[index] ?? [:] {
+                let array: MLMultiArray?
+                switch source {
+                case .hiddenStates: array = current.hidden
+                case let .value(n): array = s.intInputs[n]
+                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput: array = nil
+                }
+                guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
+                inputs[name] = array
+            }
+            let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot)
+            try await predict(part.model, inputs: inputs, backings: [TensorNames.hiddenStatesOut: out.hidden])
+            current = out
+        }
+        return current
     }
 
     private func chunk(_ index: Int, _ input: Activations, _ phase: Phase) async throws -> Activations {
@@ -235,11 +277,13 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         cache.swap()
     }
 
-    /// lm_head(phase): the logits of each requested window column, all vocabulary splits concatenated.
+    /// The LM head models of `phase`: the logits of each requested window column, all vocabulary
+    /// splits of all models concatenated in split order.
     private func logits(_ input: Activations, _ phase: Phase, columns: [Int]) async throws -> [[Float]] {
         let s = try stage(phase)
-        try await predict(s.lmHead, inputs: [TensorNames.hiddenStates: input.hidden],
-                          backings: Dictionary(uniqueKeysWithValues: s.logits.map { ($0.name, $0.array) }))
+        for head in s.lmHeads {
+            try await predict(head.model, inputs: [TensorNames.hiddenStates: input.hidden], backings: head.outputs)
+        }
         return try columns.map { column in
             var out: [Float] = []
             out.reserveCapacity(manifest.config.vocabSize)

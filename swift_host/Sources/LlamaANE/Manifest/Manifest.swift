@@ -1,13 +1,13 @@
 import Foundation
 
-/// A Codable mirror of an export's `manifest.json` (format_version 1, see docs/manifest.md): the one
+/// A Codable mirror of an export's `manifest.json` (format_version 2, see docs/manifest.md): the one
 /// place that names the files, functions, tensors, shapes and dtypes of an exported model.
 ///
 /// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, refuses
 /// file names that are absolute or contain `..`, and checks that every named file exists.
 public struct Manifest: Codable, Equatable, Sendable {
     /// The format versions this package reads.
-    public static let supportedFormatVersions = [1]
+    public static let supportedFormatVersions = [2]
     /// The file name of the manifest inside an export folder.
     public static let fileName = "manifest.json"
 
@@ -29,10 +29,12 @@ public struct Manifest: Codable, Equatable, Sendable {
     /// Whether functions share one package (needs iOS 18 / macOS 15).
     public var multifunction: Bool
     public var cache: CacheLayout
+    /// The embedding table's model files, cut by vocabulary rows.
+    public var embeddings: Embeddings
     public var lmHead: LMHead
     /// Block chunks in execution order.
     public var chunks: [Chunk]
-    /// Model name ("embeddings", "chunk_0", "lm_head", "cache_update") -> its functions.
+    /// Model name ("embeddings", "embeddings_1", "chunk_0", "lm_head", "lm_head_1", "cache_update") -> its functions.
     public var models: [String: ModelEntry]
     public var tokenizer: TokenizerInfo
     /// Artifact file name -> sha256 hex (for a directory, see `SHA256.manifestHash`).
@@ -42,7 +44,7 @@ public struct Manifest: Codable, Equatable, Sendable {
         case formatVersion = "format_version", name, createdBy = "created_by", source, config
         case contextLength = "context_length", prefillLength = "prefill_length", branchWidth = "branch_width"
         case suffixLength = "suffix_length"
-        case precision, deploymentTarget = "deployment_target", multifunction, cache, lmHead = "lm_head"
+        case precision, deploymentTarget = "deployment_target", multifunction, cache, embeddings, lmHead = "lm_head"
         case chunks, models, tokenizer, files
     }
 
@@ -109,10 +111,29 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var dtype: String
     }
 
-    /// The LM head's vocabulary split: `logits_i` has `vocabSplits[i]` entries, concatenated in order.
+    /// The embedding table, cut by vocabulary rows into one or more models (one file each, so that no
+    /// file passes the 1 GB iOS limit); `["embeddings"]` with one range when it fits one file.
+    ///
+    /// They run in order. The first, `models[0]`, maps `input_ids` and the position(s) to
+    /// `hidden_states`, the RoPE tables and the masks. Each later one takes the same `input_ids` and
+    /// the previous part's hidden states as `hidden_states`, and outputs `hidden_states_out`: those
+    /// plus the lookup of its own rows.
+    public struct Embeddings: Codable, Equatable, Sendable {
+        /// Model names in execution order ("embeddings", "embeddings_1", ...).
+        public var models: [String]
+        /// Per model, the `[start, end)` token ids whose rows it holds: consecutive, covering `0..<vocab_size`.
+        public var vocabRanges: [[Int]]
+        enum CodingKeys: String, CodingKey { case models, vocabRanges = "vocab_ranges" }
+    }
+
+    /// The LM head, cut into one or more models that all take `hidden_states`: each outputs a
+    /// consecutive group of the vocabulary splits, named globally `logits_j`. `logits_j` has
+    /// `vocabSplits[j]` entries; all of them in `j` order, concatenated, are the full vocabulary.
     public struct LMHead: Codable, Equatable, Sendable {
+        /// Model names ("lm_head", "lm_head_1", ...); `["lm_head"]` when the head fits one file.
+        public var models: [String]
         public var vocabSplits: [Int]
-        enum CodingKeys: String, CodingKey { case vocabSplits = "vocab_splits" }
+        enum CodingKeys: String, CodingKey { case models, vocabSplits = "vocab_splits" }
     }
 
     /// One block chunk: its model name, its layers, and its cache-update functions per phase.

@@ -76,8 +76,9 @@ extension Manifest {
         return f
     }
 
-    /// Cross-checks that do not need the files: the chunk plan, the cache-update functions and
-    /// the vocabulary split.
+    /// Cross-checks that do not need the files: the chunk plan, the functions of every embeddings,
+    /// chunk and LM head model, the cache-update functions, the embeddings' vocabulary ranges and
+    /// the LM head's vocabulary split.
     func checkStructure() throws {
         guard contextLength > 0, prefillLength > 0, prefillLength <= contextLength else {
             throw ManifestError.inconsistent("context_length \(contextLength) and prefill_length \(prefillLength) must satisfy 0 < prefill <= context")
@@ -86,7 +87,9 @@ extension Manifest {
         guard layers == Array(0..<config.numHiddenLayers) else {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
         }
-        for name in ["embeddings", "lm_head"] {
+        try Self.checkModelList("embeddings", embeddings.models)
+        try Self.checkModelList("lm_head", lmHead.models)
+        for name in embeddings.models + lmHead.models {
             for phase in ["prefill", "decode"] { _ = try function(name, phase) }
         }
         for chunk in chunks {
@@ -98,14 +101,83 @@ extension Manifest {
                 _ = try function("cache_update", update)
             }
         }
+        var phases = ["prefill", "decode"]
         if (branchWidth ?? 0) > 0 {
             guard (suffixLength ?? 0) > 0 else {
                 throw ManifestError.inconsistent("branch_width is \(branchWidth ?? 0) but suffix_length is missing")
             }
-            for name in ["embeddings", "lm_head"] + chunks.map(\.model) { _ = try function(name, Phase.decodeBranches.rawValue) }
+            phases.append(Phase.decodeBranches.rawValue)
+            for name in embeddings.models + lmHead.models + chunks.map(\.model) {
+                _ = try function(name, Phase.decodeBranches.rawValue)
+            }
         }
+        try checkVocabRanges()
         guard lmHead.vocabSplits.reduce(0, +) == config.vocabSize else {
             throw ManifestError.inconsistent("lm_head vocab_splits \(lmHead.vocabSplits) do not add up to vocab_size \(config.vocabSize)")
+        }
+        for phase in phases { try checkLogits(phase) }
+    }
+
+    /// A section's model list names at least one model, each once.
+    private static func checkModelList(_ section: String, _ models: [String]) throws {
+        guard !models.isEmpty else { throw ManifestError.inconsistent("\(section) models is empty") }
+        var seen = Set<String>()
+        for name in models where !seen.insert(name).inserted {
+            throw ManifestError.inconsistent("\(section) models \(models) name \"\(name)\" twice")
+        }
+    }
+
+    /// The embeddings' vocab_ranges: one `[start, end)` per model, non-empty, each starting where the
+    /// previous ends, from 0 to vocab_size.
+    private func checkVocabRanges() throws {
+        let ranges = embeddings.vocabRanges
+        guard ranges.count == embeddings.models.count else {
+            throw ManifestError.inconsistent("embeddings has \(embeddings.models.count) models \(embeddings.models) "
+                + "but \(ranges.count) vocab_ranges \(ranges)")
+        }
+        var next = 0
+        for (model, range) in zip(embeddings.models, ranges) {
+            guard range.count == 2, range[0] < range[1] else {
+                throw ManifestError.inconsistent("embeddings vocab_ranges entry \(range) of \(model) is not a non-empty [start, end) pair")
+            }
+            guard range[0] == next else {
+                throw ManifestError.inconsistent("embeddings vocab_ranges \(ranges) are not consecutive from 0: "
+                    + "\(model) starts at \(range[0]), not at \(next)")
+            }
+            next = range[1]
+        }
+        guard next == config.vocabSize else {
+            throw ManifestError.inconsistent("embeddings vocab_ranges \(ranges) end at \(next), not at vocab_size \(config.vocabSize)")
+        }
+    }
+
+    /// The logits outputs of all lm_head models of `phase` are logits_0..logits_{n-1}, each once,
+    /// with n = vocab_splits.count and `vocab_splits[j]` rows in `logits_j`.
+    private func checkLogits(_ phase: String) throws {
+        let prefix = TensorNames.logitsPrefix
+        let n = lmHead.vocabSplits.count
+        var producer: [Int: String] = [:]
+        for model in lmHead.models {
+            for spec in try function(model, phase).outputs where spec.name.hasPrefix(prefix) {
+                let suffix = spec.name.dropFirst(prefix.count)
+                guard let j = Int(suffix), String(j) == suffix, (0..<n).contains(j) else {
+                    throw ManifestError.inconsistent("lm_head model \(model) (\(phase)) outputs \(spec.name), which is not one of "
+                        + "\(prefix)0..\(prefix)\(n - 1) (vocab_splits has \(n) entries)")
+                }
+                if let other = producer[j] {
+                    throw ManifestError.inconsistent("lm_head models \(other) and \(model) (\(phase)) both output \(spec.name)")
+                }
+                guard spec.shape.count > 1, spec.shape[1] == lmHead.vocabSplits[j] else {
+                    throw ManifestError.inconsistent("lm_head model \(model) (\(phase)) outputs \(spec.name) of shape \(spec.shape), "
+                        + "but vocab_splits[\(j)] is \(lmHead.vocabSplits[j])")
+                }
+                producer[j] = model
+            }
+        }
+        let missing = (0..<n).filter { producer[$0] == nil }.map { "\(prefix)\($0)" }
+        guard missing.isEmpty else {
+            throw ManifestError.inconsistent("no lm_head model (\(lmHead.models.joined(separator: ", "))) outputs "
+                + "\(missing.joined(separator: ", ")) in \(phase), but vocab_splits has \(n) entries")
         }
     }
 

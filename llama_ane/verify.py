@@ -5,10 +5,11 @@
 the context length), and scores them teacher-forced through
 
   * the chosen backend ("mil": the saved .mlpackage programs executed with numpy; "coreml":
-    Core ML on macOS),
-  * the torch backend (the very modules that were converted, in the export's precision),
-  * transformers' Llama decoder layers (the reference implementation) on the same checkpoint
-    weights, in float32.
+    Core ML on macOS), in the export's precision, and with mil in float32 too,
+  * the torch backend (the modules the programs are written from), in float32 against the mil
+    backend's float32 run: the conversion check,
+  * transformers' Llama decoder layers (the reference implementation) on the checkpoint's weights,
+    in float32, against the backend in the export's precision: the check of the whole.
 
 For each reference it reports the max |logit difference|, the mean cosine similarity of the
 per-position logit vectors ([T, vocab]) and the top-1 agreement, and fails below the thresholds.
@@ -40,8 +41,28 @@ class Thresholds:
 
 # Same modules, same precision: the only differences are Core ML's op lowering and fp16 rounding.
 TORCH_THRESHOLDS = Thresholds(top1=0.99, cosine=0.999)
-# fp16 export against the float32 reference implementation: looser by the cost of half precision.
+# fp16 export against the float32 reference implementation: looser by the cost of half precision,
+# and for a compressed export by the cost of its most lossy scheme (measured on SmolLM2, README).
 TRANSFORMERS_THRESHOLDS = Thresholds(top1=0.95, cosine=0.995)
+SCHEME_THRESHOLDS = {
+    "int8": Thresholds(top1=0.90, cosine=0.99),
+    "lut8": Thresholds(top1=0.90, cosine=0.99),
+    "lut6": Thresholds(top1=0.80, cosine=0.98),
+    "int4": Thresholds(top1=0.60, cosine=0.95),
+    "lut4": Thresholds(top1=0.30, cosine=0.80),
+}
+LOSS_ORDER = ("none", "int8", "lut8", "lut6", "int4", "lut4")  # least to most lossy
+
+
+def compressed_schemes(manifest: dict) -> list[str]:
+    """The schemes of an export's compressed parts (empty for dense weights)."""
+    return sorted({d["scheme"] for d in manifest.get("quantization", {}).values()} - {"none"}, key=LOSS_ORDER.index)
+
+
+def transformers_thresholds_for(manifest: dict) -> Thresholds:
+    """The transformers comparison's thresholds: fp16's, or those of the most lossy scheme."""
+    schemes = compressed_schemes(manifest)
+    return SCHEME_THRESHOLDS[schemes[-1]] if schemes else TRANSFORMERS_THRESHOLDS
 
 
 @dataclass
@@ -80,6 +101,7 @@ class VerifyReport:
     skipped: list[str] = field(default_factory=list)
     error: str | None = None
     method: str = ""  # which comparison ran
+    resolution: str = "float32"  # the precision whose ulps bound a top-1 tie (see top1_agreement)
 
     @property
     def passed(self) -> bool:
@@ -89,11 +111,13 @@ class VerifyReport:
         lines = [f"verify {self.export_dir}: backend {self.backend} ({self.precision}), {self.n_tokens} tokens"]
         if self.method:
             lines.append(f"  {self.method}")
+        width = max([14] + [len(c.reference) for c in self.comparisons])
         if self.comparisons:
-            lines.append(f"  {'reference':<14} {'max |diff|':>10} {'mean cos':>9} {'top-1':>6}  result")
+            lines.append(f"  top-1 counts a pick within {TIE_ULPS} {self.resolution} ulps of the best logit as agreeing")
+            lines.append(f"  {'reference':<{width}} {'max |diff|':>10} {'mean cos':>9} {'top-1':>6}  result")
         for c in self.comparisons:
             result = "ok" if c.passed else "FAIL: " + "; ".join(c.failures)
-            lines.append(f"  {c.reference:<14} {c.max_abs_diff:>10.4f} {c.mean_cosine:>9.5f} "
+            lines.append(f"  {c.reference:<{width}} {c.max_abs_diff:>10.4f} {c.mean_cosine:>9.5f} "
                          f"{c.top1_agreement:>6.3f}  {result}")
         lines.extend(f"  {s}" for s in self.skipped)
         if self.error:
@@ -112,26 +136,38 @@ class VerifyReport:
 
 def default_text() -> str:
     """The fixed verification text shipped with the package (a few paragraphs of plain prose)."""
-    return resources.files("llama_ane.export").joinpath("verify_text.txt").read_text(encoding="utf-8")
+    return resources.files("llama_ane").joinpath("verify_text.txt").read_text(encoding="utf-8")
 
 
-def top1_agreement(got: np.ndarray, want: np.ndarray) -> float:
+TIE_ULPS = 2  # logits this many units in the last place apart cannot be ordered at that precision
+
+
+def top1_agreement(got: np.ndarray, want: np.ndarray, resolution: type = np.float32) -> float:
     """Fraction of positions whose top-1 tokens agree; logits [T, vocab].
 
-    A position agrees when the two argmax tokens are equal, or when one side's argmax is also a
-    maximiser of the other side's logits: an exact tie (common when logits are stored in fp16)
-    has no unique top-1, so either of the tied tokens is an agreeing choice. Near-ties are not
-    forgiven: a gap of one fp16 ulp already counts as a disagreement.
+    A position agrees when the two argmax tokens are equal, or when one side ranks the other's pick
+    within TIE_ULPS units in the last place of `resolution` (np.float16 for an fp16 export) of its
+    own best logit. Logits that close have no order at that precision: each of the two compared
+    logits is rounded to it (half an ulp each), on each side. With float32 this leaves only exact
+    ties (common when logits are stored in fp16); a near-tie by fp16 resolution then counts as a
+    disagreement.
     """
     a, b = got.argmax(-1), want.argmax(-1)
     rows = np.arange(got.shape[0])
-    agree = (a == b) | (want[rows, a] == want.max(-1)) | (got[rows, b] == got.max(-1))
+
+    def tolerance(x: np.ndarray) -> np.ndarray:
+        peak = np.abs(x).max(-1).astype(resolution)
+        return TIE_ULPS * np.spacing(peak).astype(np.float64)
+
+    agree = ((a == b) | (want[rows, a] >= want.max(-1) - tolerance(want))
+             | (got[rows, b] >= got.max(-1) - tolerance(got)))
     return float(np.mean(agree))
 
 
 def compare_logits(got: np.ndarray, want: np.ndarray, reference: str,
-                   thresholds: Thresholds | None = None) -> Comparison:
-    """Compare logits `got` and `want`, both [T, vocab]: max |diff|, mean cosine, top-1 agreement."""
+                   thresholds: Thresholds | None = None, resolution: type = np.float32) -> Comparison:
+    """Compare logits `got` and `want`, both [T, vocab]: max |diff|, mean cosine, top-1 agreement
+    (ties at `resolution`, see `top1_agreement`)."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     if got.shape != want.shape or got.ndim != 2 or got.shape[0] == 0:
@@ -142,64 +178,17 @@ def compare_logits(got: np.ndarray, want: np.ndarray, reference: str,
         reference=reference,
         max_abs_diff=float(np.max(np.abs(got - want))),
         mean_cosine=float(np.mean(cosine)),
-        top1_agreement=top1_agreement(got, want),
+        top1_agreement=top1_agreement(got, want, resolution),
         thresholds=thresholds if thresholds is not None else Thresholds(top1=0.0, cosine=-1.0),
     )
 
 
 def load_source_checkpoint(manifest: dict):
     """The checkpoint the export was made from (its path is recorded in the manifest's `source`)."""
-    from .weights import load_checkpoint, source_path
+    from .checkpoint.loader import load_checkpoint, source_path
 
     source = manifest["source"]
     return load_checkpoint(source_path(source) if source.get("kind") != "default" else None)
-
-
-def transformers_logits(manifest: dict, token_ids: list[int], checkpoint=None) -> np.ndarray:
-    """float32 logits [T, vocab] of transformers' Llama on the export's source weights, one layer at a time.
-
-    The arithmetic of `LlamaForCausalLM(input_ids).logits[0]` without holding the model: the
-    embedding lookup, then each `LlamaDecoderLayer` built with only its own weights in float32
-    (attention "sdpa" with attention_mask=None, which is causal over the whole sequence; cos/sin
-    from the model's `LlamaRotaryEmbedding`), then the final norm and the (tied or untied) LM head
-    in blocks of the vocabulary. Memory: one layer's weights, one head block, activations (T, C).
-    """
-    import torch
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-
-    ckpt = checkpoint if checkpoint is not None else load_source_checkpoint(manifest)
-    config = {k: v for k, v in manifest["config"].items() if v is not None or k == "rope_scaling"}
-    hf = HFLlamaConfig(**config)
-    hf._attn_implementation = "sdpa"
-
-    def weights(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
-        """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`."""
-        state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
-                 for name, t in module.state_dict().items()}
-        module.load_state_dict(state, strict=True, assign=True)
-        return module.eval()
-
-    block = 16384  # rows of the LM head multiplied at once: (block, C) in float32
-    with torch.no_grad():
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
-        positions = torch.arange(len(token_ids))[None]  # (1, T)
-        rope = LlamaRotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
-        for n in range(hf.num_hidden_layers):
-            with torch.device("meta"):
-                layer = LlamaDecoderLayer(hf, n)
-            layer = weights(layer, f"model.layers.{n}.")
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
-            x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
-            del layer  # before the next layer's weights are read
-        with torch.device("meta"):
-            norm = LlamaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
-        h = weights(norm, "model.norm.")(x)[0]  # (T, C)
-        head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)
-        logits = torch.cat([h @ head[s:s + block].to(torch.float32).T for s in range(0, head.shape[0], block)],
-                           dim=1)  # (T, V)
-    return logits.numpy()
 
 
 def streamed_method(n_chunks: int, with_transformers: bool) -> str:
@@ -209,11 +198,22 @@ def streamed_method(n_chunks: int, with_transformers: bool) -> str:
     return line + ("; transformers one decoder layer at a time" if with_transformers else "")
 
 
+def _scored(out_dir: Path, backend: str, ids: list[int], **options) -> np.ndarray:
+    """Teacher-forced logits [T, vocab] of `ids` through the export with `backend`, streamed."""
+    from .runtime.model import load
+
+    model = load(out_dir, backend=backend, **options)
+    try:
+        return model.pipeline.score_streamed(ids)  # one model in memory at a time
+    finally:
+        model.close()
+
+
 def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = None, *,
                   max_tokens: int = DEFAULT_MAX_TOKENS, precision: str | None = None,
                   with_transformers: bool = True,
                   torch_thresholds: Thresholds = TORCH_THRESHOLDS,
-                  transformers_thresholds: Thresholds = TRANSFORMERS_THRESHOLDS,
+                  transformers_thresholds: Thresholds | None = None,
                   checkpoint=None) -> VerifyReport:
     """Score `text` (default: the shipped prose) with `backend` and compare with torch and transformers.
 
@@ -225,11 +225,22 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     precision : for the mil backend, "fp16" (default for fp16 exports, as the ANE computes) or "fp32".
     checkpoint : the source `Checkpoint`, when the caller has it loaded already (the exporter);
         otherwise it is loaded from the manifest's `source`.
+    transformers_thresholds : default: fp16's, or for a compressed export those of its most lossy
+        scheme (SCHEME_THRESHOLDS).
+
+    Two comparisons. The conversion: with the mil backend, the programs executed in float32 against
+    the torch modules they are written from in float32, so that nothing but a conversion error
+    can separate them (with the coreml backend, Core ML's own precision against torch in the
+    export's). The torch modules read the checkpoint's weights, rounded to the export's precision
+    as it stores them, for a dense export (checking the weight mapping too), and the export's own
+    decompressed weights for a compressed one. The whole: the backend in the export's
+    precision (fp16, as the ANE computes) against transformers on the checkpoint in float32.
 
     Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
     """
-    from ..runtime.model import load
-    from .manifest import read_manifest
+    from .contract.manifest import read_manifest
+    from .reference import transformers_logits
+    from .runtime.model import load
 
     out_dir = Path(out_dir)
     report = VerifyReport(str(out_dir), backend, precision or "export precision")
@@ -242,56 +253,67 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         report.error = f"the export cannot be read: {exc}"
         return report
     export_precision = manifest["precision"]
-    model = None
+    options = {}
+    if backend == "mil":
+        options["precision"] = report.precision = precision or export_precision
+        options["widen_weights"] = False  # one copy of a package's weights: the gate's memory bound
+    else:
+        report.precision = export_precision
     try:
-        options = {}
-        if backend == "mil":
-            options["precision"] = report.precision = precision or export_precision
-        else:
-            report.precision = export_precision
         model = load(out_dir, backend=backend, **options)
-        ids = model.encode(text if text is not None else default_text())
-        limit = min(max_tokens, int(manifest["context_length"]))
-        ids = [int(t) for t in ids[:limit]]
+        try:
+            ids = model.encode(text if text is not None else default_text())
+        finally:
+            model.close()
+        ids = [int(t) for t in ids[:min(max_tokens, int(manifest["context_length"]))]]
         if len(ids) < MIN_TOKENS:
             report.error = (f"the text has {len(ids)} token(s); verification needs at least {MIN_TOKENS}: "
                             "give a longer --text")
             return report
         report.n_tokens = len(ids)
+        resolution = np.float16 if report.precision == "fp16" else np.float32  # of the logits scored
+        report.resolution = np.dtype(resolution).name
         report.method = streamed_method(len(manifest["chunks"]), with_transformers)
-        got = model.pipeline.score_streamed(ids)  # [T, vocab], one model in memory at a time
+        if backend == "mil":
+            report.method += ("\n  torch: the programs run in fp32 against the torch modules in fp32 on the same weights "
+                              "(the conversion)" + (f"; transformers: the programs in {report.precision} against the "
+                                                    "checkpoint in fp32 (the whole)" if with_transformers else ""))
+        got = _scored(out_dir, backend, ids, **options)  # [T, vocab]
+        # the conversion check runs the programs in float32 (unless they already ran in it)
+        conversion_precision = "fp32" if backend == "mil" else export_precision
+        got_conversion = got
+        if backend == "mil" and options["precision"] != "fp32":
+            got_conversion = _scored(out_dir, backend, ids, precision="fp32", widen_weights=False)
     except Exception as exc:  # a broken export must give a report, not a traceback
         report.error = f"the {backend} backend could not score the text: {type(exc).__name__}: {exc}"
         return report
-    finally:
-        if model is not None:
-            model.close()
-    del model  # its pipeline's caches too, before the references load
     try:
         checkpoint = checkpoint or load_source_checkpoint(manifest)
     except Exception as exc:
         report.error = (f"the source checkpoint recorded in manifest.json ({manifest['source']}) cannot be "
                         f"loaded, and the references are built from it: {type(exc).__name__}: {exc}")
         return report
-    reference = None
+    compressed = compressed_schemes(manifest)
     try:
-        # the torch reference runs the very modules that were converted, in the export's precision
-        reference = load(out_dir, backend="torch", precision=export_precision, checkpoint=checkpoint)
-        want = reference.pipeline.score_streamed(ids)
-        report.comparisons.append(compare_logits(got, want, f"torch ({export_precision})", torch_thresholds))
+        # the modules the programs are written from, on the checkpoint's weights (the export's own
+        # when they are compressed)
+        want = _scored(out_dir, "torch", ids, precision=conversion_precision,
+                       **({} if compressed else {"checkpoint": checkpoint, "weights_precision": export_precision}))
+        label = f"torch ({conversion_precision}{', same weights' if compressed else ''})"
+        report.comparisons.append(compare_logits(got_conversion, want, label, torch_thresholds,
+                                                 np.float16 if conversion_precision == "fp16" else np.float32))
     except Exception as exc:
         report.error = f"the torch reference failed: {type(exc).__name__}: {exc}"
         return report
-    finally:
-        if reference is not None:
-            reference.close()
-    del reference, want
+    del want, got_conversion
     if with_transformers:
         try:
-            hf = transformers_logits(manifest, ids, checkpoint)
+            hf = transformers_logits(ids, checkpoint)
         except Exception as exc:
             report.skipped.append(f"transformers: skipped, could not build the reference model "
                                   f"({type(exc).__name__}: {exc})")
         else:
-            report.comparisons.append(compare_logits(got, hf, "transformers", transformers_thresholds))
+            thresholds = transformers_thresholds or transformers_thresholds_for(manifest)
+            report.comparisons.append(compare_logits(got, hf, "transformers" + (f" ({'/'.join(compressed)})" if compressed
+                                                                                else ""), thresholds, resolution))
     return report

@@ -1,6 +1,7 @@
-"""`export_model`: checkpoint in, a complete export folder out, or nothing at all.
+"""`export_model`: checkpoint in, a complete, verified export folder out, or nothing at all.
 
-The export is built in a hidden temporary folder beside OUT and renamed into place only after it
+It drives the layers below it: the export plan (`contract`), the exporter that writes the packages
+(`export`) and the parity gate that runs them (`verify`, through the runtime). The export is built in a hidden temporary folder beside OUT and renamed into place only after it
 has been written, hashed and validated, so an interrupted or failed export never leaves a folder
 that looks complete.
 """
@@ -14,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .describe import ExportOptions, ExportOptionsError
-from .manifest import write_manifest
+from .contract.manifest import write_manifest
+from .contract.plan import ExportOptions, ExportOptionsError
+from .quantize import PARTS, QuantizeOptions
 
 
 class ExportError(RuntimeError):
@@ -30,13 +32,13 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
 
-            total = sum(p.weight_bytes + OVERHEAD_BYTES for p in plan.packages)
+            total = sum(p.dense_bytes + OVERHEAD_BYTES for p in plan.packages)
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
 
     def built(self, spec) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"built {spec.file}")
-            self.bar.update(spec.weight_bytes + OVERHEAD_BYTES)
+            self.bar.update(spec.dense_bytes + OVERHEAD_BYTES)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -56,13 +58,45 @@ def check_writable_parent(out: Path) -> None:
         raise ExportError(f"cannot write {out}: {existing} is not a writable folder; choose another -o/--out")
 
 
+def calibration_text() -> str:
+    """Prose shipped to calibrate compression on (neither the verify text nor the eval text)."""
+    from importlib import resources
+
+    return resources.files("llama_ane").joinpath("calibration_text.txt").read_text(encoding="utf-8")
+
+
+def calibrate(ckpt, say: Callable[[str], None]) -> dict:
+    """The activation statistics LUT fits are weighted by: the checkpoint run in float32, one
+    layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens)."""
+    from transformers import AutoTokenizer
+
+    from .reference import activation_importance
+
+    t0 = time.perf_counter()
+    ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(calibration_text()).input_ids[:CALIBRATION_TOKENS]
+    ids = [i for i in ids if i < ckpt.config.vocab_size]
+    importance = activation_importance(ckpt, ids)
+    say(f"calibrated LUTs on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
+    return importance
+
+
+CALIBRATION_TOKENS = 512
+
+
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
                  suffix_length: int = 256, target: str = "iOS18",
                  precision: str = "fp16", force: bool = False, verify: bool = False,
                  workers: int | None = None, max_memory_gb: float | None = None,
+                 quantize: str = "none", quantize_embeddings: str | None = None,
+                 quantize_attention: str | None = None, quantize_mlp: str | None = None,
+                 quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
                  progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
+
+    `quantize` compresses every part's weights ("int8", "int4", "lut8", "lut6", "lut4"; default
+    "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
+    `block_size` (input channels per scale) replace the defaults (see `llama_ane.quantize`).
 
     Packages are built one per worker process with only their own weights in memory; the number
     of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb` sets
@@ -71,22 +105,25 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     anything is written), and ExportError for an existing OUT without `force` or an export that
     fails `verify` (then nothing is written; an existing OUT is kept).
     """
-    from .budget import GB, plan_memory
-    from .convert import convert_all
-    from .describe import plan_export
-    from .memory import PeakMemory, available_bytes
-    from .tokenizer_info import tokenizer_info
-    from .validate import validate_export
-    from .weights import copy_tokenizer, load_checkpoint
+    from .checkpoint.loader import copy_tokenizer, load_checkpoint
+    from .contract.plan import plan_export
+    from .contract.tokenizer import tokenizer_info
+    from .export.budget import GIB, plan_memory
+    from .export.convert import convert_all
+    from .export.memory import PeakMemory, available_bytes
+    from .export.validate import validate_export
 
     say = log or (lambda _m: None)
+    compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
+                                           mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
+                                           block_size=block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length)
+                         suffix_length, compression)
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
     if max_memory_gb is not None and max_memory_gb <= 0:
-        raise ExportOptionsError(f"--max-memory must be a positive number of GB, got {max_memory_gb}")
+        raise ExportOptionsError(f"--max-memory must be a positive number of GiB, got {max_memory_gb}")
     out = Path(out).expanduser().resolve()
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
@@ -97,19 +134,32 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     ckpt = load_checkpoint(source)
     plan = plan_export(ckpt.config, opts)
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
-                         max_memory=None if max_memory_gb is None else int(max_memory_gb * GB))
+                         max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB))
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
         f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else ""))
+    if compression.active:
+        def granularity(d: dict) -> str:
+            if d.get("group_size") == 0:
+                return " (one LUT per tensor)"
+            if d.get("block_size") == 0:
+                return " (per channel)"
+            return f" (group {d['group_size']})" if "group_size" in d else f" (block {d['block_size']})" if "block_size" in d else ""
+        stored, dense = sum(p.weight_bytes for p in plan.packages), sum(p.dense_bytes for p in plan.packages)
+        say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" for part, d in opts.quantize.describe(target).items())
+            + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
+    importance = None
+    if any(c.kind == "lut" for part in PARTS if (c := opts.quantize.compression(part, target))):
+        importance = calibrate(ckpt, say)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         with PeakMemory() as meter:
             bar = _Progress(plan, progress)
             try:
-                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built)
+                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, importance=importance)
             finally:
                 bar.close()
             tok_files = copy_tokenizer(ckpt, tmp)
@@ -133,6 +183,6 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    say(f"exported {out} in {time.perf_counter() - t0:.1f} s, peak memory {meter.peak / GB:.2f} GB "
+    say(f"exported {out} in {time.perf_counter() - t0:.1f} s, peak memory {meter.peak / GIB:.2f} GiB "
         f"({'summed PSS of the process tree' if meter.method == 'pss-tree' else 'peak RSS'})")
     return out

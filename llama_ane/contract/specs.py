@@ -26,6 +26,33 @@ def chunk_model_name(index: int) -> str:
     return f"chunk_{index}"
 
 
+def embeddings_model_name(part: int) -> str:
+    """Manifest model name of the part-th file of the embeddings: "embeddings", "embeddings_1", ..."""
+    return "embeddings" if part == 0 else f"embeddings_{part}"
+
+
+def lm_head_model_name(part: int) -> str:
+    """Manifest model name of the part-th file of the LM head: "lm_head", "lm_head_1", ..."""
+    return "lm_head" if part == 0 else f"lm_head_{part}"
+
+
+def model_kind(model: str) -> str:
+    """What a manifest model computes: "embeddings" (lookup of the first rows, RoPE, masks),
+    "embeddings_part" (lookup of later rows, added to the hidden states), "chunk", "lm_head" or
+    "cache_update"."""
+    if model == "embeddings":
+        return "embeddings"
+    if model.startswith("embeddings_"):
+        return "embeddings_part"
+    if model.startswith("chunk_"):
+        return "chunk"
+    if model == "lm_head" or model.startswith("lm_head_"):
+        return "lm_head"
+    if model == "cache_update":
+        return "cache_update"
+    raise ValueError(f"no model kind for {model!r}")
+
+
 def cache_update_function(function: str, layers: int) -> str:
     """Name of the cache-update function for a chunk of `layers` layers, e.g. "decode_l3"."""
     return f"{function}_l{layers}"
@@ -36,15 +63,22 @@ def _t(name: str, shape: list[int], dtype: str) -> dict:
 
 
 def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, prefill_length: int,
-                float_dtype: str, branch_width: int = 0, suffix_length: int = 0) -> dict[str, dict[str, dict]]:
+                float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
+                embedding_parts: int = 1, head_groups: list[list[int]] | None = None) -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export.
 
-    With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade).
+    With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade). The
+    embedding table is cut into `embedding_parts` files: the first ("embeddings") looks up its
+    rows and makes the RoPE tables and masks; each later one ("embeddings_1", ...) adds the lookup
+    of its rows to the hidden states. `head_groups` lists the vocabulary splits each LM head file
+    computes (default: all in "lm_head"); their outputs keep the global names logits_j.
     """
     c, d, kv, t, f = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, float_dtype
-    specs: dict[str, dict[str, dict]] = {"embeddings": {}, "lm_head": {}, "cache_update": {}}
-    for i in range(len(plan)):
-        specs[chunk_model_name(i)] = {}
+    groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
+    specs: dict[str, dict[str, dict]] = {embeddings_model_name(k): {} for k in range(embedding_parts)}
+    specs.update({chunk_model_name(i): {} for i in range(len(plan))})
+    specs.update({lm_head_model_name(k): {} for k in range(len(groups))})
+    specs["cache_update"] = {}
     for fn in FUNCTIONS:
         s = window_of(fn, prefill_length)
         specs["embeddings"][fn] = {
@@ -52,6 +86,7 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
             "outputs": [_t("hidden_states", [1, c, 1, s], f), _t("cos", [1, d, 1, s], f),
                         _t("sin", [1, d, 1, s], f), _t("mask", [1, 1, s, t + s], f)],
         }
+        add_embedding_part_specs(specs, embedding_parts, fn, c, s, f)
         for i, layers in enumerate(plan):
             n = len(layers)
             specs[chunk_model_name(i)][fn] = {
@@ -67,17 +102,34 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                            _t("position", [1], "int32")],
                 "outputs": [_t("k_cache_out", [n, kv, 1, t], f), _t("v_cache_out", [n, kv, 1, t], f)],
             }
-        specs["lm_head"][fn] = {
-            "inputs": [_t("hidden_states", [1, c, 1, s], f)],
-            "outputs": [_t(f"logits_{j}", [1, v, 1, s], f) for j, v in enumerate(vocab_splits(cfg.vocab_size))],
-        }
+        add_lm_head_specs(specs, cfg, groups, fn, s, f)
     if branch_width:
-        add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length)
+        add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length, embedding_parts, groups)
     return specs
 
 
+def add_embedding_part_specs(specs: dict, parts: int, fn: str, c: int, s: int, f: str) -> None:
+    """The later embedding files' function `fn`: input_ids (1,S) and the hidden states so far ->
+    hidden_states_out (1,C,1,S)."""
+    for k in range(1, parts):
+        specs[embeddings_model_name(k)][fn] = {
+            "inputs": [_t("input_ids", [1, s], "int32"), _t("hidden_states", [1, c, 1, s], f)],
+            "outputs": [_t("hidden_states_out", [1, c, 1, s], f)],
+        }
+
+
+def add_lm_head_specs(specs: dict, cfg: LlamaConfig, groups: list[list[int]], fn: str, s: int, f: str) -> None:
+    """Each LM head file's function `fn`: hidden_states (1,C,1,S) -> its logits_j (1,V_j,1,S)."""
+    splits = vocab_splits(cfg.vocab_size)
+    for k, heads in enumerate(groups):
+        specs[lm_head_model_name(k)][fn] = {
+            "inputs": [_t("hidden_states", [1, cfg.hidden_size, 1, s], f)],
+            "outputs": [_t(f"logits_{j}", [1, splits[j], 1, s], f) for j in heads],
+        }
+
+
 def add_branch_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], context_length: int, f: str,
-                     b: int, u: int) -> None:
+                     b: int, u: int, embedding_parts: int, head_groups: list[list[int]]) -> None:
     """The "decode_branches" functions (see chunks/cascade.py for their semantics)."""
     c, d, kv, t, g = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, cfg.num_key_value_heads
     specs["embeddings"][BRANCHES] = {
@@ -102,7 +154,5 @@ def add_branch_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], conte
                        _t("suffix_positions", [b], "int32")],
             "outputs": [_t("k_suffix_out", [n * g, b, d, u], f), _t("v_suffix_out", [n * g, b, d, u], f)],
         }
-    specs["lm_head"][BRANCHES] = {
-        "inputs": [_t("hidden_states", [1, c, 1, b], f)],
-        "outputs": [_t(f"logits_{j}", [1, v, 1, b], f) for j, v in enumerate(vocab_splits(cfg.vocab_size))],
-    }
+    add_embedding_part_specs(specs, embedding_parts, BRANCHES, c, b, f)
+    add_lm_head_specs(specs, cfg, head_groups, BRANCHES, b, f)

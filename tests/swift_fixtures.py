@@ -16,10 +16,10 @@ Nothing in those fixtures is written by hand:
   transformers renders them.
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
-  names), made with :func:`llama_ane.export.api.export_model`.
+  names), made with :func:`llama_ane.api.export_model`.
 
-Run ``python -m llama_ane.export.swift_fixtures DIR`` (CI uses
-``swift_host/Tests/LlamaANETests/Fixtures``), or ``llama-ane export ... --swift-fixtures DIR``.
+Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
+``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
 """
 
 from __future__ import annotations
@@ -480,7 +480,7 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
 
 def write_manifest_fixture(fixtures_dir: Path) -> Path:
     """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``."""
-    from llama_ane.export.api import export_model
+    from llama_ane.api import export_model
     from llama_ane.testing import make_tiny_checkpoint
 
     out = Path(fixtures_dir) / "export"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -81,16 +81,20 @@ def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[
         raise ManifestError(f"the manifest has no function {function!r} for model {model!r}") from None
 
 
-def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]], specs: dict,
+def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]],
+                 embedding_rows: list[tuple[int, int]], head_groups: list[list[int]], specs: dict,
                  context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
-                 precision: str, target: str,
-                 multifunction: bool, tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]],
-                 created_by: dict) -> dict[str, Any]:
+                 precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
+                 tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
+
+    `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
+    `weights` the bytes of each model's package as stored and dense.
 
     `files` maps (model, function) -> (file name, function name inside that file).
     """
-    from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name
+    from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name, embeddings_model_name, \
+        lm_head_model_name
 
     models: dict[str, Any] = {}
     for model, functions in specs.items():
@@ -102,7 +106,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                "cache_update": {fn: cache_update_function(fn, len(layers))
                                 for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())}}
               for i, layers in enumerate(plan)]
-    lm_outputs = specs["lm_head"]["decode"]["outputs"]
+    lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
     return {
         "format_version": FORMAT_VERSION,
         "name": name,
@@ -116,10 +120,15 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "precision": precision,
         "deployment_target": target,
         "multifunction": multifunction,
+        "quantization": quantization,
+        "weights": weights,
         "cache": {"layout": "(layers, kv_heads*head_dim, 1, context)",
                   "channels": config["num_key_value_heads"] * config["head_dim"],
                   "dtype": "float16" if precision == "fp16" else "float32"},
-        "lm_head": {"vocab_splits": [o["shape"][1] for o in lm_outputs]},
+        "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
+                       "vocab_ranges": [list(r) for r in embedding_rows]},
+        "lm_head": {"models": [lm_head_model_name(k) for k in range(len(head_groups))],
+                    "vocab_splits": [o["shape"][1] for o in lm_outputs]},
         "chunks": chunks,
         "models": models,
         "tokenizer": tokenizer,

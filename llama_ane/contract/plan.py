@@ -3,16 +3,18 @@ and the manifest that records them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..chunks.plan import layer_weight_bytes, plan_chunks
+from ..chunks.models import vocab_splits
+from ..chunks.plan import ROW_UNIT, group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
-from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES
+from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget
+from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
 from .manifest import new_manifest
-from .specs import chunk_model_name, model_specs
-from .weights import Checkpoint, load_checkpoint
+from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
+from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
@@ -31,6 +33,7 @@ class ExportOptions:
     precision: str = "fp16"
     branch_width: int = 8
     suffix_length: int = 256
+    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -52,6 +55,9 @@ class ExportOptions:
                                      f"got {self.suffix_length}")
         if self.precision not in ("fp16", "fp32"):
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
+        if self.quantize.active and self.precision != "fp16":
+            raise ExportOptionsError("--quantize compresses fp16 weights: drop --precision fp32")
+        self.quantize.check(self.target)
 
     @property
     def multifunction(self) -> bool:
@@ -77,7 +83,9 @@ class PackageSpec:
     model: str
     functions: tuple[str, ...]
     layers: tuple[int, ...]  # HF layer indices of a block chunk, () for the other models
-    weight_bytes: int
+    weight_bytes: int  # as stored in the file (compressed weights at their packed size)
+    rows: tuple[int, int] | None = None  # [start, end) vocabulary rows of an embeddings or LM head file
+    dense_bytes: int = 0  # the same weights in the export precision (what building or running holds)
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class ExportPlan:
     config: LlamaConfig
     options: ExportOptions
     chunks: list[list[int]]
+    embedding_rows: list[tuple[int, int]]  # [start, end) rows of the table in each embeddings file
+    head_groups: list[list[int]]  # the vocabulary splits (logits_j) each LM head file computes
     specs: dict[str, dict[str, dict]]
     packages: list[PackageSpec]
 
@@ -100,9 +110,13 @@ class ExportPlan:
 
     @property
     def rope_positions(self) -> int:
-        """Rows of the RoPE tables: the last position any function may read, plus one."""
-        o = self.options
-        return o.context_length + max(o.prefill_length, o.suffix_length + 1 if o.branch_width else 1)
+        return rope_positions(self.options)
+
+    def compression(self, name: str) -> Compression | None:
+        """How parameter `name` (as in the modules, e.g. "layers.0.q_proj.weight") is stored: None
+        for dense weights."""
+        part = weight_part(name)
+        return None if part is None else self.options.quantize.compression(part, self.options.target)
 
     @property
     def files(self) -> dict[tuple[str, str], tuple[str, str]]:
@@ -116,43 +130,82 @@ class ExportPlan:
         a checkpoint run unexported (no packages)."""
         o = self.options
         return new_manifest(name=name, source=source, config=self.config.to_dict(), plan=self.chunks,
-                            specs=self.specs, context_length=o.context_length, prefill_length=o.prefill_length,
+                            embedding_rows=self.embedding_rows, head_groups=self.head_groups, specs=self.specs, context_length=o.context_length, prefill_length=o.prefill_length,
                             branch_width=o.branch_width, suffix_length=o.suffix_length if o.branch_width else 0,
                             precision=o.precision, target=o.target, multifunction=o.multifunction,
+                            quantization=o.quantize.describe(o.target),
+                            weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
+                                     for p in self.packages},
                             tokenizer=tokenizer, files=self.files if files is None else files,
                             created_by=created_by())
 
 
-def model_weight_bytes(cfg: LlamaConfig, model: str, layers: list[int], bytes_per_weight: int) -> int:
-    """Weight bytes of one model's package (its RoPE tables and masks are small and not counted)."""
-    if model == "embeddings":
-        return cfg.vocab_size * cfg.hidden_size * bytes_per_weight
-    if model == "lm_head":
-        return (cfg.vocab_size + 1) * cfg.hidden_size * bytes_per_weight
-    return len(layers) * layer_weight_bytes(cfg, bytes_per_weight)
+def rope_positions(opts: ExportOptions) -> int:
+    """Rows of the RoPE tables: the last position any function may read, plus one."""
+    return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1)
 
 
 def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
-    """Check `opts` against `cfg` and decide the chunks, the specs and the packages."""
+    """Check `opts` against `cfg` and decide the chunks, the vocabulary files, the specs and the packages.
+
+    Every package holds at most the target's weight budget (`limits.weight_budget`), counting
+    compressed weights at their stored size: decoder layers are grouped into chunks, and an
+    embedding table or LM head too large for one file is cut by rows into several (at 8B,
+    128256 x 4096 fp16 is 1.05 GB: two files for an iOS target). A group or block size that does
+    not divide a compressed weight is refused here, before anything is read.
+    """
     opts.check()
     if opts.context_length > cfg.max_position_embeddings:
         raise ExportOptionsError(
             f"--context-length {opts.context_length} exceeds the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}")
     per_weight = BYTES_PER_WEIGHT[opts.precision]
-    chunks = plan_chunks(cfg, opts.layers_per_chunk, target=opts.target, bytes_per_weight=per_weight)
+    budget, row = weight_budget(opts.target), cfg.hidden_size
+    quantize, target = opts.quantize, opts.target
+
+    def stored(name: str, shape: tuple[int, ...]) -> int:
+        part = weight_part(name)
+        c = None if part is None else quantize.compression(part, target)
+        if c is not None:
+            check_divides(name, shape, c)
+        return stored_bytes(shape, c, per_weight)
+
+    def stored_rows(name: str, rows: int) -> int:  # bytes of `rows` rows of a vocabulary matrix
+        return stored(name, (rows, row))
+
+    layer = layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.0.{name}", shape))
+    chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=layer)
+    rope_bytes = 2 * rope_positions(opts) * cfg.head_dim * per_weight  # cos and sin tables
+    table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
+    embedding_rows = vocab_row_ranges(cfg.vocab_size, table_row, budget, fixed_bytes=rope_bytes)
+    splits = vocab_splits(cfg.vocab_size)
+    head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
+    head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
-                        opts.branch_width, opts.suffix_length)
-    layers_of = {chunk_model_name(i): layers for i, layers in enumerate(chunks)}
+                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups)
+    heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
+    contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
+    for k, (a, b) in enumerate(embedding_rows):
+        fixed = rope_bytes if k == 0 else 0
+        contents[embeddings_model_name(k)] = ((), (a, b), stored_rows("embed_tokens.weight", b - a) + fixed,
+                                              (b - a) * row * per_weight + fixed)
+    for i, layers in enumerate(chunks):
+        contents[chunk_model_name(i)] = (tuple(layers), None, len(layers) * layer,
+                                         len(layers) * layer_weight_bytes(cfg, per_weight))
+    for k, heads in enumerate(head_groups):
+        a, b = heads_start[heads[0]], heads_start[heads[-1] + 1]
+        norm = row * per_weight
+        contents[lm_head_model_name(k)] = ((), (a, b), sum(stored_rows(f"heads.{j}.weight", splits[j]) for j in heads)
+                                           + norm, (b - a) * row * per_weight + norm)
+    contents["cache_update"] = ((), None, 0, 0)
     packages = []
     for model, functions in specs.items():
-        layers = layers_of.get(model, [])
-        size = model_weight_bytes(cfg, model, layers, per_weight)
+        layers, rows, size, dense = contents[model]
         groups = [tuple(functions)] if opts.multifunction else [(fn,) for fn in functions]
         for fns in groups:
             file = f"{model}.mlpackage" if opts.multifunction else f"{model}_{fns[0]}.mlpackage"
-            packages.append(PackageSpec(file, model, fns, tuple(layers), size))
-    return ExportPlan(cfg, opts, chunks, specs, packages)
+            packages.append(PackageSpec(file, model, fns, layers, size, rows, dense))
+    return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages)
 
 
 def describe(ckpt: Checkpoint, opts: ExportOptions, tokenizer: dict,
@@ -163,7 +216,7 @@ def describe(ckpt: Checkpoint, opts: ExportOptions, tokenizer: dict,
 
 def describe_checkpoint(path: Path | None, **options) -> tuple[dict, Checkpoint, Path]:
     """For running a checkpoint with the torch backend, unexported: (manifest, checkpoint, tokenizer folder)."""
-    from .tokenizer_info import tokenizer_info
+    from .tokenizer import tokenizer_info
 
     options.setdefault("precision", "fp32")
     opts = ExportOptions(**options)

@@ -1,8 +1,6 @@
-"""Checkpoint loading (HF folder, .gguf, embedded default) and the pure HF -> ANE weight mapping.
-
-Loading opens files and checks them; the mapping (`chunk_state_dict`, `embeddings_state_dict`,
-`lm_head_state_dict`) only renames and reshapes tensors: Linear (out, in) -> Conv2d (out, in, 1, 1),
-the attention scale folded into q_proj, the LM head split over the vocabulary.
+"""Checkpoint loading: a Hugging Face folder (safetensors, single or sharded), a .gguf, or the
+embedded default. Files are opened and checked up front; tensors are read one at a time, by HF
+name, only when asked for (`Checkpoint.tensor`).
 """
 
 from __future__ import annotations
@@ -33,7 +31,11 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: its config, a tensor getter by HF name, and its tokenizer files."""
+    """A loaded checkpoint: its config, a tensor getter by HF name, and its tokenizer files.
+
+    `get_rows(name, start, end)`, where the format allows it, reads rows start..end-1 of a tensor
+    without the rest (safetensors slices); otherwise `rows` reads the tensor and slices it.
+    """
 
     name: str
     config: LlamaConfig
@@ -41,12 +43,25 @@ class Checkpoint:
     tokenizer_dir: Path
     get: Callable[[str], torch.Tensor]
     _tmp: list = field(default_factory=list, repr=False)
+    get_rows: Callable[[str, int, int], torch.Tensor] | None = None
 
     def tensor(self, hf_name: str) -> torch.Tensor:
         try:
             return self.get(hf_name)
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.name} has no tensor {hf_name!r}; is it a complete LlamaForCausalLM?") from None
+            raise self._missing(hf_name) from None
+
+    def rows(self, hf_name: str, start: int, end: int) -> torch.Tensor:
+        """Rows start..end-1 of tensor `hf_name` (e.g. a part of the vocabulary of an embedding table)."""
+        if self.get_rows is None:
+            return self.tensor(hf_name)[start:end]
+        try:
+            return self.get_rows(hf_name, start, end)
+        except KeyError:
+            raise self._missing(hf_name) from None
+
+    def _missing(self, hf_name: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.name} has no tensor {hf_name!r}; is it a complete LlamaForCausalLM?")
 
 
 def default_gguf_path() -> Path:
@@ -136,16 +151,19 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
         for key in check_safetensors(file):
             where[key] = file
 
-    handles: dict[Path, object] = {}
-
+    # Each read opens its shard and closes it again: safetensors maps the file, and a mapping kept
+    # open would keep every page read so far resident and counted as this process's memory (a whole
+    # 8B checkpoint, 16 GB, after a verify pass). The tensors safetensors returns are copies.
     def get(hf_name: str) -> torch.Tensor:
-        file = where[hf_name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(hf_name)
+        with safe_open(str(where[hf_name]), framework="pt") as f:
+            return f.get_tensor(hf_name)
+
+    def get_rows(hf_name: str, start: int, end: int) -> torch.Tensor:
+        with safe_open(str(where[hf_name]), framework="pt") as f:
+            return f.get_slice(hf_name)[start:end]
 
     return Checkpoint(name=folder.name, config=config, source={"kind": "hf", "path": str(folder)},
-                      tokenizer_dir=folder, get=get)
+                      tokenizer_dir=folder, get=get, get_rows=get_rows)
 
 
 def _load_gguf(file: Path, name: str) -> Checkpoint:
@@ -184,59 +202,3 @@ def copy_tokenizer(ckpt: Checkpoint, out: Path) -> list[str]:
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
         raise CheckpointError(f"{ckpt.tokenizer_dir} has no tokenizer.json or tokenizer.model; add the tokenizer files")
     return copied
-
-
-# ---- pure mapping: HF names -> our module parameter names --------------------------------------
-
-LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "q_proj.weight": "self_attn.q_proj.weight",
-    "k_proj.weight": "self_attn.k_proj.weight",
-    "v_proj.weight": "self_attn.v_proj.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
-
-
-def as_conv(w: torch.Tensor) -> torch.Tensor:
-    """Linear weight (out, in) -> 1x1 Conv2d weight (out, in, 1, 1)."""
-    return w.reshape(w.shape[0], w.shape[1], 1, 1)
-
-
-def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
-    """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32."""
-    w = ckpt.tensor(f"model.layers.{layer}.{LAYER_TENSORS[ours]}").to(torch.float32)
-    if ours.endswith("proj.weight"):
-        w = as_conv(w)
-    if ours == "q_proj.weight":
-        w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
-    return w
-
-
-def layer_state_dict(ckpt: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
-    """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in fp32."""
-    return {ours: layer_tensor(ckpt, layer, ours) for ours in LAYER_TENSORS}
-
-
-def chunk_state_dict(ckpt: Checkpoint, layers: list[int]) -> dict[str, torch.Tensor]:
-    """A BlockChunk's state dict for HF layers `layers`."""
-    return {f"layers.{j}.{k}": v for j, layer in enumerate(layers) for k, v in layer_state_dict(ckpt, layer).items()}
-
-
-def embeddings_state_dict(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    return {"embed_tokens.weight": ckpt.tensor("model.embed_tokens.weight").to(torch.float32)}
-
-
-def lm_head_state_dict(ckpt: Checkpoint, splits: list[int]) -> dict[str, torch.Tensor]:
-    """LMHead's state dict: final norm and the (tied or untied) output matrix split by rows."""
-    name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
-    w = ckpt.tensor(name).to(torch.float32)
-    out = {"norm.weight": ckpt.tensor("model.norm.weight").to(torch.float32)}
-    start = 0
-    for i, n in enumerate(splits):
-        out[f"heads.{i}.weight"] = as_conv(w[start:start + n])
-        start += n
-    return out

@@ -1,0 +1,75 @@
+"""The pure HF -> ANE weight mapping: HF tensor names to our module parameter names.
+
+Nothing here opens a file: it renames and reshapes tensors read through `Checkpoint.tensor`.
+Linear (out, in) -> Conv2d (out, in, 1, 1), the attention scale folded into q_proj, the LM head
+split over the vocabulary. Each tensor is read, mapped in float32 and cast to `dtype` on its own,
+so building a model in fp16 never holds its float32 copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .loader import Checkpoint
+
+
+LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def as_conv(w: torch.Tensor) -> torch.Tensor:
+    """Linear weight (out, in) -> 1x1 Conv2d weight (out, in, 1, 1)."""
+    return w.reshape(w.shape[0], w.shape[1], 1, 1)
+
+
+def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
+    """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32."""
+    w = ckpt.tensor(f"model.layers.{layer}.{LAYER_TENSORS[ours]}").to(torch.float32)
+    if ours.endswith("proj.weight"):
+        w = as_conv(w)
+    if ours == "q_proj.weight":
+        w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
+    return w
+
+
+def layer_state_dict(ckpt: Checkpoint, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in `dtype`."""
+    return {ours: layer_tensor(ckpt, layer, ours).to(dtype) for ours in LAYER_TENSORS}
+
+
+def chunk_state_dict(ckpt: Checkpoint, layers: list[int], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A BlockChunk's state dict for HF layers `layers`, in `dtype`."""
+    return {f"layers.{j}.{k}": v for j, layer in enumerate(layers)
+            for k, v in layer_state_dict(ckpt, layer, dtype).items()}
+
+
+def embeddings_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
+                          rows: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The embedding table (vocab, hidden), or its rows [start, end), in `dtype`."""
+    name = "model.embed_tokens.weight"
+    table = ckpt.tensor(name) if rows is None else ckpt.rows(name, *rows)
+    return {"embed_tokens.weight": table.to(dtype)}
+
+
+def lm_head_state_dict(ckpt: Checkpoint, splits: list[int], dtype: torch.dtype = torch.float32,
+                       heads: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """LMHead's state dict in `dtype`: final norm and the (tied or untied) output matrix split by rows
+    into `splits`; with `heads`, only those splits (heads.0 is split heads[0], ...), read alone."""
+    name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    heads = list(range(len(splits))) if heads is None else heads
+    starts = [sum(splits[:j]) for j in range(len(splits) + 1)]
+    first = starts[heads[0]]
+    w = ckpt.rows(name, first, starts[heads[-1] + 1]).to(dtype)
+    out = {"norm.weight": ckpt.tensor("model.norm.weight").to(dtype)}
+    for i, j in enumerate(heads):
+        out[f"heads.{i}.weight"] = as_conv(w[starts[j] - first:starts[j + 1] - first])
+    return out

@@ -1,0 +1,66 @@
+"""Bytes one decode step moves, from the manifest alone: the weights every step reads, the KV
+cache the chunks read, and what the cache-update model reads and writes.
+
+Decode is bound by memory traffic: each token reads every chunk's weights and the LM head's once,
+and, because every shape is static, each chunk reads its whole cache (all `context_length`
+positions, masked or not). The cache update rewrites that cache through a one-hot matmul: it
+reads it and writes it again. The embeddings model reads one row of its table. Dividing a
+bandwidth by the total gives an upper bound on tokens/s: a bound, not a measurement (compute,
+dispatch and the ANE's own caches are left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Bytes of one decode step (one token through every model)."""
+
+    weights: int  # chunks and LM head as stored, plus one embedding row
+    weights_dense: int  # the same weights decompressed (what a device that decompresses at load reads)
+    cache_read: int  # the chunks reading their K/V caches
+    cache_update: int  # the cache-update model reading and writing them
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache_read + self.cache_update
+
+    @property
+    def total_dense(self) -> int:
+        return self.weights_dense + self.cache_read + self.cache_update
+
+    def tokens_per_s_bound(self, bandwidth_gb_s: float, dense: bool = False) -> float:
+        """The bandwidth-bound decode rate at `bandwidth_gb_s` (10^9 bytes/s): an upper bound."""
+        return bandwidth_gb_s * 1e9 / (self.total_dense if dense else self.total)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "total_dense": self.total_dense}
+
+
+def _nbytes(spec: dict) -> int:
+    n = 1
+    for d in spec["shape"]:
+        n *= d
+    return n * DTYPE_BYTES[spec["dtype"]]
+
+
+def decode_step_traffic(manifest: dict) -> StepTraffic:
+    """What one "decode" step of the export at `manifest` reads and writes."""
+    weights = manifest.get("weights", {})
+    stepped = [c["model"] for c in manifest["chunks"]] + list(manifest["lm_head"]["models"])
+    row = manifest["config"]["hidden_size"] * DTYPE_BYTES[manifest["cache"]["dtype"]]
+    read, update = 0, 0
+    for chunk in manifest["chunks"]:
+        fn = manifest["models"][chunk["model"]]["functions"]["decode"]
+        caches = [t for t in fn["inputs"] if t["name"] in ("k_cache", "v_cache")]
+        read += sum(_nbytes(t) for t in caches)
+        up = manifest["models"]["cache_update"]["functions"][chunk["cache_update"]["decode"]]
+        update += sum(_nbytes(t) for t in up["inputs"] + up["outputs"] if t["name"].startswith(("k_cache", "v_cache")))
+    return StepTraffic(
+        weights=sum(weights.get(m, {}).get("bytes", 0) for m in stepped) + row,
+        weights_dense=sum(weights.get(m, {}).get("dense_bytes", 0) for m in stepped) + row,
+        cache_read=read, cache_update=update)

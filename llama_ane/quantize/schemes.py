@@ -1,0 +1,160 @@
+"""Weight compression schemes, which part of the model gets which, and what each target can run.
+
+A scheme is a name: "none", "int8", "int4" (linear quantization: integers times a scale), or
+"lut8", "lut6", "lut4" (palettization: indices into a look-up table of 2^bits values).
+
+Granularity, and the Core ML ops each becomes:
+
+    iOS18 / macOS15    lutN: one LUT per group of `group_size` output channels
+                             (constexpr_lut_to_dense, per-grouped-channel)
+                       intN: unsigned integers with a scale and an offset per row and block of
+                             `block_size` input channels (constexpr_blockwise_shift_scale);
+                             block_size 0 = per output channel
+    iOS16-17 /         lutN: one LUT per tensor (constexpr_lut_to_dense of iOS16); --group-size
+    macOS13-14               is refused
+                       int8: symmetric, one scale per output channel (constexpr_affine_dequantize);
+                             int4 and blocks are refused (they need iOS18 / macOS15)
+
+Parts: "embeddings" (the token table), "attention" (q/k/v/o projections), "mlp" (gate/up/down
+projections), "lm_head" (the vocabulary projection). Norm weights and the RoPE tables are never
+compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMES = ("none", "int8", "int4", "lut8", "lut6", "lut4")
+PARTS = ("embeddings", "attention", "mlp", "lm_head")
+GROUPED_TARGETS = ("iOS18", "macOS15")  # grouped LUTs, blockwise and 4-bit integers
+DEFAULT_GROUP_SIZE = 16  # output channels sharing one LUT
+DEFAULT_BLOCK_SIZE = {"int4": 32, "int8": 0}  # input channels sharing one scale (0: the whole row)
+
+
+class QuantizeError(ValueError):
+    """A compression option that cannot work; the message says which and what to use instead."""
+
+
+def kind(scheme: str) -> str:
+    """"lut", "int" or "none"."""
+    return "none" if scheme == "none" else scheme[:3]
+
+
+def bits(scheme: str) -> int:
+    """Bits per weight of a compressed scheme (16 for "none", meaning fp16)."""
+    return 16 if scheme == "none" else int(scheme[3:])
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How one weight is compressed: the scheme and its granularity."""
+
+    scheme: str
+    group_size: int = 0  # LUT: output channels per LUT (0: one LUT for the whole tensor)
+    block_size: int = 0  # int: input channels per scale (0: one scale per output channel)
+    symmetric: bool = False  # int: no offset (before iOS18), else a scale and an offset per block
+
+    @property
+    def kind(self) -> str:
+        return kind(self.scheme)
+
+    @property
+    def bits(self) -> int:
+        return bits(self.scheme)
+
+    def to_dict(self) -> dict:
+        out = {"scheme": self.scheme}
+        if self.kind == "lut":
+            out["group_size"] = self.group_size
+        elif self.kind == "int":
+            out["block_size"] = self.block_size
+            out["symmetric"] = self.symmetric
+        return out
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """The scheme of each part, and the group and block sizes; `None` sizes mean the defaults."""
+
+    schemes: dict[str, str] = field(default_factory=lambda: {p: "none" for p in PARTS})
+    group_size: int | None = None
+    block_size: int | None = None
+
+    @classmethod
+    def from_cli(cls, quantize: str = "none", *, embeddings: str | None = None, attention: str | None = None,
+                 mlp: str | None = None, lm_head: str | None = None, group_size: int | None = None,
+                 block_size: int | None = None) -> "QuantizeOptions":
+        """`--quantize SCHEME` for every part, each `--quantize-PART` overriding its part."""
+        given = {"embeddings": embeddings, "attention": attention, "mlp": mlp, "lm_head": lm_head}
+        schemes = {part: given[part] if given[part] is not None else quantize for part in PARTS}
+        for name, scheme in [("--quantize", quantize)] + [(f"--quantize-{p.replace('_', '-')}", s)
+                                                          for p, s in given.items() if s is not None]:
+            if scheme not in SCHEMES:
+                raise QuantizeError(f"{name} {scheme!r} is not a scheme; choose one of {', '.join(SCHEMES)}")
+        return cls(schemes, group_size, block_size)
+
+    @property
+    def active(self) -> bool:
+        return any(s != "none" for s in self.schemes.values())
+
+    def compression(self, part: str, target: str) -> Compression | None:
+        """The compression of `part` for `target`, or None for fp16 weights."""
+        scheme = self.schemes[part]
+        if scheme == "none":
+            return None
+        grouped = target in GROUPED_TARGETS
+        if kind(scheme) == "lut":
+            size = self.group_size if self.group_size is not None else (DEFAULT_GROUP_SIZE if grouped else 0)
+            return Compression(scheme, group_size=size)
+        size = self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[scheme]
+        return Compression(scheme, block_size=size, symmetric=not grouped)
+
+    def check(self, target: str) -> None:
+        """Refuse what `target` cannot run, naming the target to use instead."""
+        if self.group_size is not None and self.group_size < 0 or self.block_size is not None and self.block_size < 0:
+            raise QuantizeError("--group-size and --block-size must be >= 0")
+        if target in GROUPED_TARGETS or not self.active:
+            return
+        platform = "macOS15" if target.startswith("macOS") else "iOS18"
+        for part, scheme in self.schemes.items():
+            if scheme == "int4":
+                raise QuantizeError(f"int4 weights ({part}) need --target {platform} or later: {target} has no "
+                                    "4-bit integer weights; use int8 or lut4 there")
+        if self.group_size:
+            raise QuantizeError(f"--group-size (one LUT per group of channels) needs --target {platform}: {target} "
+                                "has one LUT per tensor; drop --group-size")
+        if self.block_size:
+            raise QuantizeError(f"--block-size (one scale per block) needs --target {platform}: {target} has one "
+                                "scale per output channel; drop --block-size")
+
+    def describe(self, target: str) -> dict[str, dict]:
+        """What the manifest records: the compression of each part ({"scheme": "none"} for fp16)."""
+        return {part: (c.to_dict() if (c := self.compression(part, target)) else {"scheme": "none"})
+                for part in PARTS}
+
+
+def check_divides(name: str, shape: tuple[int, ...], c: Compression) -> None:
+    """Refuse a group or block size that does not divide the weight `name` of shape (out, in, ...)."""
+    if c.kind == "lut" and c.group_size and shape[0] % c.group_size:
+        raise QuantizeError(f"--group-size {c.group_size} does not divide the {shape[0]} output channels of "
+                            f"{name}; choose a divisor of {shape[0]} (e.g. 16, 32) or --group-size 0 (one LUT "
+                            "per tensor)")
+    if c.kind == "int" and c.block_size and shape[1] % c.block_size:
+        raise QuantizeError(f"--block-size {c.block_size} does not divide the {shape[1]} input channels of "
+                            f"{name}; choose a divisor of {shape[1]} (e.g. 32, 64) or --block-size 0 (one scale "
+                            "per output channel)")
+
+
+def stored_bytes(shape: tuple[int, ...], c: Compression | None, dense_bytes: int = 2) -> int:
+    """Bytes a weight of `shape` takes in a package: dense, or its packed codes plus the LUTs
+    (fp16, 2^bits per group) or scales and offsets (fp16, one each per row and block; no offsets
+    when symmetric)."""
+    n = 1
+    for d in shape:
+        n *= d
+    if c is None:
+        return n * dense_bytes
+    codes = -(-n * c.bits // 8)
+    if c.kind == "lut":
+        return codes + shape[0] // (c.group_size or shape[0]) * (1 << c.bits) * 2
+    return codes + shape[0] * (shape[1] // (c.block_size or shape[1])) * 2 * (1 if c.symmetric else 2)

@@ -1,0 +1,103 @@
+"""transformers' Llama run on a checkpoint one decoder layer at a time: the reference logits the
+parity gate compares with, and the activations compression is calibrated on.
+
+The arithmetic of `LlamaForCausalLM(input_ids)` without holding the model: the embedding lookup,
+then each `LlamaDecoderLayer` built with only its own weights in float32 (attention "sdpa" with
+attention_mask=None, which is causal over the whole sequence; cos/sin from the model's
+`LlamaRotaryEmbedding`), then the final norm and the (tied or untied) LM head in blocks of the
+vocabulary. Memory: one layer's weights, one head block, activations (T, C).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .checkpoint.loader import Checkpoint
+
+HEAD_BLOCK = 16384  # rows of the LM head multiplied at once: (block, C) in float32
+
+
+def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
+               on_layer: Callable[[int, object], Callable[[], None]] | None = None):
+    """Run `token_ids` (one sequence from position 0) through the checkpoint's layers in float32.
+
+    `on_layer(n, layer)` is called with each `LlamaDecoderLayer` before it runs and may return a
+    function to call after it (e.g. to remove hooks it put on the layer's projections). Returns
+    the logits float32 [T, vocab] when `logits`, else the final norm's output [T, C].
+    """
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    config = {k: v for k, v in ckpt.config.to_dict().items() if v is not None or k == "rope_scaling"}
+    hf = HFLlamaConfig(**config)
+    hf._attn_implementation = "sdpa"
+
+    def weights(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`."""
+        state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
+                 for name, t in module.state_dict().items()}
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval()
+
+    with torch.no_grad():
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
+        positions = torch.arange(len(token_ids))[None]  # (1, T)
+        rope = LlamaRotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
+        for n in range(hf.num_hidden_layers):
+            with torch.device("meta"):
+                layer = LlamaDecoderLayer(hf, n)
+            layer = weights(layer, f"model.layers.{n}.")
+            after = on_layer(n, layer) if on_layer is not None else None
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
+            if after is not None:
+                after()
+            del layer  # before the next layer's weights are read
+        with torch.device("meta"):
+            norm = LlamaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+        h = weights(norm, "model.norm.")(x)[0]  # (T, C)
+        if not logits:
+            return h.numpy()
+        head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)
+        out = torch.cat([h @ head[s:s + HEAD_BLOCK].to(torch.float32).T for s in range(0, head.shape[0], HEAD_BLOCK)],
+                        dim=1)  # (T, V)
+    return out.numpy()
+
+
+def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndarray:
+    """float32 logits [T, vocab] of transformers' Llama on `checkpoint`, one layer at a time."""
+    return run_layers(checkpoint, token_ids)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def activation_importance(ckpt: Checkpoint, token_ids: list[int]) -> dict[str, np.ndarray]:
+    """The mean square of each input channel of every projection over `token_ids`: how much an
+    error in that column of the weight moves the layer's output (its diagonal part).
+
+    Keys are parameter names as in the exported modules, with the HF layer index: "layers.3.q_proj.weight",
+    ..., and "heads" for the LM head (the final norm's output). float32 arrays (in_channels,).
+    """
+    import torch
+
+    found: dict[str, np.ndarray] = {}
+
+    def on_layer(n: int, layer) -> Callable[[], None]:
+        handles = []
+        for name in PROJECTIONS:
+            module = layer.get_submodule(name if name.startswith("mlp.") else f"self_attn.{name}")
+
+            def hook(_module, inputs, _output, key=f"layers.{n}.{name}.weight"):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+                found[key] = (x * x).mean(0).to(torch.float32).numpy()
+            handles.append(module.register_forward_hook(hook))
+        return lambda: [h.remove() for h in handles]
+
+    h = run_layers(ckpt, token_ids, logits=False, on_layer=on_layer).astype(np.float64)
+    found["heads"] = (h * h).mean(0).astype(np.float32)
+    return found

@@ -1,0 +1,178 @@
+"""Build the torch modules behind each (model, function) of an export: what the torch backend
+runs, and the reference the exported programs are checked against.
+
+Everything about the layout (chunks, the embedding table's files, the LM head's files, windows)
+is read from the manifest, so the modules are those of this export whatever options made it. The
+weights come from one of two sources with the same three methods:
+
+  * `CheckpointWeights`: the source checkpoint through the pure HF -> ANE mapping (what the
+    exported weights were made from);
+  * `ExportWeights`: the packages themselves, compressed weights decompressed as Core ML defines
+    it (exactly what the export ships; a copied export needs nothing else).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pathlib import Path
+
+from ...checkpoint.loader import Checkpoint
+from ...checkpoint.mapping import LAYER_TENSORS, chunk_state_dict, embeddings_state_dict, lm_head_state_dict
+from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
+from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
+from ...config import LlamaConfig
+from ...contract.specs import BRANCHES, FUNCTIONS, cache_update_function, model_kind, window_of
+
+
+def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`make()` built on the meta device and given `state`'s tensors as its parameters.
+
+    Nothing is initialised at random only to be overwritten, so building a model costs one copy
+    of its weights, not two (a chunk of an 8B model is gigabytes in fp32). Only for modules whose
+    every tensor is in the state dict (no buffers): strict loading checks the names.
+    """
+    with torch.device("meta"):
+        module = make()
+    module.load_state_dict(state, strict=True, assign=True)
+    return module
+
+
+class CheckpointWeights:
+    """Module weights read from the source checkpoint (tensor by tensor, straight into `dtype`)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def table(self, model: str, rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, end) of the embedding table, (rows, C)."""
+        return embeddings_state_dict(self.ckpt, dtype, rows)["embed_tokens.weight"]
+
+    def rope(self, model: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE tables (positions, D) to use instead of the modules' own float32 ones, if any."""
+        return None
+
+    def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A BlockChunk's state dict ("layers.j.q_proj.weight", ...) for HF layers `layers`."""
+        return chunk_state_dict(self.ckpt, layers, dtype)
+
+    def head(self, model: str, heads: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """An LMHead's state dict for vocabulary splits `heads` ("heads.i" is split heads[i])."""
+        return lm_head_state_dict(self.ckpt, vocab_splits(self.ckpt.config.vocab_size), dtype, heads)
+
+
+class ExportWeights:
+    """Module weights read from an export's packages: the weights it ships, decompressed.
+
+    The exporter names every weight after the module parameter it stands for (dots as
+    underscores, see export/mil_layers.Graph.weight), so a module's state dict is read by name.
+    """
+
+    def __init__(self, folder: Path, manifest: dict):
+        self.folder, self.manifest = Path(folder), manifest
+
+    def _read(self, model: str, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        from ...mil.weights import read_weights
+
+        entry = next(iter(self.manifest["models"][model]["functions"].values()))
+        values = read_weights(self.folder / entry["file"], entry["function_name"],
+                              [n.replace(".", "_") for n in names])
+        return {n: torch.from_numpy(values[n.replace(".", "_")]).to(dtype) for n in names}
+
+    def table(self, model: str, rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        return self._read(model, ["embed_tokens.weight"], dtype)["embed_tokens.weight"]
+
+    def rope(self, model: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables as the export stores them (computed in float32, kept in its precision)."""
+        tables = self._read(model, ["cos_table", "sin_table"], torch.float32)
+        return tables["cos_table"], tables["sin_table"]
+
+    def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self._read(model, [f"layers.{j}.{name}" for j in range(len(layers)) for name in LAYER_TENSORS], dtype)
+
+    def head(self, model: str, heads: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        state = self._read(model, ["norm.weight", *(f"heads.{j}.weight" for j in heads)], dtype)
+        return {"norm.weight": state["norm.weight"], **{f"heads.{i}.weight": state[f"heads.{j}.weight"]
+                                                         for i, j in enumerate(heads)}}
+
+
+def model_names(manifest: dict) -> list[str]:
+    """Every model of an export, in pipeline order."""
+    return [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
+            *manifest["lm_head"]["models"], "cache_update"]
+
+
+@torch.no_grad()
+def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifest: dict, model: str,
+                dtype: torch.dtype = torch.float32, round_to: torch.dtype | None = None) -> dict[str, torch.nn.Module]:
+    """The eval-mode modules of ONE manifest model, {function: module}, reading only its weights.
+
+    Functions of one model share one module, or at least its weights. Weights are read straight
+    into `dtype` (buffers such as the RoPE tables are made in float32; cast the modules to move
+    them); a bare Checkpoint means CheckpointWeights. With `round_to` (e.g. float16), checkpoint
+    weights and the modules' own RoPE tables are first rounded to it, as an export in that
+    precision stores them, then computed in `dtype`. Raises KeyError for a model the manifest
+    does not have.
+    """
+    if round_to is not None and round_to != dtype:
+        modules = build_model(weights, manifest, model, round_to)
+        for module in {id(m): m for m in modules.values()}.values():
+            for name, buffer in list(module.named_buffers()):
+                if buffer.is_floating_point() and buffer.dtype != round_to:  # RoPE tables kept in float32
+                    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+                    setattr(owner, name.rpartition(".")[2], buffer.to(round_to))
+            module.to(dtype)
+        return modules
+    if isinstance(weights, Checkpoint):
+        weights = CheckpointWeights(weights)
+    cfg = LlamaConfig.from_dict(manifest["config"])
+    m = manifest
+    context, prefill, branches = m["context_length"], m["prefill_length"], m.get("branch_width", 0)
+    functions = (*FUNCTIONS, *([BRANCHES] if branches else []))
+    if model not in model_names(m):
+        raise KeyError(f"no model {model!r} in this export")
+    kind = model_kind(model)
+    if kind in ("embeddings", "embeddings_part"):
+        start, end = m["embeddings"]["vocab_ranges"][m["embeddings"]["models"].index(model)]
+        table = torch.nn.Embedding.from_pretrained(weights.table(model, (start, end), dtype), freeze=False)
+        if kind == "embeddings_part":
+            part = EmbeddingsPart(cfg, start, 1)
+            part.embed_tokens = table  # the one-row placeholder replaced by the part's rows
+            return {fn: part.eval() for fn in functions}
+        # each function's module gets a one-row placeholder table, replaced by the shared one
+        modules: dict[str, torch.nn.Module] = {}
+        for fn in FUNCTIONS:
+            e = Embeddings(cfg, context, window_of(fn, prefill), rows=1)
+            e.embed_tokens = table
+            modules[fn] = e
+        if branches:
+            modules[BRANCHES] = BranchEmbeddings(cfg, table, context, branches, m["suffix_length"])
+        stored = weights.rope(model)
+        if stored is not None:  # the tables the export holds (one size for every function)
+            for module in modules.values():
+                module.cos_table, module.sin_table = stored
+    elif kind == "lm_head":
+        heads = [int(o["name"].removeprefix("logits_")) for o in m["models"][model]["functions"]["decode"]["outputs"]]
+        head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
+        modules = {fn: head for fn in functions}
+    elif kind == "cache_update":
+        modules = {}
+        for n in sorted({len(c["layers"]) for c in m["chunks"]}):  # one function per chunk size
+            for fn in FUNCTIONS:
+                modules[cache_update_function(fn, n)] = CacheUpdate(context, window_of(fn, prefill))
+            if branches:
+                modules[cache_update_function(BRANCHES, n)] = SuffixUpdate(cfg, n, m["suffix_length"])
+    else:
+        layers = next(c["layers"] for c in m["chunks"] if c["model"] == model)
+        chunk = _with_state(lambda: BlockChunk(cfg, layers, context), weights.chunk(model, layers, dtype))
+        modules = {fn: chunk for fn in FUNCTIONS}
+        if branches:
+            modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
+    for module in modules.values():
+        module.eval()
+    return modules
+
+
+__all__ = ["build_model", "model_names"]

@@ -1,0 +1,86 @@
+"""Imports run downward only: config -> chunks -> contract -> export | runtime -> commands.
+
+Read statically from the source (every `import` and `from ... import`, at any depth, relative ones
+resolved), so a lazy import inside a function counts as much as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "llama_ane"
+
+LEAVES = {"config", "limits", "__version__"}
+# part of llama_ane -> the parts it may import (besides itself and the leaves)
+ALLOWED = {
+    "config": set(),
+    "limits": set(),
+    "mil": set(),
+    "cuda": set(),
+    "checkpoint": set(),
+    "quantize": set(),
+    "chunks": set(),
+    "contract": {"chunks", "checkpoint", "quantize"},
+    "export": {"chunks", "checkpoint", "contract", "mil", "quantize"},
+    "runtime": {"chunks", "checkpoint", "contract", "mil"},
+    "reference": {"checkpoint"},
+    "verify": {"chunks", "checkpoint", "contract", "reference", "runtime"},
+    "evaluate": {"contract", "runtime", "verify"},
+    "api": {"checkpoint", "contract", "export", "quantize", "reference", "verify"},
+}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def imported_parts(path: Path, source: str | None = None) -> set[str]:
+    """The top-level parts of llama_ane that the module at `path` (or `source` placed there) imports."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    package = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]  # ("llama_ane", "export")
+    if path.name == "__init__.py":
+        package = path.relative_to(PACKAGE.parent).parts[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                module = ".".join(base + ((node.module,) if node.module else ()))
+                names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+            else:
+                names = [node.module or ""]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "llama_ane" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if part_of(p) in ALLOWED)
+
+
+def test_every_part_has_a_rule():
+    parts = {part_of(p) for p in PACKAGE.rglob("*.py")}
+    assert parts - set(ALLOWED) <= {"commands", "cli", "__main__", "__init__", "testing"}, "add it to ALLOWED"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_downward(path):
+    part = part_of(path)
+    upward = imported_parts(path) - ALLOWED[part] - LEAVES - {part}
+    assert not upward, f"{path.relative_to(PACKAGE)} ({part}) imports {sorted(upward)}"
+
+
+def test_the_rule_catches_an_upward_import():
+    """The checker itself: a lazy relative import of the exporter in a runtime module is seen."""
+    path = PACKAGE / "runtime" / "backends" / "torch_backend.py"
+    assert "export" not in imported_parts(path)
+    assert "export" in imported_parts(path, path.read_text() + "\n\ndef f():\n    from ...export import convert\n")

@@ -1,0 +1,332 @@
+"""Compressed exports: the numerics (k-means LUTs, integer blocks), the options and their errors,
+and tiny exports whose compressed programs run on the mil and torch backends alike."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llama_ane.quantize import Compression, QuantizeError, QuantizeOptions, check_divides, stored_bytes
+from llama_ane.quantize.kmeans import kmeans_1d, lut_compress, lut_decompress
+from llama_ane.quantize.linear import int_compress, int_decompress
+
+
+# ---- numerics ----------------------------------------------------------------------------------------------------
+
+def exact_kmeans_error(values: np.ndarray, k: int) -> float:
+    """The optimal 1-D k-means squared error, by dynamic programming over the sorted values
+    (clusters are intervals of them)."""
+    x = np.sort(values.astype(np.float64))
+    n = len(x)
+    s1 = np.concatenate([[0], np.cumsum(x)])
+    s2 = np.concatenate([[0], np.cumsum(x * x)])
+    best = np.full((k + 1, n + 1), np.inf)
+    best[0, 0] = 0
+    for c in range(1, k + 1):
+        for j in range(c, n + 1):
+            i = np.arange(c - 1, j)  # the last cluster holds values i..j-1
+            cost = s2[j] - s2[i] - (s1[j] - s1[i]) ** 2 / (j - i)
+            best[c, j] = np.min(best[c - 1, i] + cost)
+    return float(best[k, n])
+
+
+@pytest.mark.parametrize("dist", ["normal", "laplace"])
+def test_kmeans_is_close_to_the_optimum(dist):
+    """On groups the size of real weights' (here 1500 values) the start and 30 iterations land
+    within 5% of the optimal error."""
+    rng = np.random.default_rng(0)
+    groups = getattr(rng, dist)(size=(2, 1500)).astype(np.float32)
+    k = 16
+    centroids = kmeans_1d(torch.from_numpy(groups), k)
+    assert centroids.shape == (2, k) and torch.all(centroids[:, 1:] >= centroids[:, :-1])
+    for g in range(2):
+        c = centroids[g].numpy().astype(np.float64)
+        ours = float(np.min((groups[g][:, None] - c[None, :]) ** 2, axis=1).sum())
+        assert ours <= 1.05 * exact_kmeans_error(groups[g], k)  # within 5% of the best possible
+
+
+def test_weighted_kmeans_lowers_the_weighted_error():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((32, 64, 1, 1)).astype(np.float16)
+    importance = np.where(np.arange(64) < 8, 100.0, 0.01)  # a few input channels matter
+    weighted_err = []
+    for imp in (None, importance):
+        indices, lut = lut_compress(w, 3, 16, imp)
+        err = (lut_decompress(indices, lut).astype(np.float32) - w) ** 2
+        weighted_err.append(float((err * importance[None, :, None, None]).sum()))
+    assert weighted_err[1] < 0.95 * weighted_err[0]
+
+
+@pytest.mark.parametrize("bits, group", [(4, 16), (6, 4), (8, 0)])
+def test_lut_round_trip(bits, group):
+    w = (np.random.default_rng(2).standard_normal((64, 48, 1, 1)) * 0.02).astype(np.float16)
+    indices, lut = lut_compress(w, bits, group)
+    groups = 1 if group == 0 else 64 // group
+    assert indices.shape == w.shape and indices.dtype == np.uint8 and indices.max() < 2 ** bits
+    assert lut.shape == (groups, 2 ** bits) and lut.dtype == np.float16
+    dense = lut_decompress(indices, lut)
+    for g in range(groups):  # each group only takes values of its own LUT
+        rows = slice(g * (64 // groups), (g + 1) * (64 // groups))
+        assert set(np.unique(dense[rows])) <= set(lut[g])
+    rel = float(((dense.astype(np.float32) - w) ** 2).mean() / (w.astype(np.float32) ** 2).mean())
+    assert rel < {4: 0.02, 6: 0.002, 8: 0.0002}[bits]
+
+
+@pytest.mark.parametrize("bits, block, symmetric", [(4, 32, False), (8, 0, False), (8, 0, True), (4, 16, True)])
+def test_integer_blocks_round_to_the_nearest_step(bits, block, symmetric):
+    w = (np.random.default_rng(3).standard_normal((16, 64, 1, 1)) * 0.05).astype(np.float16)
+    w[0, :32] = 0  # an all-zero block
+    data, scale, offset = int_compress(w, bits, block, symmetric=symmetric)
+    blocks = 64 // (block or 64)
+    assert scale.shape == (16, blocks, 1, 1) and (offset is None) == symmetric
+    if symmetric:
+        assert data.dtype == np.int8 and data.min() >= -2 ** (bits - 1) and data.max() <= 2 ** (bits - 1) - 1
+    else:
+        assert data.dtype == np.uint8 and data.max() <= 2 ** bits - 1
+    dense = int_decompress(data, scale, offset)
+    step = np.repeat(scale.reshape(16, blocks).astype(np.float32), 64 // blocks, axis=1).reshape(w.shape)
+    assert np.all(np.abs(dense - w) <= step / 2 + 1e-3 * np.abs(w) + 1e-6)
+    if symmetric or block:
+        assert np.all(dense[0, :32] == 0)
+
+
+def test_stored_bytes_count_codes_and_tables():
+    assert stored_bytes((64, 32), None) == 64 * 32 * 2
+    assert stored_bytes((64, 32), Compression("lut4", group_size=16)) == 64 * 32 // 2 + 4 * 16 * 2
+    # a scale and an offset (fp16) per row and block; no offsets when symmetric
+    assert stored_bytes((64, 32), Compression("int4", block_size=16)) == 64 * 32 // 2 + 64 * 2 * (2 + 2)
+    assert stored_bytes((64, 32), Compression("int8", block_size=0, symmetric=True)) == 64 * 32 + 64 * 2
+
+
+# ---- options -----------------------------------------------------------------------------------------------------
+
+def test_options_per_part_and_defaults():
+    q = QuantizeOptions.from_cli("lut4", lm_head="lut6", embeddings="none")
+    assert q.schemes == {"embeddings": "none", "attention": "lut4", "mlp": "lut4", "lm_head": "lut6"}
+    assert q.compression("mlp", "iOS18") == Compression("lut4", group_size=16)
+    assert q.compression("mlp", "iOS17") == Compression("lut4", group_size=0)  # one LUT per tensor there
+    assert q.compression("embeddings", "iOS18") is None
+    assert QuantizeOptions.from_cli("int4").compression("mlp", "iOS18") == Compression("int4", block_size=32)
+    assert QuantizeOptions.from_cli("int8").compression("mlp", "iOS16") == Compression("int8", symmetric=True)
+    assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 16}
+
+
+@pytest.mark.parametrize("kwargs, target, words", [
+    (dict(quantize="lut3"), "iOS18", ["lut3", "is not a scheme", "lut4"]),
+    (dict(quantize="none", mlp="int2"), "iOS18", ["--quantize-mlp", "int2"]),
+    (dict(quantize="int4"), "iOS17", ["int4", "iOS18", "int8 or lut4"]),
+    (dict(quantize="lut4", group_size=16), "macOS14", ["--group-size", "macOS15"]),
+    (dict(quantize="int8", block_size=32), "iOS16", ["--block-size", "iOS18"]),
+])
+def test_options_a_target_cannot_run_are_refused(kwargs, target, words):
+    with pytest.raises(QuantizeError) as err:
+        QuantizeOptions.from_cli(**kwargs).check(target)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_group_or_block_size_must_divide_the_channels():
+    with pytest.raises(QuantizeError, match="--group-size 48 does not divide the 64 output channels of w"):
+        check_divides("w", (64, 32), Compression("lut4", group_size=48))
+    with pytest.raises(QuantizeError, match="--block-size 24 does not divide the 32 input channels"):
+        check_divides("w", (64, 32), Compression("int4", block_size=24))
+
+
+def run_export(*args):
+    from llama_ane.cli import main
+
+    return CliRunner().invoke(main, ["export", *map(str, args)])
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--quantize", "lut5"], ["lut5", "is not a scheme"]),
+    (["--quantize", "int4", "--target", "iOS17"], ["int4", "iOS18"]),
+    (["--quantize", "lut4", "--group-size", "48"], ["--group-size 48", "does not divide"]),
+    (["--quantize", "lut4", "--precision", "fp32"], ["--precision fp32"]),
+])
+def test_bad_quantize_options_are_one_error_line_and_nothing_written(tiny_checkpoint, tmp_path, options, words):
+    out = tmp_path / "out"
+    r = run_export(tiny_checkpoint(), "-o", out, "--context-length", "64", "--prefill-length", "32", "--quiet",
+                   *options)
+    assert r.exit_code == 1
+    error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1 and all(w in error[0] for w in words), r.output
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+# ---- exports -----------------------------------------------------------------------------------------------------
+
+EXPORTS = {  # name -> (target, options)
+    "lut": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", quantize_embeddings="lut8")),
+    "int": ("iOS18", dict(quantize="int4", quantize_embeddings="int8", quantize_attention="int8")),
+    "ios17": ("iOS17", dict(quantize="lut4", quantize_attention="int8")),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoint, tmp_path_factory):
+    """Tiny exports in every constexpr form: grouped LUTs, blockwise integers (iOS18) and the iOS16
+    forms (one LUT per tensor, int8 per channel) of an iOS17 target."""
+    from llama_ane.api import export_model
+
+    ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
+    root = tmp_path_factory.mktemp("quantized")
+    made = {"fp16": export_model(ckpt, root / "fp16", context_length=64, prefill_length=16, branch_width=2,
+                                 suffix_length=32, progress=False)}
+    for name, (target, options) in EXPORTS.items():
+        made[name] = export_model(ckpt, root / name, context_length=64, prefill_length=16, branch_width=2,
+                                  suffix_length=32, target=target, progress=False, **options)
+    return made
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_mil_and_torch_run_the_same_decompressed_weights(quantized, name):
+    """The conversion check of verify: the programs (mil, fp32) against the torch modules on the
+    export's own decompressed weights; the issue asks top-1 >= 0.99, here they agree to float32."""
+    from llama_ane.verify import verify_export
+
+    report = verify_export(quantized[name], with_transformers=False)
+    print(report)
+    (conversion,) = report.comparisons
+    assert conversion.reference.endswith("same weights)")
+    assert conversion.top1_agreement >= 0.99 and conversion.max_abs_diff < 1e-3
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_manifest_records_the_schemes_and_the_bytes(quantized, name):
+    from llama_ane.contract.manifest import read_manifest
+
+    m = read_manifest(quantized[name])
+    target, options = EXPORTS[name]
+    want = QuantizeOptions.from_cli(options["quantize"], embeddings=options.get("quantize_embeddings"),
+                                    attention=options.get("quantize_attention"),
+                                    lm_head=options.get("quantize_lm_head")).describe(target)
+    assert m["quantization"] == want
+    for model, w in m["weights"].items():
+        if model != "cache_update":
+            assert 0 < w["bytes"] < w["dense_bytes"], model
+    dense = read_manifest(quantized["fp16"])["weights"]
+    assert m["weights"]["chunk_0"]["dense_bytes"] == dense["chunk_0"]["dense_bytes"]
+
+
+def test_inspect_reports_compressed_and_dense_bytes(quantized):
+    from llama_ane.export.inspect import inspect_path
+
+    report = inspect_path(quantized["lut"])
+    assert not report.violations, report.violations
+    chunk = next(p for p in report.packages if p.file == "chunk_0.mlpackage")
+    fn = chunk.functions[0]
+    assert fn.dense_weight_bytes > 2 * fn.weight_bytes > 0
+    assert "constexpr_lut_to_dense" in fn.op_histogram
+    assert "MB dense" in report.format_text()
+
+
+def test_inspect_flags_compression_the_target_cannot_run(quantized):
+    from llama_ane.export.inspect import inspect_path
+
+    assert not inspect_path(quantized["ios17"]).violations  # the iOS16 forms run on iOS17
+    report = inspect_path(quantized["lut"], target="iOS17")
+    rules = {v.rule for v in report.violations}
+    assert "compression-op" in rules
+    assert any("per-grouped-channel LUT" in v.message and "iOS18" in v.message for v in report.violations)
+    report = inspect_path(quantized["int"], target="macOS14")
+    assert any("blockwise or 4-bit" in v.message and "macOS15" in v.message for v in report.violations)
+
+
+def test_mil_decompresses_each_weight_once_per_package(quantized):
+    from llama_ane.mil import PackageExecutor
+
+    path = quantized["lut"] / "chunk_0.mlpackage"
+    stored = PackageExecutor(path, precision="fp16", widen_weights=False)
+    assert len(stored.function_names) == 3  # prefill, decode, decode_branches share the weights
+    dense = json.loads((quantized["lut"] / "manifest.json").read_text())["weights"]["chunk_0"]["dense_bytes"]
+    assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not three
+
+
+def test_a_quantized_export_generates_on_both_backends(quantized):
+    import llama_ane
+
+    outs = []
+    for backend in ("torch", "mil"):
+        model = llama_ane.load(quantized["int"], backend=backend, precision="fp32")
+        try:
+            outs.append(model.generate([5, 9, 13, 21], max_new_tokens=8).token_ids)
+        finally:
+            model.close()
+    assert outs[0] == outs[1]
+
+
+def test_info_prints_schemes_and_bytes_per_token(quantized):
+    from llama_ane.cli import main
+
+    r = CliRunner().invoke(main, ["info", str(quantized["lut"]), "--bandwidth", "50"])
+    assert r.exit_code == 0, r.output
+    assert "attention lut4" in r.output and "lm_head lut6" in r.output and "embeddings lut8" in r.output
+    assert "decompressed" in r.output and "MB dense" in r.output and "upper bound" in r.output
+
+
+# ---- eval --------------------------------------------------------------------------------------------------------
+
+def test_eval_against_a_reference_export(quantized):
+    from llama_ane.cli import main
+
+    r = CliRunner().invoke(main, ["eval", str(quantized["lut"]), "--reference", str(quantized["fp16"]),
+                                  "--window", "48", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    lengths = [min(48, report["tokens"] - s) for s in range(0, report["tokens"], 48)]
+    assert report["tokens"] > 2000 and report["windows"] == sum(n > 1 for n in lengths)
+    assert report["predictions"] == sum(n - 1 for n in lengths if n > 1)
+    assert np.isfinite(report["perplexity"]) and report["perplexity"] > 1
+    assert 0 <= report["top1_agreement"] <= 1 and report["mean_kl"] > 0
+    assert report["quantization"]["mlp"]["scheme"] == "lut4"
+
+
+def test_eval_of_an_export_against_itself(quantized):
+    from llama_ane.evaluate import evaluate
+
+    report = evaluate(quantized["fp16"], reference=quantized["fp16"], window=64, backend="torch")
+    assert report.perplexity == pytest.approx(report.reference_perplexity)
+    assert report.top1_agreement == 1.0 and report.mean_kl == pytest.approx(0, abs=1e-9)
+    assert "+0.00%" in str(report)
+
+
+def test_eval_perplexity_is_the_mean_negative_log_likelihood(quantized):
+    """Against a direct computation from the logits `score` gives."""
+    import llama_ane
+    from llama_ane.evaluate import evaluate, log_softmax
+
+    text = "The bakery opens at six, and the first loaves are out of the oven by seven. " * 6
+    report = evaluate(quantized["fp16"], text, window=32, backend="torch")
+    model = llama_ane.load(quantized["fp16"], backend="torch")
+    try:
+        ids = model.encode(text)
+        nll = []
+        for start in range(0, len(ids), 32):
+            part = ids[start:start + 32]
+            if len(part) > 1:
+                logp = log_softmax(model.score(part))
+                nll += [-logp[t, part[t + 1]] for t in range(len(part) - 1)]
+    finally:
+        model.close()
+    assert report.perplexity == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-9)
+
+
+def test_eval_errors(quantized, tiny_checkpoint, tmp_path):
+    from llama_ane.cli import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    r = CliRunner().invoke(main, ["eval", str(quantized["fp16"]), "--text", str(short)])
+    assert r.exit_code == 1 and "at least" in r.output
+    other = tmp_path / "other"
+    shutil.copytree(quantized["fp16"], other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["config"]["rms_norm_eps"] = 1e-3
+    (other / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["eval", str(quantized["fp16"]), "--reference", str(other)])
+    assert r.exit_code == 1 and "another model" in r.output
