@@ -8,12 +8,14 @@ that looks complete.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .contract.manifest import write_manifest
 from .contract.plan import ExportOptions, ExportOptionsError
@@ -46,6 +48,23 @@ class _Progress:
 
 
 OVERHEAD_BYTES = 20_000_000  # a package's fixed cost in the progress bar (graph building, hashing)
+
+
+@contextlib.contextmanager
+def no_inductor_leftover() -> Iterator[None]:
+    """Remove the empty `torchinductor_<user>` folder that importing transformers' Llama modules makes
+    in the temporary directory, if it was not there before: an export leaves nothing in /tmp."""
+    try:
+        folder = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name to build it from: torch cannot make it either
+        yield
+        return
+    existed = folder.exists()
+    try:
+        yield
+    finally:
+        if not existed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def check_writable_parent(out: Path) -> None:
@@ -105,13 +124,10 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     anything is written), and ExportError for an existing OUT without `force` or an export that
     fails `verify` (then nothing is written; an existing OUT is kept).
     """
-    from .checkpoint.loader import copy_tokenizer, load_checkpoint
+    from .checkpoint.loader import load_checkpoint
     from .contract.plan import plan_export
-    from .contract.tokenizer import tokenizer_info
     from .export.budget import GIB, plan_memory
-    from .export.convert import convert_all
-    from .export.memory import PeakMemory, available_bytes
-    from .export.validate import validate_export
+    from .export.memory import available_bytes
 
     say = log or (lambda _m: None)
     compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
@@ -149,6 +165,21 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" for part, d in opts.quantize.describe(target).items())
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
+
+    with no_inductor_leftover():
+        return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0)
+
+
+def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,
+           say: Callable[[str], None], t0: float) -> Path:
+    """Convert every package of `plan` into a hidden folder next to `out`, write the manifest,
+    validate and verify it, and only then rename it to `out`."""
+    from .checkpoint.loader import copy_tokenizer
+    from .contract.tokenizer import tokenizer_info
+    from .export.budget import GIB
+    from .export.convert import convert_all
+    from .export.memory import PeakMemory
+    from .export.validate import validate_export
 
     importance = None
     if any(c.kind == "lut" for part in PARTS if (c := opts.quantize.compression(part, target))):

@@ -14,6 +14,7 @@ import click
 # command name -> module under llama_ane.commands defining a click command called `command`
 COMMANDS = {
     "export": "export",
+    "chat": "chat",
     "eval": "eval",
     "generate": "generate",
     "info": "info",

@@ -204,7 +204,8 @@ def test_generate_streams_text_and_reports_speed(tiny_export):
     r = run_cli("generate", tiny_export, "--prompt", "Caches hold", "--max-new-tokens", "8", "--backend", "torch",
                 "--temperature", "0.8", "--top-k", "20", "--seed", "3")
     assert r.exit_code == 0, r.stderr
-    assert re.search(r"\[torch\] prefill: \d+ tokens, [\d.]+ tok/s \| decode: \d+ tokens, .* \| finish: \w+", r.stderr)
+    assert re.search(r"\[torch\] prefill: \d+ tokens in [\d.]+ s, [\d.]+ tok/s \| decode: \d+ tokens, .* \| finish: \w+",
+                     r.stderr), r.stderr
     model = llama_ane.load(tiny_export, backend="torch")
     want = model.generate("Caches hold", max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
     model.close()

@@ -82,7 +82,7 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
     c = layer.cfg
-    g, d, t = c.num_key_value_heads, c.head_dim, layer.context_length
+    g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, or the filled prefix (torch backend)
     q, k, v = layer.project_qkv(x, cos, sin)
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)

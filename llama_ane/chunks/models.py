@@ -62,14 +62,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
         """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
-        Returns x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE).
+        T is the context length in the exported programs; the torch backend may pass fewer cache
+        positions (those holding tokens) with the mask cut to match. Returns x_out (1,C,1,S) and the
+        window's k_new, v_new (1,KV,1,S) (k after RoPE).
         """
         c = self.cfg
-        g, d = c.num_key_value_heads, c.head_dim
+        g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]
         q, k, v = self.project_qkv(x, cos, sin)
-        heads = grouped_attention(q, k_cache.reshape(g, d, self.context_length),
-                                  v_cache.reshape(g, d, self.context_length), k, v, mask,
-                                  c.num_attention_heads // g, self.context_length)
+        heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
+                                  c.num_attention_heads // g, t)
         x = x + self.o_proj(heads.reshape(1, c.q_channels, 1, -1))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)

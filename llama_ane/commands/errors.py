@@ -23,13 +23,17 @@ USER_ERRORS = (ConfigError, CheckpointError, ExportOptionsError, ManifestError, 
 
 
 @contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Report known error types as `Error: <message>` with exit code 1, without a traceback."""
+def user_errors(exit_on_error: bool = True) -> Iterator[None]:
+    """Report known error types as `Error: <message>` with exit code 1, without a traceback (or, with
+    `exit_on_error` False, print that line and go on: an interactive command's bad input)."""
     try:
         yield
     except click.ClickException:
         raise
     except USER_ERRORS as e:
+        if not exit_on_error:
+            click.echo(f"Error: {e}", err=True)
+            return
         raise click.ClickException(str(e)) from None
     except RuntimeError as e:
         if type(e).__name__ in ("ExportError", "VerifyError"):

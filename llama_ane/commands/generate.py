@@ -3,6 +3,8 @@
     llama-ane generate OUT --prompt "..."                          one continuation, streamed
     llama-ane generate OUT --prompt-file doc.txt --question A --question B   document QA (cascade)
     llama-ane generate OUT --prompt "..." --samples 8 --temperature 0.8      N samples (cascade)
+    llama-ane generate OUT --prompt-file doc.txt --question A --prompt-cache doc.npz
+                        (the document's K/V saved on the first run, reused by later ones)
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option("--prompt-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A prompt-cache file: reused if it exists (only the prompt's new tokens are prefilled), "
+                   "created or updated otherwise.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, backend, precision, temperature,
-            top_k, top_p, seed, stop, as_json):
+            top_k, top_p, seed, stop, prompt_cache, as_json):
     """Generate text from the export in OUT."""
     import llama_ane
 
@@ -53,13 +58,22 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
     with user_errors():
         if samples is not None and samples < 1:
             raise ValueError(f"--samples must be at least 1, got {samples}")
+        if prompt_cache is not None and not prompt_cache.parent.is_dir():
+            raise ValueError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
         options = {"precision": precision} if precision and backend in ("torch", "mil", "auto") else {}
         model = llama_ane.load(out, backend=backend, **options)
         try:
+            model.prepare()  # load every model before the clock starts
+            cache = None
+            if prompt_cache is not None:
+                cache = model.load_cache(prompt_cache) if prompt_cache.exists() else model.make_cache()
+                sampling["cache"] = cache
             if questions or samples is not None:
                 _branches(model, text, list(questions), samples, chat, sampling, as_json)
             else:
                 _single(model, text, chat, sampling, as_json)
+            if cache is not None:
+                model.save_cache(cache, prompt_cache)
         finally:
             model.close()
 
@@ -68,6 +82,7 @@ def _single(model, text, chat, sampling, as_json):
     result = model.generate(text, chat=chat, **sampling,
                             on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
     stats = {"backend": model.backend.name, "prompt_tokens": result.prompt_tokens,
+             "reused_tokens": result.reused_tokens, "prefill_seconds": round(result.prefill_seconds, 3),
              "generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
              "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
              "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}
@@ -77,7 +92,9 @@ def _single(model, text, chat, sampling, as_json):
     click.echo()
     if result.finish_reason == "context":
         click.echo(f"[stopped: the context of {model.manifest['context_length']} tokens is full]", err=True)
-    click.echo(f"[{stats['backend']}] prefill: {result.prompt_tokens} tokens, {stats['prefill_tokens_per_s']} tok/s | "
+    reused = f" ({result.reused_tokens} reused from the cache)" if result.reused_tokens else ""
+    click.echo(f"[{stats['backend']}] prefill: {result.prefilled_tokens} tokens{reused} in "
+               f"{stats['prefill_seconds']} s, {stats['prefill_tokens_per_s']} tok/s | "
                f"decode: {result.decoded_tokens} tokens, {stats['decode_tokens_per_s']} tok/s | "
                f"finish: {result.finish_reason}", err=True)
 
@@ -99,7 +116,8 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
         out = model.generate_branches(prefix, own, **sampling)
     s = out.stats
-    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "num_branches": s.branches,
+    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "reused_tokens": s.reused_tokens,
+               "num_branches": s.branches,
                "steps": s.steps, "generated_tokens": s.generated_tokens,
                "prefill_seconds": round(s.prefill_seconds, 3), "decode_seconds": round(s.decode_seconds, 3),
                "aggregate_decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
@@ -113,6 +131,8 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
     for label, r in zip(labels, out.branches):
         click.echo(f"--- [{r.index + 1}] {label}")
         click.echo(r.text.strip())
+    click.echo(f"[{summary['backend']}] prefix: {s.prefix_tokens} tokens ({s.reused_tokens} reused from the cache), "
+               f"prefilled in {summary['prefill_seconds']} s", err=True)
     click.echo(f"[{summary['backend']}] {s.branches} branches over a {s.prefix_tokens}-token prefix: "
                f"{s.generated_tokens} tokens in {s.steps} steps, {summary['aggregate_decode_tokens_per_s']} tok/s "
                f"aggregate | prefix K/V read per step: {s.prefix_bytes_per_step_cascade / 1e6:.2f} MB cascade vs "

@@ -19,6 +19,7 @@ import torch
 MAX_ITERATIONS = 30
 TOLERANCE = 1e-5  # of a group's value range: a centroid moving less has converged
 COMPANDING_POINTS = 1024  # ranks at which a group's density is read for the starting centroids
+BATCH_ELEMENTS = 1 << 23  # weights clustered at once: bounds the working memory (~40 bytes each) to ~0.3 GiB
 
 
 def kmeans_1d(groups: torch.Tensor, clusters: int, iterations: int = MAX_ITERATIONS,
@@ -99,19 +100,28 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     (its diagonal part) instead of the weights' own.
 
     Returns (indices uint8 of weight's shape, lut float (groups, 2^nbits) in weight's dtype): the
-    dense weight is lut[group of row, indices].
+    dense weight is lut[group of row, indices]. Groups are clustered in batches of about
+    BATCH_ELEMENTS weights, so a 128k x 4k embedding table needs no more working memory than one
+    MLP projection.
     """
     rows = weight.shape[0]
     size = group_size or rows
     flat = torch.from_numpy(np.ascontiguousarray(weight)).reshape(rows // size, -1)  # (G, size * rest)
-    weights = None
-    if importance is not None:
-        per_element = np.broadcast_to(np.asarray(importance, np.float32).reshape((1, -1) + (1,) * (weight.ndim - 2)),
-                                      weight.shape)
-        weights = torch.from_numpy(np.ascontiguousarray(per_element)).reshape(flat.shape)
-    lut = kmeans_1d(flat, 1 << nbits, weights=weights).numpy().astype(weight.dtype)
-    assign = _assign(flat.to(torch.float32), torch.from_numpy(lut.astype(np.float32)))  # to the stored values
-    return assign.to(torch.uint8).numpy().reshape(weight.shape), lut
+    scale = None
+    if importance is not None:  # (1, size * rest): the same for every group
+        per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
+                                  weight.shape[1:])
+        scale = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(per_row, (size,) + per_row.shape))).reshape(1, -1)
+    groups, n = flat.shape
+    step = max(1, BATCH_ELEMENTS // n)  # groups per batch: the sort and prefix sums of one batch at a time
+    luts, codes = [], []
+    for start in range(0, groups, step):
+        part = flat[start:start + step]
+        weights = None if scale is None else scale.expand(part.shape[0], -1)
+        lut = kmeans_1d(part, 1 << nbits, weights=weights).numpy().astype(weight.dtype)
+        codes.append(_assign(part.to(torch.float32), torch.from_numpy(lut.astype(np.float32))).to(torch.uint8))
+        luts.append(lut)
+    return torch.cat(codes).numpy().reshape(weight.shape), np.concatenate(luts)
 
 
 def lut_decompress(indices: np.ndarray, lut: np.ndarray) -> np.ndarray:

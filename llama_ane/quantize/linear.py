@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+BATCH_ELEMENTS = 1 << 23  # weights quantized at once (rows are independent): bounds the temporaries
+
 
 def _blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, tuple[int, ...]]:
     """(out, blocks, block elements) float32 view of `weight` (out, in, ...), and the shape of one
@@ -35,6 +37,11 @@ def int_compress(weight: np.ndarray, nbits: int, block_size: int,
     Returns (data: uint8 in [0, 2^n - 1], or int8 when `symmetric`, of weight's shape; scale and
     offset in weight's dtype, shaped (out, in / block, 1, ...); offset None when symmetric).
     """
+    rows = max(1, BATCH_ELEMENTS // max(1, weight[0].size))
+    if weight.shape[0] > rows:  # rows are independent: a batch at a time bounds the float32 temporaries
+        parts = [int_compress(weight[i:i + rows], nbits, block_size, symmetric) for i in range(0, weight.shape[0], rows)]
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                None if symmetric else np.concatenate([p[2] for p in parts]))
     w, shape = _blocks(weight, block_size)
     if symmetric:
         qmax = (1 << (nbits - 1)) - 1

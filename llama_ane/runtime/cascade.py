@@ -18,7 +18,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..contract.specs import BRANCHES
-from .async_updates import AsyncUpdates
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, sample
 from .text_stream import TextStream
@@ -48,6 +47,7 @@ class CascadeStats:
     decode_seconds: float
     prefix_bytes_per_step_cascade: int
     prefix_bytes_per_step_separate: int
+    reused_tokens: int = 0  # prefix tokens whose K/V a given cache already held
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -88,7 +88,6 @@ class CascadeDecoder:
         self.suffix_length = int(manifest["suffix_length"])
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
-        self.updates = AsyncUpdates([c["model"] for c in manifest["chunks"]])
 
     def check_budget(self, prefix_tokens: int, own_tokens: Sequence[int], max_new_tokens: int) -> None:
         """Refuse branches whose tokens would not fit: clear errors, before any work."""
@@ -111,32 +110,32 @@ class CascadeDecoder:
         return np.zeros((layers * cfg["num_key_value_heads"], self.width, cfg["head_dim"], self.suffix_length),
                         self.backend.dtype)
 
-    def _update(self, slot: int, suffix: dict, function: str, k_new, v_new, slots: np.ndarray) -> None:
-        out = self.backend.predict("cache_update", function, {
-            "k_suffix": suffix["k"], "v_suffix": suffix["v"], "k_new": k_new, "v_new": v_new,
-            "suffix_positions": slots})
-        suffix["k"], suffix["v"] = out["k_suffix_out"], out["v_suffix_out"]
+    def _write(self, i: int, function: str, out: dict[str, np.ndarray], suffixes: list[dict],
+               slots: np.ndarray) -> None:
+        """Store chunk i's k_new/v_new (layers, kv, 1, B) at each branch's suffix slot: in place (direct
+        caches; a slot past the suffix length is dropped, as the cache-update model drops it) or by
+        the cache-update model in the background."""
+        suffix = suffixes[i]
+        if self.pipeline.direct:
+            d = self.manifest["config"]["head_dim"]
+            for name in ("k", "v"):
+                new = out[f"{name}_new"].reshape(-1, d, self.width)  # (L*G, D, B)
+                for b, slot in enumerate(slots):
+                    if slot < self.suffix_length:
+                        suffix[name][:, b, :, slot] = new[:, :, b]
+            return
+        self.pipeline.updates.submit(i, functools.partial(
+            self.pipeline.update, function, suffix, out, {"suffix_positions": slots}))
 
     def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int, suffixes: list[dict]) -> np.ndarray:
         """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab)."""
         positions = (prefix_tokens + cached).astype(np.int32)
-        emb = self.pipeline.embed(BRANCHES, {
-            "input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
-            "prefix_length": np.array([prefix_tokens], np.int32)})
-        hidden = emb["hidden_states"]
-        for i, chunk in enumerate(self.manifest["chunks"]):
-            self.updates.wait(i)
-            prefix = self.pipeline.caches[i]
-            out = self.backend.predict(chunk["model"], BRANCHES, {
-                "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"],
-                "prefix_mask": emb["prefix_mask"], "suffix_mask": emb["suffix_mask"],
-                "k_cache": prefix["k"], "v_cache": prefix["v"],
-                "k_suffix": suffixes[i]["k"], "v_suffix": suffixes[i]["v"]})
-            hidden = out["hidden_states_out"]
-            self.updates.submit(i, functools.partial(
-                self._update, i, suffixes[i], chunk["cache_update"][BRANCHES], out["k_new"], out["v_new"],
-                cached.astype(np.int32)))
-        return self.pipeline.logits(BRANCHES, hidden)
+        slots = cached.astype(np.int32)
+        return self.pipeline.forward(
+            BRANCHES, {"input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
+                       "prefix_length": np.array([prefix_tokens], np.int32)},
+            lambda i, function, out: self._write(i, function, out, suffixes, slots), visible=prefix_tokens,
+            state=lambda i: {"k_suffix": suffixes[i]["k"], "v_suffix": suffixes[i]["v"]})
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:
@@ -173,7 +172,7 @@ class CascadeDecoder:
                     b.done = True
                 elif not b.queue:  # the fed token was the branch's last own token or a generated one
                     self._emit(b, sample(logits[j], params, b.rng), max_new_tokens, on_token)
-        self.updates.wait_all()
+        self.pipeline.wait()
         return steps
 
     def _emit(self, b: _Branch, token: int, max_new_tokens: int,
@@ -196,7 +195,8 @@ class CascadeDecoder:
             r.token_ids, r.text = b.text.token_ids, b.text.text
 
     def close(self) -> None:
-        self.updates.close()
+        """Let the group's pending suffix updates land."""
+        self.pipeline.wait()
 
 
 def split_shared_prefix(sequences: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:

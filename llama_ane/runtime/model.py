@@ -12,11 +12,13 @@ import numpy as np
 
 from ..contract.manifest import read_manifest
 from .backends.base import Backend
-from .pipeline import Pipeline
+from .kv_cache import KVCache, load_cache, save_cache
+from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, sample
 from .text_stream import TextStream
 
 BACKENDS = ("auto", "coreml", "torch", "mil")
+OVERFLOW = ("stop", "shift")
 
 
 @dataclass
@@ -36,10 +38,17 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
+    reused_tokens: int = field(default=0)  # prompt tokens whose K/V the cache already held
+    shifts: int = field(default=0)  # context shifts (overflow="shift")
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens that were prefilled (not reused from the cache)."""
+        return self.prompt_tokens - self.reused_tokens
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -55,6 +64,23 @@ def coreml_can_predict() -> bool:
     except ImportError:
         return False
     return True
+
+
+def shift_limit(context: int, keep: int) -> int:
+    """Tokens a context shift keeps: the first `keep` and half of the context's other positions."""
+    if not 0 <= keep <= context - 2:
+        raise ContextFullError(f"cannot shift the context: keeping the first {keep} tokens leaves no room in "
+                               f"{context}; keep fewer or re-export with a larger --context-length")
+    return keep + (context - keep) // 2
+
+
+def shifted(tokens: Sequence[int], keep: int, limit: int) -> list[int]:
+    """Context shift: the first `keep` tokens (e.g. the system prompt) and the most recent
+    `limit - keep` ones; `tokens` itself if it has at most `limit`."""
+    tokens = list(tokens)
+    if len(tokens) <= limit:
+        return tokens
+    return tokens[:keep] + tokens[len(tokens) - (limit - keep):]
 
 
 def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
@@ -141,6 +167,25 @@ class LlamaANEModel:
                 return_dict=False))
         return list(self.tokenizer(text).input_ids)
 
+    def make_cache(self) -> KVCache:
+        """An empty cache to pass to `generate(..., cache=)`: generation continues from what it holds,
+        prefilling only the part of each prompt it does not hold yet."""
+        return self.pipeline.new_cache()
+
+    def save_cache(self, cache: KVCache, path: str | Path) -> Path:
+        """Write `cache` to a prompt-cache file (tied to this export) and return its path."""
+        self.pipeline.use(cache)  # its pending updates land first
+        return save_cache(cache, self.manifest, path)
+
+    def load_cache(self, path: str | Path) -> KVCache:
+        """Read a prompt-cache file written by `save_cache` for this export (another export's is refused)."""
+        return load_cache(path, self.manifest, self.pipeline.new_cache())
+
+    def prepare(self) -> None:
+        """Load every model now rather than at the first step (keeps loading out of the timings)."""
+        from .backends.torch_modules import model_names
+        self.backend.prepare(model_names(self.manifest))
+
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, float32 [T, vocab], through the chunked prefill + cache-update path."""
         self.pipeline.reset()
@@ -150,16 +195,33 @@ class LlamaANEModel:
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | None = None, chat: bool = False) -> Iterator[TokenEvent]:
-        """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`."""
+               stop: Sequence[str] | None = None, chat: bool = False, cache: KVCache | None = None,
+               overflow: str = "stop", keep: int = 0) -> Iterator[TokenEvent]:
+        """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`.
+
+        `cache` (from `make_cache` or `load_cache`): continue from it; the longest common prefix of
+        the prompt with its tokens is reused and only the rest is prefilled; it then holds the prompt
+        and the generated tokens. `overflow`: at a full context, "stop" (finish_reason "context") or
+        "shift": keep the first `keep` tokens and the most recent ones, re-prefill them, go on.
+        """
         params = SamplingParams(temperature, top_k, top_p)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if overflow not in OVERFLOW:
+            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         rng = np.random.default_rng(seed)
-        self.pipeline.reset()
+        if cache is None:
+            self.pipeline.reset()
+        else:
+            self.pipeline.use(cache)
+        context = self.pipeline.context_length
+        shifts = 0
+        fed = ids
+        if overflow == "shift" and len(ids) > context - 1:
+            fed, shifts = shifted(ids, keep, shift_limit(context, keep)), 1
         t0 = time.perf_counter()
-        logits = self.pipeline.prefill(ids)
+        logits, reused = self.pipeline.extend(fed)
         t1 = time.perf_counter()
         text = TextStream(self.tokenizer, stop or [])
         reason, steps = "length", 0
@@ -175,22 +237,31 @@ class LlamaANEModel:
                 break
             if len(text.token_ids) >= max_new_tokens:
                 break
-            if self.pipeline.position >= self.pipeline.context_length:
-                reason = "context"
-                break
-            logits = self.pipeline.run_window([token])[0]
+            if self.pipeline.position >= context:
+                if overflow == "stop":
+                    reason = "context"
+                    break
+                tokens = shifted(self.pipeline.cache.tokens + [token], keep, shift_limit(context, keep))
+                logits, _ = self.pipeline.extend(tokens)
+                shifts += 1
+            else:
+                logits = self.pipeline.run_window([token])[0]
             steps += 1
         self.pipeline.wait()
         t2 = time.perf_counter()
-        self.last_result = GenerationResult(text.token_ids, text.text, len(ids), reason, t1 - t0,
-                                            t2 - decode_start, decoded_tokens=steps)
+        self.last_result = GenerationResult(text.token_ids, text.text, len(fed), reason, t1 - t0,
+                                            t2 - decode_start, decoded_tokens=steps, reused_tokens=reused,
+                                            shifts=shifts)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, chat: bool = False,
-                 on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
-        """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced."""
-        for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat):
+                 on_token: Callable[[TokenEvent], None] | None = None, cache: KVCache | None = None,
+                 overflow: str = "stop", keep: int = 0) -> GenerationResult:
+        """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced.
+        `cache`, `overflow` and `keep`: see `stream`."""
+        for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
+                                 cache=cache, overflow=overflow, keep=keep):
             if on_token is not None:
                 on_token(event)
         return self.last_result
@@ -199,7 +270,7 @@ class LlamaANEModel:
                           n: int | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                           top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
                           on_token: Callable[[int, int, str], None] | None = None,
-                          teacher_forced: bool = False) -> "CascadeOutput":
+                          teacher_forced: bool = False, cache: KVCache | None = None) -> "CascadeOutput":
         """Decode several branches over one shared prefix with cascade attention.
 
         Give either `continuations` (each branch's own text or ids after the prefix, e.g. questions
@@ -210,6 +281,8 @@ class LlamaANEModel:
 
         With `teacher_forced`, nothing is sampled: each branch feeds its continuation and its
         `logits` hold float32 [vocab] after each continuation token (see `score_branches`).
+        With `cache` (e.g. a loaded prompt cache of a document), the prefix reuses what it holds and
+        the cache keeps the prefix afterwards (the branches' tokens live in their own suffix caches).
         """
         from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
 
@@ -231,9 +304,12 @@ class LlamaANEModel:
         decoder = CascadeDecoder(self.pipeline, self.tokenizer, self.eos_token_ids)
         try:
             decoder.check_budget(len(prefix_ids), [len(o) for o in own], max_new_tokens)
-            self.pipeline.reset()
+            if cache is None:
+                self.pipeline.reset()
+            else:
+                self.pipeline.use(cache)
             t0 = time.perf_counter()
-            first = self.pipeline.prefill(prefix_ids)
+            first, reused = self.pipeline.extend(prefix_ids)
             self.pipeline.wait()
             t1 = time.perf_counter()
             results = [BranchResult(i, ids) for i, ids in enumerate(own)]
@@ -249,7 +325,8 @@ class LlamaANEModel:
             decoder.close()
         per_step = prefix_bytes_per_step(self.manifest, len(prefix_ids), self.backend.dtype.itemsize)
         stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
-                             t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width))
+                             t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width),
+                             reused_tokens=reused)
         return CascadeOutput(results, stats)
 
     def score_branches(self, prefix: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:

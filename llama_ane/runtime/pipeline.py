@@ -1,9 +1,18 @@
-"""The chunked inference pipeline: windows of tokens through embeddings -> block chunks -> LM head,
-with each chunk's cache written by the cache-update model in the background.
+"""The chunked inference pipeline: one forward pass, windows of tokens through embeddings -> block
+chunks -> LM head, for single sequences and for cascade branches alike.
 
-After chunk i runs, its cache update is submitted to a worker thread and chunk i+1 starts at once;
-chunk i waits for its own update only when it runs again, at the next window. An update that fails
-or does not finish in time is raised as `CacheUpdateError` in the caller, never a hang.
+Every model's inputs are taken by name from what the manifest says the function reads: the
+embeddings' outputs, the running hidden states, the chunk's cache, and any state the caller adds
+(a cascade's suffix caches). Caches are written one of two ways:
+
+  * by the cache-update model (every backend; what a device runs): after chunk i runs, its update
+    is submitted to a worker thread and chunk i+1 starts at once; chunk i waits for its own update
+    only when it runs again. An update that fails or does not finish in time is raised as
+    `CacheUpdateError` in the caller, never a hang.
+  * directly, for a backend with `direct_cache` (the torch backend on a CPU): the window's new K/V
+    is copied into the cache arrays in place, and each chunk reads only the cache positions that
+    hold tokens (the others are masked: their attention weights are exactly 0). The same numbers,
+    without a thread competing for the cores or a pass over the whole context per step.
 
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
@@ -13,24 +22,36 @@ be loaded at a time.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import numpy as np
 
+from ..contract.manifest import function_entry
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
+from .kv_cache import KVCache, common_prefix
+
+#: embeddings outputs that mask cache positions, and where their cache columns are
+CACHE_MASKS = {"mask": "leading", "prefix_mask": "all"}
 
 
 class ContextFullError(RuntimeError):
     """The tokens would not fit in the exported context length."""
 
 
+class UnwiredInputError(RuntimeError):
+    """A function reads a tensor that nothing in the pipeline produces (an export this runtime does not know)."""
+
+
 class Pipeline:
-    """One sequence's state (the caches and the position) and the code that advances it.
+    """One sequence's state (a `KVCache`) and the code that advances it.
 
     Attributes
     ----------
-    position : int
-        Tokens already written to the caches.
+    cache : KVCache
+        The tokens whose K/V are cached and the per-chunk caches; swap it with `use`.
+    direct : bool
+        Caches written in place and read up to the filled positions (see the module docstring).
     """
 
     def __init__(self, backend: Backend, manifest: dict):
@@ -43,31 +64,42 @@ class Pipeline:
         self.head_models: list[str] = manifest["lm_head"]["models"]
         self.lm_outputs = [o["name"] for model in self.head_models
                            for o in manifest["models"][model]["functions"]["decode"]["outputs"]]
+        self.direct = bool(getattr(backend, "direct_cache", False))
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
-        self.reset()
+        self.cache = self.new_cache()
+
+    @property
+    def position(self) -> int:
+        """Tokens already written to the caches."""
+        return self.cache.position
+
+    def new_cache(self) -> KVCache:
+        """An empty KVCache of this export: zeroed (layers, kv_channels, 1, context) arrays per chunk."""
+        return KVCache([], [{"k": self._zeros(len(c["layers"])), "v": self._zeros(len(c["layers"]))}
+                            for c in self.chunks])
+
+    def _zeros(self, layers: int) -> np.ndarray:
+        return np.zeros((layers, self.manifest["cache"]["channels"], 1, self.context_length), self.backend.dtype)
 
     def reset(self) -> None:
-        """Empty the caches: the next window starts at position 0 (a failed update of the previous
-        sequence is dropped with its caches)."""
+        """Start a new, empty cache: the next window starts at position 0 (a failed update of the
+        previous sequence is dropped with its caches)."""
         self.updates.discard()
-        self.caches = [{"k": self.new_cache(len(c["layers"])), "v": self.new_cache(len(c["layers"]))}
-                       for c in self.chunks]
-        self.position = 0
+        self.cache = self.new_cache()
 
-    def new_cache(self, layers: int) -> np.ndarray:
-        """A zeroed cache of one chunk, (layers, kv_channels, 1, context), in the backend's dtype."""
-        return np.zeros((layers, self.manifest["cache"]["channels"], 1, self.context_length), self.backend.dtype)
+    def use(self, cache: KVCache) -> None:
+        """Continue from `cache` (the current one's pending updates land first)."""
+        self.updates.wait_all()
+        self.cache = cache
+
+    def rewind(self, keep: int) -> None:
+        """Forget all but the first `keep` cached tokens (their K/V stay where they are)."""
+        self.updates.wait_all()
+        del self.cache.tokens[keep:]
 
     def wait(self) -> None:
         """Block until every pending cache update has landed."""
         self.updates.wait_all()
-
-    def _update(self, i: int, function: str, k_new: np.ndarray, v_new: np.ndarray, position: int) -> None:
-        cache = self.caches[i]
-        out = self.backend.predict("cache_update", function, {
-            "k_cache": cache["k"], "v_cache": cache["v"], "k_new": k_new, "v_new": v_new,
-            "position": np.array([position], np.int32)})
-        cache["k"], cache["v"] = out["k_cache_out"], out["v_cache_out"]
 
     def _window(self, token_ids: np.ndarray) -> tuple[str, np.ndarray]:
         """The function and the input_ids of a window of n = len(token_ids) tokens.
@@ -99,13 +131,6 @@ class Pipeline:
     def _window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
         return {"input_ids": window, "position": np.array([position], np.int32)}
 
-    def _run_chunk(self, i: int, fn: str, emb: dict[str, np.ndarray], hidden: np.ndarray) -> dict[str, np.ndarray]:
-        """Block chunk i on hidden (1, C, 1, S) against its current caches: hidden_states_out
-        (1, C, 1, S) and the window's k_new, v_new (layers, kv_channels, 1, S)."""
-        return self.backend.predict(self.chunks[i]["model"], fn, {
-            "hidden_states": hidden, "cos": emb["cos"], "sin": emb["sin"], "mask": emb["mask"],
-            "k_cache": self.caches[i]["k"], "v_cache": self.caches[i]["v"]})
-
     def logits(self, fn: str, hidden: np.ndarray) -> np.ndarray:
         """Function `fn` of every LM head file on hidden (1, C, 1, S), the split logits joined in
         vocabulary order: float32 [S, vocab]."""
@@ -124,28 +149,104 @@ class Pipeline:
                 f"{n} tokens do not fit: {self.position} are cached and the exported context length "
                 f"is {self.context_length}; shorten the prompt or re-export with a larger --context-length")
 
-    def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
+    def visible(self, emb: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+        """`emb` with its cache masks cut to the first `length` cache positions (direct caches only).
 
-        Token-major: the window goes through the embeddings, every chunk and the LM head; each
-        chunk's cache update runs in the background while the next chunk computes.
+        "mask" (1,1,S,T+S) keeps its cache columns [0, length) and its S window columns;
+        "prefix_mask" (1,1,1,T) its first `length` columns.
         """
-        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
-        fn, window = self._window(ids)
-        if self.position + len(ids) > self.context_length:
-            raise ContextFullError(
-                f"the context is full: {self.position} + {len(ids)} tokens exceed the exported context length "
-                f"{self.context_length}; re-export with a larger --context-length")
-        emb = self.embed(fn, self._window_inputs(window, self.position))  # hidden (1,C,1,S), cos, sin, mask
+        out = dict(emb)
+        for name, where in CACHE_MASKS.items():
+            if name in out:
+                m = out[name]
+                out[name] = (m[..., :length] if where == "all" else
+                             np.concatenate([m[..., :length], m[..., self.context_length:]], axis=-1))
+        return out
+
+    def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
+                visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
+        """One step of function `fn` through every model: the one forward pass of every decoder.
+
+        embed_inputs: the embeddings function's int32 inputs (input_ids and its positions);
+        write(i, update_function, chunk_outputs): stores chunk i's new K/V (see `write_window`);
+        visible: cache positions that hold tokens (with direct caches, the chunks read only these);
+        state(i): chunk i's own extra inputs by name (a cascade's suffix caches).
+        Each chunk's inputs are taken by the names the manifest gives them. Returns the logits,
+        float32 [S, vocab] (S = the function's query length).
+        """
+        emb = self.embed(fn, embed_inputs)  # hidden (1,C,1,S), cos, sin, masks
+        if self.direct:
+            emb = self.visible(emb, visible)
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
-            out = self._run_chunk(i, fn, emb, hidden)
+            caches = self.cache.caches[i]
+            pool = {**emb, "hidden_states": hidden,
+                    "k_cache": caches["k"][..., :visible] if self.direct else caches["k"],
+                    "v_cache": caches["v"][..., :visible] if self.direct else caches["v"],
+                    **(state(i) if state else {})}
+            out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
             hidden = out["hidden_states_out"]
-            self.updates.submit(i, functools.partial(
-                self._update, i, chunk["cache_update"][fn], out["k_new"], out["v_new"], self.position))
-        logits = self.logits(fn, hidden)[:len(ids)]
-        self.position += len(ids)
+            write(i, chunk["cache_update"][fn], out)
+        return self.logits(fn, hidden)
+
+    def _inputs(self, model: str, fn: str, pool: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The inputs of `fn` of `model`, by the manifest's names, from `pool`."""
+        names = [t["name"] for t in function_entry(self.manifest, model, fn)["inputs"]]
+        missing = [n for n in names if n not in pool]
+        if missing:
+            raise UnwiredInputError(f"{model} ({fn}) reads {', '.join(missing)}, which this runtime does not "
+                                    "produce; is the export from a newer llama-ane?")
+        return {n: pool[n] for n in names}
+
+    def update(self, function: str, state: dict[str, np.ndarray], chunk_out: dict[str, np.ndarray],
+               values: dict[str, np.ndarray]) -> None:
+        """Run cache-update `function` and store its outputs `X_out` back into `state[X]`.
+
+        Its inputs come by name from `state` (the caches it rewrites, keyed "k"/"v" or by name),
+        the chunk's outputs and `values` (int32 positions)."""
+        entry = function_entry(self.manifest, "cache_update", function)
+        named = {name: state[key] for name, key in self._state_keys(entry).items()}
+        out = self.backend.predict("cache_update", function,
+                                   self._inputs("cache_update", function, {**named, **chunk_out, **values}))
+        for name, key in self._state_keys(entry).items():
+            state[key] = out[name + "_out"]
+
+    @staticmethod
+    def _state_keys(entry: dict) -> dict[str, str]:
+        """The tensors a cache update rewrites (outputs X_out of inputs X), each with the key of
+        its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v"."""
+        outputs = {t["name"] for t in entry["outputs"]}
+        return {t["name"]: t["name"][0] for t in entry["inputs"] if t["name"] + "_out" in outputs}
+
+    def write_window(self, i: int, function: str, out: dict[str, np.ndarray], position: int, n: int) -> None:
+        """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens):
+        in place (direct caches) or by the cache-update model in the background."""
+        caches = self.cache.caches[i]
+        if self.direct:
+            n = min(n, self.context_length - position)
+            caches["k"][..., position:position + n] = out["k_new"][..., :n]
+            caches["v"][..., position:position + n] = out["v_new"][..., :n]
+            return
+        self.updates.submit(i, functools.partial(
+            self.update, function, caches, out, {"position": np.array([position], np.int32)}))
+
+    def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+        """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
+
+        Token-major: the window goes through the embeddings, every chunk and the LM head.
+        """
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        fn, window = self._window(ids)
+        start = self.position
+        if start + len(ids) > self.context_length:
+            raise ContextFullError(
+                f"the context is full: {start} + {len(ids)} tokens exceed the exported context length "
+                f"{self.context_length}; re-export with a larger --context-length")
+        logits = self.forward(fn, self._window_inputs(window, start),
+                              lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
+                              visible=start)[:len(ids)]
+        self.cache.tokens.extend(int(t) for t in ids)
         return logits
 
     def score_streamed(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
@@ -180,11 +281,13 @@ class Pipeline:
         hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
-                out = self._run_chunk(i, fn, embs[w], hidden[w])
+                caches = self.cache.caches[i]
+                pool = {**embs[w], "hidden_states": hidden[w], "k_cache": caches["k"], "v_cache": caches["v"]}
+                out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"]
                 # synchronous: the next window of this chunk reads the updated caches at once
-                self._update(i, chunk["cache_update"][fn], out["k_new"], out["v_new"], start)
-            self.caches[i] = None  # chunk i has seen every window
+                self.update(chunk["cache_update"][fn], caches, out, {"position": np.array([start], np.int32)})
+            self.cache.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
         outputs: list[dict[str, np.ndarray]] = [{} for _ in windows]
         for model in self.head_models:
@@ -205,6 +308,20 @@ class Pipeline:
             logits = self.run_window(ids[start:start + self.prefill_length])
             outs.append(logits if all_logits else logits[-1:])
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][0]
+
+    def extend(self, token_ids: list[int] | np.ndarray) -> tuple[np.ndarray, int]:
+        """Make the cache hold exactly `token_ids`, prefilling only what it does not hold yet.
+
+        The longest common prefix of `token_ids` with the cached tokens is kept (at most all but
+        the last token, which runs to give the next-token logits); the rest is prefilled. Returns
+        the logits after the last token, float32 [vocab], and the number of tokens reused.
+        """
+        ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        if not ids:
+            raise ValueError("no tokens to prefill")
+        keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
+        self.rewind(keep)
+        return self.prefill(ids[keep:]), keep
 
     def close(self) -> None:
         self.updates.close()

@@ -26,10 +26,14 @@ class Backend(ABC):
         "torch", "coreml" or "mil".
     dtype : numpy dtype
         The floating dtype the backend wants at its inputs (float16 for fp16 exports).
+    direct_cache : bool
+        True if the backend takes caches cut to their filled positions and lets the pipeline write
+        them in place (only a backend that runs the torch modules can: the programs have fixed shapes).
     """
 
     name: str = "base"
     dtype: np.dtype = np.dtype(np.float16)
+    direct_cache: bool = False
 
     @abstractmethod
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -38,6 +42,9 @@ class Backend(ABC):
         `inputs` maps each input name of that function in the manifest to an array of the
         manifest shape. Returns every output named there, as numpy arrays.
         """
+
+    def prepare(self, models: list[str]) -> None:
+        """Load manifest models `models` now instead of on first use (optional)."""
 
     def release(self, model: str) -> None:
         """Drop what the backend holds for manifest model `model` (its weights); it loads again

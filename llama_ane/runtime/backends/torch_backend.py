@@ -6,6 +6,10 @@ weights decompressed as Core ML does: a copied export needs nothing else), or, g
 from that checkpoint through the same loader and mapping the exporter uses. The modules of each
 manifest model are built on first use, reading only that model's weights, and dropped by
 `release`, so streamed scoring holds one model at a time.
+
+With `direct_cache` (the default) the pipeline writes new K/V into the caches in place and passes
+each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
+`direct_cache=False` it runs the cache-update modules in the background, as a device does.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ class TorchBackend(Backend):
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None):
+                 weights_precision: str | None = None, direct_cache: bool = True):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
         before computing in `precision`, as an export in that precision stores them."""
+        self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
         self.round_to = DTYPES[weights_precision] if weights_precision else None
@@ -66,6 +71,13 @@ class TorchBackend(Backend):
         except KeyError:
             raise BackendError(f"torch backend: no function {function!r} of model {model!r} in this export") from None
 
+    def prepare(self, models: list[str]) -> None:
+        """Build the modules of `models` now rather than on first use (so a first step is not
+        timed with the loading)."""
+        for model in models:
+            entry = next(iter(self.manifest["models"][model]["functions"]))
+            self.module(model, entry)
+
     def release(self, model: str) -> None:
         """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
         with self._lock:
@@ -80,7 +92,7 @@ class TorchBackend(Backend):
         entry = function_entry(self.manifest, model, function)
         args = []
         for spec in entry["inputs"]:
-            a = torch.from_numpy(np.ascontiguousarray(inputs[spec["name"]]))
+            a = torch.from_numpy(inputs[spec["name"]])  # views (a cache cut to its filled positions) as they are
             args.append(a.to(self.device, self.torch_dtype if a.is_floating_point() else torch.int32))
         outs = self.module(model, function)(*args)
         if isinstance(outs, torch.Tensor):

@@ -1,0 +1,86 @@
+"""`llama-ane chat OUT`: an interactive conversation on one cache.
+
+Each turn prefills only its new tokens; a conversation longer than the context shifts (the system
+prompt and the most recent tokens are kept). Commands: /reset, /save FILE, /load FILE, /quit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..runtime.model import BACKENDS
+from .errors import user_errors
+
+HELP = "commands: /reset (new conversation), /save FILE, /load FILE, /quit"
+
+
+@click.command("chat")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--system", default=None, help="A system prompt, kept through context shifts.")
+@click.option("--max-new-tokens", default=256, show_default=True, help="Longest reply.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="auto = coreml on macOS, torch elsewhere.")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+def command(out, system, max_new_tokens, backend, temperature, top_k, top_p, seed):
+    """Chat with the export in OUT (reads turns from standard input)."""
+    import llama_ane
+    from ..runtime.chat import Chat
+
+    with user_errors():
+        model = llama_ane.load(out, backend=backend)
+        chat = Chat(model, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                    top_p=top_p, seed=seed)
+        model.prepare()
+    click.echo(f"{model.manifest['name']} on {model.backend.name}, context {model.manifest['context_length']} "
+               f"tokens. {HELP}", err=True)
+    try:
+        while True:
+            try:
+                line = click.prompt(">", prompt_suffix=" ", default="", show_default=False, err=True)
+            except (EOFError, click.Abort):
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not _command(chat, line):
+                    break
+                continue
+            with user_errors(exit_on_error=False):
+                r = chat.send(line, on_token=lambda e: click.echo(e.text, nl=False))
+                click.echo()
+                shift = f", context shifted {r.shifts}x" if r.shifts else ""
+                click.echo(f"[prefill {r.prefilled_tokens} new tokens ({r.reused_tokens} reused) "
+                           f"{r.prefill_tokens_per_s:.1f} tok/s | decode {r.decode_tokens_per_s:.1f} tok/s{shift}]",
+                           err=True)
+    finally:
+        model.close()
+
+
+def _command(chat, line: str) -> bool:
+    """Run a /command; False to quit."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/reset":
+        chat.reset()
+        click.echo("[new conversation]", err=True)
+    elif name in ("/save", "/load") and not arg:
+        click.echo(f"[{name} needs a file name: {name} FILE]", err=True)
+    elif name == "/save":
+        with user_errors(exit_on_error=False):
+            chat.save(arg)
+            click.echo(f"[saved {chat.cache.position} tokens to {arg}]", err=True)
+    elif name == "/load":
+        with user_errors(exit_on_error=False):
+            chat.load(arg)
+            click.echo(f"[loaded {chat.cache.position} tokens from {arg}]", err=True)
+    else:
+        click.echo(f"[unknown command {name}; {HELP}]", err=True)
+    return True

@@ -1,0 +1,77 @@
+"""A multi-turn conversation on one cache: each turn prefills only its own new tokens.
+
+The conversation is kept twice: as messages (rendered by the export's recorded chat template) and
+as token ids (each prompt and the reply's generated ids). A new turn renders the whole
+conversation, takes the text that follows what those ids already cover, and tokenizes only that;
+the cache then reuses everything before it. When the template does not extend the previous text (some templates rewrite earlier
+turns), the whole conversation is tokenized again and the cache still reuses the longest common
+prefix. A conversation longer than the context shifts: the system prompt and the most recent
+tokens are kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from .model import GenerationResult, LlamaANEModel, TokenEvent
+
+
+class Chat:
+    """`chat = Chat(model, system="...")`, then `chat.send("Hello")` per user turn."""
+
+    def __init__(self, model: LlamaANEModel, system: str | None = None, **sampling):
+        if not model.manifest["tokenizer"].get("chat_template"):
+            raise ValueError("this model has no chat template, so it cannot hold a conversation; use generate")
+        self.model = model
+        self.system = system
+        self.sampling = {"max_new_tokens": 256, **sampling}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = self.model.make_cache()
+        self.covered = ""  # the rendered text that `self.history` stands for
+        self.history: list[int] = []
+        self.keep = len(self._tokenize(self._render(add_generation_prompt=False))) if self.system else 0
+
+    def _render(self, add_generation_prompt: bool) -> str:
+        if not self.messages:
+            return ""
+        return self.model.tokenizer.apply_chat_template(self.messages, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=False)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.model.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def prompt_ids(self) -> list[int]:
+        """The token ids of the whole conversation so far, ready for the assistant's turn."""
+        text = self._render(add_generation_prompt=True)
+        if self.history and text.startswith(self.covered):
+            return self.history + self._tokenize(text[len(self.covered):])
+        return self._tokenize(text)
+
+    def send(self, text: str, on_token: Callable[[TokenEvent], None] | None = None, **sampling) -> GenerationResult:
+        """Add a user turn, generate the assistant's reply on the conversation's cache, and return it
+        (`reused_tokens` / `prefilled_tokens` say what the cache saved)."""
+        self.messages.append({"role": "user", "content": text})
+        ids = self.prompt_ids()
+        rendered = self._render(add_generation_prompt=True)
+        result = self.model.generate(ids, cache=self.cache, on_token=on_token, overflow="shift", keep=self.keep,
+                                     **{**self.sampling, **sampling})
+        self.messages.append({"role": "assistant", "content": result.text})
+        self.covered, self.history = rendered + result.text, ids + result.token_ids
+        if result.shifts:  # the cache no longer starts with the rendered text: tokenize it all next turn
+            self.covered, self.history = "", []
+        return result
+
+    def save(self, path: str | Path) -> Path:
+        """Write the conversation's cache to a prompt-cache file (`load` resumes it)."""
+        return self.model.save_cache(self.cache, path)
+
+    def load(self, path: str | Path) -> None:
+        """Resume from a prompt-cache file: its tokens become the conversation (as one block of text)."""
+        self.cache = self.model.load_cache(path)
+        self.covered, self.history = "", list(self.cache.tokens)
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
