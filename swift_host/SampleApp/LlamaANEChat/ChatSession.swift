@@ -1,7 +1,8 @@
 import Foundation
 import LlamaANE
 
-/// Loads an export folder, keeps the conversation and streams the assistant's replies.
+/// Loads an export folder, keeps the conversation on one KV cache and streams the assistant's
+/// replies: each turn prefills only its new tokens.
 @MainActor
 final class ChatSession: ObservableObject {
     /// One line of the transcript.
@@ -18,6 +19,8 @@ final class ChatSession: ObservableObject {
 
     private var model: ExportedModel?
     private var generator: Generator?
+    /// The chat on `generator`'s cache; nil when the export has no chat template (plain prompts then).
+    private var conversation: Conversation?
     private var task: Task<Void, Never>?
 
     /// The export folder bundled with the app as a folder reference named "Model", if any.
@@ -30,8 +33,11 @@ final class ChatSession: ObservableObject {
         do {
             let model = try ExportedModel(folder: folder)
             let predictor = try await model.makeCoreMLPredictor()
+            let generator = model.generator(predictor: predictor)
             self.model = model
-            generator = model.generator(predictor: predictor)
+            self.generator = generator
+            conversation = model.tokenizer.chatTemplate != nil ? try model.conversation(generator: generator) : nil
+            lines = []
             isReady = true
             status = "\(model.manifest.name), context \(model.manifest.contextLength) tokens"
         } catch {
@@ -44,24 +50,28 @@ final class ChatSession: ObservableObject {
         guard let model, let generator, !isBusy else { return }
         lines.append(Line(role: "user", text: text))
         let history = lines.map { ChatMessage(role: $0.role, content: $0.text) }
-        lines.append(Line(role: "assistant", text: ""))
-        let index = lines.count - 1
+        let reply = Line(role: "assistant", text: "")
+        lines.append(reply)
+        let conversation = self.conversation
         isBusy = true
         task = Task {
             defer { isBusy = false }
             do {
-                let prompt = model.tokenizer.chatTemplate != nil
-                    ? try model.chatPromptTokens(history)
-                    : model.promptTokens(history.map(\.content).joined(separator: "\n"))
-                for try await event in generator.generate(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
+                let events = conversation?.send(text, maxNewTokens: maxNewTokens, sampling: sampling)
+                    ?? generator.generate(prompt: model.promptTokens(history.map(\.content).joined(separator: "\n")),
+                                          maxNewTokens: maxNewTokens, sampling: sampling)
+                for try await event in events {
                     switch event {
                     case let .token(_, piece):
-                        lines[index].text += piece
+                        // The line is gone when the conversation was started over meanwhile.
+                        if let index = lines.firstIndex(where: { $0.id == reply.id }) { lines[index].text += piece }
                     case let .finished(stats):
-                        status = String(format: "prefill %.0f tok/s, decode %.1f tok/s", stats.prefillTokensPerSecond,
+                        status = String(format: "prefill %d new tokens (%d reused from the cache), %.0f tok/s; decode %.1f tok/s",
+                                        stats.prefilledTokens, stats.reusedTokens, stats.prefillTokensPerSecond,
                                         stats.decodeTokensPerSecond)
                     }
                 }
+                if Task.isCancelled { status = "Stopped." }
             } catch is CancellationError {
                 status = "Stopped."
             } catch {
@@ -71,4 +81,14 @@ final class ChatSession: ObservableObject {
     }
 
     func stop() { task?.cancel() }
+
+    /// Stops the reply being written, if any, and starts a new conversation. The cache keeps its
+    /// tokens, so the new conversation still reuses what it starts with in common (the template's
+    /// system header, for instance).
+    func startOver() {
+        task?.cancel()
+        lines = []
+        status = "New conversation."
+        if let conversation { Task { await conversation.reset() } }
+    }
 }

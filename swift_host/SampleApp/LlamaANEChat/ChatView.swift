@@ -1,7 +1,8 @@
 import SwiftUI
 import UniformTypeIdentifiers
 
-/// The transcript, an input field and, on macOS, a button to open an export folder.
+/// The transcript, an input field, a button to start a new conversation and, on macOS, one to open
+/// an export folder.
 struct ChatView: View {
     @StateObject private var session = ChatSession()
     @State private var draft = ""
@@ -43,6 +44,7 @@ struct ChatView: View {
             HStack {
                 Text(session.status).font(.caption).foregroundStyle(.secondary).lineLimit(2)
                 Spacer()
+                Button("New Chat", action: session.startOver).font(.caption).disabled(!session.isReady)
                 Button("Open Export…") { choosingFolder = true }.font(.caption)
             }
             .padding([.horizontal, .bottom])

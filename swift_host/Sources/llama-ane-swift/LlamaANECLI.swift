@@ -41,7 +41,7 @@ enum LlamaANECLI {
             case let .finished(stats):
                 print("")
                 log(String(format: "prefill: %d tokens, %.1f tokens/s; decode: %d tokens, %.1f tokens/s",
-                           stats.promptTokens, stats.prefillTokensPerSecond, stats.generatedTokens,
+                           stats.prefilledTokens, stats.prefillTokensPerSecond, stats.generatedTokens,
                            stats.decodeTokensPerSecond) + " (\(stats.stopReason.rawValue))")
             }
         }

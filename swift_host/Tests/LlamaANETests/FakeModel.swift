@@ -13,7 +13,8 @@ enum FakeModel {
         return out
     }
 
-    /// A predictor that keeps a fake cache and checks that windows arrive where they should.
+    /// A predictor that keeps a fake cache and checks that windows arrive where they should. A window
+    /// below the cached tokens drops those at and past its position, as the real model's mask does.
     final class CachePredictor: TokenPredictor, @unchecked Sendable {
         let contextLength: Int
         let prefillLength: Int
@@ -34,14 +35,17 @@ enum FakeModel {
             windows.append(window)
             let length = window.phase == .prefill ? prefillLength : 1
             if window.tokens.count != length { failures.append("window of \(window.tokens.count) tokens, expected \(length)") }
-            if window.position != cache.count { failures.append("window at \(window.position), cache holds \(cache.count)") }
+            if window.position > cache.count { failures.append("window at \(window.position), cache holds \(cache.count)") }
             if window.tokens[window.count...].contains(where: { $0 != 0 }) { failures.append("padding is not 0") }
             if window.position + window.count > contextLength { failures.append("window past the context") }
-            cache += window.tokens[..<window.count].map(Int.init)
+            cache = Array(cache.prefix(window.position)) + window.tokens[..<window.count].map(Int.init)
             return FakeModel.logits(cache, vocab: vocab, eos: eos)
         }
 
         func reset() async throws { cache = [] }
+
+        /// The real tokens of the windows run so far, by phase.
+        func tokensRun(_ phase: Phase) -> Int { windows.filter { $0.phase == phase }.map(\.count).reduce(0, +) }
     }
 
     /// What `Generator` must produce: the same model recomputed on the full history each step.

@@ -139,6 +139,24 @@ final class PipelineSimulationTests: XCTestCase {
         XCTAssertEqual(backend.problems, [])
     }
 
+    func testTurnsOverThePipelineReuseTheCacheAndMatchFullRecompute() async throws {
+        let backend = SimulatedBackend(contextLength: 64, branchWidth: 2, suffixLength: 8)
+        let pipeline = ChunkedPipeline(backend: backend, contextLength: 64, prefillLength: 8)
+        let generator = Generator(predictor: pipeline, eosTokenIds: [Self.eos])
+        let first = Array(10..<29)
+        let (reply, _) = try await generator.generateAll(prompt: first, maxNewTokens: 6)
+        // A second turn extends the first; a third diverges inside the first prompt, so its windows
+        // land on positions whose stale K/V (from the later tokens) the chunks must not read.
+        let second = first + reply + [40, 41, 42]
+        let third = Array(first[..<5]) + [43, 44]
+        for (prompt, reused) in [(second, first.count + reply.count - 1), (third, 5)] {
+            let (tokens, stats) = try await generator.generateAll(prompt: prompt, maxNewTokens: 6)
+            XCTAssertEqual(stats.reusedTokens, reused)
+            XCTAssertEqual(tokens, FakeModel.reference(prompt: prompt, maxNewTokens: 6, sampling: .greedy, vocab: Self.vocab, eos: Self.eos))
+        }
+        XCTAssertEqual(backend.problems, [])
+    }
+
     func testCascadeOverThePipelineEqualsEachBranchAlone() async throws {
         let backend = SimulatedBackend(contextLength: 48, branchWidth: 3, suffixLength: 10)
         let pipeline = ChunkedPipeline(backend: backend, contextLength: 48, prefillLength: 8)

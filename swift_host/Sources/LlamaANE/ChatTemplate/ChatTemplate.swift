@@ -40,14 +40,18 @@ public struct ChatTemplate {
 }
 
 extension Tokenizer {
-    /// Renders the tokenizer's chat template for `messages` and encodes it (without adding special
-    /// tokens again: the template writes them).
-    public func applyChatTemplate(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> [Int] {
+    /// The prompt text of `messages` rendered with the tokenizer's chat template and its BOS/EOS tokens.
+    public func renderChat(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> String {
         guard let source = chatTemplate else {
             throw TokenizerError.chatTemplate("this tokenizer has no chat template; pass a plain prompt instead")
         }
-        let text = try ChatTemplate(source).render(messages: messages, addGenerationPrompt: addGenerationPrompt,
-                                                   bosToken: bosToken, eosToken: eosToken)
-        return encode(text, addSpecialTokens: false)
+        return try ChatTemplate(source).render(messages: messages, addGenerationPrompt: addGenerationPrompt,
+                                               bosToken: bosToken, eosToken: eosToken)
+    }
+
+    /// Renders the tokenizer's chat template for `messages` and encodes it (without adding special
+    /// tokens again: the template writes them).
+    public func applyChatTemplate(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> [Int] {
+        encode(try renderChat(messages, addGenerationPrompt: addGenerationPrompt), addSpecialTokens: false)
     }
 }

@@ -20,6 +20,11 @@ public protocol PipelineBackend: AnyObject, Sendable {
 /// Runs a window through embeddings, every chunk and the LM head, the way docs/manifest.md
 /// describes: each chunk's cache update starts in the background as soon as the chunk has
 /// produced its new K/V, and must finish before that chunk runs again.
+///
+/// The pipeline keeps no position of its own: each window says where it goes. A window below
+/// positions written earlier (a rewound cache, see `KVCacheState`) needs nothing special: the
+/// functions mask everything from its position on, and its cache updates, queued per chunk after
+/// the earlier ones, overwrite the stale K/V.
 public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @unchecked Sendable {
     public let backend: Backend
     public let contextLength: Int

@@ -37,6 +37,12 @@ public struct ExportedModel {
         return Generator(predictor: predictor, eosTokenIds: eosTokenIds) { tokenizer.decode($0, skipSpecialTokens: true) }
     }
 
+    /// A conversation on `generator`'s cache, rendered with the exporter's chat template; each turn
+    /// prefills only its new tokens. Throws when the export has no chat template.
+    public func conversation(generator: Generator, system: String? = nil) throws -> Conversation {
+        try Conversation(generator: generator, tokenizer: tokenizer, system: system)
+    }
+
     /// The ids of a conversation rendered with the exporter's chat template, ready for generation.
     public func chatPromptTokens(_ messages: [ChatMessage], addGenerationPrompt: Bool = true) throws -> [Int] {
         try tokenizer.applyChatTemplate(messages, addGenerationPrompt: addGenerationPrompt)

@@ -21,8 +21,13 @@ public struct GenerationStats: Equatable, Sendable {
     public var prefillSeconds: Double
     public var decodeSeconds: Double
     public var stopReason: StopReason
+    /// Prompt tokens whose K/V the cache already held (a common prefix with the previous generation).
+    public var reusedTokens = 0
+    /// Prompt tokens that ran through prefill: `promptTokens - reusedTokens` (0 when nothing ran).
+    public var prefilledTokens = 0
 
-    public var prefillTokensPerSecond: Double { prefillSeconds > 0 ? Double(promptTokens) / prefillSeconds : 0 }
+    /// Prefill speed over the prompt tokens that actually ran.
+    public var prefillTokensPerSecond: Double { prefillSeconds > 0 ? Double(prefilledTokens) / prefillSeconds : 0 }
     /// Decode speed over the tokens produced by decode steps (the first comes from prefill).
     public var decodeTokensPerSecond: Double {
         decodeSeconds > 0 ? Double(max(generatedTokens - 1, 0)) / decodeSeconds : 0
@@ -32,14 +37,28 @@ public struct GenerationStats: Equatable, Sendable {
 /// Generates tokens from a `TokenPredictor`: prefill windows for the prompt, then one decode
 /// step per token, streaming each token (and its text) through an `AsyncThrowingStream`.
 ///
-/// The predictor's cache is reset at the start of every generation. Stops at an end-of-sequence id
-/// or after `maxNewTokens`. A prompt that does not fit the cache is refused before any model call;
-/// when decoding fills the cache, the tokens so far have been streamed and the stream then throws
-/// `GenerationError.contextFull`.
+/// The generator keeps one KV cache across generations and records the token ids it holds
+/// (`cachedTokens`). A prompt keeps the longest common prefix it shares with them (all but its last
+/// token at most), rewinds the cache to it and prefills only the rest, so the next turn of a
+/// conversation prefills only its new tokens (see `Conversation`). Afterwards the cache holds the
+/// prompt and every generated token that was fed back: all but the last (an end-of-sequence token,
+/// or the one that reached `maxNewTokens`, is never fed).
+///
+/// Stops at an end-of-sequence id or after `maxNewTokens`. A prompt that does not fit the cache is
+/// refused before any model call; when decoding fills the cache, the tokens so far have been
+/// streamed and the stream then throws `GenerationError.contextFull`.
+///
+/// Generations run one at a time, in the order they were started: a new one waits until the
+/// previous one (also a cancelled one) has left the model. The generator assumes it alone writes the
+/// predictor's cache; after using the predictor elsewhere (e.g. `decodeBranches`), call `resetCache()`.
 public final class Generator: @unchecked Sendable {
     public let predictor: TokenPredictor
     public let eosTokenIds: Set<Int>
     private let decode: (([Int]) -> String)?
+    private let jobs = SerialJobs()
+    private let lock = NSLock()
+    /// What the predictor's cache holds; read and written under `lock`.
+    private var cache: KVCacheState
 
     /// - Parameters:
     ///   - decode: ids -> text, for the `text` of each event; nil leaves texts empty.
@@ -47,7 +66,11 @@ public final class Generator: @unchecked Sendable {
         self.predictor = predictor
         self.eosTokenIds = eosTokenIds
         self.decode = decode
+        cache = KVCacheState(capacity: predictor.contextLength, prefillLength: predictor.prefillLength)
     }
+
+    /// The token ids whose K/V the predictor's cache holds, in order (their count is the position).
+    public var cachedTokens: [Int] { cacheState.tokens }
 
     /// Starts generating; cancelling the consuming task stops it after the current model call.
     public func generate(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy)
@@ -56,8 +79,10 @@ public final class Generator: @unchecked Sendable {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
-                    let stats = try await self.run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
-                        continuation.yield($0)
+                    let stats = try await self.jobs.run {
+                        try await self.run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
+                            continuation.yield($0)
+                        }
                     }
                     continuation.yield(.finished(stats))
                     continuation.finish()
@@ -74,31 +99,47 @@ public final class Generator: @unchecked Sendable {
         async throws -> (tokens: [Int], stats: GenerationStats)
     {
         var tokens: [Int] = []
-        let stats = try await run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) { event in
-            if case let .token(id, _) = event { tokens.append(id) }
+        for try await event in generate(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
+            switch event {
+            case let .token(id, _): tokens.append(id)
+            case let .finished(stats): return (tokens, stats)
+            }
         }
-        return (tokens, stats)
+        throw CancellationError()  // the stream ended without finishing: the caller was cancelled
+    }
+
+    /// Forgets the cached tokens and empties the predictor's cache, after the running generation.
+    /// Only needed when something else has written the predictor's cache: a prompt that shares no
+    /// prefix with the cached tokens already starts over at position 0.
+    public func resetCache() async throws {
+        try await jobs.run {
+            self.store(KVCacheState(capacity: self.predictor.contextLength, prefillLength: self.predictor.prefillLength))
+            try await self.predictor.reset()
+        }
     }
 
     private func run(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters,
                      emit: (GenerationEvent) -> Void) async throws -> GenerationStats {
-        var cache = KVCacheState(capacity: predictor.contextLength, prefillLength: predictor.prefillLength)
+        var cache = cacheState
         var sampler = Sampler(sampling)
         var text = decode.map { StreamingDetokenizer(decode: $0) }
         var stats = GenerationStats(promptTokens: prompt.count, generatedTokens: 0, prefillSeconds: 0,
                                     decodeSeconds: 0, stopReason: .maxTokens)
-        try await predictor.reset()
 
-        let windows = try cache.prefillWindows(prompt)  // refuses a prompt that does not fit
+        let reused = cache.reusablePrefix(of: prompt)
+        cache.rewind(to: reused)
+        let windows = try cache.prefillWindows(Array(prompt[reused...]))  // refuses a prompt that does not fit
         guard maxNewTokens > 0 else { return stats }
+        stats.reusedTokens = reused
+        stats.prefilledTokens = prompt.count - reused
+        store(cache)  // the first window overwrites what followed the kept prefix
 
         let clock = ContinuousClock()
         var logits: [Float] = []
         let prefillStart = clock.now
         for window in windows {
             try Task.checkCancellation()
-            logits = try await predictor.predict(window)
-            cache.commit(window)
+            logits = try await run(window, recordingIn: &cache)
         }
         stats.prefillSeconds = Self.seconds(clock.now - prefillStart)
 
@@ -113,12 +154,36 @@ public final class Generator: @unchecked Sendable {
             if eosTokenIds.contains(token) { stats.stopReason = .endOfSequence }
             if done { break }
             try Task.checkCancellation()
-            let window = try cache.decodeWindow(token)
-            logits = try await predictor.predict(window)
-            cache.commit(window)
+            logits = try await run(try cache.decodeWindow(token), recordingIn: &cache)
         }
         stats.decodeSeconds = Self.seconds(clock.now - decodeStart)
         return stats
+    }
+
+    /// Runs `window`, then records its tokens in `cache` and publishes it. When the model call fails
+    /// (other than by cancellation), the predictor's cache may lack K/V it was given before (a
+    /// background cache update that failed), so the record is emptied: the next prompt starts over.
+    private func run(_ window: TokenWindow, recordingIn cache: inout KVCacheState) async throws -> [Float] {
+        let logits: [Float]
+        do {
+            logits = try await predictor.predict(window)
+        } catch {
+            if !(error is CancellationError) { cache.reset(); store(cache) }
+            throw error
+        }
+        cache.commit(window)
+        store(cache)
+        return logits
+    }
+
+    private var cacheState: KVCacheState {
+        lock.lock(); defer { lock.unlock() }
+        return cache
+    }
+
+    private func store(_ state: KVCacheState) {
+        lock.lock(); defer { lock.unlock() }
+        cache = state
     }
 
     private static func seconds(_ d: Duration) -> Double {

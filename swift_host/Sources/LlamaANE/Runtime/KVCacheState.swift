@@ -1,10 +1,15 @@
-/// Bookkeeping of one KV cache: how many positions are filled, and how a run of tokens is cut
-/// into windows. Position = number of tokens already in the cache; a window never starts past
-/// the real tokens and a run that would overflow the cache is refused before anything runs.
+/// Bookkeeping of one KV cache: the token ids whose K/V it holds, in order, and how a run of tokens
+/// is cut into windows. Position = number of tokens in the cache; a window never starts past the
+/// real tokens and a run that would overflow the cache is refused before anything runs.
+///
+/// The cache can be rewound to keep only a prefix of its tokens (to reuse it for a prompt that
+/// starts the same way). The K/V past the position then stay where they are, stale: every exported
+/// function masks the positions at and past the one it is given, and the next windows overwrite them.
 public struct KVCacheState: Equatable, Sendable {
     public let capacity: Int
     public let prefillLength: Int
-    public private(set) var position = 0
+    /// The token ids whose K/V the cache holds, in position order.
+    public private(set) var tokens: [Int] = []
 
     public init(capacity: Int, prefillLength: Int) {
         precondition(capacity > 0 && prefillLength > 0, "cache capacity and prefill length must be positive")
@@ -12,8 +17,24 @@ public struct KVCacheState: Equatable, Sendable {
         self.prefillLength = prefillLength
     }
 
+    /// Filled positions: where the next window starts.
+    public var position: Int { tokens.count }
+
     /// Free positions.
     public var remaining: Int { capacity - position }
+
+    /// How many leading tokens of `prompt` the cache can keep: the longest common prefix of the two,
+    /// but never the whole prompt, since its last token must run to give the next-token logits.
+    public func reusablePrefix(of prompt: [Int]) -> Int {
+        let common = zip(tokens, prompt).prefix { $0 == $1 }.count
+        return max(min(common, prompt.count - 1), 0)
+    }
+
+    /// Keeps the first `count` tokens and forgets the rest (their K/V become stale, see above).
+    public mutating func rewind(to count: Int) {
+        precondition(count >= 0 && count <= position, "cannot rewind a cache of \(position) tokens to \(count)")
+        tokens.removeLast(position - count)
+    }
 
     /// The prefill windows for `tokens` at the current position: chunks of `prefillLength`, the last
     /// padded with 0. Throws `contextFull` when they do not fit.
@@ -43,9 +64,9 @@ public struct KVCacheState: Equatable, Sendable {
     public mutating func commit(_ window: TokenWindow) {
         precondition(window.position == position, "window at \(window.position) committed at position \(position)")
         precondition(window.count <= remaining, "window overflows the cache")
-        position += window.count
+        tokens += window.tokens[..<window.count].map { Int($0) }
     }
 
     /// Empties the cache.
-    public mutating func reset() { position = 0 }
+    public mutating func reset() { tokens = [] }
 }

@@ -30,6 +30,11 @@ public protocol TokenPredictor: AnyObject {
     /// Length of a prefill window.
     var prefillLength: Int { get }
     /// Runs `window` and returns the logits (vocabulary size) of its last real token.
+    ///
+    /// `window.position` may lie below positions written before: the generator rewinds the cache
+    /// to reuse a common prefix. What the cache holds at and past `window.position` is stale; the
+    /// model must not attend to it (the exported functions mask every position from the one they
+    /// are given) and the window's K/V overwrite it.
     func predict(_ window: TokenWindow) async throws -> [Float]
     /// Forgets the cached tokens (the next window starts at position 0).
     func reset() async throws
