@@ -28,7 +28,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -194,9 +193,15 @@ def log_tail(log: Path, lines: int = TAIL) -> list[str]:
 
 
 def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, str]) -> dict:
-    """Run one export command, streaming its output to the console and `log`, and measure it."""
-    tmp = Path(tempfile.gettempdir())
-    before = {p.name for p in tmp.iterdir()}
+    """Run one export command, streaming its output to the console and `log`, and measure it.
+
+    The command gets a temporary folder of its own (TMPDIR, an empty folder next to the log), so
+    what it leaves there is its own and not another process's; the folder is removed afterwards."""
+    tmp = log.parent / f"tmp-{log.stem}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    env = {**env, "TMPDIR": str(tmp)}
+    before: set[str] = set()
     print(f"$ {shlex.join(cmd)}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -209,6 +214,8 @@ def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, s
         pump.join()
     wall = time.perf_counter() - t0
     left = sorted({p.name for p in tmp.iterdir()} - before)
+    left_bytes = sum(tree_bytes(tmp / n) for n in left)
+    shutil.rmtree(tmp, ignore_errors=True)
     files = {p.name: tree_bytes(p) for p in sorted(out.iterdir())} if out.is_dir() else {}
     text = log.read_text(errors="replace")
     passed = any(ln.strip() == "passed" for ln in text.replace("\r", "\n").split("\n"))
@@ -216,7 +223,7 @@ def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, s
             "peak_pss_gib": round(meter.peak / GIB, 3), "memory_method": meter.method, "files": files,
             "total_bytes": sum(files.values()),
             "verify": "passed" if passed else ("skipped" if "--no-verify" in cmd else "not passed"),
-            "tmp_leftovers": {"names": left, "bytes": sum(tree_bytes(tmp / n) for n in left)},
+            "tmp_leftovers": {"names": left, "bytes": left_bytes},
             "log": str(log), "output_tail": log_tail(log)}
 
 

@@ -84,9 +84,47 @@ def calibration_text() -> str:
     return resources.files("llama_ane").joinpath("calibration_text.txt").read_text(encoding="utf-8")
 
 
+def in_child_process(fn: Callable, *args):
+    """`fn(*args)`, run in a forked process (where fork exists) so that the memory it takes goes back
+    to the system when it exits instead of staying in this process's heap while workers build."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return fn(*args)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def body() -> None:
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool: it would hang
+            send.send(("ok", fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed back to the parent
+            send.send(("error", e))
+
+    proc = ctx.Process(target=body)
+    proc.start()
+    send.close()
+    try:
+        kind, value = receive.recv()  # before join: a large result would fill the pipe
+    except EOFError:
+        proc.join()
+        raise ExportError(f"{getattr(fn, '__name__', 'a step')} died in its process (exit code {proc.exitcode}; "
+                          "-9 is the kernel's out-of-memory killer): lower --max-memory or close other programs") from None
+    proc.join()
+    if kind == "error":
+        raise value
+    return value
+
+
 def calibrate(ckpt, say: Callable[[str], None]) -> dict:
     """The activation statistics LUT fits are weighted by: the checkpoint run in float32, one
-    layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens)."""
+    layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens), in a child process."""
+    return in_child_process(_calibrate, ckpt, say)
+
+
+def _calibrate(ckpt, say: Callable[[str], None]) -> dict:
     from transformers import AutoTokenizer
 
     from .reference import activation_importance
@@ -102,6 +140,7 @@ def calibrate(ckpt, say: Callable[[str], None]) -> dict:
 CALIBRATION_TOKENS = 512
 
 
+@no_inductor_leftover()
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
                  suffix_length: int = 256, target: str = "iOS18",
@@ -166,8 +205,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
-    with no_inductor_leftover():
-        return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0)
+    return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0)
 
 
 def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,

@@ -33,11 +33,15 @@ def kmeans_1d(groups: torch.Tensor, clusters: int, iterations: int = MAX_ITERATI
     minimised is sum weight * (value - centroid)^2). Groups with fewer distinct values than K
     repeat centroids.
     """
-    xs, order = torch.sort(groups.to(torch.float32), dim=1)  # (G, N)
+    values = groups.to(torch.float32).numpy()
+    if weights is None:  # numpy's vectorised sort is an order of magnitude faster than torch.sort on a CPU
+        xs, ws = torch.from_numpy(np.sort(values, axis=1)), torch.ones(1, 1, dtype=torch.float64)
+    else:
+        order = np.argsort(values, axis=1)
+        xs = torch.from_numpy(np.take_along_axis(values, order, axis=1))
+        ws = torch.from_numpy(np.take_along_axis(weights.to(torch.float64).numpy(), order, axis=1))
     g, n = xs.shape
     k = clusters
-    ws = torch.ones(1, 1, dtype=torch.float64) if weights is None else \
-        torch.gather(weights.to(torch.float64), 1, order)
     mass = torch.zeros(g, n + 1, dtype=torch.float64)  # prefix sums of the weights, and of weight * value
     mass[:, 1:] = torch.cumsum(ws.expand(g, n), dim=1)
     prefix = torch.zeros(g, n + 1, dtype=torch.float64)
