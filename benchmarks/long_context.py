@@ -56,7 +56,7 @@ def main() -> None:
     folder = args.export or HERE / ".scale" / "exports" / "long-context"
     if not (folder / "manifest.json").is_file():
         print(f"exporting SmolLM2 at context {CONTEXT} to {folder} ...", flush=True)
-        llama_ane.export_model(None, folder, context_length=CONTEXT)
+        llama_ane.export_model(None, folder, context_length=CONTEXT, verify=True, log=print)
     direct = llama_ane.load(folder, backend="torch")
     modules = llama_ane.load(folder, backend="torch", direct_cache=False)
     for m in (direct, modules):

@@ -8,7 +8,8 @@ default), each method is timed on the same 2 threads and its error measured as
   * llama-ane: `llama_ane.quantize.kmeans.lut_compress` (sorted groups, all groups' Lloyd
     iterations batched, companded start);
   * coremltools kmeans: `coremltools.optimize.coreml.palettize_weights(mode="kmeans")` on a one-op
-    program holding the weight (needs `pip install kmeans1d`, which coremltools uses for 1-D);
+    program holding the weight (needs `pip install kmeans1d scikit-learn`: coremltools clusters
+    groups of at least 10000 fp16 values with kmeans1d and smaller ones with scikit-learn);
   * coremltools uniform: the same with `mode="uniform"`.
 
 The coremltools LUTs are read back from the palettized program and expanded with coremltools'
