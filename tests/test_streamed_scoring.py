@@ -21,7 +21,8 @@ from conftest import LLAMA3_ROPE
 from llama_ane.checkpoint.loader import load_checkpoint
 from llama_ane.checkpoint.mapping import LAYER_TENSORS
 from llama_ane.contract.plan import ExportOptions, plan_export
-from llama_ane.runtime.backends.torch_modules import build_model, model_names
+from llama_ane.contract.manifest import model_names
+from llama_ane.runtime.backends.torch_modules import build_model
 from llama_ane.reference import transformers_logits
 
 CONTEXT, WINDOW = 128, 32

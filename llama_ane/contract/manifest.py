@@ -73,6 +73,12 @@ def read_manifest(out: str | Path, check_hashes: bool = True) -> dict[str, Any]:
     return manifest
 
 
+def model_names(manifest: dict[str, Any]) -> list[str]:
+    """Every model of an export, in pipeline order."""
+    return [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
+            *manifest["lm_head"]["models"], "cache_update"]
+
+
 def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[str, Any]:
     """The manifest entry {file, function_name, inputs, outputs} of one function of one model."""
     try:

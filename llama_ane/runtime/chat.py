@@ -47,7 +47,11 @@ class Chat:
 
     def prompt_ids(self) -> list[int]:
         """The token ids of the whole conversation so far, ready for the assistant's turn."""
-        text = self._render(add_generation_prompt=True)
+        return self._ids_of(self._render(add_generation_prompt=True))
+
+    def _ids_of(self, text: str) -> list[int]:
+        """Token ids of the rendered conversation `text`: the ids kept for what they cover, plus the
+        tokens of the rest."""
         if self.history and text.startswith(self.covered):
             return self.history + self._tokenize(text[len(self.covered):])
         return self._tokenize(text)
@@ -56,8 +60,8 @@ class Chat:
         """Add a user turn, generate the assistant's reply on the conversation's cache, and return it
         (`reused_tokens` / `prefilled_tokens` say what the cache saved)."""
         self.messages.append({"role": "user", "content": text})
-        ids = self.prompt_ids()
         rendered = self._render(add_generation_prompt=True)
+        ids = self._ids_of(rendered)
         result = self.model.generate(ids, cache=self.cache, on_token=on_token, overflow="shift", keep=self.keep,
                                      **{**self.sampling, **sampling})
         self.messages.append({"role": "assistant", "content": result.text})

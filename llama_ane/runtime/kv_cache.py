@@ -73,8 +73,17 @@ def load_cache(path: str | Path, manifest: dict, empty: KVCache) -> KVCache:
     path = Path(path)
     try:
         data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PromptCacheError(f"{path} is not a llama-ane prompt-cache file ({e}); delete it to make a new one") from None
+    with data:
+        return _fill(path, data, manifest, empty)
+
+
+def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
+    """`empty` given the tokens and K/V of the open prompt-cache file `data`, after checking it."""
+    try:
         meta = json.loads(bytes(data["meta"]).decode())
-    except (OSError, ValueError, KeyError) as e:
+    except (ValueError, KeyError) as e:
         raise PromptCacheError(f"{path} is not a llama-ane prompt-cache file ({e}); delete it to make a new one") from None
     if meta.get("version") != CACHE_FILE_VERSION:
         raise PromptCacheError(f"{path} has prompt-cache version {meta.get('version')}, this llama-ane reads "

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..contract.manifest import read_manifest
+from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
 from .pipeline import ContextFullError, Pipeline
@@ -174,7 +174,7 @@ class LlamaANEModel:
 
     def save_cache(self, cache: KVCache, path: str | Path) -> Path:
         """Write `cache` to a prompt-cache file (tied to this export) and return its path."""
-        self.pipeline.use(cache)  # its pending updates land first
+        self.pipeline.wait()  # the cache's pending updates land first
         return save_cache(cache, self.manifest, path)
 
     def load_cache(self, path: str | Path) -> KVCache:
@@ -183,7 +183,6 @@ class LlamaANEModel:
 
     def prepare(self) -> None:
         """Load every model now rather than at the first step (keeps loading out of the timings)."""
-        from .backends.torch_modules import model_names
         self.backend.prepare(model_names(self.manifest))
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -211,10 +210,7 @@ class LlamaANEModel:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         rng = np.random.default_rng(seed)
-        if cache is None:
-            self.pipeline.reset()
-        else:
-            self.pipeline.use(cache)
+        self.pipeline.start(cache)
         context = self.pipeline.context_length
         shifts = 0
         fed = ids
@@ -304,10 +300,7 @@ class LlamaANEModel:
         decoder = CascadeDecoder(self.pipeline, self.tokenizer, self.eos_token_ids)
         try:
             decoder.check_budget(len(prefix_ids), [len(o) for o in own], max_new_tokens)
-            if cache is None:
-                self.pipeline.reset()
-            else:
-                self.pipeline.use(cache)
+            self.pipeline.start(cache)
             t0 = time.perf_counter()
             first, reused = self.pipeline.extend(prefix_ids)
             self.pipeline.wait()

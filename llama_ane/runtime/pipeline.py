@@ -92,6 +92,13 @@ class Pipeline:
         self.updates.wait_all()
         self.cache = cache
 
+    def start(self, cache: KVCache | None) -> None:
+        """Begin a generation: on `cache` if given (`use`), else on a new, empty one (`reset`)."""
+        if cache is None:
+            self.reset()
+        else:
+            self.use(cache)
+
     def rewind(self, keep: int) -> None:
         """Forget all but the first `keep` cached tokens (their K/V stay where they are)."""
         self.updates.wait_all()
@@ -181,9 +188,9 @@ class Pipeline:
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
             caches = self.cache.caches[i]
-            pool = {**emb, "hidden_states": hidden,
-                    "k_cache": caches["k"][..., :visible] if self.direct else caches["k"],
-                    "v_cache": caches["v"][..., :visible] if self.direct else caches["v"],
+            if self.direct:  # the cache positions that hold tokens
+                caches = {key: cache[..., :visible] for key, cache in caches.items()}
+            pool = {**emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
             hidden = out["hidden_states_out"]
@@ -205,11 +212,11 @@ class Pipeline:
 
         Its inputs come by name from `state` (the caches it rewrites, keyed "k"/"v" or by name),
         the chunk's outputs and `values` (int32 positions)."""
-        entry = function_entry(self.manifest, "cache_update", function)
-        named = {name: state[key] for name, key in self._state_keys(entry).items()}
+        keys = self._state_keys(function_entry(self.manifest, "cache_update", function))
+        named = {name: state[key] for name, key in keys.items()}
         out = self.backend.predict("cache_update", function,
                                    self._inputs("cache_update", function, {**named, **chunk_out, **values}))
-        for name, key in self._state_keys(entry).items():
+        for name, key in keys.items():
             state[key] = out[name + "_out"]
 
     @staticmethod
@@ -220,11 +227,10 @@ class Pipeline:
         return {t["name"]: t["name"][0] for t in entry["inputs"] if t["name"] + "_out" in outputs}
 
     def write_window(self, i: int, function: str, out: dict[str, np.ndarray], position: int, n: int) -> None:
-        """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens):
-        in place (direct caches) or by the cache-update model in the background."""
+        """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens,
+        which fit in the context): in place (direct caches) or by the cache-update model in the background."""
         caches = self.cache.caches[i]
         if self.direct:
-            n = min(n, self.context_length - position)
             caches["k"][..., position:position + n] = out["k_new"][..., :n]
             caches["v"][..., position:position + n] = out["v_new"][..., :n]
             return

@@ -24,6 +24,7 @@ from ...checkpoint.mapping import LAYER_TENSORS, chunk_state_dict, embeddings_st
 from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
 from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
+from ...contract.manifest import model_names
 from ...contract.specs import BRANCHES, FUNCTIONS, cache_update_function, model_kind, window_of
 
 
@@ -98,12 +99,6 @@ class ExportWeights:
                                                          for i, j in enumerate(heads)}}
 
 
-def model_names(manifest: dict) -> list[str]:
-    """Every model of an export, in pipeline order."""
-    return [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
-            *manifest["lm_head"]["models"], "cache_update"]
-
-
 @torch.no_grad()
 def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifest: dict, model: str,
                 dtype: torch.dtype = torch.float32, round_to: torch.dtype | None = None) -> dict[str, torch.nn.Module]:
@@ -175,4 +170,4 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     return modules
 
 
-__all__ = ["build_model", "model_names"]
+__all__ = ["build_model"]
