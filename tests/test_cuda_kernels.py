@@ -99,7 +99,7 @@ CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "decode", "auto"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
 def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
     from llama_ane.cuda import reference as ref
     from llama_ane.cuda.cascade import SharedPrefixBatch
@@ -116,9 +116,8 @@ def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype,
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
     plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, s_last,
                              num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-                             path="cascade" if path in ("overlap", "fused") else path,
-                             config={"overlap": True, "fused_suffix": False} if path == "overlap"
-                             else {"fused_suffix": True} if path == "fused" else None)
+                             path="cascade" if path == "overlap" else path,
+                             config={"overlap": True} if path == "overlap" else None)
     o, lse = plan.run(q, cache)
     want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, s_indptr, s_indices, s_last)
     _assert_state(o, lse, *want, dtype)

@@ -206,10 +206,8 @@ def shared_prefix_kernel(
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     state_offset, sm_scale_log2, chunk_len,
-    s_indptr_ptr, s_indices_ptr, s_last_ptr, s_chunk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
-    HAS_SUFFIX: tl.constexpr,
 ):
     """All queries against one shared paged KV sequence (multi-query attention with LSE).
 
@@ -218,9 +216,7 @@ def shared_prefix_kernel(
     Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
     same KV chunk run at the same time and share it through L2. ``WHOLE_BLOCKS`` says that
     ``prefix_len`` and ``chunk_len`` are multiples of ``BLOCK_N``: no split has a partial key
-    block, and the masked tail loop is left out of the program. With ``HAS_SUFFIX`` split ``s``
-    also covers suffix tokens ``[s * s_chunk, (s + 1) * s_chunk)`` of every row's own request
-    (CSR tables ``s_indptr``/``s_indices``/``s_last``): the whole cascade in one launch plus merge.
+    block, and the masked tail loop is left out of the program.
     """
     mb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -264,33 +260,6 @@ def shared_prefix_kernel(
             s = tl.dot(q, tl.trans(k)) * sm_scale_log2
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
-
-    if HAS_SUFFIX:
-        # Each row's own suffix tokens [split * s_chunk, (split + 1) * s_chunk), one token of
-        # every row per step: memory-bound work that this program does while the other program
-        # on its SM is still in its tensor-core phase, so HBM and tensor cores overlap without a
-        # second launch. The state now covers prefix chunk + suffix chunk of the row.
-        sp0 = tl.load(s_indptr_ptr + b, mask=r_mask, other=0)
-        sp1 = tl.load(s_indptr_ptr + b + 1, mask=r_mask, other=0)
-        s_last = tl.load(s_last_ptr + b, mask=r_mask, other=0)
-        s_len = tl.maximum((sp1 - sp0 - 1) * PAGE_SIZE + s_last, 0)
-        j0 = split * s_chunk
-        j1 = tl.minimum(j0 + s_chunk, tl.max(s_len, 0))
-        qf = q.to(tl.float32)
-        for j in range(j0, j1):
-            valid = (j < s_len) & r_mask
-            page = tl.load(s_indices_ptr + sp0 + j // PAGE_SIZE, mask=valid, other=0)
-            roff = page.to(tl.int64) * stride_page + (j % PAGE_SIZE) * stride_tok
-            k, v = _load_kv(kv_head, roff, offs_d, stride_kv, valid)
-            sj = tl.where(valid, tl.sum(qf * k.to(tl.float32), 1) * sm_scale_log2,
-                          float("-inf"))
-            m_new = tl.maximum(m_i, sj)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            pj = tl.exp2(sj - m_ref)
-            l_i = l_i * alpha + pj
-            acc = acc * alpha[:, None] + pj[:, None] * v.to(tl.float32)
-            m_i = m_new
 
     slot = state_offset + split
     o_ptrs = o_ptr + b[:, None] * stride_ob + slot * stride_os + heads[:, None] * stride_oh \

@@ -97,7 +97,7 @@ def _layout_args(q, kv_cache, o_buf, lse_buf) -> tuple:
             lse_buf.stride(0), lse_buf.stride(1))
 
 
-def decode_config(group: int, head_dim: int) -> dict:
+def decode_config(group: int) -> dict:
     """Launch parameters of the decode kernel, from the run-3/5 sweeps (cuda_notes.md).
 
     ``BLOCK_G`` is the row tile of the query heads of one kv head: 1 selects the broadcast path,
@@ -120,7 +120,7 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
-    cfg = decode_config(group, d) if config is None else config
+    cfg = decode_config(group) if config is None else config
     if merge_from is None:
         pre_o, pre_lse, n_pre = lse_buf, lse_buf, 0
         pre_strides = (0, 0, 0, 0, 0)
@@ -140,20 +140,17 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     )
 
 
-def prefix_config(block_m: int) -> dict:
-    """Launch parameters of the shared-prefix kernel for a row tile (see cuda_notes.md)."""
+def prefix_config() -> dict:
+    """Launch parameters of the shared-prefix kernel, the same for every row tile (runs 2-5 and
+    19 in cuda_notes.md: 8 warps, 128-key blocks and 256-row tiles were all slower)."""
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, lse_buf,
                          state_offset: int, num_splits: int, chunk_len: int,
-                         sm_scale: float, config: dict | None = None,
-                         suffix: tuple | None = None):
+                         sm_scale: float, config: dict | None = None):
     """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``;
     returns Triton's compiled-kernel handle (registers, spills, shared memory).
-
-    ``suffix = (indptr, indices, last_page_len, chunk)`` adds each row's own suffix tokens, chunk
-    ``s`` to split ``s`` (the one-launch cascade).
 
     ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages and optionally
     BLOCK_M) for tuning runs.
@@ -162,7 +159,7 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
     n_rows = batch * group
-    cfg = prefix_config(prefix_block_m(n_rows)) if config is None else config
+    cfg = prefix_config() if config is None else config
     block_m = cfg.get("BLOCK_M") or prefix_block_m(n_rows)
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
@@ -170,10 +167,8 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,
         *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
-        *(suffix if suffix is not None else (prefix_indices, prefix_indices, prefix_indices, 0)),
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         WHOLE_BLOCKS=prefix_len % block_n == 0 and chunk_len % block_n == 0,
-        HAS_SUFFIX=suffix is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
