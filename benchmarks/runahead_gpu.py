@@ -74,14 +74,18 @@ def _timer(dist_sync):
     """``timed(fn, reps)`` -> median seconds (slowest rank) and every rep's seconds."""
     import torch
 
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def timed(fn, reps):
         times = []
         for i in range(reps + 1):  # the first call warms up
-            torch.cuda.synchronize()
+            sync()
             dist_sync.barrier()
             t0 = time.perf_counter()
             fn()
-            torch.cuda.synchronize()
+            sync()
             dt = dist_sync.max(time.perf_counter() - t0)
             if i:
                 times.append(dt)
@@ -233,7 +237,7 @@ def speed(engine, world, rank, transport, sync, args, log) -> dict:
                  ("kvr_even", even_bounds(n, world, GRANULE), None)]
         if n in searches:
             plans.append(("kvr_searched", searches[n]["bounds"], None))
-            plans.append(("kvr_searched_sdpa", searches[n]["bounds"], "sdpa"))
+            plans.append(("kvr_searched_sdpa", searches[n]["bounds"], None))
         elif table.entries:
             plans.append(("kvr_predicted", table.predict(n, world, GRANULE), None))
         for name, bounds, fn in plans:
