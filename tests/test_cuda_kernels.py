@@ -326,3 +326,23 @@ def test_tree_batch_paths(kind, page_size):
             continue
         _assert_state(*TreeBatch(parents, node_slots, query_nodes, path=path, **shape).run(
             q, cache), *want, dtype)
+
+
+@pytest.mark.parametrize("prefix_len,page_size", [(4096, 16), (8192 + 64, 1), (2048, 64),
+                                                  (4096, 128), (1000, 16), (64, 16)])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_prefix_on_ordered_pages(prefix_len, page_size, hq, hkv, dtype):
+    """No page table: the prefix is the cache's first pages in order (bulk tensor copies where
+    the prefix is whole 64-key blocks, the paged kernel otherwise); extra pages after it."""
+    from llama_ane.cuda import ops, reference as ref
+
+    g = torch.Generator(device="cuda").manual_seed(prefix_len + page_size)
+    n_pages = -(-prefix_len // page_size)
+    cache = torch.randn(n_pages + 3, 2, page_size, hkv, 128, device="cuda", dtype=dtype,
+                        generator=g)
+    q = torch.randn(37, hq, 128, device="cuda", dtype=dtype, generator=g)
+    assert ops.ordered_prefix_fits(cache, prefix_len) == (prefix_len % 64 == 0)
+    o, lse = ops.shared_prefix_attention(q, cache, None, prefix_len)
+    pages = torch.arange(n_pages, device="cuda", dtype=torch.int32)
+    _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, pages, prefix_len), dtype)

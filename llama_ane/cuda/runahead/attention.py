@@ -9,7 +9,8 @@ sees keys ``j <= start + i``: a causal mask aligned to the bottom-right corner o
 * ``sdpa``: scaled_dot_product_attention with torch's lower-right causal bias (flash kernels on
   the GPU, the K/V gathered from the pages into one contiguous tensor);
 * ``triton``: the prefix ``[0, start)`` is a shared prefix for every query of the slab, so the
-  project's shared-prefix kernel reads it straight from the paged cache; the slab's own causal
+  project's shared-prefix kernel reads it straight from the paged cache (the ordered-pages
+  variant: one bulk tensor copy per key block); the slab's own causal
   square runs in torch's flash kernel (which also returns its LSE); the two states are merged
   with the project's merge kernel.
 
@@ -91,9 +92,8 @@ def offset_causal_triton(q, k_own, v_own, cache, start: int, scale: float) -> to
     o_own, lse_own = causal_with_lse(q, k_own, v_own, scale)
     if start == 0:
         return o_own
-    ps = cache.shape[2]
-    pages = torch.arange(-(-start // ps), device=q.device, dtype=torch.int32)
-    o_pre, lse_pre = ops.shared_prefix_attention(q.contiguous(), cache, pages, start,
+    # the received prefix is the cache's first pages in order: bulk tensor copies where they fit
+    o_pre, lse_pre = ops.shared_prefix_attention(q.contiguous(), cache, None, start,
                                                  sm_scale=scale)
     o, _ = ops.merge_state(o_pre, lse_pre, o_own.contiguous(), lse_own)
     return o
