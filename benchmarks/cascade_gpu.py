@@ -199,7 +199,7 @@ def _plan(t, prefix, hq, hkv, path, **kw):
 
 
 def run_sweeps(timer, log):
-    """The cascade's three schedules at the largest shared prefixes (run 10 onwards)."""
+    """The cascade's two schedules at the largest shared prefixes (run 10 onwards)."""
     import torch
 
     rows = []
@@ -208,9 +208,8 @@ def run_sweeps(timer, log):
                                       (32768, 256, 2048)):
             t = make_batch(prefix, batch, suffix, hkv, torch.float16)
             q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-            for name, cfg in (("sequential", dict(overlap=False, fused_suffix=False)),
-                              ("overlap", dict(overlap=True, fused_suffix=False)),
-                              ("fused", dict(fused_suffix=True))):
+            for name, cfg in (("sequential", dict(overlap=False)),
+                              ("overlap", dict(overlap=True))):
                 for splits in (4, 8):
                     plan = _plan(t, prefix, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
                     ms = timer.median_ms(lambda: plan.run(q, t["cache"]))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H100 run behind benchmarks/results/cuda_*: kernel tests, the shared-prefix grid against
 # FlashInfer, the tree benchmark and the prefix-kernel tuning table, each log written to OUT_DIR.
+# Exits non-zero when any GPU test fails.
 #
 #   benchmarks/run_gpu_suite.sh OUT_DIR [WHEEL_DIR]
 #
@@ -28,8 +29,14 @@ python -m pytest -m cuda -n 4 -v -p no:cacheprovider tests/test_cuda_kernels.py 
 tests=$!
 python benchmarks/cascade_gpu.py --warm-only > "$out/fi_warm.log" 2>&1
 tail -2 "$out/fi_warm.log"
-wait $tests || true
+# a failed GPU test fails the suite (after the log is shown), before any benchmark runs
+tests_rc=0
+wait $tests || tests_rc=$?
 tail -1 "$out/cuda_tests.log"
+if [ "$tests_rc" -ne 0 ]; then
+    echo "Error: GPU tests failed (exit $tests_rc); see $out/cuda_tests.log" >&2
+    exit "$tests_rc"
+fi
 python benchmarks/cascade_gpu.py --skip-sweep --out "$out/cuda_cascade.json" 2>&1 \
     | tee "$out/cuda_cascade.log" | tail -4
 python benchmarks/tree_gpu.py --out "$out/cuda_tree.json" 2>&1 | tee "$out/cuda_tree.log" | tail -12

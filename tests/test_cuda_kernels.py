@@ -99,7 +99,7 @@ CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "decode", "auto"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
 def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
     from llama_ane.cuda import reference as ref
     from llama_ane.cuda.cascade import SharedPrefixBatch
@@ -116,9 +116,8 @@ def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype,
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
     plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, s_last,
                              num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-                             path="cascade" if path in ("overlap", "fused") else path,
-                             config={"overlap": True, "fused_suffix": False} if path == "overlap"
-                             else {"fused_suffix": True} if path == "fused" else None)
+                             path="cascade" if path == "overlap" else path,
+                             config={"overlap": True} if path == "overlap" else None)
     o, lse = plan.run(q, cache)
     want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, s_indptr, s_indices, s_last)
     _assert_state(o, lse, *want, dtype)
@@ -327,3 +326,23 @@ def test_tree_batch_paths(kind, page_size):
             continue
         _assert_state(*TreeBatch(parents, node_slots, query_nodes, path=path, **shape).run(
             q, cache), *want, dtype)
+
+
+@pytest.mark.parametrize("prefix_len,page_size", [(4096, 16), (8192 + 64, 1), (2048, 64),
+                                                  (4096, 128), (1000, 16), (64, 16)])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_prefix_on_ordered_pages(prefix_len, page_size, hq, hkv, dtype):
+    """No page table: the prefix is the cache's first pages in order (bulk tensor copies where
+    the prefix is whole 64-key blocks, the paged kernel otherwise); extra pages after it."""
+    from llama_ane.cuda import ops, reference as ref
+
+    g = torch.Generator(device="cuda").manual_seed(prefix_len + page_size)
+    n_pages = -(-prefix_len // page_size)
+    cache = torch.randn(n_pages + 3, 2, page_size, hkv, 128, device="cuda", dtype=dtype,
+                        generator=g)
+    q = torch.randn(37, hq, 128, device="cuda", dtype=dtype, generator=g)
+    assert ops.ordered_prefix_fits(cache, prefix_len) == (prefix_len % 64 == 0)
+    o, lse = ops.shared_prefix_attention(q, cache, None, prefix_len)
+    pages = torch.arange(n_pages, device="cuda", dtype=torch.int32)
+    _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, pages, prefix_len), dtype)

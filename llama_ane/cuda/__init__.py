@@ -4,13 +4,14 @@ Submodules (each imported on first use, so ``import llama_ane.cuda`` needs neith
 triton; only launching a kernel does):
 
 * ``kernels``    pure ``@triton.jit`` kernels
-* ``ops``        checked wrappers: batch_decode, shared_prefix_attention, merge_state(s),
-                 merge_state_in_place, tree_attention
+* ``ops``        checked wrappers: batch_decode, shared_prefix_attention (paged or ordered
+                 pages), merge_state(s), merge_state_in_place, tree_attention
 * ``cascade``    SharedPrefixBatch (two-level cascade with auto-dispatch), cascade_attention
 * ``cost_model`` the cascade-or-decode model; ``splits`` the split-KV heuristics
 * ``tree``       DeFT-style tree plans; ``tree_batch`` TreeBatch (tree kernel or cascade per tree)
 * ``reference``  torch references; ``lse`` LSE conventions
 * ``engine``     a small Llama decode engine that uses the kernels
+* ``runahead``   KV-Runahead: parallel prefill of one prompt across processes (torch.distributed)
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ class SharedPrefixBatch:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of {num_kv_heads}")
         device = prefix_indices.device
+        if device.type != "cuda":
+            raise ValueError(f"the page tables must be CUDA tensors, got them on {device}")
         for name, t in (("prefix_indices", prefix_indices), ("suffix_indptr", suffix_indptr),
                         ("suffix_indices", suffix_indices),
                         ("suffix_last_page_len", suffix_last_page_len)):
@@ -75,12 +77,12 @@ class SharedPrefixBatch:
         self.max_suffix = int(lengths.max()) if self.batch else 0
         mean_suffix = float(lengths.float().mean()) if self.batch else 0.0
         aligned = self.prefix_len % page_size == 0
-        sms = ops.num_sms(device) if device.type == "cuda" else cost_model.num_sms
+        sms = ops.num_sms(device)
 
         if path == "auto":
             path = "cascade" if not aligned else cost_model.choose(
                 self.batch, self.prefix_len, mean_suffix, num_qo_heads, num_kv_heads, head_dim,
-                elem_bytes)
+                elem_bytes, num_sms=sms)
         if path == "decode" and not aligned:
             raise ValueError(f"plain decode needs a page-aligned prefix; prefix_len "
                              f"{self.prefix_len} is not a multiple of page_size {page_size}")
@@ -106,12 +108,6 @@ class SharedPrefixBatch:
                     rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
                 self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
-            # opt-in only: one launch for both levels, each prefix program also taking a slice of
-            # its rows' suffixes, one token per row per step. Correct, but run 15 measured it
-            # slower everywhere (32768/256/128: 0.93 ms against 0.52 overlapped): the per-row
-            # token loop issues small dependent gathers that the tensor phase cannot hide.
-            self.fused_chunk = -(-self.max_suffix // self.prefix_splits)
-            self.fused_suffix = bool((config or {}).get("fused_suffix", False))
             n_states = self.prefix_splits + self.suffix_splits
             self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
                                      dtype=torch.float32, device=device)
@@ -162,19 +158,13 @@ class SharedPrefixBatch:
         cfg = self.config or {}
         pre_cfg, dec_cfg = cfg.get("prefix"), cfg.get("decode")
         ps, pc = self.prefix_splits, self.prefix_chunk
-        if self.fused_suffix:
-            ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
-                                     self.o_buf, self.lse_buf, 0, ps, pc, self.sm_scale, pre_cfg,
-                                     suffix=(*self.suffix, self.fused_chunk))
-            ops.launch_merge(self.o_buf[:, :ps], self.lse_buf[:, :ps], out, lse)
-            return
         if self.overlap:
             # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
             # this one: the scheduler fills SM slots the prefix leaves free with decode programs
             # (128-key blocks: run 23 measured 0.497 against 0.510 ms with 64 at 32768 x 256)
             if dec_cfg is None:
-                dec_cfg = dict(ops.decode_config(self.num_qo_heads // self.num_kv_heads,
-                                                 self.head_dim), BLOCK_N=128)
+                dec_cfg = dict(ops.decode_config(self.num_qo_heads // self.num_kv_heads),
+                               BLOCK_N=128)
             cur = torch.cuda.current_stream(q.device)
             self.side_stream.wait_stream(cur)
             with torch.cuda.stream(self.side_stream):

@@ -27,23 +27,25 @@ class CostModel:
     l2_bytes_per_s : rate of prefix re-reads that hit L2 in plain decode
     tc_flops : achieved rate of the shared-prefix kernel's matrix products
     launch_s : GPU-timeline cost of one extra kernel launch (start-up and tail)
-    num_sms : multiprocessors (split choice)
+
+    The methods that model split-KV launches take the device's multiprocessor count ``num_sms``
+    (``ops.num_sms(device)``); the constants themselves do not depend on it.
     """
 
     hbm_bytes_per_s: float = 3.0e12
     l2_bytes_per_s: float = 6.0e12
     tc_flops: float = 4.0e14
     launch_s: float = 12e-6
-    num_sms: int = 132
 
     def decode_time(self, batch: int, prefix_len: int, suffix_len: float, num_qo_heads: int,
-                    num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
+                    num_kv_heads: int, head_dim: int, elem_bytes: int = 2, *,
+                    num_sms: int) -> float:
         """Modelled seconds of plain paged decode over prefix + suffix for every request."""
         tok = 2 * num_kv_heads * head_dim * elem_bytes
         unique = (prefix_len + batch * suffix_len) * tok
         reread = max(batch - 1, 0) * prefix_len * tok
         splits, _ = choose_decode_splits(batch, num_kv_heads, int(prefix_len + suffix_len),
-                                         self.num_sms)
+                                         num_sms)
         merge = 0.0
         if splits > 1:
             merge = self.launch_s + 2 * batch * splits * num_qo_heads * head_dim * 4 \
@@ -66,33 +68,37 @@ class CostModel:
         return batch * suffix_len * 2 * num_kv_heads * head_dim * elem_bytes / self.hbm_bytes_per_s
 
     def cascade_time(self, batch: int, prefix_len: int, suffix_len: float, num_qo_heads: int,
-                     num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> float:
+                     num_kv_heads: int, head_dim: int, elem_bytes: int = 2, *,
+                     num_sms: int) -> float:
         """Modelled seconds of the three-launch cascade."""
         rows = batch * (num_qo_heads // num_kv_heads)
         block_m = prefix_block_m(rows)
         prefix = self.prefix_time(batch, prefix_len, num_qo_heads, num_kv_heads, head_dim,
                                   elem_bytes)
         suffix = self.suffix_time(batch, suffix_len, num_kv_heads, head_dim, elem_bytes)
-        sp, _ = choose_prefix_splits(rows, block_m, num_kv_heads, prefix_len, self.num_sms)
-        ss, _ = choose_decode_splits(batch, num_kv_heads, int(suffix_len), self.num_sms)
+        sp, _ = choose_prefix_splits(rows, block_m, num_kv_heads, prefix_len, num_sms)
+        ss, _ = choose_decode_splits(batch, num_kv_heads, int(suffix_len), num_sms)
         states = 2 * batch * (sp + ss) * num_qo_heads * head_dim * 4  # fp32 write + read
         return 3 * self.launch_s + prefix + suffix + states / self.hbm_bytes_per_s
 
     def choose(self, batch: int, prefix_len: int, suffix_len: float, num_qo_heads: int,
-               num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> str:
-        """``"cascade"`` or ``"decode"``, whichever the model says is faster."""
+               num_kv_heads: int, head_dim: int, elem_bytes: int = 2, *, num_sms: int) -> str:
+        """``"cascade"`` or ``"decode"``, whichever the model says is faster on a GPU of
+        ``num_sms`` multiprocessors."""
         args = (batch, prefix_len, suffix_len, num_qo_heads, num_kv_heads, head_dim, elem_bytes)
-        return "cascade" if self.cascade_time(*args) < self.decode_time(*args) else "decode"
+        faster = self.cascade_time(*args, num_sms=num_sms) < self.decode_time(*args,
+                                                                              num_sms=num_sms)
+        return "cascade" if faster else "decode"
 
 
 DEFAULT_COST_MODEL = CostModel()
 
 
-def fit_cost_model(points: list[dict], num_sms: int = 132) -> CostModel:
+def fit_cost_model(points: list[dict], num_sms: int) -> CostModel:
     """Grid-search the constants that make :meth:`CostModel.choose` right on measured points.
 
     ``points`` are the ``points`` of ``benchmarks/results/cuda_cascade.json`` (our cascade and
-    decode times per shape). Ranks by the number of points where the pick is more than 5% slower
+    decode times per shape), measured on a GPU of ``num_sms`` multiprocessors. Ranks by the number of points where the pick is more than 5% slower
     than the better path, then by the model's log-error on both times.
     """
     import itertools
@@ -102,15 +108,15 @@ def fit_cost_model(points: list[dict], num_sms: int = 132) -> CostModel:
     for hbm, l2, tc, launch in itertools.product(
             (2.6e12, 2.8e12, 3.0e12), (4e12, 6e12, 8e12, 10e12, 14e12),
             (2.5e14, 3.0e14, 3.5e14, 4.0e14), (2e-6, 4e-6, 6e-6, 8e-6, 12e-6)):
-        model = CostModel(hbm, l2, tc, launch, num_sms)
+        model = CostModel(hbm, l2, tc, launch)
         misses, err = 0, 0.0
         for p in points:
             args = (p["batch"], p["prefix"], p["suffix"], p["hq"], p["hkv"], 128)
             tc_, td = p["ours_cascade_ms"], p["ours_decode_ms"]
-            pick = tc_ if model.choose(*args) == "cascade" else td
+            pick = tc_ if model.choose(*args, num_sms=num_sms) == "cascade" else td
             misses += pick > 1.05 * min(tc_, td)
-            err += abs(math.log(model.cascade_time(*args) * 1e3 / tc_))
-            err += abs(math.log(model.decode_time(*args) * 1e3 / td))
+            err += abs(math.log(model.cascade_time(*args, num_sms=num_sms) * 1e3 / tc_))
+            err += abs(math.log(model.decode_time(*args, num_sms=num_sms) * 1e3 / td))
         if best is None or (misses, err) < best[0]:
             best = ((misses, err), model)
     return best[1]

@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .cascade import SharedPrefixBatch
-
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -171,15 +169,20 @@ class GPUEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], branch_ids: list[list[int]], max_new_tokens: int,
-                 *, path: str = "auto", cuda_graph: bool = True) -> GenerationResult:
+                 *, path: str = "auto", cuda_graph: bool = True,
+                 prefix_cache: torch.Tensor | None = None) -> GenerationResult:
         """Greedy-decode ``max_new_tokens`` after ``prompt + branch`` for every branch.
 
         The prompt's whole pages are shared by all branches (computed once); everything after is
         per branch. The attention path (``auto``: the cost model) is chosen once, for the
         generation's full length. With ``cuda_graph`` the decode step runs eagerly once and is
         then replayed as one CUDA graph (the same launches, without the per-launch host cost).
+        ``prefix_cache`` [layers, pages, 2, page_size, kv_heads, head_dim] holds the prompt's K/V
+        computed elsewhere (a KV-Runahead prefill); its first pages replace the shared-prefix pass.
         Returns the generated ids per branch and the decode-phase timing.
         """
+        from .cascade import SharedPrefixBatch  # triton: imported where the kernels run
+
         ps, dev = self.page_size, self.device
         n_branches = len(branch_ids)
         # share whole pages only, and keep at least one prompt token per branch so that every
@@ -200,7 +203,9 @@ class GPUEngine:
         # shared prefix: one causal pass, K/V written to pages 0..n_prefix_pages-1
         x = self.embed[torch.tensor(prompt_ids[:shared], device=dev)]
         cos, sin = self._rope(torch.arange(shared, device=dev))
-        for li, layer in enumerate(self.layers):
+        if prefix_cache is not None:
+            cache[:, :n_prefix_pages] = prefix_cache[:, :n_prefix_pages]
+        for li, layer in enumerate(self.layers if prefix_cache is None else ()):
             q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
             cache[li, :n_prefix_pages, 0] = k.view(n_prefix_pages, ps, self.n_kv, self.head_dim)
             cache[li, :n_prefix_pages, 1] = v.view(n_prefix_pages, ps, self.n_kv, self.head_dim)

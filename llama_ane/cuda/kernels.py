@@ -90,6 +90,37 @@ def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
 
 
 @triton.jit
+def _whole_block_step(s, m_i, l_i, acc, v, sm_scale_log2):
+    """Online-softmax step over a key block every row sees (raw scores ``s`` [M, N]): the running
+    max stays finite, so no -inf guard. The scale is applied to the row max and inside the exp2's
+    argument (one FMA per score)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * sm_scale_log2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * sm_scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Running max, sum and accumulator of a row tile before its first key block."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def _store_prefix_state(o_ptr, lse_ptr, b, heads, slot, stride_ob, stride_os, stride_oh,
+                        stride_lb, stride_ls, acc, m_i, l_i, r_mask, HEAD_DIM: tl.constexpr):
+    """Store a shared-prefix program's state in slot ``slot`` of rows (``b``, ``heads``)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = o_ptr + b[:, None] * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
+        + offs_d[None, :]
+    lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
+    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, r_mask)
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, kv_ptr, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
@@ -206,10 +237,8 @@ def shared_prefix_kernel(
     stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     state_offset, sm_scale_log2, chunk_len,
-    s_indptr_ptr, s_indices_ptr, s_last_ptr, s_chunk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
-    HAS_SUFFIX: tl.constexpr,
 ):
     """All queries against one shared paged KV sequence (multi-query attention with LSE).
 
@@ -218,9 +247,7 @@ def shared_prefix_kernel(
     Grid: (row blocks, kv heads, KV splits). Row blocks vary fastest so the programs that read the
     same KV chunk run at the same time and share it through L2. ``WHOLE_BLOCKS`` says that
     ``prefix_len`` and ``chunk_len`` are multiples of ``BLOCK_N``: no split has a partial key
-    block, and the masked tail loop is left out of the program. With ``HAS_SUFFIX`` split ``s``
-    also covers suffix tokens ``[s * s_chunk, (s + 1) * s_chunk)`` of every row's own request
-    (CSR tables ``s_indptr``/``s_indices``/``s_last``): the whole cascade in one launch plus merge.
+    block, and the masked tail loop is left out of the program.
     """
     mb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -242,17 +269,10 @@ def shared_prefix_kernel(
         krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
         k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
         v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k))
-        # every row sees at least one key here, so the running max is finite: no -inf guard
         # (a lazy rescale, skipping acc *= alpha while the max moves < 2^8, measured slower in
-        # run 7: 0.372 ms against 0.342 at 32768 x 256; the CTA-wide test costs more than it saves).
-        # The scale is applied to the row max and inside the exp2's argument (one FMA per score).
-        m_new = tl.maximum(m_i, tl.max(s, 1) * sm_scale_log2)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * sm_scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # run 7: 0.372 ms against 0.342 at 32768 x 256; the CTA-wide test costs more than it saves)
+        m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
+                                          sm_scale_log2)
     if not WHOLE_BLOCKS:
         # run 19: this second (masked) loop after the main one cost 6% at 32768 x 256 even where
         # it never executes, so prefixes of whole key blocks are compiled without it
@@ -265,38 +285,49 @@ def shared_prefix_kernel(
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
 
-    if HAS_SUFFIX:
-        # Each row's own suffix tokens [split * s_chunk, (split + 1) * s_chunk), one token of
-        # every row per step: memory-bound work that this program does while the other program
-        # on its SM is still in its tensor-core phase, so HBM and tensor cores overlap without a
-        # second launch. The state now covers prefix chunk + suffix chunk of the row.
-        sp0 = tl.load(s_indptr_ptr + b, mask=r_mask, other=0)
-        sp1 = tl.load(s_indptr_ptr + b + 1, mask=r_mask, other=0)
-        s_last = tl.load(s_last_ptr + b, mask=r_mask, other=0)
-        s_len = tl.maximum((sp1 - sp0 - 1) * PAGE_SIZE + s_last, 0)
-        j0 = split * s_chunk
-        j1 = tl.minimum(j0 + s_chunk, tl.max(s_len, 0))
-        qf = q.to(tl.float32)
-        for j in range(j0, j1):
-            valid = (j < s_len) & r_mask
-            page = tl.load(s_indices_ptr + sp0 + j // PAGE_SIZE, mask=valid, other=0)
-            roff = page.to(tl.int64) * stride_page + (j % PAGE_SIZE) * stride_tok
-            k, v = _load_kv(kv_head, roff, offs_d, stride_kv, valid)
-            sj = tl.where(valid, tl.sum(qf * k.to(tl.float32), 1) * sm_scale_log2,
-                          float("-inf"))
-            m_new = tl.maximum(m_i, sj)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            pj = tl.exp2(sj - m_ref)
-            l_i = l_i * alpha + pj
-            acc = acc * alpha[:, None] + pj[:, None] * v.to(tl.float32)
-            m_i = m_new
+    _store_prefix_state(o_ptr, lse_ptr, b, heads, state_offset + split, stride_ob, stride_os,
+                        stride_oh, stride_lb, stride_ls, acc, m_i, l_i, r_mask, HEAD_DIM)
 
-    slot = state_offset + split
-    o_ptrs = o_ptr + b[:, None] * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
-        + offs_d[None, :]
-    lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
-    _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, r_mask)
+
+@triton.jit
+def ordered_prefix_kernel(
+    q_ptr, kv_desc, prefix_len, n_rows, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    state_offset, sm_scale_log2, chunk_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``shared_prefix_kernel`` for a prefix that fills the cache's first pages in order (the
+    engine's and KV-Runahead's layout): every key block is one bulk tensor copy (TMA) through
+    ``kv_desc`` over the whole cache ``[pages, 2, page_size, Hkv, D]``, with no page table and no
+    per-element addresses. The descriptor's block is ``[BLOCK_N // PAGE_SIZE, 1, PAGE_SIZE, 1,
+    D]`` for pages of at most ``BLOCK_N`` tokens, ``[1, 1, BLOCK_N, 1, D]`` for larger ones.
+    ``prefix_len`` and ``chunk_len`` are multiples of ``BLOCK_N`` (whole key blocks only).
+    Run 35 (``prefix_tma_gpu.py``, GQA 32/8, prefix 8192/32768 x batch 16/64/256): 1.20-1.62x
+    the paged kernel's time with the library's tile; the paged gathers are as fast on ordered
+    as on shuffled pages, so the gain is the copy engine's, not the order's.
+    """
+    mb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    r_mask, b, heads, q = _prefix_row_tile(q_ptr, mb, kvh, n_rows, stride_qb, stride_qh, GROUP,
+                                           BLOCK_M, HEAD_DIM)
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, prefix_len)
+    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        if PAGE_SIZE <= BLOCK_N:
+            k = kv_desc.load([n0 // PAGE_SIZE, 0, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = kv_desc.load([n0 // PAGE_SIZE, 1, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = kv_desc.load([n0 // PAGE_SIZE, 0, n0 % PAGE_SIZE, kvh, 0]).reshape(
+                BLOCK_N, HEAD_DIM)
+            v = kv_desc.load([n0 // PAGE_SIZE, 1, n0 % PAGE_SIZE, kvh, 0]).reshape(
+                BLOCK_N, HEAD_DIM)
+        m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
+                                          sm_scale_log2)
+    _store_prefix_state(o_ptr, lse_ptr, b, heads, state_offset + split, stride_ob, stride_os,
+                        stride_oh, stride_lb, stride_ls, acc, m_i, l_i, r_mask, HEAD_DIM)
 
 
 @triton.jit

@@ -97,7 +97,7 @@ def _layout_args(q, kv_cache, o_buf, lse_buf) -> tuple:
             lse_buf.stride(0), lse_buf.stride(1))
 
 
-def decode_config(group: int, head_dim: int) -> dict:
+def decode_config(group: int) -> dict:
     """Launch parameters of the decode kernel, from the run-3/5 sweeps (cuda_notes.md).
 
     ``BLOCK_G`` is the row tile of the query heads of one kv head: 1 selects the broadcast path,
@@ -120,7 +120,7 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
-    cfg = decode_config(group, d) if config is None else config
+    cfg = decode_config(group) if config is None else config
     if merge_from is None:
         pre_o, pre_lse, n_pre = lse_buf, lse_buf, 0
         pre_strides = (0, 0, 0, 0, 0)
@@ -140,20 +140,17 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
     )
 
 
-def prefix_config(block_m: int) -> dict:
-    """Launch parameters of the shared-prefix kernel for a row tile (see cuda_notes.md)."""
+def prefix_config() -> dict:
+    """Launch parameters of the shared-prefix kernel, the same for every row tile (runs 2-5 and
+    19 in cuda_notes.md: 8 warps, 128-key blocks and 256-row tiles were all slower)."""
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, lse_buf,
                          state_offset: int, num_splits: int, chunk_len: int,
-                         sm_scale: float, config: dict | None = None,
-                         suffix: tuple | None = None):
+                         sm_scale: float, config: dict | None = None):
     """Launch the shared-prefix kernel into state slots ``[state_offset, state_offset + splits)``;
     returns Triton's compiled-kernel handle (registers, spills, shared memory).
-
-    ``suffix = (indptr, indices, last_page_len, chunk)`` adds each row's own suffix tokens, chunk
-    ``s`` to split ``s`` (the one-launch cascade).
 
     ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages and optionally
     BLOCK_M) for tuning runs.
@@ -162,7 +159,7 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
     n_rows = batch * group
-    cfg = prefix_config(prefix_block_m(n_rows)) if config is None else config
+    cfg = prefix_config() if config is None else config
     block_m = cfg.get("BLOCK_M") or prefix_block_m(n_rows)
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
@@ -170,10 +167,51 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,
         *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
-        *(suffix if suffix is not None else (prefix_indices, prefix_indices, prefix_indices, 0)),
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         WHOLE_BLOCKS=prefix_len % block_n == 0 and chunk_len % block_n == 0,
-        HAS_SUFFIX=suffix is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+# the ordered-pages (TMA) prefix kernel's tile: the best at 4 of the 6 GQA grid points of run 35
+# (prefix_tma_gpu.py), 3% and 11% behind the best at the other two (8192 x 64 and x 16)
+ORDERED_PREFIX_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def ordered_prefix_fits(kv_cache: torch.Tensor, prefix_len: int) -> bool:
+    """Whether the bulk-copy prefix kernel can read ``prefix_len`` tokens of this cache: whole
+    64-key blocks, pages of a power-of-two size, and strides a copy descriptor accepts."""
+    page_size = kv_cache.shape[2]
+    block_n = ORDERED_PREFIX_CONFIG["BLOCK_N"]
+    elem = kv_cache.element_size()
+    return (prefix_len % block_n == 0 and page_size & (page_size - 1) == 0
+            and (page_size <= block_n or page_size % block_n == 0)
+            and kv_cache.stride(4) == 1 and kv_cache.data_ptr() % 16 == 0
+            and all(kv_cache.stride(i) * elem % 16 == 0 for i in range(4)))
+
+
+def launch_ordered_prefix(q, kv_cache, prefix_len: int, o_buf, lse_buf, state_offset: int,
+                          num_splits: int, chunk_len: int, sm_scale: float) -> None:
+    """Launch the ordered-pages prefix kernel (the prefix is the cache's first pages, in order;
+    :func:`ordered_prefix_fits` holds and ``chunk_len`` is a multiple of 64)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, hq, d = q.shape
+    _, _, page_size, hkv, _ = kv_cache.shape
+    group = hq // hkv
+    n_rows = batch * group
+    cfg = ORDERED_PREFIX_CONFIG
+    block_n = cfg["BLOCK_N"]
+    block = [block_n // page_size, 1, page_size, 1, d] if page_size <= block_n else \
+        [1, 1, block_n, 1, d]
+    desc = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), block)
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), hkv, num_splits)
+    kernels.ordered_prefix_kernel[grid](
+        q, desc, prefix_len, n_rows, o_buf, lse_buf,
+        q.stride(0), q.stride(1), o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
+        lse_buf.stride(0), lse_buf.stride(1),
+        state_offset, sm_scale * LOG2E, chunk_len,
+        GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -250,8 +288,9 @@ def batch_decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tenso
     return out, lse
 
 
-def shared_prefix_attention(q: torch.Tensor, kv_cache: torch.Tensor, prefix_indices: torch.Tensor,
-                            prefix_len: int, *, sm_scale: float | None = None,
+def shared_prefix_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                            prefix_indices: torch.Tensor | None, prefix_len: int, *,
+                            sm_scale: float | None = None,
                             num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-query attention of every query against one shared paged KV sequence, with LSE.
 
@@ -259,7 +298,9 @@ def shared_prefix_attention(q: torch.Tensor, kv_cache: torch.Tensor, prefix_indi
     ----------
     q : [batch, num_qo_heads, head_dim] fp16/bf16: one query token per request
     kv_cache : [pages, 2, page_size, num_kv_heads, head_dim]
-    prefix_indices : int32 [ceil(prefix_len / page_size)]: the prefix's pages in order
+    prefix_indices : int32 [ceil(prefix_len / page_size)]: the prefix's pages in order; None:
+        the prefix is the cache's first pages in order (read by bulk tensor copies where
+        :func:`ordered_prefix_fits`)
     prefix_len : number of prefix tokens (>= 0)
     sm_scale : default ``1 / sqrt(head_dim)``
     num_splits : KV splits of the prefix; default chosen to fill the GPU
@@ -270,25 +311,42 @@ def shared_prefix_attention(q: torch.Tensor, kv_cache: torch.Tensor, prefix_indi
     lse : [batch, num_qo_heads] float32 (natural log)
     """
     batch, hq, hkv, d, page_size = _check_q_kv(q, kv_cache)
-    _check_table("prefix_indices", prefix_indices, q.device, None)
-    _check(prefix_indices.numel() * page_size >= prefix_len >= 0,
-           f"prefix_len {prefix_len} needs {math.ceil(prefix_len / page_size)} pages, "
-           f"got {prefix_indices.numel()}")
+    ordered = prefix_indices is None and ordered_prefix_fits(kv_cache, prefix_len)
+    if prefix_indices is None:
+        _check(kv_cache.shape[0] * page_size >= prefix_len >= 0,
+               f"prefix_len {prefix_len} needs {math.ceil(prefix_len / page_size)} pages, "
+               f"the cache has {kv_cache.shape[0]}")
+        if not ordered:
+            prefix_indices = torch.arange(-(-prefix_len // page_size), device=q.device,
+                                          dtype=torch.int32)
+    else:
+        _check_table("prefix_indices", prefix_indices, q.device, None)
+        _check(prefix_indices.numel() * page_size >= prefix_len >= 0,
+               f"prefix_len {prefix_len} needs {math.ceil(prefix_len / page_size)} pages, "
+               f"got {prefix_indices.numel()}")
     sm_scale = default_scale(d) if sm_scale is None else sm_scale
     n_rows = batch * (hq // hkv)
-    splits, chunk = choose_prefix_splits(n_rows, prefix_block_m(n_rows), hkv, prefix_len,
-                                         num_sms(q.device), num_splits)
+    block_m = ORDERED_PREFIX_CONFIG["BLOCK_M"] if ordered else prefix_block_m(n_rows)
+    splits, chunk = choose_prefix_splits(n_rows, block_m, hkv, prefix_len, num_sms(q.device),
+                                         num_splits)
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse
+
+    def launch(o_buf, lse_buf):
+        if ordered:
+            launch_ordered_prefix(q, kv_cache, prefix_len, o_buf, lse_buf, 0, splits, chunk,
+                                  sm_scale)
+        else:
+            launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len, o_buf, lse_buf, 0,
+                                 splits, chunk, sm_scale)
+
     if splits == 1:
-        launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len, out.unsqueeze(1),
-                             lse.unsqueeze(1), 0, 1, chunk, sm_scale)
+        launch(out.unsqueeze(1), lse.unsqueeze(1))
         return out, lse
     o_buf, lse_buf = _state_buffers(batch, splits, hq, d, q.device)
-    launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len, o_buf, lse_buf, 0, splits,
-                         chunk, sm_scale)
+    launch(o_buf, lse_buf)
     launch_merge(o_buf, lse_buf, out, lse)
     return out, lse
 

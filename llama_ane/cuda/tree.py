@@ -95,7 +95,7 @@ def choose_block_tokens(total_tokens: int, row_chunks: int, num_kv_heads: int,
 def build_tree_plan(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
                     query_nodes: Sequence[int], *, group: int, num_kv_heads: int,
                     block_tokens: int | None = None, block_m: int | None = None,
-                    num_sms: int = 132,
+                    num_sms: int | None = None,
                     device: torch.device | str = "cpu") -> TreePlan:
     """Build the work list of tree attention.
 
@@ -109,6 +109,8 @@ def build_tree_plan(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
     block_tokens : tokens per flattened block (multiple of 32); default from the tree's size
     block_m : row tile of the kernel (16..128); ``block_m // group`` queries per work item;
         default: the smallest tile that holds every query's rows, so shared blocks are read once
+    num_sms : multiprocessors of the GPU (only used to choose ``block_tokens``); default: read
+        from ``device``, which must then be a CUDA device
     """
     if len(node_slots) != len(parents):
         raise ValueError(f"{len(parents)} parents but {len(node_slots)} node_slots")
@@ -141,6 +143,12 @@ def build_tree_plan(parents: Sequence[int], node_slots: Sequence[Sequence[int]],
     total = len(tok_loc)
     if block_tokens is None:
         row_chunks = -(-len(query_nodes) * group // block_m)
+        if num_sms is None:
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError("choosing block_tokens needs the GPU's multiprocessor count: "
+                                 "pass num_sms or block_tokens, or a CUDA device")
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         block_tokens = choose_block_tokens(total, row_chunks, num_kv_heads, num_sms)
     if block_tokens % 32:
         raise ValueError(f"block_tokens must be a multiple of 32, got {block_tokens}")

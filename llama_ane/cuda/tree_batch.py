@@ -51,10 +51,9 @@ class TreeBatch:
         self.path = path
         device = torch.device(device)
         if path == "tree":
-            sms = ops.num_sms(device) if device.type == "cuda" else 132
             self.plan = build_tree_plan(parents, node_slots, query_nodes,
                                         group=num_qo_heads // num_kv_heads,
-                                        num_kv_heads=num_kv_heads, num_sms=sms, device=device)
+                                        num_kv_heads=num_kv_heads, device=device)
         else:
             prefix_pages, prefix_len, indptr, indices, last = tables
 
