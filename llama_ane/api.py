@@ -149,8 +149,12 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  quantize: str = "none", quantize_embeddings: str | None = None,
                  quantize_attention: str | None = None, quantize_mlp: str | None = None,
                  quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                 kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
+
+    `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
+    themselves (iOS18/macOS15, fp16); the default "inputs" passes them in and out, written back by
+    the asynchronous cache-update model.
 
     `quantize` compresses every part's weights ("int8", "int4", "lut8", "lut6", "lut4"; default
     "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
@@ -173,7 +177,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
                                            block_size=block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length, compression)
+                         suffix_length, compression, kv_cache)
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
@@ -192,7 +196,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB))
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
         f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
-        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else ""))
+        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
+        + (", KV caches in Core ML states" if kv_cache == "state" else ""))
     if compression.active:
         def granularity(d: dict) -> str:
             if d.get("group_size") == 0:

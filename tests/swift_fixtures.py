@@ -16,7 +16,8 @@ Nothing in those fixtures is written by hand:
   transformers renders them.
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
-  names), made with :func:`llama_ane.api.export_model`.
+  names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
+  KV caches in Core ML states (``kv_cache="state"``).
 
 Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
 ``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
@@ -479,20 +480,22 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
 
 
 def write_manifest_fixture(fixtures_dir: Path) -> Path:
-    """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``."""
+    """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``, and
+    the same with state caches into ``fixtures_dir/export_state``."""
     from llama_ane.api import export_model
     from llama_ane.testing import make_tiny_checkpoint
 
     out = Path(fixtures_dir) / "export"
-    if out.exists():
-        shutil.rmtree(out)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny")
-        export_model(checkpoint, out, context_length=64, prefill_length=8, layers_per_chunk=1,
-                     branch_width=2, suffix_length=32, target="iOS18", precision="fp16", force=True,
-                     verify=False, progress=False)
-    if not (out / "manifest.json").is_file():
-        raise FileNotFoundError(f"the exporter wrote no manifest.json into {out}")
+        for folder, kv_cache in ((out, "inputs"), (Path(fixtures_dir) / "export_state", "state")):
+            if folder.exists():
+                shutil.rmtree(folder)
+            export_model(checkpoint, folder, context_length=64, prefill_length=8, layers_per_chunk=1,
+                         branch_width=2, suffix_length=32, target="iOS18", precision="fp16", force=True,
+                         verify=False, kv_cache=kv_cache, progress=False)
+            if not (folder / "manifest.json").is_file():
+                raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
     return out
 
 

@@ -142,11 +142,15 @@ def test_info_json(tiny_export):
     assert r.exit_code == 0, r.stderr
     got = json.loads(r.stdout)
     traffic = got.pop("decode_step_bytes")
+    other = got.pop("decode_step_bytes_other_kv_cache")
     assert got == json.loads((tiny_export / "manifest.json").read_text())
     # 5 layers, 2 kv heads x 32, context 256, fp16: each step reads every K and V cache once, and the
     # cache update reads and writes them again
     cache = 5 * 64 * 256 * 2
     assert traffic["cache_read"] == 2 * cache and traffic["cache_update"] == 4 * cache
+    # with the caches in states, the same reads and one column (the new token) written per state
+    assert other["kv_cache"] == "state" and other["cache_read"] == 2 * cache
+    assert other["cache_update"] == 2 * cache // 256 and other["weights"] == traffic["weights"]
     stepped = [c["model"] for c in got["chunks"]] + got["lm_head"]["models"]
     assert traffic["weights"] == sum(got["weights"][m]["bytes"] for m in stepped) + 64 * 2  # + one embedding row
     assert traffic["total"] == traffic["weights"] + 6 * cache

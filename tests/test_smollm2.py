@@ -176,6 +176,7 @@ def test_cli_export_of_the_default_model(tmp_path):
     as_json = CliRunner().invoke(main, ["info", str(out), "--json"])
     printed = json.loads(as_json.stdout)
     traffic = printed.pop("decode_step_bytes")
+    assert printed.pop("decode_step_bytes_other_kv_cache")["kv_cache"] == "state"
     manifest = printed
     assert validate_export(out) == manifest
     assert traffic["total"] == traffic["weights"] + traffic["cache_read"] + traffic["cache_update"]

@@ -19,7 +19,7 @@ from .errors import user_errors
 def command(out, bandwidth, as_json):
     """Describe the export in OUT (the hashes are checked): its models, weights and the bytes one
     decode step reads."""
-    from ..contract.manifest import read_manifest
+    from ..contract.manifest import kv_cache_kind, read_manifest
     from ..contract.traffic import decode_step_traffic
 
     with user_errors():
@@ -28,7 +28,10 @@ def command(out, bandwidth, as_json):
             raise ValueError(f"--bandwidth must be a positive number of GB/s, got {bandwidth}")
     traffic = decode_step_traffic(m)
     if as_json:
-        extra = {"decode_step_bytes": traffic.to_dict()}
+        other = "inputs" if kv_cache_kind(m) == "state" else "state"
+        extra = {"decode_step_bytes": traffic.to_dict(),
+                 "decode_step_bytes_other_kv_cache": {"kv_cache": other,
+                                                      **decode_step_traffic(m, other).to_dict()}}
         if bandwidth is not None:
             extra["bandwidth_bound_tokens_per_s"] = traffic.tokens_per_s_bound(bandwidth)
         click.echo(json.dumps({**m, **extra}, indent=2))
@@ -62,10 +65,18 @@ def command(out, bandwidth, as_json):
         click.echo("  weights   " + ", ".join(f"{part} {scheme}" for part, scheme in schemes.items()))
     t = traffic
     compressed = t.weights != t.weights_dense
-    click.echo(f"  decode    {t.total / 1e6:.1f} MB per token: weights {t.weights / 1e6:.1f} MB"
+    stateful = kv_cache_kind(m) == "state"
+    written = "state write" if stateful else "cache update"
+    how = "one column per state" if stateful else "read and written"
+    click.echo(f"  decode    {t.total / 1e6:.1f} MB per token (modelled from the manifest): weights "
+               f"{t.weights / 1e6:.1f} MB"
                + (f" as stored ({t.weights_dense / 1e6:.1f} MB decompressed)" if compressed else "")
-               + f", KV cache read {t.cache_read / 1e6:.1f} MB, cache update {t.cache_update / 1e6:.1f} MB "
-                 "(read and written)")
+               + f", KV cache read {t.cache_read / 1e6:.1f} MB, {written} {t.cache_update / 1e6:.1f} MB ({how})")
+    other = "inputs" if stateful else "state"
+    o = decode_step_traffic(m, other)
+    click.echo(f"  kv cache  {'Core ML states' if stateful else 'inputs + cache-update model'}; with --kv-cache "
+               f"{other}: {o.total / 1e6:.1f} MB per token ({'cache update' if stateful else 'state write'} "
+               f"{o.cache_update / 1e6:.1f} MB)")
     if bandwidth is not None:
         bound = f"{t.tokens_per_s_bound(bandwidth):.1f}"
         if compressed:

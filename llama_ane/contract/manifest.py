@@ -74,9 +74,21 @@ def read_manifest(out: str | Path, check_hashes: bool = True) -> dict[str, Any]:
 
 
 def model_names(manifest: dict[str, Any]) -> list[str]:
-    """Every model of an export, in pipeline order."""
+    """Every model of an export, in pipeline order (an export whose caches are states and that has
+    no cascade function has no cache-update model)."""
     return [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
-            *manifest["lm_head"]["models"], "cache_update"]
+            *manifest["lm_head"]["models"], *(["cache_update"] if "cache_update" in manifest["models"] else [])]
+
+
+def kv_cache_kind(manifest: dict[str, Any]) -> str:
+    """"inputs" (caches passed in, written by the cache-update model) or "state" (Core ML states
+    the chunk functions update themselves)."""
+    return manifest["cache"].get("kind", "inputs")
+
+
+def function_states(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The states a function entry reads and writes ([] for a function without states)."""
+    return entry.get("states", [])
 
 
 def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[str, Any]:
@@ -91,13 +103,16 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  embedding_rows: list[tuple[int, int]], head_groups: list[list[int]], specs: dict,
                  context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
-                 tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict) -> dict[str, Any]:
+                 tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
+                 kv_cache: str = "inputs") -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
     `weights` the bytes of each model's package as stored and dense.
 
-    `files` maps (model, function) -> (file name, function name inside that file).
+    `files` maps (model, function) -> (file name, function name inside that file). `kv_cache` is
+    how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
+    each of its functions to the cache-update function that writes its K/V, where there is one.
     """
     from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name, embeddings_model_name, \
         lm_head_model_name
@@ -108,9 +123,11 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         for fn, io in functions.items():
             file, inner = files.get((model, fn), (None, None))
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
+    updates = specs.get("cache_update", {})
     chunks = [{"model": chunk_model_name(i), "layers": layers,
                "cache_update": {fn: cache_update_function(fn, len(layers))
-                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())}}
+                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())
+                                if cache_update_function(fn, len(layers)) in updates}}
               for i, layers in enumerate(plan)]
     lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
     return {
@@ -128,7 +145,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "multifunction": multifunction,
         "quantization": quantization,
         "weights": weights,
-        "cache": {"layout": "(layers, kv_heads*head_dim, 1, context)",
+        "cache": {"kind": kv_cache, "layout": "(layers, kv_heads*head_dim, 1, context)",
                   "channels": config["num_key_value_heads"] * config["head_dim"],
                   "dtype": "float16" if precision == "fp16" else "float32"},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],

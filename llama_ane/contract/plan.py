@@ -13,7 +13,7 @@ from ..config import LlamaConfig
 from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget
 from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
 from .manifest import new_manifest
-from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
+from .specs import KV_CACHE_KINDS, chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
 from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
@@ -34,6 +34,7 @@ class ExportOptions:
     branch_width: int = 8
     suffix_length: int = 256
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
+    kv_cache: str = "inputs"
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -58,6 +59,14 @@ class ExportOptions:
         if self.quantize.active and self.precision != "fp16":
             raise ExportOptionsError("--quantize compresses fp16 weights: drop --precision fp32")
         self.quantize.check(self.target)
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
+        if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
+            raise ExportOptionsError(f"--kv-cache state needs Core ML states, which --target {self.target} does not "
+                                     f"have: use --target {' or '.join(MULTIFUNCTION_TARGETS)}, or --kv-cache inputs")
+        if self.kv_cache == "state" and self.precision != "fp16":
+            raise ExportOptionsError("--kv-cache state keeps the caches in Core ML states, which are float16: "
+                                     "drop --precision fp32, or use --kv-cache inputs")
 
     @property
     def multifunction(self) -> bool:
@@ -137,7 +146,7 @@ class ExportPlan:
                             weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
                                      for p in self.packages},
                             tokenizer=tokenizer, files=self.files if files is None else files,
-                            created_by=created_by())
+                            created_by=created_by(), kv_cache=o.kv_cache)
 
 
 def rope_positions(opts: ExportOptions) -> int:
@@ -182,7 +191,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
-                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups)
+                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
     for k, (a, b) in enumerate(embedding_rows):

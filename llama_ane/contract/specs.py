@@ -11,6 +11,11 @@ from ..config import LlamaConfig
 FUNCTIONS = ("prefill", "decode")
 BRANCHES = "decode_branches"
 
+# How the chunks' K/V caches live (manifest "cache"."kind"): "inputs" are arrays passed in and a
+# cache-update model writes each window's K/V back; "state" caches are Core ML states (iOS18,
+# macOS15) that the chunk functions update themselves by a slice update at `position`.
+KV_CACHE_KINDS = ("inputs", "state")
+
 
 def window_of(function: str, prefill_length: int, branch_width: int = 0) -> int:
     """Query length S of a function: the prefill window, 1, or the branch width B."""
@@ -62,9 +67,25 @@ def _t(name: str, shape: list[int], dtype: str) -> dict:
     return {"name": name, "shape": list(shape), "dtype": dtype}
 
 
+def _cache_io(io: dict, kv_cache: str) -> dict:
+    """A chunk function's io with its k_cache/v_cache inputs moved to "states" when the caches are
+    states: the function reads them and, unless it is the cascade's, writes its window at
+    `position` (so it also takes position and no longer outputs k_new/v_new)."""
+    if kv_cache == "inputs":
+        return io
+    caches = [t for t in io["inputs"] if t["name"] in ("k_cache", "v_cache")]
+    inputs = [t for t in io["inputs"] if t not in caches]
+    outputs = io["outputs"]
+    if not any(t["name"] == "k_suffix" for t in inputs):  # single-sequence windows write their K/V
+        inputs.append(_t("position", [1], "int32"))
+        outputs = [t for t in outputs if t["name"] not in ("k_new", "v_new")]
+    return {"inputs": inputs, "states": caches, "outputs": outputs}
+
+
 def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, prefill_length: int,
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
-                embedding_parts: int = 1, head_groups: list[list[int]] | None = None) -> dict[str, dict[str, dict]]:
+                embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
+                kv_cache: str = "inputs") -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export.
 
     With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade). The
@@ -72,6 +93,10 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     rows and makes the RoPE tables and masks; each later one ("embeddings_1", ...) adds the lookup
     of its rows to the hidden states. `head_groups` lists the vocabulary splits each LM head file
     computes (default: all in "lm_head"); their outputs keep the global names logits_j.
+
+    With `kv_cache="state"` the chunks' caches are states (see `_cache_io`): prefill and decode
+    need no cache-update function, and "cache_update" holds only the cascade's suffix updates (it
+    is left out when there are none).
     """
     c, d, kv, t, f = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, float_dtype
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
@@ -89,13 +114,15 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
         add_embedding_part_specs(specs, embedding_parts, fn, c, s, f)
         for i, layers in enumerate(plan):
             n = len(layers)
-            specs[chunk_model_name(i)][fn] = {
+            specs[chunk_model_name(i)][fn] = _cache_io({
                 "inputs": [_t("hidden_states", [1, c, 1, s], f), _t("cos", [1, d, 1, s], f),
                            _t("sin", [1, d, 1, s], f), _t("mask", [1, 1, s, t + s], f),
                            _t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f)],
                 "outputs": [_t("hidden_states_out", [1, c, 1, s], f),
                             _t("k_new", [n, kv, 1, s], f), _t("v_new", [n, kv, 1, s], f)],
-            }
+            }, kv_cache)
+            if kv_cache == "state":
+                continue
             specs["cache_update"][cache_update_function(fn, n)] = {
                 "inputs": [_t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f),
                            _t("k_new", [n, kv, 1, s], f), _t("v_new", [n, kv, 1, s], f),
@@ -104,7 +131,10 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
             }
         add_lm_head_specs(specs, cfg, groups, fn, s, f)
     if branch_width:
-        add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length, embedding_parts, groups)
+        add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length, embedding_parts, groups,
+                         kv_cache)
+    if not specs["cache_update"]:
+        del specs["cache_update"]
     return specs
 
 
@@ -129,7 +159,8 @@ def add_lm_head_specs(specs: dict, cfg: LlamaConfig, groups: list[list[int]], fn
 
 
 def add_branch_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], context_length: int, f: str,
-                     b: int, u: int, embedding_parts: int, head_groups: list[list[int]]) -> None:
+                     b: int, u: int, embedding_parts: int, head_groups: list[list[int]],
+                     kv_cache: str = "inputs") -> None:
     """The "decode_branches" functions (see chunks/cascade.py for their semantics)."""
     c, d, kv, t, g = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, cfg.num_key_value_heads
     specs["embeddings"][BRANCHES] = {
@@ -140,14 +171,14 @@ def add_branch_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], conte
     }
     for i, layers in enumerate(plan):
         n = len(layers)
-        specs[chunk_model_name(i)][BRANCHES] = {
+        specs[chunk_model_name(i)][BRANCHES] = _cache_io({
             "inputs": [_t("hidden_states", [1, c, 1, b], f), _t("cos", [1, d, 1, b], f), _t("sin", [1, d, 1, b], f),
                        _t("prefix_mask", [1, 1, 1, t], f), _t("suffix_mask", [1, b, 1, u + 1], f),
                        _t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f),
                        _t("k_suffix", [n * g, b, d, u], f), _t("v_suffix", [n * g, b, d, u], f)],
             "outputs": [_t("hidden_states_out", [1, c, 1, b], f),
                         _t("k_new", [n, kv, 1, b], f), _t("v_new", [n, kv, 1, b], f)],
-        }
+        }, kv_cache)
         specs["cache_update"][cache_update_function(BRANCHES, n)] = {
             "inputs": [_t("k_suffix", [n * g, b, d, u], f), _t("v_suffix", [n * g, b, d, u], f),
                        _t("k_new", [n, kv, 1, b], f), _t("v_new", [n, kv, 1, b], f),

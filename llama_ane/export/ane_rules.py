@@ -7,7 +7,10 @@ The rules (see docs/ARCHITECTURE "ANE rules"):
   by a gather is exempt: the lookup itself is not an ANE op, only its output is);
 - no fp32 inputs or outputs (fp16 I/O; int32 ids and positions are fine);
 - no ops that make the ANE fall back: gather (or scatter) inside a block chunk, cond/while_loop,
-  slicing with runtime offsets, band_part;
+  slicing with runtime offsets, band_part (a slice update written straight into a state is the
+  exception: it is how an iOS18 program updates its KV-cache state in place);
+- states (iOS18 read-write buffers, the `--kv-cache state` caches) are fp16, only on targets that
+  have them, and as the manifest declares them;
 - cache and state tensors: every dimension after the first (the layer axis) that is not 1 is a
   multiple of 32; for cascade suffix caches (layers*kv_heads, branches, head_dim, length) the
   branch axis is a batch axis too, and head_dim and length are checked;
@@ -121,6 +124,7 @@ def check_fp32_io(fn: FunctionSummary) -> list[Violation]:
 
 def check_fallback_ops(fn: FunctionSummary) -> list[Violation]:
     out = []
+    consumers = {t.name: t.consumers for t in fn.tensors}
     for op in fn.ops:
         if op.op_type in FALLBACK_ANYWHERE:
             out.append(Violation(
@@ -136,7 +140,7 @@ def check_fallback_ops(fn: FunctionSummary) -> list[Violation]:
             ))
         elif op.op_type in DYNAMIC_SLICE_PARAMS:
             dynamic = [p for p in DYNAMIC_SLICE_PARAMS[op.op_type] if op.const_params.get(p) is False]
-            if dynamic:
+            if dynamic and not (op.op_type == "slice_update" and consumers.get(op.name) == {"write_state"}):
                 out.append(Violation(
                     "fallback-op", fn.package, fn.function,
                     f"op {op.op_type!r} ({op.name}) slices at runtime offsets ({', '.join(dynamic)}): dynamic "
@@ -177,6 +181,33 @@ def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
 
 
 FUNCTION_RULES = (check_max_dim, check_fp32_io, check_fallback_ops, check_cache_multiple)
+
+STATE_DTYPE = "float16"
+
+
+def check_states(fn: FunctionSummary, target: str, declared: list[dict] | None = None) -> list[Violation]:
+    """The function's states: fp16 (the only state type Core ML runs), on a target that has states
+    (iOS18/macOS15), and, given the manifest's `declared` states of this function, exactly those
+    (names, shapes, dtypes)."""
+    states = [d for d in fn.inputs if getattr(d, "is_state", False)]
+    out = []
+    for d in states:
+        if d.dtype != STATE_DTYPE:
+            out.append(Violation("state-dtype", fn.package, fn.function,
+                                 f"state {d.name!r} is {d.dtype}: Core ML states are {STATE_DTYPE}; export with "
+                                 "--precision fp16"))
+    if states and target not in IOS18_TARGETS:
+        out.append(Violation("state-target", fn.package, fn.function,
+                             f"states ({', '.join(d.name for d in states)}) need iOS18/macOS15, the target is "
+                             f"{target}; export with --target iOS18 (or macOS15), or with --kv-cache inputs"))
+    if declared is not None:
+        found = {d.name: (list(d.shape), d.dtype) for d in states}
+        wanted = {t["name"]: (list(t["shape"]), t["dtype"]) for t in declared}
+        if found != wanted:
+            out.append(Violation("state-manifest", fn.package, fn.function,
+                                 f"the package's states {found or 'none'} are not the manifest's {wanted or 'none'}; "
+                                 "the package and manifest.json disagree: re-export"))
+    return out
 
 
 def compression_form(op: OpInfo) -> str:

@@ -22,6 +22,7 @@ from .ane_rules import (
     TensorInfo,
     Violation,
     check_compression,
+    check_states,
     check_file_size,
     check_function,
     platform_of,
@@ -234,6 +235,18 @@ def role_of_model(model: str, manifest: dict | None) -> str:
     return "embeddings" if kind == "embeddings_part" else kind
 
 
+def _declared_states(manifest: dict | None, path: Path, function: str) -> list[dict] | None:
+    """The states the manifest declares for `function` of the package at `path` (None without a
+    manifest or when the manifest does not name this function)."""
+    if manifest is None:
+        return None
+    for entry in manifest["models"].values():
+        for fn in entry["functions"].values():
+            if fn["file"] == Path(path).name and (fn.get("function_name") or "main") == function:
+                return fn.get("states", [])
+    return None
+
+
 def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str] | None = None,
                     manifest: dict | None = None) -> tuple[PackageReport, list[Violation]]:
     """Report and violations of one .mlpackage.
@@ -252,6 +265,7 @@ def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str]
         functions.append(FunctionReport(function, model, role, summary.inputs, summary.outputs, **stats))
         violations.extend(check_function(summary))
         violations.extend(check_compression(summary, target))
+        violations.extend(check_states(summary, target, _declared_states(manifest, path, function)))
     size = package.size_bytes()
     violations.extend(check_file_size(package.name, size, target))
     return PackageReport(package.name, size, functions), violations

@@ -30,7 +30,31 @@ _TYPES = {"float16": types.fp16, "float32": types.fp32, "int32": types.int32}
 
 
 def _placeholders(io: dict) -> dict:
-    return {t["name"]: mb.placeholder(shape=t["shape"], dtype=_TYPES[t["dtype"]]) for t in io["inputs"]}
+    """The function's inputs, then its states (read-write buffers of iOS18 programs)."""
+    inputs = {t["name"]: mb.placeholder(shape=t["shape"], dtype=_TYPES[t["dtype"]]) for t in io["inputs"]}
+    inputs.update({t["name"]: mb.state_tensor_placeholder(shape=t["shape"], dtype=_TYPES[t["dtype"]])
+                   for t in io.get("states", [])})
+    return inputs
+
+
+def read_states(inputs: dict, io: dict) -> dict:
+    """`inputs` with each state replaced by its value (read_state): what the body computes from."""
+    return {**inputs, **{t["name"]: mb.read_state(input=inputs[t["name"]]) for t in io.get("states", [])}}
+
+
+def write_window(states: dict, values: dict, new: dict, position, window: int) -> None:
+    """Write a window's K/V into the cache states at `position` (chunks.models.write_window).
+
+    states: the "k_cache"/"v_cache" state inputs; values: their values as read at the start
+    (L,KV,1,T); new: "k_cache"/"v_cache" -> the window's (L,KV,1,S); position: int32 (1,). A slice
+    update of columns [position, position + S), then the state is written back.
+    """
+    for name, state in states.items():
+        layers, channels, one, _ = values[name].shape
+        begin = mb.concat(values=[np.zeros(3, np.int32), position], axis=0)
+        end = mb.add(x=begin, y=np.array([layers, channels, one, window], np.int32))
+        mb.coreml_update_state(state=state, value=mb.slice_update(x=values[name], update=new[name],
+                                                                   begin=begin, end=end))
 
 
 def _named(var, name: str):
@@ -110,15 +134,21 @@ def embeddings_part_function(g: L.Graph, cfg: LlamaConfig, rows: tuple[int, int]
 
 
 def chunk_function(g: L.Graph, cfg: LlamaConfig, io: dict, layers: int, context_length: int):
-    """`layers` decoder layers over a window (chunks.models.BlockChunk)."""
+    """`layers` decoder layers over a window (chunks.models.BlockChunk); when the caches are states,
+    the window's K/V is written into them at `position` instead of being returned."""
     def body(inputs):
         s = _shape(io, "hidden_states")[3]
+        values = read_states(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
         for i in range(layers):
             x, k, v = L.decoder_layer(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["mask"],
-                                      inputs["k_cache"], inputs["v_cache"], i, context_length, s)
+                                      values["k_cache"], values["v_cache"], i, context_length, s)
             ks.append(k)
             vs.append(v)
+        if io.get("states"):
+            write_window({n: inputs[n] for n in ("k_cache", "v_cache")}, values,
+                         {"k_cache": _stack(ks), "v_cache": _stack(vs)}, inputs["position"], s)
+            return {"hidden_states_out": x}
         return {"hidden_states_out": x, "k_new": _stack(ks), "v_new": _stack(vs)}
     return body
 
@@ -128,6 +158,7 @@ def branch_chunk_function(g: L.Graph, cfg: LlamaConfig, io: dict, layers: int, c
     """`layers` decoder layers for B branches over a shared prefix (chunks.cascade.BranchChunk)."""
     def body(inputs):
         b = _shape(io, "hidden_states")[3]
+        inputs = read_states(inputs, io)  # the prefix caches, read only
         x, ks, vs = inputs["hidden_states"], [], []
         for i in range(layers):
             x, k, v = L.branch_layer(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["prefix_mask"],

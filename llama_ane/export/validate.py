@@ -8,8 +8,8 @@ from ..limits import COREML_ARRAY_DTYPES, MAX_DIM
 from ..contract.manifest import ManifestError, read_manifest
 
 
-def _features(package: Path, function_name: str) -> tuple[dict, dict]:
-    """{name: (shape, dtype)} of a package function's inputs and outputs, from its Model spec."""
+def _features(package: Path, function_name: str) -> tuple[dict, dict, dict]:
+    """{name: (shape, dtype)} of a package function's inputs, outputs and states, from its Model spec."""
     import coremltools as ct
 
     spec = ct.utils.load_spec(str(package))
@@ -20,10 +20,9 @@ def _features(package: Path, function_name: str) -> tuple[dict, dict]:
             raise ManifestError(f"{package.name} has no function {function_name!r}")
         desc = matches[0]
 
-    def table(features):
-        return {f.name: (list(f.type.multiArrayType.shape), COREML_ARRAY_DTYPES.get(f.type.multiArrayType.dataType, "?"))
-                for f in features}
-    return table(desc.input), table(desc.output)
+    def table(features, array=lambda f: f.type.multiArrayType):
+        return {f.name: (list(array(f).shape), COREML_ARRAY_DTYPES.get(array(f).dataType, "?")) for f in features}
+    return table(desc.input), table(desc.output), table(desc.state, lambda f: f.type.stateType.arrayType)
 
 
 def validate_export(out: Path) -> dict:
@@ -31,8 +30,12 @@ def validate_export(out: Path) -> dict:
     manifest = read_manifest(out, check_hashes=True)
     for model, entry in manifest["models"].items():
         for fn, f in entry["functions"].items():
-            inputs, outputs = _features(out / f["file"], f["function_name"])
-            for kind, declared, actual in (("input", f["inputs"], inputs), ("output", f["outputs"], outputs)):
+            inputs, outputs, states = _features(out / f["file"], f["function_name"])
+            if {t["name"] for t in f.get("states", [])} != set(states):
+                raise ManifestError(f"{f['file']} ({fn}) has states {sorted(states)}, the manifest says "
+                                    f"{sorted(t['name'] for t in f.get('states', []))}")
+            for kind, declared, actual in (("input", f["inputs"], inputs), ("output", f["outputs"], outputs),
+                                           ("state", f.get("states", []), states)):
                 for t in declared:
                     if t["name"] not in actual:
                         raise ManifestError(f"{f['file']} ({fn}) has no {kind} {t['name']!r} named in the manifest")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
+from coremltools.converters.mil.mil import types
 
 from . import kernels  # noqa: F401  (registers the kernels)
 from .kernels.registry import KERNELS, BuildContext, UnsupportedOpError
@@ -54,6 +55,7 @@ class _Input:
     slot: int
     dtype: np.dtype
     shape: tuple[int, ...] | None
+    is_state: bool = False  # an iOS18 state: the caller's array, updated in place
 
 
 @dataclass
@@ -72,6 +74,8 @@ class CompiledFunction:
         """Run on `feeds` (input name -> array of the declared shape); returns outputs by name.
 
         Float outputs come back in the storage dtype (float16 in fp16 mode, float32 in fp32 mode).
+        A state input must be a writable array of its storage dtype: the function reads it and
+        writes it in place (`coreml_update_state`), as Core ML updates an MLState.
         """
         values: list[Any] = [None] * self.n_slots
         missing = [i.name for i in self.inputs if i.name not in feeds]
@@ -85,6 +89,11 @@ class CompiledFunction:
                 raise ExecutionError(
                     f"{self.where}: input {spec.name!r} has shape {value.shape}, expected {spec.shape}"
                 )
+            if spec.is_state and (value is not feeds[spec.name] or value.dtype != spec.dtype
+                                  or not value.flags.writeable):
+                raise ExecutionError(f"{self.where}: state {spec.name!r} must be a writable {spec.dtype} "
+                                     f"numpy array (it is updated in place), got {type(feeds[spec.name]).__name__} "
+                                     f"of {value.dtype}")
             values[spec.slot] = value.astype(spec.dtype, copy=False)
         for step in self.steps:
             args = dict(step.template)
@@ -137,7 +146,12 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
 
     inputs = []
     for in_name, var in program_fn.inputs.items():
-        inputs.append(_Input(in_name, slot_of(var), numerics.storage(var.dtype), _static_shape(var)))
+        if types.is_state(var.sym_type):  # a state<tensor>: described by the tensor it wraps
+            tensor = var.sym_type.wrapped_type()
+            inputs.append(_Input(in_name, slot_of(var), numerics.storage(tensor.get_primitive()),
+                                 tuple(int(d) for d in tensor.get_shape()), is_state=True))
+        else:
+            inputs.append(_Input(in_name, slot_of(var), numerics.storage(var.dtype), _static_shape(var)))
     steps: list[_Step] = []
     op_types: dict[str, int] = {}
     for op in program_fn.operations:

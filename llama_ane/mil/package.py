@@ -137,12 +137,14 @@ class MilPackage:
         return fn.block_specializations[fn.opset]
 
     def io(self, function: str) -> tuple[list[TensorDesc], list[TensorDesc]]:
-        """(inputs, outputs) of `function` as declared in the model description."""
+        """(inputs, outputs) of `function` as declared in the model description; its states (iOS18)
+        come last among the inputs, marked `is_state`."""
         self.function_spec(function)
         desc = self.spec.description
         for fdesc in desc.functions:
             if fdesc.name == function:
-                return [_feature_desc(f) for f in fdesc.input], [_feature_desc(f) for f in fdesc.output]
+                return ([_feature_desc(f) for f in fdesc.input] + [_feature_desc(f) for f in fdesc.state],
+                        [_feature_desc(f) for f in fdesc.output])
         # single-function packages describe their one function at the top level
         inputs = [_feature_desc(f) for f in desc.input] + [_feature_desc(f) for f in desc.state]
         return inputs, [_feature_desc(f) for f in desc.output]

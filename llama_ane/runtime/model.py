@@ -175,6 +175,7 @@ class LlamaANEModel:
     def save_cache(self, cache: KVCache, path: str | Path) -> Path:
         """Write `cache` to a prompt-cache file (tied to this export) and return its path."""
         self.pipeline.wait()  # the cache's pending updates land first
+        self.backend.sync_states()  # and states held by the backend are copied into its arrays
         return save_cache(cache, self.manifest, path)
 
     def load_cache(self, path: str | Path) -> KVCache:

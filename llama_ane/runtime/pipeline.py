@@ -14,6 +14,13 @@ embeddings' outputs, the running hidden states, the chunk's cache, and any state
     hold tokens (the others are masked: their attention weights are exactly 0). The same numbers,
     without a thread competing for the cores or a pass over the whole context per step.
 
+An export whose caches are Core ML states (`--kv-cache state`, manifest "cache"."kind") has no
+cache-update model for its windows: each chunk function reads its state and writes the window's
+K/V into it at `position`. The pipeline passes the same cache arrays as states (the mil backend
+writes them in place, as Core ML updates an MLState), and a backend that runs the torch modules
+hands the new K/V back to be written directly. A prefill window must then fit in the context
+whole, padding included: the last tokens before the end run one at a time.
+
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
 be loaded at a time.
@@ -26,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..contract.manifest import function_entry
+from ..contract.manifest import function_entry, function_states, kv_cache_kind
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -52,6 +59,8 @@ class Pipeline:
         The tokens whose K/V are cached and the per-chunk caches; swap it with `use`.
     direct : bool
         Caches written in place and read up to the filled positions (see the module docstring).
+    stateful : bool
+        The chunk functions update their caches themselves (Core ML states).
     """
 
     def __init__(self, backend: Backend, manifest: dict):
@@ -65,6 +74,7 @@ class Pipeline:
         self.lm_outputs = [o["name"] for model in self.head_models
                            for o in manifest["models"][model]["functions"]["decode"]["outputs"]]
         self.direct = bool(getattr(backend, "direct_cache", False))
+        self.stateful = kv_cache_kind(manifest) == "state"
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.cache = self.new_cache()
 
@@ -190,16 +200,17 @@ class Pipeline:
             caches = self.cache.caches[i]
             if self.direct:  # the cache positions that hold tokens
                 caches = {key: cache[..., :visible] for key, cache in caches.items()}
-            pool = {**emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
+            pool = {**embed_inputs, **emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
             hidden = out["hidden_states_out"]
-            write(i, chunk["cache_update"][fn], out)
+            write(i, chunk["cache_update"].get(fn), out)
         return self.logits(fn, hidden)
 
     def _inputs(self, model: str, fn: str, pool: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The inputs of `fn` of `model`, by the manifest's names, from `pool`."""
-        names = [t["name"] for t in function_entry(self.manifest, model, fn)["inputs"]]
+        """The inputs and states of `fn` of `model`, by the manifest's names, from `pool`."""
+        entry = function_entry(self.manifest, model, fn)
+        names = [t["name"] for t in entry["inputs"] + function_states(entry)]
         missing = [n for n in names if n not in pool]
         if missing:
             raise UnwiredInputError(f"{model} ({fn}) reads {', '.join(missing)}, which this runtime does not "
@@ -226,11 +237,15 @@ class Pipeline:
         outputs = {t["name"] for t in entry["outputs"]}
         return {t["name"]: t["name"][0] for t in entry["inputs"] if t["name"] + "_out" in outputs}
 
-    def write_window(self, i: int, function: str, out: dict[str, np.ndarray], position: int, n: int) -> None:
+    def write_window(self, i: int, function: str | None, out: dict[str, np.ndarray], position: int, n: int) -> None:
         """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens,
-        which fit in the context): in place (direct caches) or by the cache-update model in the background."""
+        which fit in the context): in place (direct caches, or a stateful export's K/V handed back by
+        the torch modules), not at all (the program updated its states), or by the cache-update
+        model `function` in the background."""
         caches = self.cache.caches[i]
-        if self.direct:
+        if self.stateful and "k_new" not in out:
+            return
+        if self.direct or self.stateful:
             caches["k"][..., position:position + n] = out["k_new"][..., :n]
             caches["v"][..., position:position + n] = out["v_new"][..., :n]
             return
@@ -249,6 +264,9 @@ class Pipeline:
             raise ContextFullError(
                 f"the context is full: {start} + {len(ids)} tokens exceed the exported context length "
                 f"{self.context_length}; re-export with a larger --context-length")
+        if self.stateful and start + window.shape[1] > self.context_length:
+            # a state is written a whole window at a time: the padding must fit too
+            return np.concatenate([self.run_window(ids[j:j + 1]) for j in range(len(ids))], axis=0)
         logits = self.forward(fn, self._window_inputs(window, start),
                               lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
                               visible=start)[:len(ids)]
@@ -288,11 +306,16 @@ class Pipeline:
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
                 caches = self.cache.caches[i]
-                pool = {**embs[w], "hidden_states": hidden[w], "k_cache": caches["k"], "v_cache": caches["v"]}
+                position = np.array([start], np.int32)
+                pool = {**embs[w], "hidden_states": hidden[w], "position": position,
+                        "k_cache": caches["k"], "v_cache": caches["v"]}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"]
                 # synchronous: the next window of this chunk reads the updated caches at once
-                self.update(chunk["cache_update"][fn], caches, out, {"position": np.array([start], np.int32)})
+                if self.stateful:
+                    self.write_window(i, None, out, start, len(parts[w]))
+                else:
+                    self.update(chunk["cache_update"][fn], caches, out, {"position": position})
             self.cache.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
         outputs: list[dict[str, np.ndarray]] = [{} for _ in windows]

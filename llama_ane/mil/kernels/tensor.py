@@ -109,6 +109,23 @@ def slice_update(op, ctx: BuildContext):
     return run
 
 
+@kernel("read_state")
+def read_state(op, ctx: BuildContext):
+    """The value of a state input, copied: later writes to the state do not change it."""
+    return lambda a: np.array(a["input"], copy=True)
+
+
+@kernel("coreml_update_state")
+def coreml_update_state(op, ctx: BuildContext):
+    """Write `value` into the state (the caller's array, in place) and return it (the loaded form of
+    write_state)."""
+    def run(a):
+        np.copyto(a["state"], a["value"], casting="same_kind")
+        return a["value"]
+
+    return run
+
+
 @kernel("concat")
 def concat(op, ctx: BuildContext):
     """Concatenate `values` along `axis`; interleave=True alternates slices of equal inputs."""

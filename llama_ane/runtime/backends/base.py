@@ -50,5 +50,10 @@ class Backend(ABC):
         """Drop what the backend holds for manifest model `model` (its weights); it loads again
         on next use. Streamed scoring calls this to keep one model in memory at a time."""
 
+    def sync_states(self) -> None:
+        """Make the cache arrays handed in as states hold what the backend's own states hold (a
+        backend that keeps them elsewhere, as Core ML's MLState; the others write the arrays
+        themselves and have nothing to do)."""
+
     def close(self) -> None:
         """Release models and threads. Safe to call twice."""

@@ -4,21 +4,29 @@ by default.
 Each package is compiled once to an .mlmodelc kept in `OUT/.compiled/` (named by the package's
 sha256, so a changed package is recompiled) and loaded per function with
 `coremltools.models.CompiledMLModel`.
+
+A stateful export's caches (`--kv-cache state`) live in Core ML `MLState`s: one per cache the
+pipeline hands in (keyed by its arrays), made from the package and filled from those arrays when
+first seen, then updated by Core ML itself, shared by every function of the package.
+`sync_states` copies them back into the arrays (before a prompt-cache file is written); the
+least recently used beyond `HELD_STATES` per package are copied back and dropped.
 """
 
 from __future__ import annotations
 
 import platform
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 
-from ...contract.manifest import function_entry
+from ...contract.manifest import function_entry, function_states
 from .base import Backend, BackendError
 
 COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")
+HELD_STATES = 4  # MLStates kept per package (caches in use at once, e.g. a chat and a document)
 
 
 class CoreMLBackend(Backend):
@@ -38,6 +46,8 @@ class CoreMLBackend(Backend):
         self.compute_units = getattr(ct.ComputeUnit, compute_units)
         self.dtype = np.dtype(np.float16 if manifest["precision"] == "fp16" else np.float32)
         self._loaded: dict[tuple[str, str], object] = {}
+        # (package file, id of the caller's k_cache array) -> (MLState, the caller's arrays by name)
+        self._states: OrderedDict[tuple[str, int], tuple[object, dict[str, np.ndarray]]] = OrderedDict()
 
     def _compiled(self, file: str) -> Path:
         digest = self.manifest["files"][file][:16]
@@ -66,13 +76,45 @@ class CoreMLBackend(Backend):
         for spec in entry["inputs"]:
             dtype = np.int32 if spec["dtype"] == "int32" else self.dtype
             feed[spec["name"]] = np.ascontiguousarray(inputs[spec["name"]], dtype=dtype)
+        states = function_states(entry)
         try:
-            out = self._model(model, function, entry).predict(feed)
+            mlmodel = self._model(model, function, entry)
+            if states:
+                out = mlmodel.predict(feed, state=self._state(mlmodel, entry, states, inputs))
+            else:
+                out = mlmodel.predict(feed)
         except BackendError:
             raise
         except Exception as e:
             raise BackendError(f"Core ML prediction failed for {model}/{function}: {e}") from e
         return {spec["name"]: np.asarray(out[spec["name"]]) for spec in entry["outputs"]}
+
+    def _state(self, mlmodel, entry: dict, states: list[dict], inputs: Mapping[str, np.ndarray]):
+        """The MLState standing for the caller's cache arrays in this package, made and filled from
+        them the first time they are seen."""
+        arrays = {spec["name"]: inputs[spec["name"]] for spec in states}
+        key = (entry["file"], id(arrays[states[0]["name"]]))
+        held = self._states.get(key)
+        if held is None or any(held[1][name] is not a for name, a in arrays.items()):
+            state = mlmodel.make_state()
+            for name, a in arrays.items():
+                state.write_state(name, np.ascontiguousarray(a, dtype=np.float16))
+            held = self._states[key] = (state, arrays)
+            same_file = [k for k in self._states if k[0] == key[0]]
+            for old in same_file[:-HELD_STATES]:
+                self._copy_back(*self._states.pop(old))
+        self._states.move_to_end(key)
+        return held[0]
+
+    @staticmethod
+    def _copy_back(state, arrays: dict[str, np.ndarray]) -> None:
+        for name, a in arrays.items():
+            a[...] = state.read_state(name)
+
+    def sync_states(self) -> None:
+        """Copy every MLState back into the cache arrays it stands for."""
+        for state, arrays in self._states.values():
+            self._copy_back(state, arrays)
 
     def release(self, model: str) -> None:
         """Unload the Core ML models of `model`'s package files (the compiled .mlmodelc stays on disk)."""
@@ -82,3 +124,4 @@ class CoreMLBackend(Backend):
 
     def close(self) -> None:
         self._loaded.clear()
+        self._states.clear()

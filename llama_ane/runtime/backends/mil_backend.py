@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...contract.manifest import function_entry
+from ...contract.manifest import function_entry, function_states
 from .base import Backend, BackendError
 
 
@@ -67,7 +67,8 @@ class MilBackend(Backend):
             return self._executors[file]
 
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run manifest function `function` of `model`; returns every output the manifest names."""
+        """Run manifest function `function` of `model`; returns every output the manifest names.
+        States (a stateful export's caches) are the arrays in `inputs`, written in place."""
         entry = function_entry(self.manifest, model, function)
         executor = self._executor(entry["file"])
         feed = {}
@@ -76,6 +77,10 @@ class MilBackend(Backend):
                 raise BackendError(f"{model}/{function} needs input {spec['name']!r}; got {sorted(inputs)}")
             dtype = np.int32 if spec["dtype"] == "int32" else self.dtype
             feed[spec["name"]] = np.asarray(inputs[spec["name"]], dtype=dtype)
+        for spec in function_states(entry):  # the caller's cache arrays, updated in place
+            if spec["name"] not in inputs:
+                raise BackendError(f"{model}/{function} needs state {spec['name']!r}; got {sorted(inputs)}")
+            feed[spec["name"]] = inputs[spec["name"]]
         from ...mil import ExecutionError, UnsupportedOpError
 
         try:

@@ -14,6 +14,7 @@ each chunk only the cache positions that hold tokens (see runtime/pipeline.py); 
 
 from __future__ import annotations
 
+import inspect
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ...checkpoint.loader import Checkpoint, load_checkpoint
-from ...contract.manifest import function_entry
+from ...contract.manifest import function_entry, function_states
 from .base import Backend, BackendError
 from .torch_modules import CheckpointWeights, ExportWeights, build_model
 
@@ -89,12 +90,20 @@ class TorchBackend(Backend):
 
     @torch.no_grad()
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the module of `function` of `model` on `inputs`, taken by the names of its forward's
+        parameters (the manifest's names). A function whose caches are states (--kv-cache state)
+        runs the same module: its outputs are returned with the window's K/V (k_new, v_new), which
+        the program would write into its states and the pipeline writes into the caches."""
         entry = function_entry(self.manifest, model, function)
+        module = self.module(model, function)
         args = []
-        for spec in entry["inputs"]:
-            a = torch.from_numpy(inputs[spec["name"]])  # views (a cache cut to its filled positions) as they are
+        for name in inspect.signature(module.forward).parameters:
+            a = torch.from_numpy(inputs[name])  # views (a cache cut to its filled positions) as they are
             args.append(a.to(self.device, self.torch_dtype if a.is_floating_point() else torch.int32))
-        outs = self.module(model, function)(*args)
+        outs = module(*args)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
-        return {spec["name"]: t.cpu().numpy() for spec, t in zip(entry["outputs"], outs)}
+        names = [spec["name"] for spec in entry["outputs"]]
+        if function_states(entry) and len(outs) == len(names) + 2:
+            names += ["k_new", "v_new"]
+        return {name: t.cpu().numpy() for name, t in zip(names, outs)}

@@ -12,6 +12,11 @@ import Foundation
 /// double-buffered: a cache update reads the current buffer, writes the other (its outputs
 /// `X_out` back input `X`), and the two swap when it finishes.
 ///
+/// A `--kv-cache state` export keeps each chunk's prefix K/V in a Core ML `MLState` (macOS 15 /
+/// iOS 18) instead: one per chunk, made from the chunk's package and shared by all its functions;
+/// the prefill and decode functions write their window into it at the window's position, and
+/// there is no cache update for them (the cascade's suffix caches are still double-buffered).
+///
 /// Tensors are wired by name as `PipelineWiring` resolves them from the manifest.
 public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
@@ -71,11 +76,35 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         }
     }
 
+    /// The Core ML states of a state export's chunks (`MLState`, typed `AnyObject` so that the
+    /// class itself needs no macOS 15 availability); replaced, empty, by `reset`.
+    private final class ChunkStates: @unchecked Sendable {
+        private let lock = NSLock()
+        private var states: [AnyObject] = []
+        private let make: () throws -> [AnyObject]
+
+        init(_ make: @escaping () throws -> [AnyObject]) throws {
+            self.make = make
+            states = try make()
+        }
+
+        func state(_ index: Int) -> AnyObject? {
+            lock.lock(); defer { lock.unlock() }
+            return index < states.count ? states[index] : nil
+        }
+
+        func reset() throws {
+            let fresh = try make()
+            lock.lock(); states = fresh; lock.unlock()
+        }
+    }
+
     public let manifest: Manifest
     private let wiring: PipelineWiring
     private let stages: [Phase: Stage]
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
+    private let chunkStates: ChunkStates?
 
     public var chunkCount: Int { manifest.chunks.count }
     public var branchWidth: Int { stages[.decodeBranches] == nil ? 0 : manifest.branchWidth ?? 0 }
@@ -91,16 +120,35 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         }
         let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0) }
         let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
-        return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix)
+        var states: ChunkStates?
+        if manifest.cache.inStates, let decode = stages[.decode] {
+            states = try ChunkStates { try decode.chunks.map { try Self.makeState($0, manifest: manifest) } }
+        }
+        return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix,
+                             chunkStates: states)
     }
 
     private init(manifest: Manifest, wiring: PipelineWiring, stages: [Phase: Stage], prefixCaches: [CacheBuffers],
-                 suffixCaches: [CacheBuffers]) {
+                 suffixCaches: [CacheBuffers], chunkStates: ChunkStates?) {
         self.manifest = manifest
         self.wiring = wiring
         self.stages = stages
         self.prefixCaches = prefixCaches
         self.suffixCaches = suffixCaches
+        self.chunkStates = chunkStates
+    }
+
+    /// A new state of `model` with every buffer zeroed (needs macOS 15 / iOS 18, as states do).
+    private static func makeState(_ model: MLModel, manifest: Manifest) throws -> AnyObject {
+        guard #available(macOS 15.0, iOS 18.0, *) else {
+            throw ManifestError.inconsistent("this export keeps its KV caches in Core ML states, which need macOS 15 / "
+                + "iOS 18; re-export with --kv-cache inputs for \(manifest.deploymentTarget)")
+        }
+        let state = model.makeState()
+        for name in [TensorNames.kCache, TensorNames.vCache] {
+            state.withMultiArray(for: name) { CoreMLArrays.zero($0) }
+        }
+        return state
     }
 
     private static func makeStage(_ phase: Phase, manifest: Manifest, store: CoreMLModelStore) async throws -> Stage {
@@ -110,7 +158,9 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let partFunctions = try manifest.embeddings.models.dropFirst().map { try manifest.function($0, p) }
         let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
         let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, p) }
-        let updateFunctions = try manifest.chunks.map { chunk -> Manifest.Function in
+        // A state export's prefill and decode write their caches in the chunk: no cache update.
+        let writesInChunk = manifest.cache.inStates && phase != .decodeBranches
+        let updateFunctions = writesInChunk ? [] : try manifest.chunks.map { chunk -> Manifest.Function in
             guard let name = chunk.cacheUpdate[p] else {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
             }
@@ -167,12 +217,18 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         return s
     }
 
-    /// Runs one prediction whose outputs land in `backings`.
-    private func predict(_ model: MLModel, inputs: [String: MLMultiArray], backings: [String: MLMultiArray]) async throws {
+    /// Runs one prediction whose outputs land in `backings`, on `state` when given (an `MLState`).
+    private func predict(_ model: MLModel, inputs: [String: MLMultiArray], backings: [String: MLMultiArray],
+                         state: AnyObject? = nil) async throws {
         let provider = try MLDictionaryFeatureProvider(dictionary: inputs.mapValues { MLFeatureValue(multiArray: $0) })
         let options = MLPredictionOptions()
         options.outputBackings = backings
-        if #available(macOS 14.0, iOS 17.0, *) {
+        if let state {
+            guard #available(macOS 15.0, iOS 18.0, *), let state = state as? MLState else {
+                throw ManifestError.inconsistent("Core ML states need macOS 15 / iOS 18")
+            }
+            _ = try await model.prediction(from: provider, using: state, options: options)
+        } else if #available(macOS 14.0, iOS 17.0, *) {
             _ = try await model.prediction(from: provider, options: options)
         } else {
             try Self.predictBlocking(model, provider, options)
@@ -229,15 +285,23 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
             case let .embeddingsOutput(n): array = s.shared[n]
             case let .cache(n): array = prefix[n]
             case let .suffixCache(n): array = suffix[n]
-            case .chunkOutput, .value: array = nil
+            case let .value(n): array = s.intInputs[n]  // the window's position, as the embeddings read it
+            case .chunkOutput: array = nil
             }
             guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
             inputs[name] = array
         }
+        var state: AnyObject?
+        if !(wiring.chunkStates[phase]?[index] ?? []).isEmpty {
+            guard let held = chunkStates?.state(index) else {
+                throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: TensorNames.kCache)
+            }
+            state = held
+        }
         let out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot)
         var backings = s.chunkOutputs[index]
         backings[TensorNames.hiddenStatesOut] = out.hidden
-        try await predict(s.chunks[index], inputs: inputs, backings: backings)
+        try await predict(s.chunks[index], inputs: inputs, backings: backings, state: state)
         return out
     }
 
@@ -245,6 +309,10 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     /// K/V, writes the spare buffers, then swaps them.
     private func update(_ index: Int, _ phase: Phase, _ cache: CacheBuffers, _ values: [String: [Int32]]) async throws {
         let s = try stage(phase)
+        guard index < s.updateFunctions.count else {
+            throw ManifestError.inconsistent("chunk \(manifest.chunks[index].model) has no \(phase.rawValue) cache update: "
+                + "its caches are Core ML states the chunk writes itself")
+        }
         let function = s.updateFunctions[index]
         let (current, spare) = cache.pair()
         var inputs: [String: MLMultiArray] = [:]
@@ -316,6 +384,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     public func resetCaches() async throws {
         prefixCaches.forEach { $0.zero() }
         suffixCaches.forEach { $0.zero() }
+        try chunkStates?.reset()
     }
 
     // MARK: BranchBackend

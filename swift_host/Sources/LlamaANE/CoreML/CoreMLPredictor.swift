@@ -4,13 +4,15 @@ import Foundation
 
 extension ExportedModel {
     /// The Core ML pipeline for this export: every function loaded (packages compiled on first
-    /// use and cached), buffers preallocated, cache updates run in the background.
+    /// use and cached), buffers preallocated, cache updates run in the background (or, for a
+    /// `--kv-cache state` export, the caches held in Core ML states that the chunks update).
     public func makeCoreMLPredictor(computeUnits: MLComputeUnits = .cpuAndNeuralEngine,
                                     cacheDirectory: URL? = nil) async throws -> ChunkedPipeline<CoreMLBackend> {
         let store = CoreMLModelStore(folder: folder, manifest: manifest, computeUnits: computeUnits,
                                      cacheDirectory: cacheDirectory)
         let backend = try await CoreMLBackend.load(manifest: manifest, store: store)
-        return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength)
+        return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
+                               cacheInStates: manifest.cache.inStates)
     }
 }
 #endif

@@ -104,11 +104,17 @@ public struct Manifest: Codable, Equatable, Sendable {
         }
     }
 
-    /// The KV cache layout: `(layers, kv_heads*head_dim, 1, context)` per chunk.
+    /// The KV cache layout: `(layers, kv_heads*head_dim, 1, context)` per chunk, and where the caches
+    /// live: `kind` "inputs" (passed to the chunks, written back by the cache-update model) or
+    /// "state" (Core ML states the prefill/decode functions update themselves; iOS 18 / macOS 15).
     public struct CacheLayout: Codable, Equatable, Sendable {
+        public var kind: String?
         public var layout: String
         public var channels: Int
         public var dtype: String
+
+        /// The caches are Core ML states (`kind` "state").
+        public var inStates: Bool { kind == "state" }
     }
 
     /// The embedding table, cut by vocabulary rows into one or more models (one file each, so that no
@@ -150,13 +156,15 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var functions: [String: Function]
     }
 
-    /// One function: the package that holds it, its name inside that package, and its I/O.
+    /// One function: the package that holds it, its name inside that package, its I/O, and the
+    /// states it reads and writes (a `--kv-cache state` export's caches; empty otherwise).
     public struct Function: Codable, Equatable, Sendable {
         public var file: String
         public var functionName: String
         public var inputs: [TensorSpec]
         public var outputs: [TensorSpec]
-        enum CodingKeys: String, CodingKey { case file, functionName = "function_name", inputs, outputs }
+        public var states: [TensorSpec] = []
+        enum CodingKeys: String, CodingKey { case file, functionName = "function_name", inputs, outputs, states }
 
         public func input(_ name: String) -> TensorSpec? { inputs.first { $0.name == name } }
         public func output(_ name: String) -> TensorSpec? { outputs.first { $0.name == name } }
@@ -194,5 +202,17 @@ public struct Manifest: Codable, Equatable, Sendable {
             chatTemplate = try c.decodeIfPresent(String.self, forKey: .chatTemplate)
             specialTokens = try c.decodeIfPresent([String: Int].self, forKey: .specialTokens) ?? [:]
         }
+    }
+}
+
+extension Manifest.Function {
+    /// Decodes a function entry; `states` may be absent (functions without states).
+    public init(from decoder: Decoder) throws {
+        let c = try decoder.container(keyedBy: CodingKeys.self)
+        file = try c.decode(String.self, forKey: .file)
+        functionName = try c.decode(String.self, forKey: .functionName)
+        inputs = try c.decode([Manifest.TensorSpec].self, forKey: .inputs)
+        outputs = try c.decode([Manifest.TensorSpec].self, forKey: .outputs)
+        states = try c.decodeIfPresent([Manifest.TensorSpec].self, forKey: .states) ?? []
     }
 }

@@ -93,7 +93,8 @@ extension Manifest {
             for phase in ["prefill", "decode"] { _ = try function(name, phase) }
         }
         for chunk in chunks {
-            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil {
+            // a state export's prefill and decode write their caches in the chunk (no cache update)
+            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil && !cache.inStates {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
             }
             for (phase, update) in chunk.cacheUpdate {

@@ -43,7 +43,7 @@ extension ChunkedPipeline where Backend: BranchBackend {
     public func decodeBranches(prefix: [Int], branches: [BranchRequest], eosTokenIds: Set<Int>) async throws -> [BranchResult] {
         guard backend.branchWidth > 0 else { throw GenerationError.noBranchWidth }
         try await reset()
-        var cache = KVCacheState(capacity: contextLength, prefillLength: prefillLength)
+        var cache = emptyCache()
         var logits: [Float] = []
         for window in try cache.prefillWindows(prefix) {
             logits = try await predict(window)

@@ -29,21 +29,28 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     public let backend: Backend
     public let contextLength: Int
     public let prefillLength: Int
+    /// The caches are Core ML states that the chunks' prefill and decode functions write
+    /// themselves (`--kv-cache state`): no cache update runs for those phases.
+    public let cacheInStates: Bool
     private let updates = CacheUpdateQueue()
     /// Suffix-cache updates of cascade steps (see `decodeBranches`).
     let branchUpdates = CacheUpdateQueue()
 
-    public init(backend: Backend, contextLength: Int, prefillLength: Int) {
+    public init(backend: Backend, contextLength: Int, prefillLength: Int, cacheInStates: Bool = false) {
         self.backend = backend
         self.contextLength = contextLength
         self.prefillLength = prefillLength
+        self.cacheInStates = cacheInStates
     }
+
+    public var paddedWindowsMustFit: Bool { cacheInStates }
 
     public func predict(_ window: TokenWindow) async throws -> [Float] {
         var x = try await backend.embed(window)
         for i in 0..<backend.chunkCount {
             try await updates.wait(i)
             x = try await backend.runChunk(i, x, phase: window.phase)
+            if cacheInStates { continue }  // the chunk wrote its window into its states
             let backend = self.backend
             await updates.submit(i) { try await backend.updateCache(i, phase: window.phase, position: window.position) }
         }

@@ -66,7 +66,7 @@ public final class Generator: @unchecked Sendable {
         self.predictor = predictor
         self.eosTokenIds = eosTokenIds
         self.decode = decode
-        cache = KVCacheState(capacity: predictor.contextLength, prefillLength: predictor.prefillLength)
+        cache = predictor.emptyCache()
     }
 
     /// The token ids whose K/V the predictor's cache holds, in order (their count is the position).
@@ -113,7 +113,7 @@ public final class Generator: @unchecked Sendable {
     /// prefix with the cached tokens already starts over at position 0.
     public func resetCache() async throws {
         try await jobs.run {
-            self.store(KVCacheState(capacity: self.predictor.contextLength, prefillLength: self.predictor.prefillLength))
+            self.store(self.predictor.emptyCache())
             try await self.predictor.reset()
         }
     }

@@ -8,13 +8,17 @@
 public struct KVCacheState: Equatable, Sendable {
     public let capacity: Int
     public let prefillLength: Int
+    /// A prefill window must fit in the cache whole, padding included (the caches are Core ML
+    /// states, written a whole window at a time): tokens too close to the end run one at a time.
+    public let paddedWindowsMustFit: Bool
     /// The token ids whose K/V the cache holds, in position order.
     public private(set) var tokens: [Int] = []
 
-    public init(capacity: Int, prefillLength: Int) {
+    public init(capacity: Int, prefillLength: Int, paddedWindowsMustFit: Bool = false) {
         precondition(capacity > 0 && prefillLength > 0, "cache capacity and prefill length must be positive")
         self.capacity = capacity
         self.prefillLength = prefillLength
+        self.paddedWindowsMustFit = paddedWindowsMustFit
     }
 
     /// Filled positions: where the next window starts.
@@ -37,7 +41,8 @@ public struct KVCacheState: Equatable, Sendable {
     }
 
     /// The prefill windows for `tokens` at the current position: chunks of `prefillLength`, the last
-    /// padded with 0. Throws `contextFull` when they do not fit.
+    /// padded with 0 (with `paddedWindowsMustFit`, one-token decode windows where a padded window
+    /// would pass the end). Throws `contextFull` when they do not fit.
     public func prefillWindows(_ tokens: [Int]) throws -> [TokenWindow] {
         guard !tokens.isEmpty else { throw GenerationError.emptyPrompt }
         guard tokens.count <= remaining else {
@@ -46,6 +51,12 @@ public struct KVCacheState: Equatable, Sendable {
         var windows: [TokenWindow] = []
         var start = 0
         while start < tokens.count {
+            if paddedWindowsMustFit, position + start + prefillLength > capacity {
+                windows.append(TokenWindow(phase: .decode, tokens: [Int32(truncatingIfNeeded: tokens[start])], count: 1,
+                                           position: position + start))
+                start += 1
+                continue
+            }
             let real = tokens[start..<min(start + prefillLength, tokens.count)].map { Int32(truncatingIfNeeded: $0) }
             let padded = real + Array(repeating: 0, count: prefillLength - real.count)
             windows.append(TokenWindow(phase: .prefill, tokens: padded, count: real.count, position: position + start))

@@ -16,9 +16,9 @@ public enum TensorSource: Equatable, Sendable {
 }
 
 /// The data flow of an export: for each phase and chunk, where every chunk and cache-update input
-/// comes from, and which cache tensors each cache update rewrites (its outputs `X_out` are the new
-/// `X`); for each later embeddings part, where its inputs come from. Building it checks that every
-/// input is produced somewhere.
+/// comes from, which cache tensors each cache update rewrites (its outputs `X_out` are the new
+/// `X`) and which states the chunk holds; for each later embeddings part, where its inputs come
+/// from. Building it checks that every input is produced somewhere.
 public struct PipelineWiring: Equatable, Sendable {
     /// Per phase, for each embeddings part after the first (`manifest.embeddings.models[1...]`):
     /// `.hiddenStates` (the previous part's) and `.value` (the int32s the first part reads too).
@@ -26,8 +26,12 @@ public struct PipelineWiring: Equatable, Sendable {
     public let embeddingInputs: [Phase: [[String: TensorSource]]]
     public let chunkInputs: [Phase: [[String: TensorSource]]]
     public let updateInputs: [Phase: [[String: TensorSource]]]
-    /// Per phase and chunk: the cache tensors the update rewrites, with their specs.
+    /// Per phase and chunk: the cache tensors the update rewrites, with their specs (none for the
+    /// prefill and decode of a state export, whose chunks write their caches themselves).
     public let updatedState: [Phase: [[Manifest.TensorSpec]]]
+    /// Per phase and chunk: the Core ML states the chunk function reads (and, for prefill and
+    /// decode, writes): k_cache and v_cache in a state export, none otherwise.
+    public let chunkStates: [Phase: [[Manifest.TensorSpec]]]
 
     /// The phases the export has: prefill and decode, plus decode_branches with a branch width.
     public static func phases(of manifest: Manifest) -> [Phase] {
@@ -39,6 +43,7 @@ public struct PipelineWiring: Equatable, Sendable {
         var chunkInputs: [Phase: [[String: TensorSource]]] = [:]
         var updateInputs: [Phase: [[String: TensorSource]]] = [:]
         var updatedState: [Phase: [[Manifest.TensorSpec]]] = [:]
+        var chunkStates: [Phase: [[Manifest.TensorSpec]]] = [:]
         for phase in Self.phases(of: manifest) {
             let p = phase.rawValue
             guard let firstPart = manifest.embeddings.models.first else {
@@ -50,18 +55,28 @@ public struct PipelineWiring: Equatable, Sendable {
                 try Self.embeddingPartInputs($0, p, first: first, firstName: firstPart, manifest: manifest)
             }
             var chunks: [[String: TensorSource]] = [], updates: [[String: TensorSource]] = [], states: [[Manifest.TensorSpec]] = []
+            var chunkStateSpecs: [[Manifest.TensorSpec]] = []
+            let inStates = manifest.cache.inStates
             for chunk in manifest.chunks {
-                guard let updateName = chunk.cacheUpdate[p] else {
+                let run = try manifest.function(chunk.model, p)
+                // A state export's prefill and decode write their caches themselves: no cache update.
+                let updateName = chunk.cacheUpdate[p]
+                if updateName == nil, !(inStates && phase != .decodeBranches) {
                     throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
                 }
-                let run = try manifest.function(chunk.model, p)
-                let update = try manifest.function("cache_update", updateName)
-                let state = try Self.state(of: update)
+                let update = try updateName.map { try manifest.function("cache_update", $0) }
+                let state = try update.map { try Self.state(of: $0) } ?? []
                 let stateNames = Set(state.map(\.name))
                 // Decode's cache update rewrites the prefix cache; decode_branches' the suffix caches.
-                let prefixNames = phase == .decodeBranches
-                    ? Set(try Self.state(of: manifest.function("cache_update", chunk.cacheUpdate[Phase.decode.rawValue] ?? "")).map(\.name))
-                    : stateNames
+                // In a state export the prefix caches are the chunks' states, never inputs.
+                let prefixNames: Set<String>
+                if inStates {
+                    prefixNames = []
+                } else if phase == .decodeBranches {
+                    prefixNames = Set(try Self.state(of: manifest.function("cache_update", chunk.cacheUpdate[Phase.decode.rawValue] ?? "")).map(\.name))
+                } else {
+                    prefixNames = stateNames
+                }
                 var inputs: [String: TensorSource] = [:]
                 for spec in run.inputs {
                     if spec.name == TensorNames.hiddenStates {
@@ -72,13 +87,18 @@ public struct PipelineWiring: Equatable, Sendable {
                         inputs[spec.name] = .cache(spec.name)
                     } else if phase == .decodeBranches, stateNames.contains(spec.name) {
                         inputs[spec.name] = .suffixCache(spec.name)
+                    } else if inStates, spec.name == TensorNames.position, spec.dtype == "int32" {
+                        inputs[spec.name] = .value(spec.name)  // where the function writes the window into its states
                     } else {
                         throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
                     }
                 }
+                for spec in run.states where spec.name != TensorNames.kCache && spec.name != TensorNames.vCache {
+                    throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
+                }
                 let outputs = Set(run.outputs.map(\.name))
                 var updateSources: [String: TensorSource] = [:]
-                for spec in update.inputs {
+                for spec in update?.inputs ?? [] {
                     if spec.dtype == "int32" {
                         updateSources[spec.name] = .value(spec.name)
                     } else if stateNames.contains(spec.name) {
@@ -86,21 +106,24 @@ public struct PipelineWiring: Equatable, Sendable {
                     } else if outputs.contains(spec.name) {
                         updateSources[spec.name] = .chunkOutput(spec.name)
                     } else {
-                        throw PipelineError.unwiredInput(model: "cache_update (\(updateName))", input: spec.name)
+                        throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
                     }
                 }
                 chunks.append(inputs)
                 updates.append(updateSources)
                 states.append(state)
+                chunkStateSpecs.append(run.states)
             }
             chunkInputs[phase] = chunks
             updateInputs[phase] = updates
             updatedState[phase] = states
+            chunkStates[phase] = chunkStateSpecs
         }
         self.embeddingInputs = embeddingInputs
         self.chunkInputs = chunkInputs
         self.updateInputs = updateInputs
         self.updatedState = updatedState
+        self.chunkStates = chunkStates
     }
 
     /// Where the inputs of the later embeddings part `name` come from; checks that it takes and

@@ -38,6 +38,17 @@ public protocol TokenPredictor: AnyObject {
     func predict(_ window: TokenWindow) async throws -> [Float]
     /// Forgets the cached tokens (the next window starts at position 0).
     func reset() async throws
+    /// A prefill window must fit in the cache whole, padding included (see `KVCacheState`).
+    var paddedWindowsMustFit: Bool { get }
+}
+
+extension TokenPredictor {
+    public var paddedWindowsMustFit: Bool { false }
+
+    /// An empty cache's bookkeeping for this predictor.
+    public func emptyCache() -> KVCacheState {
+        KVCacheState(capacity: contextLength, prefillLength: prefillLength, paddedWindowsMustFit: paddedWindowsMustFit)
+    }
 }
 
 /// A `TokenPredictor` whose model is a closure: a stand-in for the exported model in tests and
