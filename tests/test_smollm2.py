@@ -188,3 +188,50 @@ def test_cli_export_of_the_default_model(tmp_path):
             for t in f["inputs"] + f["outputs"] for d in t["shape"]]
     assert max(dims) <= MAX_DIM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]
+
+
+def _document_of_at_least(tokenizer_encode, tokens: int) -> str:
+    """benchmarks/document.txt followed by paragraphs of the held-out evaluation text, until the
+    whole is at least `tokens` tokens long."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "benchmarks" / "document.txt").read_text().strip()
+    for paragraph in (root / "llama_ane" / "eval_text.txt").read_text().split("\n\n"):
+        if len(tokenizer_encode(text)) >= tokens:
+            break
+        text += "\n\n" + paragraph.strip()
+    return text
+
+
+def test_a_long_document_prompt_cache_is_reused_by_a_new_process(smollm2_export, tiny_export, tmp_path):
+    """A >= 800-token document: the first `generate --prompt-cache` run prefills it and writes the
+    file; a second run in a new process loads it, prefills (almost) nothing and answers the same;
+    another export refuses the file."""
+    import llama_ane
+
+    encode = llama_ane.load(smollm2_export, backend="torch").encode
+    document = _document_of_at_least(encode, 800)
+    doc_file, cache = tmp_path / "doc.txt", tmp_path / "doc.npz"
+    doc_file.write_text(document)
+
+    def run(out):
+        proc = subprocess.run([sys.executable, "-m", "llama_ane", "generate", str(out), "--prompt-file", str(doc_file),
+                               "--question", "When was the lighthouse finished?",
+                               "--question", "Who paid for the stone pier?",
+                               "--prompt-cache", str(cache), "--max-new-tokens", "12", "--json"],
+                              capture_output=True, text=True, timeout=900)
+        return proc
+
+    first = json.loads(run(smollm2_export).stdout)
+    assert first["prefix_tokens"] >= 800 and first["reused_tokens"] == 0 and cache.is_file()
+    proc = run(smollm2_export)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    second = json.loads(proc.stdout)
+    print(f"document of {first['prefix_tokens']} tokens: prefill {first['prefill_seconds']} s without the cache, "
+          f"{second['prefill_seconds']} s with it ({second['reused_tokens']} tokens reused)")
+    assert second["reused_tokens"] >= second["prefix_tokens"] - 1
+    assert second["prefill_seconds"] < 0.1 * first["prefill_seconds"]
+    assert [b["token_ids"] for b in second["branches"]] == [b["token_ids"] for b in first["branches"]]
+    refused = run(tiny_export)
+    assert refused.returncode != 0 and "Error:" in refused.stderr and "Traceback" not in refused.stderr
