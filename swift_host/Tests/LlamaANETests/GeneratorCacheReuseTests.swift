@@ -179,3 +179,48 @@ final class GeneratorCacheReuseTests: XCTestCase {
         XCTAssertEqual(try cache.prefillWindows([8, 9]), [TokenWindow(phase: .prefill, tokens: [8, 9, 0, 0], count: 2, position: 3)])
     }
 }
+
+/// `ContextOverflow.shift`: a generation that outgrows the context keeps its first tokens and the
+/// most recent ones and goes on, on a cache that prefills only what it does not hold.
+final class ContextShiftTests: XCTestCase {
+    private let vocab = 50
+
+    func testDecodingPastTheContextShiftsAndKeepsTheFirstAndTheMostRecentTokens() async throws {
+        let model = FakeModel.CachePredictor(contextLength: 32, prefillLength: 8, vocab: vocab)
+        let generator = Generator(predictor: model, eosTokenIds: [])
+        let prompt = (0..<20).map { 3 + ($0 * 5) % 40 }
+        let (tokens, stats) = try await generator.generateAll(prompt: prompt, maxNewTokens: 40, overflow: .shift(keep: 4))
+        XCTAssertEqual(tokens.count, 40, "generation went on past the 32-token context")
+        XCTAssertGreaterThanOrEqual(stats.shifts, 2)
+        XCTAssertEqual(model.failures, [])
+        // what the cache holds: the first 4 prompt tokens, then the most recent ones, in order
+        let history = prompt + tokens.dropLast()
+        let cached = generator.cachedTokens
+        XCTAssertEqual(Array(cached.prefix(4)), Array(prompt.prefix(4)))
+        XCTAssertEqual(Array(cached.dropFirst(4)), Array(history.suffix(cached.count - 4)))
+        XCTAssertLessThanOrEqual(cached.count, 32)
+        // each shift kept the first 4 positions: no window ran below position 4 after the prompt
+        let afterPrompt = model.windows.dropFirst(3)
+        XCTAssertTrue(afterPrompt.allSatisfy { $0.position >= 4 }, "\(afterPrompt.map(\.position))")
+        // the same with .stop ends at the context
+        let stopping = Generator(predictor: FakeModel.CachePredictor(contextLength: 32, prefillLength: 8, vocab: vocab),
+                                 eosTokenIds: [])
+        do {
+            _ = try await stopping.generateAll(prompt: prompt, maxNewTokens: 40)
+            XCTFail("expected contextFull")
+        } catch GenerationError.contextFull {}
+    }
+
+    func testAPromptLongerThanTheContextIsShiftedBeforeItRuns() async throws {
+        let model = FakeModel.CachePredictor(contextLength: 32, prefillLength: 8, vocab: vocab)
+        let generator = Generator(predictor: model, eosTokenIds: [])
+        let prompt = (0..<50).map { 3 + ($0 * 7) % 40 }
+        let (tokens, stats) = try await generator.generateAll(prompt: prompt, maxNewTokens: 3, overflow: .shift(keep: 6))
+        let kept = Array(prompt.prefix(6)) + Array(prompt.suffix(13))  // limit 6 + (32 - 6) / 2 = 19
+        XCTAssertEqual(stats.shifts, 1)
+        XCTAssertEqual(stats.promptTokens, kept.count)
+        XCTAssertEqual(Array(generator.cachedTokens.prefix(kept.count)), kept)
+        XCTAssertEqual(tokens, FakeModel.reference(prompt: kept, maxNewTokens: 3, sampling: .greedy, vocab: vocab, eos: nil))
+        XCTAssertThrowsError(try KVCacheState(capacity: 32, prefillLength: 8).shifted(prompt, keep: 31))
+    }
+}

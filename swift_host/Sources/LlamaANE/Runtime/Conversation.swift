@@ -13,12 +13,16 @@ import Foundation
 ///
 /// Turns run one at a time. A turn that was stopped or failed after some tokens keeps the reply as
 /// far as it went; one that produced no token leaves the conversation as it was. A conversation
-/// that outgrows the context fails with `GenerationError.contextFull`: `reset()` and start again.
+/// that outgrows the context fails with `GenerationError.contextFull` (`reset()` and start again),
+/// unless it was made with `overflow: .shift(keep:)`: then the generator keeps the first `keep`
+/// tokens (the system message) and the most recent ones, and the conversation goes on.
 public final class Conversation: @unchecked Sendable {
     public let generator: Generator
     public let tokenizer: Tokenizer
     /// The system message every conversation starts with, if any.
     public let system: String?
+    /// What a turn does when the conversation no longer fits the context.
+    public let overflow: ContextOverflow
     private let turns = SerialJobs()
     private let lock = NSLock()
     /// The messages, the token ids and the text they stand for; read and written under `lock`.
@@ -33,7 +37,7 @@ public final class Conversation: @unchecked Sendable {
     }
 
     /// Throws when the tokenizer has no chat template or it cannot be parsed.
-    public init(generator: Generator, tokenizer: Tokenizer, system: String? = nil) throws {
+    public init(generator: Generator, tokenizer: Tokenizer, system: String? = nil, overflow: ContextOverflow = .stop) throws {
         guard let source = tokenizer.chatTemplate else {
             throw TokenizerError.chatTemplate("this tokenizer has no chat template, so it cannot hold a conversation; "
                 + "generate from a plain prompt instead")
@@ -42,6 +46,7 @@ public final class Conversation: @unchecked Sendable {
         self.generator = generator
         self.tokenizer = tokenizer
         self.system = system
+        self.overflow = overflow
         state = State(messages: Self.opening(system))
     }
 
@@ -125,7 +130,8 @@ public final class Conversation: @unchecked Sendable {
             }
         }
         do {
-            for try await event in generator.generate(prompt: prompt.tokens, maxNewTokens: maxNewTokens, sampling: sampling) {
+            for try await event in generator.generate(prompt: prompt.tokens, maxNewTokens: maxNewTokens, sampling: sampling,
+                                                            overflow: overflow) {
                 switch event {
                 case let .token(id, _): generated.append(id)
                 case .finished: record()  // before the consumer sees the end

@@ -14,6 +14,15 @@ public enum StopReason: String, Equatable, Sendable {
     case maxTokens
 }
 
+/// What a generation does when its tokens would not fit the context.
+public enum ContextOverflow: Equatable, Sendable {
+    /// Refuse a prompt that does not fit; end with `GenerationError.contextFull` when decoding fills the cache.
+    case stop
+    /// Keep the first `keep` tokens (a system prompt) and the most recent ones (half the rest of the
+    /// context), prefill what the cache does not already hold, and go on.
+    case shift(keep: Int)
+}
+
 /// Token counts and speeds of one generation.
 public struct GenerationStats: Equatable, Sendable {
     public var promptTokens: Int
@@ -25,6 +34,9 @@ public struct GenerationStats: Equatable, Sendable {
     public var reusedTokens = 0
     /// Prompt tokens that ran through prefill: `promptTokens - reusedTokens` (0 when nothing ran).
     public var prefilledTokens = 0
+    /// Context shifts (`ContextOverflow.shift`): of a prompt longer than the context, and each time
+    /// decoding filled it.
+    public var shifts = 0
 
     /// Prefill speed over the prompt tokens that actually ran.
     public var prefillTokensPerSecond: Double { prefillSeconds > 0 ? Double(prefilledTokens) / prefillSeconds : 0 }
@@ -44,9 +56,11 @@ public struct GenerationStats: Equatable, Sendable {
 /// prompt and every generated token that was fed back: all but the last (an end-of-sequence token,
 /// or the one that reached `maxNewTokens`, is never fed).
 ///
-/// Stops at an end-of-sequence id or after `maxNewTokens`. A prompt that does not fit the cache is
-/// refused before any model call; when decoding fills the cache, the tokens so far have been
-/// streamed and the stream then throws `GenerationError.contextFull`.
+/// Stops at an end-of-sequence id or after `maxNewTokens`. With `overflow: .stop` (the default) a
+/// prompt that does not fit the cache is refused before any model call, and when decoding fills the
+/// cache the tokens so far have been streamed and the stream then throws
+/// `GenerationError.contextFull`. With `.shift(keep:)` the generation shifts the context instead
+/// (the first `keep` tokens and the most recent ones are kept) and goes on.
 ///
 /// Generations run one at a time, in the order they were started: a new one waits until the
 /// previous one (also a cancelled one) has left the model. The generator assumes it alone writes the
@@ -73,14 +87,15 @@ public final class Generator: @unchecked Sendable {
     public var cachedTokens: [Int] { cacheState.tokens }
 
     /// Starts generating; cancelling the consuming task stops it after the current model call.
-    public func generate(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy)
-        -> AsyncThrowingStream<GenerationEvent, Error>
+    public func generate(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy,
+                         overflow: ContextOverflow = .stop) -> AsyncThrowingStream<GenerationEvent, Error>
     {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     let stats = try await self.jobs.run {
-                        try await self.run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
+                        try await self.run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling,
+                                           overflow: overflow) {
                             continuation.yield($0)
                         }
                     }
@@ -95,11 +110,12 @@ public final class Generator: @unchecked Sendable {
     }
 
     /// Generates to the end and returns the new token ids and the stats.
-    public func generateAll(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy)
-        async throws -> (tokens: [Int], stats: GenerationStats)
+    public func generateAll(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy,
+                            overflow: ContextOverflow = .stop) async throws -> (tokens: [Int], stats: GenerationStats)
     {
         var tokens: [Int] = []
-        for try await event in generate(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling) {
+        for try await event in generate(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling,
+                                        overflow: overflow) {
             switch event {
             case let .token(id, _): tokens.append(id)
             case let .finished(stats): return (tokens, stats)
@@ -118,13 +134,20 @@ public final class Generator: @unchecked Sendable {
         }
     }
 
-    private func run(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters,
-                     emit: (GenerationEvent) -> Void) async throws -> GenerationStats {
+    private func run(prompt fullPrompt: [Int], maxNewTokens: Int, sampling: SamplingParameters,
+                     overflow: ContextOverflow, emit: (GenerationEvent) -> Void) async throws -> GenerationStats {
         var cache = cacheState
         var sampler = Sampler(sampling)
         var text = decode.map { StreamingDetokenizer(decode: $0) }
+        var prompt = fullPrompt
+        var shifts = 0
+        if case let .shift(keep) = overflow, prompt.count > cache.capacity - 1 {
+            prompt = try cache.shifted(prompt, keep: keep)
+            shifts = 1
+        }
         var stats = GenerationStats(promptTokens: prompt.count, generatedTokens: 0, prefillSeconds: 0,
                                     decodeSeconds: 0, stopReason: .maxTokens)
+        stats.shifts = shifts
 
         let reused = cache.reusablePrefix(of: prompt)
         cache.rewind(to: reused)
@@ -154,10 +177,29 @@ public final class Generator: @unchecked Sendable {
             if eosTokenIds.contains(token) { stats.stopReason = .endOfSequence }
             if done { break }
             try Task.checkCancellation()
-            logits = try await run(try cache.decodeWindow(token), recordingIn: &cache)
+            if case let .shift(keep) = overflow, cache.remaining == 0 {
+                logits = try await shift(cache.tokens + [token], keep: keep, cache: &cache)
+                stats.shifts += 1
+            } else {
+                logits = try await run(try cache.decodeWindow(token), recordingIn: &cache)
+            }
         }
         stats.decodeSeconds = Self.seconds(clock.now - decodeStart)
         return stats
+    }
+
+    /// A context shift: `history` cut to its first `keep` tokens and the most recent ones; the cache
+    /// keeps what it shares with that (the first `keep`, and the rest is prefilled). Returns the
+    /// logits after the last kept token.
+    private func shift(_ history: [Int], keep: Int, cache: inout KVCacheState) async throws -> [Float] {
+        let kept = try cache.shifted(history, keep: keep)
+        cache.rewind(to: cache.reusablePrefix(of: kept))
+        store(cache)
+        var logits: [Float] = []
+        for window in try cache.prefillWindows(Array(kept[cache.position...])) {
+            logits = try await run(window, recordingIn: &cache)
+        }
+        return logits
     }
 
     /// Runs `window`, then records its tokens in `cache` and publishes it. When the model call fails

@@ -80,4 +80,21 @@ public struct KVCacheState: Equatable, Sendable {
 
     /// Empties the cache.
     public mutating func reset() { tokens = [] }
+
+    /// Tokens a context shift keeps: the first `keep` and half of the cache's other positions.
+    /// Throws `contextFull` when keeping `keep` tokens leaves no room to go on.
+    public func shiftLimit(keep: Int) throws -> Int {
+        guard keep >= 0, keep <= capacity - 2 else {
+            throw GenerationError.contextFull(position: keep, requested: 2, capacity: capacity)
+        }
+        return keep + (capacity - keep) / 2
+    }
+
+    /// Context shift: the first `keep` tokens (e.g. the system prompt) and the most recent ones, at
+    /// most `shiftLimit(keep:)` in all; `tokens` itself when they are no more.
+    public func shifted(_ tokens: [Int], keep: Int) throws -> [Int] {
+        let limit = try shiftLimit(keep: keep)
+        guard tokens.count > limit else { return tokens }
+        return Array(tokens.prefix(keep)) + Array(tokens.suffix(limit - keep))
+    }
 }
