@@ -12,12 +12,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+# model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
+FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_DESCRIPTION = (
-    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2 and other LlamaForCausalLM "
-    "checkpoints) with RoPE type default, linear or llama3, silu MLP, no attention/MLP bias"
+    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5) "
+    "and 'qwen3' (dense Qwen3) with RoPE type default, linear or llama3, silu MLP, no MLP bias"
 )
+# What each family adds to the Llama block (transformers' own classes decide the same way):
+# qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
+# (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm).
+QKV_BIAS_ALWAYS = ("qwen2",)
+ATTENTION_BIAS_FLAG = ("llama", "qwen3")
+QK_NORM = ("qwen3",)
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
 
 
 class ConfigError(ValueError):
@@ -41,6 +50,10 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     model_type: str = "llama"
+    qkv_bias: bool = False  # a bias on q_proj, k_proj and v_proj
+    o_proj_bias: bool = False  # a bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k (weights (head_dim,)) before RoPE
+    sliding_window: int | None = None  # the attention window when a layer uses one, else None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -50,8 +63,9 @@ class LlamaConfig:
             raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {d.get('hidden_act')!r}; {SUPPORTED_DESCRIPTION}")
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise ConfigError(f"attention_bias/mlp_bias are not supported; {SUPPORTED_DESCRIPTION}")
+        if d.get("mlp_bias"):
+            raise ConfigError(f"mlp_bias is not supported; {SUPPORTED_DESCRIPTION}")
+        biased = bool(d.get("attention_bias")) and model_type in ATTENTION_BIAS_FLAG
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"]
         missing = [k for k in required if k not in d]
@@ -82,7 +96,7 @@ class LlamaConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            head_dim=int(d.get("head_dim") or (QWEN3_HEAD_DIM if model_type == "qwen3" else d["hidden_size"] // heads)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             rope_theta=rope_theta,
             rope_scaling=scaling or None,
@@ -91,6 +105,10 @@ class LlamaConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_list,
             model_type=model_type,
+            qkv_bias=biased or model_type in QKV_BIAS_ALWAYS,
+            o_proj_bias=biased,
+            qk_norm=model_type in QK_NORM,
+            sliding_window=_sliding_window(d, model_type),
         )
         cfg.validate()
         return cfg
@@ -106,6 +124,23 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    def check_context_length(self, context_length: int) -> None:
+        """Refuse a context longer than the model's attention window: the exported graphs attend to
+        every cached position, which equals the model only while no query is `sliding_window` past a key."""
+        if self.sliding_window is not None and self.sliding_window < context_length:
+            raise ConfigError(
+                f"the model's sliding_window {self.sliding_window} is shorter than --context-length "
+                f"{context_length}, and the export does not do windowed attention; use --context-length "
+                f"{self.sliding_window // 32 * 32} or less")
+
+    @property
+    def layer_extras(self) -> tuple[str, ...]:
+        """The decoder-layer parameters this family has beyond the Llama block's (names as in
+        chunks.models.DecoderLayer): projection biases and the per-head q/k norms."""
+        extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
+        extras += ("o_proj.bias",) if self.o_proj_bias else ()
+        return extras + (("q_norm.weight", "k_norm.weight") if self.qk_norm else ())
 
     @property
     def kv_channels(self) -> int:
@@ -128,13 +163,37 @@ class LlamaConfig:
         return cfg
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A transformers `LlamaConfig` dictionary, for building the reference model."""
-        d = {k: v for k, v in self.to_dict().items() if k != "eos_token_id"}
+        """A transformers config dictionary of this family (`AutoConfig.for_model(**d)`, or the
+        family's config class), for building the reference model."""
+        ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "sliding_window")
+        d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = "silu"
-        d["attention_bias"] = False
+        d["attention_bias"] = self.o_proj_bias
         d["mlp_bias"] = False
+        d["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["max_window_layers"] = 0
         return d
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    """The attention window of the layers that use one (None: every layer attends to everything),
+    as transformers reads it: Mistral's `sliding_window` applies to every layer; Qwen's only with
+    `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) names."""
+    window = d.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        if not d.get("use_sliding_window"):
+            return None
+        types = d.get("layer_types")
+        if types is not None and "sliding_attention" not in types:
+            return None
+        if types is None and int(d.get("max_window_layers", 28)) >= int(d.get("num_hidden_layers", 0)):
+            return None
+    return int(window)
 
 
 def inv_freq(cfg: LlamaConfig) -> "list[float]":

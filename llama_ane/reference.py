@@ -1,11 +1,13 @@
-"""transformers' Llama run on a checkpoint one decoder layer at a time: the reference logits the
-parity gate compares with, and the activations compression is calibrated on.
+"""transformers' own model of the checkpoint's family (Llama, Mistral, Qwen2, Qwen3) run one decoder
+layer at a time: the reference logits the parity gate compares with, and the activations
+compression is calibrated on.
 
-The arithmetic of `LlamaForCausalLM(input_ids)` without holding the model: the embedding lookup,
-then each `LlamaDecoderLayer` built with only its own weights in float32 (attention "sdpa" with
-attention_mask=None, which is causal over the whole sequence; cos/sin from the model's
-`LlamaRotaryEmbedding`), then the final norm and the (tied or untied) LM head in blocks of the
-vocabulary. Memory: one layer's weights, one head block, activations (T, C).
+The arithmetic of `LlamaForCausalLM(input_ids)` (`Qwen2ForCausalLM`, ...) without holding the
+model: the embedding lookup, then each of the family's decoder layers built with only its own
+weights in float32 (attention "sdpa" with attention_mask=None, which is causal over the whole
+sequence; cos/sin from the model's rotary embedding), then the final norm and the (tied or
+untied) LM head in blocks of the vocabulary. Memory: one layer's weights, one head block,
+activations (T, C).
 """
 
 from __future__ import annotations
@@ -15,24 +17,39 @@ from typing import Callable
 import numpy as np
 
 from .checkpoint.loader import Checkpoint
+from .config import FAMILY_CLASS_PREFIX
 
 HEAD_BLOCK = 16384  # rows of the LM head multiplied at once: (block, C) in float32
+
+
+def family_classes(model_type: str):
+    """transformers' (DecoderLayer, RMSNorm, RotaryEmbedding) classes of a family, e.g. Qwen2DecoderLayer."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = FAMILY_CLASS_PREFIX[model_type]
+    return tuple(getattr(modeling, prefix + part) for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
+
+
+def hf_config(cfg):
+    """transformers' config object of `cfg`'s family (LlamaConfig, Qwen2Config, ...)."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if v is not None or k in ("rope_scaling", "sliding_window")}
+    return AutoConfig.for_model(**d)
 
 
 def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                on_layer: Callable[[int, object], Callable[[], None]] | None = None):
     """Run `token_ids` (one sequence from position 0) through the checkpoint's layers in float32.
 
-    `on_layer(n, layer)` is called with each `LlamaDecoderLayer` before it runs and may return a
+    `on_layer(n, layer)` is called with each decoder layer (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...) before it runs and may return a
     function to call after it (e.g. to remove hooks it put on the layer's projections). Returns
     the logits float32 [T, vocab] when `logits`, else the final norm's output [T, C].
     """
     import torch
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-    config = {k: v for k, v in ckpt.config.to_dict().items() if v is not None or k == "rope_scaling"}
-    hf = HFLlamaConfig(**config)
+    hf, (DecoderLayer, RMSNorm, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
     hf._attn_implementation = "sdpa"
 
     def weights(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
@@ -46,10 +63,10 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
         positions = torch.arange(len(token_ids))[None]  # (1, T)
-        rope = LlamaRotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
+        rope = RotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
         for n in range(hf.num_hidden_layers):
             with torch.device("meta"):
-                layer = LlamaDecoderLayer(hf, n)
+                layer = DecoderLayer(hf, n)
             layer = weights(layer, f"model.layers.{n}.")
             after = on_layer(n, layer) if on_layer is not None else None
             x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
@@ -58,7 +75,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                 after()
             del layer  # before the next layer's weights are read
         with torch.device("meta"):
-            norm = LlamaRMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+            norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
         h = weights(norm, "model.norm.")(x)[0]  # (T, C)
         if not logits:
             return h.numpy()
@@ -69,7 +86,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
 
 
 def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndarray:
-    """float32 logits [T, vocab] of transformers' Llama on `checkpoint`, one layer at a time."""
+    """float32 logits [T, vocab] of transformers' model of `checkpoint`'s family, one layer at a time."""
     return run_layers(checkpoint, token_ids)
 
 

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .config import FAMILY_CLASS_PREFIX
+
 TINY_CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
@@ -62,26 +64,30 @@ def make_tiny_tokenizer(path: Path, vocab_size: int = 320) -> int:
 
 
 def make_tiny_checkpoint(path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
-    """Write a tiny random LlamaForCausalLM checkpoint with a real tokenizer to `path`.
+    """Write a tiny random checkpoint with a real tokenizer to `path`: LlamaForCausalLM, or with
+    `model_type="qwen2"` ("qwen3", "mistral") that family's own class.
 
     `config_overrides` replace fields of `TINY_CONFIG` (Hugging Face names), e.g.
     `num_key_value_heads=4` for MHA, `tie_word_embeddings=True`, or a llama3 `rope_scaling` dict.
     """
     import torch
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = make_tiny_tokenizer(path)
     cfg = dict(TINY_CONFIG, vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg.update(config_overrides)
+    if cfg["model_type"] != "llama":  # another family: its own model class (Qwen2ForCausalLM, ...)
+        cfg["architectures"] = [f"{FAMILY_CLASS_PREFIX[cfg['model_type']]}ForCausalLM"]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(HFLlamaConfig(**cfg)).eval()
-    with torch.no_grad():  # norms away from 1 so the norm weights are really exercised
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).eval()
+    with torch.no_grad():  # norms away from 1, biases away from 0, so they are really exercised
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     model.save_pretrained(str(path), safe_serialization=True)
     # save_pretrained may write the transformers-5 form; keep the plain HF fields we were given too.
     written = json.loads((path / "config.json").read_text())

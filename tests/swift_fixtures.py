@@ -10,7 +10,9 @@ Nothing in those fixtures is written by hand:
   - ``llama2_sentencepiece``: a Llama-2-style SentencePiece BPE with byte fallback, trained here;
   - ``metaspace_bpe``: the same vocabulary behind a ``Metaspace`` pre-tokenizer (newer exports);
   - ``byte_level_split``: the SmolLM2 vocabulary behind a Llama-3-style ``Split`` regex;
-  - ``byte_level_digits_nfc``: the SmolLM2 vocabulary behind NFC, single-digit splits and ByteLevel.
+  - ``byte_level_digits_nfc``: the SmolLM2 vocabulary behind NFC, single-digit splits and ByteLevel;
+  - ``qwen2_byte_level``: a Qwen2-style tokenizer trained here (NFC, Qwen's split regex, byte-level
+    BPE without BOS, ChatML specials and non-special added tokens such as ``<tool_call>``).
 
 * ``chat_templates.json``: conversations rendered with each template through jinja2, the way
   transformers renders them.
@@ -42,6 +44,14 @@ LLAMA3_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+# Qwen2's pre-tokenizer split pattern: Llama 3's, but digits one at a time.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN2_PLAIN_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>"]  # added, but not special
 
 # Hand-picked strings; `_case_strings` adds generated ones so that every tokenizer sees >= 200.
 BASE_STRINGS = [
@@ -299,6 +309,42 @@ def _llama2_tokenizer() -> dict[str, Any]:
     }
 
 
+def qwen2_tokenizer_json() -> dict[str, Any]:
+    """A Qwen2-style tokenizer.json, trained here: NFC, Qwen's split regex, byte-level BPE with no
+    BOS (a ByteLevel post-processor), ChatML special tokens and added tokens that are not special
+    (<tool_call>, <think>, ...), as Qwen2.5 and Qwen3 ship them."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=900, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_training_text() + [s for s in BASE_STRINGS if s.strip()] * 2, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN2_SPECIALS])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN2_PLAIN_ADDED])
+    return json.loads(tok.to_str())
+
+
+def save_qwen2_tokenizer(folder: Path, chat_template: str | None = None) -> int:
+    """Save the Qwen2-style tokenizer as a transformers tokenizer folder (tokenizer.json and
+    tokenizer_config.json: eos <|im_end|>, pad <|endoftext|>, no BOS, the ChatML template with tool
+    branches by default); return its length."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(qwen2_tokenizer_json())),
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = QWEN2_CHATML_TEMPLATE if chat_template is None else chat_template
+    fast.save_pretrained(str(folder))
+    return len(fast)
+
+
 def _metaspace_variant(llama2: dict[str, Any]) -> dict[str, Any]:
     """The Llama-2 vocabulary behind a Metaspace pre-tokenizer and decoder (prepend_scheme "first")."""
     out = json.loads(json.dumps(llama2))
@@ -344,12 +390,102 @@ def _digits_nfc_variant(smol: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Qwen2.5-style ChatML: a default system turn, and tool-calling branches (tool definitions in the
+# system turn, assistant tool calls, tool responses gathered into a user turn).
+QWEN2_CHATML_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nReturn each call as {\\"name\\": ..., \\"arguments\\": ...} inside <tool_call></tool_call> tags.<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' + tool_call.arguments | tojson + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# Qwen3-style ChatML: no default system turn; the reasoning (<think>...</think>) of assistant turns
+# after the last user query is kept, earlier ones dropped; `enable_thinking=false` pre-fills an
+# empty think block. Exercises reversed slices, namespace flags, `is string`, split/strip methods.
+QWEN3_CHATML_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(found=false, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- if not ns.found and message.role == 'user' %}
+        {%- set ns.found = true %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if not reasoning and '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and reasoning %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 CHAT_CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
     [{"role": "user", "content": "Hello 👋"}, {"role": "assistant", "content": "Hi, how can I help?"},
      {"role": "user", "content": "Tell me a joke.\nA short one."}],
+    [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>\nBecause.\n</think>\n\nIt is so."},
+     {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "<think>Yes.</think>Quite sure."}],
 ]
+# Extra template variables some cases are rendered with (Qwen3's switch for its thinking block).
+CHAT_EXTRAS = [{}, {"enable_thinking": False}]
 
 # A Llama-2-chat style template: exercises if/elif/else, loop.index0, raise_exception, slicing-free
 # string building, `trim` and the `bos_token`/`eos_token` variables.
@@ -412,7 +548,7 @@ MULTILINE_TEMPLATE = """{%- set ns = namespace(system='') -%}
 
 
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
-                 bos: str, eos: str) -> str:
+                 bos: str, eos: str, extra: dict[str, Any] | None = None) -> str:
     """Render like transformers' `apply_chat_template` (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -423,7 +559,7 @@ def _render_chat(template: str, messages: list[dict[str, str]], add_generation_p
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            bos_token=bos, eos_token=eos)
+                                            bos_token=bos, eos_token=eos, **(extra or {}))
 
 
 def write_chat_template_cases(path: Path, smol_template: str) -> None:
@@ -437,15 +573,17 @@ def write_chat_template_cases(path: Path, smol_template: str) -> None:
         "multiline_blocks": (MULTILINE_TEMPLATE, "<s>", "</s>"),
         "llama3": (LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>"),
         "mistral": (MISTRAL_TEMPLATE, "<s>", "</s>"),
+        "qwen2_chatml": (QWEN2_CHATML_TEMPLATE, "", "<|im_end|>"),
+        "qwen3_chatml": (QWEN3_CHATML_TEMPLATE, "", "<|im_end|>"),
     }
     out = []
     for name, (template, bos, eos) in templates.items():
         cases = []
         for messages in CHAT_CONVERSATIONS:
-            for gen in (False, True):
-                case = {"messages": messages, "add_generation_prompt": gen}
+            for gen, extra in [(False, {}), *((True, e) for e in CHAT_EXTRAS)]:
+                case = {"messages": messages, "add_generation_prompt": gen, "extra": extra}
                 try:
-                    case["rendered"] = _render_chat(template, messages, gen, bos, eos)
+                    case["rendered"] = _render_chat(template, messages, gen, bos, eos, extra)
                 except TemplateError as e:  # raise_exception: the Swift side must refuse it too
                     case["error"] = str(e)
                 cases.append(case)
@@ -475,6 +613,14 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
                                               smol_specials, 4)
     counts["byte_level_digits_nfc"] = _write_cases(root / "byte_level_digits_nfc", _digits_nfc_variant(smol),
                                                    smol_specials, 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_qwen2_tokenizer(Path(tmp))
+        qwen_json, qwen_config = (json.loads((Path(tmp) / name).read_text(encoding="utf-8"))
+                                  for name in ("tokenizer.json", "tokenizer_config.json"))
+        if (Path(tmp) / "chat_template.jinja").is_file():  # transformers 5 saves the template apart
+            qwen_config["chat_template"] = (Path(tmp) / "chat_template.jinja").read_text(encoding="utf-8")
+    counts["qwen2_byte_level"] = _write_cases(root / "qwen2_byte_level", qwen_json,
+                                              QWEN2_SPECIALS + QWEN2_PLAIN_ADDED, 6, qwen_config)
     write_chat_template_cases(Path(fixtures_dir) / "chat_templates.json", smol_config.get("chat_template") or "")
     return counts
 

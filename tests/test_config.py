@@ -59,7 +59,7 @@ def test_old_type_key_and_default_rope_type():
     ({"model_type": "gpt2"}, ["model_type", "gpt2", "supported"]),
     ({"model_type": None}, ["model_type"]),
     ({"hidden_act": "gelu"}, ["hidden_act", "gelu"]),
-    ({"attention_bias": True}, ["bias"]),
+    ({"model_type": "qwen2_moe"}, ["qwen2_moe", "supported", "'qwen2'", "'qwen3'", "'mistral'"]),
     ({"mlp_bias": True}, ["bias"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["RoPE", "yarn"]),
     ({"num_key_value_heads": 3}, ["num_key_value_heads", "multiple"]),

@@ -1,7 +1,7 @@
 """The pure HF -> ANE weight mapping: HF tensor names to our module parameter names.
 
 Nothing here opens a file: it renames and reshapes tensors read through `Checkpoint.tensor`.
-Linear (out, in) -> Conv2d (out, in, 1, 1), the attention scale folded into q_proj, the LM head
+Linear (out, in) -> Conv2d (out, in, 1, 1), the attention scale folded into q (q_proj or q_norm), the LM head
 split over the vocabulary. Each tensor is read, mapped in float32 and cast to `dtype` on its own,
 so building a model in fp16 never holds its float32 copy.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..config import LlamaConfig
 from .loader import Checkpoint
 
 
-LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
+LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N (the Llama block)
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "q_proj.weight": "self_attn.q_proj.weight",
@@ -24,6 +25,21 @@ LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
+FAMILY_TENSORS = {  # what other families add, where their config has them (LlamaConfig.layer_extras)
+    "q_proj.bias": "self_attn.q_proj.bias",
+    "k_proj.bias": "self_attn.k_proj.bias",
+    "v_proj.bias": "self_attn.v_proj.bias",
+    "o_proj.bias": "self_attn.o_proj.bias",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+}
+HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
+SCALED = ("q_proj.weight", "q_proj.bias")  # what the 1/sqrt(head_dim) scale is folded into (no q_norm)
+
+
+def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
+    """Our DecoderLayer parameter names -> HF names inside model.layers.N, for `cfg`'s family."""
+    return {**LAYER_TENSORS, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
 
 
 def as_conv(w: torch.Tensor) -> torch.Tensor:
@@ -32,18 +48,22 @@ def as_conv(w: torch.Tensor) -> torch.Tensor:
 
 
 def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
-    """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32."""
-    w = ckpt.tensor(f"model.layers.{layer}.{LAYER_TENSORS[ours]}").to(torch.float32)
+    """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32.
+
+    The attention scale 1/sqrt(head_dim) is folded into q: into q_proj (weight and bias), or, where
+    each q head is RMS-normalized after the projection (Qwen3), into q_norm's weight.
+    """
+    w = ckpt.tensor(f"model.layers.{layer}.{HF_LAYER_NAMES[ours]}").to(torch.float32)
     if ours.endswith("proj.weight"):
         w = as_conv(w)
-    if ours == "q_proj.weight":
-        w = w * ckpt.config.head_dim ** -0.5  # fold the attention scale into the projection
+    if ours == "q_norm.weight" or (ours in SCALED and not ckpt.config.qk_norm):
+        w = w * ckpt.config.head_dim ** -0.5
     return w
 
 
 def layer_state_dict(ckpt: Checkpoint, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in `dtype`."""
-    return {ours: layer_tensor(ckpt, layer, ours).to(dtype) for ours in LAYER_TENSORS}
+    return {ours: layer_tensor(ckpt, layer, ours).to(dtype) for ours in layer_tensors(ckpt.config)}
 
 
 def chunk_state_dict(ckpt: Checkpoint, layers: list[int], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -14,26 +14,27 @@ MASK_VALUE = -1.0e4  # large negative but finite: -inf turns a fully masked fp16
 
 
 class Conv1x1(nn.Conv2d):
-    """A bias-free 1x1 Conv2d over (1, C_in, 1, S) -> (1, C_out, 1, S): the ANE's matmul.
+    """A 1x1 Conv2d over (1, C_in, 1, S) -> (1, C_out, 1, S): the ANE's matmul (with `bias`, plus a
+    per-channel bias: Qwen2's q/k/v projections).
 
     Traced for export it is a conv. Run eagerly (the torch backend), the same weights go through
     `linear`, which torch's CPU kernels run up to 4x faster than a 1x1 conv at the small S of
     (branch) decoding. The arithmetic is the same matrix product.
     """
 
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__(in_channels, out_channels, kernel_size=1, bias=False)
+    def __init__(self, in_channels: int, out_channels: int, bias: bool = False):
+        super().__init__(in_channels, out_channels, kernel_size=1, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_tracing() or x.shape[0] != 1 or x.shape[2] != 1:
             return super().forward(x)
         c, s = x.shape[1], x.shape[3]
-        y = nn.functional.linear(x.reshape(c, s).t(), self.weight.reshape(self.out_channels, c))  # (S, C_out)
+        y = nn.functional.linear(x.reshape(c, s).t(), self.weight.reshape(self.out_channels, c), self.bias)  # (S, C_out)
         return y.t().reshape(1, self.out_channels, 1, s)
 
 
-def conv1x1(in_channels: int, out_channels: int) -> Conv1x1:
-    return Conv1x1(in_channels, out_channels)
+def conv1x1(in_channels: int, out_channels: int, bias: bool = False) -> Conv1x1:
+    return Conv1x1(in_channels, out_channels, bias)
 
 
 class RMSNorm(nn.Module):
@@ -57,6 +58,16 @@ class RMSNorm(nn.Module):
         y = x * inv_m
         var = (y * y).mean(dim=1, keepdim=True) + (self.eps * inv_m) * inv_m
         return y * torch.rsqrt(var) * self.weight.view(1, -1, 1, 1)
+
+
+def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of every head over its head_dim channels (Qwen3's q_norm / k_norm), fp16-safe as RMSNorm.
+
+    x: (H, D, S) -> (H, D, S); `norm` has D channels. The heads become the batch axis of the
+    (B, C, 1, S) layout, so the norm reduces over D only.
+    """
+    h, d = x.shape[0], x.shape[1]
+    return norm(x.reshape(h, d, 1, -1)).reshape(h, d, -1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:

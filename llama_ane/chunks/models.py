@@ -24,27 +24,32 @@ from torch import nn
 
 from ..config import LlamaConfig, inv_freq
 from ..limits import MAX_DIM
-from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, conv1x1, grouped_attention
+from .layers import MASK_VALUE, MLP, RMSNorm, apply_rope, conv1x1, grouped_attention, head_norm
 from .plan import ROW_UNIT, even_parts
 
 
 class DecoderLayer(nn.Module):
-    """One Llama decoder layer. The 1/sqrt(head_dim) scale is folded into q_proj's weights."""
+    """One decoder layer of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+    per-head q/k norms). The 1/sqrt(head_dim) scale is folded into q_proj's weights (into q_norm's
+    where there is one)."""
 
     def __init__(self, cfg: LlamaConfig, context_length: int):
         super().__init__()
         self.cfg = cfg
         self.context_length = context_length
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels)
-        self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels)
-        self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels)
-        self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size)
+        self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
+        self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Norm, projections and RoPE.
+        """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
 
         x: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
         R query heads each.
@@ -54,8 +59,11 @@ class DecoderLayer(nn.Module):
         r = c.num_attention_heads // g
         h = self.input_layernorm(x)
         cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
-        q = apply_rope(self.q_proj(h).reshape(g * r, d, -1), cos, sin, d // 2).reshape(g, r, d, -1)
-        k = apply_rope(self.k_proj(h).reshape(g, d, -1), cos, sin, d // 2)
+        q, k = self.q_proj(h).reshape(g * r, d, -1), self.k_proj(h).reshape(g, d, -1)  # (H,D,S), (G,D,S)
+        if c.qk_norm:
+            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
+        q = apply_rope(q, cos, sin, d // 2).reshape(g, r, d, -1)
+        k = apply_rope(k, cos, sin, d // 2)
         v = self.v_proj(h).reshape(g, d, -1)
         return q, k, v
 

@@ -11,12 +11,16 @@ from ..limits import weight_budget
 
 
 def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of a decoder layer (its name in DecoderLayer) and its shape: (out, in) for the
-    projections, (C,) for the norms."""
+    """Every weight of a decoder layer of `cfg`'s family (its name in DecoderLayer) and its shape:
+    (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for the norms."""
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
-    return {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
-            "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
-            "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+    shapes = {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
+              "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
+              "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+    extra = {"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (c,),
+             "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)}  # q/k norms: one per head dim
+    shapes.update({name: extra[name] for name in cfg.layer_extras})
+    return shapes
 
 
 def weight_part(name: str) -> str | None:

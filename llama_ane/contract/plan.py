@@ -168,6 +168,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
         raise ExportOptionsError(
             f"--context-length {opts.context_length} exceeds the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}")
+    cfg.check_context_length(opts.context_length)  # a sliding window shorter than the context
     per_weight = BYTES_PER_WEIGHT[opts.precision]
     budget, row = weight_budget(opts.target), cfg.hidden_size
     quantize, target = opts.quantize, opts.target

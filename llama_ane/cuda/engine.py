@@ -84,7 +84,10 @@ class GPUEngine:
                                "False)")
         cfg = model.config
         if getattr(cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported architecture {cfg.model_type!r}: llama-style only")
+            raise ValueError(f"the GPU engine runs model_type 'llama', 'mistral' and 'qwen2', not "
+                             f"{cfg.model_type!r} (no per-head q/k norms here); export it for the ANE instead")
+        if getattr(cfg, "attention_bias", False) and cfg.model_type == "llama":
+            raise ValueError("the GPU engine has no o_proj bias (attention_bias); export it for the ANE instead")
         self.dtype = dtype
         self.page_size = page_size
         self.n_layers = cfg.num_hidden_layers

@@ -79,9 +79,26 @@ def rms_norm(g: Graph, x, weight: str, eps: float, channels: int):
     return mb.mul(x=mb.mul(x=y, y=mb.rsqrt(x=var)), y=w)
 
 
-def conv(g: Graph, x, weight: str):
-    """1x1 conv (the ANE's matmul). x: (1, C_in, 1, S) -> (1, C_out, 1, S)"""
-    return mb.conv(x=x, weight=g.weight(weight))
+def conv(g: Graph, x, weight: str, bias: str | None = None):
+    """1x1 conv (the ANE's matmul), with the conv's own per-channel `bias` where the projection has
+    one (Qwen2's q/k/v). x: (1, C_in, 1, S) -> (1, C_out, 1, S)"""
+    if bias is None:
+        return mb.conv(x=x, weight=g.weight(weight))
+    return mb.conv(x=x, weight=g.weight(weight), bias=g.weight(bias))
+
+
+def projection(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
+    """Layer projection `name` ("q_proj", ...) of x (1,C_in,1,S) -> (1,C_out,1,S), with its bias if
+    the family has one (LlamaConfig.layer_extras)."""
+    bias = f"{name}.bias" if f"{name}.bias" in cfg.layer_extras else None
+    return conv(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
+
+
+def head_norm(g: Graph, x, weight: str, eps: float, heads: int, d: int, s: int):
+    """RMSNorm of each head over head_dim (Qwen3's q_norm/k_norm; layers.head_norm), fp16-safe as
+    rms_norm. x: (H, D, S) -> (H, D, S)"""
+    y = rms_norm(g, mb.reshape(x=x, shape=[heads, d, 1, s]), weight, eps, d)
+    return mb.reshape(x=y, shape=[heads, d, s])
 
 
 def rope(g: Graph, x, cos, sin, heads: int, d: int, s: int):
@@ -94,22 +111,27 @@ def rope(g: Graph, x, cos, sin, heads: int, d: int, s: int):
 
 
 def project_qkv(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int):
-    """Norm, projections and RoPE of one layer (DecoderLayer.project_qkv).
+    """Norm, projections (with biases, per-head q/k norms where the family has them) and RoPE of one
+    layer (DecoderLayer.project_qkv).
 
     x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)
     """
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     hn = rms_norm(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
-    q = rope(g, mb.reshape(x=conv(g, hn, f"{prefix}q_proj.weight"), shape=[h, d, s]), cos3, sin3, h, d, s)
-    k = rope(g, mb.reshape(x=conv(g, hn, f"{prefix}k_proj.weight"), shape=[gk, d, s]), cos3, sin3, gk, d, s)
-    v = mb.reshape(x=conv(g, hn, f"{prefix}v_proj.weight"), shape=[gk, d, s])
+    q = mb.reshape(x=projection(g, cfg, prefix, "q_proj", hn), shape=[h, d, s])
+    k = mb.reshape(x=projection(g, cfg, prefix, "k_proj", hn), shape=[gk, d, s])
+    if cfg.qk_norm:
+        q = head_norm(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
+        k = head_norm(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
+    q, k = rope(g, q, cos3, sin3, h, d, s), rope(g, k, cos3, sin3, gk, d, s)
+    v = mb.reshape(x=projection(g, cfg, prefix, "v_proj", hn), shape=[gk, d, s])
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 
 
 def finish_layer(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int):
     """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
-    x = mb.add(x=x, y=conv(g, mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]), f"{prefix}o_proj.weight"))
+    x = mb.add(x=x, y=projection(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s])))
     h = rms_norm(g, x, f"{prefix}post_attention_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
     gate = mb.silu(x=conv(g, h, f"{prefix}mlp.gate_proj.weight"))
     up = conv(g, h, f"{prefix}mlp.up_proj.weight")

@@ -19,7 +19,7 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from .programs import rope_weights
 from ..checkpoint.loader import Checkpoint
-from ..checkpoint.mapping import as_conv, layer_tensor
+from ..checkpoint.mapping import as_conv, layer_tensor, layer_tensors
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -41,8 +41,7 @@ def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int]) -> set[str]:
     if kind == "lm_head":
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         return {head, "model.norm.weight"}
-    from ..checkpoint.mapping import LAYER_TENSORS
-    return {f"model.layers.{n}.{hf}" for n in layers for hf in LAYER_TENSORS.values()}
+    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg).values()}
 
 
 class PackageWeights:

@@ -20,7 +20,7 @@ import torch
 from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
-from ...checkpoint.mapping import LAYER_TENSORS, chunk_state_dict, embeddings_state_dict, lm_head_state_dict
+from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
 from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
 from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
@@ -91,7 +91,8 @@ class ExportWeights:
         return tables["cos_table"], tables["sin_table"]
 
     def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return self._read(model, [f"layers.{j}.{name}" for j in range(len(layers)) for name in LAYER_TENSORS], dtype)
+        names = layer_tensors(LlamaConfig.from_dict(self.manifest["config"]))
+        return self._read(model, [f"layers.{j}.{name}" for j in range(len(layers)) for name in names], dtype)
 
     def head(self, model: str, heads: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         state = self._read(model, ["norm.weight", *(f"heads.{j}.weight" for j in heads)], dtype)

@@ -7,7 +7,9 @@ final class ChatTemplateTests: XCTestCase {
     func testMatchesJinja2Renderings() throws {
         let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("chat_templates.json")))
         let templates = root["templates"]?.arrayValue ?? []
-        XCTAssertGreaterThanOrEqual(templates.count, 5)
+        XCTAssertGreaterThanOrEqual(templates.count, 7)
+        XCTAssertTrue(templates.contains { $0["name"]?.stringValue == "qwen2_chatml" })
+        XCTAssertTrue(templates.contains { $0["name"]?.stringValue == "qwen3_chatml" })
         var checked = 0, errors = 0
         for t in templates {
             let name = t["name"]?.stringValue ?? "?"
@@ -16,9 +18,14 @@ final class ChatTemplateTests: XCTestCase {
                 let messages = (c["messages"]?.arrayValue ?? []).map {
                     ChatMessage(role: $0["role"]?.stringValue ?? "", content: $0["content"]?.stringValue ?? "")
                 }
+                var extra: [String: Any] = [:]
+                for (key, value) in c["extra"]?.objectValue ?? [] {
+                    extra[key] = value.boolValue ?? value.stringValue ?? value.doubleValue as Any
+                }
                 let render = {
                     try template.render(messages: messages, addGenerationPrompt: c["add_generation_prompt"]?.boolValue ?? false,
-                                        bosToken: t["bos_token"]?.stringValue, eosToken: t["eos_token"]?.stringValue)
+                                        bosToken: t["bos_token"]?.stringValue, eosToken: t["eos_token"]?.stringValue,
+                                        extra: extra)
                 }
                 if let expectedError = c["error"]?.stringValue {
                     XCTAssertThrowsError(try render(), "\(name): \(messages)") { error in
@@ -33,6 +40,21 @@ final class ChatTemplateTests: XCTestCase {
         }
         XCTAssertGreaterThanOrEqual(checked, 24)
         XCTAssertGreaterThan(errors, 0, "the fixtures should include a template that raises")
+    }
+
+    func testToolCallingBranchIsAClearError() throws {
+        let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("chat_templates.json")))
+        let source = try XCTUnwrap(root["templates"]?.arrayValue?.first { $0["name"]?.stringValue == "qwen2_chatml" }?["template"]?.stringValue)
+        let template = try ChatTemplate(source)
+        let messages = [ChatMessage(role: "user", content: "What is 2+3?")]
+        let tools: [Any] = [["type": "function", "function": ["name": "add", "parameters": ["type": "object"]]]]
+        XCTAssertThrowsError(try template.render(messages: messages, addGenerationPrompt: true, extra: ["tools": tools])) { error in
+            guard case let .chatTemplate(message)? = error as? TokenizerError else { return XCTFail("\(error)") }
+            XCTAssertTrue(message.contains("tools") && message.contains("apply_chat_template"), message)
+        }
+        // without tools the same template renders its plain ChatML branch
+        let text = try template.render(messages: messages, addGenerationPrompt: true, extra: ["tools": [Any]()])
+        XCTAssertTrue(text.hasSuffix("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"), text)
     }
 
     func testRaiseExceptionBecomesAnError() throws {

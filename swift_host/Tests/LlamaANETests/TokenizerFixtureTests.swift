@@ -55,6 +55,19 @@ final class TokenizerFixtureTests: XCTestCase {
     func testMetaspacePreTokenizer() throws { try check("metaspace_bpe") }
     func testLlama3StyleSplitRegex() throws { try check("byte_level_split") }
     func testNFCAndSingleDigitSplits() throws { try check("byte_level_digits_nfc") }
+    func testQwen2ByteLevelBPE() throws { try check("qwen2_byte_level") }
+
+    func testQwen2AddedTokensThatAreNotSpecial() throws {
+        let (tokenizer, _) = try load("qwen2_byte_level")
+        let call = try XCTUnwrap(tokenizer.tokenId("<tool_call>"))
+        let end = try XCTUnwrap(tokenizer.tokenId("<|im_end|>"))
+        XCTAssertEqual(tokenizer.encode("<tool_call>", addSpecialTokens: false), [call])
+        XCTAssertFalse(tokenizer.isSpecial(call))
+        XCTAssertTrue(tokenizer.isSpecial(end))
+        // skipping special tokens keeps the tool-call markers, as transformers does
+        XCTAssertEqual(tokenizer.decode([call, end], skipSpecialTokens: true), "<tool_call>")
+        XCTAssertNil(tokenizer.bosToken, "Qwen tokenizers add no BOS")
+    }
 
     func testSpecialTokensAreSingleIds() throws {
         let (tokenizer, _) = try load("smollm2")

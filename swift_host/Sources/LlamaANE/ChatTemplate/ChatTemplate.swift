@@ -23,10 +23,23 @@ public struct ChatTemplate {
         nodes = try JinjaParser.parse(source)
     }
 
+    /// Variables that switch a template's tool-calling branches on. Their values are JSON objects
+    /// whose key order the prompt shows (`tools | tojson`) and a Swift dictionary does not keep, and
+    /// a `ChatMessage` carries no tool calls: rendering them here would give a prompt different from
+    /// transformers', so they are refused.
+    static let toolVariables: Set<String> = ["tools", "documents"]
+
     /// The prompt text for `messages`. `addGenerationPrompt` appends the assistant's turn header.
-    /// `extra` adds variables (e.g. `["tools": ...]`); `bosToken`/`eosToken` fill `bos_token`/`eos_token`.
+    /// `extra` adds variables (e.g. `["enable_thinking": false]`); `bosToken`/`eosToken` fill
+    /// `bos_token`/`eos_token`. A non-empty `tools` or `documents` throws `TokenizerError.chatTemplate`.
     public func render(messages: [ChatMessage], addGenerationPrompt: Bool, bosToken: String? = nil,
                        eosToken: String? = nil, extra: [String: Any] = [:]) throws -> String {
+        if let name = extra.keys.sorted().first(where: { Self.toolVariables.contains($0) && JinjaValue.from(extra[$0]).isTruthy }) {
+            throw TokenizerError.chatTemplate(
+                "the chat template's tool-calling branch (`\(name)`) is not supported here: its JSON would not "
+                    + "match transformers' prompt; render tool prompts with transformers' apply_chat_template "
+                    + "and pass the text as a plain prompt")
+        }
         var context: [String: JinjaValue] = [
             "messages": .array(messages.map { .object([("role", .string($0.role)), ("content", .string($0.content))]) }),
             "add_generation_prompt": .bool(addGenerationPrompt),

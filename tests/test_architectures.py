@@ -1,0 +1,295 @@
+"""Qwen2/2.5, Qwen3 and Mistral checkpoints, end to end on tiny random models of each family.
+
+Each checkpoint is written by transformers' own class of its family (Qwen2ForCausalLM, ...); the
+Qwen ones carry a Qwen2-style tokenizer trained in the test (byte-level BPE, no BOS, ChatML). The
+torch backend (fp32) is compared with that class on logits and greedy tokens; one fp16 export per
+family (shared by a module fixture) is executed by the mil backend against torch fp16, decodes
+cascade branches, and passes `inspect --strict`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import llama_ane
+from llama_ane.checkpoint.loader import TOKENIZER_FILES
+from llama_ane.cli import main
+from llama_ane.config import ConfigError, LlamaConfig
+from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
+
+import swift_fixtures as sf
+from test_cascade import _inputs
+from test_cli import assert_one_error_line
+from test_mil_backend import mil_vs_torch_fp16_on_text
+from test_parity_tiny import (GREEDY_TOKENS, MAX_LOGIT_DIFF, SEQ_LEN, assert_same_greedy, random_ids,
+                              reference_greedy, reference_logits)
+
+QWEN_VOCAB = 960  # the config's vocabulary is padded past the tokenizer's 907 ids, as Qwen's is
+
+# name -> checkpoint overrides (TINY_CONFIG: hidden 64, 4 query heads, 2 kv heads: GQA)
+CASES = {
+    "qwen2_tied": {"model_type": "qwen2", "tie_word_embeddings": True, "head_dim": 32},
+    "qwen2_untied_mha": {"model_type": "qwen2", "num_key_value_heads": 4},
+    "qwen3_untied": {"model_type": "qwen3", "head_dim": 64},  # explicit head_dim, not hidden / heads = 16
+    "qwen3_tied_attention_bias": {"model_type": "qwen3", "head_dim": 32, "tie_word_embeddings": True,
+                                  "attention_bias": True},
+    "mistral_untied": {"model_type": "mistral", "head_dim": 32, "sliding_window": 4096},
+}
+EXPORTED = ["qwen2_tied", "qwen3_untied", "mistral_untied"]  # one export each, shared by the module
+CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def make_family_checkpoint(path, **overrides):
+    """A tiny checkpoint of `overrides["model_type"]`; Qwen families get the Qwen2-style tokenizer."""
+    qwen = overrides["model_type"].startswith("qwen")
+    folder = make_tiny_checkpoint(path, **(dict(vocab_size=QWEN_VOCAB, bos_token_id=None, eos_token_id=None)
+                                           if qwen else {}), **overrides)
+    if qwen:
+        for name in TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
+        sf.save_qwen2_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Factory: name of CASES -> its checkpoint folder (made once per module)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = make_family_checkpoint(tmp_path_factory.mktemp(name), **CASES[name])
+        return made[name]
+    return get
+
+
+def reference(folder, model_type):
+    import transformers
+
+    ref = getattr(transformers, CLASSES[model_type]).from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(ref).__name__ == CLASSES[model_type]
+    return ref
+
+
+# --- the config --------------------------------------------------------------------------------
+
+BASE = dict(TINY_CONFIG, vocab_size=320)
+
+
+def test_each_family_reads_what_its_block_has():
+    qwen2 = LlamaConfig.from_hf_dict(dict(BASE, model_type="qwen2", sliding_window=32768, use_sliding_window=False))
+    assert (qwen2.qkv_bias, qwen2.o_proj_bias, qwen2.qk_norm, qwen2.sliding_window) == (True, False, False, None)
+    no_head_dim = {k: v for k, v in BASE.items() if k != "head_dim"}
+    qwen3 = LlamaConfig.from_hf_dict(dict(no_head_dim, model_type="qwen3"))
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 128)  # transformers' default head_dim
+    biased = LlamaConfig.from_hf_dict(dict(BASE, model_type="qwen3", attention_bias=True))
+    assert biased.qkv_bias and biased.o_proj_bias
+    assert biased.layer_extras == ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias",
+                                   "q_norm.weight", "k_norm.weight")
+    mistral = LlamaConfig.from_hf_dict(dict(BASE, model_type="mistral", sliding_window=4096))
+    assert mistral.sliding_window == 4096 and mistral.layer_extras == ()
+    assert LlamaConfig.from_dict(biased.to_dict()) == biased  # the manifest's copy
+
+
+@pytest.mark.parametrize("d, window", [
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1}, 64),
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}, None),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": True,
+      "layer_types": ["full_attention", "sliding_attention", "full_attention"]}, 64),
+    ({"model_type": "qwen3", "sliding_window": 64, "use_sliding_window": False,
+      "layer_types": ["sliding_attention"] * 3}, None),
+    ({"model_type": "mistral", "sliding_window": None}, None),
+])
+def test_sliding_window_as_transformers_reads_it(d, window):
+    import transformers
+
+    cfg = LlamaConfig.from_hf_dict(dict(BASE, **d))
+    assert cfg.sliding_window == window
+    hf = transformers.AutoConfig.for_model(**dict(BASE, **d))
+    hf_windowed = getattr(hf, "sliding_window", None) is not None and (
+        d["model_type"] == "mistral" or "sliding_attention" in hf.layer_types)
+    assert hf_windowed == (window is not None)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "qwen2_moe"}, ["'qwen2_moe'", "'llama'", "'mistral'", "'qwen2'", "'qwen3'"]),
+    ({"model_type": "qwen2", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["RoPE", "'yarn'"]),
+    ({"model_type": "qwen3", "mlp_bias": True}, ["mlp_bias"]),
+])
+def test_what_the_export_does_not_do_is_named(change, words):
+    with pytest.raises(ConfigError) as e:
+        LlamaConfig.from_hf_dict(dict(BASE, **change))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_a_clear_error(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "mistral", model_type="mistral", sliding_window=128,
+                                  num_hidden_layers=1)
+    r = CliRunner().invoke(main, ["export", str(folder), "-o", str(tmp_path / "out"), "--context-length", "256",
+                                  "--no-verify", "--quiet"], catch_exceptions=False)
+    assert_one_error_line(r, "sliding_window 128", "--context-length 256", "--context-length 128")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    with pytest.raises(ConfigError, match="sliding_window"):
+        llama_ane.load(folder, backend="torch", context_length=256)
+    model = llama_ane.load(folder, backend="torch", context_length=128, prefill_length=32)  # within the window
+    assert model.manifest["config"]["sliding_window"] == 128
+    model.close()
+
+
+# --- torch fp32 against transformers' own class -------------------------------------------------
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, checkpoints):
+    folder = checkpoints(request.param)
+    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=256, prefill_length=32,
+                           layers_per_chunk=2)
+    yield request.param, model, reference(folder, CASES[request.param]["model_type"])
+    model.close()
+
+
+def token_range(model) -> int:
+    """Ids below this are ordinary tokens of the model's tokenizer (not special, not padding rows)."""
+    return min(model.manifest["config"]["vocab_size"], 880)
+
+
+def test_logits_match_the_family_class(case):
+    name, model, ref = case
+    cfg = model.manifest["config"]
+    assert cfg["model_type"] == CASES[name]["model_type"]
+    ids = random_ids(token_range(model), SEQ_LEN, seed=1)
+    got, want = model.score(ids), reference_logits(ref, ids)
+    assert got.shape == want.shape == (SEQ_LEN, cfg["vocab_size"])
+    diff = float(np.abs(got - want).max())
+    print(f"{name}: max |logit diff| = {diff:.2e} (logits up to {np.abs(want).max():.1f})")
+    assert diff <= MAX_LOGIT_DIFF
+    assert np.abs(want).max() > 1.0
+
+
+def test_greedy_tokens_match_the_family_class(case):
+    name, model, ref = case
+    prompt = random_ids(token_range(model), 40, seed=2)
+    want = reference_greedy(ref, prompt, GREEDY_TOKENS)
+    got = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
+    assert_same_greedy(got, want, model.eos_token_ids)
+
+
+def test_cascade_branches_equal_decoding_alone(checkpoints):
+    for name in ("qwen2_tied", "qwen3_tied_attention_bias", "mistral_untied"):
+        model = llama_ane.load(checkpoints(name), backend="torch", precision="fp32", context_length=256,
+                               prefill_length=32, layers_per_chunk=2, branch_width=4, suffix_length=64)
+        prefix, conts = _inputs(seed=3)
+        out = model.generate_branches(prefix, conts, max_new_tokens=10)
+        for r, cont in zip(out.branches, conts):
+            alone = model.generate(prefix + cont, max_new_tokens=10)
+            assert r.token_ids == alone.token_ids, f"{name}: branch {r.index} differs from decoding it alone"
+        model.close()
+
+
+# --- one fp16 export per family -----------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=EXPORTED, ids=EXPORTED)
+def export(request, checkpoints, tmp_path_factory):
+    from llama_ane.api import export_model
+
+    out = export_model(checkpoints(request.param), tmp_path_factory.mktemp("export") / request.param,
+                       context_length=256, prefill_length=64, layers_per_chunk=2, progress=False)
+    return request.param, out
+
+
+def test_the_manifest_records_the_family_and_its_weights(export):
+    from llama_ane.contract.manifest import read_manifest
+    from llama_ane.mil.weights import read_weights
+
+    name, out = export
+    manifest = read_manifest(out)
+    cfg = manifest["config"]
+    assert cfg["model_type"] == CASES[name]["model_type"]
+    entry = manifest["models"]["chunk_0"]["functions"]["decode"]
+    extras = LlamaConfig.from_dict(cfg).layer_extras
+    assert extras == {"qwen2_tied": ("q_proj.bias", "k_proj.bias", "v_proj.bias"),
+                      "qwen3_untied": ("q_norm.weight", "k_norm.weight"), "mistral_untied": ()}[name]
+    names = [f"layers_0_{e.replace('.', '_')}" for e in extras]
+    weights = read_weights(out / entry["file"], entry["function_name"], names)
+    for n in names:
+        assert np.isfinite(weights[n]).all() and np.abs(weights[n]).max() > 0, n
+
+
+def test_inspect_strict_passes(export):
+    name, out = export
+    r = CliRunner().invoke(main, ["inspect", str(out), "--strict"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "no ANE rule violations" in r.output
+
+
+def test_mil_fp16_matches_torch_fp16(export):
+    name, out = export
+    c = mil_vs_torch_fp16_on_text(out, name)
+    assert c.top1_agreement >= 0.99
+    assert c.mean_cosine > 0.999
+
+
+def test_mil_decode_branches_match_decoding_alone(export):
+    """The exported decode_branches programs (mil, fp16) against the prefill/decode programs, teacher
+    forced. Both are fp16 and round differently, so where the fp32 logits' top-2 margin is within
+    twice the fp16 programs' own logit error at that position, either token is right: those
+    near-ties are left out of the top-1 count (and counted, to show they are few)."""
+    name, out = export
+    mil = llama_ane.load(out, backend="mil")
+    exact = llama_ane.load(out, backend="torch", precision="fp32")
+    prefix, conts = _inputs(seed=6, lengths=(30, 20, 25))
+    agree = total = ties = 0
+    for branch, cont in zip(mil.score_branches(prefix, conts), conts):
+        alone = mil.score(prefix + cont)[len(prefix):]
+        want = exact.score(prefix + cont)[len(prefix):]
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        error = np.maximum(np.abs(branch - want).max(-1), np.abs(alone - want).max(-1))
+        clear = top2[:, 1] - top2[:, 0] > 2 * error
+        agree += int((branch.argmax(-1) == alone.argmax(-1))[clear].sum())
+        total, ties = total + int(clear.sum()), ties + int((~clear).sum())
+    print(f"{name}: decode_branches vs alone top-1 {agree / total:.4f} over {total} tokens ({ties} near-ties left out)")
+    assert agree / total >= 0.99
+    assert ties <= 0.1 * (total + ties)
+    exact.close()
+
+
+# --- Qwen's tokenizer and ChatML in Python ------------------------------------------------------
+
+def test_qwen_tokenizer_and_chatml_as_transformers(export):
+    from transformers import AutoTokenizer
+
+    name, out = export
+    if not name.startswith("qwen"):
+        pytest.skip("the Qwen tokenizer is on the Qwen exports")
+    hf = AutoTokenizer.from_pretrained(str(out))
+    model = llama_ane.load(out, backend="torch")
+    tok = model.manifest["tokenizer"]
+    assert tok["bos_token_id"] is None and tok["add_bos_token"] is False  # Qwen adds no BOS
+    assert hf.convert_tokens_to_ids("<|im_end|>") in model.eos_token_ids
+    for text in sf._case_strings(sf.QWEN2_SPECIALS + sf.QWEN2_PLAIN_ADDED, seed=7):
+        assert model.encode(text) == hf(text).input_ids, text
+    question = "What is 2+2? 👋"
+    want = hf.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  tokenize=False)
+    assert want.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    ids = model.encode(question, chat=True)
+    assert hf.decode(ids) == want
+    assert ids == hf(want, add_special_tokens=False).input_ids
+    out_text = model.generate(question, chat=True, max_new_tokens=4, temperature=0.0)
+    assert out_text.prompt_tokens == len(ids)
+    model.close()
+
+
+def test_chat_template_in_the_manifest_is_the_checkpoints(export):
+    name, out = export
+    manifest = json.loads((out / "manifest.json").read_text())
+    template = manifest["tokenizer"]["chat_template"]
+    if name.startswith("qwen"):
+        assert template == sf.QWEN2_CHATML_TEMPLATE
+    else:
+        assert template and "<|im_start|>" in template
