@@ -143,7 +143,7 @@ CALIBRATION_TOKENS = 512
 @no_inductor_leftover()
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
-                 suffix_length: int = 256, target: str = "iOS18",
+                 suffix_length: int = 256, target: str = "iOS18", verify_window: int = 16,
                  precision: str = "fp16", force: bool = False, verify: bool = False,
                  workers: int | None = None, max_memory_gb: float | None = None,
                  quantize: str = "none", quantize_embeddings: str | None = None,
@@ -173,7 +173,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
                                            block_size=block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length, compression)
+                         suffix_length, compression, verify_window=verify_window)
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")

@@ -91,7 +91,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  embedding_rows: list[tuple[int, int]], head_groups: list[list[int]], specs: dict,
                  context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
-                 tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict) -> dict[str, Any]:
+                 tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
+                 verify_window: int = 0) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
@@ -99,7 +100,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
 
     `files` maps (model, function) -> (file name, function name inside that file).
     """
-    from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name, embeddings_model_name, \
+    from .specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, chunk_model_name, embeddings_model_name, \
         lm_head_model_name
 
     models: dict[str, Any] = {}
@@ -110,7 +111,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
     chunks = [{"model": chunk_model_name(i), "layers": layers,
                "cache_update": {fn: cache_update_function(fn, len(layers))
-                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())}}
+                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())
+                                + ((VERIFY,) if verify_window else ())}}
               for i, layers in enumerate(plan)]
     lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
     return {
@@ -123,6 +125,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "prefill_length": prefill_length,
         "branch_width": branch_width,
         "suffix_length": suffix_length,
+        "verify_window": verify_window,
         "precision": precision,
         "deployment_target": target,
         "multifunction": multifunction,

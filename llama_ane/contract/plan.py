@@ -34,6 +34,7 @@ class ExportOptions:
     branch_width: int = 8
     suffix_length: int = 256
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
+    verify_window: int = 16  # W of the "verify" functions (speculative decoding); 0 = none
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -53,6 +54,9 @@ class ExportOptions:
         if self.branch_width and (self.suffix_length < 32 or self.suffix_length % 32):
             raise ExportOptionsError(f"--suffix-length must be a positive multiple of 32 (ANE cache rule), "
                                      f"got {self.suffix_length}")
+        if self.verify_window < 0 or self.verify_window == 1 or self.verify_window > self.context_length:
+            raise ExportOptionsError(f"--verify-window must be 0 (no speculative decoding) or 2..{self.context_length}, "
+                                     f"got {self.verify_window}")
         if self.precision not in ("fp16", "fp32"):
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
         if self.quantize.active and self.precision != "fp16":
@@ -132,6 +136,7 @@ class ExportPlan:
         return new_manifest(name=name, source=source, config=self.config.to_dict(), plan=self.chunks,
                             embedding_rows=self.embedding_rows, head_groups=self.head_groups, specs=self.specs, context_length=o.context_length, prefill_length=o.prefill_length,
                             branch_width=o.branch_width, suffix_length=o.suffix_length if o.branch_width else 0,
+                            verify_window=o.verify_window,
                             precision=o.precision, target=o.target, multifunction=o.multifunction,
                             quantization=o.quantize.describe(o.target),
                             weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
@@ -142,7 +147,8 @@ class ExportPlan:
 
 def rope_positions(opts: ExportOptions) -> int:
     """Rows of the RoPE tables: the last position any function may read, plus one."""
-    return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1)
+    return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1,
+                                     opts.verify_window)
 
 
 def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
@@ -182,7 +188,8 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
-                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups)
+                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups,
+                        verify_window=opts.verify_window)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
     for k, (a, b) in enumerate(embedding_rows):
