@@ -192,7 +192,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB))
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
         f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
-        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else ""))
+        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
+        + (f", verify window {verify_window}" if verify_window else ""))
     if compression.active:
         def granularity(d: dict) -> str:
             if d.get("group_size") == 0:
