@@ -143,7 +143,7 @@ CALIBRATION_TOKENS = 512
 @no_inductor_leftover()
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
-                 suffix_length: int = 256, target: str = "iOS18",
+                 suffix_length: int = 256, target: str = "iOS18", verify_window: int | None = None,
                  precision: str = "fp16", force: bool = False, verify: bool = False,
                  workers: int | None = None, max_memory_gb: float | None = None,
                  quantize: str = "none", quantize_embeddings: str | None = None,
@@ -152,7 +152,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
-    `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
+    `verify_window` is W of the speculative "verify" functions (default 16; 0 with state caches,
+    which have none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
     themselves (iOS18/macOS15, fp16); the default "inputs" passes them in and out, written back by
     the asynchronous cache-update model.
 
@@ -177,7 +178,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
                                            block_size=block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length, compression, kv_cache)
+                         suffix_length, compression, kv_cache, verify_window)
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
@@ -197,7 +198,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
         f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
-        + (", KV caches in Core ML states" if kv_cache == "state" else ""))
+        + (", KV caches in Core ML states" if kv_cache == "state" else "")
+        + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if compression.active:
         def granularity(d: dict) -> str:
             if d.get("group_size") == 0:

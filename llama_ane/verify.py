@@ -209,6 +209,46 @@ def _scored(out_dir: Path, backend: str, ids: list[int], **options) -> np.ndarra
         model.close()
 
 
+def text_tree(ids: list[int]) -> tuple[list[int], list[int]]:
+    """A token tree of len(ids) tokens taken from a text: ids[0] is the root, the first half of the
+    rest a chain under it, the second half another chain under it. Returns (tokens, parents)."""
+    half = 1 + (len(ids) - 1) // 2
+    parents = [-1] + [i - 1 if i > 1 else 0 for i in range(1, half)]
+    parents += [0] + [i - 1 for i in range(half + 1, len(ids))]
+    return list(ids), parents[:len(ids)]
+
+
+def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.ndarray:
+    """Logits [W, vocab] of the "verify" function on `text_tree(ids)` at position 0 (an empty
+    cache), one model in memory at a time."""
+    from .runtime.model import load
+
+    tokens, parents = text_tree(ids)
+    depth = np.zeros(len(ids), np.int32)
+    allowed = np.eye(len(ids), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depth[i], allowed[i] = depth[p] + 1, allowed[i] | allowed[p]
+    model = load(out_dir, backend=backend, **options)
+    try:
+        pipe, dtype = model.pipeline, model.backend.dtype
+        inputs = {"input_ids": np.array([tokens], np.int32), "position": np.zeros(1, np.int32), "depths": depth,
+                  "tree_mask": np.where(allowed, 0.0, -1.0e4).astype(dtype).reshape(1, 1, len(ids), len(ids))}
+        emb = pipe.embed("verify", inputs)
+        for name in pipe.embedding_models:
+            model.backend.release(name)
+        hidden = emb["hidden_states"]
+        for chunk in pipe.chunks:
+            zeros = pipe._zeros(len(chunk["layers"]))
+            pool = {**emb, "hidden_states": hidden, "k_cache": zeros, "v_cache": zeros}
+            hidden = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))[
+                "hidden_states_out"]
+            model.backend.release(chunk["model"])
+        return pipe.logits("verify", hidden)
+    finally:
+        model.close()
+
+
 def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = None, *,
                   max_tokens: int = DEFAULT_MAX_TOKENS, precision: str | None = None,
                   with_transformers: bool = True,
@@ -306,6 +346,18 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         report.error = f"the torch reference failed: {type(exc).__name__}: {exc}"
         return report
     del want, got_conversion
+    window = int(manifest.get("verify_window", 0))
+    if window and len(ids) >= window:
+        try:  # the verify function (speculative decoding): a token tree from the text, the same two backends
+            conversion = {"precision": "fp32", "widen_weights": False} if backend == "mil" else {}
+            reference = {} if compressed else {"checkpoint": checkpoint, "weights_precision": export_precision}
+            tree = _tree_logits(out_dir, backend, ids[:window], **conversion)
+            want = _tree_logits(out_dir, "torch", ids[:window], precision=conversion_precision, **reference)
+            report.comparisons.append(compare_logits(tree, want, f"{label}, verify tree of {window}", torch_thresholds,
+                                                     np.float16 if conversion_precision == "fp16" else np.float32))
+        except Exception as exc:
+            report.error = f"the verify function could not be checked: {type(exc).__name__}: {exc}"
+            return report
     if with_transformers:
         try:
             hf = transformers_logits(ids, checkpoint)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import pytest
@@ -66,3 +67,14 @@ def smollm2_export(tmp_path_factory):
     from llama_ane.api import export_model
 
     return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False)
+
+
+@contextlib.contextmanager
+def no_eos(model):
+    """Decode exactly max_new_tokens (a random model may pick EOS at any step)."""
+    saved = model.manifest["tokenizer"]["eos_token_ids"]
+    model.manifest["tokenizer"]["eos_token_ids"] = []
+    try:
+        yield
+    finally:
+        model.manifest["tokenizer"]["eos_token_ids"] = saved

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import llama_ane
 from llama_ane.runtime.chat import Chat
 from llama_ane.runtime.kv_cache import PromptCacheError, common_prefix
 from llama_ane.runtime.model import LlamaANEModel, shift_limit, shifted
+
+from conftest import no_eos
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,6 @@ def ids(model, n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, model.manifest["config"]["vocab_size"], n)]
 
 
-@contextlib.contextmanager
-def no_eos(model):
-    """Decode exactly max_new_tokens (a random model may pick EOS at any step)."""
-    saved = model.manifest["tokenizer"]["eos_token_ids"]
-    model.manifest["tokenizer"]["eos_token_ids"] = []
-    try:
-        yield
-    finally:
-        model.manifest["tokenizer"]["eos_token_ids"] = saved
 
 
 def test_direct_cache_gives_the_numbers_of_the_cache_update_modules(models):

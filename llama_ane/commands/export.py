@@ -23,6 +23,9 @@ from .errors import user_errors
               help="Cascade width B: branches decoded per step over a shared prefix (0 = none).")
 @click.option("--suffix-length", default=256, show_default=True,
               help="Tokens each cascade branch may add after the shared prefix.")
+@click.option("--verify-window", type=int, default=None,
+              help="Tokens of the token tree one speculative-decoding step verifies (0 = no verify function) "
+                   "[default: 16; 0 with --kv-cache state].")
 @click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
@@ -47,7 +50,8 @@ from .errors import user_errors
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, target,
+def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, verify_window,
+            target,
             precision, workers, max_memory, quantize, quantize_embeddings, quantize_attention, quantize_mlp,
             quantize_lm_head, group_size, block_size, kv_cache, force, no_verify, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
@@ -58,7 +62,7 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
     with user_errors():
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
-                     suffix_length=suffix_length, target=target, precision=precision, force=force,
+                     suffix_length=suffix_length, verify_window=verify_window, target=target, precision=precision, force=force,
                      verify=not no_verify, workers=workers, max_memory_gb=max_memory, quantize=quantize,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,

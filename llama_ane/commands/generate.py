@@ -5,6 +5,8 @@
     llama-ane generate OUT --prompt "..." --samples 8 --temperature 0.8      N samples (cascade)
     llama-ane generate OUT --prompt-file doc.txt --question A --prompt-cache doc.npz
                         (the document's K/V saved on the first run, reused by later ones)
+    llama-ane generate OUT --prompt-file doc.txt --speculative lookup      speculative decoding:
+                        drafts from the prompt verified in one window per step, same output
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 @click.option("--prompt-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A prompt-cache file: reused if it exists (only the prompt's new tokens are prefilled), "
                    "created or updated otherwise.")
+@click.option("--speculative", default=None, metavar="lookup|draft:OUT",
+              help="Speculative decoding: 'lookup' drafts from n-gram matches in the prompt and the text so far, "
+                   "'draft:OUT' with a smaller export of the same tokenizer; the output is the same as without.")
+@click.option("--draft-tokens", type=int, default=None,
+              help="Most drafted tokens per verify step [default: the export's verify window - 1; adapted as it runs].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, backend, precision, temperature,
-            top_k, top_p, seed, stop, prompt_cache, as_json):
+            top_k, top_p, seed, stop, prompt_cache, speculative, draft_tokens, as_json):
     """Generate text from the export in OUT."""
     import llama_ane
 
@@ -52,6 +59,10 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if questions and samples is not None:
         raise click.UsageError("--question and --samples cannot be combined")
+    if speculative is not None and (questions or samples is not None):
+        raise click.UsageError("--speculative decodes one continuation: drop --question/--samples")
+    if draft_tokens is not None and speculative is None:
+        raise click.UsageError("--draft-tokens needs --speculative")
     text = prompt if prompt is not None else prompt_file.read_text()
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop=list(stop))
@@ -71,6 +82,8 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
             if questions or samples is not None:
                 _branches(model, text, list(questions), samples, chat, sampling, as_json)
             else:
+                if speculative is not None:
+                    sampling.update(speculative=speculative, draft_tokens=draft_tokens)
                 _single(model, text, chat, sampling, as_json)
             if cache is not None:
                 model.save_cache(cache, prompt_cache)
@@ -86,6 +99,8 @@ def _single(model, text, chat, sampling, as_json):
              "generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
              "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
              "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}
+    if result.speculative is not None:
+        stats["speculative"] = result.speculative
     if as_json:
         click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, **stats}))
         return
@@ -97,6 +112,12 @@ def _single(model, text, chat, sampling, as_json):
                f"{stats['prefill_seconds']} s, {stats['prefill_tokens_per_s']} tok/s | "
                f"decode: {result.decoded_tokens} tokens, {stats['decode_tokens_per_s']} tok/s | "
                f"finish: {result.finish_reason}", err=True)
+    spec = result.speculative
+    if spec is not None:
+        paused = f", drafting paused {spec['fallbacks']}x (did not pay)" if spec["fallbacks"] else ""
+        click.echo(f"[speculative] {spec['verify_steps']} verify steps, {spec['tokens_per_step']} tokens per "
+                   f"verify step, acceptance {spec['acceptance_rate']} ({spec['accepted_tokens']}/"
+                   f"{spec['drafted_tokens']} drafted), {spec['decode_steps']} plain steps{paused}", err=True)
 
 
 def _branches(model, text, questions, samples, chat, sampling, as_json):

@@ -45,6 +45,8 @@ def command(out, bandwidth, as_json):
                f"{'multifunction' if m['multifunction'] else 'single-function'} packages")
     if m.get("branch_width"):
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
+    if m.get("verify_window"):
+        click.echo(f"  verify    token trees of {m['verify_window']} tokens per step (speculative decoding)")
     weights = m.get("weights", {})
 
     def mb(model: str) -> str:

@@ -104,7 +104,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
                  tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
-                 kv_cache: str = "inputs") -> dict[str, Any]:
+                 kv_cache: str = "inputs", verify_window: int = 0) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
@@ -114,7 +114,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
     each of its functions to the cache-update function that writes its K/V, where there is one.
     """
-    from .specs import BRANCHES, FUNCTIONS, cache_update_function, chunk_model_name, embeddings_model_name, \
+    from .specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, chunk_model_name, embeddings_model_name, \
         lm_head_model_name
 
     models: dict[str, Any] = {}
@@ -127,6 +127,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     chunks = [{"model": chunk_model_name(i), "layers": layers,
                "cache_update": {fn: cache_update_function(fn, len(layers))
                                 for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())
+                                + ((VERIFY,) if verify_window else ())
                                 if cache_update_function(fn, len(layers)) in updates}}
               for i, layers in enumerate(plan)]
     lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
@@ -140,6 +141,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "prefill_length": prefill_length,
         "branch_width": branch_width,
         "suffix_length": suffix_length,
+        "verify_window": verify_window,
         "precision": precision,
         "deployment_target": target,
         "multifunction": multifunction,

@@ -18,6 +18,7 @@ from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
+DEFAULT_VERIFY_WINDOW = 16
 
 
 class ExportOptionsError(ValueError):
@@ -35,6 +36,14 @@ class ExportOptions:
     suffix_length: int = 256
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
     kv_cache: str = "inputs"
+    # W of the "verify" functions (speculative decoding); 0 = none; None: DEFAULT_VERIFY_WINDOW, or
+    # 0 with state caches (the accepted path is written by the cache-update model, which cannot
+    # write a chunk's states)
+    verify_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify_window is None:
+            object.__setattr__(self, "verify_window", 0 if self.kv_cache == "state" else DEFAULT_VERIFY_WINDOW)
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -54,6 +63,9 @@ class ExportOptions:
         if self.branch_width and (self.suffix_length < 32 or self.suffix_length % 32):
             raise ExportOptionsError(f"--suffix-length must be a positive multiple of 32 (ANE cache rule), "
                                      f"got {self.suffix_length}")
+        if self.verify_window < 0 or self.verify_window == 1 or self.verify_window > self.context_length:
+            raise ExportOptionsError(f"--verify-window must be 0 (no speculative decoding) or 2..{self.context_length}, "
+                                     f"got {self.verify_window}")
         if self.precision not in ("fp16", "fp32"):
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
         if self.quantize.active and self.precision != "fp16":
@@ -64,6 +76,10 @@ class ExportOptions:
         if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
             raise ExportOptionsError(f"--kv-cache state needs Core ML states, which --target {self.target} does not "
                                      f"have: use --target {' or '.join(MULTIFUNCTION_TARGETS)}, or --kv-cache inputs")
+        if self.kv_cache == "state" and self.verify_window:
+            raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
+                                     "written by the cache-update model, which cannot write the chunks' states; "
+                                     "drop --verify-window, or use --kv-cache inputs")
         if self.kv_cache == "state" and self.precision != "fp16":
             raise ExportOptionsError("--kv-cache state keeps the caches in Core ML states, which are float16: "
                                      "drop --precision fp32, or use --kv-cache inputs")
@@ -141,6 +157,7 @@ class ExportPlan:
         return new_manifest(name=name, source=source, config=self.config.to_dict(), plan=self.chunks,
                             embedding_rows=self.embedding_rows, head_groups=self.head_groups, specs=self.specs, context_length=o.context_length, prefill_length=o.prefill_length,
                             branch_width=o.branch_width, suffix_length=o.suffix_length if o.branch_width else 0,
+                            verify_window=o.verify_window,
                             precision=o.precision, target=o.target, multifunction=o.multifunction,
                             quantization=o.quantize.describe(o.target),
                             weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
@@ -151,7 +168,8 @@ class ExportPlan:
 
 def rope_positions(opts: ExportOptions) -> int:
     """Rows of the RoPE tables: the last position any function may read, plus one."""
-    return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1)
+    return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1,
+                                     opts.verify_window)
 
 
 def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
@@ -192,7 +210,8 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
-                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache)
+                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
+                        verify_window=opts.verify_window)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
     for k, (a, b) in enumerate(embedding_rows):

@@ -10,6 +10,8 @@ from ..config import LlamaConfig
 # branches over a shared prefix (cascade). Cache-update functions are named after these.
 FUNCTIONS = ("prefill", "decode")
 BRANCHES = "decode_branches"
+# "verify" checks a tree of W drafted tokens in one window (speculative decoding, chunks/verify.py)
+VERIFY = "verify"
 
 # How the chunks' K/V caches live (manifest "cache"."kind"): "inputs" are arrays passed in and a
 # cache-update model writes each window's K/V back; "state" caches are Core ML states (iOS18,
@@ -85,18 +87,19 @@ def _cache_io(io: dict, kv_cache: str) -> dict:
 def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, prefill_length: int,
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
                 embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
-                kv_cache: str = "inputs") -> dict[str, dict[str, dict]]:
+                kv_cache: str = "inputs", verify_window: int = 0) -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export.
 
     With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade). The
     embedding table is cut into `embedding_parts` files: the first ("embeddings") looks up its
     rows and makes the RoPE tables and masks; each later one ("embeddings_1", ...) adds the lookup
     of its rows to the hidden states. `head_groups` lists the vocabulary splits each LM head file
-    computes (default: all in "lm_head"); their outputs keep the global names logits_j.
+    computes (default: all in "lm_head"); their outputs keep the global names logits_j. With
+    `verify_window` W > 0, every model also gets a "verify" function (a token tree of W tokens).
 
     With `kv_cache="state"` the chunks' caches are states (see `_cache_io`): prefill and decode
     need no cache-update function, and "cache_update" holds only the cascade's suffix updates (it
-    is left out when there are none).
+    is left out when there are none). State exports have no verify function (see ExportOptions).
     """
     c, d, kv, t, f = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, float_dtype
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
@@ -133,6 +136,8 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     if branch_width:
         add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length, embedding_parts, groups,
                          kv_cache)
+    if verify_window:
+        add_verify_specs(specs, cfg, plan, context_length, f, verify_window, embedding_parts, groups)
     if not specs["cache_update"]:
         del specs["cache_update"]
     return specs
@@ -187,3 +192,33 @@ def add_branch_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], conte
         }
     add_embedding_part_specs(specs, embedding_parts, BRANCHES, c, b, f)
     add_lm_head_specs(specs, cfg, head_groups, BRANCHES, b, f)
+
+
+def add_verify_specs(specs: dict, cfg: LlamaConfig, plan: list[list[int]], context_length: int, f: str,
+                     w: int, embedding_parts: int, head_groups: list[list[int]]) -> None:
+    """The "verify" functions (see chunks/verify.py for their semantics): the embeddings take the
+    tree (depths, tree_mask), the chunks and the LM head are their window functions at S = W, and
+    the cache update writes the accepted tokens at the given slots."""
+    c, d, kv, t = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length
+    specs["embeddings"][VERIFY] = {
+        "inputs": [_t("input_ids", [1, w], "int32"), _t("position", [1], "int32"), _t("depths", [w], "int32"),
+                   _t("tree_mask", [1, 1, w, w], f)],
+        "outputs": [_t("hidden_states", [1, c, 1, w], f), _t("cos", [1, d, 1, w], f), _t("sin", [1, d, 1, w], f),
+                    _t("mask", [1, 1, w, t + w], f)],
+    }
+    for i, layers in enumerate(plan):
+        n = len(layers)
+        specs[chunk_model_name(i)][VERIFY] = {
+            "inputs": [_t("hidden_states", [1, c, 1, w], f), _t("cos", [1, d, 1, w], f), _t("sin", [1, d, 1, w], f),
+                       _t("mask", [1, 1, w, t + w], f),
+                       _t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f)],
+            "outputs": [_t("hidden_states_out", [1, c, 1, w], f),
+                        _t("k_new", [n, kv, 1, w], f), _t("v_new", [n, kv, 1, w], f)],
+        }
+        specs["cache_update"][cache_update_function(VERIFY, n)] = {
+            "inputs": [_t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f),
+                       _t("k_new", [n, kv, 1, w], f), _t("v_new", [n, kv, 1, w], f), _t("slots", [w], "int32")],
+            "outputs": [_t("k_cache_out", [n, kv, 1, t], f), _t("v_cache_out", [n, kv, 1, t], f)],
+        }
+    add_embedding_part_specs(specs, embedding_parts, VERIFY, c, w, f)
+    add_lm_head_specs(specs, cfg, head_groups, VERIFY, w, f)

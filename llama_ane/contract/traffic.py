@@ -74,3 +74,18 @@ def decode_step_traffic(manifest: dict, kv_cache: str | None = None) -> StepTraf
         weights=sum(weights.get(m, {}).get("bytes", 0) for m in stepped) + row,
         weights_dense=sum(weights.get(m, {}).get("dense_bytes", 0) for m in stepped) + row,
         cache_read=read, cache_update=update)
+
+
+def window_io_bytes(manifest: dict, function: str) -> int:
+    """Bytes of the tensors passed between the models in one step of `function` ("decode", or
+    "verify": a token tree of W tokens): every input and output of the embeddings, chunk and LM
+    head functions but the caches (hidden states, RoPE rows, masks, new K/V, logits). Added to
+    `decode_step_traffic(manifest).total` it gives the bytes of a step of that function: the weights
+    and caches are read once per step whatever the window, the window's own tensors grow with it."""
+    models = [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
+              *manifest["lm_head"]["models"]]
+    total = 0
+    for model in models:
+        fn = manifest["models"][model]["functions"][function]
+        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if t["name"] not in ("k_cache", "v_cache"))
+    return total

@@ -24,7 +24,7 @@ from coremltools.converters.mil.mil import Function, Program, types
 from ..chunks.models import rope_tables
 from ..config import LlamaConfig
 from . import mil_layers as L
-from ..contract.specs import BRANCHES, model_kind
+from ..contract.specs import BRANCHES, VERIFY, model_kind
 
 _TYPES = {"float16": types.fp16, "float32": types.fp32, "int32": types.int32}
 
@@ -125,6 +125,23 @@ def branch_embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_l
     return body
 
 
+def verify_embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
+    """Token lookup, RoPE rows at each tree token's position, cache + tree mask (chunks.verify.VerifyEmbeddings)."""
+    def body(inputs):
+        w = _shape(io, "input_ids")[1]
+        t = context_length
+        hidden = lookup(g, inputs["input_ids"], rows, cfg.vocab_size)
+        pos = mb.add(x=inputs["position"], y=inputs["depths"])  # (W,)
+        cos, sin = (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=pos, axis=0), perm=[1, 0]),
+                               shape=[1, cfg.head_dim, 1, w]) for name in ("cos_table", "sin_table"))
+        cached = mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t),
+                         y=mb.reshape(x=inputs["position"], shape=[1, 1, 1, 1]))  # (1,1,1,T)
+        cache_mask = mb.tile(x=L.mask_from(g, cached), reps=[1, 1, w, 1])
+        mask = mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)
+        return {"hidden_states": hidden, "cos": cos, "sin": sin, "mask": mask}
+    return body
+
+
 def embeddings_part_function(g: L.Graph, cfg: LlamaConfig, rows: tuple[int, int]):
     """A later embeddings file: the hidden states plus the lookup of its rows (chunks.models.EmbeddingsPart)."""
     def body(inputs):
@@ -184,11 +201,15 @@ def lm_head_function(g: L.Graph, cfg: LlamaConfig, io: dict):
 
 
 def cache_update_function(g: L.Graph, io: dict):
-    """Write a window's K/V at position .. position+S-1 with a one-hot matmul (chunks.models.CacheUpdate)."""
+    """Write a window's K/V at position .. position+S-1 with a one-hot matmul (chunks.models.CacheUpdate),
+    or, given `slots` (the "verify" update, chunks.verify.VerifyUpdate), token i's at slots[i] (none at -1)."""
     def body(inputs):
         t = _shape(io, "k_cache")[3]
         s = _shape(io, "k_new")[3]
-        where = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32).reshape(s, 1))  # (S,1)
+        if "slots" in inputs:
+            where = mb.reshape(x=inputs["slots"], shape=[s, 1])  # (S,1)
+        else:
+            where = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32).reshape(s, 1))  # (S,1)
         onehot = mb.cast(x=mb.equal(x=np.arange(t, dtype=np.int32).reshape(1, t), y=where),
                          dtype="fp16" if g.dtype == np.float16 else "fp32")  # (S,T)
         keep = mb.sub(x=g.scalar(1.0), y=mb.reduce_sum(x=onehot, axes=[0], keep_dims=False))  # (T,)
@@ -220,6 +241,8 @@ def function_body(model: str, function: str, g: L.Graph, cfg: LlamaConfig, io: d
     if kind == "embeddings":
         if function == BRANCHES:
             return branch_embeddings_function(g, cfg, io, context_length, suffix_length, rows)
+        if function == VERIFY:
+            return verify_embeddings_function(g, cfg, io, context_length, rows)
         return embeddings_function(g, cfg, io, context_length, rows)
     if kind == "embeddings_part":
         return embeddings_part_function(g, cfg, rows)

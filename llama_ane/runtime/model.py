@@ -6,7 +6,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from .kv_cache import KVCache, load_cache, save_cache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, sample
 from .text_stream import TextStream
+
+if TYPE_CHECKING:
+    from .drafters import Drafter
 
 BACKENDS = ("auto", "coreml", "torch", "mil")
 OVERFLOW = ("stop", "shift")
@@ -40,6 +43,7 @@ class GenerationResult:
     decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
     reused_tokens: int = field(default=0)  # prompt tokens whose K/V the cache already held
     shifts: int = field(default=0)  # context shifts (overflow="shift")
+    speculative: dict | None = field(default=None)  # SpeculativeStats.as_dict() of a speculative generation
 
     @property
     def prefilled_tokens(self) -> int:
@@ -53,6 +57,17 @@ class GenerationResult:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def _plain_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                  advance: Callable[[int], np.ndarray | None]) -> Iterator[int]:
+    """Plain decoding: sample a token, feed it (`advance`), repeat; ends when `advance` returns None."""
+    while True:
+        token = sample(logits, params, rng)
+        yield token
+        logits = advance(token)
+        if logits is None:
+            return
 
 
 def coreml_can_predict() -> bool:
@@ -109,7 +124,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
 
     options go to the backend: `precision` ("fp32"|"fp16") and `device` for torch,
     `compute_units` for coreml, `precision` for mil. Export options, for a checkpoint:
-    `context_length`, `prefill_length`, `layers_per_chunk`, `branch_width`, `suffix_length`.
+    `context_length`, `prefill_length`, `layers_per_chunk`, `branch_width`, `suffix_length`, `verify_window`.
     """
     p = Path(path) if path != "default" else None
     if p is not None and (p / "manifest.json").is_file():
@@ -121,7 +136,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
                              "a checkpoint directly: export it first with `llama-ane export`")
         from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
-                                                 "branch_width", "suffix_length") if k in options}
+                                                 "branch_width", "suffix_length", "verify_window") if k in options}
         manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)
         options["checkpoint"] = checkpoint
         backend = "torch"
@@ -196,13 +211,18 @@ class LlamaANEModel:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: Sequence[str] | None = None, chat: bool = False, cache: KVCache | None = None,
-               overflow: str = "stop", keep: int = 0) -> Iterator[TokenEvent]:
+               overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
+               draft_tokens: int | None = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`.
 
         `cache` (from `make_cache` or `load_cache`): continue from it; the longest common prefix of
         the prompt with its tokens is reused and only the rest is prefilled; it then holds the prompt
         and the generated tokens. `overflow`: at a full context, "stop" (finish_reason "context") or
         "shift": keep the first `keep` tokens and the most recent ones, re-prefill them, go on.
+        `speculative`: "lookup" (prompt lookup), "draft:OUT" (a smaller export drafts) or a Drafter:
+        token trees of up to `draft_tokens` drafts verified in one window each, with the same output
+        as without (greedy: the same tokens; sampling: the same distribution); the result's
+        `speculative` holds tokens per verify step and the acceptance rate.
         """
         params = SamplingParams(temperature, top_k, top_p)
         if max_new_tokens < 1:
@@ -211,6 +231,20 @@ class LlamaANEModel:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         rng = np.random.default_rng(seed)
+        if speculative is not None:
+            from .speculative import check_speculative
+            check_speculative(self.manifest, draft_tokens)
+        elif draft_tokens is not None:
+            raise ValueError("draft_tokens needs speculative decoding (speculative='lookup' or 'draft:OUT')")
+        drafter, owned = self._drafter(speculative)
+        try:
+            yield from self._stream(ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter,
+                                    draft_tokens)
+        finally:
+            if owned:
+                drafter.close()
+
+    def _stream(self, ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter, draft_tokens):
         self.pipeline.start(cache)
         context = self.pipeline.context_length
         shifts = 0
@@ -220,11 +254,33 @@ class LlamaANEModel:
         t0 = time.perf_counter()
         logits, reused = self.pipeline.extend(fed)
         t1 = time.perf_counter()
+
+        fed_one = 0  # tokens fed one at a time after the prompt
+
+        def advance(token: int) -> np.ndarray | None:
+            """Feed one token the plain way: the logits after it, or None at a full context (stop)."""
+            nonlocal shifts, fed_one
+            if self.pipeline.position < context:
+                fed_one += 1
+                return self.pipeline.run_window([token])[0]
+            if overflow == "stop":
+                return None
+            tokens = shifted(self.pipeline.cache.tokens + [token], keep, shift_limit(context, keep))
+            shifts += 1
+            fed_one += 1
+            return self.pipeline.extend(tokens)[0]
+
+        decoder = None
+        if drafter is not None:
+            from .speculative import SpeculativeDecoder
+            decoder = SpeculativeDecoder(self.pipeline, drafter, params, rng, advance, draft_tokens)
+            source = decoder.tokens(logits, fed)
+        else:
+            source = _plain_tokens(logits, params, rng, advance)
         text = TextStream(self.tokenizer, stop or [])
-        reason, steps = "length", 0
+        reason = "context"
         decode_start = time.perf_counter()
-        while True:
-            token = sample(logits, params, rng)
+        for token in source:
             if token in self.eos_token_ids:
                 reason = "eos"
                 break
@@ -233,32 +289,53 @@ class LlamaANEModel:
                 reason = "stop"
                 break
             if len(text.token_ids) >= max_new_tokens:
+                reason = "length"
                 break
-            if self.pipeline.position >= context:
-                if overflow == "stop":
-                    reason = "context"
-                    break
-                tokens = shifted(self.pipeline.cache.tokens + [token], keep, shift_limit(context, keep))
-                logits, _ = self.pipeline.extend(tokens)
-                shifts += 1
-            else:
-                logits = self.pipeline.run_window([token])[0]
-            steps += 1
+        if decoder is not None and decoder.unconsumed:  # accepted drafts past the end: as if never fed
+            self.pipeline.rewind(self.pipeline.position - decoder.unconsumed)
         self.pipeline.wait()
         t2 = time.perf_counter()
+        steps, spec = fed_one, None
+        if decoder is not None:  # and the tokens the verify windows kept
+            st = decoder.stats
+            steps += st.verify_steps + st.accepted_tokens - decoder.unconsumed
+            spec = st.as_dict()
         self.last_result = GenerationResult(text.token_ids, text.text, len(fed), reason, t1 - t0,
                                             t2 - decode_start, decoded_tokens=steps, reused_tokens=reused,
-                                            shifts=shifts)
+                                            shifts=shifts, speculative=spec)
+
+    def _drafter(self, speculative) -> tuple[object | None, bool]:
+        """The drafter named by `speculative` and whether this call owns it (closes it after)."""
+        from .drafters import ModelDrafter, PromptLookupDrafter
+
+        if speculative is None:
+            return None, False
+        if not isinstance(speculative, str):
+            return speculative, False
+        if speculative == "lookup":
+            return PromptLookupDrafter(), False
+        if speculative.startswith("draft:"):
+            folder = speculative.removeprefix("draft:")
+            draft = load(folder, backend=self.backend.name if self.backend.name != "coreml" else "auto")
+            if draft.manifest["config"]["vocab_size"] != self.manifest["config"]["vocab_size"]:
+                draft.close()
+                raise ValueError(f"the draft export {folder} has another vocabulary "
+                                 f"({draft.manifest['config']['vocab_size']} tokens, this model "
+                                 f"{self.manifest['config']['vocab_size']}); a drafter must share the tokenizer")
+            return ModelDrafter(draft), True
+        raise ValueError(f"--speculative must be 'lookup' or 'draft:OUT' (an export folder), got {speculative!r}")
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, chat: bool = False,
                  on_token: Callable[[TokenEvent], None] | None = None, cache: KVCache | None = None,
-                 overflow: str = "stop", keep: int = 0) -> GenerationResult:
+                 overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
+                 draft_tokens: int | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced.
-        `cache`, `overflow` and `keep`: see `stream`."""
+        `cache`, `overflow`, `keep`, `speculative` and `draft_tokens`: see `stream`."""
         for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
-                                 cache=cache, overflow=overflow, keep=keep):
+                                 cache=cache, overflow=overflow, keep=keep, speculative=speculative,
+                                 draft_tokens=draft_tokens):
             if on_token is not None:
                 on_token(event)
         return self.last_result

@@ -33,7 +33,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..chunks.layers import MASK_VALUE
 from ..contract.manifest import function_entry, function_states, kv_cache_kind
+from ..contract.specs import VERIFY
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -272,6 +274,55 @@ class Pipeline:
                               visible=start)[:len(ids)]
         self.cache.tokens.extend(int(t) for t in ids)
         return logits
+
+    def verify_tree(self, token_ids: np.ndarray, depths: np.ndarray, tree_mask: np.ndarray) -> np.ndarray:
+        """Run the "verify" function on a token tree after the cached tokens; return the logits
+        after each of its n tokens, float32 [n, vocab]. Nothing reaches the cache until `accept`.
+
+        token_ids, depths: (n,) int32, the tree's tokens (token 0 the root) and depths; tree_mask:
+        (1, 1, n, n) additive (chunks/verify.py). The window is padded to the exported W (padding
+        sees only itself and nothing sees it); with direct caches it runs at its n tokens instead.
+        """
+        w = self.manifest.get("verify_window", 0)
+        n = len(token_ids)
+        if not w:
+            raise ValueError("this export has no verify function: re-export it with --verify-window 16")
+        if not 1 <= n <= w:
+            raise ValueError(f"a verify window holds 1..{w} tokens, got {n}")
+        start = self.position
+        self._check_room(int(depths.max()) + 1)
+        size = n if self.direct else w
+        ids, pos = np.zeros((1, size), np.int32), np.zeros(size, np.int32)
+        ids[0, :n], pos[:n] = token_ids, depths
+        mask = np.full((1, 1, size, size), MASK_VALUE, self.backend.dtype)
+        mask[0, 0, np.arange(size), np.arange(size)] = 0
+        mask[..., :n, :n] = tree_mask
+        pending: list[tuple[int, str, dict]] = []
+        inputs = {"input_ids": ids, "position": np.array([start], np.int32), "depths": pos, "tree_mask": mask}
+        logits = self.forward(VERIFY, inputs, lambda i, function, out: pending.append((i, function, out)),
+                              visible=start)[:n]
+        self._tree = (start, size, np.asarray(token_ids, np.int32), pending)
+        return logits
+
+    def accept(self, path: list[int]) -> None:
+        """Keep the tree tokens `path` (window indices from the root down one branch, root first)
+        of the last `verify_tree`: their K/V go to the cache at consecutive positions, the rest is
+        dropped. Direct caches copy the columns; otherwise the "verify" cache update writes them."""
+        start, size, ids, pending = self._tree
+        self._tree = None
+        path = list(path)
+        if not path or path[0] != 0:
+            raise ValueError(f"an accepted path starts at the root (index 0), got {path}")
+        slots = np.full(size, -1, np.int32)
+        slots[path] = start + np.arange(len(path), dtype=np.int32)
+        for i, function, out in pending:
+            caches = self.cache.caches[i]
+            if self.direct:
+                for key in ("k", "v"):
+                    caches[key][..., start:start + len(path)] = out[f"{key}_new"][..., path]
+            else:
+                self.updates.submit(i, functools.partial(self.update, function, caches, out, {"slots": slots}))
+        self.cache.tokens.extend(int(t) for t in ids[path])
 
     def score_streamed(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [T, vocab] of `token_ids` from position 0, one model at a time.

@@ -28,6 +28,17 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """Pick a token id from logits [vocab]."""
     if params.temperature == 0.0:
         return int(np.argmax(logits))
+    p = probabilities(logits, params)
+    return int(rng.choice(p.size, p=p))
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution `sample` draws from, float64 [vocab]: one-hot at the argmax when greedy,
+    else the softmax at the temperature, cut by top-k and top-p and renormalised."""
+    if params.temperature == 0.0:
+        p = np.zeros(logits.size, np.float64)
+        p[int(np.argmax(logits))] = 1.0
+        return p
     z = logits.astype(np.float64) / params.temperature
     if params.top_k and params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
@@ -41,4 +52,4 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         trimmed = np.zeros_like(p)
         trimmed[order[keep]] = p[order[keep]]
         p = trimmed / trimmed.sum()
-    return int(rng.choice(p.size, p=p))
+    return p

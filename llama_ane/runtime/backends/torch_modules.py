@@ -22,10 +22,11 @@ from pathlib import Path
 from ...checkpoint.loader import Checkpoint
 from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
 from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
+from ...chunks.verify import VerifyEmbeddings, VerifyUpdate
 from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
-from ...contract.specs import BRANCHES, FUNCTIONS, cache_update_function, model_kind, window_of
+from ...contract.specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, model_kind, window_of
 
 
 def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -126,7 +127,8 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     cfg = LlamaConfig.from_dict(manifest["config"])
     m = manifest
     context, prefill, branches = m["context_length"], m["prefill_length"], m.get("branch_width", 0)
-    functions = (*FUNCTIONS, *([BRANCHES] if branches else []))
+    verify = m.get("verify_window", 0)
+    functions = (*FUNCTIONS, *([BRANCHES] if branches else []), *([VERIFY] if verify else []))
     if model not in model_names(m):
         raise KeyError(f"no model {model!r} in this export")
     kind = model_kind(model)
@@ -145,6 +147,8 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
             modules[fn] = e
         if branches:
             modules[BRANCHES] = BranchEmbeddings(cfg, table, context, branches, m["suffix_length"])
+        if verify:
+            modules[VERIFY] = VerifyEmbeddings(cfg, table, context, verify)
         stored = weights.rope(model)
         if stored is not None:  # the tables the export holds (one size for every function)
             for module in modules.values():
@@ -160,12 +164,16 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
                 modules[cache_update_function(fn, n)] = CacheUpdate(context, window_of(fn, prefill))
             if branches:
                 modules[cache_update_function(BRANCHES, n)] = SuffixUpdate(cfg, n, m["suffix_length"])
+            if verify:
+                modules[cache_update_function(VERIFY, n)] = VerifyUpdate(context)
     else:
         layers = next(c["layers"] for c in m["chunks"] if c["model"] == model)
         chunk = _with_state(lambda: BlockChunk(cfg, layers, context), weights.chunk(model, layers, dtype))
         modules = {fn: chunk for fn in FUNCTIONS}
         if branches:
             modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
+        if verify:
+            modules[VERIFY] = chunk  # the window function at S = W; the tree is in the mask
     for module in modules.values():
         module.eval()
     return modules

@@ -1,0 +1,151 @@
+"""Speculative decoding (prompt lookup, token trees verified in one window) vs plain decoding.
+
+On SmolLM2-135M-Instruct (the embedded default), greedy, with the chat template: document-grounded
+tasks where the answer reuses the prompt's text (quote, summarise, rewrite a document, edit code)
+and free chat where it does not. For each task both ways run in the same process on the same
+prompt cache (the prompt is prefilled once, so only decoding is compared) and must give the same
+tokens (checked). Reported per task:
+
+  * tokens per verify step and the acceptance rate (measured);
+  * wall-clock decode speedup on the torch backend, CPU: plain decode seconds / speculative
+    decode seconds (measured, same process);
+  * the analytic device speedup, a MODEL, not a measurement: decode on the Neural Engine is bound
+    by the bytes each step moves, so a step is timed as its bytes (`contract.traffic`: weights,
+    caches, and the window's own tensors, for an fp16 export with a 16-token verify window), and
+    the speedup is plain decoding's bytes for the same tokens over the speculative run's bytes
+    (its verify steps and its plain steps, as the CPU run took them).
+
+Results go to benchmarks/results/speculative.{json,png}.
+
+    python benchmarks/speculative.py [--model default|FOLDER] [--new-tokens 96] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import llama_ane
+from llama_ane.contract.plan import describe_checkpoint
+from llama_ane.contract.traffic import decode_step_traffic, window_io_bytes
+
+RESULTS = Path(__file__).parent / "results"
+DOCUMENT = (Path(__file__).parent / "document.txt").read_text().strip()
+CODE = '''def load_rows(path):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            rows.append(line.split(","))
+    return rows
+
+
+def total(rows, column):
+    result = 0
+    for row in rows:
+        result += float(row[column])
+    return result
+'''
+
+TASKS = [  # (name, kind, user message)
+    ("quote", "document", f"{DOCUMENT}\n\nCopy the first two paragraphs of the text above exactly, word for word."),
+    ("summarise", "document", f"{DOCUMENT}\n\nSummarise the text above in a few sentences."),
+    ("rewrite", "document", f"{DOCUMENT}\n\nRewrite the first paragraph of the text above in simpler words."),
+    ("edit code", "document", f"{CODE}\nRename the function `load_rows` to `read_rows` everywhere and print the "
+                              "whole code again."),
+    ("chat: poem", "chat", "Write a short poem about autumn in a small town."),
+    ("chat: advice", "chat", "Give me three tips for learning to cook at home."),
+]
+
+
+def device_bytes(steps: dict, tokens: int, manifest: dict) -> tuple[int, int]:
+    """(bytes of plain decoding of `tokens`, bytes of the speculative run) under the traffic model."""
+    base = decode_step_traffic(manifest).total
+    decode, verify = base + window_io_bytes(manifest, "decode"), base + window_io_bytes(manifest, "verify")
+    return tokens * decode, steps["verify_steps"] * verify + steps["decode_steps"] * decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="export folder, checkpoint folder, .gguf or 'default'")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = llama_ane.load(args.model, backend="torch", precision="fp32")
+    model.prepare()
+    src = None if args.model == "default" else Path(args.model)
+    device_manifest = (model.manifest if (src and (src / "manifest.json").exists())
+                       else describe_checkpoint(src, precision="fp16")[0])  # an fp16 export of it
+    tasks = [t for t in TASKS if args.tasks is None or t[0] in args.tasks.split(",")]
+    rows = []
+    for name, kind, message in tasks:
+        prompt = model.encode(message, chat=True)
+        cache = model.make_cache()
+        model.generate(prompt, max_new_tokens=1, cache=cache)  # prefill once; both runs reuse it
+        plain = model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache)
+        spec = model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache, speculative="lookup")
+        if spec.token_ids != plain.token_ids:
+            raise SystemExit(f"{name}: speculative decoding changed the greedy output")
+        tokens = spec.decoded_tokens
+        plain_bytes, spec_bytes = device_bytes(spec.speculative, tokens, device_manifest)
+        row = {"task": name, "kind": kind, "prompt_tokens": len(prompt), "generated_tokens": len(plain.token_ids),
+               "plain_decode_s": round(plain.decode_seconds, 3), "speculative_decode_s": round(spec.decode_seconds, 3),
+               "wall_clock_speedup": round(plain.decode_seconds / spec.decode_seconds, 3),
+               **spec.speculative,
+               "device_model_speedup": round(plain_bytes / spec_bytes, 3),
+               "text": plain.text[:200]}
+        rows.append(row)
+        print(f"{name:13s} {row['generated_tokens']:4d} tokens | {row['tokens_per_step']:.2f} tokens/verify step, "
+              f"acceptance {row['acceptance_rate']:.2f}, {row['verify_steps']} verify + {row['decode_steps']} plain "
+              f"steps | wall-clock {row['wall_clock_speedup']:.2f}x (torch CPU) | device model "
+              f"{row['device_model_speedup']:.2f}x", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = {"model": model.manifest["name"], "backend": "torch", "precision": "fp32", "threads": args.threads,
+           "machine": f"{platform.machine()} {platform.processor()}".strip(), "new_tokens": args.new_tokens,
+           "drafter": "lookup", "verify_window": model.manifest["verify_window"],
+           "device_model": "bytes per step of an fp16 export (contract.traffic): a model, not a measurement",
+           "rows": rows}
+    (RESULTS / "speculative.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rows, RESULTS / "speculative.png")
+    print(f"wrote {RESULTS / 'speculative.json'} and speculative.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["task"] for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.bar(x, [r["tokens_per_step"] for r in rows], color=["tab:blue" if r["kind"] == "document" else "tab:gray"
+                                                          for r in rows])
+    a.axhline(2.0, color="k", lw=0.8, ls="--")
+    a.set_xticks(list(x), names, rotation=30, ha="right")
+    a.set_ylabel("tokens per verify step")
+    a.set_title("prompt lookup: tokens per verify step")
+    w = 0.38
+    b.bar([i - w / 2 for i in x], [r["wall_clock_speedup"] for r in rows], w, label="wall clock, torch CPU (measured)")
+    b.bar([i + w / 2 for i in x], [r["device_model_speedup"] for r in rows], w,
+          label="device, bytes per step (model)", hatch="//", alpha=0.7)
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_xticks(list(x), names, rotation=30, ha="right")
+    b.set_ylabel("speedup over plain decoding")
+    b.legend(fontsize=8)
+    b.set_title("speculative vs plain decoding (same tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
