@@ -119,7 +119,7 @@ def in_child_process(fn: Callable, *args):
 
 
 def calibrate(ckpt, say: Callable[[str], None]) -> dict:
-    """The activation statistics LUT fits are weighted by: the checkpoint run in float32, one
+    """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in float32, one
     layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens), in a child process."""
     return in_child_process(_calibrate, ckpt, say)
 
@@ -220,7 +220,8 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
     from .export.validate import validate_export
 
     importance = None
-    if any(c.kind == "lut" for part in PARTS if (c := opts.quantize.compression(part, target))):
+    if any(c.kind == "lut" or c.bits < 8 and not c.symmetric  # importance-weighted LUT fits and int4 ranges
+           for part in PARTS if (c := opts.quantize.compression(part, target))):
         importance = calibrate(ckpt, say)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
