@@ -34,8 +34,16 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
 
+            from .export.convert import compression_units
+
             total = sum(p.dense_bytes + OVERHEAD_BYTES for p in plan.packages)
+            total += sum(COMPRESS_BYTES * u.weights for u in compression_units(plan))
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
+
+    def compressed(self, spec, weights: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"compressing for {spec.file}")
+            self.bar.update(COMPRESS_BYTES * weights)
 
     def built(self, spec) -> None:
         if self.bar is not None:
@@ -48,6 +56,7 @@ class _Progress:
 
 
 OVERHEAD_BYTES = 20_000_000  # a package's fixed cost in the progress bar (graph building, hashing)
+COMPRESS_BYTES = 4  # a compressed weight's cost in the progress bar: its k-means is a few times its build
 
 
 @contextlib.contextmanager
@@ -119,8 +128,9 @@ def in_child_process(fn: Callable, *args):
 
 
 def calibrate(ckpt, say: Callable[[str], None]) -> dict:
-    """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in float32, one
-    layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens), in a child process."""
+    """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
+    float32, one layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens), in a
+    child process."""
     return in_child_process(_calibrate, ckpt, say)
 
 
@@ -133,7 +143,7 @@ def _calibrate(ckpt, say: Callable[[str], None]) -> dict:
     ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(calibration_text()).input_ids[:CALIBRATION_TOKENS]
     ids = [i for i in ids if i < ckpt.config.vocab_size]
     importance = activation_importance(ckpt, ids)
-    say(f"calibrated LUTs on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
+    say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
 
 
@@ -229,7 +239,8 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
         with PeakMemory() as meter:
             bar = _Progress(plan, progress)
             try:
-                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, importance=importance)
+                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, importance=importance,
+                            compressed=bar.compressed)
             finally:
                 bar.close()
             tok_files = copy_tokenizer(ckpt, tmp)
