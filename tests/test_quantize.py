@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -420,9 +421,13 @@ def test_compression_units_cover_each_compressed_weight_once(tiny_checkpoint, mo
                                               target=target, quantize=quantize))
         units = convert.compression_units(plan)
         assert [u.weights for u in units] == sorted((u.weights for u in units), reverse=True)
+        assert all(u.weights == sum(p.weights for p in u.pieces) and {p.spec for p in u.pieces} == {u.spec}
+                   for u in units)
+        pieces = [p for u in units for p in u.pieces]
+        assert sorted(pieces, key=lambda p: p.file) == sorted(convert.weight_rows(plan), key=lambda p: p.file)
         for spec in plan.packages:
             wanted = convert.compressed_weights(plan, spec)
-            mine = [u for u in units if u.spec == spec]
+            mine = [p for p in pieces if p.spec == spec]
             assert {u.name for u in mine} == set(wanted)
             for name, shape in wanted.items():
                 blocks = sorted((u.start, u.end) for u in mine if u.name == name)
@@ -463,3 +468,41 @@ def test_a_package_built_from_compressed_units_is_the_one_built_alone(tiny_check
             built[how] = convert.build_package(spec, plan, ckpt, folder, payloads=payloads)
         blobs = [p / "Data" / "com.apple.CoreML" / "weights" / "weight.bin" for p in built.values()]
         assert blobs[0].read_bytes() == blobs[1].read_bytes(), spec.file
+
+
+def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_path):
+    """The calibration as the first worker job, its statistics saved layer by layer for the units
+    waiting on them, gives the packages that statistics known beforehand give."""
+    import functools
+
+    from llama_ane.api import calibrate
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    quantize = QuantizeOptions.from_cli("lut4", lm_head="lut6", attention="int4", embeddings="int8")
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
+                                                  quantize=quantize))
+    said = []
+    known = calibrate(ckpt, said.append)
+    for name, kwargs in (("known", dict(importance=known)),
+                         ("job", dict(calibration=functools.partial(calibrate, ckpt, said.append)))):
+        (tmp_path / name).mkdir()
+        convert.convert_all(plan, ckpt, tmp_path / name, workers=2, **kwargs)
+    for spec in plan.packages:
+        blob = Path(spec.file) / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+        assert (tmp_path / "known" / blob).read_bytes() == (tmp_path / "job" / blob).read_bytes(), spec.file
+    assert not (tmp_path / "job" / ".scratch").exists()
+
+
+def test_a_unit_whose_statistics_never_come_is_a_clear_error(tiny_checkpoint, tmp_path):
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
+                                                  quantize=QuantizeOptions.from_cli("lut4")))
+    with pytest.raises(convert.ConversionError, match="the calibration saved no statistics"):
+        convert.convert_all(plan, ckpt, tmp_path, workers=2, calibration=lambda on_found: None)

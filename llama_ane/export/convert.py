@@ -61,37 +61,77 @@ def quiet_coremltools():
         logger.setLevel(level)
 
 
+def importance_key(spec: PackageSpec, name: str) -> str | None:
+    """The calibration's key (see reference.activation_importance, keyed by HF layer) of parameter
+    `name` inside `spec`'s program, or None (a weight that is looked up, not multiplied)."""
+    if name.startswith("layers."):
+        _, j, rest = name.split(".", 2)
+        return f"layers.{spec.layers[int(j)]}.{rest}"
+    return "heads" if name.startswith("heads.") else None
+
+
 def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None):
-    """Parameter name inside `spec`'s program -> its input channels' importance (see
-    reference.activation_importance, keyed by HF layer), or None."""
+    """Parameter name inside `spec`'s program -> its input channels' importance, or None."""
     def find(name: str) -> np.ndarray | None:
-        if not importance:
-            return None
-        if name.startswith("layers."):
-            _, j, rest = name.split(".", 2)
-            return importance.get(f"layers.{spec.layers[int(j)]}.{rest}")
-        return importance.get("heads") if name.startswith("heads.") else None
+        key = importance_key(spec, name)
+        return importance.get(key) if importance and key else None
     return find
 
 
+class SavedImportance:
+    """The calibration's statistics as files in a folder, one per key, each written whole (under a
+    temporary name, then renamed) as soon as the calibration finds it: the compression of a layer
+    can start while later layers are still being calibrated."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _file(self, key: str) -> Path:
+        return self.folder / f"{key}.npy"
+
+    def save(self, key: str, value: np.ndarray) -> None:
+        self.folder.mkdir(exist_ok=True)
+        part = self.folder / f".{key}.partial.npy"
+        np.save(part, value)
+        part.rename(self._file(key))
+
+    def has(self, key: str | None) -> bool:
+        return key is None or self._file(key).exists()
+
+    def get(self, key: str | None) -> np.ndarray | None:
+        return None if key is None else np.load(self._file(key))
+
+
 @dataclass(frozen=True)
-class CompressionUnit:
-    """One compression job: weight `name` of package `spec` (its name in the package's program),
-    rows [start, end) of it."""
+class WeightRows:
+    """Rows [start, end) of weight `name` of package `spec` (its name in the package's program)."""
 
     spec: PackageSpec
     name: str
     start: int
     end: int
-    weights: int  # how many weights: the job's size, for ordering
+    weights: int  # how many weights
 
     @property
     def file(self) -> str:
-        """Where the job saves its payload, inside the scratch folder."""
+        """Where their payload is saved, inside the scratch folder."""
         return f"{self.spec.file}.{self.name}.{self.start:07d}.npz"
 
 
-UNIT_WEIGHTS = 1 << 25  # a large weight is compressed in row blocks of about this many weights
+@dataclass(frozen=True)
+class CompressionUnit:
+    """One compression job: consecutive weights (or rows of one) of a package, about UNIT_WEIGHTS
+    weights in all."""
+
+    pieces: tuple[WeightRows, ...]
+    weights: int
+
+    @property
+    def spec(self) -> PackageSpec:
+        return self.pieces[0].spec
+
+
+UNIT_WEIGHTS = 1 << 24  # weights per compression job: a large weight is cut into row blocks, small ones grouped
 
 
 def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[int, ...]]:
@@ -113,10 +153,10 @@ def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[i
     return {name: shape for name, shape in found.items() if plan.compression(name) is not None}
 
 
-def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
-    """Every compression job of `plan`, largest first: a weight each, cut into row blocks of about
+def weight_rows(plan: ExportPlan) -> list[WeightRows]:
+    """Every compressed weight of `plan`, package by package, cut into row blocks of at most about
     UNIT_WEIGHTS weights (whole LUT groups) where its rows are compressed independently."""
-    units = []
+    pieces = []
     for spec in plan.packages:
         for name, shape in compressed_weights(plan, spec).items():
             c = plan.compression(name)
@@ -125,53 +165,70 @@ def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
             if c.kind == "int" or c.group_size:  # one LUT per tensor cannot be split
                 align = c.group_size or 1
                 step = max(align, UNIT_WEIGHTS // row // align * align)
-            units += [CompressionUnit(spec, name, a, min(rows, a + step), (min(rows, a + step) - a) * row)
-                      for a in range(0, rows, step)]
+            pieces += [WeightRows(spec, name, a, min(rows, a + step), (min(rows, a + step) - a) * row)
+                       for a in range(0, rows, step)]
+    return pieces
+
+
+def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
+    """Every compression job of `plan`, largest first: consecutive pieces of one package (see
+    weight_rows) grouped until they hold UNIT_WEIGHTS weights, so that a job's fixed costs (a
+    process, reading, saving) stay small beside its k-means."""
+    units, group = [], []
+    for piece in weight_rows(plan):
+        if group and (group[0].spec != piece.spec or sum(p.weights for p in group) >= UNIT_WEIGHTS):
+            units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
+            group = []
+        group.append(piece)
+    if group:
+        units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
     return sorted(units, key=lambda u: -u.weights)
 
 
 def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scratch: Path,
-                  importance: dict[str, np.ndarray] | None = None) -> None:
-    """Read the rows of one unit's weight, compress them and save the payload into `scratch`."""
+                  importance: dict[str, np.ndarray] | SavedImportance | None = None) -> None:
+    """Read the rows of each weight of one unit, compress them (weighted by `importance`, when
+    their compression uses it) and save each payload into `scratch`."""
     import torch
 
     from ..checkpoint.mapping import as_conv
     from .compressed import compress
     from .package_weights import PackageWeights
 
-    spec, name = unit.spec, unit.name
-    if name.startswith("layers."):
-        weights = PackageWeights(ckpt, np.float16, list(spec.layers))
-        value = weights(name)[unit.start:unit.end]
-    elif name.startswith("heads."):  # rows of vocabulary split j: read only those of the output matrix
-        first = sum(vocab_splits(plan.config.vocab_size)[:int(name.split(".")[1])])
-        weights = PackageWeights(ckpt, np.float16, rows=(first + unit.start, first + unit.end))
-        value = as_conv(torch.from_numpy(weights("lm_head_matrix"))).numpy()
-    else:  # rows of this file's embedding table
-        weights = PackageWeights(ckpt, np.float16, rows=(spec.rows[0] + unit.start, spec.rows[0] + unit.end))
-        value = weights(name)
-    payload = compress(value, plan.compression(name), importance_of(spec, importance)(name))
-    arrays = {"codes": payload.codes, "table": payload.table}
-    if payload.offset is not None:
-        arrays["offset"] = payload.offset
-    part = scratch / (unit.file + ".partial.npz")
-    np.savez(part, **arrays)
-    part.rename(scratch / unit.file)
+    for piece in unit.pieces:
+        spec, name = piece.spec, piece.name
+        if name.startswith("layers."):
+            value = PackageWeights(ckpt, np.float16, list(spec.layers))(name)[piece.start:piece.end]
+        elif name.startswith("heads."):  # rows of vocabulary split j: read only those of the output matrix
+            first = sum(vocab_splits(plan.config.vocab_size)[:int(name.split(".")[1])])
+            weights = PackageWeights(ckpt, np.float16, rows=(first + piece.start, first + piece.end))
+            value = as_conv(torch.from_numpy(weights("lm_head_matrix"))).numpy()
+        else:  # rows of this file's embedding table
+            value = PackageWeights(ckpt, np.float16, rows=(spec.rows[0] + piece.start, spec.rows[0] + piece.end))(name)
+        c = plan.compression(name)
+        found = importance.get(importance_key(spec, name)) if importance is not None and c.weighted else None
+        payload = compress(value, c, found)
+        arrays = {"codes": payload.codes, "table": payload.table}
+        if payload.offset is not None:
+            arrays["offset"] = payload.offset
+        part = scratch / (piece.file + ".partial.npz")
+        np.savez(part, **arrays)
+        part.rename(scratch / piece.file)
 
 
 def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
     """The compressed weights of `spec` that compress_unit saved into `scratch`: name -> Payload."""
     from .compressed import Payload, join
 
-    units: dict[str, list[CompressionUnit]] = {}
-    for unit in compression_units(plan):
-        if unit.spec == spec:
-            units.setdefault(unit.name, []).append(unit)
+    pieces: dict[str, list[WeightRows]] = {}
+    for piece in weight_rows(plan):
+        if piece.spec == spec:
+            pieces.setdefault(piece.name, []).append(piece)
     found = {}
-    for name, parts in units.items():
+    for name, parts in pieces.items():
         payloads = []
-        for unit in sorted(parts, key=lambda u: u.start):
-            with np.load(scratch / unit.file) as z:
+        for piece in parts:
+            with np.load(scratch / piece.file) as z:
                 payloads.append(Payload(plan.compression(name), z["codes"], z["table"], z["codes"].shape,
                                         z["offset"] if "offset" in z.files else None))
         found[name] = join(payloads)
@@ -218,12 +275,17 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
 
 @dataclass(frozen=True)
 class _Job:
-    """One piece of work for a worker: `run()` in the child, `what` for errors, `spec` for progress."""
+    """One piece of work for a worker: `run()` in the child, `what` for errors, `spec` for progress;
+    it starts once `ready()`."""
 
     what: str
-    spec: PackageSpec
+    spec: PackageSpec | None
     run: Callable[[], object]
     weights: int  # its size, for messages
+    ready: Callable[[], bool] = lambda: True
+
+
+POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
 
 
 def _worker(job: _Job, scratch: Path, errors) -> None:
@@ -253,10 +315,15 @@ def _death(job: _Job, code: int) -> ConversionError:
 def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: int,
                 progress: Callable[[PackageSpec], None] | None = None,
                 importance: dict[str, np.ndarray] | None = None,
-                compressed: Callable[[PackageSpec, int], None] | None = None) -> None:
-    """Build every package of `plan` into `folder`, at most `workers` at a time (`importance`:
-    see build_package). `progress(spec)` follows each package built, `compressed(spec, weights)`
-    each compression unit done (compressed exports compress first, see compression_units).
+                compressed: Callable[[PackageSpec, int], None] | None = None,
+                calibration: Callable[..., object] | None = None) -> None:
+    """Build every package of `plan` into `folder`, at most `workers` jobs at a time.
+    `progress(spec)` follows each package built, `compressed(spec, weights)` each compression
+    unit done (compressed exports compress first, see compression_units).
+
+    LUT and int4 fits are weighted by the calibration's statistics: `importance` when they are
+    known, or `calibration(on_found=...)` (api.calibrate) run as the first job, each unit starting
+    as soon as the statistics of its weight are saved (the layers in order, the LM head last).
 
     Raises ConversionError naming the package when a worker fails or dies; the caller removes
     `folder`. Without `fork` (Windows) the jobs run one by one in this process.
@@ -264,22 +331,42 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
     units = compression_units(plan)
-    payloads = scratch if units else None
     stages = []
     if units:
-        stages.append(([_Job(f"compressing {u.name} rows {u.start}-{u.end} of {u.spec.file}", u.spec,
-                             functools.partial(compress_unit, u, plan, ckpt, scratch, importance), u.weights)
-                        for u in units],
-                       (lambda job: compressed(job.spec, job.weights)) if compressed else None))
+        found = importance
+        jobs = []
+        if calibration is not None:
+            found = SavedImportance(scratch / "importance")
+            jobs.append(_Job("calibrating", None, functools.partial(calibration, on_found=found.save), 0))
+
+        def ready(unit: CompressionUnit) -> Callable[[], bool]:
+            if not isinstance(found, SavedImportance):
+                return lambda: True
+            keys = [importance_key(p.spec, p.name) for p in unit.pieces if plan.compression(p.name).weighted]
+            return lambda: all(found.has(key) for key in keys)
+
+        def what(unit: CompressionUnit) -> str:
+            first, last = unit.pieces[0], unit.pieces[-1]
+            return f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
+                f" of {unit.spec.file}"
+
+        jobs += [_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found), u.weights,
+                      ready(u)) for u in units]
+        stages.append((jobs, (lambda job: job.spec and compressed(job.spec, job.weights)) if compressed else None))
     builds = sorted(plan.packages, key=lambda p: -p.dense_bytes)
     stages.append(([_Job(f"building {spec.file}", spec,
-                         functools.partial(build_package, spec, plan, ckpt, folder, importance, payloads),
-                         spec.dense_bytes // 2) for spec in builds],
+                         functools.partial(build_package, spec, plan, ckpt, folder, importance,
+                                           scratch if units else None), spec.dense_bytes // 2)
+                    for spec in builds],
                    (lambda job: progress(job.spec)) if progress else None))
+    from . import compressed, package_weights, programs  # noqa: F401 imported once here, not in every worker
+
     try:
         for jobs, done in stages:
             if "fork" not in multiprocessing.get_all_start_methods():
                 for job in jobs:
+                    if not job.ready():
+                        raise ConversionError(f"{job.what}: the calibration saved no statistics for it")
                     job.run()
                     if done:
                         done(job)
@@ -295,12 +382,14 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
     todo, running = list(jobs), {}
     try:
         while todo or running:
-            while todo and len(running) < workers:
-                job = todo.pop(0)
+            while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
+                todo.remove(job)
                 proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
                 proc.start()
                 running[proc.sentinel] = (proc, job)
-            finished = multiprocessing.connection.wait(list(running))
+            if not running:  # nothing runs and nothing can start: what it waits for will never come
+                raise ConversionError(f"{todo[0].what}: the calibration saved no statistics for it")
+            finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS if todo else None)
             for sentinel in finished:
                 proc, job = running.pop(sentinel)
                 proc.join()
