@@ -484,12 +484,15 @@ def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_p
     quantize = QuantizeOptions.from_cli("lut4", lm_head="lut6", attention="int4", embeddings="int8")
     plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
                                                   quantize=quantize))
-    said = []
+    said, compressed, built = [], [], []
     known = calibrate(ckpt, said.append)
     for name, kwargs in (("known", dict(importance=known)),
                          ("job", dict(calibration=functools.partial(calibrate, ckpt, said.append)))):
         (tmp_path / name).mkdir()
-        convert.convert_all(plan, ckpt, tmp_path / name, workers=2, **kwargs)
+        convert.convert_all(plan, ckpt, tmp_path / name, workers=2, progress=built.append,
+                            compressed=lambda spec, weights: compressed.append(weights), **kwargs)
+    assert sum(compressed) == 2 * sum(u.weights for u in convert.compression_units(plan))  # the progress bar's
+    assert sorted(p.file for p in built) == sorted(2 * [p.file for p in plan.packages])
     for spec in plan.packages:
         blob = Path(spec.file) / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
         assert (tmp_path / "known" / blob).read_bytes() == (tmp_path / "job" / blob).read_bytes(), spec.file

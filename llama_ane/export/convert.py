@@ -359,7 +359,7 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
                                            scratch if units else None), spec.dense_bytes // 2)
                     for spec in builds],
                    (lambda job: progress(job.spec)) if progress else None))
-    from . import compressed, package_weights, programs  # noqa: F401 imported once here, not in every worker
+    from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
 
     try:
         for jobs, done in stages:
