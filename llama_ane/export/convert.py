@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -299,6 +300,8 @@ def _worker(job: _Job, scratch: Path, errors) -> None:
     except BaseException as exc:  # the parent turns this into a ConversionError
         errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
         os._exit(1)
+    finally:
+        sys.stdout.flush()  # what the job printed (os._exit flushes nothing)
     os._exit(0)
 
 
