@@ -157,9 +157,11 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
             order = np.argsort(_fp16_keys(part), axis=1, kind="stable")
         else:
             order = np.argsort(part.astype(np.float32), axis=1)
-        xs = np.take_along_axis(part, order, axis=1).astype(np.float32)
+        rank = torch.from_numpy(order)
+        xs = torch.gather(torch.from_numpy(part), 1, rank).to(torch.float32).numpy()
         lut = lloyd(xs, 1 << nbits, None if per_value is None else per_value[order]).numpy().astype(weight.dtype)
-        np.put_along_axis(codes[start:start + step], order, _sorted_codes(xs, lut.astype(np.float32)), axis=1)
+        sorted_codes = torch.from_numpy(_sorted_codes(xs, lut.astype(np.float32)))
+        torch.from_numpy(codes[start:start + step]).scatter_(1, rank, sorted_codes)  # in place, into `codes`
         luts.append(lut)
     return codes.reshape(weight.shape), np.concatenate(luts)
 
