@@ -12,6 +12,9 @@ ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
     python benchmarks/export_scale.py --models 8b --repeat --keep
     python benchmarks/export_scale.py --models 1b --label 1b-lut4 --inspect -- --quantize lut4 --quantize-lm-head lut6
 
+Each run records its wall time, the CPU seconds of the export's process tree (the work done, which
+other load on the machine barely changes), the 1-minute load average before and after, and the peak.
+
 Presets: 1b, 3b, 8b, tiny (2 layers, seconds), smollm2 (the embedded default model). Arguments after
 `--` go to the new exporter only. Checkpoints are kept unless --clean, exports removed unless --keep.
 Exit status 1 if any export (or inspect) failed.
@@ -205,6 +208,8 @@ def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, s
     print(f"$ {shlex.join(cmd)}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    cpu0 = _children_cpu()
+    load0 = os.getloadavg()[0]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         pump = threading.Thread(target=_pump, args=(proc.stdout, sink), daemon=True)
@@ -213,18 +218,30 @@ def run_export(cmd: list[str], out: Path, log: Path, cwd: Path, env: dict[str, s
         code = wait_and_sample(proc, meter)
         pump.join()
     wall = time.perf_counter() - t0
+    cpu = _children_cpu() - cpu0
+    load1 = os.getloadavg()[0]
     left = sorted({p.name for p in tmp.iterdir()} - before)
     left_bytes = sum(tree_bytes(tmp / n) for n in left)
     shutil.rmtree(tmp, ignore_errors=True)
     files = {p.name: tree_bytes(p) for p in sorted(out.iterdir())} if out.is_dir() else {}
     text = log.read_text(errors="replace")
     passed = any(ln.strip() == "passed" for ln in text.replace("\r", "\n").split("\n"))
-    return {"command": shlex.join(cmd), "exit_code": code, "wall_s": round(wall, 1),
+    return {"command": shlex.join(cmd), "exit_code": code, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+            "load_average": [round(load0, 2), round(load1, 2)],
             "peak_pss_gib": round(meter.peak / GIB, 3), "memory_method": meter.method, "files": files,
             "total_bytes": sum(files.values()),
             "verify": "passed" if passed else ("skipped" if "--no-verify" in cmd else "not passed"),
             "tmp_leftovers": {"names": left, "bytes": left_bytes},
             "log": str(log), "output_tail": log_tail(log)}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of every finished child process tree (an export and its workers):
+    the work an export did, which the machine's other load does not change as it changes wall time."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def manifest_hashes(out: Path) -> dict[str, str]:
@@ -326,15 +343,17 @@ def benchmark(preset: str, args: argparse.Namespace, extra: list[str], ref_tree:
 
 def table(results: dict) -> str:
     """A markdown table of every model in the results file."""
-    rows = ["| model | exit | wall s | peak GiB | packages GB | verify | /tmp leftovers | inspect | repeat "
-            "identical | new/ref wall, peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | exit | wall s | cpu s | load | peak GiB | packages GB | verify | /tmp leftovers | inspect | "
+            "repeat identical | new/ref wall, peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in results.items():
         n, left = e["new"], e["new"]["tmp_leftovers"]
         ratio = f"{e['ratios']['wall']:.2f}x, {e['ratios']['peak']:.2f}x" if "ratios" in e else "-"
         leftovers = f"{len(left['names'])} ({left['bytes'] / 1e6:.1f} MB)" if left["names"] else "none"
         inspect = "-" if "inspect" not in e else "ok" if e["inspect"]["exit_code"] == 0 else "FAIL"
         repeat = "-" if "repeat" not in e else "yes" if e["repeat"]["identical"] else "NO"
-        rows.append(f"| {name} | {n['exit_code']} | {n['wall_s']:.1f} | {n['peak_pss_gib']:.2f} | "
+        cpu = f"{n['cpu_s']:.1f}" if "cpu_s" in n else "-"
+        load = "-" if "load_average" not in n else "{:.1f}-{:.1f}".format(*n["load_average"])
+        rows.append(f"| {name} | {n['exit_code']} | {n['wall_s']:.1f} | {cpu} | {load} | {n['peak_pss_gib']:.2f} | "
                     f"{n['total_bytes'] / 1e9:.2f} | {n['verify']} | {leftovers} | {inspect} | {repeat} | {ratio} |")
     return "\n".join(rows) + "\n"
 

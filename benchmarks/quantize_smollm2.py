@@ -10,6 +10,9 @@ export, top-1 agreement and mean KL. Results go to benchmarks/results/quantize_s
 
 The embedded SmolLM2 was itself dequantized from a 4-bit GGUF (Q4_1 layers, Q8_0 embeddings), so
 its weights already lie on 4-bit grids: say so beside any number taken from here.
+
+Results of earlier runs are kept: a run replaces the rows of the schemes it measured (each row
+records the commit it was measured at).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ SCHEMES = {  # name -> export options
     "lut4": ["--quantize", "lut4"],
     "lut4-mlp/lut6": ["--quantize", "lut6", "--quantize-mlp", "lut4"],  # Anemll's mix
     "int4/int8-vocab": ["--quantize", "int4", "--quantize-embeddings", "int8", "--quantize-lm-head", "int8"],
+    # what else was tried for the lut6 and lut4 targets: where the loss is, and smaller LUT groups
+    "lut6/fp16-vocab": ["--quantize", "lut6", "--quantize-embeddings", "none", "--quantize-lm-head", "none"],
+    "lut6-group4": ["--quantize", "lut6", "--group-size", "4"],
+    "lut4-group4": ["--quantize", "lut4", "--group-size", "4"],
 }
 TARGETS = {"int8": 0.5, "lut8": 0.5, "lut6": 2.0, "int4": 8.0, "lut4": 8.0}  # max perplexity increase, %
 
@@ -97,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "quantize_smollm2.json").write_text(json.dumps(results, indent=2) + "\n")
+    file = RESULTS / "quantize_smollm2.json"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    for entry in results.values():
+        entry["commit"] = commit
+    kept = json.loads(file.read_text()) if file.exists() else {}
+    merged = {**kept, **results}
+    results = {name: merged[name] for name in [*SCHEMES, *merged] if name in merged}
+    file.write_text(json.dumps(results, indent=2) + "\n")
     rows = ["| scheme | packages MB | perplexity | change vs fp16 | target | top-1 vs fp16 | mean KL |",
             "|---|---|---|---|---|---|---|"]
     for name, e in results.items():

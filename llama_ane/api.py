@@ -9,6 +9,7 @@ that looks complete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import os
 import shutil
@@ -34,8 +35,16 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
 
+            from .export.convert import compression_units
+
             total = sum(p.dense_bytes + OVERHEAD_BYTES for p in plan.packages)
+            total += sum(COMPRESS_BYTES * u.weights for u in compression_units(plan))
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
+
+    def compressed(self, spec, weights: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"compressing for {spec.file}")
+            self.bar.update(COMPRESS_BYTES * weights)
 
     def built(self, spec) -> None:
         if self.bar is not None:
@@ -48,6 +57,7 @@ class _Progress:
 
 
 OVERHEAD_BYTES = 20_000_000  # a package's fixed cost in the progress bar (graph building, hashing)
+COMPRESS_BYTES = 4  # a compressed weight's cost in the progress bar: its k-means is a few times its build
 
 
 @contextlib.contextmanager
@@ -84,47 +94,11 @@ def calibration_text() -> str:
     return resources.files("llama_ane").joinpath("calibration_text.txt").read_text(encoding="utf-8")
 
 
-def in_child_process(fn: Callable, *args):
-    """`fn(*args)`, run in a forked process (where fork exists) so that the memory it takes goes back
-    to the system when it exits instead of staying in this process's heap while workers build."""
-    import multiprocessing
-
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return fn(*args)
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-
-    def body() -> None:
-        try:
-            import torch
-
-            torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool: it would hang
-            send.send(("ok", fn(*args)))
-        except BaseException as e:  # noqa: BLE001 - handed back to the parent
-            send.send(("error", e))
-
-    proc = ctx.Process(target=body)
-    proc.start()
-    send.close()
-    try:
-        kind, value = receive.recv()  # before join: a large result would fill the pipe
-    except EOFError:
-        proc.join()
-        raise ExportError(f"{getattr(fn, '__name__', 'a step')} died in its process (exit code {proc.exitcode}; "
-                          "-9 is the kernel's out-of-memory killer): lower --max-memory or close other programs") from None
-    proc.join()
-    if kind == "error":
-        raise value
-    return value
-
-
-def calibrate(ckpt, say: Callable[[str], None]) -> dict:
-    """The activation statistics LUT fits are weighted by: the checkpoint run in float32, one
-    layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens), in a child process."""
-    return in_child_process(_calibrate, ckpt, say)
-
-
-def _calibrate(ckpt, say: Callable[[str], None]) -> dict:
+def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None) -> dict:
+    """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
+    float32, one layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens).
+    `on_found(key, array)` gets each layer's as soon as it is known (see activation_importance).
+    The exporter runs it as one of its worker jobs, beside the compression it feeds."""
     from transformers import AutoTokenizer
 
     from .reference import activation_importance
@@ -132,8 +106,8 @@ def _calibrate(ckpt, say: Callable[[str], None]) -> dict:
     t0 = time.perf_counter()
     ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(calibration_text()).input_ids[:CALIBRATION_TOKENS]
     ids = [i for i in ids if i < ckpt.config.vocab_size]
-    importance = activation_importance(ckpt, ids)
-    say(f"calibrated LUTs on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
+    importance = activation_importance(ckpt, ids, on_found)
+    say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
 
 
@@ -226,16 +200,17 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
     from .export.memory import PeakMemory
     from .export.validate import validate_export
 
-    importance = None
-    if any(c.kind == "lut" for part in PARTS if (c := opts.quantize.compression(part, target))):
-        importance = calibrate(ckpt, say)
+    calibration = None
+    if any(c.weighted for part in PARTS if (c := opts.quantize.compression(part, target))):
+        calibration = functools.partial(calibrate, ckpt, say)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         with PeakMemory() as meter:
             bar = _Progress(plan, progress)
             try:
-                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, importance=importance)
+                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, calibration=calibration,
+                            compressed=bar.compressed)
             finally:
                 bar.close()
             tok_files = copy_tokenizer(ckpt, tmp)

@@ -93,13 +93,20 @@ def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndar
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def activation_importance(ckpt: Checkpoint, token_ids: list[int]) -> dict[str, np.ndarray]:
+def activation_importance(ckpt: Checkpoint, token_ids: list[int],
+                          on_found: Callable[[str, np.ndarray], None] | None = None) -> dict[str, np.ndarray]:
     """The mean square of each input channel of every projection over `token_ids`: how much an
     error in that column of the weight moves the layer's output (its diagonal part).
 
     Keys are parameter names as in the exported modules, with the HF layer index: "layers.3.q_proj.weight",
     ..., and "heads" for the LM head (the final norm's output). float32 arrays (in_channels,).
+    `on_found(key, array)` is called with each as soon as it is known (layer by layer).
     """
+    def found_one(key: str, value: np.ndarray) -> None:
+        found[key] = value
+        if on_found is not None:
+            on_found(key, value)
+
     import torch
 
     found: dict[str, np.ndarray] = {}
@@ -111,10 +118,10 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int]) -> dict[str, n
 
             def hook(_module, inputs, _output, key=f"layers.{n}.{name}.weight"):
                 x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
-                found[key] = (x * x).mean(0).to(torch.float32).numpy()
+                found_one(key, (x * x).mean(0).to(torch.float32).numpy())
             handles.append(module.register_forward_hook(hook))
         return lambda: [h.remove() for h in handles]
 
     h = run_layers(ckpt, token_ids, logits=False, on_layer=on_layer).astype(np.float64)
-    found["heads"] = (h * h).mean(0).astype(np.float32)
+    found_one("heads", (h * h).mean(0).astype(np.float32))
     return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,10 +90,79 @@ def test_integer_blocks_round_to_the_nearest_step(bits, block, symmetric):
     else:
         assert data.dtype == np.uint8 and data.max() <= 2 ** bits - 1
     dense = int_decompress(data, scale, offset)
-    step = np.repeat(scale.reshape(16, blocks).astype(np.float32), 64 // blocks, axis=1).reshape(w.shape)
-    assert np.all(np.abs(dense - w) <= step / 2 + 1e-3 * np.abs(w) + 1e-6)
+    def per_value(a):  # one value per block -> per weight
+        return np.repeat(a.reshape(16, blocks).astype(np.float32), 64 // blocks, axis=1).reshape(w.shape)
+    step, target = per_value(scale), w.astype(np.float32)
+    if not symmetric:  # a searched range may clip a block's ends: values beyond it go to the nearest end
+        lo, hi = -per_value(offset) * step, (2 ** bits - 1 - per_value(offset)) * step
+        target = np.clip(target, np.minimum(lo, hi), np.maximum(lo, hi))
+    assert np.all(np.abs(dense - target) <= step / 2 + 1e-3 * np.abs(w) + 1e-6)
     if symmetric or block:
         assert np.all(dense[0, :32] == 0)
+
+
+def test_int4_ranges_are_searched_and_grids_kept():
+    """Clipped ranges and least-squares refits lower the error of Gaussian blocks well below
+    min-max; blocks already on a 4-bit grid (as a Q4_1 checkpoint's) stay at least as exact."""
+    from llama_ane.quantize import linear
+
+    rng = np.random.default_rng(4)
+    gauss = (rng.standard_normal((64, 128)) * 0.05).astype(np.float16)
+    q = rng.integers(0, 16, (64, 4, 32))
+    step, low = rng.random((64, 4, 1)) * 0.01 + 0.001, -rng.random((64, 4, 1)) * 0.08
+    grid = (q * step.astype(np.float16) + low.astype(np.float16)).astype(np.float16).reshape(64, 128)
+    importance = np.where(np.arange(128) < 16, 50.0, 1.0)
+
+    def error(w, weights=1.0, **kw):
+        data, scale, offset = int_compress(w, 4, 32, **kw)
+        return float((weights * (int_decompress(data, scale, offset) - w.astype(np.float32)) ** 2).sum())
+
+    searched = {name: error(w) for name, w in (("gauss", gauss), ("grid", grid))}
+    weighted = error(gauss, importance, importance=importance)
+    saved = linear.CLIPS, linear.REFITS
+    linear.CLIPS, linear.REFITS = (0.0,), 0  # min and max only
+    try:
+        plain = {name: error(w) for name, w in (("gauss", gauss), ("grid", grid))}
+        plain_weighted = error(gauss, importance)
+    finally:
+        linear.CLIPS, linear.REFITS = saved
+    assert searched["gauss"] < 0.9 * plain["gauss"]
+    assert searched["grid"] <= plain["grid"] and searched["grid"] < 1e-3 * float((grid.astype(np.float32) ** 2).sum())
+    assert weighted < plain_weighted
+
+
+def test_fp16_keys_sort_as_the_values():
+    from llama_ane.quantize.kmeans import _fp16_keys
+
+    values = np.concatenate([np.random.default_rng(5).standard_normal(1000) * 10.0 ** np.arange(-3, 2).repeat(200),
+                             [0.0, -0.0, 6e-8, -6e-8, 65504.0, -65504.0]]).astype(np.float16)
+    order = np.argsort(_fp16_keys(values), kind="stable")
+    assert np.all(np.diff(values[order].astype(np.float32)) >= 0)
+
+
+def test_lut_of_float32_weights_matches_fp16():
+    """fp16 weights are sorted by their bit patterns, other dtypes by value: the same LUTs, and the
+    same codes but where a value sits on the midpoint of two float32 LUT values that fp16 rounds."""
+    w = (np.random.default_rng(6).standard_normal((32, 96)) * 0.02).astype(np.float16)
+    a_idx, a_lut = lut_compress(w, 4, 16)
+    b_idx, b_lut = lut_compress(w.astype(np.float32), 4, 16)
+    assert np.array_equal(a_lut, b_lut.astype(np.float16))
+    assert np.mean(a_idx == b_idx) > 0.99
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 3, 4, 6, 8])
+def test_packed_codes_are_coremltools_bytes(nbits, monkeypatch):
+    from coremltools.optimize._utils import pack_elements_into_bits
+
+    from llama_ane.export import compressed
+
+    monkeypatch.setattr(compressed, "PACK_ELEMENTS", 1 << 10)  # several blocks, one of them short
+    rng = np.random.default_rng(nbits)
+    for n in (1, 5, 1000, 3001):
+        codes = rng.integers(0, 1 << nbits, n).astype(np.uint8)
+        assert np.array_equal(compressed.pack_bits(codes, nbits), pack_elements_into_bits(codes, nbits))
+    signed = rng.integers(-8, 8, 77).astype(np.int8)
+    assert np.array_equal(compressed.pack_bits(signed, 4), pack_elements_into_bits(signed, 4))
 
 
 def test_stored_bytes_count_codes_and_tables():
@@ -330,3 +400,112 @@ def test_eval_errors(quantized, tiny_checkpoint, tmp_path):
     (other / "manifest.json").write_text(json.dumps(m))
     r = CliRunner().invoke(main, ["eval", str(quantized["fp16"]), "--reference", str(other)])
     assert r.exit_code == 1 and "another model" in r.output
+
+
+@pytest.mark.parametrize("options", [dict(quantize="lut4", lm_head="lut6"),
+                                     dict(quantize="int4", attention="none")])
+def test_compression_units_cover_each_compressed_weight_once(tiny_checkpoint, monkeypatch, options):
+    """Compressed weights are cut into jobs for every worker: each weight's row blocks tile it, in
+    whole LUT groups; a tensor-wide LUT (iOS17) stays whole."""
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    monkeypatch.setattr(convert, "UNIT_WEIGHTS", 1000)
+    cfg = load_checkpoint(tiny_checkpoint(num_hidden_layers=3, head_dim=32)).config
+    for target in ("iOS18", "iOS17"):
+        if target == "iOS17" and "int4" in options.values():
+            continue
+        quantize = QuantizeOptions.from_cli(**options)
+        plan = plan_export(cfg, ExportOptions(context_length=64, prefill_length=16, layers_per_chunk=2,
+                                              target=target, quantize=quantize))
+        units = convert.compression_units(plan)
+        assert [u.weights for u in units] == sorted((u.weights for u in units), reverse=True)
+        assert all(u.weights == sum(p.weights for p in u.pieces) and {p.spec for p in u.pieces} == {u.spec}
+                   for u in units)
+        pieces = [p for u in units for p in u.pieces]
+        assert sorted(pieces, key=lambda p: p.file) == sorted(convert.weight_rows(plan), key=lambda p: p.file)
+        for spec in plan.packages:
+            wanted = convert.compressed_weights(plan, spec)
+            mine = [p for p in pieces if p.spec == spec]
+            assert {u.name for u in mine} == set(wanted)
+            for name, shape in wanted.items():
+                blocks = sorted((u.start, u.end) for u in mine if u.name == name)
+                c = plan.compression(name)
+                assert blocks[0][0] == 0 and blocks[-1][1] == shape[0]
+                assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+                if c.kind == "lut":
+                    assert all(start % (c.group_size or shape[0]) == 0 for start, _ in blocks)
+                    if not c.group_size:
+                        assert blocks == [(0, shape[0])]
+                    elif shape[0] * shape[1] > 2000:
+                        assert len(blocks) > 1
+
+
+def test_a_package_built_from_compressed_units_is_the_one_built_alone(tiny_checkpoint, tmp_path, monkeypatch):
+    """Compressing in units across workers, then building from their payloads, writes the same
+    package, byte for byte, as compressing inside the build."""
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    monkeypatch.setattr(convert, "UNIT_WEIGHTS", 2000)
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    quantize = QuantizeOptions.from_cli("lut4", lm_head="lut6", attention="int4")
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=2,
+                                                  suffix_length=32, quantize=quantize))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    for unit in convert.compression_units(plan):
+        convert.compress_unit(unit, plan, ckpt, scratch)
+    for spec in plan.packages:
+        if not convert.compressed_weights(plan, spec):
+            continue
+        built = {}
+        for how, payloads in (("alone", None), ("units", scratch)):
+            folder = tmp_path / f"{how}-{spec.model}"
+            folder.mkdir()
+            built[how] = convert.build_package(spec, plan, ckpt, folder, payloads=payloads)
+        blobs = [p / "Data" / "com.apple.CoreML" / "weights" / "weight.bin" for p in built.values()]
+        assert blobs[0].read_bytes() == blobs[1].read_bytes(), spec.file
+
+
+def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_path):
+    """The calibration as the first worker job, its statistics saved layer by layer for the units
+    waiting on them, gives the packages that statistics known beforehand give."""
+    import functools
+
+    from llama_ane.api import calibrate
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    quantize = QuantizeOptions.from_cli("lut4", lm_head="lut6", attention="int4", embeddings="int8")
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
+                                                  quantize=quantize))
+    said, compressed, built = [], [], []
+    known = calibrate(ckpt, said.append)
+    for name, kwargs in (("known", dict(importance=known)),
+                         ("job", dict(calibration=functools.partial(calibrate, ckpt, said.append)))):
+        (tmp_path / name).mkdir()
+        convert.convert_all(plan, ckpt, tmp_path / name, workers=2, progress=built.append,
+                            compressed=lambda spec, weights: compressed.append(weights), **kwargs)
+    assert sum(compressed) == 2 * sum(u.weights for u in convert.compression_units(plan))  # the progress bar's
+    assert sorted(p.file for p in built) == sorted(2 * [p.file for p in plan.packages])
+    for spec in plan.packages:
+        blob = Path(spec.file) / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+        assert (tmp_path / "known" / blob).read_bytes() == (tmp_path / "job" / blob).read_bytes(), spec.file
+    assert not (tmp_path / "job" / ".scratch").exists()
+
+
+def test_a_unit_whose_statistics_never_come_is_a_clear_error(tiny_checkpoint, tmp_path):
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
+                                                  quantize=QuantizeOptions.from_cli("lut4")))
+    with pytest.raises(convert.ConversionError, match="the calibration saved no statistics"):
+        convert.convert_all(plan, ckpt, tmp_path, workers=2, calibration=lambda on_found: None)

@@ -5,16 +5,19 @@ The estimate is a model fitted to measurements on this exporter (benchmarks/expo
 prints the measured peak beside it): a parent process that holds no weights, plus for each
 running worker the package it builds, held about twice (the arrays, and the weight blob as it is
 serialized), plus the parity gate, which streams one package at a time but holds its weights in
-fp16 and float32 side by side.
+fp16 and float32 side by side. A compressed package is built from codes of one byte per weight
+(half its fp16 weights); before the builds, compression workers hold one unit of weights and the
+k-means working set each (see convert.compression_units).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from ..chunks.plan import layer_weight_bytes
-from ..contract.plan import ExportPlan
+from ..contract.plan import ExportPlan, PackageSpec
 
 GIB = 1 << 30
 PARENT_BYTES = int(0.9 * GIB)  # python, torch, coremltools and the tokenizer, before any weight
@@ -46,10 +49,26 @@ class MemoryPlan:
                 f"(build {self.build_peak / GIB:.1f}, verify {self.verify_peak / GIB:.1f})")
 
 
+COMPRESS_BYTES = int(0.45 * GIB)  # a compression worker: one unit's fp16 weights and its k-means batch
+
+
+def held_bytes(plan: ExportPlan, package: PackageSpec) -> int:
+    """Bytes of weights a package's build holds: fp16 (or fp32) weights, compressed ones as their
+    one-byte codes."""
+    from .convert import compressed_weights
+
+    codes = sum(math.prod(shape) for shape in compressed_weights(plan, package).values())
+    return package.dense_bytes - codes  # 2 bytes per fp16 weight, 1 per code
+
+
 def build_peak(plan: ExportPlan, workers: int) -> int:
-    """Estimated peak while `workers` packages are built at once (the largest ones first)."""
-    sizes = sorted((p.dense_bytes for p in plan.packages), reverse=True)[:max(1, workers)]
-    return PARENT_BYTES + sum(WORKER_BYTES + int(BUILD_FACTOR * s) for s in sizes)
+    """Estimated peak while `workers` packages are built at once (the largest ones first), or
+    while they compress weights, whichever is higher."""
+    sizes = sorted((held_bytes(plan, p) for p in plan.packages), reverse=True)[:max(1, workers)]
+    build = PARENT_BYTES + sum(WORKER_BYTES + int(BUILD_FACTOR * s) for s in sizes)
+    if not plan.options.quantize.active:
+        return build
+    return max(build, PARENT_BYTES + max(1, workers) * (WORKER_BYTES + COMPRESS_BYTES))
 
 
 def verify_peak(plan: ExportPlan, verify: bool) -> int:

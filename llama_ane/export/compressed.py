@@ -12,10 +12,16 @@ parameter name, so every function of a multifunction package shares one copy of 
 Older targets (one function per package, nothing to share) get the iOS16 forms through
 coremltools' own constructors: one LUT per tensor, and symmetric int8 with one scale per output
 channel (constexpr_affine_dequantize).
+
+Sub-byte codes are held one per byte (typed uint4, uint6... as coremltools wants them) and packed
+when the package is saved; `fast_sub_byte_packing` packs them with a few shifts instead of
+coremltools' bit-array round trip, which is slower than the k-means that made them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,19 +45,77 @@ class Payload:
     offset: np.ndarray | None = None  # asymmetric integers: per block, like the scales
 
 
-def compress(value: np.ndarray, c: Compression, importance: np.ndarray | None = None) -> Payload:
+def compress(value: np.ndarray | Payload, c: Compression, importance: np.ndarray | None = None) -> Payload:
     """Compress one weight (fp16, shape (out, in, ...)) as `c` says; LUTs fitted with `importance`
-    (per input channel, see quantize.kmeans) when given."""
+    (per input channel, see quantize.kmeans) when given. A weight compressed beforehand (a
+    Payload, see convert.compression_units) is returned as it is."""
+    if isinstance(value, Payload):
+        return value
     if c.kind == "lut":
         indices, lut = lut_compress(value, c.bits, c.group_size, importance)
         return Payload(c, indices, lut, value.shape)
-    data, scale, offset = int_compress(value, c.bits, c.block_size, symmetric=c.symmetric)
+    data, scale, offset = int_compress(value, c.bits, c.block_size, symmetric=c.symmetric, importance=importance)
     return Payload(c, data, scale, value.shape, offset)
 
 
+def join(parts: list[Payload]) -> Payload:
+    """One weight from the payloads of its consecutive row blocks (rows are compressed
+    independently: LUT groups and integer blocks never straddle rows)."""
+    if len(parts) == 1:
+        return parts[0]
+    codes = np.concatenate([p.codes for p in parts])
+    offsets = None if parts[0].offset is None else np.concatenate([p.offset for p in parts])
+    return Payload(parts[0].compression, codes, np.concatenate([p.table for p in parts]), codes.shape, offsets)
+
+
 def _sub_byte(codes: np.ndarray, dtype: str) -> np.ndarray:
-    """`codes` typed as MIL's `dtype` ("uint4", "int4", ...): coremltools packs them when saving."""
-    return codes.astype(types.nptype_from_builtin(types.string_to_builtin(dtype)))
+    """`codes` (uint8, one code a byte) typed as MIL's `dtype` ("uint4", ...) without a copy:
+    coremltools packs them when saving."""
+    return codes.view(types.nptype_from_builtin(types.string_to_builtin(dtype)))
+
+
+PACK_ELEMENTS = 1 << 24  # codes packed at a time: bounds the temporaries of a large weight
+
+
+def pack_bits(elements: np.ndarray, nbits: int) -> np.ndarray:
+    """The low `nbits` of every element, packed from the least significant bit up (the layout of
+    coremltools' pack_elements_into_bits, byte for byte): uint8 (ceil(n * nbits / 8),).
+
+    Elements are taken a few at a time, as many as fill whole bytes (2 of 4 bits, 4 of 6 bits, 8
+    of 3 bits), shifted into one integer whose low bytes are the packed ones.
+    """
+    flat = elements.reshape(-1).view(np.uint8) if elements.dtype.itemsize == 1 else elements.reshape(-1).astype(np.uint8)
+    n = flat.size
+    per = 8 // math.gcd(nbits, 8)  # elements that fill whole bytes
+    width = per * nbits // 8  # those bytes
+    out = np.empty(-(-n * nbits // 8), np.uint8)
+    mask = np.uint32((1 << nbits) - 1)
+    step = PACK_ELEMENTS - PACK_ELEMENTS % per
+    for start in range(0, n, step):
+        part = flat[start:start + step]
+        if part.size % per:
+            part = np.concatenate([part, np.zeros(per - part.size % per, np.uint8)])
+        cols = part.reshape(-1, per)
+        word = np.zeros(len(cols), np.uint32)
+        for i in range(per):
+            word |= (cols[:, i].astype(np.uint32) & mask) << np.uint32(nbits * i)
+        packed = word.view(np.uint8).reshape(-1, 4)[:, :width].reshape(-1)  # little-endian: the low bytes
+        first = start * nbits // 8
+        out[first:first + len(packed)] = packed[:len(out) - first]
+    return out
+
+
+@contextlib.contextmanager
+def fast_sub_byte_packing():
+    """Save sub-byte consts with `pack_bits` instead of coremltools' own packer (same bytes)."""
+    from coremltools.optimize import _utils
+
+    saved = _utils.pack_elements_into_bits
+    _utils.pack_elements_into_bits = pack_bits
+    try:
+        yield
+    finally:
+        _utils.pack_elements_into_bits = saved
 
 
 def constexpr(name: str, p: Payload, ios18: bool):

@@ -4,7 +4,13 @@ A worker reads only its package's tensors from the checkpoint (lazily, in the ex
 the package's MIL program with every function sharing those weights, writes the .mlpackage and
 exits, so the memory it used goes back to the system before the next package starts. The parent
 holds no weights at all. How many workers run at once is decided by the caller from cores and
-memory (see budget.py); the largest packages go first so the workers finish together.
+memory (see budget.py); the largest jobs go first so the workers finish together.
+
+Compressed exports first compress their weights in small units, a layer or a block of vocabulary
+rows each (`compression_units`), spread over the same workers and saved into the export's scratch
+folder: compression is most of their work, and a compressed package can hold many layers (all 16
+of a 1B model in lut4), so compressing per package would leave all but one worker idle. Each
+package's build then reads its compressed weights back instead of the dense ones.
 """
 
 from __future__ import annotations
@@ -16,14 +22,19 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import sys
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ..chunks.models import vocab_splits
+from ..chunks.plan import layer_shapes
 from ..contract.plan import ExportPlan, PackageSpec
+from ..contract.specs import model_kind
 from ..checkpoint.loader import Checkpoint
 
 SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
@@ -51,33 +62,208 @@ def quiet_coremltools():
         logger.setLevel(level)
 
 
+def importance_key(spec: PackageSpec, name: str) -> str | None:
+    """The calibration's key (see reference.activation_importance, keyed by HF layer) of parameter
+    `name` inside `spec`'s program, or None (a weight that is looked up, not multiplied)."""
+    if name.startswith("layers."):
+        _, j, rest = name.split(".", 2)
+        return f"layers.{spec.layers[int(j)]}.{rest}"
+    return "heads" if name.startswith("heads.") else None
+
+
 def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None):
-    """Parameter name inside `spec`'s program -> its input channels' importance (see
-    reference.activation_importance, keyed by HF layer), or None."""
+    """Parameter name inside `spec`'s program -> its input channels' importance, or None."""
     def find(name: str) -> np.ndarray | None:
-        if not importance:
-            return None
-        if name.startswith("layers."):
-            _, j, rest = name.split(".", 2)
-            return importance.get(f"layers.{spec.layers[int(j)]}.{rest}")
-        return importance.get("heads") if name.startswith("heads.") else None
+        key = importance_key(spec, name)
+        return importance.get(key) if importance and key else None
     return find
 
 
+class SavedImportance:
+    """The calibration's statistics as files in a folder, one per key, each written whole (under a
+    temporary name, then renamed) as soon as the calibration finds it: the compression of a layer
+    can start while later layers are still being calibrated."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _file(self, key: str) -> Path:
+        return self.folder / f"{key}.npy"
+
+    def save(self, key: str, value: np.ndarray) -> None:
+        self.folder.mkdir(exist_ok=True)
+        part = self.folder / f".{key}.partial.npy"
+        np.save(part, value)
+        part.rename(self._file(key))
+
+    def has(self, key: str | None) -> bool:
+        return key is None or self._file(key).exists()
+
+    def get(self, key: str | None) -> np.ndarray | None:
+        return None if key is None else np.load(self._file(key))
+
+
+@dataclass(frozen=True)
+class WeightRows:
+    """Rows [start, end) of weight `name` of package `spec` (its name in the package's program)."""
+
+    spec: PackageSpec
+    name: str
+    start: int
+    end: int
+    weights: int  # how many weights
+
+    @property
+    def file(self) -> str:
+        """Where their payload is saved, inside the scratch folder."""
+        return f"{self.spec.file}.{self.name}.{self.start:07d}.npz"
+
+
+@dataclass(frozen=True)
+class CompressionUnit:
+    """One compression job: consecutive weights (or rows of one) of a package, about UNIT_WEIGHTS
+    weights in all."""
+
+    pieces: tuple[WeightRows, ...]
+    weights: int
+
+    @property
+    def spec(self) -> PackageSpec:
+        return self.pieces[0].spec
+
+
+UNIT_WEIGHTS = 1 << 24  # weights per compression job: a large weight is cut into row blocks, small ones grouped
+
+
+def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[int, ...]]:
+    """The compressed weights of package `spec` and their shapes (out, in): names as its program
+    uses them ("layers.j.*" for the j-th layer of a chunk, "heads.j.weight" for vocabulary split j)."""
+    cfg, kind = plan.config, model_kind(spec.model)
+    if kind == "chunk":
+        found = {f"layers.{j}.{name}": shape for j in range(len(spec.layers))
+                 for name, shape in layer_shapes(cfg).items()}
+    elif kind in ("embeddings", "embeddings_part"):
+        found = {"embed_tokens.weight": (spec.rows[1] - spec.rows[0], cfg.hidden_size)}
+    elif kind == "lm_head":
+        splits = vocab_splits(cfg.vocab_size)
+        starts = [sum(splits[:j]) for j in range(len(splits))]
+        found = {f"heads.{j}.weight": (splits[j], cfg.hidden_size) for j in range(len(splits))
+                 if spec.rows[0] <= starts[j] < spec.rows[1]}
+    else:
+        found = {}
+    return {name: shape for name, shape in found.items() if plan.compression(name) is not None}
+
+
+def weight_rows(plan: ExportPlan) -> list[WeightRows]:
+    """Every compressed weight of `plan`, package by package, cut into row blocks of at most about
+    UNIT_WEIGHTS weights (whole LUT groups) where its rows are compressed independently."""
+    pieces = []
+    for spec in plan.packages:
+        for name, shape in compressed_weights(plan, spec).items():
+            c = plan.compression(name)
+            rows, row = shape[0], int(np.prod(shape[1:]))
+            step = rows
+            if c.kind == "int" or c.group_size:  # one LUT per tensor cannot be split
+                align = c.group_size or 1
+                step = max(align, UNIT_WEIGHTS // row // align * align)
+            pieces += [WeightRows(spec, name, a, min(rows, a + step), (min(rows, a + step) - a) * row)
+                       for a in range(0, rows, step)]
+    return pieces
+
+
+def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
+    """Every compression job of `plan`, largest first: consecutive pieces of one package (see
+    weight_rows) grouped until they hold UNIT_WEIGHTS weights, so that a job's fixed costs (a
+    process, reading, saving) stay small beside its k-means."""
+    units, group = [], []
+    for piece in weight_rows(plan):
+        if group and (group[0].spec != piece.spec or sum(p.weights for p in group) >= UNIT_WEIGHTS):
+            units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
+            group = []
+        group.append(piece)
+    if group:
+        units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
+    return sorted(units, key=lambda u: -u.weights)
+
+
+def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scratch: Path,
+                  importance: dict[str, np.ndarray] | SavedImportance | None = None) -> None:
+    """Read the rows of each weight of one unit, compress them (weighted by `importance`, when
+    their compression uses it) and save each payload into `scratch`."""
+    import torch
+
+    from ..checkpoint.mapping import as_conv
+    from .compressed import compress
+    from .package_weights import PackageWeights
+
+    for piece in unit.pieces:
+        spec, name = piece.spec, piece.name
+        if name.startswith("layers."):
+            value = PackageWeights(ckpt, np.float16, list(spec.layers))(name)[piece.start:piece.end]
+        elif name.startswith("heads."):  # rows of vocabulary split j: read only those of the output matrix
+            first = sum(vocab_splits(plan.config.vocab_size)[:int(name.split(".")[1])])
+            weights = PackageWeights(ckpt, np.float16, rows=(first + piece.start, first + piece.end))
+            value = as_conv(torch.from_numpy(weights("lm_head_matrix"))).numpy()
+        else:  # rows of this file's embedding table
+            value = PackageWeights(ckpt, np.float16, rows=(spec.rows[0] + piece.start, spec.rows[0] + piece.end))(name)
+        c = plan.compression(name)
+        found = importance.get(importance_key(spec, name)) if importance is not None and c.weighted else None
+        payload = compress(value, c, found)
+        arrays = {"codes": payload.codes, "table": payload.table}
+        if payload.offset is not None:
+            arrays["offset"] = payload.offset
+        part = scratch / (piece.file + ".partial.npz")
+        np.savez(part, **arrays)
+        part.rename(scratch / piece.file)
+
+
+def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
+    """The compressed weights of `spec` that compress_unit saved into `scratch`: name -> Payload."""
+    from .compressed import Payload, join
+
+    pieces: dict[str, list[WeightRows]] = {}
+    for piece in weight_rows(plan):
+        if piece.spec == spec:
+            pieces.setdefault(piece.name, []).append(piece)
+    found = {}
+    for name, parts in pieces.items():
+        payloads = []
+        for piece in parts:
+            with np.load(scratch / piece.file) as z:
+                payloads.append(Payload(plan.compression(name), z["codes"], z["table"], z["codes"].shape,
+                                        z["offset"] if "offset" in z.files else None))
+        found[name] = join(payloads)
+    return found
+
+
+class _WithPayloads:
+    """Weights of a package where those compressed beforehand come as their payloads."""
+
+    def __init__(self, weights: Callable[[str], np.ndarray], payloads: dict):
+        self.weights, self.payloads = weights, payloads
+
+    def __call__(self, name: str):
+        return self.payloads[name] if name in self.payloads else self.weights(name)
+
+
 def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path,
-                  importance: dict[str, np.ndarray] | None = None) -> Path:
+                  importance: dict[str, np.ndarray] | None = None, payloads: Path | None = None) -> Path:
     """Read `spec`'s weights, build its program and save it as `folder / spec.file`; `importance`
-    weighs the LUT fits of compressed weights."""
+    weighs the LUT fits of compressed weights; `payloads`: the folder where compress_unit saved
+    them (compressed here when None)."""
     import coremltools as ct
 
+    from .compressed import fast_sub_byte_packing
     from .package_weights import PackageWeights
     from .programs import build_program, save_program
 
     o = plan.options
     dtype = np.float16 if o.precision == "fp16" else np.float32
     weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions, spec.rows)
+    if payloads is not None:
+        weights = _WithPayloads(weights, load_payloads(plan, spec, payloads))
     functions = {fn: plan.specs[spec.model][fn] for fn in spec.functions}
-    with quiet_coremltools():
+    with quiet_coremltools(), fast_sub_byte_packing():
         prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
                              opset=getattr(ct.target, o.target), layers=len(spec.layers),
                              context_length=o.context_length, suffix_length=o.suffix_length, rows=spec.rows,
@@ -88,81 +274,136 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
     return path
 
 
-def _worker(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path, errors,
-            importance) -> None:
-    """Body of a forked worker: build one package, report a failure through `errors`."""
+@dataclass(frozen=True)
+class _Job:
+    """One piece of work for a worker: `run()` in the child, `what` for errors, `spec` for progress;
+    it starts once `ready()`."""
+
+    what: str
+    spec: PackageSpec | None
+    run: Callable[[], object]
+    weights: int  # its size, for messages
+    ready: Callable[[], bool] = lambda: True
+
+
+POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
+
+
+def _worker(job: _Job, scratch: Path, errors) -> None:
+    """Body of a forked worker: run one job, report a failure through `errors`."""
     import torch
 
     torch.set_num_threads(1)
     tempfile.tempdir = str(scratch)  # coremltools' temporary weight folders stay inside the export
     try:
-        build_package(spec, plan, ckpt, folder, importance)
+        job.run()
     except BaseException as exc:  # the parent turns this into a ConversionError
         errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
         os._exit(1)
+    finally:
+        sys.stdout.flush()  # what the job printed (os._exit flushes nothing)
     os._exit(0)
 
 
-def _death(spec: PackageSpec, code: int) -> ConversionError:
+def _death(job: _Job, code: int) -> ConversionError:
     if code < 0:
         cause = (f"was killed by signal {-code}" + (" (most likely the out-of-memory killer)" if -code == 9 else ""))
     else:
         cause = f"exited with code {code}"
     return ConversionError(
-        f"the worker building {spec.file} ({spec.dense_bytes / 1e9:.2f} GB of weights) {cause}; try "
+        f"the worker {job.what} ({job.weights / 1e9:.2f} GB of weights) {cause}; try "
         "--workers 1, a smaller --layers-per-chunk, or closing other programs")
 
 
 def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: int,
                 progress: Callable[[PackageSpec], None] | None = None,
-                importance: dict[str, np.ndarray] | None = None) -> None:
-    """Build every package of `plan` into `folder`, at most `workers` at a time (`importance`:
-    see build_package).
+                importance: dict[str, np.ndarray] | None = None,
+                compressed: Callable[[PackageSpec, int], None] | None = None,
+                calibration: Callable[..., object] | None = None) -> None:
+    """Build every package of `plan` into `folder`, at most `workers` jobs at a time.
+    `progress(spec)` follows each package built, `compressed(spec, weights)` each compression
+    unit done (compressed exports compress first, see compression_units).
+
+    LUT and int4 fits are weighted by the calibration's statistics: `importance` when they are
+    known, or `calibration(on_found=...)` (api.calibrate) run as the first job, each unit starting
+    as soon as the statistics of its weight are saved (the layers in order, the LM head last).
 
     Raises ConversionError naming the package when a worker fails or dies; the caller removes
-    `folder`. Without `fork` (Windows) the packages are built one by one in this process.
+    `folder`. Without `fork` (Windows) the jobs run one by one in this process.
     """
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
-    order = sorted(plan.packages, key=lambda p: -p.dense_bytes)
+    units = compression_units(plan)
+    stages = []
+    if units:
+        found = importance
+        jobs = []
+        if calibration is not None:
+            found = SavedImportance(scratch / "importance")
+            jobs.append(_Job("calibrating", None, functools.partial(calibration, on_found=found.save), 0))
+
+        def ready(unit: CompressionUnit) -> Callable[[], bool]:
+            if not isinstance(found, SavedImportance):
+                return lambda: True
+            keys = [importance_key(p.spec, p.name) for p in unit.pieces if plan.compression(p.name).weighted]
+            return lambda: all(found.has(key) for key in keys)
+
+        def what(unit: CompressionUnit) -> str:
+            first, last = unit.pieces[0], unit.pieces[-1]
+            return f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
+                f" of {unit.spec.file}"
+
+        jobs += [_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found), u.weights,
+                      ready(u)) for u in units]
+        stages.append((jobs, (lambda job: job.spec and compressed(job.spec, job.weights)) if compressed else None))
+    builds = sorted(plan.packages, key=lambda p: -p.dense_bytes)
+    stages.append(([_Job(f"building {spec.file}", spec,
+                         functools.partial(build_package, spec, plan, ckpt, folder, importance,
+                                           scratch if units else None), spec.dense_bytes // 2)
+                    for spec in builds],
+                   (lambda job: progress(job.spec)) if progress else None))
+    from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
+
     try:
-        if "fork" not in multiprocessing.get_all_start_methods():
-            for spec in order:
-                build_package(spec, plan, ckpt, folder, importance)
-                if progress:
-                    progress(spec)
-            return
-        _run_forked(order, plan, ckpt, folder, scratch, max(1, workers), progress, importance)
+        for jobs, done in stages:
+            if "fork" not in multiprocessing.get_all_start_methods():
+                for job in jobs:
+                    if not job.ready():
+                        raise ConversionError(f"{job.what}: the calibration saved no statistics for it")
+                    job.run()
+                    if done:
+                        done(job)
+            else:
+                _run_forked(jobs, scratch, max(1, workers), done)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_forked(order: list[PackageSpec], plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path,
-                workers: int, progress, importance) -> None:
+def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None) -> None:
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
-    todo, running = list(order), {}
+    todo, running = list(jobs), {}
     try:
         while todo or running:
-            while todo and len(running) < workers:
-                spec = todo.pop(0)
-                proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors, importance),
-                                   name=f"build {spec.file}", daemon=True)
+            while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
+                todo.remove(job)
+                proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
                 proc.start()
-                running[proc.sentinel] = (proc, spec)
-            done = multiprocessing.connection.wait(list(running))
-            for sentinel in done:
-                proc, spec = running.pop(sentinel)
+                running[proc.sentinel] = (proc, job)
+            if not running:  # nothing runs and nothing can start: what it waits for will never come
+                raise ConversionError(f"{todo[0].what}: the calibration saved no statistics for it")
+            finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS if todo else None)
+            for sentinel in finished:
+                proc, job = running.pop(sentinel)
                 proc.join()
                 if proc.exitcode != 0:
                     detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
                     if detail:
-                        raise ConversionError(f"building {spec.file} failed: {detail}")
-                    raise _death(spec, proc.exitcode)
-                if progress:
-                    progress(spec)
+                        raise ConversionError(f"{job.what} failed: {detail}")
+                    raise _death(job, proc.exitcode)
+                if done:
+                    done(job)
     finally:
         for proc, _ in running.values():
             proc.kill()
             proc.join()
-

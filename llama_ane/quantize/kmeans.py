@@ -1,8 +1,12 @@
-"""One-dimensional k-means over many groups at once, in torch: the LUT of each group of weights.
+"""One-dimensional k-means over many groups at once: the LUT of each group of weights.
 
 For palettization every group (one LUT's worth of output channels) needs its own k-means on its
 values. Running them one by one is what makes palettizing a 1B model slow; here every group's
-Lloyd iterations run together as a few batched tensor ops on the sorted groups (see kmeans_1d).
+Lloyd iterations run together as a few batched tensor ops on the sorted groups (see `lloyd`).
+
+Sorting is most of the cost, so fp16 weights are sorted by their bit patterns made order-keeping
+(`_fp16_keys`): numpy sorts 16-bit integers by radix, in linear time, and the same sort's order
+assigns every weight its code without searching (`lut_compress`).
 
 Initialisation matters more than iterations in 1-D (Lloyd moves centroids across a group only
 slowly): the centroids start where the asymptotically optimal quantizer puts them
@@ -26,34 +30,49 @@ def kmeans_1d(groups: torch.Tensor, clusters: int, iterations: int = MAX_ITERATI
               weights: torch.Tensor | None = None) -> torch.Tensor:
     """Cluster each row of `groups` (G, N) into `clusters` values: centroids (G, K) float32, ascending.
 
-    Each row is sorted once; 1-D clusters are then intervals of the sorted values, so a Lloyd
-    iteration is a search of the K-1 boundaries (midpoints between neighbouring centroids) in the
-    sorted row and sums read off its prefix sums: O(K log N) per group and iteration instead of
-    O(N). With `weights` (G, N) >= 0, each value counts that much (weighted means; the error
-    minimised is sum weight * (value - centroid)^2). Groups with fewer distinct values than K
-    repeat centroids.
+    With `weights` (G, N) >= 0, each value counts that much (weighted means; the error minimised
+    is sum weight * (value - centroid)^2). Groups with fewer distinct values than K repeat centroids.
     """
     values = groups.to(torch.float32).numpy()
-    if weights is None:  # numpy's vectorised sort is an order of magnitude faster than torch.sort on a CPU
-        xs, ws = torch.from_numpy(np.sort(values, axis=1)), torch.ones(1, 1, dtype=torch.float64)
-    else:
-        order = np.argsort(values, axis=1)
-        xs = torch.from_numpy(np.take_along_axis(values, order, axis=1))
-        ws = torch.from_numpy(np.take_along_axis(weights.to(torch.float64).numpy(), order, axis=1))
+    order = np.argsort(values, axis=1)
+    xs = np.take_along_axis(values, order, axis=1)
+    ws = None if weights is None else np.take_along_axis(weights.to(torch.float64).numpy(), order, axis=1)
+    return lloyd(xs, clusters, ws, iterations)
+
+
+def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
+          iterations: int = MAX_ITERATIONS) -> torch.Tensor:
+    """Lloyd's k-means on rows already sorted: xs (G, N) float32 ascending, optional weights ws
+    (G, N) in the same order -> centroids (G, K) float32, ascending.
+
+    1-D clusters are intervals of the sorted values, so an iteration is a search of the K-1
+    boundaries (midpoints between neighbouring centroids) in each row and sums read off its prefix
+    sums: O(K log N) per group and iteration instead of O(N).
+    """
     g, n = xs.shape
     k = clusters
-    mass = torch.zeros(g, n + 1, dtype=torch.float64)  # prefix sums of the weights, and of weight * value
-    mass[:, 1:] = torch.cumsum(ws.expand(g, n), dim=1)
-    prefix = torch.zeros(g, n + 1, dtype=torch.float64)
-    prefix[:, 1:] = torch.cumsum(ws * xs, dim=1)
-    centroids = companded_start(xs, k)
-    span = (xs[:, -1] - xs[:, 0]).to(torch.float64).clamp_min(1e-12)
+    prefix = np.zeros((g, n + 1), np.float64)  # prefix sums of weight * value (and of the weights)
+    if ws is None:
+        np.cumsum(xs, axis=1, dtype=np.float64, out=prefix[:, 1:])
+        mass = None  # the count of values below rank i is i
+    else:
+        mass = np.zeros((g, n + 1), np.float64)
+        np.cumsum(ws, axis=1, out=mass[:, 1:])
+        np.cumsum(ws * xs, axis=1, out=prefix[:, 1:])
+        mass = torch.from_numpy(mass)
+    prefix = torch.from_numpy(prefix)
+    xs_t = torch.from_numpy(np.ascontiguousarray(xs))
+    centroids = companded_start(xs_t, k)
+    span = (xs_t[:, -1] - xs_t[:, 0]).to(torch.float64).clamp_min(1e-12)
     edges = torch.empty(g, k + 1, dtype=torch.long)
     edges[:, 0], edges[:, -1] = 0, n
     for _ in range(iterations):
         midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32)
-        edges[:, 1:-1] = torch.searchsorted(xs, midpoints.contiguous())  # cluster j: xs[edges[j]:edges[j+1]]
-        counts = mass.gather(1, edges[:, 1:]) - mass.gather(1, edges[:, :-1])
+        edges[:, 1:-1] = torch.searchsorted(xs_t, midpoints.contiguous())  # cluster j: xs[edges[j]:edges[j+1]]
+        if mass is None:
+            counts = (edges[:, 1:] - edges[:, :-1]).to(torch.float64)
+        else:
+            counts = mass.gather(1, edges[:, 1:]) - mass.gather(1, edges[:, :-1])
         sums = prefix.gather(1, edges[:, 1:]) - prefix.gather(1, edges[:, :-1])
         moved = torch.where(counts > 0, sums / counts.clamp_min(1e-300), centroids)
         moved, _ = torch.sort(moved, dim=1)
@@ -88,10 +107,22 @@ def companded_start(xs: torch.Tensor, clusters: int, points: int = COMPANDING_PO
     return left + frac * (at.gather(1, hi) - left)
 
 
-def _assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid of each value: x (G, N), sorted centroids (G, K) -> (G, N) int64."""
-    midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2  # (G, K-1), the cluster boundaries
-    return torch.searchsorted(midpoints.contiguous(), x.contiguous())
+def _fp16_keys(values: np.ndarray) -> np.ndarray:
+    """uint16 keys of fp16 `values` that sort as the values do: positive numbers get the sign bit
+    set, negative ones have every bit flipped (so -0 sorts just below +0)."""
+    bits = values.view(np.uint16)
+    return bits ^ (((bits >> 15) * np.uint16(0x7FFF)) | np.uint16(0x8000))
+
+
+def _sorted_codes(xs: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """Code of every value of sorted rows xs (G, N) against the ascending LUTs (G, K): the index of
+    its nearest LUT value (a value on a midpoint takes the lower one), as uint8 (G, N)."""
+    g, n = xs.shape
+    midpoints = torch.from_numpy(np.ascontiguousarray((lut[:, 1:] + lut[:, :-1]) / 2, np.float32))
+    edges = torch.searchsorted(torch.from_numpy(xs), midpoints, right=True).numpy()  # first rank above each midpoint
+    steps = np.zeros((g, n + 1), np.uint8)  # +1 at every rank where the code goes up
+    np.add.at(steps, (np.repeat(np.arange(g), edges.shape[1]), edges.ravel()), 1)
+    return np.cumsum(steps[:, :n], axis=1, dtype=np.uint8)
 
 
 def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
@@ -106,26 +137,33 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     Returns (indices uint8 of weight's shape, lut float (groups, 2^nbits) in weight's dtype): the
     dense weight is lut[group of row, indices]. Groups are clustered in batches of about
     BATCH_ELEMENTS weights, so a 128k x 4k embedding table needs no more working memory than one
-    MLP projection.
+    MLP projection. Each batch is sorted once; that order gives the codes too.
     """
     rows = weight.shape[0]
     size = group_size or rows
-    flat = torch.from_numpy(np.ascontiguousarray(weight)).reshape(rows // size, -1)  # (G, size * rest)
-    scale = None
-    if importance is not None:  # (1, size * rest): the same for every group
-        per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
-                                  weight.shape[1:])
-        scale = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(per_row, (size,) + per_row.shape))).reshape(1, -1)
+    flat = np.ascontiguousarray(weight).reshape(rows // size, -1)  # (G, size * rest)
     groups, n = flat.shape
+    per_value = None
+    if importance is not None:  # (size * rest,): the weight of each value of a group, the same for every group
+        per_row = np.broadcast_to(np.asarray(importance, np.float64).reshape((-1,) + (1,) * (weight.ndim - 2)),
+                                  weight.shape[1:])
+        per_value = np.broadcast_to(per_row, (size,) + per_row.shape).reshape(-1)
     step = max(1, BATCH_ELEMENTS // n)  # groups per batch: the sort and prefix sums of one batch at a time
-    luts, codes = [], []
+    codes = np.empty((groups, n), np.uint8)
+    luts = []
     for start in range(0, groups, step):
         part = flat[start:start + step]
-        weights = None if scale is None else scale.expand(part.shape[0], -1)
-        lut = kmeans_1d(part, 1 << nbits, weights=weights).numpy().astype(weight.dtype)
-        codes.append(_assign(part.to(torch.float32), torch.from_numpy(lut.astype(np.float32))).to(torch.uint8))
+        if part.dtype == np.float16:  # a radix sort of the bit patterns
+            order = np.argsort(_fp16_keys(part), axis=1, kind="stable")
+        else:
+            order = np.argsort(part.astype(np.float32), axis=1)
+        rank = torch.from_numpy(order)
+        xs = torch.gather(torch.from_numpy(part), 1, rank).to(torch.float32).numpy()
+        lut = lloyd(xs, 1 << nbits, None if per_value is None else per_value[order]).numpy().astype(weight.dtype)
+        sorted_codes = torch.from_numpy(_sorted_codes(xs, lut.astype(np.float32)))
+        torch.from_numpy(codes[start:start + step]).scatter_(1, rank, sorted_codes)  # in place, into `codes`
         luts.append(lut)
-    return torch.cat(codes).numpy().reshape(weight.shape), np.concatenate(luts)
+    return codes.reshape(weight.shape), np.concatenate(luts)
 
 
 def lut_decompress(indices: np.ndarray, lut: np.ndarray) -> np.ndarray:

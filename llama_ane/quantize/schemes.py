@@ -62,6 +62,11 @@ class Compression:
     def bits(self) -> int:
         return bits(self.scheme)
 
+    @property
+    def weighted(self) -> bool:
+        """Whether fitting it uses the calibration's input importance: LUTs and int4 ranges."""
+        return self.kind == "lut" or self.kind == "int" and self.bits < 8 and not self.symmetric
+
     def to_dict(self) -> dict:
         out = {"scheme": self.scheme}
         if self.kind == "lut":
