@@ -177,12 +177,12 @@ final class ManifestTests: XCTestCase {
 
     func testEmbeddingsPartWithoutDecodeIsRefused() throws {
         let data = try SplitManifest.data { m in SplitManifest.editFunction(&m, "embeddings_1", "decode") { $0 = nil } }
-        assertDecodeRefused(data, as: "model \"embeddings_1\" has no function \"decode\" (functions: decode_branches, prefill)")
+        assertDecodeRefused(data, as: "model \"embeddings_1\" has no function \"decode\" (functions: decode_branches, prefill, verify)")
     }
 
     func testLMHeadPartWithoutDecodeBranchesIsRefusedWhenTheExportHasBranches() throws {
         let data = try SplitManifest.data { m in SplitManifest.editFunction(&m, "lm_head_1", "decode_branches") { $0 = nil } }
-        assertDecodeRefused(data, as: "model \"lm_head_1\" has no function \"decode_branches\" (functions: decode, prefill)")
+        assertDecodeRefused(data, as: "model \"lm_head_1\" has no function \"decode_branches\" (functions: decode, prefill, verify)")
         // Without a branch width the cascade functions are not needed.
         let noBranches = try SplitManifest.data { m in
             m["branch_width"] = 0
