@@ -293,3 +293,22 @@ def test_chat_template_in_the_manifest_is_the_checkpoints(export):
         assert template == sf.QWEN2_CHATML_TEMPLATE
     else:
         assert template and "<|im_start|>" in template
+
+
+def test_the_gpu_engine_refuses_to_decode_past_a_sliding_window(tmp_path):
+    """The GPU kernels attend to every cached token, so a Mistral sequence longer than its window is
+    refused (before any kernel runs) rather than decoded wrongly; qwen3 is refused by name."""
+    import transformers
+
+    from llama_ane.cuda.engine import GPUEngine
+    from llama_ane.testing import make_tiny_checkpoint
+
+    mistral = transformers.AutoModelForCausalLM.from_pretrained(
+        make_tiny_checkpoint(tmp_path / "mistral", model_type="mistral", sliding_window=48))
+    engine = GPUEngine(mistral, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="sliding_window 48"):
+        engine.generate(list(range(3, 40)), [[5, 6]], max_new_tokens=16)
+    qwen3 = transformers.AutoModelForCausalLM.from_pretrained(
+        make_tiny_checkpoint(tmp_path / "qwen3", model_type="qwen3", head_dim=32))
+    with pytest.raises(ValueError, match="qwen3"):
+        GPUEngine(qwen3, dtype=torch.float32, device="cpu")

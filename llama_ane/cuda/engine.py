@@ -88,6 +88,10 @@ class GPUEngine:
                              f"{cfg.model_type!r} (no per-head q/k norms here); export it for the ANE instead")
         if getattr(cfg, "attention_bias", False) and cfg.model_type == "llama":
             raise ValueError("the GPU engine has no o_proj bias (attention_bias); export it for the ANE instead")
+        # a sliding window (Mistral; Qwen2 with use_sliding_window) matters only past it: the
+        # kernels attend to every cached position, so longer sequences are refused in generate
+        uses_window = cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+        self.sliding_window = getattr(cfg, "sliding_window", None) if uses_window else None
         self.dtype = dtype
         self.page_size = page_size
         self.n_layers = cfg.num_hidden_layers
@@ -184,8 +188,6 @@ class GPUEngine:
         computed elsewhere (a KV-Runahead prefill); its first pages replace the shared-prefix pass.
         Returns the generated ids per branch and the decode-phase timing.
         """
-        from .cascade import SharedPrefixBatch  # triton: imported where the kernels run
-
         ps, dev = self.page_size, self.device
         n_branches = len(branch_ids)
         # share whole pages only, and keep at least one prompt token per branch so that every
@@ -195,6 +197,13 @@ class GPUEngine:
             raise ValueError(f"the shared prompt needs more than one page ({ps} tokens); "
                              f"got {len(prompt_ids)} tokens")
         tails = [prompt_ids[shared:] + list(b) for b in branch_ids]
+        longest = shared + max(len(t) for t in tails) + max_new_tokens
+        if self.sliding_window is not None and longest > self.sliding_window:
+            raise ValueError(f"a branch would reach {longest} tokens, past the model's sliding_window "
+                             f"{self.sliding_window}, which the GPU engine does not apply (it attends to every "
+                             "cached token); generate at most that many tokens in all")
+        from .cascade import SharedPrefixBatch  # triton: imported where the kernels run
+
         steps = max(len(t) for t in tails) + max_new_tokens - 1
         steps = max(steps, max(len(t) for t in tails))
         n_prefix_pages = shared // ps
