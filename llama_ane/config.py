@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import LlamaANEError
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_DESCRIPTION = (
@@ -20,7 +22,7 @@ SUPPORTED_DESCRIPTION = (
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(LlamaANEError, ValueError):
     """A checkpoint configuration we cannot export; the message says what and what is supported."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import InvalidArgumentError
 from ..runtime.model import BACKENDS
 from .errors import user_errors
 
@@ -57,11 +58,10 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
                     stop=list(stop))
     with user_errors():
         if samples is not None and samples < 1:
-            raise ValueError(f"--samples must be at least 1, got {samples}")
+            raise InvalidArgumentError(f"--samples must be at least 1, got {samples}")
         if prompt_cache is not None and not prompt_cache.parent.is_dir():
-            raise ValueError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
-        options = {"precision": precision} if precision and backend in ("torch", "mil", "auto") else {}
-        model = llama_ane.load(out, backend=backend, **options)
+            raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
+        model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
         try:
             model.prepare()  # load every model before the clock starts
             cache = None

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from .errors import user_errors
+
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=str))
@@ -18,13 +20,10 @@ import click
 def command(path: str, as_json: bool, strict: bool, target: str | None) -> None:
     """Report I/O, op histogram, weight bytes and largest dimension per package and function, then
     every ANE rule violation."""
-    from ..export.inspect import InspectError, inspect_path
-    from ..mil.package import PackageError
+    from ..export.inspect import inspect_path
 
-    try:
+    with user_errors():
         report = inspect_path(path, target=target)
-    except (InspectError, PackageError) as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(report.to_json() if as_json else report.format_text())
     if strict and report.violations:
         click.echo(f"{len(report.violations)} ANE rule violation(s) (--strict)", err=True)

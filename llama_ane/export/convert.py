@@ -23,13 +23,14 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import LlamaANEError
 from ..contract.plan import ExportPlan, PackageSpec
 from ..checkpoint.loader import Checkpoint
 
 SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
 
 
-class ConversionError(RuntimeError):
+class ConversionError(LlamaANEError, RuntimeError):
     """A package could not be built; the message names it and what to try."""
 
 

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
@@ -86,9 +87,13 @@ def shifted(tokens: Sequence[int], keep: int, limit: int) -> list[int]:
 def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
     """Instantiate a backend by name ("auto" = coreml on macOS, else torch)."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "coreml" if coreml_can_predict() and path is not None else "torch"
+    if backend == "coreml" and options.get("precision") is not None:
+        raise InvalidArgumentError("precision (--precision) sets the torch and mil backends' compute precision; Core ML "
+                                   "(the backend on macOS by default) runs the export in its own: drop --precision, "
+                                   "or choose --backend torch or mil")
     if backend == "torch":
         from .backends.torch_backend import TorchBackend
         # fp16 matmuls on a CPU are emulated and slow: compute in fp32 there unless asked otherwise
@@ -96,7 +101,7 @@ def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> 
         options.setdefault("precision", "fp32" if on_cpu else manifest.get("precision", "fp32"))
         return TorchBackend(path, manifest, **options)
     if path is None:
-        raise ValueError(f"the {backend} backend runs exported packages: pass an export folder")
+        raise InvalidArgumentError(f"the {backend} backend runs exported packages: pass an export folder")
     if backend == "coreml":
         from .backends.coreml_backend import CoreMLBackend
         return CoreMLBackend(path, manifest, **options)
@@ -117,7 +122,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
         folder = p
     else:
         if backend not in ("auto", "torch"):
-            raise ValueError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
+            raise InvalidArgumentError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
                              "a checkpoint directly: export it first with `llama-ane export`")
         from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
@@ -161,7 +166,7 @@ class LlamaANEModel:
         """Token ids of `text`; with `chat`, wrapped as one user turn by the recorded chat template."""
         if chat:
             if not self.manifest["tokenizer"].get("chat_template"):
-                raise ValueError("this model has no chat template; drop --chat")
+                raise InvalidArgumentError("this model has no chat template; drop --chat")
             return list(self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                 return_dict=False))
@@ -205,9 +210,9 @@ class LlamaANEModel:
         """
         params = SamplingParams(temperature, top_k, top_p)
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if overflow not in OVERFLOW:
-            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
+            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         rng = np.random.default_rng(seed)
         self.pipeline.start(cache)
@@ -283,15 +288,15 @@ class LlamaANEModel:
         from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
 
         if (continuations is None) == (n is None):
-            raise ValueError("give either continuations=[...] or n=N")
+            raise InvalidArgumentError("give either continuations=[...] or n=N")
         if n is not None and n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
+            raise InvalidArgumentError(f"n must be at least 1, got {n}")
         if continuations is not None and len(continuations) == 0:
-            raise ValueError("the list of continuations (questions) is empty")
+            raise InvalidArgumentError("the list of continuations (questions) is empty")
         if teacher_forced:
             max_new_tokens = 0
         elif max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p)
         prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         own = [[] for _ in range(n)] if n is not None else [

@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import function_entry
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
@@ -35,7 +36,7 @@ from .kv_cache import KVCache, common_prefix
 CACHE_MASKS = {"mask": "leading", "prefix_mask": "all"}
 
 
-class ContextFullError(RuntimeError):
+class ContextFullError(LlamaANEError, RuntimeError):
     """The tokens would not fit in the exported context length."""
 
 
