@@ -90,12 +90,15 @@ def in_child_process(fn: Callable, *args):
     to the system when it exits instead of staying in this process's heap while workers build."""
     import multiprocessing
 
+    from .export.convert import ignore_sigint, start_without_sigint
+
     if "fork" not in multiprocessing.get_all_start_methods():
         return fn(*args)
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
 
     def body() -> None:
+        ignore_sigint()  # Ctrl-C reaches the parent, which stops this child
         try:
             import torch
 
@@ -105,7 +108,7 @@ def in_child_process(fn: Callable, *args):
             send.send(("error", e))
 
     proc = ctx.Process(target=body)
-    proc.start()
+    start_without_sigint(proc)
     send.close()
     try:
         kind, value = receive.recv()  # before join: a large result would fill the pipe
@@ -113,6 +116,10 @@ def in_child_process(fn: Callable, *args):
         proc.join()
         raise ExportError(f"{getattr(fn, '__name__', 'a step')} died in its process (exit code {proc.exitcode}; "
                           "-9 is the kernel's out-of-memory killer): lower --max-memory or close other programs") from None
+    except BaseException:  # Ctrl-C: the child goes with it
+        proc.kill()
+        proc.join()
+        raise
     proc.join()
     if kind == "error":
         raise value

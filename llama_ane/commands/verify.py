@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from .errors import user_errors
+from .errors import one_line, user_errors
 
 
 @click.command("verify")
@@ -36,5 +36,7 @@ def command(out: str, backend: str, text_file: str | None, max_tokens: int, prec
         report = verify_export(out, backend=backend, text=text, max_tokens=max_tokens, precision=precision,
                                with_transformers=not no_transformers)
     click.echo(str(report))
+    if report.error:  # the export could not be read or run: say why on one line
+        raise click.ClickException(one_line(report.error))
     if not report.passed:
         sys.exit(1)

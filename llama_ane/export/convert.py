@@ -16,10 +16,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -89,9 +91,49 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
     return path
 
 
+def start_without_sigint(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start `proc` with SIGINT blocked. Ctrl-C then reaches only this process, which stops its
+    children itself: a child interrupted while it starts up would print a traceback of its own. The
+    child calls `ignore_sigint` first thing."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+@contextlib.contextmanager
+def deferred_sigint() -> Iterator[Callable[[], None]]:
+    """Within it, Ctrl-C only sets a flag, and the `check()` it yields raises KeyboardInterrupt at a
+    point of the caller's choosing. Raised wherever the main thread happened to be, the interrupt
+    could land in a fork hook, which swallows it, and the export would go on. (Outside the main
+    thread signals cannot be handled: `check` then does nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    hit: list[int] = []
+
+    def check() -> None:
+        if hit:
+            raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    check()
+
+
+def ignore_sigint() -> None:
+    """In a child started by `start_without_sigint`: drop a pending Ctrl-C and ignore later ones."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _worker(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder: Path, scratch: Path, errors,
             importance) -> None:
     """Body of a forked worker: build one package, report a failure through `errors`."""
+    ignore_sigint()  # the parent stops the workers on Ctrl-C
     import torch
 
     torch.set_num_threads(1)
@@ -143,27 +185,27 @@ def _run_forked(order: list[PackageSpec], plan: ExportPlan, ckpt: Checkpoint, fo
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
     todo, running = list(order), {}
-    try:
-        while todo or running:
-            while todo and len(running) < workers:
-                spec = todo.pop(0)
-                proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors, importance),
-                                   name=f"build {spec.file}", daemon=True)
-                proc.start()
-                running[proc.sentinel] = (proc, spec)
-            done = multiprocessing.connection.wait(list(running))
-            for sentinel in done:
-                proc, spec = running.pop(sentinel)
+    with deferred_sigint() as check_interrupt:
+        try:
+            while todo or running:
+                check_interrupt()
+                while todo and len(running) < workers:
+                    spec = todo.pop(0)
+                    proc = ctx.Process(target=_worker, args=(spec, plan, ckpt, folder, scratch, errors, importance),
+                                       name=f"build {spec.file}", daemon=True)
+                    start_without_sigint(proc)
+                    running[proc.sentinel] = (proc, spec)
+                for sentinel in multiprocessing.connection.wait(list(running), timeout=0.2):
+                    proc, spec = running.pop(sentinel)
+                    proc.join()
+                    if proc.exitcode != 0:
+                        detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                        if detail:
+                            raise ConversionError(f"building {spec.file} failed: {detail}")
+                        raise _death(spec, proc.exitcode)
+                    if progress:
+                        progress(spec)
+        finally:
+            for proc, _ in running.values():
+                proc.kill()
                 proc.join()
-                if proc.exitcode != 0:
-                    detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
-                    if detail:
-                        raise ConversionError(f"building {spec.file} failed: {detail}")
-                    raise _death(spec, proc.exitcode)
-                if progress:
-                    progress(spec)
-    finally:
-        for proc, _ in running.values():
-            proc.kill()
-            proc.join()
-

@@ -271,7 +271,7 @@ class Pipeline:
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise ValueError("no tokens to score")
+            raise InvalidArgumentError("no tokens to score; give some text")
         self.reset()  # the caches of chunks not yet run are untouched zeros (np.zeros commits no pages)
         self._check_room(len(ids))
         starts = range(0, len(ids), self.prefill_length)
@@ -308,7 +308,7 @@ class Pipeline:
         """Run `token_ids` in windows. Returns logits [T, vocab] if `all_logits`, else [vocab] of the last."""
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise ValueError("no tokens to prefill")
+            raise InvalidArgumentError("the prompt is empty (no tokens to prefill); give some text")
         self._check_room(len(ids))
         outs = []
         for start in range(0, len(ids), self.prefill_length):
@@ -325,7 +325,7 @@ class Pipeline:
         """
         ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
         if not ids:
-            raise ValueError("no tokens to prefill")
+            raise InvalidArgumentError("the prompt is empty (no tokens to prefill); give some text")
         keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
         self.rewind(keep)
         return self.prefill(ids[keep:]), keep
