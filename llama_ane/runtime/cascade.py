@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..contract.specs import BRANCHES
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SeededRandom, sample
 from .text_stream import TextStream
 
 
@@ -58,7 +58,7 @@ class CascadeStats:
 class _Branch:
     """Mutable decoding state of one branch within a group."""
 
-    def __init__(self, result: BranchResult, rng: np.random.Generator, first_logits: np.ndarray | None,
+    def __init__(self, result: BranchResult, rng: SeededRandom, first_logits: np.ndarray | None,
                  text: TextStream):
         self.result = result
         self.rng = rng
@@ -70,7 +70,8 @@ class _Branch:
 
 
 def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
-    """Bytes of prefix K and V that one decode step reads, over all layers."""
+    """Bytes of prefix K and V that one decode step reads, over all layers: a model from the cache
+    shapes (layers x K/V channels x prefix tokens), not a measurement."""
     return 2 * manifest["config"]["num_hidden_layers"] * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
 
 

@@ -15,7 +15,7 @@ from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
 
 BACKENDS = ("auto", "coreml", "torch", "mil")
@@ -35,7 +35,7 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     prompt_tokens: int
-    finish_reason: str  # "eos", "stop", "length"
+    finish_reason: str  # one of sampling.FINISH_REASONS: "eos", "stop", "length", "context"
     prefill_seconds: float
     decode_seconds: float
     decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
@@ -214,7 +214,7 @@ class LlamaANEModel:
         if overflow not in OVERFLOW:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
-        rng = np.random.default_rng(seed)
+        rng = SeededRandom(seed)
         self.pipeline.start(cache)
         context = self.pipeline.context_length
         shifts = 0
@@ -313,7 +313,7 @@ class LlamaANEModel:
             results = [BranchResult(i, ids) for i, ids in enumerate(own)]
             steps = 0
             for start in range(0, len(results), decoder.width):
-                group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first,
+                group = [_Branch(r, SeededRandom(None if seed is None else branch_seed(seed, r.index)), first,
                                  TextStream(self.tokenizer, stop or []))
                          for r in results[start:start + decoder.width]]
                 steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params, on_token,

@@ -86,7 +86,7 @@ final class GeneratorCacheReuseTests: XCTestCase {
         let generator = Generator(predictor: model, eosTokenIds: [eos])
         let prompt = [5, 6, 7]
         let (tokens, stats) = try await generator.generateAll(prompt: prompt, maxNewTokens: 200)
-        XCTAssertEqual(stats.stopReason, .endOfSequence)
+        XCTAssertEqual(stats.stopReason, .eos)
         XCTAssertEqual(generator.cachedTokens, prompt + tokens.dropLast())
         XCTAssertFalse(generator.cachedTokens.contains(eos))
     }

@@ -8,19 +8,13 @@ public enum GenerationEvent: Equatable, Sendable {
     case finished(GenerationStats)
 }
 
-/// Why generation ended.
-public enum StopReason: String, Equatable, Sendable {
-    case endOfSequence
-    case maxTokens
-}
-
 /// Token counts and speeds of one generation.
 public struct GenerationStats: Equatable, Sendable {
     public var promptTokens: Int
     public var generatedTokens: Int
     public var prefillSeconds: Double
     public var decodeSeconds: Double
-    public var stopReason: StopReason
+    public var stopReason: FinishReason
     /// Prompt tokens whose K/V the cache already held (a common prefix with the previous generation).
     public var reusedTokens = 0
     /// Prompt tokens that ran through prefill: `promptTokens - reusedTokens` (0 when nothing ran).
@@ -44,9 +38,9 @@ public struct GenerationStats: Equatable, Sendable {
 /// prompt and every generated token that was fed back: all but the last (an end-of-sequence token,
 /// or the one that reached `maxNewTokens`, is never fed).
 ///
-/// Stops at an end-of-sequence id or after `maxNewTokens`. A prompt that does not fit the cache is
-/// refused before any model call; when decoding fills the cache, the tokens so far have been
-/// streamed and the stream then throws `GenerationError.contextFull`.
+/// Stops at an end-of-sequence id (`FinishReason.eos`), after `maxNewTokens` (`.length`) or when the
+/// cache is full (`.context`), as the Python runtime does. A prompt that does not fit the cache is
+/// refused before any model call (`GenerationError.contextFull`).
 ///
 /// Generations run one at a time, in the order they were started: a new one waits until the
 /// previous one (also a cancelled one) has left the model. The generator assumes it alone writes the
@@ -124,7 +118,7 @@ public final class Generator: @unchecked Sendable {
         var sampler = Sampler(sampling)
         var text = decode.map { StreamingDetokenizer(decode: $0) }
         var stats = GenerationStats(promptTokens: prompt.count, generatedTokens: 0, prefillSeconds: 0,
-                                    decodeSeconds: 0, stopReason: .maxTokens)
+                                    decodeSeconds: 0, stopReason: .length)
 
         let reused = cache.reusablePrefix(of: prompt)
         cache.rewind(to: reused)
@@ -151,8 +145,12 @@ public final class Generator: @unchecked Sendable {
             let done = eosTokenIds.contains(token) || stats.generatedTokens >= maxNewTokens
             if done, var t = text { piece += t.finish() }
             emit(.token(id: token, text: piece))
-            if eosTokenIds.contains(token) { stats.stopReason = .endOfSequence }
+            if eosTokenIds.contains(token) { stats.stopReason = .eos }
             if done { break }
+            if cache.position >= cache.capacity {  // no room to feed the token back
+                stats.stopReason = .context
+                break
+            }
             try Task.checkCancellation()
             logits = try await run(try cache.decodeWindow(token), recordingIn: &cache)
         }
