@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .errors import LlamaANEError
 from .contract.manifest import write_manifest
 from .contract.plan import ExportOptions, ExportOptionsError
 from .quantize import PARTS, QuantizeOptions
 
 
-class ExportError(RuntimeError):
+class ExportError(LlamaANEError, RuntimeError):
     """The export could not be written; the message says why and what to do."""
 
 

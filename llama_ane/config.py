@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import LlamaANEError
+
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
@@ -29,7 +31,7 @@ QK_NORM = ("qwen3",)
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
 
 
-class ConfigError(ValueError):
+class ConfigError(LlamaANEError, ValueError):
     """A checkpoint configuration we cannot export; the message says what and what is supported."""
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import InvalidArgumentError
+
 MIN_TOKENS = 32
 
 
@@ -90,16 +92,16 @@ def evaluate(out_dir: str | Path, text: str | None = None, *, backend: str = "au
         if reference is not None:
             ref_manifest = read_manifest(reference)
             if ref_manifest["config"] != manifest["config"]:
-                raise ValueError(f"--reference {reference} is an export of another model (its config differs); "
+                raise InvalidArgumentError(f"--reference {reference} is an export of another model (its config differs); "
                                  "give an export of the same checkpoint")
             ref_model = load(reference, backend=backend, **options)
         ids = model.encode(text if text is not None else default_eval_text())
         if len(ids) < MIN_TOKENS:
-            raise ValueError(f"the text has {len(ids)} tokens; perplexity needs at least {MIN_TOKENS}: give a longer "
+            raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least {MIN_TOKENS}: give a longer "
                              "--text")
         size = min(window or manifest["context_length"], manifest["context_length"])
         if size < 2:
-            raise ValueError(f"--window must be at least 2 tokens, got {size}")
+            raise InvalidArgumentError(f"--window must be at least 2 tokens, got {size}")
         nll, ref_nll, agree, kl = [], [], [], []
         parts = windows_of(ids, size)
         half = model.backend.dtype == np.float16

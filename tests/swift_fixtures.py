@@ -17,6 +17,12 @@ Nothing in those fixtures is written by hand:
 * ``chat_templates.json``: conversations rendered with each template through jinja2, the way
   transformers renders them.
 
+* ``generation.json``: the finish-reason vocabulary, the first numbers of the seeded generator, and
+  generations on a bigram model (the logits after token t are row t of a table) run through
+  Python's own generation loop and sampler, with the tokens and finish reason of a single generation
+  and of each cascade branch (seeded by the per-branch rule): the Swift generator and cascade
+  scheduler, given the same table as a closure model, must give the same.
+
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
   KV caches in Core ML states (``kv_cache="state"``).
@@ -645,24 +651,114 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     return out
 
 
+class _BigramPipeline:
+    """The part of runtime.pipeline.Pipeline that `LlamaANEModel.stream` drives, over a bigram table:
+    the logits after a window are the table's row of its last token."""
+
+    def __init__(self, table, context_length: int):
+        self.table, self.context_length, self.tokens = table, context_length, []
+
+    def start(self, cache) -> None:
+        self.tokens = []
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, ids):
+        if len(ids) > self.context_length - 1:
+            raise ValueError("the fixture's prompt must leave room in the context")
+        self.tokens = list(ids)
+        return self.table[ids[-1]], 0
+
+    def run_window(self, ids):
+        self.tokens += list(ids)
+        assert len(self.tokens) <= self.context_length
+        return [self.table[ids[-1]]]
+
+    def wait(self) -> None:
+        pass
+
+
+class _IdsAsText:
+    """A tokenizer stand-in: decodes ids to text (no stop strings are used)."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+GENERATION_CASES = [  # prompt, max_new_tokens, context_length, temperature, top_k, top_p, seed, branches
+    ([1, 2, 3], 12, 64, 0.0, 0, 1.0, 0, 2),
+    ([4, 5], 20, 64, 0.8, 0, 1.0, 7, 4),
+    ([6], 16, 64, 1.3, 5, 1.0, 123456789, 3),
+    ([7, 8, 9, 10], 24, 64, 1.0, 0, 0.9, 2**64 - 2, 4),  # per-branch seeds wrap around 2**64
+    ([11, 12], 30, 20, 0.7, 0, 0.95, 99, 2),  # fills the context: finish reason "context"
+    ([3, 1, 4, 1, 5], 40, 64, 2.0, 12, 0.97, 31337, 5),
+]
+
+
+def write_generation_fixture(path: Path, vocab: int = 24, eos: int = 2) -> dict[str, Any]:
+    """Write generation.json (see the module docstring); returns what it wrote."""
+    import numpy as np
+
+    from llama_ane.runtime.model import LlamaANEModel
+    from llama_ane.runtime.sampling import FINISH_REASONS, SeededRandom, branch_seed
+
+    table = np.random.default_rng(5).normal(scale=2.0, size=(vocab, vocab)).astype(np.float32)
+    table[:, eos] -= 2.5  # the end-of-sequence token comes, but not at once
+    model = object.__new__(LlamaANEModel)  # its generation loop, without a backend
+    model.manifest = {"tokenizer": {"eos_token_ids": [eos]}}
+    model._tokenizer = _IdsAsText()
+
+    def run(prompt, max_new, context, temperature, top_k, top_p, seed):
+        model.pipeline = _BigramPipeline(table, context)
+        result = model.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed)
+        return {"tokens": result.token_ids, "finish_reason": result.finish_reason}
+
+    cases = []
+    for prompt, max_new, context, temperature, top_k, top_p, seed, branches in GENERATION_CASES:
+        case = {"prompt": prompt, "max_new_tokens": max_new, "context_length": context, "prefill_length": 4,
+                "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed)}
+        case.update(run(prompt, max_new, context, temperature, top_k, top_p, seed))
+        case["branches"] = [run(prompt, max_new, 10**6, temperature, top_k, top_p, branch_seed(seed, i))
+                            for i in range(branches)]
+        cases.append(case)
+    reasons = {c["finish_reason"] for c in cases} | {b["finish_reason"] for c in cases for b in c["branches"]}
+    if not {"eos", "length", "context"} <= reasons:
+        raise AssertionError(f"the generation cases should end in eos, length and context, not only {reasons}")
+    generators = []
+    for seed in (0, 1, 42, 2**64 - 1):
+        rng = SeededRandom(seed)
+        generators.append({"seed": str(seed), "next": [str(rng.next()) for _ in range(4)]})
+    data = {"finish_reasons": list(FINISH_REASONS), "generators": generators, "eos": eos,
+            "table": [[float(v) for v in row] for row in table], "cases": cases}
+    path.write_text(json.dumps(data, indent=1))
+    return data
+
+
 def write_swift_fixtures(fixtures_dir: Path) -> None:
     """Write every fixture the Swift tests read into ``fixtures_dir`` (replacing older ones)."""
     fixtures_dir = Path(fixtures_dir)
     fixtures_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer_fixtures(fixtures_dir)
+    write_generation_fixture(fixtures_dir / "generation.json")
     write_manifest_fixture(fixtures_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "manifest"], help="write one part only")
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest"], help="write one part only")
     args = parser.parse_args(argv)
     args.fixtures_dir.mkdir(parents=True, exist_ok=True)
-    if args.only != "manifest":
+    if args.only in (None, "tokenizers"):
         counts = write_tokenizer_fixtures(args.fixtures_dir)
         print("tokenizer cases:", ", ".join(f"{k}={v}" for k, v in counts.items()))
-    if args.only != "tokenizers":
+    if args.only in (None, "generation"):
+        cases = write_generation_fixture(args.fixtures_dir / "generation.json")["cases"]
+        print("generation cases:", len(cases))
+    if args.only in (None, "manifest"):
         print("export:", write_manifest_fixture(args.fixtures_dir))
 
 

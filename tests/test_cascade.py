@@ -88,9 +88,13 @@ class _Recorder:
     def __init__(self, backend):
         self.backend, self.name, self.dtype = backend, backend.name, backend.dtype
         self.prefix_buffers, self.suffix_shapes = set(), set()
+        self.branch_calls, self.prefix_bytes, self.suffix_bytes = 0, 0, 0  # measured: what the backend is given
 
     def predict(self, model, function, inputs):
         if function == "decode_branches" and model.startswith("chunk_"):
+            self.branch_calls += model == "chunk_0"
+            self.prefix_bytes += inputs["k_cache"].nbytes + inputs["v_cache"].nbytes
+            self.suffix_bytes += inputs["k_suffix"].nbytes + inputs["v_suffix"].nbytes
             self.prefix_buffers.add(inputs["k_cache"].__array_interface__["data"][0])
             self.prefix_buffers.add(inputs["v_cache"].__array_interface__["data"][0])
             self.suffix_shapes.add(inputs["k_suffix"].shape)
@@ -110,7 +114,22 @@ def test_prefix_cache_exists_once_whatever_b(tiny_checkpoint, width):
     chunks = len(model.manifest["chunks"])
     assert len(rec.prefix_buffers) == 2 * chunks  # one K and one V prefix buffer per chunk, for all groups
     assert {s[1] for s in rec.suffix_shapes} == {width}  # branches live only in the suffix caches
-    assert out.stats.prefix_bytes_per_step_separate == out.stats.prefix_bytes_per_step_cascade * min(width, 5)
+    assert out.stats.steps == rec.branch_calls
+
+
+def test_prefix_bytes_passed_per_step_do_not_grow_with_b(tiny_checkpoint):
+    """Measured at the backend: the prefix K/V bytes one cascade step is given are the same for 2 and
+    for 8 branches (one prefix for all), while the suffix bytes grow with B."""
+    measured = {}
+    for width in (2, 8):
+        model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width)
+        rec = _Recorder(model.backend)
+        model.backend = model.pipeline.backend = rec
+        prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6, 7, 8, 9))
+        model.generate_branches(prefix, conts, max_new_tokens=4)
+        measured[width] = (rec.prefix_bytes / rec.branch_calls, rec.suffix_bytes / rec.branch_calls)
+    assert measured[2][0] == measured[8][0] > 0
+    assert measured[8][1] == 4 * measured[2][1]
 
 
 def test_split_shared_prefix():
@@ -204,7 +223,7 @@ def test_cli_document_qa_and_samples(tiny_export, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert [b["label"] for b in out["branches"]] == ["Q: What jumps?", "Q: What do caches hold?"]
-    assert out["branches"] and out["prefix_bytes_per_step_separate"] == 2 * out["prefix_bytes_per_step_cascade"]
+    assert out["prefix_tokens"] > 0 and out["num_branches"] == 2 and out["steps"] > 0
     model = llama_ane.load(tiny_export, backend="torch")
     for q, b in zip(["What jumps?", "What do caches hold?"], out["branches"]):
         alone = model.generate(model.encode(doc.read_text()) + model.tokenizer(

@@ -186,17 +186,24 @@ def test_merge_ops(dtype, d):
 
 
 def test_merge_matches_flashinfer_convention_through_adapter():
-    """A base-2 LSE state, converted, merges like the natural-log state it stands for."""
+    """A base-2 LSE computed the way FlashInfer does (scores scaled by log2 e, log2 of the sum of
+    powers of 2, in float64: nothing shared with the adapter or the reference), converted by the
+    adapter, merges like the natural-log state it stands for."""
+    import math
+
     from llama_ane.cuda import ops, reference as ref
-    from llama_ane.cuda.lse import lse_base2_to_natural, lse_natural_to_base2
+    from llama_ane.cuda.lse import lse_base2_to_natural
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(4, 8, 64, device="cuda", generator=g)
     k = torch.randn(100, 8, 64, device="cuda", generator=g)
     v = torch.randn(100, 8, 64, device="cuda", generator=g)
-    oa, sa = ref.attention_state(q, k[:40], v[:40], 0.125)
+    oa, _ = ref.attention_state(q, k[:40], v[:40], 0.125)
     ob, sb = ref.attention_state(q, k[40:], v[40:], 0.125)
-    o, s = ops.merge_state(oa, lse_base2_to_natural(lse_natural_to_base2(sa)), ob, sb)
+    scores2 = torch.einsum("nhd,lhd->nhl", q.double(), k[:40].double()) * 0.125 * (1 / math.log(2))
+    top = scores2.amax(-1)
+    lse2 = (top + torch.log2(torch.exp2(scores2 - top[..., None]).sum(-1))).float()  # [n, H], base 2
+    o, s = ops.merge_state(oa, lse_base2_to_natural(lse2), ob, sb)
     full_o, full_s = ref.attention_state(q, k, v, 0.125)
     torch.testing.assert_close(o, full_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, full_s, atol=1e-5, rtol=1e-5)

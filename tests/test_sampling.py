@@ -1,4 +1,5 @@
-"""Next-token sampling: greedy, seeded determinism, temperature, top-k and top-p support."""
+"""Next-token sampling: greedy, seeded determinism, temperature, top-k and top-p support, the generator
+and the per-branch seeding rule shared with Swift."""
 
 from __future__ import annotations
 
@@ -6,21 +7,45 @@ import numpy as np
 import pytest
 
 import llama_ane
-from llama_ane.runtime.sampling import SamplingParams, sample
+from llama_ane.runtime.sampling import SamplingParams, SeededRandom, branch_seed, sample
 
 
 def draws(logits, params, n=4000, seed=0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
+    rng = SeededRandom(seed)
     return np.array([sample(logits, params, rng) for _ in range(n)])
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_greedy_is_argmax(seed):
     logits = np.random.default_rng(seed).normal(size=1000).astype(np.float32)
-    rng = np.random.default_rng(0)
+    rng = SeededRandom(0)
     assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
     # top-k / top-p do not change greedy, nor does the generator's state
     assert sample(logits, SamplingParams(0.0, top_k=5, top_p=0.5), rng) == int(np.argmax(logits))
+
+
+def test_the_generator_is_splitmix_seeded_xoshiro256starstar():
+    """SplitMix64's first output for seed 0 is the published 0xE220A8397B1DCDAF; xoshiro256** of a
+    state is computed here step by step, apart from the class."""
+    rng = SeededRandom(0)
+    s = list(rng._s)
+    assert s[0] == 0xE220A8397B1DCDAF
+    mask = (1 << 64) - 1
+    rotl = lambda x, k: ((x << k) | (x >> (64 - k))) & mask  # noqa: E731
+    want = []
+    for _ in range(5):
+        want.append(rotl(s[1] * 5 & mask, 7) * 9 & mask)
+        t = s[1] << 17 & mask
+        s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = rotl(s[3], 45)  # noqa: E702
+    assert [rng.next() for _ in range(5)] == want
+    units = [SeededRandom(1).next_unit() for _ in range(1)] + [rng.next_unit() for _ in range(2000)]
+    assert all(0 <= u < 1 for u in units) and abs(np.mean(units) - 0.5) < 0.03
+
+
+def test_nan_logits_are_never_drawn():
+    logits = np.array([np.nan, 1.0, np.nan, 0.5], np.float32)
+    assert sample(logits, SamplingParams(), SeededRandom(0)) == 1
+    assert set(draws(logits, SamplingParams(temperature=1.0), 500).tolist()) == {1, 3}
 
 
 def test_seeded_sampling_is_deterministic():
@@ -113,3 +138,15 @@ def test_generate_top_k_1_is_greedy(tiny_model):
     prompt = list(range(40, 60))
     greedy = tiny_model.generate(prompt, max_new_tokens=16)
     assert tiny_model.generate(prompt, max_new_tokens=16, temperature=1.5, top_k=1, seed=3).token_ids == greedy.token_ids
+
+
+def test_branch_i_samples_as_a_single_generation_seeded_seed_plus_i(tiny_model):
+    """The per-branch seeding rule (shared with Swift): branch i of `generate_branches(seed=s)`
+    gives the tokens of `generate(seed=s + i)` on the same prefix."""
+    prefix = list(range(10, 30))
+    out = tiny_model.generate_branches(prefix, n=3, max_new_tokens=12, temperature=1.0, seed=41)
+    alone = [tiny_model.generate(prefix, max_new_tokens=12, temperature=1.0, seed=branch_seed(41, i)).token_ids
+             for i in range(3)]
+    assert [b.token_ids for b in out.branches] == alone
+    assert len({tuple(t) for t in alone}) > 1  # the branches differ: each has its own seed
+    assert branch_seed(2**64 - 1, 2) == 1  # wraps as Swift's UInt64 &+ does

@@ -10,7 +10,7 @@ import pytest
 
 import llama_ane
 from llama_ane.runtime.drafters import DraftTree, ModelDrafter, PromptLookupDrafter
-from llama_ane.runtime.sampling import SamplingParams, probabilities
+from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabilities
 from llama_ane.runtime.speculative import SpeculativeDecoder, choose
 
 from conftest import no_eos
@@ -198,7 +198,7 @@ def test_speculative_sampling_keeps_the_distribution(draft_probs):
         make = lambda: DraftTree([4, int(rng.choice(vocab, p=q))], [-1, 0], [None, q])  # noqa: E731
     else:
         make = lambda: DraftTree([4, 2, 5], [-1, 0, 0], [None, None, None])  # noqa: E731
-    counts = _sample_first(logits, make, params, rng, 20000)
+    counts = _sample_first(logits, make, params, SeededRandom(7), 20000)
     assert _chi2_pvalue(counts, p) > 1e-3
     # the test can fail: a sampler that kept every draft it proposes would be far from p
     biased = np.bincount([2] * 6000 + list(rng.choice(vocab, 14000, p=p)), minlength=vocab)
@@ -233,7 +233,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tiny):
 
 def test_drafting_pauses_when_it_does_not_pay(tiny):
     model = _load(tiny)
-    decoder = SpeculativeDecoder(model.pipeline, PromptLookupDrafter(), SamplingParams(), np.random.default_rng(0),
+    decoder = SpeculativeDecoder(model.pipeline, PromptLookupDrafter(), SamplingParams(), SeededRandom(0),
                                  lambda token: None)
     decoder.stats.decode_steps, decoder.stats.decode_seconds = 10, 1.0  # 0.1 s per plain token
     for _ in range(SpeculativeDecoder.MIN_STEPS):

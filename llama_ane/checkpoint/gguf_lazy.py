@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..errors import LlamaANEError
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
@@ -34,7 +36,7 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama3 per-frequency divisors: becomes conf
 _REQUIRED = object()
 
 
-class GGUFError(ValueError):
+class GGUFError(LlamaANEError, ValueError):
     """A .gguf we cannot read as a Llama checkpoint; the message says what and what is supported."""
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import LlamaANEError
 from ..config import ConfigError, LlamaConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,7 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 USAGE = "pass a Hugging Face folder (config.json + *.safetensors), a .gguf file, or nothing for the default model"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LlamaANEError, ValueError):
     """A checkpoint we cannot read; the message says what is wrong and what to do."""
 
 

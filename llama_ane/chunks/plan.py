@@ -7,6 +7,7 @@ import math
 from typing import Callable
 
 from ..config import LlamaConfig
+from ..errors import InvalidArgumentError
 from ..limits import weight_budget
 
 
@@ -60,7 +61,7 @@ def plan_chunks(cfg: LlamaConfig, layers_per_chunk: int | None = None, *,
     n = cfg.num_hidden_layers
     if layers_per_chunk is not None:
         if layers_per_chunk < 1:
-            raise ValueError(f"--layers-per-chunk must be at least 1, got {layers_per_chunk}")
+            raise InvalidArgumentError(f"--layers-per-chunk must be at least 1, got {layers_per_chunk}")
         k = min(layers_per_chunk, n)
         return [list(range(s, min(s + k, n))) for s in range(0, n, k)]
     per_layer = layer_bytes or layer_weight_bytes(cfg, bytes_per_weight)

@@ -7,35 +7,27 @@ from typing import Iterator
 
 import click
 
-from ..config import ConfigError
-from ..export.budget import MemoryBudgetError
-from ..export.convert import ConversionError
-from ..contract.plan import ExportOptionsError
-from ..contract.manifest import ManifestError
-from ..checkpoint.loader import CheckpointError
-from ..quantize import QuantizeError
-from ..runtime.backends.base import BackendError
-from ..runtime.pipeline import CacheUpdateError, ContextFullError
+from ..errors import LlamaANEError
 
-USER_ERRORS = (ConfigError, CheckpointError, ExportOptionsError, ManifestError, BackendError,
-               ContextFullError, CacheUpdateError, MemoryBudgetError, ConversionError, QuantizeError, ValueError,
-               FileNotFoundError)
+
+def one_line(message: str) -> str:
+    """`message` on one line: the first line of a longer report (the rest goes nowhere on the CLI;
+    the exception itself keeps it)."""
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    return lines[0] if lines else "an error without a message"
 
 
 @contextlib.contextmanager
 def user_errors(exit_on_error: bool = True) -> Iterator[None]:
-    """Report known error types as `Error: <message>` with exit code 1, without a traceback (or, with
-    `exit_on_error` False, print that line and go on: an interactive command's bad input)."""
+    """Report a LlamaANEError as `Error: <message>` with exit code 1, without a traceback (or, with
+    `exit_on_error` False, print that line and go on: an interactive command's bad input). Anything
+    else is a bug and keeps its traceback."""
     try:
         yield
     except click.ClickException:
         raise
-    except USER_ERRORS as e:
+    except LlamaANEError as e:
         if not exit_on_error:
-            click.echo(f"Error: {e}", err=True)
+            click.echo(f"Error: {one_line(e)}", err=True)
             return
-        raise click.ClickException(str(e)) from None
-    except RuntimeError as e:
-        if type(e).__name__ in ("ExportError", "VerifyError"):
-            raise click.ClickException(str(e)) from None
-        raise
+        raise click.ClickException(one_line(e)) from None

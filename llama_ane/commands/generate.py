@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import InvalidArgumentError
 from ..runtime.model import BACKENDS
 from .errors import user_errors
 
@@ -68,11 +69,10 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
                     stop=list(stop))
     with user_errors():
         if samples is not None and samples < 1:
-            raise ValueError(f"--samples must be at least 1, got {samples}")
+            raise InvalidArgumentError(f"--samples must be at least 1, got {samples}")
         if prompt_cache is not None and not prompt_cache.parent.is_dir():
-            raise ValueError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
-        options = {"precision": precision} if precision and backend in ("torch", "mil", "auto") else {}
-        model = llama_ane.load(out, backend=backend, **options)
+            raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
+        model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
         try:
             model.prepare()  # load every model before the clock starts
             cache = None
@@ -142,8 +142,9 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
                "steps": s.steps, "generated_tokens": s.generated_tokens,
                "prefill_seconds": round(s.prefill_seconds, 3), "decode_seconds": round(s.decode_seconds, 3),
                "aggregate_decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
-               "prefix_bytes_per_step_cascade": s.prefix_bytes_per_step_cascade,
-               "prefix_bytes_per_step_separate": s.prefix_bytes_per_step_separate}
+               # a model (cache shapes x prefix tokens), not a measurement: see runtime.cascade.prefix_bytes_per_step
+               "modelled_prefix_bytes_per_step_cascade": s.prefix_bytes_per_step_cascade,
+               "modelled_prefix_bytes_per_step_separate": s.prefix_bytes_per_step_separate}
     if as_json:
         click.echo(json.dumps({"branches": [{"label": label, "text": r.text, "token_ids": r.token_ids,
                                              "finish_reason": r.finish_reason}
@@ -156,5 +157,6 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
                f"prefilled in {summary['prefill_seconds']} s", err=True)
     click.echo(f"[{summary['backend']}] {s.branches} branches over a {s.prefix_tokens}-token prefix: "
                f"{s.generated_tokens} tokens in {s.steps} steps, {summary['aggregate_decode_tokens_per_s']} tok/s "
-               f"aggregate | prefix K/V read per step: {s.prefix_bytes_per_step_cascade / 1e6:.2f} MB cascade vs "
-               f"{s.prefix_bytes_per_step_separate / 1e6:.2f} MB separately", err=True)
+               f"aggregate | prefix K/V read per step, modelled from the cache shapes: "
+               f"{s.prefix_bytes_per_step_cascade / 1e6:.2f} MB cascade vs {s.prefix_bytes_per_step_separate / 1e6:.2f} MB "
+               "separately", err=True)

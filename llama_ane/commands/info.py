@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import InvalidArgumentError
 from .errors import user_errors
 
 
@@ -25,7 +26,7 @@ def command(out, bandwidth, as_json):
     with user_errors():
         m = read_manifest(out)
         if bandwidth is not None and bandwidth <= 0:
-            raise ValueError(f"--bandwidth must be a positive number of GB/s, got {bandwidth}")
+            raise InvalidArgumentError(f"--bandwidth must be a positive number of GB/s, got {bandwidth}")
     traffic = decode_step_traffic(m)
     if as_json:
         other = "inputs" if kv_cache_kind(m) == "state" else "state"

@@ -7,24 +7,24 @@ import sys
 
 import click
 
+from ..contract.plan import TARGETS
+from .errors import user_errors
+
 
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit with status 1 if there is any ANE rule violation.")
-@click.option("--target", default=None,
+@click.option("--target", type=click.Choice(TARGETS), default=None,
               help="Deployment target for the file-size rule (e.g. iOS18, macOS15); default: the manifest's, "
                    "or iOS18 for a single package.")
 def command(path: str, as_json: bool, strict: bool, target: str | None) -> None:
     """Report I/O, op histogram, weight bytes and largest dimension per package and function, then
     every ANE rule violation."""
-    from ..export.inspect import InspectError, inspect_path
-    from ..mil.package import PackageError
+    from ..export.inspect import inspect_path
 
-    try:
+    with user_errors():
         report = inspect_path(path, target=target)
-    except (InspectError, PackageError) as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(report.to_json() if as_json else report.format_text())
     if strict and report.violations:
         click.echo(f"{len(report.violations)} ANE rule violation(s) (--strict)", err=True)

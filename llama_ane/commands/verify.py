@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from .errors import one_line, user_errors
+
 
 @click.command("verify")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
@@ -26,12 +28,15 @@ def command(out: str, backend: str, text_file: str | None, max_tokens: int, prec
     """Check that the exported packages reproduce their source model's logits."""
     from ..verify import verify_export
 
-    text = None
-    if text_file is not None:
-        with open(text_file, encoding="utf-8") as f:
-            text = f.read()
-    report = verify_export(out, backend=backend, text=text, max_tokens=max_tokens, precision=precision,
-                           with_transformers=not no_transformers)
+    with user_errors():
+        text = None
+        if text_file is not None:
+            with open(text_file, encoding="utf-8") as f:
+                text = f.read()
+        report = verify_export(out, backend=backend, text=text, max_tokens=max_tokens, precision=precision,
+                               with_transformers=not no_transformers)
     click.echo(str(report))
+    if report.error:  # the export could not be read or run: say why on one line
+        raise click.ClickException(one_line(report.error))
     if not report.passed:
         sys.exit(1)

@@ -7,11 +7,13 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ..errors import LlamaANEError
+
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
-class ManifestError(ValueError):
+class ManifestError(LlamaANEError, ValueError):
     """An export folder whose manifest is missing, of another version, or does not match its files."""
 
 

@@ -10,6 +10,7 @@ from .. import __version__
 from ..chunks.models import vocab_splits
 from ..chunks.plan import ROW_UNIT, group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
+from ..errors import LlamaANEError
 from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget
 from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
 from .manifest import new_manifest
@@ -21,7 +22,7 @@ MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
 DEFAULT_VERIFY_WINDOW = 16
 
 
-class ExportOptionsError(ValueError):
+class ExportOptionsError(LlamaANEError, ValueError):
     """Export options that cannot work together; the message says which and why."""
 
 

@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..errors import LlamaANEError
 from ..chunks.plan import layer_weight_bytes
 from ..contract.plan import ExportPlan, PackageSpec
 
@@ -26,7 +27,7 @@ BUILD_FACTOR = 2.0  # peak bytes of building a package, per byte of its weights
 VERIFY_FACTOR = 3.5  # peak bytes of verifying a package, per byte of its weights
 
 
-class MemoryBudgetError(RuntimeError):
+class MemoryBudgetError(LlamaANEError, RuntimeError):
     """The export would not fit in memory; the message says what would."""
 
 

@@ -23,16 +23,19 @@ import multiprocessing.connection
 import os
 import shutil
 import sys
+import signal
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..chunks.models import vocab_splits
 from ..chunks.plan import layer_shapes
+from ..errors import LlamaANEError
 from ..contract.plan import ExportPlan, PackageSpec
 from ..contract.specs import model_kind
 from ..checkpoint.loader import Checkpoint
@@ -40,7 +43,7 @@ from ..checkpoint.loader import Checkpoint
 SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
 
 
-class ConversionError(RuntimeError):
+class ConversionError(LlamaANEError, RuntimeError):
     """A package could not be built; the message names it and what to try."""
 
 
@@ -274,6 +277,45 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
     return path
 
 
+def start_without_sigint(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start `proc` with SIGINT blocked. Ctrl-C then reaches only this process, which stops its
+    children itself: a child interrupted while it starts up would print a traceback of its own. The
+    child calls `ignore_sigint` first thing."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+@contextlib.contextmanager
+def deferred_sigint() -> Iterator[Callable[[], None]]:
+    """Within it, Ctrl-C only sets a flag, and the `check()` it yields raises KeyboardInterrupt at a
+    point of the caller's choosing. Raised wherever the main thread happened to be, the interrupt
+    could land in a fork hook, which swallows it, and the export would go on. (Outside the main
+    thread signals cannot be handled: `check` then does nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    hit: list[int] = []
+
+    def check() -> None:
+        if hit:
+            raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    check()
+
+
+def ignore_sigint() -> None:
+    """In a child started by `start_without_sigint`: drop a pending Ctrl-C and ignore later ones."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @dataclass(frozen=True)
 class _Job:
     """One piece of work for a worker: `run()` in the child, `what` for errors, `spec` for progress;
@@ -291,6 +333,7 @@ POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
 
 def _worker(job: _Job, scratch: Path, errors) -> None:
     """Body of a forked worker: run one job, report a failure through `errors`."""
+    ignore_sigint()  # the parent stops the workers on Ctrl-C
     import torch
 
     torch.set_num_threads(1)
@@ -383,27 +426,30 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
     todo, running = list(jobs), {}
-    try:
-        while todo or running:
-            while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
-                todo.remove(job)
-                proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
-                proc.start()
-                running[proc.sentinel] = (proc, job)
-            if not running:  # nothing runs and nothing can start: what it waits for will never come
-                raise ConversionError(f"{todo[0].what}: the calibration saved no statistics for it")
-            finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS if todo else None)
-            for sentinel in finished:
-                proc, job = running.pop(sentinel)
+    with deferred_sigint() as check_interrupt:
+        try:
+            while todo or running:
+                check_interrupt()
+                while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
+                    todo.remove(job)
+                    proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
+                    start_without_sigint(proc)
+                    running[proc.sentinel] = (proc, job)
+                if not running:  # nothing runs and nothing can start: what it waits for will never come
+                    raise ConversionError(f"{todo[0].what}: the calibration saved no statistics for it")
+                # a bounded wait, so that a deferred Ctrl-C is acted on promptly
+                finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS)
+                for sentinel in finished:
+                    proc, job = running.pop(sentinel)
+                    proc.join()
+                    if proc.exitcode != 0:
+                        detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                        if detail:
+                            raise ConversionError(f"{job.what} failed: {detail}")
+                        raise _death(job, proc.exitcode)
+                    if done:
+                        done(job)
+        finally:
+            for proc, _ in running.values():
+                proc.kill()
                 proc.join()
-                if proc.exitcode != 0:
-                    detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
-                    if detail:
-                        raise ConversionError(f"{job.what} failed: {detail}")
-                    raise _death(job, proc.exitcode)
-                if done:
-                    done(job)
-    finally:
-        for proc, _ in running.values():
-            proc.kill()
-            proc.join()

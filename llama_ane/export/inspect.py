@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import LlamaANEError
 from ..mil.package import MilPackage
 from ..contract.specs import model_kind
 from .ane_rules import (
@@ -39,7 +40,7 @@ _DTYPES = {
 }
 
 
-class InspectError(RuntimeError):
+class InspectError(LlamaANEError, RuntimeError):
     """PATH is neither an export folder nor an .mlpackage."""
 
 

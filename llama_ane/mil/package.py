@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import LlamaANEError
+
 WEIGHTS_SUBDIR = Path("Data") / "com.apple.CoreML" / "weights"
 
 # MultiArray dataType enum names in the Core ML spec -> numpy dtypes
@@ -30,7 +32,7 @@ _ARRAY_DTYPES = {
 }
 
 
-class PackageError(RuntimeError):
+class PackageError(LlamaANEError, RuntimeError):
     """A package could not be read; the message names the package and what to do."""
 
 

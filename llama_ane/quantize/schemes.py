@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import LlamaANEError
+
 SCHEMES = ("none", "int8", "int4", "lut8", "lut6", "lut4")
 PARTS = ("embeddings", "attention", "mlp", "lm_head")
 GROUPED_TARGETS = ("iOS18", "macOS15")  # grouped LUTs, blockwise and 4-bit integers
@@ -31,7 +33,7 @@ DEFAULT_GROUP_SIZE = 16  # output channels sharing one LUT
 DEFAULT_BLOCK_SIZE = {"int4": 32, "int8": 0}  # input channels sharing one scale (0: the whole row)
 
 
-class QuantizeError(ValueError):
+class QuantizeError(LlamaANEError, ValueError):
     """A compression option that cannot work; the message says which and what to use instead."""
 
 

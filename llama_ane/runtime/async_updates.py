@@ -11,10 +11,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
+from ..errors import LlamaANEError
+
 CACHE_UPDATE_TIMEOUT_S = 120.0
 
 
-class CacheUpdateError(RuntimeError):
+class CacheUpdateError(LlamaANEError, RuntimeError):
     """The asynchronous cache-update model failed or did not finish."""
 
 

@@ -17,9 +17,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..contract.specs import BRANCHES
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SeededRandom, sample
 from .text_stream import TextStream
 
 
@@ -57,7 +58,7 @@ class CascadeStats:
 class _Branch:
     """Mutable decoding state of one branch within a group."""
 
-    def __init__(self, result: BranchResult, rng: np.random.Generator, first_logits: np.ndarray | None,
+    def __init__(self, result: BranchResult, rng: SeededRandom, first_logits: np.ndarray | None,
                  text: TextStream):
         self.result = result
         self.rng = rng
@@ -69,7 +70,8 @@ class _Branch:
 
 
 def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
-    """Bytes of prefix K and V that one decode step reads, over all layers."""
+    """Bytes of prefix K and V that one decode step reads, over all layers: a model from the cache
+    shapes (layers x K/V channels x prefix tokens), not a measurement."""
     return 2 * manifest["config"]["num_hidden_layers"] * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
 
 
@@ -80,7 +82,7 @@ class CascadeDecoder:
         manifest = pipeline.manifest
         self.width = int(manifest.get("branch_width") or 0)
         if self.width < 1:
-            raise ValueError("this export has no cascade function (exported with --branches 0); "
+            raise InvalidArgumentError("this export has no cascade function (exported with --branches 0); "
                              "re-export with --branches 8")
         self.pipeline = pipeline
         self.backend = pipeline.backend
@@ -93,7 +95,7 @@ class CascadeDecoder:
         """Refuse branches whose tokens would not fit: clear errors, before any work."""
         ctx = self.pipeline.context_length
         if prefix_tokens < 1:
-            raise ValueError("the shared prefix is empty; give a prompt or document")
+            raise InvalidArgumentError("the shared prefix is empty; give a prompt or document")
         if prefix_tokens > ctx:
             raise ContextFullError(f"the prefix has {prefix_tokens} tokens but the exported context holds {ctx}; "
                                    "shorten it or re-export with a larger --context-length")
@@ -206,7 +208,7 @@ def split_shared_prefix(sequences: Sequence[Sequence[int]]) -> tuple[list[int], 
     last logits would otherwise stand in for all of them).
     """
     if not sequences:
-        raise ValueError("no branches given")
+        raise InvalidArgumentError("no branches given")
     n = min(len(s) for s in sequences)
     common = 0
     while common < n and all(s[common] == sequences[0][common] for s in sequences):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from ..errors import InvalidArgumentError
 from .model import GenerationResult, LlamaANEModel, TokenEvent
 
 
@@ -22,7 +23,7 @@ class Chat:
 
     def __init__(self, model: LlamaANEModel, system: str | None = None, **sampling):
         if not model.manifest["tokenizer"].get("chat_template"):
-            raise ValueError("this model has no chat template, so it cannot hold a conversation; use generate")
+            raise InvalidArgumentError("this model has no chat template, so it cannot hold a conversation; use generate")
         self.model = model
         self.system = system
         self.sampling = {"max_new_tokens": 256, **sampling}

@@ -17,6 +17,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
+
 
 @dataclass
 class DraftTree:
@@ -85,7 +87,7 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, matches: int = 4, alternative: int = 2):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
+            raise InvalidArgumentError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.matches, self.alternative = matches, alternative
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import LlamaANEError
+
 CACHE_FILE_VERSION = 1
 
 
-class PromptCacheError(ValueError):
+class PromptCacheError(LlamaANEError, ValueError):
     """A prompt-cache file that cannot be used with this export; the message says why."""
 
 

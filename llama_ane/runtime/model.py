@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     prompt_tokens: int
-    finish_reason: str  # "eos", "stop", "length"
+    finish_reason: str  # one of sampling.FINISH_REASONS: "eos", "stop", "length", "context"
     prefill_seconds: float
     decode_seconds: float
     decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
@@ -59,7 +60,7 @@ class GenerationResult:
         return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def _plain_tokens(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+def _plain_tokens(logits: np.ndarray, params: SamplingParams, rng: SeededRandom,
                   advance: Callable[[int], np.ndarray | None]) -> Iterator[int]:
     """Plain decoding: sample a token, feed it (`advance`), repeat; ends when `advance` returns None."""
     while True:
@@ -101,9 +102,13 @@ def shifted(tokens: Sequence[int], keep: int, limit: int) -> list[int]:
 def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
     """Instantiate a backend by name ("auto" = coreml on macOS, else torch)."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "coreml" if coreml_can_predict() and path is not None else "torch"
+    if backend == "coreml" and options.get("precision") is not None:
+        raise InvalidArgumentError("precision (--precision) sets the torch and mil backends' compute precision; Core ML "
+                                   "(the backend on macOS by default) runs the export in its own: drop --precision, "
+                                   "or choose --backend torch or mil")
     if backend == "torch":
         from .backends.torch_backend import TorchBackend
         # fp16 matmuls on a CPU are emulated and slow: compute in fp32 there unless asked otherwise
@@ -111,7 +116,7 @@ def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> 
         options.setdefault("precision", "fp32" if on_cpu else manifest.get("precision", "fp32"))
         return TorchBackend(path, manifest, **options)
     if path is None:
-        raise ValueError(f"the {backend} backend runs exported packages: pass an export folder")
+        raise InvalidArgumentError(f"the {backend} backend runs exported packages: pass an export folder")
     if backend == "coreml":
         from .backends.coreml_backend import CoreMLBackend
         return CoreMLBackend(path, manifest, **options)
@@ -132,7 +137,7 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
         folder = p
     else:
         if backend not in ("auto", "torch"):
-            raise ValueError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
+            raise InvalidArgumentError(f"{path} is not an export folder (no manifest.json); only the torch backend runs "
                              "a checkpoint directly: export it first with `llama-ane export`")
         from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
@@ -176,7 +181,7 @@ class LlamaANEModel:
         """Token ids of `text`; with `chat`, wrapped as one user turn by the recorded chat template."""
         if chat:
             if not self.manifest["tokenizer"].get("chat_template"):
-                raise ValueError("this model has no chat template; drop --chat")
+                raise InvalidArgumentError("this model has no chat template; drop --chat")
             return list(self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                 return_dict=False))
@@ -226,16 +231,16 @@ class LlamaANEModel:
         """
         params = SamplingParams(temperature, top_k, top_p)
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if overflow not in OVERFLOW:
-            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
+            raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
-        rng = np.random.default_rng(seed)
+        rng = SeededRandom(seed)
         if speculative is not None:
             from .speculative import check_speculative
             check_speculative(self.manifest, draft_tokens)
         elif draft_tokens is not None:
-            raise ValueError("draft_tokens needs speculative decoding (speculative='lookup' or 'draft:OUT')")
+            raise InvalidArgumentError("draft_tokens needs speculative decoding (speculative='lookup' or 'draft:OUT')")
         drafter, owned = self._drafter(speculative)
         try:
             yield from self._stream(ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter,
@@ -319,11 +324,11 @@ class LlamaANEModel:
             draft = load(folder, backend=self.backend.name if self.backend.name != "coreml" else "auto")
             if draft.manifest["config"]["vocab_size"] != self.manifest["config"]["vocab_size"]:
                 draft.close()
-                raise ValueError(f"the draft export {folder} has another vocabulary "
+                raise InvalidArgumentError(f"the draft export {folder} has another vocabulary "
                                  f"({draft.manifest['config']['vocab_size']} tokens, this model "
                                  f"{self.manifest['config']['vocab_size']}); a drafter must share the tokenizer")
             return ModelDrafter(draft), True
-        raise ValueError(f"--speculative must be 'lookup' or 'draft:OUT' (an export folder), got {speculative!r}")
+        raise InvalidArgumentError(f"--speculative must be 'lookup' or 'draft:OUT' (an export folder), got {speculative!r}")
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -361,15 +366,15 @@ class LlamaANEModel:
         from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
 
         if (continuations is None) == (n is None):
-            raise ValueError("give either continuations=[...] or n=N")
+            raise InvalidArgumentError("give either continuations=[...] or n=N")
         if n is not None and n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
+            raise InvalidArgumentError(f"n must be at least 1, got {n}")
         if continuations is not None and len(continuations) == 0:
-            raise ValueError("the list of continuations (questions) is empty")
+            raise InvalidArgumentError("the list of continuations (questions) is empty")
         if teacher_forced:
             max_new_tokens = 0
         elif max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p)
         prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         own = [[] for _ in range(n)] if n is not None else [
@@ -386,7 +391,7 @@ class LlamaANEModel:
             results = [BranchResult(i, ids) for i, ids in enumerate(own)]
             steps = 0
             for start in range(0, len(results), decoder.width):
-                group = [_Branch(r, np.random.default_rng(None if seed is None else [seed, r.index]), first,
+                group = [_Branch(r, SeededRandom(None if seed is None else branch_seed(seed, r.index)), first,
                                  TextStream(self.tokenizer, stop or []))
                          for r in results[start:start + decoder.width]]
                 steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params, on_token,

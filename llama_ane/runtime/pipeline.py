@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ..chunks.layers import MASK_VALUE
+from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import function_entry, function_states, kv_cache_kind
 from ..contract.specs import VERIFY
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
@@ -44,7 +45,7 @@ from .kv_cache import KVCache, common_prefix
 CACHE_MASKS = {"mask": "leading", "prefix_mask": "all"}
 
 
-class ContextFullError(RuntimeError):
+class ContextFullError(LlamaANEError, RuntimeError):
     """The tokens would not fit in the exported context length."""
 
 
@@ -286,7 +287,7 @@ class Pipeline:
         w = self.manifest.get("verify_window", 0)
         n = len(token_ids)
         if not w:
-            raise ValueError("this export has no verify function: re-export it with --verify-window 16")
+            raise InvalidArgumentError("this export has no verify function: re-export it with --verify-window 16")
         if not 1 <= n <= w:
             raise ValueError(f"a verify window holds 1..{w} tokens, got {n}")
         start = self.position
@@ -339,7 +340,7 @@ class Pipeline:
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise ValueError("no tokens to score")
+            raise InvalidArgumentError("no tokens to score; give some text")
         self.reset()  # the caches of chunks not yet run are untouched zeros (np.zeros commits no pages)
         self._check_room(len(ids))
         starts = range(0, len(ids), self.prefill_length)
@@ -381,7 +382,7 @@ class Pipeline:
         """Run `token_ids` in windows. Returns logits [T, vocab] if `all_logits`, else [vocab] of the last."""
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise ValueError("no tokens to prefill")
+            raise InvalidArgumentError("the prompt is empty (no tokens to prefill); give some text")
         self._check_room(len(ids))
         outs = []
         for start in range(0, len(ids), self.prefill_length):
@@ -398,7 +399,7 @@ class Pipeline:
         """
         ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
         if not ids:
-            raise ValueError("no tokens to prefill")
+            raise InvalidArgumentError("the prompt is empty (no tokens to prefill); give some text")
         keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
         self.rewind(keep)
         return self.prefill(ids[keep:]), keep

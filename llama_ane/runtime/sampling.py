@@ -1,10 +1,34 @@
-"""Next-token sampling from logits: greedy, temperature, top-k, top-p, with a seeded generator."""
+"""Next-token sampling from logits (greedy, temperature, top-k, top-p) and the rules shared with the
+Swift package, so that the same export, prompt and seed give the same tokens in both:
+
+* the generator: xoshiro256** seeded through SplitMix64 (`SeededRandom`, Swift's `SeededRandom`);
+* the draw: candidates sorted by logit (ties: lower id first), cut to top-k, then to the smallest
+  prefix whose probability reaches top-p, one uniform number walked through their cumulative
+  probabilities (`sample`, Swift's `Sampler.sample`), temperature and top-p taken as float32;
+* per-branch seeding: branch i of a cascade samples with seed `seed + i` (mod 2**64) (`branch_seed`,
+  Swift's `SamplingParameters.branch(_:)`);
+* why a generation ended: `FINISH_REASONS` (Swift's `FinishReason`).
+
+`tests/swift_fixtures.py` writes what this module draws into the Swift tests' fixtures.
+"""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..errors import InvalidArgumentError
+
+# Why a generation (or a cascade branch) ended:
+#   eos      an end-of-sequence token was sampled (it is not part of the returned tokens)
+#   stop     a stop string appeared in the text
+#   length   max_new_tokens were generated
+#   context  the KV cache (a branch: its suffix cache) is full
+FINISH_REASONS = ("eos", "stop", "length", "context")
+
+_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -17,39 +41,97 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick a token id from logits [vocab]."""
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
-    p = probabilities(logits, params)
-    return int(rng.choice(p.size, p=p))
+def _rotl(x: int, k: int) -> int:
+    return ((x << k) | (x >> (64 - k))) & _MASK
+
+
+class SeededRandom:
+    """xoshiro256** seeded through SplitMix64: the same seed gives the same numbers here and in Swift."""
+
+    def __init__(self, seed: int | None = None):
+        x = (secrets.randbits(64) if seed is None else seed) & _MASK
+        state = []
+        for _ in range(4):
+            x = (x + 0x9E3779B97F4A7C15) & _MASK
+            z = x
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+            state.append(z ^ (z >> 31))
+        self._s = state
+
+    def next(self) -> int:
+        """The next unsigned 64-bit number."""
+        s0, s1, s2, s3 = self._s
+        result = (_rotl((s1 * 5) & _MASK, 7) * 9) & _MASK
+        t = (s1 << 17) & _MASK
+        s2 ^= s0
+        s3 ^= s1
+        s1 ^= s2
+        s0 ^= s3
+        s2 ^= t
+        self._s = [s0, s1, s2, _rotl(s3, 45)]
+        return result
+
+    def next_unit(self) -> float:
+        """A uniform float in [0, 1) with 53 random bits."""
+        return (self.next() >> 11) * (1.0 / 9007199254740992.0)
+
+
+def branch_seed(seed: int, index: int) -> int:
+    """The seed of cascade branch `index` when the request's seed is `seed`."""
+    return (seed + index) & _MASK
+
+
+def argmax(logits: np.ndarray) -> int:
+    """The index of the largest logit (the first one on ties); NaN logits never win."""
+    logits = np.asarray(logits)
+    return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
+
+
+def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids that may be drawn, most likely first, and their renormalized probabilities
+    (float64), from logits [vocab]."""
+    logits = np.asarray(logits, dtype=np.float32).reshape(-1)
+    ids = np.flatnonzero(~np.isnan(logits))
+    z = logits[ids].astype(np.float64) / float(np.float32(params.temperature))
+    order = np.argsort(-z, kind="stable")  # ties keep the lower id first
+    ids, z = ids[order], z[order]
+    if 0 < params.top_k < ids.size:
+        ids, z = ids[:params.top_k], z[:params.top_k]
+    probs = np.exp(z - z[0])
+    total = np.cumsum(probs)[-1]  # summed in order, as the Swift sampler sums
+    if params.top_p < 1.0:
+        reached = np.cumsum(probs / total) >= float(np.float32(params.top_p))
+        keep = int(np.argmax(reached)) + 1 if reached.any() else ids.size
+        ids, probs = ids[:keep], probs[:keep]
+        total = np.cumsum(probs)[-1]
+    return ids, probs / total
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: SeededRandom) -> int:
+    """Pick a token id from logits [vocab]; greedy draws no number from `rng`."""
+    if params.temperature == 0.0 or params.top_k == 1:
+        return argmax(logits)
+    ids, probs = candidates(logits, params)
+    u = rng.next_unit()
+    at = int(np.searchsorted(np.cumsum(probs), u, side="right"))  # first bucket whose end is above u
+    return int(ids[min(at, ids.size - 1)])  # rounding may leave u past the last bucket
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution `sample` draws from, float64 [vocab]: one-hot at the argmax when greedy,
-    else the softmax at the temperature, cut by top-k and top-p and renormalised."""
-    if params.temperature == 0.0:
-        p = np.zeros(logits.size, np.float64)
-        p[int(np.argmax(logits))] = 1.0
+    else `candidates`' probabilities at their ids (zero elsewhere)."""
+    p = np.zeros(np.asarray(logits).size, np.float64)
+    if params.temperature == 0.0 or params.top_k == 1:
+        p[argmax(logits)] = 1.0
         return p
-    z = logits.astype(np.float64) / params.temperature
-    if params.top_k and params.top_k < z.size:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z < kth, -np.inf, z)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = cum - p[order] < params.top_p  # smallest prefix whose mass reaches top_p
-        trimmed = np.zeros_like(p)
-        trimmed[order[keep]] = p[order[keep]]
-        p = trimmed / trimmed.sum()
+    ids, probs = candidates(logits, params)
+    p[ids] = probs
     return p

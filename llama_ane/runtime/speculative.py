@@ -30,9 +30,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
+
 from .drafters import DraftTree, Drafter
 from .pipeline import Pipeline
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, SeededRandom, probabilities
 
 
 @dataclass
@@ -65,7 +67,7 @@ class SpeculativeStats:
 
 
 def choose(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
-           rng: np.random.Generator) -> tuple[list[int], int]:
+           rng: SeededRandom) -> tuple[list[int], int]:
     """Walk `tree` with the model's logits float32 [n, vocab] (row i: after node i).
 
     Returns the accepted path (node indices, root first) and the next token: the model's choice
@@ -86,7 +88,7 @@ def choose(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
         path.append(chosen)
 
 
-def _accepts(p: np.ndarray, token: int, q: np.ndarray | None, rng: np.random.Generator) -> bool:
+def _accepts(p: np.ndarray, token: int, q: np.ndarray | None, rng: SeededRandom) -> bool:
     """Accept drafted `token` with probability min(1, p/q) (q a point mass when None); a certain
     answer (ratio 0 or 1, as in greedy decoding) draws nothing from `rng`."""
     ratio = p[token] if q is None else min(1.0, p[token] / max(q[token], 1e-30))
@@ -94,7 +96,7 @@ def _accepts(p: np.ndarray, token: int, q: np.ndarray | None, rng: np.random.Gen
         return True
     if ratio <= 0.0:
         return False
-    return bool(rng.random() < ratio)
+    return bool(rng.next_unit() < ratio)
 
 
 def _residual(p: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
@@ -108,22 +110,23 @@ def _residual(p: np.ndarray, token: int, q: np.ndarray | None) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+def _draw(p: np.ndarray, rng: SeededRandom) -> int:
     """The greedy choice of a one-hot p without touching `rng`; else a draw from p."""
     top = int(np.argmax(p))
     if p[top] >= 1.0:
         return top
-    return int(rng.choice(p.size, p=p))
+    at = int(np.searchsorted(np.cumsum(p), rng.next_unit(), side="right"))  # as sampling.sample draws
+    return min(at, p.size - 1)
 
 
 def check_speculative(manifest: dict, draft_tokens: int | None) -> int:
     """The export's verify window W, after checking it has one and that `draft_tokens` fits in it."""
     w = manifest.get("verify_window", 0)
     if not w:
-        raise ValueError("this export has no verify function for speculative decoding; re-export it with "
+        raise InvalidArgumentError("this export has no verify function for speculative decoding; re-export it with "
                          "--verify-window 16 (the default)")
     if draft_tokens is not None and not 1 <= draft_tokens <= w - 1:
-        raise ValueError(f"--draft-tokens must be 1..{w - 1} (the export's verify window is {w}), got {draft_tokens}")
+        raise InvalidArgumentError(f"--draft-tokens must be 1..{w - 1} (the export's verify window is {w}), got {draft_tokens}")
     return w
 
 
@@ -139,7 +142,7 @@ class SpeculativeDecoder:
     COOLDOWN = 16  # plain steps after a first fallback; doubled after each further one, up to MAX_COOLDOWN
     MAX_COOLDOWN = 256
 
-    def __init__(self, pipeline: Pipeline, drafter: Drafter, params: SamplingParams, rng: np.random.Generator,
+    def __init__(self, pipeline: Pipeline, drafter: Drafter, params: SamplingParams, rng: SeededRandom,
                  decode_one: Callable[[int], np.ndarray | None], draft_tokens: int | None = None,
                  adaptive: bool = True):
         w = check_speculative(pipeline.manifest, draft_tokens)

@@ -12,8 +12,10 @@ from typing import Mapping
 
 import numpy as np
 
+from ...errors import LlamaANEError
 
-class BackendError(RuntimeError):
+
+class BackendError(LlamaANEError, RuntimeError):
     """A backend could not load or run a model; the message names the model and function."""
 
 

@@ -52,9 +52,7 @@ enum LlamaANECLI {
         #if canImport(CoreML)
         let pipeline = try await model.makeCoreMLPredictor(computeUnits: computeUnits(options.computeUnits))
         let requests = (0..<options.branches).map { i in
-            var sampling = options.sampling
-            sampling.seed &+= UInt64(i)
-            return BranchRequest(sampling: sampling, maxNewTokens: options.maxNewTokens)
+            BranchRequest(sampling: options.sampling.branch(i), maxNewTokens: options.maxNewTokens)
         }
         let start = Date()
         let results = try await pipeline.decodeBranches(prefix: prompt, branches: requests, eosTokenIds: model.eosTokenIds)

@@ -20,8 +20,8 @@ final class CascadeSchedulerTests: XCTestCase {
         let expected = requests().map {
             FakeModel.decodeAlone(prefix: prefix, $0, suffixCapacity: suffixCapacity, vocab: vocab, eos: eos)
         }
-        XCTAssertTrue(expected.contains { $0.stopReason == .endOfSequence }, "the fixture should exercise EOS")
-        XCTAssertTrue(expected.contains { $0.stopReason == .suffixFull }, "the fixture should exercise a full suffix")
+        XCTAssertTrue(expected.contains { $0.stopReason == .eos }, "the fixture should exercise EOS")
+        XCTAssertTrue(expected.contains { $0.stopReason == .context }, "the fixture should exercise a full suffix")
 
         for width in [1, 3, 4, 8] {
             let scheduler = CascadeScheduler(branchWidth: width, prefixLength: prefix.count,
@@ -51,7 +51,7 @@ final class CascadeSchedulerTests: XCTestCase {
             // A branch is active exactly for the tokens it feeds: masked out once it has stopped.
             for (b, r) in requests().enumerated() {
                 // Fed: the forced tokens, then every generated token but the last.
-                let fed = expected[b].stopReason == .suffixFull ? suffixCapacity
+                let fed = expected[b].stopReason == .context ? suffixCapacity
                     : r.forcedTokens.count + max(expected[b].tokens.count - 1, 0)
                 XCTAssertEqual(fedPerBranch[b], r.maxNewTokens == 0 ? 0 : fed, "width \(width) branch \(b)")
             }

@@ -70,12 +70,12 @@ enum FakeModel {
         var suffix: [Int] = []
         var out: [Int] = []
         var toFeed = r.forcedTokens
-        if r.maxNewTokens <= 0 { return BranchResult(tokens: [], stopReason: .maxTokens) }
-        func take(_ logits: [Float]) -> BranchStopReason? {
+        if r.maxNewTokens <= 0 { return BranchResult(tokens: [], stopReason: .length) }
+        func take(_ logits: [Float]) -> FinishReason? {
             let t = sampler.sample(logits)
             out.append(t)
-            if t == eos { return .endOfSequence }
-            if out.count >= r.maxNewTokens { return .maxTokens }
+            if t == eos { return .eos }
+            if out.count >= r.maxNewTokens { return .length }
             toFeed = [t]
             return nil
         }
@@ -83,7 +83,7 @@ enum FakeModel {
             return BranchResult(tokens: out, stopReason: stop)
         }
         while true {
-            if suffix.count >= suffixCapacity { return BranchResult(tokens: out, stopReason: .suffixFull) }
+            if suffix.count >= suffixCapacity { return BranchResult(tokens: out, stopReason: .context) }
             suffix.append(toFeed.removeFirst())
             if toFeed.isEmpty, let stop = take(logits(prefix + suffix, vocab: vocab, eos: eos)) {
                 return BranchResult(tokens: out, stopReason: stop)

@@ -86,7 +86,7 @@ final class GeneratorCacheReuseTests: XCTestCase {
         let generator = Generator(predictor: model, eosTokenIds: [eos])
         let prompt = [5, 6, 7]
         let (tokens, stats) = try await generator.generateAll(prompt: prompt, maxNewTokens: 200)
-        XCTAssertEqual(stats.stopReason, .endOfSequence)
+        XCTAssertEqual(stats.stopReason, .eos)
         XCTAssertEqual(generator.cachedTokens, prompt + tokens.dropLast())
         XCTAssertFalse(generator.cachedTokens.contains(eos))
     }
@@ -205,10 +205,10 @@ final class ContextShiftTests: XCTestCase {
         // the same with .stop ends at the context
         let stopping = Generator(predictor: FakeModel.CachePredictor(contextLength: 32, prefillLength: 8, vocab: vocab),
                                  eosTokenIds: [])
-        do {
-            _ = try await stopping.generateAll(prompt: prompt, maxNewTokens: 40)
-            XCTFail("expected contextFull")
-        } catch GenerationError.contextFull {}
+        let (stopped, stoppedStats) = try await stopping.generateAll(prompt: prompt, maxNewTokens: 40)
+        XCTAssertEqual(stoppedStats.stopReason, .context)
+        XCTAssertEqual(stoppedStats.shifts, 0)
+        XCTAssertEqual(stopped.count, 32 - 20 + 1, "the cache filled, and the last token was not fed back")
     }
 
     func testAPromptLongerThanTheContextIsShiftedBeforeItRuns() async throws {

@@ -12,18 +12,10 @@ public struct BranchRequest: Equatable, Sendable {
     }
 }
 
-/// Why a branch stopped.
-public enum BranchStopReason: String, Equatable, Sendable {
-    case endOfSequence
-    case maxTokens
-    /// Its private suffix cache is full.
-    case suffixFull
-}
-
 /// A finished branch: the tokens it generated (forced tokens not included).
 public struct BranchResult: Equatable, Sendable {
     public var tokens: [Int]
-    public var stopReason: BranchStopReason
+    public var stopReason: FinishReason
 }
 
 /// One call of the "decode_branches" function: `branchWidth` slots, each with one input token
@@ -65,7 +57,7 @@ public struct CascadeScheduler: Sendable {
         var generated: [Int] = []
         var suffixLength = 0
         var sampler: Sampler
-        var stop: BranchStopReason?
+        var stop: FinishReason?
         let maxNewTokens: Int
 
         /// Samples the next token from `logits` and decides whether the branch goes on.
@@ -73,9 +65,9 @@ public struct CascadeScheduler: Sendable {
             let token = sampler.sample(logits)
             generated.append(token)
             if eos.contains(token) {
-                stop = .endOfSequence
+                stop = .eos
             } else if generated.count >= maxNewTokens {
-                stop = .maxTokens
+                stop = .length
             } else {
                 toFeed = [token]
             }
@@ -90,7 +82,7 @@ public struct CascadeScheduler: Sendable {
         var states = requests.map { r -> BranchState in
             var s = BranchState(toFeed: r.forcedTokens, sampler: Sampler(r.sampling), maxNewTokens: r.maxNewTokens)
             if r.maxNewTokens <= 0 {
-                s.stop = .maxTokens
+                s.stop = .length
             } else if r.forcedTokens.isEmpty {
                 s.take(prefixLogits, eos: eosTokenIds)
             }
@@ -101,7 +93,7 @@ public struct CascadeScheduler: Sendable {
             var first = true
             while true {
                 for b in members where states[b].stop == nil && states[b].suffixLength >= suffixCapacity {
-                    states[b].stop = .suffixFull
+                    states[b].stop = .context
                 }
                 let slots: [Int?] = (0..<branchWidth).map { $0 < members.count ? members[$0] : nil }
                 let active = slots.map { b in b.map { states[$0].stop == nil } ?? false }
@@ -127,6 +119,6 @@ public struct CascadeScheduler: Sendable {
                 }
             }
         }
-        return states.map { BranchResult(tokens: $0.generated, stopReason: $0.stop ?? .maxTokens) }
+        return states.map { BranchResult(tokens: $0.generated, stopReason: $0.stop ?? .length) }
     }
 }

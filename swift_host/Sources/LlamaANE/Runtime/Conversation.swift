@@ -12,9 +12,10 @@ import Foundation
 /// instead, the whole text is tokenized again and the generator still reuses the longest common prefix.
 ///
 /// Turns run one at a time. A turn that was stopped or failed after some tokens keeps the reply as
-/// far as it went; one that produced no token leaves the conversation as it was. A conversation
-/// that outgrows the context fails with `GenerationError.contextFull` (`reset()` and start again),
-/// unless it was made with `overflow: .shift(keep:)`: then the generator keeps the first `keep`
+/// far as it went; one that produced no token leaves the conversation as it was. A turn whose
+/// prompt outgrows the context fails with `GenerationError.contextFull` (one that fills it while
+/// decoding finishes with `FinishReason.context`): `reset()` and start again; unless the
+/// conversation was made with `overflow: .shift(keep:)`: then the generator keeps the first `keep`
 /// tokens (the system message) and the most recent ones, and the conversation goes on.
 public final class Conversation: @unchecked Sendable {
     public let generator: Generator

@@ -8,15 +8,9 @@ public enum GenerationEvent: Equatable, Sendable {
     case finished(GenerationStats)
 }
 
-/// Why generation ended.
-public enum StopReason: String, Equatable, Sendable {
-    case endOfSequence
-    case maxTokens
-}
-
 /// What a generation does when its tokens would not fit the context.
 public enum ContextOverflow: Equatable, Sendable {
-    /// Refuse a prompt that does not fit; end with `GenerationError.contextFull` when decoding fills the cache.
+    /// Refuse a prompt that does not fit; finish with `.context` when decoding fills the cache.
     case stop
     /// Keep the first `keep` tokens (a system prompt) and the most recent ones (half the rest of the
     /// context), prefill what the cache does not already hold, and go on.
@@ -29,7 +23,7 @@ public struct GenerationStats: Equatable, Sendable {
     public var generatedTokens: Int
     public var prefillSeconds: Double
     public var decodeSeconds: Double
-    public var stopReason: StopReason
+    public var stopReason: FinishReason
     /// Prompt tokens whose K/V the cache already held (a common prefix with the previous generation).
     public var reusedTokens = 0
     /// Prompt tokens that ran through prefill: `promptTokens - reusedTokens` (0 when nothing ran).
@@ -56,10 +50,10 @@ public struct GenerationStats: Equatable, Sendable {
 /// prompt and every generated token that was fed back: all but the last (an end-of-sequence token,
 /// or the one that reached `maxNewTokens`, is never fed).
 ///
-/// Stops at an end-of-sequence id or after `maxNewTokens`. With `overflow: .stop` (the default) a
-/// prompt that does not fit the cache is refused before any model call, and when decoding fills the
-/// cache the tokens so far have been streamed and the stream then throws
-/// `GenerationError.contextFull`. With `.shift(keep:)` the generation shifts the context instead
+/// Stops at an end-of-sequence id (`FinishReason.eos`), after `maxNewTokens` (`.length`) or when the
+/// cache is full (`.context`), as the Python runtime does. With `overflow: .stop` (the default) a
+/// prompt that does not fit the cache is refused before any model call
+/// (`GenerationError.contextFull`). With `.shift(keep:)` the generation shifts the context instead
 /// (the first `keep` tokens and the most recent ones are kept) and goes on.
 ///
 /// Generations run one at a time, in the order they were started: a new one waits until the
@@ -146,7 +140,7 @@ public final class Generator: @unchecked Sendable {
             shifts = 1
         }
         var stats = GenerationStats(promptTokens: prompt.count, generatedTokens: 0, prefillSeconds: 0,
-                                    decodeSeconds: 0, stopReason: .maxTokens)
+                                    decodeSeconds: 0, stopReason: .length)
         stats.shifts = shifts
 
         let reused = cache.reusablePrefix(of: prompt)
@@ -174,8 +168,12 @@ public final class Generator: @unchecked Sendable {
             let done = eosTokenIds.contains(token) || stats.generatedTokens >= maxNewTokens
             if done, var t = text { piece += t.finish() }
             emit(.token(id: token, text: piece))
-            if eosTokenIds.contains(token) { stats.stopReason = .endOfSequence }
+            if eosTokenIds.contains(token) { stats.stopReason = .eos }
             if done { break }
+            if cache.position >= cache.capacity, overflow == .stop {  // no room to feed the token back
+                stats.stopReason = .context
+                break
+            }
             try Task.checkCancellation()
             if case let .shift(keep) = overflow, cache.remaining == 0 {
                 logits = try await shift(cache.tokens + [token], keep: keep, cache: &cache)

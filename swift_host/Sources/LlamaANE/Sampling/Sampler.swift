@@ -20,6 +20,14 @@ public struct SamplingParameters: Equatable, Sendable {
 
     /// Always the most likely token.
     public static let greedy = SamplingParameters()
+
+    /// The parameters of cascade branch `index`: seed `seed + index` (wrapping), the rule the Python
+    /// runtime follows too (`sampling.branch_seed`), so the same seed gives the same branches in both.
+    public func branch(_ index: Int) -> SamplingParameters {
+        var p = self
+        p.seed = seed &+ UInt64(index)
+        return p
+    }
 }
 
 /// Chooses tokens from logits: greedy, or temperature with optional top-k and top-p, drawing from a
