@@ -261,9 +261,10 @@ def test_mil_and_torch_run_the_same_decompressed_weights(quantized, name):
 
     report = verify_export(quantized[name], with_transformers=False)
     print(report)
-    (conversion,) = report.comparisons
-    assert conversion.reference.endswith("same weights)")
-    assert conversion.top1_agreement >= 0.99 and conversion.max_abs_diff < 1e-3
+    conversion, tree = report.comparisons  # the text, then the speculative verify function's token tree
+    assert conversion.reference.endswith("same weights)") and "verify tree" in tree.reference
+    for c in (conversion, tree):
+        assert c.top1_agreement >= 0.99 and c.max_abs_diff < 1e-3
 
 
 @pytest.mark.parametrize("name", list(EXPORTS))
@@ -312,9 +313,10 @@ def test_mil_decompresses_each_weight_once_per_package(quantized):
 
     path = quantized["lut"] / "chunk_0.mlpackage"
     stored = PackageExecutor(path, precision="fp16", widen_weights=False)
-    assert len(stored.function_names) == 3  # prefill, decode, decode_branches share the weights
+    # prefill, decode, decode_branches and verify share the weights
+    assert sorted(stored.function_names) == ["decode", "decode_branches", "prefill", "verify"]
     dense = json.loads((quantized["lut"] / "manifest.json").read_text())["weights"]["chunk_0"]["dense_bytes"]
-    assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not three
+    assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not four
 
 
 def test_a_quantized_export_generates_on_both_backends(quantized):
