@@ -80,6 +80,8 @@ class Pipeline:
         self.stateful = kv_cache_kind(manifest) == "state"
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.cache = self.new_cache()
+        # the last `verify_tree` until `accept`: (start, window size, token ids, each chunk's pending write)
+        self._tree: tuple[int, int, np.ndarray, list[tuple[int, str, dict]]] | None = None
 
     @property
     def position(self) -> int:

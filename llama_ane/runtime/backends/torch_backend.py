@@ -14,6 +14,7 @@ each chunk only the cache positions that hold tokens (see runtime/pipeline.py); 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from pathlib import Path
@@ -28,6 +29,13 @@ from .base import Backend, BackendError
 from .torch_modules import CheckpointWeights, ExportWeights, build_model
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(module_class: type) -> tuple[str, ...]:
+    """The parameters of a module class's forward (the manifest names of its inputs), read once per
+    class rather than on every step."""
+    return tuple(inspect.signature(module_class.forward).parameters)[1:]  # without self
 
 
 class TorchBackend(Backend):
@@ -97,7 +105,7 @@ class TorchBackend(Backend):
         entry = function_entry(self.manifest, model, function)
         module = self.module(model, function)
         args = []
-        for name in inspect.signature(module.forward).parameters:
+        for name in _argument_names(type(module)):
             a = torch.from_numpy(inputs[name])  # views (a cache cut to its filled positions) as they are
             args.append(a.to(self.device, self.torch_dtype if a.is_floating_point() else torch.int32))
         outs = module(*args)
