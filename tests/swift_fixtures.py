@@ -23,6 +23,15 @@ Nothing in those fixtures is written by hand:
   and of each cascade branch (seeded by the per-branch rule): the Swift generator and cascade
   scheduler, given the same table as a closure model, must give the same.
 
+* ``speculative.json``: what Python's speculative decoding does on fixed inputs: the prompt-lookup
+  drafter's trees for fixed texts; the verify window (``input_ids``, ``position``, ``depths``,
+  ``tree_mask``) that ``Pipeline.verify_tree`` feeds the exported embeddings for fixed trees, and the
+  ``slots`` its ``accept`` feeds the verify cache update (recorded from the real pipeline over the
+  export's manifest, with a backend that records its inputs); the accepted path and next token of
+  ``speculative.choose`` for fixed trees, logits and seeds (greedy and sampling); and speculative
+  generations with prompt lookup on the bigram model (the adaptive fallback off, as its timings
+  are the machine's). The Swift drafter, window, acceptance rule and generator must give the same.
+
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
   KV caches in Core ML states (``kv_cache="state"``).
@@ -737,19 +746,208 @@ def write_generation_fixture(path: Path, vocab: int = 24, eos: int = 2) -> dict[
     return data
 
 
+class _RecordingBackend:
+    """A backend that records what the pipeline feeds each function and returns zeros shaped as the
+    manifest says (the numbers do not matter here, only the inputs)."""
+
+    direct_cache = False
+    name = "recording"
+
+    def __init__(self, manifest: dict[str, Any]):
+        import numpy as np
+
+        self.dtype = np.dtype(np.float16)
+        self.manifest, self.calls = manifest, []
+
+    def predict(self, model, function, inputs):
+        import numpy as np
+
+        self.calls.append((model, function, {k: np.array(v) for k, v in inputs.items()}))
+        entry = self.manifest["models"][model]["functions"][function]
+        return {o["name"]: np.zeros(o["shape"], self.dtype) for o in entry["outputs"]}
+
+    def release(self, model) -> None:
+        pass
+
+
+class _BigramVerifier:
+    """The part of runtime.pipeline.Pipeline that `SpeculativeDecoder` drives, over a bigram table:
+    the logits after a tree node are the table's row of its token."""
+
+    def __init__(self, table, context_length: int, window: int, prompt: list[int]):
+        from types import SimpleNamespace
+
+        self.table, self.context_length, self.tokens = table, context_length, list(prompt)
+        self.manifest = {"verify_window": window}
+        self.backend = SimpleNamespace(dtype=table.dtype)
+        self._ids = None
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def verify_tree(self, ids, depths, mask):
+        assert self.position + int(depths.max()) + 1 <= self.context_length
+        self._ids = [int(t) for t in ids]
+        return self.table[ids]
+
+    def accept(self, path) -> None:
+        self.tokens += [self._ids[i] for i in path]
+
+    def decode_one(self, token: int):
+        if self.position >= self.context_length:
+            return None
+        self.tokens.append(int(token))
+        return self.table[token]
+
+
+SPECULATIVE_TEXTS = [  # token texts for the prompt-lookup drafter (the last token is the root)
+    [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3],
+    [7, 8, 7, 9, 7, 8, 7, 9, 7],
+    [5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6, 7, 5, 6],
+    [4, 4, 4, 4, 4],
+    [10, 11, 12, 13],
+    [3],
+]
+
+SPECULATIVE_GENERATIONS = [  # prompt, max new tokens, context, temperature, top_k, top_p, seed, draft tokens
+    ([1, 2, 3, 1, 2, 3, 1, 2], 40, 256, 0.0, 0, 1.0, 0, None),
+    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 40, 256, 0.0, 0, 1.0, 0, 3),
+    ([9, 3, 9, 3, 8, 9, 3], 48, 256, 0.6, 0, 1.0, 17, None),
+    ([2, 5, 2, 5, 2], 48, 256, 0.9, 6, 0.95, 2024, 5),
+    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 30, 0.0, 0, 1.0, 0, None),  # fills the context
+]
+
+
+def _repetitive_text(seed: int, vocab: int) -> list[int]:
+    """Random text with repeated passages, so prompt lookup finds several matches."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    parts = [[int(t) for t in rng.integers(3, vocab, n)] for n in (7, 5, 9)]
+    return parts[0] + parts[1] + parts[0][:4] + parts[2] + parts[1] + parts[0] + parts[2][:3]
+
+
+def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) -> dict[str, Any]:
+    """Write speculative.json (see the module docstring); returns what it wrote."""
+    import numpy as np
+
+    from llama_ane.runtime.drafters import DraftTree, PromptLookupDrafter
+    from llama_ane.runtime.pipeline import Pipeline
+    from llama_ane.runtime.sampling import SamplingParams, SeededRandom
+    from llama_ane.runtime.speculative import SpeculativeDecoder, choose
+
+    drafter = PromptLookupDrafter()
+    texts = SPECULATIVE_TEXTS + [_repetitive_text(seed, 40) for seed in range(4)]
+    drafts = []
+    for text in texts:
+        for k in (1, 3, 6, 15):
+            tree = drafter.draft(text, k)
+            drafts.append({"text": text, "k": k, "tokens": tree.tokens, "parents": tree.parents,
+                           "continuations": drafter.continuations(text, k)})
+
+    manifest = json.loads(Path(manifest_path).read_text())
+    w = manifest["verify_window"]
+    trees = [d for d in drafts if len(d["tokens"]) > 2][:6]
+    trees.append({"tokens": [5], "parents": [-1]})  # the root alone
+    full = DraftTree.root(1)  # a window filled to W: a chain and side branches
+    node = 0
+    for i in range(w - 1):
+        node = full.add(node if i % 3 else 0, 2 + i)
+    trees.append({"tokens": full.tokens, "parents": full.parents})
+    windows = []
+    for index, t in enumerate(trees):
+        tree = DraftTree(list(t["tokens"]), list(t["parents"]), [None] * len(t["tokens"]))
+        backend = _RecordingBackend(manifest)
+        pipeline = Pipeline(backend, manifest)
+        prompt = list(range(3, 3 + 5 + index))
+        pipeline.prefill(prompt)
+        pipeline.wait()
+        backend.calls.clear()
+        pipeline.verify_tree(np.asarray(tree.tokens, np.int32), tree.depths(), tree.mask(backend.dtype))
+        kept = [0]
+        while tree.children(kept[-1]):
+            kept.append(tree.children(kept[-1])[-1])  # the last-added child at each level
+        pipeline.accept(kept)
+        pipeline.wait()
+        pipeline.close()
+        embedded = next(i for m, f, i in backend.calls if m == manifest["embeddings"]["models"][0] and f == "verify")
+        slots = [i["slots"].tolist() for m, f, i in backend.calls if m == "cache_update" and "slots" in i]
+        if len(slots) != len(manifest["chunks"]) or any(s != slots[0] for s in slots):
+            raise AssertionError(f"every chunk's verify cache update should get the same slots, got {slots}")
+        windows.append({"tokens": tree.tokens, "parents": tree.parents, "path": kept,
+                        "input_ids": embedded["input_ids"].reshape(-1).tolist(),
+                        "position": int(embedded["position"][0]),
+                        "depths": embedded["depths"].tolist(),
+                        "tree_mask": [float(v) for v in embedded["tree_mask"].reshape(-1)],
+                        "slots": slots[0], "cached": pipeline.cache.tokens})
+
+    rng = np.random.default_rng(11)
+    choices = []
+    for case, (temperature, top_k, top_p) in enumerate([(0.0, 0, 1.0), (0.8, 0, 1.0), (1.2, 5, 1.0), (1.0, 0, 0.9),
+                                                        (0.7, 0, 1.0), (1.5, 8, 0.95)]):
+        params = SamplingParams(temperature, top_k, top_p)
+        for trial in range(6):
+            logits = rng.normal(scale=2.5, size=(8, 12)).astype(np.float32)
+            tree = DraftTree.root(int(rng.integers(12)))
+            for _ in range(1, 8):  # each node drafts one of its parent's likely tokens
+                parent = int(rng.integers(len(tree)))
+                token = int(np.argsort(-logits[parent])[rng.integers(3)])
+                q = None
+                if case >= 4 and trial % 2:  # a drafter that gives its distribution
+                    q = rng.dirichlet(np.ones(12))
+                tree.add(parent, token, q)  # a token its parent already has merges: fewer nodes
+            logits = logits[:len(tree)]
+            seed = 1000 * case + trial
+            generator = SeededRandom(seed)
+            accepted, token = choose(tree, logits, params, generator)
+            choices.append({"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed),
+                            "tokens": tree.tokens, "parents": tree.parents,
+                            "probabilities": [None if q is None else [float(v) for v in q] for q in tree.probs],
+                            "logits": [[float(v) for v in row] for row in logits],
+                            "path": accepted, "next": token, "after": str(generator.next())})
+
+    table = np.random.default_rng(5).normal(scale=2.0, size=(vocab, vocab)).astype(np.float32)
+    generations = []
+    for prompt, max_new, context, temperature, top_k, top_p, seed, draft_tokens in SPECULATIVE_GENERATIONS:
+        pipeline = _BigramVerifier(table, context, w, prompt)
+        decoder = SpeculativeDecoder(pipeline, PromptLookupDrafter(), SamplingParams(temperature, top_k, top_p),
+                                     SeededRandom(seed), pipeline.decode_one, draft_tokens, adaptive=False)
+        tokens = []
+        for token in decoder.tokens(table[prompt[-1]], prompt):
+            tokens.append(int(token))
+            if len(tokens) >= max_new:
+                break
+        st = decoder.stats
+        generations.append({"prompt": prompt, "max_new_tokens": max_new, "context_length": context,
+                            "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed),
+                            "draft_tokens": draft_tokens, "tokens": tokens,
+                            "finish_reason": "length" if len(tokens) >= max_new else "context",
+                            "verify_steps": st.verify_steps, "decode_steps": st.decode_steps,
+                            "drafted_tokens": st.drafted_tokens, "accepted_tokens": st.accepted_tokens})
+    if not all(g["accepted_tokens"] > 0 for g in generations):
+        raise AssertionError("every speculative generation case should accept some drafts")
+    data = {"verify_window": w, "drafts": drafts, "windows": windows, "choices": choices,
+            "table": [[float(v) for v in row] for row in table], "generations": generations}
+    path.write_text(json.dumps(data, indent=1))
+    return data
+
+
 def write_swift_fixtures(fixtures_dir: Path) -> None:
     """Write every fixture the Swift tests read into ``fixtures_dir`` (replacing older ones)."""
     fixtures_dir = Path(fixtures_dir)
     fixtures_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer_fixtures(fixtures_dir)
     write_generation_fixture(fixtures_dir / "generation.json")
-    write_manifest_fixture(fixtures_dir)
+    export = write_manifest_fixture(fixtures_dir)
+    write_speculative_fixture(fixtures_dir / "speculative.json", export / "manifest.json")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest"], help="write one part only")
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative"],
+                        help="write one part only (speculative reads the export's manifest)")
     args = parser.parse_args(argv)
     args.fixtures_dir.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tokenizers"):
@@ -760,6 +958,11 @@ def main(argv: list[str] | None = None) -> None:
         print("generation cases:", len(cases))
     if args.only in (None, "manifest"):
         print("export:", write_manifest_fixture(args.fixtures_dir))
+    if args.only in (None, "speculative"):
+        data = write_speculative_fixture(args.fixtures_dir / "speculative.json",
+                                         args.fixtures_dir / "export" / "manifest.json")
+        print("speculative:", len(data["drafts"]), "drafts,", len(data["windows"]), "windows,",
+              len(data["choices"]), "choices,", len(data["generations"]), "generations")
 
 
 if __name__ == "__main__":

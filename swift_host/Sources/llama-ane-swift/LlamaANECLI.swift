@@ -34,7 +34,8 @@ enum LlamaANECLI {
         }
         let predictor = try await makePredictor(model, computeUnits: options.computeUnits)
         let generator = model.generator(predictor: predictor)
-        for try await event in generator.generate(prompt: prompt, maxNewTokens: options.maxNewTokens, sampling: options.sampling) {
+        for try await event in generator.generate(prompt: prompt, maxNewTokens: options.maxNewTokens, sampling: options.sampling,
+                                                  speculative: options.speculativeDecoding) {
             switch event {
             case let .token(_, text):
                 FileHandle.standardOutput.write(Data(text.utf8))
@@ -43,6 +44,11 @@ enum LlamaANECLI {
                 log(String(format: "prefill: %d tokens, %.1f tokens/s; decode: %d tokens, %.1f tokens/s",
                            stats.prefilledTokens, stats.prefillTokensPerSecond, stats.generatedTokens,
                            stats.decodeTokensPerSecond) + " (\(stats.stopReason.rawValue))")
+                if let spec = stats.speculative {
+                    log(String(format: "speculative: %d verify + %d plain steps, %.2f tokens per verify step, "
+                               + "acceptance %.2f, drafting paused %d times", spec.verifySteps, spec.decodeSteps,
+                               spec.tokensPerStep, spec.acceptanceRate, spec.fallbacks))
+                }
             }
         }
     }

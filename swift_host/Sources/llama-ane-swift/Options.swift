@@ -11,6 +11,9 @@ struct Options: Equatable {
     var branches = 0
     var verifyHashes = false
     var computeUnits = "cpuAndNeuralEngine"
+    /// The drafter of speculative decoding ("lookup"), nil for plain decoding.
+    var speculative: String?
+    var draftTokens: Int?
 
     static let usage = """
         usage: llama-ane-swift EXPORT_FOLDER PROMPT [options]
@@ -25,6 +28,9 @@ struct Options: Equatable {
           -s, --seed S             sampler seed (default 0)
               --branches N         decode N continuations over the prompt as one shared prefix
                                    (cascade; branch i samples with seed S+i)
+              --speculative lookup draft token trees by prompt lookup and verify each in one window
+                                   (the export's verify function); the same tokens as without
+              --draft-tokens K     at most K drafted tokens per tree (default: the verify window - 1)
               --chat               wrap the prompt in the model's chat template as a user message
               --verify-hashes      check every file's sha256 against the manifest first
               --compute-units U    cpuAndNeuralEngine (default), all, cpuAndGPU or cpuOnly
@@ -38,6 +44,11 @@ struct Options: Equatable {
     }
 
     /// Parses the arguments after the program name. `nil` means help was asked for.
+    /// Speculative decoding as asked for, nil for plain decoding.
+    var speculativeDecoding: SpeculativeDecoding? {
+        speculative == nil ? nil : .promptLookup(draftTokens: draftTokens)
+    }
+
     static func parse(_ arguments: [String]) throws -> Options? {
         var options = Options()
         var positional: [String] = []
@@ -63,6 +74,12 @@ struct Options: Equatable {
             case "-s", "--seed": options.sampling.seed = try number(arg, UInt64.self)
             case "--chat": options.chat = true
             case "--branches": options.branches = try number(arg, Int.self)
+            case "--speculative":
+                options.speculative = try value(arg)
+                guard options.speculative == "lookup" else {
+                    throw ParseError(message: "--speculative must be lookup, got \"\(options.speculative ?? "")\"")
+                }
+            case "--draft-tokens": options.draftTokens = try number(arg, Int.self)
             case "--verify-hashes": options.verifyHashes = true
             case "--compute-units":
                 options.computeUnits = try value(arg)
@@ -86,6 +103,13 @@ struct Options: Equatable {
         options.folder = positional[0]
         options.prompt = positional[1]
         guard options.branches >= 0 else { throw ParseError(message: "--branches must be >= 0") }
+        if options.draftTokens != nil, options.speculative == nil {
+            throw ParseError(message: "--draft-tokens needs --speculative lookup")
+        }
+        guard (options.draftTokens ?? 1) >= 1 else { throw ParseError(message: "--draft-tokens must be at least 1") }
+        if options.speculative != nil, options.branches > 0 {
+            throw ParseError(message: "--speculative and --branches do not go together")
+        }
         guard options.maxNewTokens > 0 else { throw ParseError(message: "--max-new-tokens must be at least 1") }
         guard options.sampling.temperature >= 0 else { throw ParseError(message: "--temperature must be >= 0") }
         guard options.sampling.topP > 0, options.sampling.topP <= 1 else { throw ParseError(message: "--top-p must be in (0, 1]") }

@@ -16,9 +16,22 @@ final class CommandLineTests: XCTestCase {
         XCTAssertEqual(try Options.parse(["f", "--", "-starts with a dash"])?.prompt, "-starts with a dash")
     }
 
+    func testParsesSpeculativeDecoding() throws {
+        let o = try XCTUnwrap(try Options.parse(["f", "p", "--speculative", "lookup", "--draft-tokens", "6"]))
+        XCTAssertEqual(o.speculative, "lookup")
+        XCTAssertEqual(o.draftTokens, 6)
+        let speculative = try XCTUnwrap(o.speculativeDecoding)
+        XCTAssertEqual(speculative.drafter as? PromptLookupDrafter, PromptLookupDrafter())
+        XCTAssertEqual(speculative.draftTokens, 6)
+        XCTAssertTrue(speculative.adaptive)
+        XCTAssertNil(try Options.parse(["f", "p"])?.speculativeDecoding)
+    }
+
     func testRefusesBadArguments() {
         for bad in [["only-folder"], ["f", "p", "-n"], ["f", "p", "-n", "x"], ["f", "p", "--top-p", "0"],
-                    ["f", "p", "--frobnicate"], ["f", "p", "-n", "0"], ["f", "p", "--compute-units", "gpu"], ["f", "p", "--branches", "-1"]] {
+                    ["f", "p", "--frobnicate"], ["f", "p", "-n", "0"], ["f", "p", "--compute-units", "gpu"], ["f", "p", "--branches", "-1"],
+                    ["f", "p", "--speculative", "draft:out"], ["f", "p", "--draft-tokens", "4"],
+                    ["f", "p", "--speculative", "lookup", "--draft-tokens", "0"], ["f", "p", "--speculative", "lookup", "--branches", "2"]] {
             XCTAssertThrowsError(try Options.parse(bad), "\(bad)") { error in
                 XCTAssertTrue("\(error)".contains("usage:"), "errors end with the usage text")
             }

@@ -17,8 +17,8 @@ final class ManifestTests: XCTestCase {
     }
 
     /// A private copy of the exported folder that a test may damage.
-    private func copyOfExport() throws -> URL {
-        let copy = scratch.appendingPathComponent("export")
+    private func copyOfExport(_ name: String = "export") throws -> URL {
+        let copy = scratch.appendingPathComponent(name)
         try FileManager.default.copyItem(at: try Fixtures.url("export"), to: copy)
         return copy
     }
@@ -69,6 +69,46 @@ final class ManifestTests: XCTestCase {
         for (token, id) in manifest.tokenizer.specialTokens {
             XCTAssertEqual(tokenizer.tokenId(token), id, token)
         }
+    }
+
+    func testTheVerifyFunctionAndItsCacheUpdateAreReadByName() throws {
+        let manifest = try Manifest.load(from: Fixtures.url("export"))
+        let w = try XCTUnwrap(manifest.verifyWindow)
+        XCTAssertGreaterThan(w, 1)
+        for name in manifest.embeddings.models + manifest.lmHead.models + manifest.chunks.map(\.model) {
+            XCTAssertNoThrow(try manifest.function(name, Phase.verify.rawValue), name)
+        }
+        for chunk in manifest.chunks {
+            let update = try manifest.function("cache_update", try XCTUnwrap(chunk.cacheUpdate[Phase.verify.rawValue]))
+            XCTAssertEqual(update.input(TensorNames.slots), Manifest.TensorSpec(name: "slots", shape: [w], dtype: "int32"))
+            XCTAssertEqual(update.output(TensorNames.kCacheOut)?.shape, [chunk.layers.count, manifest.cache.channels, 1, manifest.contextLength])
+            XCTAssertEqual(try manifest.function(chunk.model, "verify").output("k_new")?.shape, [chunk.layers.count, manifest.cache.channels, 1, w])
+        }
+        XCTAssertEqual(try manifest.function("lm_head", "verify").output("logits_0")?.shape, [1, manifest.config.vocabSize, 1, w])
+        // A state export has none.
+        let state = try Manifest.load(from: Fixtures.url("export_state"))
+        XCTAssertEqual(state.verifyWindow ?? 0, 0)
+        XCTAssertFalse(PipelineWiring.phases(of: state).contains(.verify))
+    }
+
+    func testAnIncompleteVerifyFunctionIsRefused() throws {
+        let noUpdate = try copyOfExport("no-update")
+        try editManifest(noUpdate) { m in
+            var chunks = m["chunks"] as? [[String: Any]] ?? []
+            var updates = chunks[0]["cache_update"] as? [String: Any] ?? [:]
+            updates["verify"] = nil
+            chunks[0]["cache_update"] = updates
+            m["chunks"] = chunks
+        }
+        assertRefused(noUpdate, as: .inconsistent("chunk chunk_0 names no verify cache update"))
+        let wrongWindow = try copyOfExport("wrong-window")
+        let w = try XCTUnwrap(try Manifest.load(from: Fixtures.url("export")).verifyWindow)
+        try editManifest(wrongWindow) { $0["verify_window"] = w / 2 }
+        assertRefused(wrongWindow, as: .inconsistent("embeddings (verify) must take depths of shape [\(w / 2)] for verify_window \(w / 2), not [\(w)]"))
+        // Without a verify window the functions are not needed (nor read).
+        let none = try copyOfExport("no-window")
+        try editManifest(none) { $0["verify_window"] = 0 }
+        XCTAssertFalse(PipelineWiring.phases(of: try Manifest.load(from: none)).contains(.verify))
     }
 
     func testWrongFormatVersionIsRefused() throws {

@@ -9,6 +9,7 @@ final class PipelineWiringTests: XCTestCase {
         let manifest = try Manifest.load(from: Fixtures.url("export"))
         let wiring = try PipelineWiring(manifest: manifest)
         let phases = PipelineWiring.phases(of: manifest)
+        XCTAssertEqual(phases, [.prefill, .decode, .decodeBranches, .verify])
         XCTAssertEqual(Set(wiring.chunkInputs.keys), Set(phases))
         for phase in phases {
             for (i, chunk) in manifest.chunks.enumerated() {
@@ -25,16 +26,27 @@ final class PipelineWiringTests: XCTestCase {
                     XCTAssertEqual(inputs["k_suffix"], .suffixCache("k_suffix"))
                     XCTAssertEqual(update[TensorNames.suffixPositions], .value(TensorNames.suffixPositions))
                     XCTAssertEqual(Set(state), ["k_suffix", "v_suffix"])
+                } else if phase == .verify {
+                    // Only the accepted tokens are written, each at its slot, into the prefix cache.
+                    XCTAssertEqual(update[TensorNames.slots], .value(TensorNames.slots))
+                    XCTAssertNil(update[TensorNames.position])
+                    XCTAssertEqual(Set(state), [TensorNames.kCache, TensorNames.vCache])
                 } else {
                     XCTAssertEqual(update[TensorNames.position], .value(TensorNames.position))
                     XCTAssertEqual(Set(state), [TensorNames.kCache, TensorNames.vCache])
                 }
             }
-            // The embeddings take only ints the host writes.
+            // The embeddings take only what the host writes: ints, and the verify function's tree mask.
             let embeddings = try manifest.function("embeddings", phase.rawValue)
-            let known: Set<String> = [TensorNames.inputIds, TensorNames.position, TensorNames.positions, TensorNames.prefixLength]
+            let known: Set<String> = [TensorNames.inputIds, TensorNames.position, TensorNames.positions, TensorNames.prefixLength,
+                                      TensorNames.depths, TensorNames.treeMask]
             XCTAssertTrue(Set(embeddings.inputs.map(\.name)).isSubset(of: known), "\(embeddings.inputs.map(\.name))")
-            XCTAssertTrue(embeddings.inputs.allSatisfy { $0.dtype == "int32" })
+            XCTAssertTrue(embeddings.inputs.allSatisfy { $0.dtype == "int32" || $0.name == TensorNames.treeMask })
+            if phase == .verify {
+                let w = try XCTUnwrap(manifest.verifyWindow)
+                XCTAssertEqual(embeddings.input(TensorNames.treeMask)?.shape, [1, 1, w, w])
+                XCTAssertEqual(embeddings.input(TensorNames.depths)?.shape, [w])
+            }
             XCTAssertEqual(wiring.embeddingInputs[phase]?.count, 0, "one embeddings file: no later parts")
         }
     }

@@ -16,7 +16,15 @@ public final class MLModelConfiguration {
     public var computeUnits: MLComputeUnits = .all
     @available(macOS 15.0, iOS 18.0, *) public var functionName: String? { get { nil } set {} }
 }
+@available(macOS 15.0, iOS 18.0, *)
+public final class MLState {
+    public func withMultiArray(for stateName: String, _ body: (MLMultiArray) throws -> Void) rethrows {}
+}
 public final class MLModel {
+    @available(macOS 15.0, iOS 18.0, *) public func makeState() -> MLState { MLState() }
+    @available(macOS 15.0, iOS 18.0, *)
+    public func prediction(from input: MLFeatureProvider, using state: MLState,
+                           options: MLPredictionOptions) async throws -> MLFeatureProvider { input }
     public class func compileModel(at modelURL: URL) async throws -> URL { modelURL }
     public class func load(contentsOf url: URL, configuration: MLModelConfiguration) async throws -> MLModel { MLModel() }
     public func prediction(from input: MLFeatureProvider, options: MLPredictionOptions) throws -> MLFeatureProvider { input }

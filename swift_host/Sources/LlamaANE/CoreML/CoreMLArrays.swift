@@ -53,6 +53,27 @@ enum CoreMLArrays {
         }
     }
 
+    /// Writes `values`, row-major over the array's shape, into a float16 or float32 array through
+    /// the storage's strides (an IOSurface-backed array's rows may be padded).
+    static func write(_ values: [Float], into array: MLMultiArray) {
+        let shape = array.shape.map(\.intValue)
+        let isHalf = array.dataType == .float16
+        array.withUnsafeMutableBytes { raw, strides in
+            for (flat, value) in values.enumerated() {
+                var rest = flat, offset = 0
+                for d in stride(from: shape.count - 1, through: 0, by: -1) {
+                    offset += (rest % shape[d]) * strides[d]
+                    rest /= shape[d]
+                }
+                if isHalf {
+                    raw.storeBytes(of: halfBitsFromFloat(value), toByteOffset: offset * 2, as: UInt16.self)
+                } else {
+                    raw.storeBytes(of: value, toByteOffset: offset * 4, as: Float.self)
+                }
+            }
+        }
+    }
+
     /// Appends column `column` of a (1, N, 1, S) array to `out` as Float (fp16 or fp32 storage).
     static func appendColumn(_ array: MLMultiArray, column: Int, to out: inout [Float]) {
         let n = array.shape[1].intValue

@@ -17,8 +17,14 @@ import Foundation
 /// the prefill and decode functions write their window into it at the window's position, and
 /// there is no cache update for them (the cascade's suffix caches are still double-buffered).
 ///
+/// An export with a verify window also loads the "verify" functions (speculative decoding): the
+/// tree's ids, depths and float tree mask go to the embeddings, the chunks run their window graph
+/// at S = W against the prefix caches and keep their new K/V in the verify stage's own output
+/// arrays, and once the accepted path is known each chunk's verify cache update writes only that
+/// path's K/V (`slots`), double-buffered like every other update.
+///
 /// Tensors are wired by name as `PipelineWiring` resolves them from the manifest.
-public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
+public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
     public struct Activations {
         let hidden: MLMultiArray
@@ -38,9 +44,10 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let lmHeads: [(model: MLModel, outputs: [String: MLMultiArray])]
         let embeddingsFunction: Manifest.Function
         let updateFunctions: [Manifest.Function]
-        /// The first embeddings part's int32 inputs (input_ids, position(s), prefix_length), by name;
-        /// the later parts read the same arrays.
-        let intInputs: [String: MLMultiArray]
+        /// The first embeddings part's inputs the host writes, by name: int32 ids and positions
+        /// (input_ids, position(s), prefix_length, depths) and the verify function's float tree
+        /// mask; the later parts read the same arrays.
+        let hostInputs: [String: MLMultiArray]
         let hidden: [MLMultiArray]
         /// Embedding outputs other than the hidden states (cos, sin, masks), by name.
         let shared: [String: MLMultiArray]
@@ -109,9 +116,10 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
     public var chunkCount: Int { manifest.chunks.count }
     public var branchWidth: Int { stages[.decodeBranches] == nil ? 0 : manifest.branchWidth ?? 0 }
     public var suffixLength: Int { manifest.suffixLength ?? 0 }
+    public var verifyWindow: Int { stages[.verify] == nil ? 0 : manifest.verifyWindow ?? 0 }
 
     /// Loads every function the manifest names (compiling packages on first use) and allocates
-    /// all buffers. The cascade phase is loaded when the export has one.
+    /// all buffers. The cascade and verify phases are loaded when the export has them.
     public static func load(manifest: Manifest, store: CoreMLModelStore) async throws -> CoreMLBackend {
         let wiring = try PipelineWiring(manifest: manifest)
         var stages: [Phase: Stage] = [:]
@@ -159,7 +167,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
         let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, p) }
         // A state export's prefill and decode write their caches in the chunk: no cache update.
-        let writesInChunk = manifest.cache.inStates && phase != .decodeBranches
+        let writesInChunk = manifest.cache.inStates && (phase == .prefill || phase == .decode)
         let updateFunctions = writesInChunk ? [] : try manifest.chunks.map { chunk -> Manifest.Function in
             guard let name = chunk.cacheUpdate[p] else {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
@@ -194,7 +202,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         func splitIndex(_ name: String) -> Int { Int(name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
         let logits = headOutputs.flatMap { $0.map { (name: $0.key, array: $0.value) } }
             .sorted { splitIndex($0.name) < splitIndex($1.name) }
-        let intInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
+        let hostInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
 
         var parts: [(name: String, model: MLModel)] = [], heads: [(model: MLModel, outputs: [String: MLMultiArray])] = []
         var chunks: [MLModel] = [], updates: [MLModel] = []
@@ -208,12 +216,14 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         }
         return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
                      updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
-                     updateFunctions: updateFunctions, intInputs: intInputs,
+                     updateFunctions: updateFunctions, hostInputs: hostInputs,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
 
     private func stage(_ phase: Phase) throws -> Stage {
-        guard let s = stages[phase] else { throw GenerationError.noBranchWidth }
+        guard let s = stages[phase] else {
+            throw phase == .verify ? GenerationError.noVerifyWindow : GenerationError.noBranchWidth
+        }
         return s
     }
 
@@ -240,19 +250,26 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
         _ = try model.prediction(from: provider, options: options)
     }
 
-    /// The embeddings of `phase` with the given int32 inputs: the first part into hidden buffer 0
-    /// and the shared outputs, then each later part from the current hidden buffer into the other.
-    private func embed(_ phase: Phase, _ values: [String: [Int32]]) async throws -> Activations {
+    /// The embeddings of `phase` with the given int32 inputs (and float inputs, row-major over
+    /// their shapes): the first part into hidden buffer 0 and the shared outputs, then each later
+    /// part from the current hidden buffer into the other.
+    private func embed(_ phase: Phase, _ values: [String: [Int32]], floats: [String: [Float]] = [:]) async throws -> Activations {
         let s = try stage(phase)
         for spec in s.embeddingsFunction.inputs {
-            guard let v = values[spec.name], let array = s.intInputs[spec.name] else {
+            guard let array = s.hostInputs[spec.name] else {
                 throw PipelineError.unwiredInput(model: manifest.embeddings.models.first ?? "", input: spec.name)
             }
-            CoreMLArrays.write(v, into: array)
+            if let v = values[spec.name] {
+                CoreMLArrays.write(v, into: array)
+            } else if let v = floats[spec.name], v.count == spec.count {
+                CoreMLArrays.write(v, into: array)
+            } else {
+                throw PipelineError.unwiredInput(model: manifest.embeddings.models.first ?? "", input: spec.name)
+            }
         }
         var backings = s.shared
         backings[TensorNames.hiddenStates] = s.hidden[0]
-        try await predict(s.embeddings, inputs: s.intInputs, backings: backings)
+        try await predict(s.embeddings, inputs: s.hostInputs, backings: backings)
         var current = Activations(hidden: s.hidden[0], slot: 0)
         for (index, part) in s.embeddingParts.enumerated() {
             var inputs: [String: MLMultiArray] = [:]
@@ -260,7 +277,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
                 let array: MLMultiArray?
                 switch source {
                 case .hiddenStates: array = current.hidden
-                case let .value(n): array = s.intInputs[n]
+                case let .value(n): array = s.hostInputs[n]
                 case .embeddingsOutput, .cache, .suffixCache, .chunkOutput: array = nil
                 }
                 guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
@@ -285,7 +302,7 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
             case let .embeddingsOutput(n): array = s.shared[n]
             case let .cache(n): array = prefix[n]
             case let .suffixCache(n): array = suffix[n]
-            case let .value(n): array = s.intInputs[n]  // the window's position, as the embeddings read it
+            case let .value(n): array = s.hostInputs[n]  // the window's position, as the embeddings read it
             case .chunkOutput: array = nil
             }
             guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
@@ -411,6 +428,24 @@ public final class CoreMLBackend: BranchBackend, @unchecked Sendable {
 
     public func resetSuffixes() async throws {
         suffixCaches.forEach { $0.zero() }
+    }
+
+    // MARK: VerifyBackend
+
+    public func embedTree(_ window: TreeWindow) async throws -> Activations {
+        try await embed(.verify, [
+            TensorNames.inputIds: window.tokens,
+            TensorNames.position: [Int32(window.position)],
+            TensorNames.depths: window.depths,
+        ], floats: [TensorNames.treeMask: window.treeMask])
+    }
+
+    public func acceptTree(_ index: Int, slots: [Int32]) async throws {
+        try await update(index, .verify, prefixCaches[index], [TensorNames.slots: slots])
+    }
+
+    public func treeLogits(_ input: Activations, count: Int) async throws -> [[Float]] {
+        try await logits(input, .verify, columns: Array(0..<count))
     }
 }
 #endif

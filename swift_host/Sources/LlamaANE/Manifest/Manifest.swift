@@ -24,6 +24,9 @@ public struct Manifest: Codable, Equatable, Sendable {
     public var branchWidth: Int?
     /// Tokens each branch's private suffix cache holds (with `branchWidth`).
     public var suffixLength: Int?
+    /// Tokens W of the "verify" functions (a drafted token tree checked in one window, for
+    /// speculative decoding); nil or 0 when the export has none.
+    public var verifyWindow: Int?
     public var precision: String
     public var deploymentTarget: String
     /// Whether functions share one package (needs iOS 18 / macOS 15).
@@ -43,7 +46,7 @@ public struct Manifest: Codable, Equatable, Sendable {
     enum CodingKeys: String, CodingKey {
         case formatVersion = "format_version", name, createdBy = "created_by", source, config
         case contextLength = "context_length", prefillLength = "prefill_length", branchWidth = "branch_width"
-        case suffixLength = "suffix_length"
+        case suffixLength = "suffix_length", verifyWindow = "verify_window"
         case precision, deploymentTarget = "deployment_target", multifunction, cache, embeddings, lmHead = "lm_head"
         case chunks, models, tokenizer, files
     }
@@ -142,16 +145,17 @@ public struct Manifest: Codable, Equatable, Sendable {
         enum CodingKeys: String, CodingKey { case models, vocabSplits = "vocab_splits" }
     }
 
-    /// One block chunk: its model name, its layers, and its cache-update functions per phase.
+    /// One block chunk: its model name, its layers, and its cache-update functions per phase
+    /// ("prefill", "decode", and "decode_branches", "verify" when the export has them).
     public struct Chunk: Codable, Equatable, Sendable {
         public var model: String
         public var layers: [Int]
-        /// Function name ("prefill", "decode", "decode_branches") -> function in the "cache_update" model.
+        /// Function name ("prefill", "decode", "decode_branches", "verify") -> function in the "cache_update" model.
         public var cacheUpdate: [String: String]
         enum CodingKeys: String, CodingKey { case model, layers, cacheUpdate = "cache_update" }
     }
 
-    /// A model of the export: its functions by name ("prefill", "decode", "decode_branches", ...).
+    /// A model of the export: its functions by name ("prefill", "decode", "decode_branches", "verify").
     public struct ModelEntry: Codable, Equatable, Sendable {
         public var functions: [String: Function]
     }

@@ -112,11 +112,37 @@ extension Manifest {
                 _ = try function(name, Phase.decodeBranches.rawValue)
             }
         }
+        if (verifyWindow ?? 0) > 0 {
+            try checkVerify()
+            phases.append(Phase.verify.rawValue)
+        }
         try checkVocabRanges()
         guard lmHead.vocabSplits.reduce(0, +) == config.vocabSize else {
             throw ManifestError.inconsistent("lm_head vocab_splits \(lmHead.vocabSplits) do not add up to vocab_size \(config.vocabSize)")
         }
         for phase in phases { try checkLogits(phase) }
+    }
+
+    /// The "verify" functions of a `verify_window` W > 0: every embeddings, chunk and LM head model
+    /// has one, each chunk names its verify cache update, and the first embeddings part reads the
+    /// tree's `input_ids` (1, W), `depths` (W,) and `tree_mask` (1, 1, W, W) by those names.
+    private func checkVerify() throws {
+        let w = verifyWindow ?? 0
+        guard !cache.inStates else {
+            throw ManifestError.inconsistent("verify_window is \(w) but the caches are Core ML states, which the verify cache update cannot write")
+        }
+        for name in embeddings.models + lmHead.models + chunks.map(\.model) {
+            _ = try function(name, Phase.verify.rawValue)
+        }
+        for chunk in chunks where chunk.cacheUpdate[Phase.verify.rawValue] == nil {
+            throw ManifestError.inconsistent("chunk \(chunk.model) names no verify cache update")
+        }
+        let first = try function(embeddings.models[0], Phase.verify.rawValue)
+        let expected = [TensorNames.inputIds: [1, w], TensorNames.depths: [w], TensorNames.treeMask: [1, 1, w, w]]
+        for (name, shape) in expected.sorted(by: { $0.key < $1.key }) where first.input(name)?.shape != shape {
+            throw ManifestError.inconsistent("\(embeddings.models[0]) (verify) must take \(name) of shape \(shape) "
+                + "for verify_window \(w), not \(first.input(name).map { "\($0.shape)" } ?? "nothing")")
+        }
     }
 
     /// A section's model list names at least one model, each once.

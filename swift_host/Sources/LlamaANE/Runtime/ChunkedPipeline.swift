@@ -32,7 +32,8 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     /// The caches are Core ML states that the chunks' prefill and decode functions write
     /// themselves (`--kv-cache state`): no cache update runs for those phases.
     public let cacheInStates: Bool
-    private let updates = CacheUpdateQueue()
+    /// Cache updates of windows and of accepted verify trees, per chunk.
+    let updates = CacheUpdateQueue()
     /// Suffix-cache updates of cascade steps (see `decodeBranches`).
     let branchUpdates = CacheUpdateQueue()
 
@@ -46,15 +47,24 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     public var paddedWindowsMustFit: Bool { cacheInStates }
 
     public func predict(_ window: TokenWindow) async throws -> [Float] {
-        var x = try await backend.embed(window)
-        for i in 0..<backend.chunkCount {
-            try await updates.wait(i)
-            x = try await backend.runChunk(i, x, phase: window.phase)
-            if cacheInStates { continue }  // the chunk wrote its window into its states
-            let backend = self.backend
-            await updates.submit(i) { try await backend.updateCache(i, phase: window.phase, position: window.position) }
+        let backend = self.backend
+        let x = try await runChunks(try await backend.embed(window), phase: window.phase) { i in
+            if self.cacheInStates { return }  // the chunk wrote its window into its states
+            await self.updates.submit(i) { try await backend.updateCache(i, phase: window.phase, position: window.position) }
         }
         return try await backend.logits(x, phase: window.phase, column: window.count - 1)
+    }
+
+    /// The chunks of `phase` in manifest order on `x`: chunk i runs once its previous cache update
+    /// has finished, and `afterChunk(i)` follows at once (where a window submits its update).
+    func runChunks(_ x: Backend.Activations, phase: Phase, afterChunk: (Int) async -> Void) async throws -> Backend.Activations {
+        var x = x
+        for i in 0..<backend.chunkCount {
+            try await updates.wait(i)
+            x = try await backend.runChunk(i, x, phase: phase)
+            await afterChunk(i)
+        }
+        return x
     }
 
     /// Waits for the cache updates still running (e.g. before reading or saving the caches).

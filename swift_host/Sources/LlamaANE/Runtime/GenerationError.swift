@@ -8,6 +8,10 @@ public enum GenerationError: Error, CustomStringConvertible, Equatable {
     case badLogits(expected: Int, got: Int)
     /// Branch decoding was asked of an export without "decode_branches" functions.
     case noBranchWidth
+    /// Speculative decoding was asked of a model without "verify" functions.
+    case noVerifyWindow
+    /// The most drafted tokens asked for do not fit the export's verify window.
+    case draftTokensOutOfRange(Int, verifyWindow: Int)
 
     public var description: String {
         switch self {
@@ -20,6 +24,11 @@ public enum GenerationError: Error, CustomStringConvertible, Equatable {
             return "the model returned \(got) logits where the manifest promises \(expected); the export and its manifest disagree: re-export."
         case .noBranchWidth:
             return "this export has no decode_branches functions (branch_width is 0); export with branch decoding enabled."
+        case .noVerifyWindow:
+            return "this export has no verify function for speculative decoding (verify_window is 0, or its caches are "
+                + "Core ML states); re-export it with --verify-window 16 (the default) and --kv-cache inputs."
+        case let .draftTokensOutOfRange(tokens, window):
+            return "draft tokens must be 1...\(window - 1) (the export's verify window is \(window)), got \(tokens)."
         }
     }
 }

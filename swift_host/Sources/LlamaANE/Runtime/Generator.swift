@@ -31,6 +31,8 @@ public struct GenerationStats: Equatable, Sendable {
     /// Context shifts (`ContextOverflow.shift`): of a prompt longer than the context, and each time
     /// decoding filled it.
     public var shifts = 0
+    /// Verify steps, plain steps and accepted drafts of a speculative generation; nil otherwise.
+    public var speculative: SpeculativeStats?
 
     /// Prefill speed over the prompt tokens that actually ran.
     public var prefillTokensPerSecond: Double { prefillSeconds > 0 ? Double(prefilledTokens) / prefillSeconds : 0 }
@@ -55,6 +57,12 @@ public struct GenerationStats: Equatable, Sendable {
 /// prompt that does not fit the cache is refused before any model call
 /// (`GenerationError.contextFull`). With `.shift(keep:)` the generation shifts the context instead
 /// (the first `keep` tokens and the most recent ones are kept) and goes on.
+///
+/// With `speculative`, a drafter proposes token trees after each sampled token and the predictor's
+/// "verify" function checks each tree in one window (`TreeVerifier`); only the accepted tokens
+/// reach the cache, which afterwards holds what plain decoding would have fed. Greedy decoding
+/// gives the very same tokens; sampling draws them from the same distributions, with Python's
+/// rule and generator (`TreeAcceptance`), so the same seed gives Python's tokens.
 ///
 /// Generations run one at a time, in the order they were started: a new one waits until the
 /// previous one (also a cancelled one) has left the model. The generator assumes it alone writes the
@@ -82,14 +90,15 @@ public final class Generator: @unchecked Sendable {
 
     /// Starts generating; cancelling the consuming task stops it after the current model call.
     public func generate(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy,
-                         overflow: ContextOverflow = .stop) -> AsyncThrowingStream<GenerationEvent, Error>
+                         overflow: ContextOverflow = .stop,
+                         speculative: SpeculativeDecoding? = nil) -> AsyncThrowingStream<GenerationEvent, Error>
     {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     let stats = try await self.jobs.run {
                         try await self.run(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling,
-                                           overflow: overflow) {
+                                           overflow: overflow, speculative: speculative) {
                             continuation.yield($0)
                         }
                     }
@@ -105,11 +114,12 @@ public final class Generator: @unchecked Sendable {
 
     /// Generates to the end and returns the new token ids and the stats.
     public func generateAll(prompt: [Int], maxNewTokens: Int, sampling: SamplingParameters = .greedy,
-                            overflow: ContextOverflow = .stop) async throws -> (tokens: [Int], stats: GenerationStats)
+                            overflow: ContextOverflow = .stop, speculative: SpeculativeDecoding? = nil)
+        async throws -> (tokens: [Int], stats: GenerationStats)
     {
         var tokens: [Int] = []
         for try await event in generate(prompt: prompt, maxNewTokens: maxNewTokens, sampling: sampling,
-                                        overflow: overflow) {
+                                        overflow: overflow, speculative: speculative) {
             switch event {
             case let .token(id, _): tokens.append(id)
             case let .finished(stats): return (tokens, stats)
@@ -129,10 +139,15 @@ public final class Generator: @unchecked Sendable {
     }
 
     private func run(prompt fullPrompt: [Int], maxNewTokens: Int, sampling: SamplingParameters,
-                     overflow: ContextOverflow, emit: (GenerationEvent) -> Void) async throws -> GenerationStats {
+                     overflow: ContextOverflow, speculative: SpeculativeDecoding?,
+                     emit: (GenerationEvent) -> Void) async throws -> GenerationStats {
+        // Refused before any model call: no verify function, or a draft size that does not fit it.
+        let speculation = try speculative.map { options -> (TreeVerifier, SpeculativeDecoder) in
+            guard let verifier = predictor as? TreeVerifier else { throw GenerationError.noVerifyWindow }
+            return (verifier, try SpeculativeDecoder(options, sampling: sampling, verifyWindow: verifier.verifyWindow))
+        }
         var cache = cacheState
-        var sampler = Sampler(sampling)
-        var text = decode.map { StreamingDetokenizer(decode: $0) }
+        let text = decode.map { StreamingDetokenizer(decode: $0) }
         var prompt = fullPrompt
         var shifts = 0
         if case let .shift(keep) = overflow, prompt.count > cache.capacity - 1 {
@@ -161,29 +176,38 @@ public final class Generator: @unchecked Sendable {
         stats.prefillSeconds = Self.seconds(clock.now - prefillStart)
 
         let decodeStart = clock.now
-        while true {
-            let token = sampler.sample(logits)
-            stats.generatedTokens += 1
-            var piece = text?.append(token) ?? ""
-            let done = eosTokenIds.contains(token) || stats.generatedTokens >= maxNewTokens
-            if done, var t = text { piece += t.finish() }
-            emit(.token(id: token, text: piece))
-            if eosTokenIds.contains(token) { stats.stopReason = .eos }
-            if done { break }
-            if cache.position >= cache.capacity, overflow == .stop {  // no room to feed the token back
-                stats.stopReason = .context
-                break
-            }
-            try Task.checkCancellation()
-            if case let .shift(keep) = overflow, cache.remaining == 0 {
-                logits = try await shift(cache.tokens + [token], keep: keep, cache: &cache)
-                stats.shifts += 1
-            } else {
-                logits = try await run(try cache.decodeWindow(token), recordingIn: &cache)
+        var events = TokenEvents(maxNewTokens: maxNewTokens, eosTokenIds: eosTokenIds, text: text)
+        if let (verifier, decoder) = speculation {
+            try await decodeSpeculatively(verifier, decoder, prompt: prompt, logits: logits, overflow: overflow,
+                                          cache: &cache, stats: &stats, events: &events, emit: emit)
+        } else {
+            var sampler = Sampler(sampling)
+            while true {
+                let token = sampler.sample(logits)
+                let (event, done) = events.next(token, stats: &stats)
+                emit(event)
+                if done { break }
+                if cache.position >= cache.capacity, overflow == .stop {  // no room to feed the token back
+                    stats.stopReason = .context
+                    break
+                }
+                try Task.checkCancellation()
+                logits = try await feed(token, overflow: overflow, cache: &cache, stats: &stats)
             }
         }
         stats.decodeSeconds = Self.seconds(clock.now - decodeStart)
         return stats
+    }
+
+    /// Feeds one token the plain way: a decode window, or a context shift when `overflow` shifts and
+    /// the cache is full. Returns the logits after it.
+    func feed(_ token: Int, overflow: ContextOverflow, cache: inout KVCacheState,
+              stats: inout GenerationStats) async throws -> [Float] {
+        if case let .shift(keep) = overflow, cache.remaining == 0 {
+            stats.shifts += 1
+            return try await shift(cache.tokens + [token], keep: keep, cache: &cache)
+        }
+        return try await run(try cache.decodeWindow(token), recordingIn: &cache)
     }
 
     /// A context shift: `history` cut to its first `keep` tokens and the most recent ones; the cache
@@ -203,7 +227,7 @@ public final class Generator: @unchecked Sendable {
     /// Runs `window`, then records its tokens in `cache` and publishes it. When the model call fails
     /// (other than by cancellation), the predictor's cache may lack K/V it was given before (a
     /// background cache update that failed), so the record is emptied: the next prompt starts over.
-    private func run(_ window: TokenWindow, recordingIn cache: inout KVCacheState) async throws -> [Float] {
+    func run(_ window: TokenWindow, recordingIn cache: inout KVCacheState) async throws -> [Float] {
         let logits: [Float]
         do {
             logits = try await predictor.predict(window)
@@ -221,12 +245,12 @@ public final class Generator: @unchecked Sendable {
         return cache
     }
 
-    private func store(_ state: KVCacheState) {
+    func store(_ state: KVCacheState) {
         lock.lock(); defer { lock.unlock() }
         cache = state
     }
 
-    private static func seconds(_ d: Duration) -> Double {
+    static func seconds(_ d: Duration) -> Double {
         Double(d.components.seconds) + Double(d.components.attoseconds) / 1e18
     }
 }

@@ -78,6 +78,13 @@ public struct KVCacheState: Equatable, Sendable {
         tokens += window.tokens[..<window.count].map { Int($0) }
     }
 
+    /// Records that a verify step's accepted `tokens` (its tree's root and the drafts kept) were
+    /// written to the cache at the current position.
+    public mutating func commitAccepted(_ tokens: [Int]) {
+        precondition(tokens.count <= remaining, "\(tokens.count) accepted tokens overflow the cache at \(position) of \(capacity)")
+        self.tokens += tokens
+    }
+
     /// Empties the cache.
     public mutating func reset() { tokens = [] }
 

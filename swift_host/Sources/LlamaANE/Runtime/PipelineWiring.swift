@@ -33,9 +33,13 @@ public struct PipelineWiring: Equatable, Sendable {
     /// decode, writes): k_cache and v_cache in a state export, none otherwise.
     public let chunkStates: [Phase: [[Manifest.TensorSpec]]]
 
-    /// The phases the export has: prefill and decode, plus decode_branches with a branch width.
+    /// The phases the export has: prefill and decode, plus decode_branches with a branch width and
+    /// verify with a verify window.
     public static func phases(of manifest: Manifest) -> [Phase] {
-        (manifest.branchWidth ?? 0) > 0 ? Phase.allCases : [.prefill, .decode]
+        var phases: [Phase] = [.prefill, .decode]
+        if (manifest.branchWidth ?? 0) > 0 { phases.append(.decodeBranches) }
+        if (manifest.verifyWindow ?? 0) > 0 { phases.append(.verify) }
+        return phases
     }
 
     public init(manifest: Manifest) throws {

@@ -6,6 +6,11 @@ enum TensorNames {
     static let positions = "positions"
     static let prefixLength = "prefix_length"
     static let suffixPositions = "suffix_positions"
+    /// The verify window's per-token tree depths (W,), its additive tree mask (1, 1, W, W) and the
+    /// cache slots (W,) its cache update writes the accepted tokens to.
+    static let depths = "depths"
+    static let treeMask = "tree_mask"
+    static let slots = "slots"
     static let hiddenStates = "hidden_states"
     static let hiddenStatesOut = "hidden_states_out"
     static let kCache = "k_cache"

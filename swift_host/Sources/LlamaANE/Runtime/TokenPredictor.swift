@@ -1,9 +1,11 @@
-/// Which set of exported functions runs: "prefill" (S = prefill_length), "decode" (S = 1), or
-/// "decode_branches" (one token for each of `branch_width` cascade branches).
+/// Which set of exported functions runs: "prefill" (S = prefill_length), "decode" (S = 1),
+/// "decode_branches" (one token for each of `branch_width` cascade branches), or "verify" (a
+/// drafted token tree of `verify_window` W tokens, for speculative decoding).
 public enum Phase: String, Sendable, CaseIterable {
     case prefill
     case decode
     case decodeBranches = "decode_branches"
+    case verify
 }
 
 /// One model call: `tokens` padded with 0 to the phase's length, of which the first `count` are real,

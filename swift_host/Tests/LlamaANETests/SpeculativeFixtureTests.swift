@@ -1,0 +1,116 @@
+import Foundation
+import XCTest
+@testable import LlamaANE
+
+/// Swift's speculative decoding against what Python's did on the same inputs (`speculative.json`,
+/// written by tests/swift_fixtures.py): the prompt-lookup drafter's trees, the verify window the
+/// real Python pipeline fed the exported embeddings and the slots it fed the verify cache update,
+/// the acceptance rule with the seeded generator, and whole generations on a bigram model.
+final class SpeculativeFixtureTests: XCTestCase {
+    private func load() throws -> JSONValue {
+        try JSONValue.parse(Data(contentsOf: try Fixtures.url("speculative.json")))
+    }
+
+    private func ints(_ v: JSONValue?) -> [Int] { v?.arrayValue?.compactMap(\.intValue) ?? [] }
+
+    private func floats(_ v: JSONValue?) -> [Float] { v?.arrayValue?.map { Float($0.doubleValue ?? .nan) } ?? [] }
+
+    private func tree(_ v: JSONValue, probabilities: [[Double]?]? = nil) -> DraftTree {
+        let tokens = ints(v["tokens"]), parents = ints(v["parents"])
+        var tree = DraftTree(root: tokens[0])
+        for i in 1..<max(tokens.count, 1) {
+            XCTAssertEqual(tree.add(tokens[i], under: parents[i], probabilities: probabilities?[i]), i, "the fixture's tree has a repeated child")
+        }
+        return tree
+    }
+
+    private func cases(_ key: String) throws -> [JSONValue] {
+        let list = try load()[key]?.arrayValue ?? []
+        XCTAssertFalse(list.isEmpty, "no \(key) in the fixture")
+        return list
+    }
+
+    func testPromptLookupFindsPythonsDrafts() throws {
+        let drafter = PromptLookupDrafter()
+        for c in try cases("drafts") {
+            let text = ints(c["text"]), k = c["k"]?.intValue ?? 0
+            let draft = drafter.draft(text, k: k)
+            XCTAssertEqual(draft.tokens, ints(c["tokens"]), "text \(text) k \(k)")
+            XCTAssertEqual(draft.parents, ints(c["parents"]), "text \(text) k \(k)")
+            XCTAssertEqual(drafter.continuations(text, length: k), c["continuations"]?.arrayValue?.map(ints), "text \(text) k \(k)")
+        }
+    }
+
+    func testTreeWindowIsWhatPythonFeedsTheVerifyFunction() throws {
+        let width = try XCTUnwrap(try load()["verify_window"]?.intValue)
+        XCTAssertEqual(try Manifest.load(from: Fixtures.url("export")).verifyWindow, width)
+        for c in try cases("windows") {
+            let tree = tree(c)
+            let position = try XCTUnwrap(c["position"]?.intValue)
+            let window = TreeWindow(tree: tree, position: position, width: width)
+            XCTAssertEqual(window.tokens.map(Int.init), ints(c["input_ids"]), "tree \(tree.tokens)")
+            XCTAssertEqual(window.depths.map(Int.init), ints(c["depths"]), "tree \(tree.tokens)")
+            XCTAssertEqual(window.treeMask, floats(c["tree_mask"]), "tree \(tree.tokens)")
+            let path = ints(c["path"])
+            XCTAssertEqual(window.slots(keeping: path).map(Int.init), ints(c["slots"]), "tree \(tree.tokens) path \(path)")
+            XCTAssertEqual(window.tokens(along: path), Array(ints(c["cached"]).suffix(path.count)))
+        }
+    }
+
+    func testTreeAcceptanceDrawsPythonsPathsAndTokens() throws {
+        for c in try cases("choices") {
+            let probabilities = c["probabilities"]?.arrayValue?.map { $0.arrayValue?.compactMap(\.doubleValue) }
+            let tree = tree(c, probabilities: probabilities)
+            let sampling = SamplingParameters(temperature: Float(c["temperature"]?.doubleValue ?? 0), topK: c["top_k"]?.intValue ?? 0,
+                                              topP: Float(c["top_p"]?.doubleValue ?? 1), seed: UInt64(c["seed"]?.stringValue ?? "") ?? 0)
+            let logits = c["logits"]?.arrayValue?.map(floats) ?? []
+            var rng = SeededRandom(seed: sampling.seed)
+            let (path, next) = TreeAcceptance.choose(tree, logits: logits, sampling: sampling, rng: &rng)
+            XCTAssertEqual(path, ints(c["path"]), "seed \(sampling.seed)")
+            XCTAssertEqual(next, c["next"]?.intValue, "seed \(sampling.seed)")
+            XCTAssertEqual(String(rng.next()), c["after"]?.stringValue, "seed \(sampling.seed): another count of numbers drawn")
+        }
+    }
+
+    /// A bigram model with a verify function: the logits after a token are its row of the table.
+    private final class BigramVerifier: TreeVerifier, @unchecked Sendable {
+        let table: [[Float]]
+        let contextLength: Int
+        let prefillLength = 4
+        let verifyWindow: Int
+
+        init(table: [[Float]], contextLength: Int, verifyWindow: Int) {
+            self.table = table
+            self.contextLength = contextLength
+            self.verifyWindow = verifyWindow
+        }
+
+        func predict(_ window: TokenWindow) async throws -> [Float] { table[Int(window.tokens[window.count - 1])] }
+        func verify(_ window: TreeWindow) async throws -> [[Float]] { window.tokens.prefix(window.count).map { table[Int($0)] } }
+        func accept(_ window: TreeWindow, path: [Int]) async throws {}
+        func reset() async throws {}
+    }
+
+    func testSpeculativeGenerationGivesPythonsTokensAndCounts() async throws {
+        let root = try load()
+        let table = root["table"]?.arrayValue?.map(floats) ?? []
+        let width = try XCTUnwrap(root["verify_window"]?.intValue)
+        for c in try cases("generations") {
+            let prompt = ints(c["prompt"])
+            let model = BigramVerifier(table: table, contextLength: c["context_length"]?.intValue ?? 0, verifyWindow: width)
+            let sampling = SamplingParameters(temperature: Float(c["temperature"]?.doubleValue ?? 0), topK: c["top_k"]?.intValue ?? 0,
+                                              topP: Float(c["top_p"]?.doubleValue ?? 1), seed: UInt64(c["seed"]?.stringValue ?? "") ?? 0)
+            let options = SpeculativeDecoding.promptLookup(draftTokens: c["draft_tokens"]?.intValue, adaptive: false)
+            let (tokens, stats) = try await Generator(predictor: model, eosTokenIds: [])
+                .generateAll(prompt: prompt, maxNewTokens: c["max_new_tokens"]?.intValue ?? 0, sampling: sampling, speculative: options)
+            XCTAssertEqual(tokens, ints(c["tokens"]), "prompt \(prompt)")
+            XCTAssertEqual(stats.stopReason.rawValue, c["finish_reason"]?.stringValue, "prompt \(prompt)")
+            let spec = try XCTUnwrap(stats.speculative)
+            XCTAssertEqual([spec.verifySteps, spec.draftedTokens, spec.acceptedTokens],
+                           ["verify_steps", "drafted_tokens", "accepted_tokens"].map { c[$0]?.intValue ?? -1 }, "prompt \(prompt)")
+            // Python also counts the plain step it tried when the context was already full.
+            let triedPastTheEnd = stats.stopReason == .context ? 1 : 0
+            XCTAssertEqual(spec.decodeSteps + triedPastTheEnd, c["decode_steps"]?.intValue, "prompt \(prompt)")
+        }
+    }
+}
