@@ -205,6 +205,9 @@ class PackedConv1x1(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, s = x.shape
+        if b == 1 and h == 1:  # views only, as Conv1x1 does
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(c, s).t(), self.packed, self.bias, "none", [], "")
+            return y.t().reshape(1, self.out_channels, 1, s)
         rows = x.permute(0, 2, 3, 1).reshape(b * h * s, c)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.reshape(b, h, s, self.out_channels).permute(0, 3, 1, 2)
