@@ -8,7 +8,8 @@ tokens (checked). Reported per task:
 
   * tokens per verify step and the acceptance rate (measured);
   * wall-clock decode speedup on the torch backend, CPU: plain decode seconds / speculative
-    decode seconds (measured, same process);
+    decode seconds (measured, same process; each way runs `--repeats` times, alternated, and the
+    median run of each is compared; every run's seconds are in the json);
   * the analytic device speedup, a MODEL, not a measurement: decode on the Neural Engine is bound
     by the bytes each step moves, so a step is timed as its bytes (`contract.traffic`: weights,
     caches, and the window's own tensors, for an fp16 export with a 16-token verify window), and
@@ -17,13 +18,14 @@ tokens (checked). Reported per task:
 
 Results go to benchmarks/results/speculative.{json,png}.
 
-    python benchmarks/speculative.py [--model default|FOLDER] [--new-tokens 96] [--threads 1]
+    python benchmarks/speculative.py [--model default|FOLDER] [--new-tokens 96] [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -72,12 +74,18 @@ def device_bytes(steps: dict, tokens: int, manifest: dict) -> tuple[int, int]:
     return tokens * decode, steps["verify_steps"] * verify + steps["decode_steps"] * decode
 
 
+def median_run(runs: list):
+    """The run of median decode seconds (the upper one of an even count)."""
+    return sorted(runs, key=lambda r: r.decode_seconds)[len(runs) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="export folder, checkpoint folder, .gguf or 'default'")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each way per task (the median is reported)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = llama_ane.load(args.model, backend="torch", precision="fp32")
@@ -86,19 +94,27 @@ def main() -> None:
     device_manifest = (model.manifest if (src and (src / "manifest.json").exists())
                        else describe_checkpoint(src, precision="fp16")[0])  # an fp16 export of it
     tasks = [t for t in TASKS if args.tasks is None or t[0] in args.tasks.split(",")]
+    # the first verify window prepares its weights (torch backend, see TorchBackend's pack_verify): not timed
+    model.generate(model.encode(TASKS[0][2][:400], chat=True), max_new_tokens=8, speculative="lookup")
+    load_before = os.getloadavg()
     rows = []
     for name, kind, message in tasks:
         prompt = model.encode(message, chat=True)
         cache = model.make_cache()
         model.generate(prompt, max_new_tokens=1, cache=cache)  # prefill once; both runs reuse it
-        plain = model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache)
-        spec = model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache, speculative="lookup")
-        if spec.token_ids != plain.token_ids:
-            raise SystemExit(f"{name}: speculative decoding changed the greedy output")
+        plains, specs = [], []
+        for _ in range(args.repeats):  # alternated, so that a change in the machine's load hits both
+            plains.append(model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache))
+            specs.append(model.generate(prompt, max_new_tokens=args.new_tokens, cache=cache, speculative="lookup"))
+            if specs[-1].token_ids != plains[0].token_ids or plains[-1].token_ids != plains[0].token_ids:
+                raise SystemExit(f"{name}: speculative decoding changed the greedy output")
+        plain, spec = median_run(plains), median_run(specs)
         tokens = spec.decoded_tokens
         plain_bytes, spec_bytes = device_bytes(spec.speculative, tokens, device_manifest)
         row = {"task": name, "kind": kind, "prompt_tokens": len(prompt), "generated_tokens": len(plain.token_ids),
                "plain_decode_s": round(plain.decode_seconds, 3), "speculative_decode_s": round(spec.decode_seconds, 3),
+               "plain_runs_s": [round(r.decode_seconds, 3) for r in plains],
+               "speculative_runs_s": [round(r.decode_seconds, 3) for r in specs],
                "wall_clock_speedup": round(plain.decode_seconds / spec.decode_seconds, 3),
                **spec.speculative,
                "device_model_speedup": round(plain_bytes / spec_bytes, 3),
@@ -110,12 +126,16 @@ def main() -> None:
               f"{row['device_model_speedup']:.2f}x", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = {"model": model.manifest["name"], "backend": "torch", "precision": "fp32", "threads": args.threads,
+           "repeats": args.repeats,
            "machine": f"{platform.machine()} {platform.processor()}".strip(), "new_tokens": args.new_tokens,
            "drafter": "lookup", "verify_window": model.manifest["verify_window"],
            "device_model": "bytes per step of an fp16 export (contract.traffic): a model, not a measurement",
+           "load_average": {"before": [round(x, 2) for x in load_before],
+                            "after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
            "rows": rows}
     (RESULTS / "speculative.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(rows, RESULTS / "speculative.png")
+    print(f"load average (1, 5, 15 min) before {out['load_average']['before']}, after {out['load_average']['after']}")
     print(f"wrote {RESULTS / 'speculative.json'} and speculative.png")
 
 

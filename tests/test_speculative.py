@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import llama_ane
+from llama_ane.runtime.backends.base import BackendError
 from llama_ane.runtime.drafters import DraftTree, ModelDrafter, PromptLookupDrafter
 from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabilities
-from llama_ane.runtime.speculative import SpeculativeDecoder, choose
+from llama_ane.runtime.speculative import SpeculativeDecoder, StepCosts, choose, plan
 
 from conftest import no_eos
 
@@ -142,15 +143,78 @@ def test_stopping_inside_an_accepted_path_leaves_the_cache_as_plain_decoding(tin
 
 def test_prompt_lookup_merges_matches_into_a_tree():
     text = [1, 2, 3, 7, 8, 9, 1, 2, 3, 5, 6, 1, 2, 3]
-    drafter = PromptLookupDrafter(max_ngram=3, matches=4, alternative=2)
-    assert drafter.continuations(text, 4) == [[5, 6, 1, 2], [7, 8, 9, 1]]
+    drafter = PromptLookupDrafter(max_ngram=3, matches=4)
+    # the shorter n-grams [2, 3] and [3] end at the same places: no further continuations
+    assert drafter.continuations(text, 4) == [(3, [5, 6, 1, 2]), (3, [7, 8, 9, 1])]
     tree = drafter.draft(text, 6)
-    assert tree.tokens[0] == 3 and len(tree) - 1 <= 6
+    assert tree.estimated and tree.tokens[0] == 3 and len(tree) - 1 == 6
     assert [tree.tokens[c] for c in tree.children(0)] == [5, 7]  # two branches under the root
-    assert tree.depths().tolist() == [0, 1, 2, 3, 4, 1, 2][:len(tree)]
+    assert tree.tokens == [3, 5, 6, 1, 7, 8, 9]  # the 6 likeliest nodes: each branch's first three
+    assert tree.depths().tolist() == [0, 1, 2, 3, 1, 2, 3]
     mask = tree.mask()[0, 0]
-    assert (mask[4, [0, 1, 2, 3, 4]] == 0).all() and (mask[4, 5:] < 0).all()
+    assert (mask[3, [0, 1, 2, 3]] == 0).all() and (mask[3, 4:] < 0).all()
     assert PromptLookupDrafter().draft([4, 5, 6], 8).tokens == [6]  # no match: nothing drafted
+
+
+def test_prompt_lookup_learns_how_its_proposals_fare():
+    """A drafter whose proposals keep being rejected estimates lower chances (and higher ones
+    when they are accepted), starting from its prior."""
+    text = [1, 2, 3, 7, 8, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    wrong, right = PromptLookupDrafter(max_ngram=3), PromptLookupDrafter(max_ngram=3)
+    prior = wrong.chance(3, 1)
+    assert prior == pytest.approx(PromptLookupDrafter.PRIOR[3])
+    for _ in range(5):
+        wrong.draft(text, 6)
+        wrong.draft(text + [4], 6)  # neither 5 nor 7 came next
+        right.draft(text, 6)
+        right.draft(text + [5], 6)  # the most recent match's continuation did
+    assert wrong.chance(3, 1) < 0.5 * prior
+    assert right.chance(3, 1) == pytest.approx(prior)  # 5 accepted and 7 rejected each time: half, as the prior
+    assert right.chance(4, 1) == pytest.approx(PromptLookupDrafter.PRIOR[4])  # what follows 5 is not known yet
+
+
+def test_plan_keeps_the_nodes_that_pay():
+    tree = DraftTree.root(1)
+    a = tree.add(0, 2, confidence=0.9)
+    tree.add(a, 3, confidence=0.9)
+    tree.add(0, 4, confidence=0.05)
+    tree.estimated = True
+    cost = lambda n: 1.1 + 0.1 * (n - 2)  # noqa: E731  (plain steps)
+    assert [node for node, _ in tree.ranked()] == [1, 2, 3]
+    assert plan(tree, cost).tokens == [1, 2, 3]  # 1 + 0.9 + 0.81 tokens for 1.2 steps; the 0.05 node does not pay
+    assert plan(tree, lambda n: 3.0).tokens == [1]  # 2.7 tokens for 3 steps: a plain step is better
+    unlikely = tree.keep([3])
+    assert unlikely.tokens == [1, 4] and plan(unlikely, cost).tokens == [1]
+
+
+def test_step_costs_fit_what_windows_cost():
+    costs = StepCosts()
+    a, b = StepCosts.PRIOR
+    assert costs(2) == pytest.approx(a) and costs(12) == pytest.approx(a + 10 * b)
+    costs.plain(0.1)
+    for _ in range(40):
+        for n in (2, 5, 9):
+            costs.verify(n, 0.1 * (1.5 + 0.05 * (n - 2)))  # 1.5 plain steps, and 0.05 a node
+    intercept, slope = costs.line()
+    assert intercept == pytest.approx(1.5, abs=0.05) and slope == pytest.approx(0.05, abs=0.01)
+    assert costs(9) == pytest.approx(1.85, abs=0.05)
+
+
+def test_lookup_drafts_nothing_where_it_does_not_pay(tiny):
+    """With chances that its proposals are accepted far below what a window costs, every step
+    is a plain one; the output stays plain decoding's."""
+    model = _load(tiny)
+    prompt = repetitive_prompt(3)
+
+    class Hopeless(PromptLookupDrafter):
+        def chance(self, match, votes):
+            return 0.01
+
+    with no_eos(model):
+        plain = model.generate(prompt, max_new_tokens=12)
+        spec = model.generate(prompt, max_new_tokens=12, speculative=Hopeless())
+    assert spec.token_ids == plain.token_ids
+    assert spec.speculative["verify_steps"] == 0 and spec.speculative["decode_steps"] == 11
 
 
 def _sample_first(p_logits, make_tree, params, rng, n):
@@ -231,11 +295,23 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tiny):
         assert table.shape[1] >= 2 and _homogeneity_pvalue(table) > 1e-3, f"token {position}"
 
 
-def test_drafting_pauses_when_it_does_not_pay(tiny):
+class ChainDrafter:
+    """Drafts `tokens[-1] + 1, + 2, ...`: a tree without estimates."""
+
+    def draft(self, tokens, k):
+        tree = DraftTree.root(tokens[-1])
+        node = 0
+        for i in range(k):
+            node = tree.add(node, tokens[-1] + 1 + i)
+        return tree
+
+
+def test_drafting_without_estimates_pauses_when_it_does_not_pay(tiny):
     model = _load(tiny)
-    decoder = SpeculativeDecoder(model.pipeline, PromptLookupDrafter(), SamplingParams(), SeededRandom(0),
+    decoder = SpeculativeDecoder(model.pipeline, ChainDrafter(), SamplingParams(), SeededRandom(0),
                                  lambda token: None)
     decoder.stats.decode_steps, decoder.stats.decode_seconds = 10, 1.0  # 0.1 s per plain token
+    assert len(decoder._draft([1, 2, 3])) == 1 + SpeculativeDecoder.FIRST_DRAFT
     for _ in range(SpeculativeDecoder.MIN_STEPS):
         decoder._timed_verify(0.3, drafted=8, accepted=1)  # 2 tokens per 0.3 s: less than plain
     assert decoder.stats.fallbacks == 1 and decoder._paused == SpeculativeDecoder.COOLDOWN
@@ -244,6 +320,27 @@ def test_drafting_pauses_when_it_does_not_pay(tiny):
     for _ in range(SpeculativeDecoder.MIN_STEPS):
         decoder._timed_verify(0.15, drafted=8, accepted=4)  # 5 tokens per 0.15 s: pays
     assert decoder.stats.fallbacks == 1 and decoder.pays()
+
+
+def test_packed_verify_gives_the_unpacked_logits(tiny):
+    """The torch backend's verify windows on prepacked weights (the default on a CPU in fp32)
+    give the logits of the plain modules; fp16 cannot pack."""
+    packed, plain = _load(tiny), _load(tiny, pack_verify=False)
+    if not packed.backend.pack_verify:
+        pytest.skip("no oneDNN in this torch")
+    prompt = repetitive_prompt(5)
+    tree = DraftTree.root(prompt[-1])
+    tree.add(tree.add(0, 31), 32)
+    tree.add(0, 33)
+    out = []
+    for model in (packed, plain):
+        model.pipeline.reset()
+        model.pipeline.prefill(prompt[:-1])
+        out.append(model.pipeline.verify_tree(np.array(tree.tokens, np.int32), tree.depths(), tree.mask()))
+    assert "chunk_0" in packed.backend._packed and not plain.backend._packed
+    assert np.abs(out[0] - out[1]).max() < 1e-4 and (out[0].argmax(1) == out[1].argmax(1)).all()
+    with pytest.raises(BackendError, match="pack_verify"):
+        _load(tiny, precision="fp16", pack_verify=True)
 
 
 def test_an_export_without_verify_function_is_refused(tiny):

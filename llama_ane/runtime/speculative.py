@@ -16,10 +16,15 @@ So every accepted token, and the step's last token, is distributed exactly as pl
 would produce it (greedy: the very same tokens). Only the accepted path reaches the cache
 (`Pipeline.accept`); the last token is the next step's root.
 
-An adaptive fallback keeps drafting only while it pays: the decoder measures the seconds of a
-verify step and of a plain decode step and the tokens each verify step gives, and stops drafting
-(plain decode steps, for a growing cool-down) when tokens per verify step fall below their cost
-in decode steps.
+Drafting adapts to what pays. The decoder measures what a plain step and a verify window of n
+nodes cost (`StepCosts`). A tree whose nodes carry estimated chances of acceptance (prompt
+lookup) is cut to the nodes that raise the expected tokens per unit of time: with the nodes
+ranked by the chance P_i that they are accepted, it keeps the n that maximise
+(1 + P_1 + ... + P_n) / cost(n + 1), and takes a plain step instead when no n beats a plain
+step's one token. A tree without estimates (a draft model's chain) keeps the older rule: its
+length grows after a tree accepted to a leaf and shrinks after a rejection, and drafting pauses
+(plain steps, for a growing cool-down) when recent verify steps give fewer tokens per second
+than plain steps.
 """
 
 from __future__ import annotations
@@ -130,6 +135,61 @@ def check_speculative(manifest: dict, draft_tokens: int | None) -> int:
     return w
 
 
+class StepCosts:
+    """What a verify window costs, in plain steps, by its number of nodes n (the root included).
+
+    Measured as generation runs: the seconds of plain steps (a moving average) and a straight
+    line through the seconds of recent verify windows over n, each divided by the plain step's
+    seconds at the time (least squares, older windows weighing less, with two pseudo-windows of
+    `PRIOR`, weighing `PRIOR_WEIGHT` each, so that a line exists from the first window on).
+    """
+
+    PRIOR = (1.1, 0.1)  # a window of n nodes: 1.1 + 0.1 (n - 2) plain steps, before measuring
+    PRIOR_WEIGHT = 0.25
+    MEMORY = 0.95  # weight of a window measured one verify step earlier
+    PLAIN_MEMORY = 0.8
+
+    def __init__(self):
+        self.plain_seconds: float | None = None
+        self._sums = np.zeros(5)  # weighted sums of 1, x, y, x*x, x*y; x = n - 2, y = cost in plain steps
+
+    def plain(self, seconds: float) -> None:
+        prev = self.plain_seconds
+        self.plain_seconds = seconds if prev is None else self.PLAIN_MEMORY * prev + (1 - self.PLAIN_MEMORY) * seconds
+
+    def verify(self, n: int, seconds: float) -> None:
+        if self.plain_seconds:
+            x, y = n - 2.0, seconds / self.plain_seconds
+            self._sums = self.MEMORY * self._sums + np.array([1.0, x, y, x * x, x * y])
+
+    def line(self) -> tuple[float, float]:
+        """(intercept at n = 2, slope per node), in plain steps."""
+        a, b = self.PRIOR
+        prior = self.PRIOR_WEIGHT * np.array([[1.0, x, a + b * x, x * x, x * (a + b * x)] for x in (0.0, 8.0)]).sum(axis=0)
+        w, sx, sy, sxx, sxy = self._sums + prior
+        slope = max(0.0, (w * sxy - sx * sy) / (w * sxx - sx * sx))
+        return (sy - slope * sx) / w, slope
+
+    def __call__(self, n: int) -> float:
+        """The cost of a verify window of n >= 2 nodes, in plain steps."""
+        intercept, slope = self.line()
+        return intercept + slope * (n - 2)
+
+
+def plan(tree: DraftTree, cost: Callable[[int], float]) -> DraftTree:
+    """The part of `tree` worth verifying: the n best-ranked nodes (`DraftTree.ranked`) for the n
+    that maximises expected tokens per cost, (1 + sum of their chances) / cost(n + 1); the root
+    alone when no n gives more than a plain step (1 token per 1 step)."""
+    best, best_rate, expected = 0, 1.0, 1.0
+    ranked = tree.ranked()
+    for n, (_, chance) in enumerate(ranked, start=1):
+        expected += chance
+        rate = expected / cost(n + 1)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return tree.keep([node for node, _ in ranked[:best]])
+
+
 class SpeculativeDecoder:
     """Generates tokens with a drafter and the verify function of `pipeline`'s export.
 
@@ -137,8 +197,8 @@ class SpeculativeDecoder:
     when the context is full and generation must stop); it also handles context shifts.
     """
 
-    MIN_STEPS = 4  # verify steps measured before the fallback may judge
-    FIRST_DRAFT = 4  # drafted tokens of the first tree; +2 after a tree accepted to a leaf, -1 otherwise
+    MIN_STEPS = 4  # verify steps measured before the fallback may judge (trees without estimates)
+    FIRST_DRAFT = 4  # drafted tokens of the first tree without estimates; +2 after one accepted to a leaf, -1 otherwise
     COOLDOWN = 16  # plain steps after a first fallback; doubled after each further one, up to MAX_COOLDOWN
     MAX_COOLDOWN = 256
 
@@ -152,6 +212,7 @@ class SpeculativeDecoder:
         self.draft_length = min(self.FIRST_DRAFT, self.max_draft)
         self.adaptive = adaptive
         self.stats = SpeculativeStats()
+        self.costs = StepCosts()
         self.unconsumed = 0  # accepted tokens cached that the caller has not gone past (see `tokens`)
         self._paused = 0  # plain steps left before drafting again
         self._cooldown = self.COOLDOWN
@@ -184,7 +245,7 @@ class SpeculativeDecoder:
             path, root = choose(tree, out, self.params, self.rng)
             self.pipeline.accept(path)
             self._adapt_length(tree, path)
-            self._timed_verify(time.perf_counter() - t0, len(tree) - 1, len(path) - 1)
+            self._timed_verify(time.perf_counter() - t0, len(tree) - 1, len(path) - 1, tree.estimated)
             for i, node in enumerate(path[1:]):
                 text.append(tree.tokens[node])
                 self.unconsumed = len(path) - 1 - i  # cached, and not yet passed by the caller
@@ -192,16 +253,24 @@ class SpeculativeDecoder:
             self.unconsumed = 0
 
     def _draft(self, text: list[int]) -> DraftTree:
-        """The tree to verify after `text`: the root alone while drafting is paused or nothing fits."""
+        """The tree to verify after `text`, or the root alone (a plain step): on the first step
+        (it measures a plain one), while drafting is paused, when nothing fits, or when no part
+        of an estimated tree pays (`plan`). A drafter with estimates is asked every step (it
+        learns from how the text went on) for as many nodes as the window takes."""
         room = self.pipeline.context_length - self.pipeline.position - 1  # the root takes one position
-        if self._paused > 0 or self.stats.decode_steps == 0:  # the first step measures a plain one
+        estimates = getattr(self.drafter, "estimates", False)
+        first = self.stats.decode_steps == 0
+        if self._paused > 0 or (first and not estimates):
             self._paused = max(0, self._paused - 1)
             return DraftTree.root(text[-1])
-        k = min(self.draft_length if self.adaptive else self.max_draft, room)
-        return self.drafter.draft(text, k) if k >= 1 else DraftTree.root(text[-1])
+        k = min(self.draft_length if self.adaptive and not estimates else self.max_draft, room)
+        tree = self.drafter.draft(text, k) if k >= 1 else DraftTree.root(text[-1])
+        if first:
+            return DraftTree.root(text[-1])
+        return plan(tree, self.costs) if self.adaptive and tree.estimated else tree
 
     def _adapt_length(self, tree: DraftTree, path: list[int]) -> None:
-        """Longer trees after one accepted down to a leaf, shorter after a rejection."""
+        """Longer trees (without estimates) after one accepted down to a leaf, shorter after a rejection."""
         leaf = not tree.children(path[-1])
         self.draft_length = (min(self.draft_length + 2, self.max_draft) if leaf
                              else max(1, self.draft_length - 1))
@@ -209,15 +278,17 @@ class SpeculativeDecoder:
     def _timed_decode(self, seconds: float) -> None:
         self.stats.decode_steps += 1
         self.stats.decode_seconds += seconds
+        self.costs.plain(seconds)
 
-    def _timed_verify(self, seconds: float, drafted: int, accepted: int) -> None:
+    def _timed_verify(self, seconds: float, drafted: int, accepted: int, estimated: bool = False) -> None:
         s = self.stats
         s.verify_steps += 1
         s.verify_seconds += seconds
         s.drafted_tokens += drafted
         s.accepted_tokens += accepted
+        self.costs.verify(drafted + 1, seconds)
         self._recent = (self._recent + [(seconds, accepted + 1)])[-8:]
-        if self.adaptive and not self.pays():
+        if self.adaptive and not estimated and not self.pays():
             s.fallbacks += 1
             self._paused = self._cooldown
             self._cooldown = min(2 * self._cooldown, self.MAX_COOLDOWN)

@@ -10,6 +10,12 @@ manifest model are built on first use, reading only that model's weights, and dr
 With `direct_cache` (the default) the pipeline writes new K/V into the caches in place and passes
 each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
 `direct_cache=False` it runs the cache-update modules in the background, as a device does.
+
+With `pack_verify` (the default where it can: fp32 on a CPU with oneDNN), the "verify" function of
+the block chunks and the LM head runs on a copy of the projection weights prepacked for oneDNN,
+made on the first verify window: a window of a few tree nodes then costs far less than as many
+one-token steps (see torch_modules.PackedConv1x1). It holds that copy (about the chunks' and the
+head's weights once more); one-token decoding keeps the plain weights, which are faster at S = 1.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import torch
 
 from ...checkpoint.loader import Checkpoint, load_checkpoint
 from ...contract.manifest import function_entry, function_states
+from ...contract.specs import VERIFY, model_kind
 from .base import Backend, BackendError
-from .torch_modules import CheckpointWeights, ExportWeights, build_model
+from .torch_modules import CheckpointWeights, ExportWeights, build_model, can_pack, with_packed_projections
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -43,9 +50,10 @@ class TorchBackend(Backend):
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None, direct_cache: bool = True):
+                 weights_precision: str | None = None, direct_cache: bool = True, pack_verify: bool | None = None):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
-        before computing in `precision`, as an export in that precision stores them."""
+        before computing in `precision`, as an export in that precision stores them. `pack_verify`:
+        see the module docstring (None: wherever it can)."""
         self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
@@ -54,6 +62,10 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
+        packable = can_pack(self.device, self.torch_dtype)
+        if pack_verify and not packable:
+            raise BackendError("pack_verify needs fp32 on a CPU with oneDNN")
+        self.pack_verify = packable if pack_verify is None else pack_verify
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -61,6 +73,7 @@ class TorchBackend(Backend):
         self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
         self.weights = CheckpointWeights(checkpoint) if checkpoint is not None else ExportWeights(export_dir, manifest)
         self._built: dict[str, dict[str, torch.nn.Module]] = {}  # model -> {function: module}, built on use
+        self._packed: set[str] = set()  # models whose verify module has packed projections
         self._lock = threading.Lock()  # cache updates run on worker threads: build each model once
 
     def module(self, model: str, function: str) -> torch.nn.Module:
@@ -75,6 +88,10 @@ class TorchBackend(Backend):
                     mod.to(device=self.device, dtype=self.torch_dtype)  # index buffers stay int32
                 self._built[model] = modules
             built = self._built[model]
+            if (function == VERIFY and self.pack_verify and model not in self._packed
+                    and VERIFY in built and model_kind(model) in ("chunk", "lm_head")):
+                built[VERIFY] = with_packed_projections(built[VERIFY])
+                self._packed.add(model)
         try:
             return built[function]
         except KeyError:
@@ -91,10 +108,12 @@ class TorchBackend(Backend):
         """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
         with self._lock:
             self._built.pop(model, None)
+            self._packed.discard(model)
 
     def close(self) -> None:
         with self._lock:
             self._built.clear()
+            self._packed.clear()
 
     @torch.no_grad()
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
