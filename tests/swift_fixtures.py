@@ -24,13 +24,18 @@ Nothing in those fixtures is written by hand:
   scheduler, given the same table as a closure model, must give the same.
 
 * ``speculative.json``: what Python's speculative decoding does on fixed inputs: the prompt-lookup
-  drafter's trees for fixed texts; the verify window (``input_ids``, ``position``, ``depths``,
-  ``tree_mask``) that ``Pipeline.verify_tree`` feeds the exported embeddings for fixed trees, and the
-  ``slots`` its ``accept`` feeds the verify cache update (recorded from the real pipeline over the
-  export's manifest, with a backend that records its inputs); the accepted path and next token of
+  drafter's trees (tokens, parents, chances of acceptance) for fixed texts, and for sequences of
+  calls on growing texts (the drafter learns its chances from how the text went on; each call
+  records the chance of every class of proposal afterwards); ``DraftTree.ranked`` and
+  ``speculative.plan`` of drafted trees under fixed step costs; ``StepCosts`` after fixed sequences
+  of measured seconds; the verify window (``input_ids``, ``position``, ``depths``, ``tree_mask``)
+  that ``Pipeline.verify_tree`` feeds the exported embeddings for fixed trees, and the ``slots`` its
+  ``accept`` feeds the verify cache update (recorded from the real pipeline over the export's
+  manifest, with a backend that records its inputs); the accepted path and next token of
   ``speculative.choose`` for fixed trees, logits and seeds (greedy and sampling); and speculative
-  generations with prompt lookup on the bigram model (the adaptive fallback off, as its timings
-  are the machine's). The Swift drafter, window, acceptance rule and generator must give the same.
+  generations with prompt lookup on the bigram model, without tree sizing and with it under fixed
+  step costs (measured costs are the machine's). The Swift drafter, costs, sizing, window,
+  acceptance rule and generator must give the same.
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
@@ -810,13 +815,57 @@ SPECULATIVE_TEXTS = [  # token texts for the prompt-lookup drafter (the last tok
     [3],
 ]
 
-SPECULATIVE_GENERATIONS = [  # prompt, max new tokens, context, temperature, top_k, top_p, seed, draft tokens
-    ([1, 2, 3, 1, 2, 3, 1, 2], 40, 256, 0.0, 0, 1.0, 0, None),
-    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 40, 256, 0.0, 0, 1.0, 0, 3),
-    ([9, 3, 9, 3, 8, 9, 3], 48, 256, 0.6, 0, 1.0, 17, None),
-    ([2, 5, 2, 5, 2], 48, 256, 0.9, 6, 0.95, 2024, 5),
-    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 30, 0.0, 0, 1.0, 0, None),  # fills the context
+SPECULATIVE_GENERATIONS = [  # prompt, max new tokens, context, temperature, top_k, top_p, seed, draft tokens,
+    # fixed step costs (intercept, slope) for tree sizing, or None: no sizing (`adaptive` off)
+    ([1, 2, 3, 1, 2, 3, 1, 2], 40, 256, 0.0, 0, 1.0, 0, None, None),
+    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 40, 256, 0.0, 0, 1.0, 0, 3, None),
+    ([9, 3, 9, 3, 8, 9, 3], 48, 256, 0.6, 0, 1.0, 17, None, None),
+    ([2, 5, 2, 5, 2], 48, 256, 0.9, 6, 0.95, 2024, 5, None),
+    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 30, 0.0, 0, 1.0, 0, None, None),  # fills the context
+    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 256, 0.0, 0, 1.0, 0, None, (1.1, 0.1)),
+    ([9, 3, 9, 3, 8, 9, 3], 60, 256, 0.6, 0, 1.0, 17, None, (1.05, 0.02)),
+    ([2, 5, 2, 5, 2], 60, 256, 0.9, 6, 0.95, 2024, 5, (1.3, 0.15)),
+    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 60, 256, 0.0, 0, 1.0, 0, None, (1.6, 0.4)),  # expensive: short trees, plain steps
 ]
+
+SPECULATIVE_COSTS = [(1.1, 0.1), (1.0, 0.02), (1.3, 0.15), (1.6, 0.4), (3.0, 0.5)]  # plans: (intercept, slope)
+
+
+class _FixedCosts:
+    """Step costs that ignore the measured seconds: a window of n nodes costs a + b (n - 2) plain
+    steps (stands in for `SpeculativeDecoder.costs`, which measures the machine)."""
+
+    def __init__(self, intercept: float, slope: float):
+        self.intercept, self.slope = intercept, slope
+
+    def plain(self, seconds: float) -> None:
+        pass
+
+    def verify(self, n: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, n: int) -> float:
+        return self.intercept + self.slope * (n - 2)
+
+
+def _lookup_session(seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """(text, k) calls of one prompt-lookup drafter: a repetitive text growing by 1 to 4 tokens a
+    call, then another text (the drafter must not learn across it) growing the same way."""
+    import numpy as np
+
+    rng = np.random.default_rng(100 + seed)
+    calls = []
+    for text in (_repetitive_text(seed, vocab) * 2, _repetitive_text(seed + 50, vocab)):
+        end = 6
+        while end <= len(text):
+            calls.append((text[:end], int(rng.choice([2, 5, 15]))))
+            end += int(rng.integers(1, 5))
+    return calls
+
+
+def _tree_json(tree) -> dict[str, Any]:
+    return {"tokens": tree.tokens, "parents": tree.parents, "confidence": [float(c) for c in tree.confidence],
+            "estimated": tree.estimated}
 
 
 def _repetitive_text(seed: int, vocab: int) -> list[int]:
@@ -835,16 +884,50 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
     from llama_ane.runtime.drafters import DraftTree, PromptLookupDrafter
     from llama_ane.runtime.pipeline import Pipeline
     from llama_ane.runtime.sampling import SamplingParams, SeededRandom
-    from llama_ane.runtime.speculative import SpeculativeDecoder, choose
+    from llama_ane.runtime.speculative import SpeculativeDecoder, StepCosts, choose, plan
 
-    drafter = PromptLookupDrafter()
+    drafter = PromptLookupDrafter()  # one drafter for every call, in this order
     texts = SPECULATIVE_TEXTS + [_repetitive_text(seed, 40) for seed in range(4)]
     drafts = []
     for text in texts:
         for k in (1, 3, 6, 15):
             tree = drafter.draft(text, k)
-            drafts.append({"text": text, "k": k, "tokens": tree.tokens, "parents": tree.parents,
-                           "continuations": drafter.continuations(text, k)})
+            drafts.append({"text": text, "k": k, **_tree_json(tree),
+                           "continuations": [{"match": n, "tokens": c} for n, c in drafter.continuations(text, k)]})
+
+    sessions = []
+    for seed in range(3):
+        session, learner = [], PromptLookupDrafter()
+        for text, k in _lookup_session(seed, 12 + 8 * seed):
+            tree = learner.draft(text, k)
+            session.append({"text": text, "k": k, **_tree_json(tree),
+                            "chances": [[learner.chance(m, v) for v in range(1, 4)] for m in range(1, 9)]})
+        sessions.append(session)
+
+    plans = []
+    for text in [t for t in texts if len(PromptLookupDrafter().draft(t, 15)) > 3]:
+        tree = PromptLookupDrafter().draft(text, 15)
+        plans.append({**_tree_json(tree), "ranked": [[node, chance] for node, chance in tree.ranked()],
+                      "plans": [{"costs": list(c), **_tree_json(plan(tree, _FixedCosts(*c)))}
+                                for c in SPECULATIVE_COSTS]})
+
+    costs = []
+    rng = np.random.default_rng(23)
+    for case in range(3):
+        model, steps = StepCosts(), []
+        for step in range(30):
+            if step % 7 == case:
+                event = ["plain", 0, float(rng.uniform(0.008, 0.012))]
+                model.plain(event[2])
+            else:
+                n = int(rng.integers(2, 17))
+                event = ["verify", n, float((1.0 + 0.05 * case + (0.04 + 0.03 * case) * (n - 2)) * 0.01
+                                            * rng.uniform(0.9, 1.1))]
+                model.verify(n, event[2])
+            intercept, slope = model.line()
+            steps.append({"event": event, "plain_seconds": model.plain_seconds, "line": [intercept, slope],
+                          "cost": [model(n) for n in (2, 5, 16)]})
+        costs.append(steps)
 
     manifest = json.loads(Path(manifest_path).read_text())
     w = manifest["verify_window"]
@@ -909,10 +992,12 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
 
     table = np.random.default_rng(5).normal(scale=2.0, size=(vocab, vocab)).astype(np.float32)
     generations = []
-    for prompt, max_new, context, temperature, top_k, top_p, seed, draft_tokens in SPECULATIVE_GENERATIONS:
+    for prompt, max_new, context, temperature, top_k, top_p, seed, draft_tokens, fixed in SPECULATIVE_GENERATIONS:
         pipeline = _BigramVerifier(table, context, w, prompt)
         decoder = SpeculativeDecoder(pipeline, PromptLookupDrafter(), SamplingParams(temperature, top_k, top_p),
-                                     SeededRandom(seed), pipeline.decode_one, draft_tokens, adaptive=False)
+                                     SeededRandom(seed), pipeline.decode_one, draft_tokens, adaptive=fixed is not None)
+        if fixed is not None:
+            decoder.costs = _FixedCosts(*fixed)
         tokens = []
         for token in decoder.tokens(table[prompt[-1]], prompt):
             tokens.append(int(token))
@@ -921,13 +1006,15 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
         st = decoder.stats
         generations.append({"prompt": prompt, "max_new_tokens": max_new, "context_length": context,
                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed),
-                            "draft_tokens": draft_tokens, "tokens": tokens,
+                            "draft_tokens": draft_tokens, "costs": None if fixed is None else list(fixed),
+                            "tokens": tokens,
                             "finish_reason": "length" if len(tokens) >= max_new else "context",
                             "verify_steps": st.verify_steps, "decode_steps": st.decode_steps,
                             "drafted_tokens": st.drafted_tokens, "accepted_tokens": st.accepted_tokens})
     if not all(g["accepted_tokens"] > 0 for g in generations):
         raise AssertionError("every speculative generation case should accept some drafts")
-    data = {"verify_window": w, "drafts": drafts, "windows": windows, "choices": choices,
+    data = {"verify_window": w, "drafts": drafts, "sessions": sessions, "plans": plans, "costs": costs,
+            "windows": windows, "choices": choices,
             "table": [[float(v) for v in row] for row in table], "generations": generations}
     path.write_text(json.dumps(data, indent=1))
     return data
@@ -961,7 +1048,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "speculative"):
         data = write_speculative_fixture(args.fixtures_dir / "speculative.json",
                                          args.fixtures_dir / "export" / "manifest.json")
-        print("speculative:", len(data["drafts"]), "drafts,", len(data["windows"]), "windows,",
+        print("speculative:", len(data["drafts"]), "drafts,", sum(map(len, data["sessions"])), "session calls,",
+              len(data["plans"]), "plans,", len(data["windows"]), "windows,",
               len(data["choices"]), "choices,", len(data["generations"]), "generations")
 
 

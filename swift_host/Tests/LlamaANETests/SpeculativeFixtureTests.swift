@@ -3,9 +3,11 @@ import XCTest
 @testable import LlamaANE
 
 /// Swift's speculative decoding against what Python's did on the same inputs (`speculative.json`,
-/// written by tests/swift_fixtures.py): the prompt-lookup drafter's trees, the verify window the
-/// real Python pipeline fed the exported embeddings and the slots it fed the verify cache update,
-/// the acceptance rule with the seeded generator, and whole generations on a bigram model.
+/// written by tests/swift_fixtures.py): the prompt-lookup drafter's trees and chances, also along
+/// sequences of calls on growing texts (what it learns), ranking and tree sizing under fixed step
+/// costs, measured step costs, the verify window the real Python pipeline fed the exported
+/// embeddings and the slots it fed the verify cache update, the acceptance rule with the seeded
+/// generator, and whole generations on a bigram model.
 final class SpeculativeFixtureTests: XCTestCase {
     private func load() throws -> JSONValue {
         try JSONValue.parse(Data(contentsOf: try Fixtures.url("speculative.json")))
@@ -15,13 +17,34 @@ final class SpeculativeFixtureTests: XCTestCase {
 
     private func floats(_ v: JSONValue?) -> [Float] { v?.arrayValue?.map { Float($0.doubleValue ?? .nan) } ?? [] }
 
+    private func doubles(_ v: JSONValue?) -> [Double] { v?.arrayValue?.map { $0.doubleValue ?? .nan } ?? [] }
+
+    /// The fixture's tree, with its chances of acceptance when it has them.
     private func tree(_ v: JSONValue, probabilities: [[Double]?]? = nil) -> DraftTree {
-        let tokens = ints(v["tokens"]), parents = ints(v["parents"])
+        let tokens = ints(v["tokens"]), parents = ints(v["parents"]), confidence = doubles(v["confidence"])
         var tree = DraftTree(root: tokens[0])
         for i in 1..<max(tokens.count, 1) {
-            XCTAssertEqual(tree.add(tokens[i], under: parents[i], probabilities: probabilities?[i]), i, "the fixture's tree has a repeated child")
+            let added = tree.add(tokens[i], under: parents[i], probabilities: probabilities?[i],
+                                 confidence: confidence.isEmpty ? 1 : confidence[i])
+            XCTAssertEqual(added, i, "the fixture's tree has a repeated child")
         }
+        tree.estimated = v["estimated"]?.boolValue ?? false
         return tree
+    }
+
+    /// Asserts that `tree` is the fixture's `expected` tree: tokens, parents, order, chances.
+    private func assertTree(_ tree: DraftTree, _ expected: JSONValue, _ message: String, line: UInt = #line) {
+        XCTAssertEqual(tree.tokens, ints(expected["tokens"]), message, line: line)
+        XCTAssertEqual(tree.parents, ints(expected["parents"]), message, line: line)
+        XCTAssertEqual(tree.estimated, expected["estimated"]?.boolValue, message, line: line)
+        assertClose(tree.confidence, doubles(expected["confidence"]), message, line: line)
+    }
+
+    private func assertClose(_ a: [Double], _ b: [Double], _ message: String, line: UInt = #line) {
+        XCTAssertEqual(a.count, b.count, message, line: line)
+        for (x, y) in zip(a, b) where !(x.isNaN && y.isNaN) {  // NaN: none on either side (a null in the fixture)
+            XCTAssertEqual(x, y, accuracy: 1e-12 * max(1, abs(y)), message, line: line)
+        }
     }
 
     private func cases(_ key: String) throws -> [JSONValue] {
@@ -31,13 +54,62 @@ final class SpeculativeFixtureTests: XCTestCase {
     }
 
     func testPromptLookupFindsPythonsDrafts() throws {
-        let drafter = PromptLookupDrafter()
+        var drafter = PromptLookupDrafter()  // one drafter for every case, in the fixture's order
         for c in try cases("drafts") {
             let text = ints(c["text"]), k = c["k"]?.intValue ?? 0
-            let draft = drafter.draft(text, k: k)
-            XCTAssertEqual(draft.tokens, ints(c["tokens"]), "text \(text) k \(k)")
-            XCTAssertEqual(draft.parents, ints(c["parents"]), "text \(text) k \(k)")
-            XCTAssertEqual(drafter.continuations(text, length: k), c["continuations"]?.arrayValue?.map(ints), "text \(text) k \(k)")
+            assertTree(drafter.draft(text, k: k), c, "text \(text) k \(k)")
+            let continuations = c["continuations"]?.arrayValue?.map {
+                PromptLookupDrafter.Continuation(match: $0["match"]?.intValue ?? 0, tokens: ints($0["tokens"]))
+            }
+            XCTAssertEqual(drafter.continuations(text, length: k), continuations, "text \(text) k \(k)")
+        }
+    }
+
+    func testPromptLookupLearnsItsChancesAsPythonDoes() throws {
+        for (s, session) in try cases("sessions").enumerated() {
+            var drafter = PromptLookupDrafter()
+            let calls = session.arrayValue ?? []
+            XCTAssertGreaterThan(calls.count, 10)
+            for (i, c) in calls.enumerated() {
+                let text = ints(c["text"]), k = c["k"]?.intValue ?? 0
+                assertTree(drafter.draft(text, k: k), c, "session \(s) call \(i)")
+                let chances = (1...8).map { m in (1...3).map { v in drafter.chances.chance(match: m, votes: v) } }
+                assertClose(chances.flatMap { $0 }, (c["chances"]?.arrayValue ?? []).flatMap(doubles),
+                            "session \(s) call \(i): what the drafter learnt")
+            }
+        }
+    }
+
+    func testRankingAndTreeSizingArePythons() throws {
+        for c in try cases("plans") {
+            let tree = tree(c)
+            let ranked = tree.ranked()
+            let expected = c["ranked"]?.arrayValue ?? []
+            XCTAssertEqual(ranked.map(\.node), expected.map { $0.arrayValue?.first?.intValue ?? -1 }, "tree \(tree.tokens)")
+            assertClose(ranked.map(\.chance), expected.map { $0.arrayValue?.last?.doubleValue ?? .nan }, "tree \(tree.tokens)")
+            for p in c["plans"]?.arrayValue ?? [] {
+                let line = doubles(p["costs"])
+                assertTree(tree.planned(by: FixedStepCosts(intercept: line[0], slope: line[1])), p, "tree \(tree.tokens) costs \(line)")
+            }
+        }
+    }
+
+    func testMeasuredStepCostsArePythons() throws {
+        for (s, sequence) in try cases("costs").enumerated() {
+            var costs = MeasuredStepCosts()
+            for (i, step) in (sequence.arrayValue ?? []).enumerated() {
+                let event = try XCTUnwrap(step["event"]?.arrayValue)
+                let seconds = try XCTUnwrap(event[2].doubleValue)
+                if event[0].stringValue == "plain" {
+                    costs.plain(seconds: seconds)
+                } else {
+                    costs.verify(nodes: try XCTUnwrap(event[1].intValue), seconds: seconds)
+                }
+                let line = costs.line
+                assertClose([costs.plainSeconds ?? .nan, line.intercept, line.slope] + [2, 5, 16].map { costs.cost(nodes: $0) },
+                            [step["plain_seconds"]?.doubleValue ?? .nan] + doubles(step["line"]) + doubles(step["cost"]),
+                            "sequence \(s) step \(i)")
+            }
         }
     }
 
@@ -100,10 +172,13 @@ final class SpeculativeFixtureTests: XCTestCase {
             let model = BigramVerifier(table: table, contextLength: c["context_length"]?.intValue ?? 0, verifyWindow: width)
             let sampling = SamplingParameters(temperature: Float(c["temperature"]?.doubleValue ?? 0), topK: c["top_k"]?.intValue ?? 0,
                                               topP: Float(c["top_p"]?.doubleValue ?? 1), seed: UInt64(c["seed"]?.stringValue ?? "") ?? 0)
-            let options = SpeculativeDecoding.promptLookup(draftTokens: c["draft_tokens"]?.intValue, adaptive: false)
+            // With fixed step costs, Python sized its trees by them; without, it did not size them.
+            let line = doubles(c["costs"])
+            let options = SpeculativeDecoding.promptLookup(draftTokens: c["draft_tokens"]?.intValue, adaptive: !line.isEmpty,
+                                                           costs: line.isEmpty ? MeasuredStepCosts() : FixedStepCosts(intercept: line[0], slope: line[1]))
             let (tokens, stats) = try await Generator(predictor: model, eosTokenIds: [])
                 .generateAll(prompt: prompt, maxNewTokens: c["max_new_tokens"]?.intValue ?? 0, sampling: sampling, speculative: options)
-            XCTAssertEqual(tokens, ints(c["tokens"]), "prompt \(prompt)")
+            XCTAssertEqual(tokens, ints(c["tokens"]), "prompt \(prompt) costs \(line)")
             XCTAssertEqual(stats.stopReason.rawValue, c["finish_reason"]?.stringValue, "prompt \(prompt)")
             let spec = try XCTUnwrap(stats.speculative)
             XCTAssertEqual([spec.verifySteps, spec.draftedTokens, spec.acceptedTokens],

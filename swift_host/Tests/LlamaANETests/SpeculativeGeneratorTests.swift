@@ -125,8 +125,17 @@ final class SpeculativeGeneratorTests: XCTestCase {
         }
     }
 
-    func testTreesGrowAfterAFullAcceptanceAndShrinkAfterARejection() throws {
-        var decoder = try SpeculativeDecoder(.promptLookup(draftTokens: 7), sampling: .greedy, verifyWindow: 16)
+    /// A drafter without estimates: a chain of k copies of the root.
+    private struct RepeatDrafter: Drafter {
+        func draft(_ tokens: [Int], k: Int) -> DraftTree {
+            var tree = DraftTree(root: tokens[tokens.count - 1])
+            for _ in 0..<k { tree.add(tree.tokens[0], under: tree.count - 1) }
+            return tree
+        }
+    }
+
+    func testTreesWithoutEstimatesGrowAfterAFullAcceptanceAndShrinkAfterARejection() throws {
+        var decoder = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(), draftTokens: 7), sampling: .greedy, verifyWindow: 16)
         XCTAssertEqual(decoder.draftLength, 4)
         var chain = DraftTree(root: 1)
         for t in 2...4 { chain.add(t, under: chain.count - 1) }
@@ -136,6 +145,8 @@ final class SpeculativeGeneratorTests: XCTestCase {
         XCTAssertEqual(decoder.draftLength, 7, "never past the draft tokens asked for")
         decoder.recordVerify(seconds: 1, tree: chain, path: [0, 1])
         XCTAssertEqual(decoder.draftLength, 6)
+        decoder.recordDecode(seconds: 1)
+        XCTAssertEqual(decoder.tree(after: [5, 5], room: 50).count, 7, "a tree of draftLength tokens")
         XCTAssertEqual(decoder.stats.verifySteps, 3)
         XCTAssertEqual(decoder.stats.draftedTokens, 9)
         XCTAssertEqual(decoder.stats.acceptedTokens, 7)
@@ -143,8 +154,9 @@ final class SpeculativeGeneratorTests: XCTestCase {
         XCTAssertEqual(decoder.stats.acceptanceRate, 7.0 / 9, accuracy: 1e-12)
     }
 
-    func testDraftingPausesWhileVerifyStepsDoNotPay() throws {
-        var decoder = try SpeculativeDecoder(.promptLookup(), sampling: .greedy, verifyWindow: 16)
+    func testDraftingWithoutEstimatesPausesWhileVerifyStepsDoNotPay() throws {
+        let options = SpeculativeDecoding(drafter: RepeatDrafter())
+        var decoder = try SpeculativeDecoder(options, sampling: .greedy, verifyWindow: 16)
         let text = [1, 2, 3, 1, 2, 3, 1, 2]
         XCTAssertEqual(decoder.tree(after: text, room: 50).count, 1, "the first step is a plain one, to measure it")
         decoder.recordDecode(seconds: 1)  // a plain step: 1 token per second
@@ -162,15 +174,56 @@ final class SpeculativeGeneratorTests: XCTestCase {
         for _ in 0..<4 { decoder.recordVerify(seconds: 3, tree: tree, path: [0]) }
         XCTAssertEqual(decoder.pausedSteps, 32, "each further pause is twice as long")
         // Steps that pay keep drafting on.
-        var paying = try SpeculativeDecoder(.promptLookup(), sampling: .greedy, verifyWindow: 16)
+        var paying = try SpeculativeDecoder(options, sampling: .greedy, verifyWindow: 16)
         paying.recordDecode(seconds: 1)
         for _ in 0..<8 { paying.recordVerify(seconds: 1, tree: tree, path: [0, 1]) }  // 2 tokens per second
         XCTAssertEqual(paying.stats.fallbacks, 0)
         // Without `adaptive` nothing pauses.
-        var fixed = try SpeculativeDecoder(.promptLookup(adaptive: false), sampling: .greedy, verifyWindow: 16)
+        var fixed = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(), adaptive: false), sampling: .greedy, verifyWindow: 16)
         fixed.recordDecode(seconds: 1)
         for _ in 0..<8 { fixed.recordVerify(seconds: 3, tree: tree, path: [0]) }
         XCTAssertEqual(fixed.stats.fallbacks, 0)
-        XCTAssertEqual(fixed.tree(after: text, room: 50), PromptLookupDrafter().draft(text, k: 15), "the full draft size every time")
+        XCTAssertEqual(fixed.tree(after: text, room: 50).count, 16, "the full draft size every time")
+    }
+
+    func testEstimatedTreesAreSizedByStepCosts() throws {
+        let text = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2, 3]
+        var lookup = PromptLookupDrafter()
+        let full = lookup.draft(text, k: 15)
+        XCTAssertGreaterThan(full.count, 4)
+        let cheap = FixedStepCosts(intercept: 1, slope: 0.01), dear = FixedStepCosts(intercept: 3, slope: 1)
+        XCTAssertEqual(full.planned(by: FixedStepCosts(intercept: 1, slope: 0)), full, "with free nodes every node pays")
+        XCTAssertEqual(full.planned(by: dear).count, 1, "no tree beats a plain step that costs a third of a window")
+        let sized = full.planned(by: FixedStepCosts(intercept: 1.1, slope: 0.3))
+        XCTAssertTrue(sized.count > 1 && sized.count < full.count, "\(sized.count) of \(full.count) nodes")
+        XCTAssertEqual(sized, full.best(sized.count - 1), "the best-ranked nodes")
+
+        var decoder = try SpeculativeDecoder(.promptLookup(costs: cheap), sampling: .greedy, verifyWindow: 16)
+        XCTAssertEqual(decoder.tree(after: text, room: 50).count, 1, "the first step is a plain one")
+        XCTAssertEqual(decoder.drafter as? PromptLookupDrafter, lookup, "but the drafter saw the text (it learns from it)")
+        decoder.recordDecode(seconds: 1)
+        XCTAssertEqual(decoder.tree(after: text + [4], room: 50), { var d = lookup; return d.draft(text + [4], k: 15) }()
+                       .planned(by: cheap))
+        for _ in 0..<8 { decoder.recordVerify(seconds: 30, tree: full, path: [0]) }
+        XCTAssertEqual(decoder.stats.fallbacks, 0, "an estimated tree is sized by costs, never paused")
+        var dearDecoder = try SpeculativeDecoder(.promptLookup(costs: dear), sampling: .greedy, verifyWindow: 16)
+        dearDecoder.recordDecode(seconds: 1)
+        XCTAssertEqual(dearDecoder.tree(after: text, room: 50).count, 1, "a plain step when no tree pays")
+    }
+
+    func testTheDecoderMeasuresStepCosts() throws {
+        var decoder = try SpeculativeDecoder(.promptLookup(), sampling: .greedy, verifyWindow: 16)
+        var expected = MeasuredStepCosts()
+        var tree = DraftTree(root: 2)
+        tree.add(3, under: 0)
+        tree.add(4, under: 1)
+        for (plain, verify) in [(0.01, 0.012), (0.012, 0.02), (0.011, 0.013)] {
+            decoder.recordDecode(seconds: plain)
+            expected.plain(seconds: plain)
+            decoder.recordVerify(seconds: verify, tree: tree, path: [0, 1])
+            expected.verify(nodes: 3, seconds: verify)
+        }
+        XCTAssertEqual(decoder.costs as? MeasuredStepCosts, expected)
+        XCTAssertNotEqual(expected, MeasuredStepCosts())
     }
 }

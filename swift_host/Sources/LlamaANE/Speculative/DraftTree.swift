@@ -4,34 +4,62 @@
 ///
 /// `probabilities[i]` is the drafter's distribution over the vocabulary of node i's token given its
 /// parent, or nil when the token was picked deterministically (a point mass: prompt lookup).
+/// `confidence[i]` is the drafter's estimate of the chance that node i is accepted once its parent
+/// is (the root's is 1); a tree without estimates (`estimated` false) has 1 everywhere.
 public struct DraftTree: Equatable, Sendable {
     /// The additive mask value of a hidden key, as the exported functions use it (`MASK_VALUE`).
     public static let hidden: Float = -1.0e4
+
+    /// A node's place in the tree: its parent and its token (at most one node each).
+    private struct Edge: Hashable, Sendable {
+        let parent: Int
+        let token: Int
+    }
 
     public private(set) var tokens: [Int]
     /// Each node's parent index; -1 for the root.
     public private(set) var parents: [Int]
     public private(set) var probabilities: [[Double]?]
+    /// Each node's estimated chance of acceptance given its parent's, (n,); 1 for the root.
+    public private(set) var confidence: [Double]
+    /// Whether `confidence` holds a drafter's estimates (see `SpeculativeDecoder`'s tree sizing).
+    public var estimated = false
+    /// (parent, token) -> node.
+    private var nodes: [Edge: Int] = [:]
 
     /// A tree holding only the root `token`.
     public init(root token: Int) {
         tokens = [token]
         parents = [-1]
         probabilities = [nil]
+        confidence = [1]
+        nodes = [Edge(parent: -1, token: token): 0]
     }
 
     /// Nodes, the root included.
     public var count: Int { tokens.count }
 
-    /// The node for `token` under `parent`: an existing child with that token, or a new node.
+    /// The node for `token` under `parent`: an existing child with that token, or a new node with
+    /// `probabilities` and `confidence`.
     @discardableResult
-    public mutating func add(_ token: Int, under parent: Int, probabilities q: [Double]? = nil) -> Int {
+    public mutating func add(_ token: Int, under parent: Int, probabilities q: [Double]? = nil, confidence c: Double = 1) -> Int {
         precondition(parent >= 0 && parent < count, "node \(parent) is not in a tree of \(count) nodes")
-        if let existing = children(of: parent).first(where: { tokens[$0] == token }) { return existing }
+        let edge = Edge(parent: parent, token: token)
+        if let existing = nodes[edge] { return existing }
+        nodes[edge] = count
         tokens.append(token)
         parents.append(parent)
         probabilities.append(q)
+        confidence.append(c)
         return count - 1
+    }
+
+    /// Sets every node's estimated chance of acceptance given its parent, (n,) with the root's 1,
+    /// and marks the tree `estimated`.
+    public mutating func estimate(_ chances: [Double]) {
+        precondition(chances.count == count, "\(chances.count) chances for a tree of \(count) nodes")
+        confidence = chances
+        estimated = true
     }
 
     /// The children of `node`, in the order they were added.

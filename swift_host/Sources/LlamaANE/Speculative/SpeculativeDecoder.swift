@@ -3,22 +3,30 @@
 /// when drafting stops paying.
 ///
 /// Each step starts from the root, the last sampled token. The first step is always a plain
-/// decode step (to measure one). Then the drafter proposes a tree of `draftLength` tokens at most:
-/// it grows by 2 after a tree accepted down to a leaf and shrinks by 1 otherwise. With `adaptive`,
-/// the seconds of verify and plain steps are measured and, when the last verify steps give fewer
-/// tokens per second than plain steps, drafting pauses for a cool-down of plain steps (16, doubled
-/// after each further pause, up to 256).
+/// decode step (to measure one). Every step's plain and verify seconds go to the cost model.
+///
+/// With `adaptive`, trees are sized by what pays:
+///   * a drafter with estimates (prompt lookup) is asked every step (it learns from how the text
+///     went on, even on the first) for as many tokens as the window takes, and its tree is cut to
+///     the nodes that maximise expected tokens per cost (`DraftTree.planned(by:)`), or to the root
+///     alone (a plain step) when no part of it beats a plain step;
+///   * a drafter without estimates proposes `draftLength` tokens at most: it grows by 2 after a
+///     tree accepted down to a leaf and shrinks by 1 otherwise, and when the last verify steps give
+///     fewer tokens per second than plain steps, drafting pauses for a cool-down of plain steps
+///     (16, doubled after each further pause, up to 256).
+/// Without `adaptive`, every tree has up to `maxDraft` tokens.
 struct SpeculativeDecoder {
-    /// Verify steps measured before the fallback may judge.
+    /// Verify steps measured before the fallback may judge (trees without estimates).
     static let minimumSteps = 4
-    /// Drafted tokens of the first tree.
+    /// Drafted tokens of the first tree without estimates.
     static let firstDraft = 4
     static let firstCooldown = 16
     static let maximumCooldown = 256
     /// Verify steps the fallback looks back on.
     static let recentSteps = 8
 
-    let drafter: any Drafter
+    private(set) var drafter: any Drafter
+    private(set) var costs: any StepCostModel
     let sampling: SamplingParameters
     let maxDraft: Int
     let adaptive: Bool
@@ -38,6 +46,7 @@ struct SpeculativeDecoder {
             throw GenerationError.draftTokensOutOfRange(d, verifyWindow: verifyWindow)
         }
         drafter = options.drafter
+        costs = options.costs
         self.sampling = sampling
         maxDraft = options.draftTokens ?? verifyWindow - 1
         adaptive = options.adaptive
@@ -51,16 +60,20 @@ struct SpeculativeDecoder {
     }
 
     /// The tree to verify after `text` (ending with the root) when `room` cache positions are free
-    /// after the root's: the root alone while drafting is paused, on the first step, or when
-    /// nothing fits or is found.
+    /// after the root's: the root alone (a plain step) on the first step, while drafting is paused,
+    /// when nothing fits or is found, or when no part of an estimated tree pays.
     mutating func tree(after text: [Int], room: Int) -> DraftTree {
         guard let root = text.last else { preconditionFailure("speculative decoding needs a root token") }
-        if paused > 0 || stats.decodeSteps == 0 {
+        let estimates = drafter.estimates
+        let first = stats.decodeSteps == 0
+        if paused > 0 || (first && !estimates) {
             paused = max(0, paused - 1)
             return DraftTree(root: root)
         }
-        let k = min(adaptive ? draftLength : maxDraft, room)
-        return k >= 1 ? drafter.draft(text, k: k) : DraftTree(root: root)
+        let k = min(adaptive && !estimates ? draftLength : maxDraft, room)
+        let tree = k >= 1 ? drafter.draft(text, k: k) : DraftTree(root: root)
+        if first { return DraftTree(root: root) }
+        return adaptive && tree.estimated ? tree.planned(by: costs) : tree
     }
 
     /// The accepted path of `tree` and the next token (see `TreeAcceptance.choose`).
@@ -72,10 +85,11 @@ struct SpeculativeDecoder {
     mutating func recordDecode(seconds: Double) {
         stats.decodeSteps += 1
         stats.decodeSeconds += seconds
+        costs.plain(seconds: seconds)
     }
 
     /// Records a verify step of `seconds` that kept `path` of `tree`: adapts the tree size and,
-    /// when drafting does not pay, pauses it.
+    /// for a tree without estimates, pauses drafting when it does not pay.
     mutating func recordVerify(seconds: Double, tree: DraftTree, path: [Int]) {
         let leaf = tree.children(of: path[path.count - 1]).isEmpty
         draftLength = leaf ? min(draftLength + 2, maxDraft) : max(1, draftLength - 1)
@@ -84,8 +98,9 @@ struct SpeculativeDecoder {
         stats.verifySeconds += seconds
         stats.draftedTokens += tree.count - 1
         stats.acceptedTokens += accepted
+        costs.verify(nodes: tree.count, seconds: seconds)
         recent = Array((recent + [(seconds: seconds, tokens: accepted + 1)]).suffix(Self.recentSteps))
-        if adaptive, !pays {
+        if adaptive, !tree.estimated, !pays {
             stats.fallbacks += 1
             paused = cooldown
             cooldown = min(2 * cooldown, Self.maximumCooldown)
