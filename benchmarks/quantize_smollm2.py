@@ -39,6 +39,7 @@ SCHEMES = {  # name -> export options
     "int4/int8-vocab": ["--quantize", "int4", "--quantize-embeddings", "int8", "--quantize-lm-head", "int8"],
     # what else was tried for the lut6 and lut4 targets: where the loss is, and smaller LUT groups
     "lut6/fp16-vocab": ["--quantize", "lut6", "--quantize-embeddings", "none", "--quantize-lm-head", "none"],
+    "lut6-group8": ["--quantize", "lut6", "--group-size", "8"],
     "lut6-group4": ["--quantize", "lut6", "--group-size", "4"],
     "lut4-group4": ["--quantize", "lut4", "--group-size", "4"],
 }

@@ -97,7 +97,8 @@ def calibration_text() -> str:
 
 def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None) -> dict:
     """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
-    float32, one layer at a time, on `calibration_text` (at most CALIBRATION_TOKENS tokens).
+    float32, one layer at a time, on the first `calibration_tokens(config)` tokens of
+    `calibration_text`.
     `on_found(key, array)` gets each layer's as soon as it is known (see activation_importance).
     The exporter runs it as one of its worker jobs, beside the compression it feeds."""
     from transformers import AutoTokenizer
@@ -105,14 +106,26 @@ def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object]
     from .reference import activation_importance
 
     t0 = time.perf_counter()
-    ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(calibration_text()).input_ids[:CALIBRATION_TOKENS]
+    ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(calibration_text()).input_ids[:calibration_tokens(ckpt.config)]
     ids = [i for i in ids if i < ckpt.config.vocab_size]
     importance = activation_importance(ckpt, ids, on_found)
     say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
 
 
-CALIBRATION_TOKENS = 512
+CALIBRATION_TOKENS = (128, 512)  # fewest and most
+CALIBRATION_WEIGHT_TOKENS = 1.25e11  # decoder-layer weights x tokens: a 1B-shaped model gets 128
+
+
+def calibration_tokens(config) -> int:
+    """How many calibration tokens a model gets: its float32 pass costs layer weights x tokens, so
+    larger models get fewer, down to 128 (SmolLM2-135M: 512; Llama-3.2-1B, 3B and 8B: 128).
+    The statistics are per-channel mean squares, which a few hundred tokens already settle."""
+    from .chunks.plan import layer_weight_bytes
+
+    weights = layer_weight_bytes(config, 1) * config.num_hidden_layers
+    fewest, most = CALIBRATION_TOKENS
+    return max(fewest, min(most, int(CALIBRATION_WEIGHT_TOKENS // max(weights, 1))))
 
 
 @no_inductor_leftover()

@@ -175,9 +175,11 @@ def weight_rows(plan: ExportPlan) -> list[WeightRows]:
 
 
 def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
-    """Every compression job of `plan`, largest first: consecutive pieces of one package (see
-    weight_rows) grouped until they hold UNIT_WEIGHTS weights, so that a job's fixed costs (a
-    process, reading, saving) stay small beside its k-means."""
+    """Every compression job of `plan`: consecutive pieces of one package (see weight_rows) grouped
+    until they hold UNIT_WEIGHTS weights, so that a job's fixed costs (a process, reading, saving)
+    stay small beside its k-means. The units of the package with the most compression work come
+    first (its build, the longest, waits for all of them), then the next package's; in each, the
+    largest units first."""
     units, group = [], []
     for piece in weight_rows(plan):
         if group and (group[0].spec != piece.spec or sum(p.weights for p in group) >= UNIT_WEIGHTS):
@@ -186,7 +188,10 @@ def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
         group.append(piece)
     if group:
         units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
-    return sorted(units, key=lambda u: -u.weights)
+    work = {}  # package -> its units' weights times bits: about what their k-means costs
+    for u in units:
+        work[u.spec.file] = work.get(u.spec.file, 0) + u.weights * plan.compression(u.pieces[0].name).bits
+    return sorted(units, key=lambda u: (-work[u.spec.file], u.spec.file, -u.weights))
 
 
 def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scratch: Path,
@@ -326,6 +331,7 @@ class _Job:
     run: Callable[[], object]
     weights: int  # its size, for messages
     ready: Callable[[], bool] = lambda: True
+    builds: bool = True  # builds `spec` (else compresses some of its weights, or calibrates)
 
 
 POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
@@ -365,7 +371,9 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
                 calibration: Callable[..., object] | None = None) -> None:
     """Build every package of `plan` into `folder`, at most `workers` jobs at a time.
     `progress(spec)` follows each package built, `compressed(spec, weights)` each compression
-    unit done (compressed exports compress first, see compression_units).
+    unit done (see compression_units). A package with compressed weights is built once all its
+    units are done; the builds fill workers that would otherwise wait for the calibration or idle
+    at the end.
 
     LUT and int4 fits are weighted by the calibration's statistics: `importance` when they are
     known, or `calibration(on_found=...)` (api.calibrate) run as the first job, each unit starting
@@ -377,10 +385,10 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
     units = compression_units(plan)
-    stages = []
+    jobs: list[_Job] = []
+    pending = {spec.file: 0 for spec in plan.packages}  # compression units of each package not done yet
     if units:
         found = importance
-        jobs = []
         if calibration is not None:
             found = SavedImportance(scratch / "importance")
             jobs.append(_Job("calibrating", None, functools.partial(calibration, on_found=found.save), 0))
@@ -396,30 +404,50 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
             return f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
                 f" of {unit.spec.file}"
 
-        jobs += [_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found), u.weights,
-                      ready(u)) for u in units]
-        stages.append((jobs, (lambda job: job.spec and compressed(job.spec, job.weights)) if compressed else None))
-    builds = sorted(plan.packages, key=lambda p: -p.dense_bytes)
-    stages.append(([_Job(f"building {spec.file}", spec,
-                         functools.partial(build_package, spec, plan, ckpt, folder, importance,
-                                           scratch if units else None), spec.dense_bytes // 2)
-                    for spec in builds],
-                   (lambda job: progress(job.spec)) if progress else None))
+        for u in units:
+            pending[u.spec.file] += 1
+            jobs.append(_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found),
+                             u.weights, ready(u), builds=False))
+    # a package is built as soon as its weights are compressed (builds come first once ready: the
+    # largest build is the longest job, and the other workers go on compressing meanwhile)
+    jobs[:0] = [_Job(f"building {spec.file}", spec,
+                  functools.partial(build_package, spec, plan, ckpt, folder, importance, scratch if units else None),
+                  spec.dense_bytes // 2, functools.partial(lambda file: pending[file] == 0, spec.file))
+             for spec in sorted(plan.packages, key=lambda p: -p.dense_bytes)]
+
+    def done(job: _Job) -> None:
+        if job.spec is None:  # the calibration
+            return
+        if not job.builds:
+            pending[job.spec.file] -= 1
+            if compressed:
+                compressed(job.spec, job.weights)
+        elif progress:
+            progress(job.spec)
+
     from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
 
     try:
-        for jobs, done in stages:
-            if "fork" not in multiprocessing.get_all_start_methods():
-                for job in jobs:
-                    if not job.ready():
-                        raise ConversionError(f"{job.what}: the calibration saved no statistics for it")
-                    job.run()
-                    if done:
-                        done(job)
-            else:
-                _run_forked(jobs, scratch, max(1, workers), done)
+        if "fork" not in multiprocessing.get_all_start_methods():
+            todo = list(jobs)
+            while todo:
+                job = next((j for j in todo if j.ready()), None)
+                if job is None:
+                    raise _never_ready(todo)
+                todo.remove(job)
+                job.run()
+                done(job)
+        else:
+            _run_forked(jobs, scratch, max(1, workers), done)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _never_ready(todo: list["_Job"]) -> ConversionError:
+    """The error when nothing runs and none of `todo` can start: a unit waits for statistics the
+    calibration never saved (and the builds wait for that unit)."""
+    waiting = next((job for job in todo if not job.builds), todo[0])
+    return ConversionError(f"{waiting.what}: the calibration saved no statistics for it")
 
 
 def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None) -> None:
@@ -436,7 +464,7 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                     start_without_sigint(proc)
                     running[proc.sentinel] = (proc, job)
                 if not running:  # nothing runs and nothing can start: what it waits for will never come
-                    raise ConversionError(f"{todo[0].what}: the calibration saved no statistics for it")
+                    raise _never_ready(todo)
                 # a bounded wait, so that a deferred Ctrl-C is acted on promptly
                 finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS)
                 for sentinel in finished:

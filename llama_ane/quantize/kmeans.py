@@ -23,7 +23,9 @@ import torch
 MAX_ITERATIONS = 30
 TOLERANCE = 1e-5  # of a group's value range: a centroid moving less has converged
 COMPANDING_POINTS = 1024  # ranks at which a group's density is read for the starting centroids
-BATCH_ELEMENTS = 1 << 23  # weights clustered at once: bounds the working memory (~40 bytes each) to ~0.3 GiB
+BATCH_ELEMENTS = 1 << 21  # weights clustered at once: ~40 bytes each of working memory, ~80 MB, which
+# the allocator reuses from batch to batch (larger temporaries are fresh pages every time, and slower)
+BIN_VALUES = 8  # values per bin of the prefix sums Lloyd reads its cluster sums from (see RankSums)
 
 
 def kmeans_1d(groups: torch.Tensor, clusters: int, iterations: int = MAX_ITERATIONS,
@@ -47,21 +49,13 @@ def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
 
     1-D clusters are intervals of the sorted values, so an iteration is a search of the K-1
     boundaries (midpoints between neighbouring centroids) in each row and sums read off its prefix
-    sums: O(K log N) per group and iteration instead of O(N).
+    sums (`RankSums`): O(K log N) per group and iteration instead of O(N).
     """
     g, n = xs.shape
     k = clusters
-    prefix = np.zeros((g, n + 1), np.float64)  # prefix sums of weight * value (and of the weights)
-    if ws is None:
-        np.cumsum(xs, axis=1, dtype=np.float64, out=prefix[:, 1:])
-        mass = None  # the count of values below rank i is i
-    else:
-        mass = np.zeros((g, n + 1), np.float64)
-        np.cumsum(ws, axis=1, out=mass[:, 1:])
-        np.cumsum(ws * xs, axis=1, out=prefix[:, 1:])
-        mass = torch.from_numpy(mass)
-    prefix = torch.from_numpy(prefix)
     xs_t = torch.from_numpy(np.ascontiguousarray(xs))
+    ws_t = None if ws is None else torch.from_numpy(np.ascontiguousarray(ws, np.float32))
+    below = RankSums(xs_t, ws_t)  # sums of weight * value and of the weights (a count: ranks' difference)
     centroids = companded_start(xs_t, k)
     span = (xs_t[:, -1] - xs_t[:, 0]).to(torch.float64).clamp_min(1e-12)
     edges = torch.empty(g, k + 1, dtype=torch.long)
@@ -69,11 +63,9 @@ def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
     for _ in range(iterations):
         midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32)
         edges[:, 1:-1] = torch.searchsorted(xs_t, midpoints.contiguous())  # cluster j: xs[edges[j]:edges[j+1]]
-        if mass is None:
-            counts = (edges[:, 1:] - edges[:, :-1]).to(torch.float64)
-        else:
-            counts = mass.gather(1, edges[:, 1:]) - mass.gather(1, edges[:, :-1])
-        sums = prefix.gather(1, edges[:, 1:]) - prefix.gather(1, edges[:, :-1])
+        sums, mass = below(edges)
+        sums = torch.diff(sums, dim=1)  # (G, K): each cluster's weighted sum and weight
+        counts = torch.diff(edges, dim=1).to(torch.float64) if mass is None else torch.diff(mass, dim=1)
         moved = torch.where(counts > 0, sums / counts.clamp_min(1e-300), centroids)
         moved, _ = torch.sort(moved, dim=1)
         shift = ((moved - centroids).abs().amax(dim=1) / span).max()
@@ -81,6 +73,54 @@ def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
         if shift < TOLERANCE:
             break
     return centroids.to(torch.float32)
+
+
+class RankSums:
+    """Exact sums of weight * value, and of the weights, over the first r values of each row of
+    `values` (G, N) with `weights` (G, N) (None: all 1, whose sums the ranks are), for any ranks r:
+    from prefix sums over bins of BIN_VALUES values plus the few values of the bin r falls in. An
+    eighth of the memory traffic of prefix sums over every value, for the same float64 sums."""
+
+    def __init__(self, values: torch.Tensor, weights: torch.Tensor | None = None, per: int = BIN_VALUES):
+        g, n = values.shape
+        self.per = per if n % per == 0 else 1
+        self.values, self.weights = values, weights
+        binned = values.view(g, n // self.per, self.per)
+        if weights is None:
+            sums, mass = binned.sum(dim=2), None  # 8 terms: float32 holds them
+        else:
+            w = weights.view(g, n // self.per, self.per)
+            sums, mass = torch.einsum("gbi,gbi->gb", w, binned), w.sum(dim=2)
+        self.sums = self._prefix(sums)
+        self.mass = None if mass is None else self._prefix(mass)
+        self.offsets = torch.arange(self.per)
+
+    @staticmethod
+    def _prefix(bins: torch.Tensor) -> torch.Tensor:
+        """(G, B) -> float64 (G, B + 1): the sum of the bins before each."""
+        return torch.nn.functional.pad(torch.cumsum(bins.to(torch.float64), dim=1), (1, 0))
+
+    def __call__(self, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ranks (G, E) in [0, N] -> float64 (G, E) sums of weight * value before each rank, and of
+        the weights (None without weights)."""
+        per = self.per
+        bins = torch.div(ranks, per, rounding_mode="floor")
+        sums = self.sums.gather(1, bins)
+        mass = None if self.mass is None else self.mass.gather(1, bins)
+        if per == 1:
+            return sums, mass
+        g, e = ranks.shape
+        n = self.values.shape[1]
+        into = ranks % per
+        start = (ranks - into).clamp_max(n - per)  # a rank of N has no partial bin: start anywhere
+        at = (start[:, :, None] + self.offsets).view(g, e * per)
+        before = (self.offsets < into[:, :, None]).to(torch.float32)  # the bin's values that lie before the rank
+        values = self.values.gather(1, at).view(g, e, per)
+        if self.weights is None:
+            return sums + (values * before).sum(dim=2).to(torch.float64), None
+        weights = self.weights.gather(1, at).view(g, e, per) * before
+        return (sums + (weights * values).sum(dim=2).to(torch.float64),
+                mass + weights.sum(dim=2).to(torch.float64))
 
 
 def companded_start(xs: torch.Tensor, clusters: int, points: int = COMPANDING_POINTS) -> torch.Tensor:
@@ -145,7 +185,7 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     groups, n = flat.shape
     per_value = None
     if importance is not None:  # (size * rest,): the weight of each value of a group, the same for every group
-        per_row = np.broadcast_to(np.asarray(importance, np.float64).reshape((-1,) + (1,) * (weight.ndim - 2)),
+        per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
                                   weight.shape[1:])
         per_value = np.broadcast_to(per_row, (size,) + per_row.shape).reshape(-1)
     step = max(1, BATCH_ELEMENTS // n)  # groups per batch: the sort and prefix sums of one batch at a time
