@@ -51,6 +51,30 @@ def test_kmeans_is_close_to_the_optimum(dist):
         assert ours <= 1.05 * exact_kmeans_error(groups[g], k)  # within 5% of the best possible
 
 
+@pytest.mark.parametrize("n", [96, 100])  # a multiple of the bin size, and not (read value by value)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rank_sums_equal_prefix_sums_at_every_rank(n, weighted):
+    """Lloyd's cluster sums come from binned prefix sums plus the values of the bin a rank falls
+    in; at every rank 0..N they equal a plain float64 prefix sum (to the float32 rounding of a
+    bin's 8 values)."""
+    from llama_ane.quantize.kmeans import RankSums
+
+    rng = np.random.default_rng(3)
+    xs = np.sort(rng.standard_normal((3, n)).astype(np.float32), axis=1)
+    ws = rng.random((3, n)).astype(np.float32) if weighted else None
+    below = RankSums(torch.from_numpy(xs), None if ws is None else torch.from_numpy(ws))
+    ranks = torch.arange(n + 1).repeat(3, 1)
+    sums, mass = below(ranks)
+    w = np.ones_like(xs, np.float64) if ws is None else ws.astype(np.float64)
+    want = np.concatenate([np.zeros((3, 1)), np.cumsum(w * xs, axis=1)], axis=1)
+    np.testing.assert_allclose(sums.numpy(), want, rtol=0, atol=1e-5)  # ~float32 eps x the sums of |values|
+    if weighted:
+        want_mass = np.concatenate([np.zeros((3, 1)), np.cumsum(w, axis=1)], axis=1)
+        np.testing.assert_allclose(mass.numpy(), want_mass, rtol=0, atol=1e-5)
+    else:
+        assert mass is None
+
+
 def test_weighted_kmeans_lowers_the_weighted_error():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((32, 64, 1, 1)).astype(np.float16)

@@ -79,7 +79,8 @@ class RankSums:
     """Exact sums of weight * value, and of the weights, over the first r values of each row of
     `values` (G, N) with `weights` (G, N) (None: all 1, whose sums the ranks are), for any ranks r:
     from prefix sums over bins of BIN_VALUES values plus the few values of the bin r falls in. An
-    eighth of the memory traffic of prefix sums over every value, for the same float64 sums."""
+    eighth of the memory traffic of prefix sums over every value, for the same float64 sums up
+    to the float32 rounding of each bin's sum."""
 
     def __init__(self, values: torch.Tensor, weights: torch.Tensor | None = None, per: int = BIN_VALUES):
         g, n = values.shape
