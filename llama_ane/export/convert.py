@@ -382,6 +382,15 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
     Raises ConversionError naming the package when a worker fails or dies; the caller removes
     `folder`. Without `fork` (Windows) the jobs run one by one in this process.
     """
+    with deferred_sigint() as check_interrupt:  # a Ctrl-C from here on is acted on where it is safe
+        _convert_all(plan, ckpt, folder, workers, progress, importance, compressed, calibration, check_interrupt)
+
+
+def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
+                 progress: Callable[[PackageSpec], None] | None, importance: dict[str, np.ndarray] | None,
+                 compressed: Callable[[PackageSpec, int], None] | None, calibration: Callable[..., object] | None,
+                 check_interrupt: Callable[[], None]) -> None:
+    """The body of convert_all, with `check_interrupt()` raising a deferred Ctrl-C."""
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
     units = compression_units(plan)
@@ -425,9 +434,10 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
         elif progress:
             progress(job.spec)
 
-    from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
-
     try:
+        from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
+
+        check_interrupt()
         if "fork" not in multiprocessing.get_all_start_methods():
             todo = list(jobs)
             while todo:
@@ -437,8 +447,9 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
                 todo.remove(job)
                 job.run()
                 done(job)
+                check_interrupt()
         else:
-            _run_forked(jobs, scratch, max(1, workers), done)
+            _run_forked(jobs, scratch, max(1, workers), done, check_interrupt)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -450,34 +461,36 @@ def _never_ready(todo: list["_Job"]) -> ConversionError:
     return ConversionError(f"{waiting.what}: the calibration saved no statistics for it")
 
 
-def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None) -> None:
+def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None,
+                check_interrupt: Callable[[], None]) -> None:
+    """Run `jobs` in forked workers, at most `workers` at a time, each once it is ready;
+    `check_interrupt()` raises a deferred Ctrl-C (see deferred_sigint) between waits."""
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
     todo, running = list(jobs), {}
-    with deferred_sigint() as check_interrupt:
-        try:
-            while todo or running:
-                check_interrupt()
-                while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
-                    todo.remove(job)
-                    proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
-                    start_without_sigint(proc)
-                    running[proc.sentinel] = (proc, job)
-                if not running:  # nothing runs and nothing can start: what it waits for will never come
-                    raise _never_ready(todo)
-                # a bounded wait, so that a deferred Ctrl-C is acted on promptly
-                finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS)
-                for sentinel in finished:
-                    proc, job = running.pop(sentinel)
-                    proc.join()
-                    if proc.exitcode != 0:
-                        detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
-                        if detail:
-                            raise ConversionError(f"{job.what} failed: {detail}")
-                        raise _death(job, proc.exitcode)
-                    if done:
-                        done(job)
-        finally:
-            for proc, _ in running.values():
-                proc.kill()
+    try:
+        while todo or running:
+            check_interrupt()
+            while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
+                todo.remove(job)
+                proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
+                start_without_sigint(proc)
+                running[proc.sentinel] = (proc, job)
+            if not running:  # nothing runs and nothing can start: what it waits for will never come
+                raise _never_ready(todo)
+            # a bounded wait, so that a deferred Ctrl-C is acted on promptly
+            finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS)
+            for sentinel in finished:
+                proc, job = running.pop(sentinel)
                 proc.join()
+                if proc.exitcode != 0:
+                    detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                    if detail:
+                        raise ConversionError(f"{job.what} failed: {detail}")
+                    raise _death(job, proc.exitcode)
+                if done:
+                    done(job)
+    finally:
+        for proc, _ in running.values():
+            proc.kill()
+            proc.join()
