@@ -121,7 +121,7 @@ def calibration_tokens(config) -> int:
     """How many calibration tokens a model gets: its float32 pass costs layer weights x tokens, so
     larger models get fewer, down to 128 (SmolLM2-135M: 512; Llama-3.2-1B, 3B and 8B: 128).
     The statistics are per-channel mean squares, which a few hundred tokens already settle."""
-    from .chunks.plan import layer_weight_bytes
+    from .contract.plan import layer_weight_bytes  # (the planner sizes chunks by it)
 
     weights = layer_weight_bytes(config, 1) * config.num_hidden_layers
     fewest, most = CALIBRATION_TOKENS
