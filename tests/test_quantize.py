@@ -4,6 +4,8 @@ and tiny exports whose compressed programs run on the mil and torch backends ali
 from __future__ import annotations
 
 import json
+import os
+import signal
 import shutil
 from pathlib import Path
 
@@ -542,3 +544,69 @@ def test_a_unit_whose_statistics_never_come_is_a_clear_error(tiny_checkpoint, tm
                                                   quantize=QuantizeOptions.from_cli("lut4")))
     with pytest.raises(convert.ConversionError, match="the calibration saved no statistics"):
         convert.convert_all(plan, ckpt, tmp_path, workers=2, calibration=lambda on_found: None)
+
+
+def _small_units_plan(tiny_checkpoint, monkeypatch):
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import convert
+
+    monkeypatch.setattr(convert, "UNIT_WEIGHTS", 2000)
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, branch_width=0,
+                                                  quantize=QuantizeOptions.from_cli("lut4", lm_head="lut6")))
+    return ckpt, plan
+
+
+def test_compression_units_run_in_kept_workers(tiny_checkpoint, tmp_path, monkeypatch):
+    """Units go to workers kept for them (one per slot, reused from unit to unit); builds still get a
+    process each, which an idle kept worker makes room for."""
+    from llama_ane.export import convert
+
+    ckpt, plan = _small_units_plan(tiny_checkpoint, monkeypatch)
+    pids = tmp_path / "pids"
+    real_unit, real_build = convert.compress_unit, convert.build_package
+
+    def unit(*args, **kwargs):
+        with open(pids, "a") as f:
+            f.write(f"unit {os.getpid()}\n")
+        return real_unit(*args, **kwargs)
+
+    def build(*args, **kwargs):
+        with open(pids, "a") as f:
+            f.write(f"build {os.getpid()}\n")
+        return real_build(*args, **kwargs)
+    monkeypatch.setattr(convert, "compress_unit", unit)
+    monkeypatch.setattr(convert, "build_package", build)
+    (tmp_path / "out").mkdir()
+    convert.convert_all(plan, ckpt, tmp_path / "out", workers=2, importance={})
+    runs = [line.split() for line in pids.read_text().splitlines()]
+    units = [pid for kind, pid in runs if kind == "unit"]
+    builds = [pid for kind, pid in runs if kind == "build"]
+    assert len(units) == len(convert.compression_units(plan)) > 4
+    assert len(set(units)) <= len(units) // 2  # kept workers, not one process per unit
+    assert len(builds) == len(plan.packages) == len(set(builds)) and not set(builds) & set(units)
+    assert all((tmp_path / "out" / spec.file).exists() for spec in plan.packages)
+
+
+@pytest.mark.parametrize("how, words", [("raises", r"compressing .* failed: ValueError: bad unit"),
+                                        ("is killed", r"compressing .* killed by signal 9")])
+def test_a_failing_unit_in_a_kept_worker_is_a_clear_error(tiny_checkpoint, tmp_path, monkeypatch, how, words):
+    from llama_ane.export import convert
+
+    ckpt, plan = _small_units_plan(tiny_checkpoint, monkeypatch)
+    real_unit, calls = convert.compress_unit, tmp_path / "calls"
+
+    def unit(*args, **kwargs):
+        with open(calls, "a") as f:
+            f.write("x")
+        if len(calls.read_text()) == 3:  # the third unit, in a worker that already ran one
+            if how == "raises":
+                raise ValueError("bad unit")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_unit(*args, **kwargs)
+    monkeypatch.setattr(convert, "compress_unit", unit)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(convert.ConversionError, match=words):
+        convert.convert_all(plan, ckpt, tmp_path / "out", workers=2, importance={})
+    assert not (tmp_path / "out" / ".scratch").exists()

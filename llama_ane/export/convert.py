@@ -9,8 +9,10 @@ memory (see budget.py); the largest jobs go first so the workers finish together
 Compressed exports first compress their weights in small units, a layer or a block of vocabulary
 rows each (`compression_units`), spread over the same workers and saved into the export's scratch
 folder: compression is most of their work, and a compressed package can hold many layers (all 16
-of a 1B model in lut4), so compressing per package would leave all but one worker idle. Each
-package's build then reads its compressed weights back instead of the dense ones.
+of a 1B model in lut4), so compressing per package would leave all but one worker idle. Units run
+in workers kept from one unit to the next (a fresh process spent a third of a unit's time faulting
+in new memory). Each package's build then reads its compressed weights back instead of the dense
+ones.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ class WeightRows:
 
     @property
     def file(self) -> str:
-        """Where their payload is saved, inside the scratch folder."""
-        return f"{self.spec.file}.{self.name}.{self.start:07d}.npz"
+        """The folder their payload is saved in (one .npy per array), inside the scratch folder."""
+        return f"{self.spec.file}.{self.name}.{self.start:07d}"
 
 
 @dataclass(frozen=True)
@@ -220,8 +222,10 @@ def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scr
         arrays = {"codes": payload.codes, "table": payload.table}
         if payload.offset is not None:
             arrays["offset"] = payload.offset
-        part = scratch / (piece.file + ".partial.npz")
-        np.savez(part, **arrays)
+        part = scratch / (piece.file + ".partial")  # raw .npy files: no zip to checksum on either side
+        part.mkdir()
+        for key, array in arrays.items():
+            np.save(part / f"{key}.npy", array)
         part.rename(scratch / piece.file)
 
 
@@ -237,9 +241,10 @@ def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
     for name, parts in pieces.items():
         payloads = []
         for piece in parts:
-            with np.load(scratch / piece.file) as z:
-                payloads.append(Payload(plan.compression(name), z["codes"], z["table"], z["codes"].shape,
-                                        z["offset"] if "offset" in z.files else None))
+            folder = scratch / piece.file
+            codes, offset = np.load(folder / "codes.npy"), folder / "offset.npy"
+            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape,
+                                    np.load(offset) if offset.exists() else None))
         found[name] = join(payloads)
     return found
 
@@ -332,25 +337,56 @@ class _Job:
     weights: int  # its size, for messages
     ready: Callable[[], bool] = lambda: True
     builds: bool = True  # builds `spec` (else compresses some of its weights, or calibrates)
+    reusable: bool = False  # may run in a worker that ran jobs before it (see _reused_worker)
 
 
 POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
 
 
-def _worker(job: _Job, scratch: Path, errors) -> None:
-    """Body of a forked worker: run one job, report a failure through `errors`."""
+def _worker_setup(scratch: Path) -> None:
+    """First thing in a forked worker."""
     ignore_sigint()  # the parent stops the workers on Ctrl-C
     import torch
 
     torch.set_num_threads(1)
     tempfile.tempdir = str(scratch)  # coremltools' temporary weight folders stay inside the export
+
+
+def _fail(exc: BaseException, errors) -> None:
+    """Report a job's failure through `errors` and end this worker (the parent turns it into a
+    ConversionError)."""
+    errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+    sys.stdout.flush()  # what the job printed (os._exit flushes nothing)
+    os._exit(1)
+
+
+def _worker(job: _Job, scratch: Path, errors) -> None:
+    """Body of a forked worker for one job: run it, report a failure through `errors`."""
+    _worker_setup(scratch)
     try:
         job.run()
-    except BaseException as exc:  # the parent turns this into a ConversionError
-        errors.put(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
-        os._exit(1)
-    finally:
-        sys.stdout.flush()  # what the job printed (os._exit flushes nothing)
+    except BaseException as exc:
+        _fail(exc, errors)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _reused_worker(jobs: list[_Job], conn, scratch: Path, errors) -> None:
+    """Body of a forked worker that runs reusable jobs one after another: the index of each in
+    `jobs` comes through `conn`, which gets it back once the job is done; None ends the worker.
+    Compression units are short, and most of a fresh process's time on one went into faulting in
+    new memory; this one keeps the memory it frees for its next job (see keep_freed_memory)."""
+    from .memory import keep_freed_memory
+
+    _worker_setup(scratch)
+    keep_freed_memory()
+    while (index := conn.recv()) is not None:
+        try:
+            jobs[index].run()
+        except BaseException as exc:
+            _fail(exc, errors)
+        sys.stdout.flush()
+        conn.send(index)
     os._exit(0)
 
 
@@ -416,7 +452,7 @@ def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
         for u in units:
             pending[u.spec.file] += 1
             jobs.append(_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found),
-                             u.weights, ready(u), builds=False))
+                             u.weights, ready(u), builds=False, reusable=True))
     # a package is built as soon as its weights are compressed (builds come first once ready: the
     # largest build is the longest job, and the other workers go on compressing meanwhile)
     jobs[:0] = [_Job(f"building {spec.file}", spec,
@@ -461,36 +497,83 @@ def _never_ready(todo: list["_Job"]) -> ConversionError:
     return ConversionError(f"{waiting.what}: the calibration saved no statistics for it")
 
 
+def _answered(conn) -> bool:
+    """Whether a kept worker sent back its job's index (else it ended: the pipe is closed)."""
+    try:
+        return conn.poll() and conn.recv() is not None
+    except EOFError:
+        return False
+
+
 def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None,
                 check_interrupt: Callable[[], None]) -> None:
-    """Run `jobs` in forked workers, at most `workers` at a time, each once it is ready;
-    `check_interrupt()` raises a deferred Ctrl-C (see deferred_sigint) between waits."""
+    """Run `jobs` in forked workers, at most `workers` processes at a time, each job once it is
+    ready: a reusable job in a worker kept for them (started when none is idle), any other in a
+    fresh process of its own, which an idle kept worker makes room for. `check_interrupt()`
+    raises a deferred Ctrl-C (see deferred_sigint) between waits."""
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
-    todo, running = list(jobs), {}
+    index = {id(job): i for i, job in enumerate(jobs)}
+    todo = list(jobs)
+    running: dict[object, tuple] = {}  # what signals the end (a pipe or a sentinel) -> (process, job, pipe or None)
+    idle: list[tuple] = []  # kept workers waiting for a job: (process, pipe)
+
+    def start(target, args, what: str):
+        proc = ctx.Process(target=target, args=args, name=what[:60], daemon=True)
+        start_without_sigint(proc)
+        return proc
+
+    def retire_idle() -> None:
+        proc, conn = idle.pop()
+        conn.send(None)
+        proc.join()
+
     try:
         while todo or running:
             check_interrupt()
             while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
                 todo.remove(job)
-                proc = ctx.Process(target=_worker, args=(job, scratch, errors), name=job.what[:60], daemon=True)
-                start_without_sigint(proc)
-                running[proc.sentinel] = (proc, job)
+                if job.reusable:
+                    if idle:
+                        proc, conn = idle.pop()
+                    else:
+                        conn, theirs = ctx.Pipe()
+                        proc = start(_reused_worker, (jobs, theirs, scratch, errors), "compression worker")
+                        theirs.close()
+                    conn.send(index[id(job)])
+                    running[conn] = (proc, job, conn)
+                else:
+                    if len(running) + len(idle) >= workers:
+                        retire_idle()
+                    proc = start(_worker, (job, scratch, errors), job.what)
+                    running[proc.sentinel] = (proc, job, None)
             if not running:  # nothing runs and nothing can start: what it waits for will never come
                 raise _never_ready(todo)
-            # a bounded wait, so that a deferred Ctrl-C is acted on promptly
-            finished = multiprocessing.connection.wait(list(running), timeout=POLL_SECONDS)
-            for sentinel in finished:
-                proc, job = running.pop(sentinel)
-                proc.join()
-                if proc.exitcode != 0:
-                    detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
-                    if detail:
-                        raise ConversionError(f"{job.what} failed: {detail}")
-                    raise _death(job, proc.exitcode)
+            # a bounded wait, so that a deferred Ctrl-C is acted on promptly; a kept worker that
+            # dies shows as its sentinel, a finished job as its pipe
+            waits = list(running) + [proc.sentinel for proc, _, conn in running.values() if conn is not None]
+            finished = set(multiprocessing.connection.wait(waits, timeout=POLL_SECONDS))
+            for key, (proc, job, conn) in list(running.items()):
+                if key not in finished and proc.sentinel not in finished:
+                    continue
+                del running[key]
+                if conn is not None and _answered(conn):
+                    idle.append((proc, conn))
+                else:
+                    proc.join()
+                    if proc.exitcode != 0 or conn is not None:
+                        detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                        if detail:
+                            raise ConversionError(f"{job.what} failed: {detail}")
+                        raise _death(job, proc.exitcode)
                 if done:
                     done(job)
+        while idle:
+            retire_idle()
     finally:
-        for proc, _ in running.values():
+        for proc, _, _ in running.values():
+            proc.kill()
+            proc.join()
+        for proc, _ in idle:
             proc.kill()
             proc.join()

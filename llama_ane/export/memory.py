@@ -140,3 +140,21 @@ def wait_and_sample(proc, meter: PeakMemory, poll: float = 0.2) -> int:
         meter.sample()
         time.sleep(poll)
     return proc.returncode
+
+
+def keep_freed_memory() -> None:
+    """Let this process reuse the memory it frees instead of handing it back to the system: with
+    glibc, large arrays are otherwise mapped afresh each time and every page faulted in again.
+    For a worker that runs many short jobs of the same size (its peak stays what one job needs).
+    Does nothing where the C library is not glibc."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    if not mallopt(M_MMAP_THRESHOLD, 1 << 30):  # allocations come from the heap
+        mallopt(M_MMAP_THRESHOLD, 32 << 20)  # the most some glibc versions allow
+    mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)  # and what is freed stays there for the next one
