@@ -39,7 +39,7 @@ SCHEMES = {  # name -> export options
     "int4/int8-vocab": ["--quantize", "int4", "--quantize-embeddings", "int8", "--quantize-lm-head", "int8"],
     # what else was tried for the lut6 and lut4 targets: where the loss is, and smaller LUT groups
     "lut6/fp16-vocab": ["--quantize", "lut6", "--quantize-embeddings", "none", "--quantize-lm-head", "none"],
-    "lut6-group8": ["--quantize", "lut6", "--group-size", "8"],
+    "lut6-group16": ["--quantize", "lut6", "--group-size", "16"],
     "lut6-group4": ["--quantize", "lut6", "--group-size", "4"],
     "lut4-group4": ["--quantize", "lut4", "--group-size", "4"],
 }
@@ -104,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    save(results)
+    return 1 if failed else 0
+
+
+def save(results: dict) -> None:
+    """Merge `results` into benchmarks/results/quantize_smollm2.json (rows of schemes no longer in
+    SCHEMES are dropped) and write the table, quantize_smollm2.md."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     file = RESULTS / "quantize_smollm2.json"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["commit"] = commit
     kept = json.loads(file.read_text()) if file.exists() else {}
     merged = {**kept, **results}
-    results = {name: merged[name] for name in [*SCHEMES, *merged] if name in merged}
+    results = {name: merged[name] for name in SCHEMES if name in merged}
     file.write_text(json.dumps(results, indent=2) + "\n")
     rows = ["| scheme | packages MB | perplexity | change vs fp16 | target | top-1 vs fp16 | mean KL |",
             "|---|---|---|---|---|---|---|"]
@@ -129,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join(rows) + "\n"
     (RESULTS / "quantize_smollm2.md").write_text(md)
     print("\n" + md)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def test_options_per_part_and_defaults():
     assert q.compression("embeddings", "iOS18") is None
     assert QuantizeOptions.from_cli("int4").compression("mlp", "iOS18") == Compression("int4", block_size=32)
     assert QuantizeOptions.from_cli("int8").compression("mlp", "iOS16") == Compression("int8", symmetric=True)
-    assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 16}
+    assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 8}
 
 
 @pytest.mark.parametrize("kwargs, target, words", [

@@ -41,7 +41,8 @@ from .errors import user_errors
 @click.option("--quantize-mlp", metavar="SCHEME", help="Scheme of the MLP projections [default: --quantize].")
 @click.option("--quantize-lm-head", metavar="SCHEME", help="Scheme of the LM head [default: --quantize].")
 @click.option("--group-size", type=int, default=None,
-              help=f"Output channels sharing one LUT [default: {DEFAULT_GROUP_SIZE} on iOS18/macOS15; 0 = one per tensor].")
+              help="Output channels sharing one LUT [default on iOS18/macOS15: "
+                   f"{', '.join(f'{n} for {s}' for s, n in DEFAULT_GROUP_SIZE.items())}; 0 = one per tensor].")
 @click.option("--block-size", type=int, default=None,
               help="Input channels sharing one scale [default: 32 for int4, 0 (one per output channel) for int8].")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["inputs", "state"]), default="inputs", show_default=True,
