@@ -589,6 +589,27 @@ def test_compression_units_run_in_kept_workers(tiny_checkpoint, tmp_path, monkey
     assert all((tmp_path / "out" / spec.file).exists() for spec in plan.packages)
 
 
+def test_a_kept_worker_that_grew_past_its_share_leaves(tiny_checkpoint, tmp_path, monkeypatch):
+    """A kept worker whose memory grew by more than a compression worker's share of the memory
+    plan goes after its unit (here every unit: a share of nothing), and the export goes on."""
+    from llama_ane.export import budget, convert
+
+    ckpt, plan = _small_units_plan(tiny_checkpoint, monkeypatch)
+    monkeypatch.setattr(budget, "COMPRESS_BYTES", -1)
+    pids, real_unit = tmp_path / "pids", convert.compress_unit
+
+    def unit(*args, **kwargs):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_unit(*args, **kwargs)
+    monkeypatch.setattr(convert, "compress_unit", unit)
+    (tmp_path / "out").mkdir()
+    convert.convert_all(plan, ckpt, tmp_path / "out", workers=2, importance={})
+    runs = pids.read_text().split()
+    assert len(runs) == len(set(runs)) == len(convert.compression_units(plan))
+    assert all((tmp_path / "out" / spec.file).exists() for spec in plan.packages)
+
+
 @pytest.mark.parametrize("how, words", [("raises", r"compressing .* failed: ValueError: bad unit"),
                                         ("is killed", r"compressing .* killed by signal 9")])
 def test_a_failing_unit_in_a_kept_worker_is_a_clear_error(tiny_checkpoint, tmp_path, monkeypatch, how, words):

@@ -373,20 +373,27 @@ def _worker(job: _Job, scratch: Path, errors) -> None:
 
 def _reused_worker(jobs: list[_Job], conn, scratch: Path, errors) -> None:
     """Body of a forked worker that runs reusable jobs one after another: the index of each in
-    `jobs` comes through `conn`, which gets it back once the job is done; None ends the worker.
-    Compression units are short, and most of a fresh process's time on one went into faulting in
-    new memory; this one keeps the memory it frees for its next job (see keep_freed_memory)."""
-    from .memory import keep_freed_memory
+    `jobs` comes through `conn`, which gets back (index, whether the worker stays) once the job is
+    done; None ends the worker. Compression units are short, and most of a fresh process's time on
+    one went into faulting in new memory; this one keeps the memory it frees for its next job (see
+    keep_freed_memory), and leaves once its private memory has grown by more than a compression
+    worker's share of the memory plan (budget.COMPRESS_BYTES)."""
+    from . import budget
+    from .memory import keep_freed_memory, private_bytes
 
     _worker_setup(scratch)
     keep_freed_memory()
+    start = private_bytes(os.getpid())
     while (index := conn.recv()) is not None:
         try:
             jobs[index].run()
         except BaseException as exc:
             _fail(exc, errors)
         sys.stdout.flush()
-        conn.send(index)
+        stays = private_bytes(os.getpid()) - start <= budget.COMPRESS_BYTES
+        conn.send((index, stays))
+        if not stays:
+            break
     os._exit(0)
 
 
@@ -497,12 +504,16 @@ def _never_ready(todo: list["_Job"]) -> ConversionError:
     return ConversionError(f"{waiting.what}: the calibration saved no statistics for it")
 
 
-def _answered(conn) -> bool:
-    """Whether a kept worker sent back its job's index (else it ended: the pipe is closed)."""
+def _answered(conn) -> tuple[bool, bool]:
+    """(whether a kept worker sent back its job's index, whether it stays for another job); a
+    worker that did not answer ended (the pipe is closed)."""
     try:
-        return conn.poll() and conn.recv() is not None
+        if conn.poll():
+            _, stays = conn.recv()
+            return True, stays
     except EOFError:
-        return False
+        pass
+    return False, False
 
 
 def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None,
@@ -527,6 +538,7 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
         proc, conn = idle.pop()
         conn.send(None)
         proc.join()
+        conn.close()
 
     try:
         while todo or running:
@@ -557,8 +569,12 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                 if key not in finished and proc.sentinel not in finished:
                     continue
                 del running[key]
-                if conn is not None and _answered(conn):
+                answered, stays = _answered(conn) if conn is not None else (False, False)
+                if stays:
                     idle.append((proc, conn))
+                elif answered:  # done, and gone to give back what it held
+                    proc.join()
+                    conn.close()
                 else:
                     proc.join()
                     if proc.exitcode != 0 or conn is not None:

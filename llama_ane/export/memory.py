@@ -81,6 +81,19 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+def private_bytes(pid: int) -> int:
+    """Memory only this process maps (its private pages: what it allocated or copied on write, not
+    what it shares with its parent), 0 if it is gone or unreadable."""
+    total = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def tree_pss_bytes(root: int | None = None) -> int:
     """Summed PSS of `root` (default: this process) and its descendants."""
     return sum(pss_bytes(p) for p in tree_pids(os.getpid() if root is None else root))
