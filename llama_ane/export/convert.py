@@ -10,8 +10,8 @@ Compressed exports first compress their weights in small units, a layer or a blo
 rows each (`compression_units`), spread over the same workers and saved into the export's scratch
 folder: compression is most of their work, and a compressed package can hold many layers (all 16
 of a 1B model in lut4), so compressing per package would leave all but one worker idle. Units run
-in workers kept from one unit to the next (a fresh process spent a third of a unit's time faulting
-in new memory). Each package's build then reads its compressed weights back instead of the dense
+in workers kept from one unit to the next (a fresh process per unit faulted in all of its working
+memory again). Each package's build then reads its compressed weights back instead of the dense
 ones.
 """
 
@@ -374,8 +374,8 @@ def _worker(job: _Job, scratch: Path, errors) -> None:
 def _reused_worker(jobs: list[_Job], conn, scratch: Path, errors) -> None:
     """Body of a forked worker that runs reusable jobs one after another: the index of each in
     `jobs` comes through `conn`, which gets back (index, whether the worker stays) once the job is
-    done; None ends the worker. Compression units are short, and most of a fresh process's time on
-    one went into faulting in new memory; this one keeps the memory it frees for its next job (see
+    done; None ends the worker. Compression units are short, and a fresh process per unit faulted in
+    all of its working memory again; this one keeps the memory it frees for its next job (see
     keep_freed_memory), and leaves once its private memory has grown by more than a compression
     worker's share of the memory plan (budget.COMPRESS_BYTES)."""
     from . import budget
