@@ -546,6 +546,10 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
             while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
                 todo.remove(job)
                 if job.reusable:
+                    while idle and not idle[-1][0].is_alive():  # gone while it waited: start another
+                        gone, pipe = idle.pop()
+                        gone.join()
+                        pipe.close()
                     if idle:
                         proc, conn = idle.pop()
                     else:
