@@ -77,6 +77,30 @@ def test_rank_sums_equal_prefix_sums_at_every_rank(n, weighted):
         assert mass is None
 
 
+
+@pytest.mark.parametrize("n", [96, 100])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rank_search_is_searchsorted_and_its_sums(n, weighted):
+    """The search over bin starts then within a bin gives torch.searchsorted's ranks (ties,
+    targets below every value and above every value included) and the sums at those ranks."""
+    from llama_ane.quantize.kmeans import RankSums
+
+    rng = np.random.default_rng(4)
+    xs = np.sort(rng.integers(-20, 20, (3, n)).astype(np.float32) / 4, axis=1)  # many ties
+    ws = rng.random((3, n)).astype(np.float32) if weighted else None
+    below = RankSums(torch.from_numpy(xs), None if ws is None else torch.from_numpy(ws))
+    targets = np.sort(np.concatenate([xs[:, ::7], xs[:, ::11] + 0.1, np.full((3, 2), -9.0), np.full((3, 2), 9.0)],
+                                     axis=1), axis=1)
+    t = torch.from_numpy(np.ascontiguousarray(targets))
+    ranks, sums, mass = below.search(t)
+    assert torch.equal(ranks, torch.searchsorted(torch.from_numpy(xs), t))
+    want_sums, want_mass = below(ranks)
+    assert torch.equal(sums, want_sums) if n % 8 else torch.allclose(sums, want_sums, rtol=0, atol=1e-5)
+    assert (mass is None) == (not weighted)
+    if weighted:
+        assert torch.allclose(mass, want_mass, rtol=0, atol=1e-5)
+    assert (ranks[:, :2] == 0).all() and (ranks[:, -2:] == n).all()
+
 def test_weighted_kmeans_lowers_the_weighted_error():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((32, 64, 1, 1)).astype(np.float16)

@@ -62,10 +62,10 @@ def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
     edges[:, 0], edges[:, -1] = 0, n
     for _ in range(iterations):
         midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32)
-        edges[:, 1:-1] = torch.searchsorted(xs_t, midpoints.contiguous())  # cluster j: xs[edges[j]:edges[j+1]]
-        sums, mass = below(edges)
-        sums = torch.diff(sums, dim=1)  # (G, K): each cluster's weighted sum and weight
-        counts = torch.diff(edges, dim=1).to(torch.float64) if mass is None else torch.diff(mass, dim=1)
+        ranks, sums, mass = below.search(midpoints.contiguous())
+        edges[:, 1:-1] = ranks  # cluster j: xs[edges[j]:edges[j+1]]
+        sums = torch.diff(below.around(sums), dim=1)  # (G, K): each cluster's weighted sum and weight
+        counts = torch.diff(edges, dim=1).to(torch.float64) if mass is None else torch.diff(below.around(mass, 1), dim=1)
         moved = torch.where(counts > 0, sums / counts.clamp_min(1e-300), centroids)
         moved, _ = torch.sort(moved, dim=1)
         shift = ((moved - centroids).abs().amax(dim=1) / span).max()
@@ -95,6 +95,36 @@ class RankSums:
         self.sums = self._prefix(sums)
         self.mass = None if mass is None else self._prefix(mass)
         self.offsets = torch.arange(self.per)
+        self.starts = values[:, ::self.per].contiguous()  # (G, B): each bin's first value, for `search`
+
+    def around(self, inner: torch.Tensor, which: int = 0) -> torch.Tensor:
+        """(G, E) sums before inner ranks -> (G, E + 2) with the sums before rank 0 (nothing) and
+        rank N (everything) on either side; `which` 0: of weight * value, 1: of the weights."""
+        total = (self.sums if which == 0 else self.mass)[:, -1:]
+        return torch.cat([torch.zeros_like(total), inner, total], dim=1)
+
+    def search(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For targets (G, E) float32: how many values of each row lie below each target (the
+        rank torch.searchsorted gives, left side), and the sums before those ranks as `self(ranks)`
+        gives them. The search runs over the bins' first values (an eighth of the row: it stays in
+        cache), then among the 8 values of the bin it lands in, which the sums read anyway."""
+        per = self.per
+        if per == 1:
+            ranks = torch.searchsorted(self.values, targets)
+            return (ranks, *self(ranks))
+        g, e = targets.shape
+        bins = (torch.searchsorted(self.starts, targets) - 1).clamp_min(0)  # the last bin starting below
+        at = (bins[:, :, None] * per + self.offsets).view(g, e * per)
+        values = self.values.gather(1, at).view(g, e, per)
+        before = values < targets[:, :, None]  # the bin's values below the target: all of those ahead of it
+        ranks = bins * per + before.sum(dim=2)
+        sums = self.sums.gather(1, bins)
+        weights = before.to(torch.float32) if self.weights is None else \
+            self.weights.gather(1, at).view(g, e, per) * before
+        if self.mass is None:
+            return ranks, sums + (values * weights).sum(dim=2).to(torch.float64), None
+        return (ranks, sums + (weights * values).sum(dim=2).to(torch.float64),
+                self.mass.gather(1, bins) + weights.sum(dim=2).to(torch.float64))
 
     @staticmethod
     def _prefix(bins: torch.Tensor) -> torch.Tensor:
