@@ -66,6 +66,31 @@ final class ConversationTests: XCTestCase {
         XCTAssertEqual(model.failures, [])
     }
 
+    func testSpeculativeTurnsReplyAsPlainTurnsDo() async throws {
+        let tokenizer = try smolLM2()
+        let vocab = 10  // the tree model's logits cycle, so prompt lookup finds its drafts
+        var replies: [[[Int]]] = []
+        for speculative in [nil, SpeculativeDecoding.promptLookup(adaptive: false)] {
+            // logits cover the tokenizer's ids: prompt lookup may draft the prompt's
+            let model = FakeTreeModel.TreePredictor(contextLength: 512, prefillLength: 16, verifyWindow: 8, vocab: vocab,
+                                                    size: 49152)  // SmolLM2's vocabulary
+            let generator = Generator(predictor: model, eosTokenIds: [])
+            let conversation = try Conversation(generator: generator, tokenizer: tokenizer, system: "You are terse.")
+            var turns: [[Int]] = []
+            for text in ["Hello there!", "And again?"] {
+                let prompt = try conversation.promptTokens(for: conversation.messages + [ChatMessage(role: "user", content: text)])
+                let (reply, stats) = try await conversation.sendAll(text, maxNewTokens: 24, speculative: speculative)
+                XCTAssertEqual(reply, FakeTreeModel.reference(prompt: prompt.tokens, maxNewTokens: 24, vocab: vocab))
+                XCTAssertEqual(stats.speculative == nil, speculative == nil)
+                if let spec = stats.speculative { XCTAssertGreaterThan(spec.acceptedTokens, 0) }
+                turns.append(reply)
+            }
+            XCTAssertEqual(model.problems, [])
+            replies.append(turns)
+        }
+        XCTAssertEqual(replies[0], replies[1])
+    }
+
     func testATemplateThatRewritesEarlierTurnsKeepsTheCommonPrefix() async throws {
         let tokenizer = try smolLM2()
         // Marks the latest message, so a new turn changes the text of the previous one.

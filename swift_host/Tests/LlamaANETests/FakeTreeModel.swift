@@ -5,10 +5,12 @@
 enum FakeTreeModel {
     /// Logits that depend on the last token and on the parity of the history's length: greedy text
     /// soon cycles, but a token at a wrong position or after a wrong ancestor gets other logits.
-    static func logits(_ history: [Int], vocab: Int) -> [Float] {
+    /// `size` > `vocab` pads the logits with ids the model never picks (a prompt from a real
+    /// tokenizer holds such ids, and prompt lookup may draft them).
+    static func logits(_ history: [Int], vocab: Int, size: Int? = nil) -> [Float] {
         let last = UInt64(truncatingIfNeeded: history.last ?? 0)
         var rng = SeededRandom(seed: last &* 0x9E37_79B9 &+ UInt64(history.count % 2))
-        return (0..<vocab).map { _ in Float(rng.nextUnit()) * 4 }
+        return (0..<vocab).map { _ in Float(rng.nextUnit()) * 4 } + Array(repeating: -1, count: max(0, (size ?? vocab) - vocab))
     }
 
     /// What plain greedy or sampled decoding gives: the model recomputed on the full history.
@@ -53,7 +55,11 @@ enum FakeTreeModel {
         var writes: [(position: Int, tokens: [Int], accepted: Bool)] = []
         var verified: [TreeWindow] = []
 
-        init(contextLength: Int, prefillLength: Int, verifyWindow: Int, vocab: Int) {
+        /// Entries of each logits row (see `logits`).
+        var size: Int?
+
+        init(contextLength: Int, prefillLength: Int, verifyWindow: Int, vocab: Int, size: Int? = nil) {
+            self.size = size
             self.contextLength = contextLength
             self.prefillLength = prefillLength
             self.verifyWindow = verifyWindow
@@ -65,7 +71,7 @@ enum FakeTreeModel {
             let real = window.tokens[..<window.count].map(Int.init)
             cache = Array(cache.prefix(window.position)) + real
             writes.append((window.position, real, false))
-            return FakeTreeModel.logits(cache, vocab: vocab)
+            return FakeTreeModel.logits(cache, vocab: vocab, size: size)
         }
 
         func verify(_ window: TreeWindow) async throws -> [[Float]] {
@@ -75,7 +81,8 @@ enum FakeTreeModel {
             if window.tokens[window.count...].contains(where: { $0 != 0 }) { problems.append("padding is not 0") }
             verified.append(window)
             return (0..<window.count).map { i in
-                FakeTreeModel.logits(FakeTreeModel.visibleHistory(window, column: i, cached: cache, problems: &problems), vocab: vocab)
+                FakeTreeModel.logits(FakeTreeModel.visibleHistory(window, column: i, cached: cache, problems: &problems), vocab: vocab,
+                                     size: size)
             }
         }
 

@@ -60,15 +60,18 @@ public final class Conversation: @unchecked Sendable {
     public var tokens: [Int] { locked { $0.tokens } }
 
     /// Adds the user's `text` and streams the assistant's reply, generated on the shared cache.
-    /// The `finished` stats say how many prompt tokens were reused and prefilled.
-    public func send(_ text: String, maxNewTokens: Int, sampling: SamplingParameters = .greedy)
-        -> AsyncThrowingStream<GenerationEvent, Error>
+    /// The `finished` stats say how many prompt tokens were reused and prefilled. With
+    /// `speculative`, the reply is decoded speculatively (see `Generator`): the same tokens greedily,
+    /// and the stats count its verify steps.
+    public func send(_ text: String, maxNewTokens: Int, sampling: SamplingParameters = .greedy,
+                     speculative: SpeculativeDecoding? = nil) -> AsyncThrowingStream<GenerationEvent, Error>
     {
         AsyncThrowingStream { continuation in
             let task = Task {
                 do {
                     try await self.turns.run {
-                        try await self.turn(text, maxNewTokens: maxNewTokens, sampling: sampling) { continuation.yield($0) }
+                        try await self.turn(text, maxNewTokens: maxNewTokens, sampling: sampling,
+                                            speculative: speculative) { continuation.yield($0) }
                     }
                     continuation.finish()
                 } catch {
@@ -80,11 +83,11 @@ public final class Conversation: @unchecked Sendable {
     }
 
     /// Sends `text` and waits for the whole reply: its token ids and the stats.
-    public func sendAll(_ text: String, maxNewTokens: Int, sampling: SamplingParameters = .greedy)
-        async throws -> (tokens: [Int], stats: GenerationStats)
+    public func sendAll(_ text: String, maxNewTokens: Int, sampling: SamplingParameters = .greedy,
+                        speculative: SpeculativeDecoding? = nil) async throws -> (tokens: [Int], stats: GenerationStats)
     {
         var tokens: [Int] = []
-        for try await event in send(text, maxNewTokens: maxNewTokens, sampling: sampling) {
+        for try await event in send(text, maxNewTokens: maxNewTokens, sampling: sampling, speculative: speculative) {
             switch event {
             case let .token(id, _): tokens.append(id)
             case let .finished(stats): return (tokens, stats)
@@ -112,7 +115,7 @@ public final class Conversation: @unchecked Sendable {
     }
 
     private func turn(_ text: String, maxNewTokens: Int, sampling: SamplingParameters,
-                      emit: (GenerationEvent) -> Void) async throws {
+                      speculative: SpeculativeDecoding?, emit: (GenerationEvent) -> Void) async throws {
         let messages = self.messages + [ChatMessage(role: "user", content: text)]
         let prompt = try promptTokens(for: messages)
         var generated: [Int] = []
@@ -132,7 +135,7 @@ public final class Conversation: @unchecked Sendable {
         }
         do {
             for try await event in generator.generate(prompt: prompt.tokens, maxNewTokens: maxNewTokens, sampling: sampling,
-                                                            overflow: overflow) {
+                                                            overflow: overflow, speculative: speculative) {
                 switch event {
                 case let .token(id, _): generated.append(id)
                 case .finished: record()  // before the consumer sees the end
