@@ -4,9 +4,10 @@ For palettization every group (one LUT's worth of output channels) needs its own
 values. Running them one by one is what makes palettizing a 1B model slow; here every group's
 Lloyd iterations run together as a few batched tensor ops on the sorted groups (see `lloyd`).
 
-Sorting is most of the cost, so fp16 weights are sorted by their bit patterns made order-keeping
-(`_fp16_keys`): numpy sorts 16-bit integers by radix, in linear time, and the same sort's order
-assigns every weight its code without searching (`lut_compress`).
+Sorting is a large part of the cost, so fp16 weights are sorted by their bit patterns made
+order-keeping (`_fp16_keys`): a group of up to 65536 values as one 32-bit word per value, key above
+index, by numpy's SIMD sort; larger groups by a radix sort of the keys (`_sort_rows`). The same
+sort's order assigns every weight its code without searching (`lut_compress`).
 
 Initialisation matters more than iterations in 1-D (Lloyd moves centroids across a group only
 slowly): the centroids start where the asymptotically optimal quantizer puts them
