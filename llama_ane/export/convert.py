@@ -242,9 +242,9 @@ def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
         payloads = []
         for piece in parts:
             folder = scratch / piece.file
-            codes, offset = np.load(folder / "codes.npy"), folder / "offset.npy"
-            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape,
-                                    np.load(offset) if offset.exists() else None))
+            codes = np.load(folder / "codes.npy")
+            offset = np.load(folder / "offset.npy") if (folder / "offset.npy").exists() else None
+            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape, offset))
         found[name] = join(payloads)
     return found
 
@@ -516,6 +516,27 @@ def _answered(conn) -> tuple[bool, bool]:
     return False, False
 
 
+@dataclass
+class _Running:
+    """A job under way: its process, and for a kept worker the pipe its answer comes through."""
+
+    proc: multiprocessing.process.BaseProcess
+    job: _Job
+    conn: object = None
+
+    def waits(self) -> list:
+        """What `multiprocessing.connection.wait` watches for it: the process ending (a death, or
+        a one-job worker done) and a kept worker's answer."""
+        return [self.proc.sentinel] + ([self.conn] if self.conn is not None else [])
+
+
+def _end(proc: multiprocessing.process.BaseProcess, conn=None) -> None:
+    """Reap a worker that has ended or is ending, and close its pipe."""
+    proc.join()
+    if conn is not None:
+        conn.close()
+
+
 def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None,
                 check_interrupt: Callable[[], None]) -> None:
     """Run `jobs` in forked workers, at most `workers` processes at a time, each job once it is
@@ -524,9 +545,9 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
     raises a deferred Ctrl-C (see deferred_sigint) between waits."""
     ctx = multiprocessing.get_context("fork")
     errors = ctx.SimpleQueue()
-    index = {id(job): i for i, job in enumerate(jobs)}
+    index = {id(job): i for i, job in enumerate(jobs)}  # what a kept worker is sent
     todo = list(jobs)
-    running: dict[object, tuple] = {}  # what signals the end (a pipe or a sentinel) -> (process, job, pipe or None)
+    running: list[_Running] = []
     idle: list[tuple] = []  # kept workers waiting for a job: (process, pipe)
 
     def start(target, args, what: str):
@@ -537,8 +558,7 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
     def retire_idle() -> None:
         proc, conn = idle.pop()
         conn.send(None)
-        proc.join()
-        conn.close()
+        _end(proc, conn)
 
     try:
         while todo or running:
@@ -547,9 +567,7 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                 todo.remove(job)
                 if job.reusable:
                     while idle and not idle[-1][0].is_alive():  # gone while it waited: start another
-                        gone, pipe = idle.pop()
-                        gone.join()
-                        pipe.close()
+                        _end(*idle.pop())
                     if idle:
                         proc, conn = idle.pop()
                     else:
@@ -557,43 +575,35 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                         proc = start(_reused_worker, (jobs, theirs, scratch, errors), "compression worker")
                         theirs.close()
                     conn.send(index[id(job)])
-                    running[conn] = (proc, job, conn)
+                    running.append(_Running(proc, job, conn))
                 else:
                     if len(running) + len(idle) >= workers:
                         retire_idle()
-                    proc = start(_worker, (job, scratch, errors), job.what)
-                    running[proc.sentinel] = (proc, job, None)
+                    running.append(_Running(start(_worker, (job, scratch, errors), job.what), job))
             if not running:  # nothing runs and nothing can start: what it waits for will never come
                 raise _never_ready(todo)
-            # a bounded wait, so that a deferred Ctrl-C is acted on promptly; a kept worker that
-            # dies shows as its sentinel, a finished job as its pipe
-            waits = list(running) + [proc.sentinel for proc, _, conn in running.values() if conn is not None]
-            finished = set(multiprocessing.connection.wait(waits, timeout=POLL_SECONDS))
-            for key, (proc, job, conn) in list(running.items()):
-                if key not in finished and proc.sentinel not in finished:
-                    continue
-                del running[key]
-                answered, stays = _answered(conn) if conn is not None else (False, False)
+            # a bounded wait, so that a deferred Ctrl-C is acted on promptly
+            finished = set(multiprocessing.connection.wait([w for r in running for w in r.waits()],
+                                                           timeout=POLL_SECONDS))
+            for r in [r for r in running if finished.intersection(r.waits())]:
+                running.remove(r)
+                answered, stays = _answered(r.conn) if r.conn is not None else (False, False)
                 if stays:
-                    idle.append((proc, conn))
+                    idle.append((r.proc, r.conn))
                 elif answered:  # done, and gone to give back what it held
-                    proc.join()
-                    conn.close()
+                    _end(r.proc, r.conn)
                 else:
-                    proc.join()
-                    if proc.exitcode != 0 or conn is not None:
-                        detail = errors.get() if proc.exitcode == 1 and not errors.empty() else None
+                    _end(r.proc)
+                    if r.proc.exitcode != 0 or r.conn is not None:
+                        detail = errors.get() if r.proc.exitcode == 1 and not errors.empty() else None
                         if detail:
-                            raise ConversionError(f"{job.what} failed: {detail}")
-                        raise _death(job, proc.exitcode)
+                            raise ConversionError(f"{r.job.what} failed: {detail}")
+                        raise _death(r.job, r.proc.exitcode)
                 if done:
-                    done(job)
+                    done(r.job)
         while idle:
             retire_idle()
     finally:
-        for proc, _, _ in running.values():
-            proc.kill()
-            proc.join()
-        for proc, _ in idle:
+        for proc in [r.proc for r in running] + [proc for proc, _ in idle]:
             proc.kill()
             proc.join()

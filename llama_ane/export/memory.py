@@ -70,28 +70,25 @@ def tree_pids(root: int) -> list[int]:
     return out
 
 
+def _rollup_bytes(pid: int, fields: tuple[str, ...]) -> int:
+    """The sum of `fields` ("Pss:", ...) of one process's /proc/PID/smaps_rollup, in bytes; 0 if it
+    is gone or unreadable."""
+    try:
+        return sum(int(line.split()[1]) * 1024
+                   for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines() if line.startswith(fields))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def pss_bytes(pid: int) -> int:
     """Proportional set size of one process, 0 if it is gone or unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return _rollup_bytes(pid, ("Pss:",))
 
 
 def private_bytes(pid: int) -> int:
     """Memory only this process maps (its private pages: what it allocated or copied on write, not
     what it shares with its parent), 0 if it is gone or unreadable."""
-    total = 0
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return 0
-    return total
+    return _rollup_bytes(pid, ("Private_Clean:", "Private_Dirty:"))
 
 
 def tree_pss_bytes(root: int | None = None) -> int:

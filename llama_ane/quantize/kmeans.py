@@ -65,8 +65,9 @@ def lloyd(xs: np.ndarray, clusters: int, ws: np.ndarray | None = None,
         midpoints = ((centroids[:, 1:] + centroids[:, :-1]) / 2).to(torch.float32)
         ranks, sums, mass = below.search(midpoints.contiguous())
         edges[:, 1:-1] = ranks  # cluster j: xs[edges[j]:edges[j+1]]
-        sums = torch.diff(below.around(sums), dim=1)  # (G, K): each cluster's weighted sum and weight
-        counts = torch.diff(edges, dim=1).to(torch.float64) if mass is None else torch.diff(below.around(mass, 1), dim=1)
+        sums = torch.diff(RankSums.with_ends(sums, below.sums), dim=1)  # (G, K): each cluster's weighted sum and weight
+        counts = (torch.diff(edges, dim=1).to(torch.float64) if mass is None else
+                  torch.diff(RankSums.with_ends(mass, below.mass), dim=1))
         moved = torch.where(counts > 0, sums / counts.clamp_min(1e-300), centroids)
         moved, _ = torch.sort(moved, dim=1)
         shift = ((moved - centroids).abs().amax(dim=1) / span).max()
@@ -98,10 +99,11 @@ class RankSums:
         self.offsets = torch.arange(self.per)
         self.starts = values[:, ::self.per].contiguous()  # (G, B): each bin's first value, for `search`
 
-    def around(self, inner: torch.Tensor, which: int = 0) -> torch.Tensor:
+    @staticmethod
+    def with_ends(inner: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
         """(G, E) sums before inner ranks -> (G, E + 2) with the sums before rank 0 (nothing) and
-        rank N (everything) on either side; `which` 0: of weight * value, 1: of the weights."""
-        total = (self.sums if which == 0 else self.mass)[:, -1:]
+        rank N (everything, the last of `prefix`: `sums` or `mass`) on either side."""
+        total = prefix[:, -1:]
         return torch.cat([torch.zeros_like(total), inner, total], dim=1)
 
     def search(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -237,10 +239,9 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     (its diagonal part) instead of the weights' own.
 
     Returns (indices uint8 of weight's shape, lut float (groups, 2^nbits) in weight's dtype): the
-    dense weight is lut[group of row, indices]. Groups are sorted in batches of about
-    BATCH_ELEMENTS weights; Lloyd's iterations then run on every group at once (an iteration costs
-    a few dozen small tensor ops whatever the number of groups), and that sort's order gives the
-    codes. Working memory: about 11 bytes per weight (sorted values, their weights, order, codes).
+    dense weight is lut[group of row, indices]. Groups are clustered in batches of about
+    BATCH_ELEMENTS weights, so a 128k x 4k embedding table needs no more working memory than one
+    MLP projection. Each batch is sorted once; that order gives the codes too.
     """
     rows = weight.shape[0]
     size = group_size or rows
@@ -250,7 +251,7 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     if importance is not None:  # (size * rest,): the weight of each value of a group, the same for every group
         per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
                                   weight.shape[1:])
-        per_value = np.ascontiguousarray(np.broadcast_to(per_row, (size,) + per_row.shape).reshape(-1))
+        per_value = np.broadcast_to(per_row, (size,) + per_row.shape).reshape(-1)
     step = max(1, BATCH_ELEMENTS // n)  # groups per batch: the sort and Lloyd of one batch at a time
     codes = np.empty((groups, n), np.uint8)
     luts = []
