@@ -42,6 +42,9 @@ SCHEMES = {  # name -> export options
     "lut6-group16": ["--quantize", "lut6", "--group-size", "16"],
     "lut6-group4": ["--quantize", "lut6", "--group-size", "4"],
     "lut4-group4": ["--quantize", "lut4", "--group-size", "4"],
+    # LUT values scaled and shifted per block of input channels (the bytes of int4 in blocks alike)
+    "lut4-block32": ["--quantize", "lut4", "--lut-block-size", "32"],
+    "lut4-block64": ["--quantize", "lut4", "--lut-block-size", "64"],
 }
 TARGETS = {"int8": 0.5, "lut8": 0.5, "lut6": 2.0, "int4": 8.0, "lut4": 8.0}  # max perplexity increase, %
 

@@ -137,7 +137,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  quantize: str = "none", quantize_embeddings: str | None = None,
                  quantize_attention: str | None = None, quantize_mlp: str | None = None,
                  quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
-                 kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                 lut_block_size: int | None = None, kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
     `verify_window` is W of the speculative "verify" functions (default 16; 0 with state caches,
@@ -147,7 +147,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
 
     `quantize` compresses every part's weights ("int8", "int4", "lut8", "lut6", "lut4"; default
     "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
-    `block_size` (input channels per scale) replace the defaults (see `llama_ane.quantize`).
+    `block_size` (input channels per scale) replace the defaults; `lut_block_size` scales and
+    shifts LUT values per row and block of that many input channels (see `llama_ane.quantize`).
 
     Packages are built one per worker process with only their own weights in memory; the number
     of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb` sets
@@ -164,7 +165,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     say = log or (lambda _m: None)
     compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
-                                           block_size=block_size)
+                                           block_size=block_size, lut_block_size=lut_block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
                          suffix_length, compression, kv_cache, verify_window)
     opts.check()
@@ -190,11 +191,11 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if compression.active:
         def granularity(d: dict) -> str:
-            if d.get("group_size") == 0:
-                return " (one LUT per tensor)"
-            if d.get("block_size") == 0:
-                return " (per channel)"
-            return f" (group {d['group_size']})" if "group_size" in d else f" (block {d['block_size']})" if "block_size" in d else ""
+            lut = ("one LUT per tensor" if d["group_size"] == 0 else f"group {d['group_size']}") if "group_size" in d else ""
+            block = ("" if "block_size" not in d else "per channel" if d["block_size"] == 0
+                     else f"block {d['block_size']}")
+            both = ", scaled per " if lut and block else ""
+            return f" ({lut}{both}{block})" if lut or block else ""
         stored, dense = sum(p.weight_bytes for p in plan.packages), sum(p.dense_bytes for p in plan.packages)
         say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" for part, d in opts.quantize.describe(target).items())
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")

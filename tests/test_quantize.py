@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from llama_ane.quantize import Compression, QuantizeError, QuantizeOptions, check_divides, stored_bytes
 from llama_ane.quantize.kmeans import kmeans_1d, lut_compress, lut_decompress
 from llama_ane.quantize.linear import int_compress, int_decompress
+from llama_ane.quantize.scaled_lut import scaled_lut_compress, scaled_lut_decompress
 
 
 # ---- numerics ----------------------------------------------------------------------------------------------------
@@ -128,6 +129,47 @@ def test_lut_round_trip(bits, group):
     assert rel < {4: 0.02, 6: 0.002, 8: 0.0002}[bits]
 
 
+def relative_error(dense: np.ndarray, w: np.ndarray) -> float:
+    return float(((dense.astype(np.float32) - w) ** 2).mean() / (w.astype(np.float32) ** 2).mean())
+
+
+def test_scaled_lut_reproduces_blocks_on_their_own_grids():
+    """A weight block-quantized before (every block of 32 on its own 16-value grid, as GGUF's Q4_1
+    makes them): a plain LUT per 16 rows cannot hold those grids, a scaled one holds them all."""
+    rng = np.random.default_rng(4)
+    scale = rng.uniform(0.005, 0.02, (64, 4, 1)).astype(np.float16).astype(np.float32)
+    low = (rng.standard_normal((64, 4, 1)) * 0.02).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (64, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15  # a block's min and max are its grid's ends
+    w = (q * scale + low).astype(np.float16).reshape(64, 128, 1, 1)
+    indices, lut, s, o = scaled_lut_compress(w, 4, 16, 32)
+    assert indices.shape == w.shape and indices.dtype == np.uint8 and indices.max() < 16
+    assert lut.shape == (4, 16) and s.shape == o.shape == (64, 4, 1, 1) and s.dtype == o.dtype == np.float16
+    scaled = relative_error(scaled_lut_decompress(indices, lut, s, o), w)
+    plain = relative_error(lut_decompress(*lut_compress(w, 4, 16)), w)
+    assert scaled < 1e-6 and plain > 1000 * scaled, (scaled, plain)
+
+
+def test_scaled_lut_beats_integer_blocks_of_the_same_size():
+    """Same bytes as int4 in blocks of 32 (codes, and a scale and offset per block) plus a LUT per
+    16 rows, which learns where in a block's range Gaussian weights are dense."""
+    w = (np.random.default_rng(5).standard_normal((128, 256, 1, 1)) * 0.02).astype(np.float16)
+    scaled = relative_error(scaled_lut_decompress(*scaled_lut_compress(w, 4, 16, 32)), w)
+    integer = relative_error(int_decompress(*int_compress(w, 4, 32)), w)
+    assert scaled < 0.97 * integer, (scaled, integer)
+
+
+def test_scaled_lut_weighs_important_input_channels():
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((32, 64, 1, 1)) * 0.02).astype(np.float16)
+    importance = np.where(np.arange(64) < 8, 100.0, 1.0).astype(np.float32)
+    errors = []
+    for imp in (None, importance):
+        dense = scaled_lut_decompress(*scaled_lut_compress(w, 3, 16, 0, imp))
+        errors.append(float((((dense - w.astype(np.float32)) ** 2) * importance[None, :, None, None]).sum()))
+    assert errors[1] < 0.95 * errors[0], errors
+
+
 @pytest.mark.parametrize("bits, block, symmetric", [(4, 32, False), (8, 0, False), (8, 0, True), (4, 16, True)])
 def test_integer_blocks_round_to_the_nearest_step(bits, block, symmetric):
     w = (np.random.default_rng(3).standard_normal((16, 64, 1, 1)) * 0.05).astype(np.float16)
@@ -221,6 +263,9 @@ def test_stored_bytes_count_codes_and_tables():
     # a scale and an offset (fp16) per row and block; no offsets when symmetric
     assert stored_bytes((64, 32), Compression("int4", block_size=16)) == 64 * 32 // 2 + 64 * 2 * (2 + 2)
     assert stored_bytes((64, 32), Compression("int8", block_size=0, symmetric=True)) == 64 * 32 + 64 * 2
+    # a scaled LUT: the codes, the LUTs, and a scale and an offset per row and block
+    assert (stored_bytes((64, 32), Compression("lut4", group_size=16, block_size=16, scaled=True))
+            == 64 * 32 // 2 + 4 * 16 * 2 + 64 * 2 * (2 + 2))
 
 
 # ---- options -----------------------------------------------------------------------------------------------------
@@ -234,6 +279,10 @@ def test_options_per_part_and_defaults():
     assert QuantizeOptions.from_cli("int4").compression("mlp", "iOS18") == Compression("int4", block_size=32)
     assert QuantizeOptions.from_cli("int8").compression("mlp", "iOS16") == Compression("int8", symmetric=True)
     assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 8}
+    scaled = QuantizeOptions.from_cli("lut4", embeddings="int8", lut_block_size=32)
+    assert scaled.compression("mlp", "iOS18") == Compression("lut4", group_size=16, block_size=32, scaled=True)
+    assert scaled.describe("iOS18")["mlp"] == {"scheme": "lut4", "group_size": 16, "block_size": 32}
+    assert scaled.compression("embeddings", "iOS18") == Compression("int8", block_size=0)  # not a LUT
 
 
 @pytest.mark.parametrize("kwargs, target, words", [
@@ -242,6 +291,8 @@ def test_options_per_part_and_defaults():
     (dict(quantize="int4"), "iOS17", ["int4", "iOS18", "int8 or lut4"]),
     (dict(quantize="lut4", group_size=16), "macOS14", ["--group-size", "macOS15"]),
     (dict(quantize="int8", block_size=32), "iOS16", ["--block-size", "iOS18"]),
+    (dict(quantize="lut6", lut_block_size=32), "iOS17", ["--lut-block-size", "iOS18"]),
+    (dict(quantize="lut4", lut_block_size=-1), "iOS18", ["--lut-block-size", ">= 0"]),
 ])
 def test_options_a_target_cannot_run_are_refused(kwargs, target, words):
     with pytest.raises(QuantizeError) as err:
@@ -254,6 +305,8 @@ def test_a_group_or_block_size_must_divide_the_channels():
         check_divides("w", (64, 32), Compression("lut4", group_size=48))
     with pytest.raises(QuantizeError, match="--block-size 24 does not divide the 32 input channels"):
         check_divides("w", (64, 32), Compression("int4", block_size=24))
+    with pytest.raises(QuantizeError, match="--lut-block-size 24 does not divide the 32 input channels"):
+        check_divides("w", (64, 32), Compression("lut4", group_size=16, block_size=24, scaled=True))
 
 
 def run_export(*args):
@@ -266,6 +319,7 @@ def run_export(*args):
     (["--quantize", "lut5"], ["lut5", "is not a scheme"]),
     (["--quantize", "int4", "--target", "iOS17"], ["int4", "iOS18"]),
     (["--quantize", "lut4", "--group-size", "48"], ["--group-size 48", "does not divide"]),
+    (["--quantize", "lut4", "--lut-block-size", "24"], ["--lut-block-size 24", "does not divide"]),
     (["--quantize", "lut4", "--precision", "fp32"], ["--precision fp32"]),
 ])
 def test_bad_quantize_options_are_one_error_line_and_nothing_written(tiny_checkpoint, tmp_path, options, words):
@@ -284,13 +338,15 @@ EXPORTS = {  # name -> (target, options)
     "lut": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", quantize_embeddings="lut8")),
     "int": ("iOS18", dict(quantize="int4", quantize_embeddings="int8", quantize_attention="int8")),
     "ios17": ("iOS17", dict(quantize="lut4", quantize_attention="int8")),
+    "scaled": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", quantize_embeddings="int8", lut_block_size=32)),
 }
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoint, tmp_path_factory):
-    """Tiny exports in every constexpr form: grouped LUTs, blockwise integers (iOS18) and the iOS16
-    forms (one LUT per tensor, int8 per channel) of an iOS17 target."""
+    """Tiny exports in every constexpr form: grouped LUTs, blockwise integers, scaled LUTs (a LUT
+    op feeding a blockwise one; iOS18) and the iOS16 forms (one LUT per tensor, int8 per channel)
+    of an iOS17 target."""
     from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
@@ -325,7 +381,8 @@ def test_manifest_records_the_schemes_and_the_bytes(quantized, name):
     target, options = EXPORTS[name]
     want = QuantizeOptions.from_cli(options["quantize"], embeddings=options.get("quantize_embeddings"),
                                     attention=options.get("quantize_attention"),
-                                    lm_head=options.get("quantize_lm_head")).describe(target)
+                                    lm_head=options.get("quantize_lm_head"),
+                                    lut_block_size=options.get("lut_block_size")).describe(target)
     assert m["quantization"] == want
     for model, w in m["weights"].items():
         if model != "cache_update":
@@ -344,6 +401,12 @@ def test_inspect_reports_compressed_and_dense_bytes(quantized):
     assert fn.dense_weight_bytes > 2 * fn.weight_bytes > 0
     assert "constexpr_lut_to_dense" in fn.op_histogram
     assert "MB dense" in report.format_text()
+    # a scaled LUT is two ops and one dense weight: as many dense bytes as the plain LUTs' export
+    scaled_report = inspect_path(quantized["scaled"])
+    assert not scaled_report.violations, scaled_report.violations
+    scaled = next(p for p in scaled_report.packages if p.file == "chunk_0.mlpackage").functions[0]
+    assert scaled.op_histogram["constexpr_blockwise_shift_scale"] == scaled.op_histogram["constexpr_lut_to_dense"]
+    assert scaled.dense_weight_bytes == fn.dense_weight_bytes and fn.weight_bytes < scaled.weight_bytes
 
 
 def test_inspect_flags_compression_the_target_cannot_run(quantized):
@@ -358,14 +421,15 @@ def test_inspect_flags_compression_the_target_cannot_run(quantized):
     assert any("blockwise or 4-bit" in v.message and "macOS15" in v.message for v in report.violations)
 
 
-def test_mil_decompresses_each_weight_once_per_package(quantized):
+@pytest.mark.parametrize("name", ["lut", "scaled"])
+def test_mil_decompresses_each_weight_once_per_package(quantized, name):
     from llama_ane.mil import PackageExecutor
 
-    path = quantized["lut"] / "chunk_0.mlpackage"
+    path = quantized[name] / "chunk_0.mlpackage"
     stored = PackageExecutor(path, precision="fp16", widen_weights=False)
     # prefill, decode, decode_branches and verify share the weights
     assert sorted(stored.function_names) == ["decode", "decode_branches", "prefill", "verify"]
-    dense = json.loads((quantized["lut"] / "manifest.json").read_text())["weights"]["chunk_0"]["dense_bytes"]
+    dense = json.loads((quantized[name] / "manifest.json").read_text())["weights"]["chunk_0"]["dense_bytes"]
     assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not four
 
 

@@ -45,6 +45,9 @@ from .errors import user_errors
                    f"{', '.join(f'{n} for {s}' for s, n in DEFAULT_GROUP_SIZE.items())}; 0 = one per tensor].")
 @click.option("--block-size", type=int, default=None,
               help="Input channels sharing one scale [default: 32 for int4, 0 (one per output channel) for int8].")
+@click.option("--lut-block-size", type=int, default=None,
+              help="Scale and shift LUT values per row and block of this many input channels (iOS18/macOS15; "
+                   "0 = per output channel) [default: plain LUTs].")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["inputs", "state"]), default="inputs", show_default=True,
               help="Where the KV caches live: passed in and written back by the asynchronous cache-update model "
                    "(inputs), or Core ML states the chunks update in place (state; iOS18/macOS15, fp16).")
@@ -54,7 +57,7 @@ from .errors import user_errors
 def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, verify_window,
             target,
             precision, workers, max_memory, quantize, quantize_embeddings, quantize_attention, quantize_mlp,
-            quantize_lm_head, group_size, block_size, kv_cache, force, no_verify, quiet):
+            quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..api import export_model
@@ -67,5 +70,5 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
                      verify=not no_verify, workers=workers, max_memory_gb=max_memory, quantize=quantize,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
-                     block_size=block_size, kv_cache=kv_cache, progress=not quiet, log=click.echo)
+                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, progress=not quiet, log=click.echo)
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")

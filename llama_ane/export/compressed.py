@@ -5,7 +5,8 @@ the arrays the op needs; `constexpr(name, payload, ios18)` emits the op, in each
 the weight. On iOS18/macOS15 the op's inputs are consts whose `weight_id` is derived from the
 parameter name, so every function of a multifunction package shares one copy of them in the blob:
 
-    lutN  constexpr_lut_to_dense(indices: uintN, weight's shape; lut: (G, 1.., K, 1) fp16)
+    lutN  constexpr_lut_to_dense(indices: uintN, weight's shape; lut: (G, 1.., K, 1) fp16); a scaled
+          LUT feeds its output as the data of constexpr_blockwise_shift_scale (scale, offset as below)
     intN  constexpr_blockwise_shift_scale(data: uintN, weight's shape; scale, offset: (O, I/block, 1..)
           fp16): dense = scale * (data - offset)
 
@@ -31,18 +32,20 @@ from coremltools.converters.mil.mil import types
 from ..quantize import Compression
 from ..quantize.kmeans import lut_compress
 from ..quantize.linear import int_compress
+from ..quantize.scaled_lut import scaled_lut_compress
 
 
 @dataclass(frozen=True)
 class Payload:
     """The compressed arrays of one weight: codes (indices or integers, the weight's shape) and
-    either a LUT (groups, 2^bits) or scales (out, in / block, 1, ...)."""
+    either a LUT (groups, 2^bits) or scales (out, in / block, 1, ...); a scaled LUT has both."""
 
     compression: Compression
     codes: np.ndarray
     table: np.ndarray  # the LUT or the scales
     shape: tuple[int, ...]
-    offset: np.ndarray | None = None  # asymmetric integers: per block, like the scales
+    offset: np.ndarray | None = None  # asymmetric integers, scaled LUTs: per block, like the scales
+    scale: np.ndarray | None = None  # scaled LUTs: (out, in / block, 1, ...)
 
 
 def compress(value: np.ndarray | Payload, c: Compression, importance: np.ndarray | None = None) -> Payload:
@@ -51,6 +54,9 @@ def compress(value: np.ndarray | Payload, c: Compression, importance: np.ndarray
     Payload, see convert.compression_units) is returned as it is."""
     if isinstance(value, Payload):
         return value
+    if c.kind == "lut" and c.scaled:
+        indices, lut, scale, offset = scaled_lut_compress(value, c.bits, c.group_size, c.block_size, importance)
+        return Payload(c, indices, lut, value.shape, offset, scale)
     if c.kind == "lut":
         indices, lut = lut_compress(value, c.bits, c.group_size, importance)
         return Payload(c, indices, lut, value.shape)
@@ -65,7 +71,8 @@ def join(parts: list[Payload]) -> Payload:
         return parts[0]
     codes = np.concatenate([p.codes for p in parts])
     offsets = None if parts[0].offset is None else np.concatenate([p.offset for p in parts])
-    return Payload(parts[0].compression, codes, np.concatenate([p.table for p in parts]), codes.shape, offsets)
+    scales = None if parts[0].scale is None else np.concatenate([p.scale for p in parts])
+    return Payload(parts[0].compression, codes, np.concatenate([p.table for p in parts]), codes.shape, offsets, scales)
 
 
 def _sub_byte(codes: np.ndarray, dtype: str) -> np.ndarray:
@@ -130,7 +137,11 @@ def constexpr(name: str, p: Payload, ios18: bool):
         if not ios18:
             return _construct_constexpr_lut_op(p.codes, lut, name=op_name)
         indices = _shared(_sub_byte(p.codes, f"uint{c.bits}"), f"{name}.indices")
-        return mb.constexpr_lut_to_dense(indices=indices, lut=_shared(lut, f"{name}.lut"), name=op_name)
+        if p.scale is None:
+            return mb.constexpr_lut_to_dense(indices=indices, lut=_shared(lut, f"{name}.lut"), name=op_name)
+        values = mb.constexpr_lut_to_dense(indices=indices, lut=_shared(lut, f"{name}.lut"), name=f"{op_name}_lut")
+        return mb.constexpr_blockwise_shift_scale(data=values, scale=_shared(p.scale, f"{name}.scale"),
+                                                  offset=_shared(p.offset, f"{name}.offset"), name=op_name)
     if c.symmetric:  # int8 before iOS18: one scale per output channel, no offset
         scale = p.table.reshape(-1)
         return _construct_constexpr_dequant_op(p.codes, np.zeros_like(scale, np.int8), scale, axis=0, name=op_name)

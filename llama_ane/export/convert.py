@@ -219,13 +219,12 @@ def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scr
         c = plan.compression(name)
         found = importance.get(importance_key(spec, name)) if importance is not None and c.weighted else None
         payload = compress(value, c, found)
-        arrays = {"codes": payload.codes, "table": payload.table}
-        if payload.offset is not None:
-            arrays["offset"] = payload.offset
+        arrays = {"codes": payload.codes, "table": payload.table, "offset": payload.offset, "scale": payload.scale}
         part = scratch / (piece.file + ".partial")  # raw .npy files: no zip to checksum on either side
         part.mkdir()
         for key, array in arrays.items():
-            np.save(part / f"{key}.npy", array)
+            if array is not None:
+                np.save(part / f"{key}.npy", array)
         part.rename(scratch / piece.file)
 
 
@@ -243,8 +242,10 @@ def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
         for piece in parts:
             folder = scratch / piece.file
             codes = np.load(folder / "codes.npy")
-            offset = np.load(folder / "offset.npy") if (folder / "offset.npy").exists() else None
-            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape, offset))
+            offset, scale = (np.load(folder / f"{key}.npy") if (folder / f"{key}.npy").exists() else None
+                             for key in ("offset", "scale"))
+            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape,
+                                    offset, scale))
         found[name] = join(payloads)
     return found
 

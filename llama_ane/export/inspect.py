@@ -170,6 +170,7 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
     const_names: set[str] = set()
     blobs: dict[tuple[str, int], int] = {}  # blob entry -> bytes as stored
     dense: dict[tuple[str, int], int] = {}  # blob entry (a const's, or a constexpr's first input's) -> dense bytes
+    dense_of: dict[str, tuple[str, int]] = {}  # a constexpr's output -> its entry in `dense`
     histogram: Counter = Counter()
     ops: list[OpInfo] = []
     for op in _walk_ops(block):
@@ -191,8 +192,13 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
                        for v in values if v.WhichOneof("value") == "blobFileValue"]
             for file, offset, value_type in entries:
                 blobs[(file, offset)] = _bytes(value_type)
+            for arg in op.inputs.values():  # a constexpr fed by another (a scaled LUT's values): one dense weight
+                for b in arg.arguments:
+                    if b.WhichOneof("binding") == "name" and b.name in dense_of:
+                        dense.pop(dense_of.pop(b.name), None)
             if entries:
                 dense[entries[0][:2]] = _bytes(op.outputs[0].type)
+                dense_of[op.outputs[0].name] = entries[0][:2]
             const_names.update(out.name for out in op.outputs)
         for out in op.outputs:
             shape, dtype, _ = _tensor_type(out.type)

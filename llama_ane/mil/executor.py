@@ -159,8 +159,9 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
         if op.op_type == "const":
             continue
         if op.op_type.startswith("constexpr_"):
-            ctx.decompress(op, (constexprs or {}).get(op.outputs[0].name))
-            continue
+            if not all(child.op_type.startswith("constexpr_") for out in op.outputs for child in out.child_ops):
+                ctx.decompress(op, (constexprs or {}).get(op.outputs[0].name))
+            continue  # an op that only feeds constexprs (a scaled LUT's values) is decompressed by them
         if all(ctx.is_const(o) for o in op.outputs):
             continue  # folded at load time by coremltools' value inference
         if op.op_type in _CONTROL_FLOW or op.blocks:

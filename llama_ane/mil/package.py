@@ -171,21 +171,25 @@ class MilPackage:
         """Map the output name of each constexpr op (a compressed weight) whose data all lives in
         the weight blob -> (op type, ((input, blob file, offset), ...)): the same key in every
         function that decompresses the same weight. The iOS18 forms bind their data as inputs,
-        the iOS16 forms hold it as attributes; both count."""
+        the iOS16 forms hold it as attributes; both count. An input that is the output of another
+        such op (a scaled LUT's values) counts as that op's key."""
         out: dict[str, tuple] = {}
         for op in self.block_spec(function).operations:
             if not op.type.startswith("constexpr_"):
                 continue
-            values = []
+            values, chained = [], []
             for param, binding in sorted(op.inputs.items()):
                 args = list(binding.arguments)
-                values.append((param, args[0].value if len(args) == 1 and args[0].WhichOneof("binding") == "value"
-                               else None))
+                one = args[0] if len(args) == 1 else None
+                if one is not None and one.WhichOneof("binding") == "name" and one.name in out:
+                    chained.append((param, out[one.name]))
+                    continue
+                values.append((param, one.value if one is not None and one.WhichOneof("binding") == "value" else None))
             values += [(k, v) for k, v in sorted(op.attributes.items()) if k != "name"]
             blobs = [(param, v.blobFileValue.fileName.split("/")[-1], int(v.blobFileValue.offset))
                      for param, v in values if v is not None and v.WhichOneof("value") == "blobFileValue"]
             if blobs and all(v is not None for _, v in values):
-                out[op.outputs[0].name] = (op.type, tuple(blobs))
+                out[op.outputs[0].name] = (op.type, tuple(blobs) + tuple(chained))
         return out
 
     def program(self):

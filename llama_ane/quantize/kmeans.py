@@ -229,14 +229,15 @@ def _sorted_codes(xs: np.ndarray, lut: np.ndarray) -> np.ndarray:
     return np.repeat(np.tile(np.arange(k, dtype=np.uint8), g), runs.ravel()).reshape(g, n)
 
 
-def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
-                 importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def lut_compress(weight: np.ndarray, nbits: int, group_size: int, importance: np.ndarray | None = None,
+                 value_weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Palettize `weight` (out, in, ...) with one LUT of 2^nbits values per `group_size` output
     channels (0: one LUT for the whole tensor).
 
     `importance` (in,) weighs the error of each input channel: with the mean square of that
     channel's activations, the k-means minimises the expected squared error of the layer's output
-    (its diagonal part) instead of the weights' own.
+    (its diagonal part) instead of the weights' own. `value_weights` (weight's shape), instead,
+    weighs every value on its own (see quantize.scaled_lut).
 
     Returns (indices uint8 of weight's shape, lut float (groups, 2^nbits) in weight's dtype): the
     dense weight is lut[group of row, indices]. Groups are clustered in batches of about
@@ -248,6 +249,7 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     flat = np.ascontiguousarray(weight).reshape(rows // size, -1)  # (G, size * rest)
     groups, n = flat.shape
     per_value = None
+    weighed = None if value_weights is None else np.asarray(value_weights, np.float32).reshape(groups, n)
     if importance is not None:  # (size * rest,): the weight of each value of a group, the same for every group
         per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
                                   weight.shape[1:])
@@ -257,7 +259,9 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int,
     luts = []
     for start in range(0, groups, step):
         order, xs = _sort_rows(flat[start:start + step])
-        lut = lloyd(xs, 1 << nbits, None if per_value is None else np.take(per_value, order)).numpy().astype(weight.dtype)
+        ws = (np.take_along_axis(weighed[start:start + step], order, axis=1) if weighed is not None else
+              None if per_value is None else np.take(per_value, order))
+        lut = lloyd(xs, 1 << nbits, ws).numpy().astype(weight.dtype)
         sorted_codes = torch.from_numpy(_sorted_codes(xs, lut.astype(np.float32)))
         # each sorted value's code, put where the value came from (in place, into `codes`)
         rank = torch.from_numpy(order.astype(np.int64, copy=False))

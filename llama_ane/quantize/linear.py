@@ -87,7 +87,7 @@ def int_compress(weight: np.ndarray, nbits: int, block_size: int, symmetric: boo
             candidate = _grid(w, low + a * (high - low), high - b * (high - low), top, weight.dtype)
             consider(candidate)
             for _ in range(REFITS):
-                candidate = _refit(w, weights, candidate[2], candidate[0], candidate[1], top, weight.dtype)
+                candidate = _refit(w, weights, candidate[2], candidate[0], candidate[1], top)
                 consider(candidate)
     return _as_output(best[1:], weight.shape, shape)
 
@@ -112,10 +112,20 @@ def _grid(w: np.ndarray, low: np.ndarray, high: np.ndarray, top: int, dtype) -> 
 
 
 def _refit(w: np.ndarray, weights: np.ndarray, data: np.ndarray, scale: np.ndarray, offset: np.ndarray,
-           top: int, dtype) -> tuple:
+           top: int) -> tuple:
     """The weighted least-squares scale s and shift m of w ~ s * q + m for the integers q of each
     block, and w's integers on the new grid; blocks whose fit is degenerate keep their grid."""
-    q = data.astype(np.float32)
+    new_scale, new_offset = fit_scale_offset(w, weights, data.astype(np.float32), scale, offset)
+    new_data = np.clip(np.rint(w / new_scale.astype(np.float32) + new_offset.astype(np.float32)), 0, top).astype(np.uint8)
+    return new_scale, new_offset, new_data
+
+
+def fit_scale_offset(w: np.ndarray, weights: np.ndarray, q: np.ndarray, scale: np.ndarray,
+                     offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted least-squares scale s and offset o of w ~ s * (q - o) in each block, for
+    blocks w and grid values q (out, blocks, block elements) float32 and weights broadcastable to
+    them; blocks whose fit is degenerate (one value, or s <= 0) keep `scale` and `offset`
+    (out, blocks, 1). Returned in their dtype, never a zero scale."""
     sw = np.broadcast_to(weights, w.shape).sum(axis=2, keepdims=True)
     sq, sx = (weights * q).sum(axis=2, keepdims=True), (weights * w).sum(axis=2, keepdims=True)
     sqq, sqx = (weights * q * q).sum(axis=2, keepdims=True), (weights * q * w).sum(axis=2, keepdims=True)
@@ -123,13 +133,11 @@ def _refit(w: np.ndarray, weights: np.ndarray, data: np.ndarray, scale: np.ndarr
     ok = det > 1e-12 * np.maximum(sw * sqq, 1e-30)
     s = np.where(ok, (sw * sqx - sq * sx) / np.where(ok, det, 1), 0)
     ok &= s > 0
-    m = (sx - s * sq) / np.maximum(sw, 1e-30)
-    new_scale = np.where(ok, s, scale.astype(np.float32)).astype(dtype)
+    m = (sx - s * sq) / np.maximum(sw, 1e-30)  # w ~ s * q + m
+    new_scale = np.where(ok, s, scale.astype(np.float32)).astype(scale.dtype)
     new_scale[new_scale == 0] = 1
-    scale32 = new_scale.astype(np.float32)
-    new_offset = np.where(ok, -m / scale32, offset.astype(np.float32)).astype(dtype)
-    new_data = np.clip(np.rint(w / scale32 + new_offset.astype(np.float32)), 0, top).astype(np.uint8)
-    return new_scale, new_offset, new_data
+    new_offset = np.where(ok, -m / new_scale.astype(np.float32), offset.astype(np.float32)).astype(offset.dtype)
+    return new_scale, new_offset
 
 
 def int_decompress(data: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> np.ndarray:

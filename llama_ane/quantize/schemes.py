@@ -6,12 +6,15 @@ A scheme is a name: "none", "int8", "int4" (linear quantization: integers times 
 Granularity, and the Core ML ops each becomes:
 
     iOS18 / macOS15    lutN: one LUT per group of `group_size` output channels
-                             (constexpr_lut_to_dense, per-grouped-channel)
+                             (constexpr_lut_to_dense, per-grouped-channel); with a
+                             `lut_block_size`, the LUT's values are also scaled and shifted per
+                             row and block of input channels (the LUT op's output feeds a
+                             constexpr_blockwise_shift_scale: dense = scale * (lut[code] - offset))
                        intN: unsigned integers with a scale and an offset per row and block of
                              `block_size` input channels (constexpr_blockwise_shift_scale);
                              block_size 0 = per output channel
     iOS16-17 /         lutN: one LUT per tensor (constexpr_lut_to_dense of iOS16); --group-size
-    macOS13-14               is refused
+    macOS13-14               and --lut-block-size are refused
                        int8: symmetric, one scale per output channel (constexpr_affine_dequantize);
                              int4 and blocks are refused (they need iOS18 / macOS15)
 
@@ -54,8 +57,9 @@ class Compression:
 
     scheme: str
     group_size: int = 0  # LUT: output channels per LUT (0: one LUT for the whole tensor)
-    block_size: int = 0  # int: input channels per scale (0: one scale per output channel)
+    block_size: int = 0  # int, scaled LUT: input channels per scale (0: one scale per output channel)
     symmetric: bool = False  # int: no offset (before iOS18), else a scale and an offset per block
+    scaled: bool = False  # LUT: its values times a scale and shifted by an offset per row and block
 
     @property
     def kind(self) -> str:
@@ -74,6 +78,8 @@ class Compression:
         out = {"scheme": self.scheme}
         if self.kind == "lut":
             out["group_size"] = self.group_size
+            if self.scaled:
+                out["block_size"] = self.block_size
         elif self.kind == "int":
             out["block_size"] = self.block_size
             out["symmetric"] = self.symmetric
@@ -82,16 +88,18 @@ class Compression:
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """The scheme of each part, and the group and block sizes; `None` sizes mean the defaults."""
+    """The scheme of each part, and the group and block sizes; `None` sizes mean the defaults
+    (`lut_block_size` None: LUTs without scales)."""
 
     schemes: dict[str, str] = field(default_factory=lambda: {p: "none" for p in PARTS})
     group_size: int | None = None
     block_size: int | None = None
+    lut_block_size: int | None = None
 
     @classmethod
     def from_cli(cls, quantize: str = "none", *, embeddings: str | None = None, attention: str | None = None,
                  mlp: str | None = None, lm_head: str | None = None, group_size: int | None = None,
-                 block_size: int | None = None) -> "QuantizeOptions":
+                 block_size: int | None = None, lut_block_size: int | None = None) -> "QuantizeOptions":
         """`--quantize SCHEME` for every part, each `--quantize-PART` overriding its part."""
         given = {"embeddings": embeddings, "attention": attention, "mlp": mlp, "lm_head": lm_head}
         schemes = {part: given[part] if given[part] is not None else quantize for part in PARTS}
@@ -99,7 +107,7 @@ class QuantizeOptions:
                                                           for p, s in given.items() if s is not None]:
             if scheme not in SCHEMES:
                 raise QuantizeError(f"{name} {scheme!r} is not a scheme; choose one of {', '.join(SCHEMES)}")
-        return cls(schemes, group_size, block_size)
+        return cls(schemes, group_size, block_size, lut_block_size)
 
     @property
     def active(self) -> bool:
@@ -113,14 +121,16 @@ class QuantizeOptions:
         grouped = target in GROUPED_TARGETS
         if kind(scheme) == "lut":
             size = self.group_size if self.group_size is not None else (DEFAULT_GROUP_SIZE[scheme] if grouped else 0)
+            if self.lut_block_size is not None:
+                return Compression(scheme, group_size=size, block_size=self.lut_block_size, scaled=True)
             return Compression(scheme, group_size=size)
         size = self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[scheme]
         return Compression(scheme, block_size=size, symmetric=not grouped)
 
     def check(self, target: str) -> None:
         """Refuse what `target` cannot run, naming the target to use instead."""
-        if self.group_size is not None and self.group_size < 0 or self.block_size is not None and self.block_size < 0:
-            raise QuantizeError("--group-size and --block-size must be >= 0")
+        if any(size is not None and size < 0 for size in (self.group_size, self.block_size, self.lut_block_size)):
+            raise QuantizeError("--group-size, --block-size and --lut-block-size must be >= 0")
         if target in GROUPED_TARGETS or not self.active:
             return
         platform = "macOS15" if target.startswith("macOS") else "iOS18"
@@ -134,6 +144,9 @@ class QuantizeOptions:
         if self.block_size:
             raise QuantizeError(f"--block-size (one scale per block) needs --target {platform}: {target} has one "
                                 "scale per output channel; drop --block-size")
+        if self.lut_block_size is not None and any(kind(s) == "lut" for s in self.schemes.values()):
+            raise QuantizeError(f"--lut-block-size (scaled LUT values) needs --target {platform}: {target} has "
+                                "plain LUTs only; drop --lut-block-size")
 
     def describe(self, target: str) -> dict[str, dict]:
         """What the manifest records: the compression of each part ({"scheme": "none"} for fp16)."""
@@ -147,6 +160,10 @@ def check_divides(name: str, shape: tuple[int, ...], c: Compression) -> None:
         raise QuantizeError(f"--group-size {c.group_size} does not divide the {shape[0]} output channels of "
                             f"{name}; choose a divisor of {shape[0]} (e.g. 16, 32) or --group-size 0 (one LUT "
                             "per tensor)")
+    if c.scaled and c.block_size and shape[1] % c.block_size:
+        raise QuantizeError(f"--lut-block-size {c.block_size} does not divide the {shape[1]} input channels of "
+                            f"{name}; choose a divisor of {shape[1]} (e.g. 32, 64) or --lut-block-size 0 (one "
+                            "scale per output channel)")
     if c.kind == "int" and c.block_size and shape[1] % c.block_size:
         raise QuantizeError(f"--block-size {c.block_size} does not divide the {shape[1]} input channels of "
                             f"{name}; choose a divisor of {shape[1]} (e.g. 32, 64) or --block-size 0 (one scale "
@@ -155,14 +172,15 @@ def check_divides(name: str, shape: tuple[int, ...], c: Compression) -> None:
 
 def stored_bytes(shape: tuple[int, ...], c: Compression | None, dense_bytes: int = 2) -> int:
     """Bytes a weight of `shape` takes in a package: dense, or its packed codes plus the LUTs
-    (fp16, 2^bits per group) or scales and offsets (fp16, one each per row and block; no offsets
-    when symmetric)."""
+    (fp16, 2^bits per group) and/or scales and offsets (fp16, one each per row and block; no
+    offsets when symmetric)."""
     n = 1
     for d in shape:
         n *= d
     if c is None:
         return n * dense_bytes
     codes = -(-n * c.bits // 8)
+    scales = shape[0] * (shape[1] // (c.block_size or shape[1])) * 2 * (1 if c.symmetric else 2)
     if c.kind == "lut":
-        return codes + shape[0] // (c.group_size or shape[0]) * (1 << c.bits) * 2
-    return codes + shape[0] * (shape[1] // (c.block_size or shape[1])) * 2 * (1 if c.symmetric else 2)
+        return codes + shape[0] // (c.group_size or shape[0]) * (1 << c.bits) * 2 + (scales if c.scaled else 0)
+    return codes + scales
