@@ -60,7 +60,7 @@ def test_notebook_runs(path, tmp_path):
         assert (work / "notebook_work" / "parity.png").stat().st_size > 1000
         assert (work / "notebook_work" / "export" / "manifest.json").is_file()
     if path.name == "03_quantization.ipynb":
-        assert text.count("MB  perplexity") == 5 and "the fp16 size" in text
+        assert text.count("MB  perplexity") == 6 and "the fp16 size" in text
         assert (work / "notebook_work" / "quantization.png").stat().st_size > 1000
     if path.name == "02_document_qa_cascade.ipynb":
         assert text.count("identical to decoding alone: True") == 5 and "False" not in text

@@ -338,7 +338,7 @@ EXPORTS = {  # name -> (target, options)
     "lut": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", quantize_embeddings="lut8")),
     "int": ("iOS18", dict(quantize="int4", quantize_embeddings="int8", quantize_attention="int8")),
     "ios17": ("iOS17", dict(quantize="lut4", quantize_attention="int8")),
-    "scaled": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", quantize_embeddings="int8", lut_block_size=32)),
+    "scaled": ("iOS18", dict(quantize="lut4", quantize_lm_head="lut6", lut_block_size=32)),
 }
 
 
@@ -407,6 +407,17 @@ def test_inspect_reports_compressed_and_dense_bytes(quantized):
     scaled = next(p for p in scaled_report.packages if p.file == "chunk_0.mlpackage").functions[0]
     assert scaled.op_histogram["constexpr_blockwise_shift_scale"] == scaled.op_histogram["constexpr_lut_to_dense"]
     assert scaled.dense_weight_bytes == fn.dense_weight_bytes and fn.weight_bytes < scaled.weight_bytes
+
+
+def test_a_scaled_table_read_by_gather_is_not_held_to_the_ane_limits(quantized, monkeypatch):
+    """The embedding table's LUT values feed its scale op, whose output only gather reads: neither
+    reaches the ANE. With the dimension limit below the vocabulary, only the LM head breaks it."""
+    from llama_ane.export import ane_rules
+    from llama_ane.export.inspect import inspect_path
+
+    monkeypatch.setattr(ane_rules, "MAX_DIM", 256)  # the tiny vocabulary has 320 tokens
+    violations = inspect_path(quantized["scaled"]).violations
+    assert violations and all(v.rule == "max-dim" and v.package.startswith("lm_head") for v in violations), violations
 
 
 def test_inspect_flags_compression_the_target_cannot_run(quantized):

@@ -171,6 +171,7 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
     blobs: dict[tuple[str, int], int] = {}  # blob entry -> bytes as stored
     dense: dict[tuple[str, int], int] = {}  # blob entry (a const's, or a constexpr's first input's) -> dense bytes
     dense_of: dict[str, tuple[str, int]] = {}  # a constexpr's output -> its entry in `dense`
+    feeds: dict[str, str] = {}  # a constexpr's output read only to make another's -> that other output
     histogram: Counter = Counter()
     ops: list[OpInfo] = []
     for op in _walk_ops(block):
@@ -196,6 +197,7 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
                 for b in arg.arguments:
                     if b.WhichOneof("binding") == "name" and b.name in dense_of:
                         dense.pop(dense_of.pop(b.name), None)
+                        feeds[b.name] = op.outputs[0].name
             if entries:
                 dense[entries[0][:2]] = _bytes(op.outputs[0].type)
                 dense_of[op.outputs[0].name] = entries[0][:2]
@@ -212,6 +214,11 @@ def summarize_function(package: MilPackage, function: str, role: str) -> tuple[F
                     tensors[n].consumers.add(op.type)
         if not is_const:
             ops.append(OpInfo(op.type, op.outputs[0].name if op.outputs else op.type, const_params))
+    for name in feeds:  # what reads a weight's intermediate value is what reads the weight
+        final = name
+        while final in feeds:
+            final = feeds[final]
+        tensors[name].consumers = tensors[final].consumers
     for name in block.outputs:
         if name in tensors and tensors[name].kind == "op":
             tensors[name].kind = "output"
