@@ -24,17 +24,13 @@ import time
 import torch
 
 from llama_ane.checkpoint.loader import load_checkpoint
+from llama_ane.chunks.plan import layer_shapes
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:
     """(out, in) of every projection of one forward pass, the LM head last."""
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    q = cfg.num_attention_heads * cfg.head_dim
-    layer = [(q, cfg.hidden_size), (kv, cfg.hidden_size), (kv, cfg.hidden_size), (cfg.hidden_size, q),
-             (cfg.intermediate_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size),
-             (cfg.hidden_size, cfg.intermediate_size)]
+    layer = [shape for shape in layer_shapes(cfg).values() if len(shape) == 2]  # not the norms
     return layer * cfg.num_hidden_layers + [(cfg.vocab_size, cfg.hidden_size)]
-
 
 def best_time(run, repeats: int) -> float:
     best = float("inf")

@@ -191,11 +191,12 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if compression.active:
         def granularity(d: dict) -> str:
-            lut = ("one LUT per tensor" if d["group_size"] == 0 else f"group {d['group_size']}") if "group_size" in d else ""
-            block = ("" if "block_size" not in d else "per channel" if d["block_size"] == 0
-                     else f"block {d['block_size']}")
-            both = ", scaled per " if lut and block else ""
-            return f" ({lut}{both}{block})" if lut or block else ""
+            sizes = []  # the LUT's group, then the block of its scales or of the integers' scales
+            if "group_size" in d:
+                sizes.append("one LUT per tensor" if d["group_size"] == 0 else f"group {d['group_size']}")
+            if "block_size" in d:
+                sizes.append("per channel" if d["block_size"] == 0 else f"block {d['block_size']}")
+            return f" ({', scaled per '.join(sizes)})" if sizes else ""
         stored, dense = sum(p.weight_bytes for p in plan.packages), sum(p.dense_bytes for p in plan.packages)
         say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" for part, d in opts.quantize.describe(target).items())
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")

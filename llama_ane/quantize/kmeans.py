@@ -249,7 +249,7 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int, importance: np
     flat = np.ascontiguousarray(weight).reshape(rows // size, -1)  # (G, size * rest)
     groups, n = flat.shape
     per_value = None
-    weighed = None if value_weights is None else np.asarray(value_weights, np.float32).reshape(groups, n)
+    own = None if value_weights is None else np.asarray(value_weights, np.float32).reshape(groups, n)
     if importance is not None:  # (size * rest,): the weight of each value of a group, the same for every group
         per_row = np.broadcast_to(np.asarray(importance, np.float32).reshape((-1,) + (1,) * (weight.ndim - 2)),
                                   weight.shape[1:])
@@ -259,7 +259,7 @@ def lut_compress(weight: np.ndarray, nbits: int, group_size: int, importance: np
     luts = []
     for start in range(0, groups, step):
         order, xs = _sort_rows(flat[start:start + step])
-        ws = (np.take_along_axis(weighed[start:start + step], order, axis=1) if weighed is not None else
+        ws = (np.take_along_axis(own[start:start + step], order, axis=1) if own is not None else
               None if per_value is None else np.take(per_value, order))
         lut = lloyd(xs, 1 << nbits, ws).numpy().astype(weight.dtype)
         sorted_codes = torch.from_numpy(_sorted_codes(xs, lut.astype(np.float32)))

@@ -43,21 +43,19 @@ def scaled_lut_compress(weight: np.ndarray, nbits: int, group_size: int, block_s
     (out, in / block, 1, ...)), the last three in weight's dtype.
     """
     _, scale, offset = int_compress(weight, nbits, block_size, importance=importance)
-    blocks = scale.shape[1]
+    shape, blocks = scale.shape, scale.shape[1]  # (out, in / block, 1, ...)
     w = _per_block(weight, blocks)
     s, o = _per_block(scale, blocks), _per_block(offset, blocks)
     normalised = (w / s + o).astype(weight.dtype).reshape(weight.shape)
     channel = np.ones(1, np.float32) if importance is None else np.asarray(importance, np.float32)
     channel = np.broadcast_to(channel.reshape((-1,) + (1,) * (weight.ndim - 2)), weight.shape[1:])
-    value_weights = _per_block(np.broadcast_to(channel, weight.shape), blocks) * s * s
-    indices, lut = lut_compress(normalised, nbits, group_size, value_weights=value_weights.reshape(weight.shape))
+    per_input = _per_block(channel[None], blocks)  # (1, blocks, block elements): each value's input channel
+    value_weights = np.broadcast_to(per_input * s * s, w.shape).reshape(weight.shape)
+    indices, lut = lut_compress(normalised, nbits, group_size, value_weights=value_weights)
     del normalised, value_weights
     q = _per_block(lut_decompress(indices, lut), blocks)
-    block_weights = _per_block(np.ascontiguousarray(np.broadcast_to(channel, weight.shape[1:]))[None], blocks)
-    scale, offset = fit_scale_offset(w, block_weights, q, scale.reshape(s.shape), offset.reshape(o.shape))
-    return indices, lut, scale.reshape(weight.shape[:1] + (blocks,) + (1,) * (weight.ndim - 2)), \
-        offset.reshape(weight.shape[:1] + (blocks,) + (1,) * (weight.ndim - 2))
-
+    scale, offset = fit_scale_offset(w, per_input, q, scale.reshape(s.shape), offset.reshape(o.shape))
+    return indices, lut, scale.reshape(shape), offset.reshape(shape)
 
 def scaled_lut_decompress(indices: np.ndarray, lut: np.ndarray, scale: np.ndarray,
                           offset: np.ndarray) -> np.ndarray:
