@@ -185,3 +185,31 @@ def test_a_copied_export_runs_its_own_weights_with_the_torch_backend(tiny_export
         mil_model.close()
     print(f"torch (export weights) vs mil, fp32: max |logit diff| = {diff:.2e}")
     assert diff <= MAX_LOGIT_DIFF
+
+
+@pytest.mark.parametrize("window", [1, 6, 16, 40])
+def test_grouped_attention_is_per_head_softmax_attention_in_both_forms(window, monkeypatch):
+    """grouped_attention stacks a small window's query heads per kv head and broadcasts a large
+    one's (layers.GROUPED_ROWS): both are each head's softmax attention over the cache and the
+    window, with the kv head of its group."""
+    from llama_ane.chunks import layers
+
+    g, r, d, t = 2, 3, 8, 20
+    gen = torch.Generator().manual_seed(window)
+    q, kc, vc = torch.randn(g, r, d, window, generator=gen), torch.randn(g, d, t, generator=gen), torch.randn(g, d, t, generator=gen)
+    kw, vw = torch.randn(g, d, window, generator=gen), torch.randn(g, d, window, generator=gen)
+    mask = torch.where(torch.rand(1, 1, window, t + window, generator=gen) < 0.3, layers.MASK_VALUE, 0.0)
+    expected = torch.empty(g, r, d, window)
+    for head in range(g * r):
+        kv = head // r
+        keys, values = torch.cat([kc[kv], kw[kv]], dim=1), torch.cat([vc[kv], vw[kv]], dim=1)  # (D, T+S)
+        p = torch.softmax(q[kv, head % r].T @ keys + mask[0, 0], dim=1)  # (S, T+S)
+        expected[kv, head % r] = values @ p.T
+    assert (r * window <= layers.GROUPED_ROWS) == (window < 40)  # 40 x 3 rows: broadcast by default
+    default = layers.grouped_attention(q, kc, vc, kw, vw, mask, r, t)
+    monkeypatch.setattr(layers, "GROUPED_ROWS", 0)
+    broadcast = layers.grouped_attention(q, kc, vc, kw, vw, mask, r, t)
+    monkeypatch.setattr(layers, "GROUPED_ROWS", 10 ** 6)
+    stacked = layers.grouped_attention(q, kc, vc, kw, vw, mask, r, t)
+    for out in (default, broadcast, stacked):
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

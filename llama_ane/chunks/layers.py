@@ -80,6 +80,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int)
     return x * cos + rotated * sin
 
 
+GROUPED_ROWS = 64  # up to this many query rows (R x S), one matmul per kv head (see grouped_attention)
+
+
 def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_win: torch.Tensor,
                       v_win: torch.Tensor, mask: torch.Tensor, group: int, cache_length: int) -> torch.Tensor:
     """Softmax attention of all heads over the cache and the current window, grouped for GQA.
@@ -88,16 +91,27 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k_cache, v_cache: (G, D, T) with T = `cache_length`; k_win, v_win: (G, D, S);
     mask: (1, 1, S, T + S) additive, cache columns first. -> (G, R, D, S).
 
-    The R heads of a group share one read of their kv head (a broadcast batch dim, nothing is
-    repeated). The cache is neither transposed nor concatenated: the scores are, and the
-    probabilities are split again at T.
+    The cache is neither transposed nor concatenated: the scores are, and the probabilities are
+    split again at T. The exported programs multiply with a broadcast batch dim (G, R); run
+    eagerly, torch would copy each kv head R times for that, so a small window (R x S up to
+    `GROUPED_ROWS` query rows: decoding, verify windows) stacks its R heads' rows instead, one
+    (R*S, D) x (D, T) product per kv head that reads the cache once. Larger windows (prefill)
+    keep the broadcast form, which spreads better over threads. Same arithmetic either way.
     """
-    qt = q.transpose(2, 3)  # (G, R, S, D)
-    kc, vc, kw, vw = (x.unsqueeze(1) for x in (k_cache, v_cache, k_win, v_win))  # (G, 1, D, *)
-    scores = torch.cat([torch.matmul(qt, kc), torch.matmul(qt, kw)], dim=3) + mask  # (G, R, S, T+S)
-    p = torch.softmax(scores, dim=3)
-    return (torch.matmul(vc, p[..., :cache_length].transpose(2, 3))
-            + torch.matmul(vw, p[..., cache_length:].transpose(2, 3)))
+    g, r, d, s = q.shape
+    if torch.jit.is_tracing() or r * s > GROUPED_ROWS:
+        qt = q.transpose(2, 3)  # (G, R, S, D)
+        kc, vc, kw, vw = (x.unsqueeze(1) for x in (k_cache, v_cache, k_win, v_win))  # (G, 1, D, *)
+        scores = torch.cat([torch.matmul(qt, kc), torch.matmul(qt, kw)], dim=3) + mask  # (G, R, S, T+S)
+        p = torch.softmax(scores, dim=3)
+        return (torch.matmul(vc, p[..., :cache_length].transpose(2, 3))
+                + torch.matmul(vw, p[..., cache_length:].transpose(2, 3)))
+    rows = q.transpose(2, 3).reshape(g, r * s, d)  # (G, R*S, D)
+    scores = torch.cat([torch.bmm(rows, k_cache), torch.bmm(rows, k_win)], dim=2).view(g, r, s, -1) + mask
+    p = torch.softmax(scores, dim=3).view(g, r * s, -1)  # (G, R*S, T+S)
+    out = torch.baddbmm(torch.bmm(v_win, p[..., cache_length:].transpose(1, 2)),
+                        v_cache, p[..., :cache_length].transpose(1, 2))  # (G, D, R*S)
+    return out.view(g, d, r, s).transpose(1, 2)
 
 
 def attention_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
