@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import llama_ane
 from llama_ane.runtime.backends.base import BackendError
@@ -325,8 +326,8 @@ def test_drafting_without_estimates_pauses_when_it_does_not_pay(tiny):
 def test_packed_verify_gives_the_unpacked_logits(tiny):
     """The torch backend's verify windows on prepacked weights (the default on a CPU in fp32)
     give the logits of the plain modules; fp16 cannot pack."""
-    packed, plain = _load(tiny), _load(tiny, pack_verify=False)
-    if not packed.backend.pack_verify:
+    packed, plain = _load(tiny), _load(tiny, prepack=False)
+    if not packed.backend.prepack:
         pytest.skip("no oneDNN in this torch")
     prompt = repetitive_prompt(5)
     tree = DraftTree.root(prompt[-1])
@@ -339,8 +340,29 @@ def test_packed_verify_gives_the_unpacked_logits(tiny):
         out.append(model.pipeline.verify_tree(np.array(tree.tokens, np.int32), tree.depths(), tree.mask()))
     assert "chunk_0" in packed.backend._packed and not plain.backend._packed
     assert np.abs(out[0] - out[1]).max() < 1e-4 and (out[0].argmax(1) == out[1].argmax(1)).all()
-    with pytest.raises(BackendError, match="pack_verify"):
-        _load(tiny, precision="fp16", pack_verify=True)
+    with pytest.raises(BackendError, match="prepack"):
+        _load(tiny, precision="fp16", prepack=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_runs_packed_from_two_threads_with_the_same_tokens(tiny, threads):
+    """One-token decoding runs on the prepacked weights when torch has two threads or more (where
+    oneDNN spreads a one-column product over them and `linear` does not), on the plain ones on one
+    thread; the greedy tokens and logits are those of the plain modules either way."""
+    packed, plain = _load(tiny), _load(tiny, prepack=False)
+    if not packed.backend.prepack:
+        pytest.skip("no oneDNN in this torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = [model.generate(repetitive_prompt(5), max_new_tokens=8) for model in (packed, plain)]
+        module = packed.backend.module("chunk_0", "decode")
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert ("chunk_0" in packed.backend._packed) == (threads >= 2)
+    assert (module is packed.backend._packed.get("chunk_0")) == (threads >= 2)
+    assert packed.backend.module("chunk_0", "prefill") is packed.backend._built["chunk_0"]["prefill"]
 
 
 def test_an_export_without_verify_function_is_refused(tiny):

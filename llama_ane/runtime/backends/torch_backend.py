@@ -11,11 +11,13 @@ With `direct_cache` (the default) the pipeline writes new K/V into the caches in
 each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
 `direct_cache=False` it runs the cache-update modules in the background, as a device does.
 
-With `pack_verify` (the default where it can: fp32 on a CPU with oneDNN), the "verify" function of
-the block chunks and the LM head runs on a copy of the projection weights prepacked for oneDNN,
-made on the first verify window: a window of a few tree nodes then costs far less than as many
-one-token steps (see torch_modules.PackedConv1x1). It holds that copy (about the chunks' and the
-head's weights once more); one-token decoding keeps the plain weights, which are faster at S = 1.
+With `prepack` (the default where it can: fp32 on a CPU with oneDNN), the block chunks and the LM
+head run their "verify" function, and their "decode" function when torch computes on more than one
+thread, on a copy of the projection weights prepacked for oneDNN, made on first use: a window of a
+few tree nodes then costs far less than as many one-token steps, and a one-token step spreads over
+the threads where `linear` does not (see torch_modules.PackedConv1x1). It holds that copy (about the
+chunks' and the head's weights once more). On one thread one-token decoding keeps the plain
+weights, which are as fast there; prefill keeps them too (as fast at its window of tokens).
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ def _argument_names(module_class: type) -> tuple[str, ...]:
 
 class TorchBackend(Backend):
     name = "torch"
+    PACKED_DECODE_THREADS = 2  # one-token decoding runs on the prepacked weights from this many threads
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None, direct_cache: bool = True, pack_verify: bool | None = None):
+                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | None = None):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
-        before computing in `precision`, as an export in that precision stores them. `pack_verify`:
+        before computing in `precision`, as an export in that precision stores them. `prepack`:
         see the module docstring (None: wherever it can)."""
         self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
@@ -63,9 +66,9 @@ class TorchBackend(Backend):
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
         packable = can_pack(self.device, self.torch_dtype)
-        if pack_verify and not packable:
-            raise BackendError("pack_verify needs fp32 on a CPU with oneDNN")
-        self.pack_verify = packable if pack_verify is None else pack_verify
+        if prepack and not packable:
+            raise BackendError("prepack needs fp32 on a CPU with oneDNN")
+        self.prepack = packable if prepack is None else prepack
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -73,7 +76,7 @@ class TorchBackend(Backend):
         self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
         self.weights = CheckpointWeights(checkpoint) if checkpoint is not None else ExportWeights(export_dir, manifest)
         self._built: dict[str, dict[str, torch.nn.Module]] = {}  # model -> {function: module}, built on use
-        self._packed: set[str] = set()  # models whose verify module has packed projections
+        self._packed: dict[str, torch.nn.Module] = {}  # model -> its window module on prepacked weights
         self._lock = threading.Lock()  # cache updates run on worker threads: build each model once
 
     def module(self, model: str, function: str) -> torch.nn.Module:
@@ -88,14 +91,19 @@ class TorchBackend(Backend):
                     mod.to(device=self.device, dtype=self.torch_dtype)  # index buffers stay int32
                 self._built[model] = modules
             built = self._built[model]
-            if (function == VERIFY and self.pack_verify and model not in self._packed
-                    and VERIFY in built and model_kind(model) in ("chunk", "lm_head")):
-                built[VERIFY] = with_packed_projections(built[VERIFY])
-                self._packed.add(model)
-        try:
-            return built[function]
-        except KeyError:
-            raise BackendError(f"torch backend: no function {function!r} of model {model!r} in this export") from None
+            if function not in built:
+                raise BackendError(f"torch backend: no function {function!r} of model {model!r} in this export")
+            if not self._runs_packed(model, function):
+                return built[function]
+            if model not in self._packed:
+                self._packed[model] = with_packed_projections(built[function])
+            return self._packed[model]
+
+    def _runs_packed(self, model: str, function: str) -> bool:
+        """Whether `function` of `model` runs on the prepacked weights (see the module docstring)."""
+        if not self.prepack or model_kind(model) not in ("chunk", "lm_head"):
+            return False
+        return function == VERIFY or (function == "decode" and torch.get_num_threads() >= self.PACKED_DECODE_THREADS)
 
     def prepare(self, models: list[str]) -> None:
         """Build the modules of `models` now rather than on first use (so a first step is not
@@ -108,7 +116,7 @@ class TorchBackend(Backend):
         """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
         with self._lock:
             self._built.pop(model, None)
-            self._packed.discard(model)
+            self._packed.pop(model, None)
 
     def close(self) -> None:
         with self._lock:
