@@ -14,11 +14,23 @@ tokens (checked). Reported per task:
     by the bytes each step moves, so a step is timed as its bytes (`contract.traffic`: weights,
     caches, and the window's own tensors, for an fp16 export with a 16-token verify window), and
     the speedup is plain decoding's bytes for the same tokens over the speculative run's bytes
-    (its verify steps and its plain steps, as the CPU run took them).
+    (its verify steps and its plain steps, as the CPU run took them);
+  * the lookup oracle, COMPUTED, not measured: the speedup of a drafter that knows the output and
+    drafts from the text alone. At every step it drafts exactly the longest continuation that
+    follows an earlier occurrence of the last token in the prompt or the generated text (a chain
+    accepted whole; a plain step where no occurrence continues right), each window costed at the
+    verify costs measured below. Prompt lookup drafts from those same occurrences, so no step of
+    it accepts more from the same point: the oracle estimates the most lookup can give on this
+    machine, and so how much of a task's gap is in the drafting and how much in what a window costs.
 
-Results go to benchmarks/results/speculative.{json,png}.
+Before the tasks it measures what a verify window of n nodes costs against a plain decode step on
+the first task's prompt (a chain of n tokens; best of `--repeats` x 3 alternated runs each): the
+"step_costs" of the json, which the lookup oracle uses.
+
+Results go to benchmarks/results/NAME.{json,png} (`--name`, default "speculative").
 
     python benchmarks/speculative.py [--model default|FOLDER] [--new-tokens 96] [--threads 1] [--repeats 3]
+                                         [--tasks quote,rewrite] [--name speculative]
 """
 
 from __future__ import annotations
@@ -30,11 +42,13 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import llama_ane
 from llama_ane.contract.plan import describe_checkpoint
 from llama_ane.contract.traffic import decode_step_traffic, window_io_bytes
+from llama_ane.runtime.drafters import DraftTree
 
 RESULTS = Path(__file__).parent / "results"
 DOCUMENT = (Path(__file__).parent / "document.txt").read_text().strip()
@@ -74,6 +88,68 @@ def device_bytes(steps: dict, tokens: int, manifest: dict) -> tuple[int, int]:
     return tokens * decode, steps["verify_steps"] * verify + steps["decode_steps"] * decode
 
 
+def step_costs(model, prompt: list[int], sizes: list[int], repeats: int) -> dict[int, float]:
+    """{n: seconds of a verify window of a chain of n nodes / seconds of a plain decode step}, on
+    a cache holding `prompt` (best of `repeats` alternated runs of each; nothing is kept)."""
+    pipeline = model.pipeline
+    pipeline.reset()
+    pipeline.prefill(prompt)
+    start, root = pipeline.position, int(prompt[-1])
+
+    def plain():
+        pipeline.run_window([root])
+        pipeline.rewind(start)
+
+    def window(n):
+        tree = DraftTree.root(root)
+        node = 0
+        for i in range(n - 1):
+            node = tree.add(node, (root + 1 + i) % model.manifest["config"]["vocab_size"])
+        pipeline.verify_tree(np.asarray(tree.tokens, np.int32), tree.depths(), tree.mask(pipeline.backend.dtype))
+        pipeline.accept([0])
+        pipeline.rewind(start)
+
+    best = {n: float("inf") for n in [1, *sizes]}
+    for _ in range(repeats):
+        for n in best:
+            t0 = time.perf_counter()
+            plain() if n == 1 else window(n)
+            best[n] = min(best[n], time.perf_counter() - t0)
+    pipeline.reset()
+    return {n: best[n] / best[1] for n in best}
+
+
+def lookup_oracle(prompt: list[int], generated: list[int], cost) -> dict:
+    """The lookup oracle of the module docstring for `generated` after `prompt`: the speedup over
+    plain steps (each costing 1) when every step drafts the longest continuation of the text that
+    an earlier occurrence of its last token offers, a window of n nodes costing cost(n).
+
+    Also counted: the windows (and the tokens they accept) whose continuation follows only a
+    one-token match, an occurrence of the last token whose previous token differs: those a
+    drafter has to pick among all the occurrences of that token."""
+    text, steps, total, windows, single, single_tokens = list(prompt) + list(generated[:1]), 0, 0.0, 0, 0, 0
+    i = 1
+    while i < len(generated):
+        longest, context = 0, 0
+        for s in np.flatnonzero(np.asarray(text[:-1]) == text[-1]).tolist():
+            run = 0
+            while s + 1 + run < len(text) and i + run < len(generated) and text[s + 1 + run] == generated[i + run]:
+                run += 1
+            matched = 1 + int(s >= 1 and text[s - 1] == text[-2])
+            if (run, matched) > (longest, context):
+                longest, context = run, matched
+        total += cost(longest + 1) if longest else 1.0
+        windows += bool(longest)
+        single += bool(longest) and context == 1
+        single_tokens += longest if context == 1 else 0
+        steps += 1
+        text += generated[i:i + longest + 1]
+        i += longest + 1
+    return {"speedup": round((len(generated) - 1) / total, 3) if total else float("nan"),
+            "windows": windows, "plain_steps": steps - windows,
+            "one_token_match_windows": single, "one_token_match_tokens": single_tokens}
+
+
 def median_run(runs: list):
     """The run of median decode seconds (the upper one of an even count)."""
     return sorted(runs, key=lambda r: r.decode_seconds)[len(runs) // 2]
@@ -86,6 +162,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each way per task (the median is reported)")
+    ap.add_argument("--name", default="speculative", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = llama_ane.load(args.model, backend="torch", precision="fp32")
@@ -94,9 +171,17 @@ def main() -> None:
     device_manifest = (model.manifest if (src and (src / "manifest.json").exists())
                        else describe_checkpoint(src, precision="fp16")[0])  # an fp16 export of it
     tasks = [t for t in TASKS if args.tasks is None or t[0] in args.tasks.split(",")]
-    # the first verify window prepares its weights (torch backend, see TorchBackend's pack_verify): not timed
+    # the first verify window prepares its weights (torch backend, see TorchBackend's prepack): not timed
     model.generate(model.encode(TASKS[0][2][:400], chat=True), max_new_tokens=8, speculative="lookup")
     load_before = os.getloadavg()
+    sizes = [2, 3, 4, 6, 8, 12, model.manifest["verify_window"]]
+    costs = step_costs(model, model.encode(tasks[0][2], chat=True), sizes, 3 * args.repeats)
+    print("verify window cost in plain steps (measured): "
+          + ", ".join(f"{n} nodes {c:.2f}" for n, c in costs.items() if n > 1), flush=True)
+
+    def cost(n: int) -> float:
+        return float(np.interp(n, list(costs), list(costs.values())))
+
     rows = []
     for name, kind, message in tasks:
         prompt = model.encode(message, chat=True)
@@ -111,6 +196,7 @@ def main() -> None:
         plain, spec = median_run(plains), median_run(specs)
         tokens = spec.decoded_tokens
         plain_bytes, spec_bytes = device_bytes(spec.speculative, tokens, device_manifest)
+        oracle = lookup_oracle(prompt, plain.token_ids, cost)
         row = {"task": name, "kind": kind, "prompt_tokens": len(prompt), "generated_tokens": len(plain.token_ids),
                "plain_decode_s": round(plain.decode_seconds, 3), "speculative_decode_s": round(spec.decode_seconds, 3),
                "plain_runs_s": [round(r.decode_seconds, 3) for r in plains],
@@ -118,25 +204,28 @@ def main() -> None:
                "wall_clock_speedup": round(plain.decode_seconds / spec.decode_seconds, 3),
                **spec.speculative,
                "device_model_speedup": round(plain_bytes / spec_bytes, 3),
+               "lookup_oracle": oracle,
                "text": plain.text[:200]}
         rows.append(row)
         print(f"{name:13s} {row['generated_tokens']:4d} tokens | {row['tokens_per_step']:.2f} tokens/verify step, "
               f"acceptance {row['acceptance_rate']:.2f}, {row['verify_steps']} verify + {row['decode_steps']} plain "
               f"steps | wall-clock {row['wall_clock_speedup']:.2f}x (torch CPU) | device model "
-              f"{row['device_model_speedup']:.2f}x", flush=True)
+              f"{row['device_model_speedup']:.2f}x | lookup oracle {oracle['speedup']:.2f}x", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = {"model": model.manifest["name"], "backend": "torch", "precision": "fp32", "threads": args.threads,
            "repeats": args.repeats,
            "machine": f"{platform.machine()} {platform.processor()}".strip(), "new_tokens": args.new_tokens,
            "drafter": "lookup", "verify_window": model.manifest["verify_window"],
            "device_model": "bytes per step of an fp16 export (contract.traffic): a model, not a measurement",
+           "step_costs": {str(n): round(c, 3) for n, c in costs.items()},
+           "lookup_oracle": "computed from the text and the measured step_costs (see the docstring), not measured",
            "load_average": {"before": [round(x, 2) for x in load_before],
                             "after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()},
            "rows": rows}
-    (RESULTS / "speculative.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(rows, RESULTS / "speculative.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rows, RESULTS / f"{args.name}.png")
     print(f"load average (1, 5, 15 min) before {out['load_average']['before']}, after {out['load_average']['after']}")
-    print(f"wrote {RESULTS / 'speculative.json'} and speculative.png")
+    print(f"wrote {RESULTS / args.name}.json and .png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -158,6 +247,8 @@ def plot(rows: list[dict], path: Path) -> None:
     b.bar([i - w / 2 for i in x], [r["wall_clock_speedup"] for r in rows], w, label="wall clock, torch CPU (measured)")
     b.bar([i + w / 2 for i in x], [r["device_model_speedup"] for r in rows], w,
           label="device, bytes per step (model)", hatch="//", alpha=0.7)
+    b.scatter([i - w / 2 for i in x], [r["lookup_oracle"]["speedup"] for r in rows], marker="_", s=300, color="k",
+              zorder=3, label="lookup oracle, CPU (computed)")
     b.axhline(1.0, color="k", lw=0.8)
     b.set_xticks(list(x), names, rotation=30, ha="right")
     b.set_ylabel("speedup over plain decoding")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import platform
+from pathlib import Path
 
 import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _has_cuda() -> bool:
@@ -78,3 +82,11 @@ def no_eos(model):
         yield
     finally:
         model.manifest["tokenizer"]["eos_token_ids"] = saved
+
+
+def load_benchmark(name: str):
+    """The module of benchmarks/NAME.py (a script, not a package), for tests of its pure parts."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
