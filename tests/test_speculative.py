@@ -363,6 +363,13 @@ def test_decode_runs_packed_from_two_threads_with_the_same_tokens(tiny, threads)
     assert ("chunk_0" in packed.backend._packed) == (threads >= 2)
     assert (module is packed.backend._packed.get("chunk_0")) == (threads >= 2)
     assert packed.backend.module("chunk_0", "prefill") is packed.backend._built["chunk_0"]["prefill"]
+    fresh = _load(tiny)
+    torch.set_num_threads(threads)
+    try:
+        fresh.prepare()  # the packed copy is made with the loading, not in the first timed step
+    finally:
+        torch.set_num_threads(before)
+    assert ("chunk_0" in fresh.backend._packed) == (threads >= 2)
 
 
 def test_an_export_without_verify_function_is_refused(tiny):

@@ -107,10 +107,13 @@ class TorchBackend(Backend):
 
     def prepare(self, models: list[str]) -> None:
         """Build the modules of `models` now rather than on first use (so a first step is not
-        timed with the loading)."""
+        timed with the loading), with their prepacked weights where one-token decoding will run on
+        them (two threads or more)."""
         for model in models:
             entry = next(iter(self.manifest["models"][model]["functions"]))
             self.module(model, entry)
+            if self._runs_packed(model, "decode") and "decode" in self.manifest["models"][model]["functions"]:
+                self.module(model, "decode")
 
     def release(self, model: str) -> None:
         """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
