@@ -32,6 +32,7 @@ def projection_shapes(cfg) -> list[tuple[int, int]]:
     layer = [shape for shape in layer_shapes(cfg).values() if len(shape) == 2]  # not the norms
     return layer * cfg.num_hidden_layers + [(cfg.vocab_size, cfg.hidden_size)]
 
+
 def best_time(run, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):

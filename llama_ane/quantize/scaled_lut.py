@@ -57,6 +57,7 @@ def scaled_lut_compress(weight: np.ndarray, nbits: int, group_size: int, block_s
     scale, offset = fit_scale_offset(w, per_input, q, scale.reshape(s.shape), offset.reshape(o.shape))
     return indices, lut, scale.reshape(shape), offset.reshape(shape)
 
+
 def scaled_lut_decompress(indices: np.ndarray, lut: np.ndarray, scale: np.ndarray,
                           offset: np.ndarray) -> np.ndarray:
     """The dense weight of `scaled_lut_compress`'s output, in float32."""
