@@ -6,8 +6,10 @@ head) are most of a step. This times all of them, with weights of the model's sh
 float32), for S = 1..16 columns, two ways:
 
 * `linear`: torch.nn.functional.linear, what an unpacked module runs;
-* `packed`: oneDNN on weights reordered once (`torch.ops.mkldnn._linear_pointwise`), what the
-  torch backend's verify window runs (`PackedConv1x1`).
+* `onednn`: oneDNN on weights reordered once (`torch.ops.mkldnn._linear_pointwise`), what the
+  torch backend runs with `prepack="onednn"` (`PackedConv1x1`);
+* `native`: the native kernel on weights packed into panels (runtime/backends/native_gemm), what
+  the torch backend runs by default where a C compiler builds it (`NativeConv1x1`).
 
 It prints each time and its ratio to one column through `linear` (a plain decode step), measured
 in the same process; the best of --repeats runs.
@@ -25,6 +27,7 @@ import torch
 
 from llama_ane.checkpoint.loader import load_checkpoint
 from llama_ane.chunks.plan import layer_shapes
+from llama_ane.runtime.backends import native_gemm
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:
@@ -52,18 +55,25 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_checkpoint(None).config
     weights = [torch.randn(o, i) * 0.02 for o, i in projection_shapes(cfg)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    native = [native_gemm.pack(w) for w in weights] if native_gemm.available() else None
     print(f"{cfg.num_hidden_layers} layers, {sum(w.numel() for w in weights) / 1e6:.1f}M projection weights, "
-          f"{args.threads} thread(s), best of {args.repeats}")
+          f"{args.threads} thread(s), best of {args.repeats}; 'x step': over one column through linear")
+    if native is None:
+        print(f"no native kernel: {native_gemm.unavailable()}")
     base = None
-    print(f"{'columns':>7}  {'linear ms':>9}  {'x step':>6}  {'packed ms':>9}  {'x step':>6}")
+    print(f"{'columns':>7}  {'linear ms':>9}  {'x step':>6}  {'onednn ms':>9}  {'x step':>6}  {'native ms':>9}  {'x step':>6}")
     for s in (int(c) for c in args.columns.split(",")):
         xs = {i: torch.randn(s, i) for i in {w.shape[1] for w in weights}}
         with torch.inference_mode():
             plain = best_time(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
             pre = best_time(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                      for w, p in zip(weights, packed)], args.repeats)
+            own = float("nan") if native is None else best_time(
+                lambda: [native_gemm.columns(xs[w.shape[1]].t(), p, w.shape[0]) for w, p in zip(weights, native)],
+                args.repeats)
         base = plain if base is None else base
-        print(f"{s:>7}  {plain * 1e3:>9.1f}  {plain / base:>6.2f}  {pre * 1e3:>9.1f}  {pre / base:>6.2f}")
+        print(f"{s:>7}  {plain * 1e3:>9.1f}  {plain / base:>6.2f}  {pre * 1e3:>9.1f}  {pre / base:>6.2f}  "
+              f"{own * 1e3:>9.1f}  {own / base:>6.2f}")
     return 0
 
 

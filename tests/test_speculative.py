@@ -11,6 +11,7 @@ import torch
 
 import llama_ane
 from llama_ane.runtime.backends.base import BackendError
+from llama_ane.runtime.backends.torch_modules import packings
 from llama_ane.runtime.drafters import DraftTree, ModelDrafter, PromptLookupDrafter
 from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabilities
 from llama_ane.runtime.speculative import SpeculativeDecoder, StepCosts, choose, plan
@@ -323,12 +324,13 @@ def test_drafting_without_estimates_pauses_when_it_does_not_pay(tiny):
     assert decoder.stats.fallbacks == 1 and decoder.pays()
 
 
-def test_packed_verify_gives_the_unpacked_logits(tiny):
+@pytest.mark.parametrize("packing", ["native", "onednn"])
+def test_packed_verify_gives_the_unpacked_logits(tiny, packing):
     """The torch backend's verify windows on prepacked weights (the default on a CPU in fp32)
     give the logits of the plain modules; fp16 cannot pack."""
-    packed, plain = _load(tiny), _load(tiny, prepack=False)
-    if not packed.backend.prepack:
-        pytest.skip("no oneDNN in this torch")
+    if packing not in packings(torch.device("cpu"), torch.float32):
+        pytest.skip(f"no {packing} packing here")
+    packed, plain = _load(tiny, prepack=packing), _load(tiny, prepack=False)
     prompt = repetitive_prompt(5)
     tree = DraftTree.root(prompt[-1])
     tree.add(tree.add(0, 31), 32)
@@ -344,14 +346,16 @@ def test_packed_verify_gives_the_unpacked_logits(tiny):
         _load(tiny, precision="fp16", prepack=True)
 
 
+@pytest.mark.parametrize("packing", ["native", "onednn"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_runs_packed_from_two_threads_with_the_same_tokens(tiny, threads):
-    """One-token decoding runs on the prepacked weights when torch has two threads or more (where
-    oneDNN spreads a one-column product over them and `linear` does not), on the plain ones on one
-    thread; the greedy tokens and logits are those of the plain modules either way."""
-    packed, plain = _load(tiny), _load(tiny, prepack=False)
-    if not packed.backend.prepack:
-        pytest.skip("no oneDNN in this torch")
+def test_decode_runs_packed_where_it_pays_with_the_same_tokens(tiny, threads, packing):
+    """One-token decoding runs on the prepacked weights with the native kernel at any thread count,
+    and with oneDNN from two threads on (where oneDNN spreads a one-column product over them and
+    `linear` does not); the greedy tokens are those of the plain modules either way."""
+    if packing not in packings(torch.device("cpu"), torch.float32):
+        pytest.skip(f"no {packing} packing here")
+    packed, plain = _load(tiny, prepack=packing), _load(tiny, prepack=False)
+    runs_packed = packing == "native" or threads >= 2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -360,16 +364,16 @@ def test_decode_runs_packed_from_two_threads_with_the_same_tokens(tiny, threads)
     finally:
         torch.set_num_threads(before)
     assert runs[0].token_ids == runs[1].token_ids
-    assert ("chunk_0" in packed.backend._packed) == (threads >= 2)
-    assert (module is packed.backend._packed.get("chunk_0")) == (threads >= 2)
+    assert ("chunk_0" in packed.backend._packed) == runs_packed
+    assert (module is packed.backend._packed.get("chunk_0")) == runs_packed
     assert packed.backend.module("chunk_0", "prefill") is packed.backend._built["chunk_0"]["prefill"]
-    fresh = _load(tiny)
+    fresh = _load(tiny, prepack=packing)
     torch.set_num_threads(threads)
     try:
         fresh.prepare()  # the packed copy is made with the loading, not in the first timed step
     finally:
         torch.set_num_threads(before)
-    assert ("chunk_0" in fresh.backend._packed) == (threads >= 2)
+    assert ("chunk_0" in fresh.backend._packed) == runs_packed
 
 
 def test_an_export_without_verify_function_is_refused(tiny):

@@ -11,13 +11,19 @@ With `direct_cache` (the default) the pipeline writes new K/V into the caches in
 each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
 `direct_cache=False` it runs the cache-update modules in the background, as a device does.
 
-With `prepack` (the default where it can: fp32 on a CPU with oneDNN), the block chunks and the LM
-head run their "verify" function, and their "decode" function when torch computes on more than one
-thread, on a copy of the projection weights prepacked for oneDNN, made on first use: a window of a
-few tree nodes then costs far less than as many one-token steps, and a one-token step spreads over
-the threads where `linear` does not (see torch_modules.PackedConv1x1). It holds that copy (about the
-chunks' and the head's weights once more). On one thread one-token decoding keeps the plain
-weights, which are as fast there; prefill keeps them too (as fast at its window of tokens).
+With `prepack` (the default where it can: fp32 on a CPU), the block chunks and the LM head run
+their one-token "decode" and their "verify" functions on a copy of the projection weights
+prepacked once, made on first use (or by `prepare`). Two packings (torch_modules.packings):
+
+  * "native" (the default where a C compiler builds it): native_gemm's kernel reads each weight
+    once for all the columns of a window, so a one-token step runs at the memory's speed and a
+    verify window of a few tree nodes costs little more than one step;
+  * "onednn": oneDNN's reordered weights. A window costs far less than as many one-token steps,
+    and a one-token step spreads over the threads where `linear` does not; on one thread
+    one-token decoding keeps the plain weights, which are as fast there.
+
+The copy is about the chunks' and the head's weights once more. Prefill keeps the plain weights
+(oneDNN is fast at its window of tokens).
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ import torch
 from ...checkpoint.loader import Checkpoint, load_checkpoint
 from ...contract.manifest import function_entry, function_states
 from ...contract.specs import VERIFY, model_kind
+from . import native_gemm
 from .base import Backend, BackendError
-from .torch_modules import CheckpointWeights, ExportWeights, build_model, can_pack, with_packed_projections
+from .torch_modules import PACKINGS, CheckpointWeights, ExportWeights, build_model, packings, with_packed_projections
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -49,14 +56,15 @@ def _argument_names(module_class: type) -> tuple[str, ...]:
 
 class TorchBackend(Backend):
     name = "torch"
-    PACKED_DECODE_THREADS = 2  # one-token decoding runs on the prepacked weights from this many threads
+    PACKED_DECODE_THREADS = 2  # with oneDNN packing, one-token decoding runs packed from this many threads
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | None = None):
+                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | str | None = None):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
         before computing in `precision`, as an export in that precision stores them. `prepack`:
-        see the module docstring (None: wherever it can)."""
+        see the module docstring; "native" or "onednn" for that packing, True for the best that
+        runs here, False for none, None (the default) for the best where any runs."""
         self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
@@ -65,10 +73,17 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
-        packable = can_pack(self.device, self.torch_dtype)
-        if prepack and not packable:
-            raise BackendError("prepack needs fp32 on a CPU with oneDNN")
-        self.prepack = packable if prepack is None else prepack
+        here = packings(self.device, self.torch_dtype)
+        if prepack not in (None, True, False, *PACKINGS):
+            raise BackendError(f"prepack must be one of {', '.join(PACKINGS)}, True, False or None, got {prepack!r}")
+        if prepack and not here:
+            raise BackendError("prepack needs fp32 on a CPU, with a C compiler or oneDNN")
+        if isinstance(prepack, str) and prepack not in here:
+            why = native_gemm.unavailable() if prepack == "native" else "this torch has no oneDNN"
+            raise BackendError(f"prepack {prepack!r} cannot run here: {why}")
+        self.packing: str | None = (prepack if isinstance(prepack, str) else
+                                    None if prepack is False or not here else here[0])
+        self.prepack = self.packing is not None
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -96,19 +111,21 @@ class TorchBackend(Backend):
             if not self._runs_packed(model, function):
                 return built[function]
             if model not in self._packed:
-                self._packed[model] = with_packed_projections(built[function])
+                self._packed[model] = with_packed_projections(built[function], self.packing)
             return self._packed[model]
 
     def _runs_packed(self, model: str, function: str) -> bool:
         """Whether `function` of `model` runs on the prepacked weights (see the module docstring)."""
         if not self.prepack or model_kind(model) not in ("chunk", "lm_head"):
             return False
-        return function == VERIFY or (function == "decode" and torch.get_num_threads() >= self.PACKED_DECODE_THREADS)
+        if function == "decode" and self.packing == "onednn":
+            return torch.get_num_threads() >= self.PACKED_DECODE_THREADS
+        return function in (VERIFY, "decode")
 
     def prepare(self, models: list[str]) -> None:
         """Build the modules of `models` now rather than on first use (so a first step is not
         timed with the loading), with their prepacked weights where one-token decoding will run on
-        them (two threads or more)."""
+        them (native packing; oneDNN's on two threads or more)."""
         for model in models:
             entry = next(iter(self.manifest["models"][model]["functions"]))
             self.module(model, entry)

@@ -29,6 +29,7 @@ from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
 from ...contract.specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, model_kind, window_of
+from . import native_gemm
 
 
 def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -181,10 +182,20 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     return modules
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can run prepacked projection weights here (fp32 on a CPU with oneDNN)."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+PACKINGS = ("native", "onednn")  # prepacked projection weights: native_gemm's panels, or oneDNN's layout
+
+
+def packings(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The packings that can run here, best first: the native kernel where it builds, then oneDNN
+    (both fp32 on a CPU only)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return ()
+    found = []
+    if native_gemm.available():
+        found.append("native")
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        found.append("onednn")
+    return tuple(found)
 
 
 class PackedConv1x1(torch.nn.Module):
@@ -192,7 +203,7 @@ class PackedConv1x1(torch.nn.Module):
 
     On a CPU, a product of a few columns (S = 2..16, a verify window of a token tree) through
     `linear` costs close to S single-column products, as if the weight were read S times; with
-    the weight reordered in advance oneDNN reads it about once. The arithmetic is the same matrix
+    the weight reordered in advance oneDNN reads it fewer times. The arithmetic is the same matrix
     product (rounded in another order). x: (B, C_in, H, S) -> (B, C_out, H, S)
     """
 
@@ -213,16 +224,42 @@ class PackedConv1x1(torch.nn.Module):
         return y.reshape(b, h, s, self.out_channels).permute(0, 3, 1, 2)
 
 
-def with_packed_projections(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `module` whose `Conv1x1`s are `PackedConv1x1`s; every other parameter and buffer
-    is shared, not copied (the packed weights are the one extra copy). See `can_pack`."""
+class NativeConv1x1(torch.nn.Module):
+    """A `Conv1x1`'s matrix product through the native kernel (native_gemm) on its packed weight:
+    the weight is read once for all S columns, so a verify window of a few tree nodes costs about
+    one one-token step. Each column's result is the same whatever S (see native_gemm.c).
+    x: (B, C_in, H, S) -> (B, C_out, H, S)
+    """
+
+    def __init__(self, conv: Conv1x1):
+        super().__init__()
+        self.out_channels = conv.out_channels
+        self.packed = native_gemm.pack(conv.weight.detach().reshape(conv.out_channels, -1))
+        self.bias = None if conv.bias is None else conv.bias.detach().reshape(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, s = x.shape
+        cols = x.reshape(c, s) if b == 1 and h == 1 else x.permute(1, 0, 2, 3).reshape(c, b * h * s)
+        y = native_gemm.columns(cols, self.packed, self.out_channels)  # (C_out, B*H*S)
+        if self.bias is not None:
+            y += self.bias
+        if b == 1 and h == 1:
+            return y.reshape(1, self.out_channels, 1, s)
+        return y.reshape(self.out_channels, b, h, s).permute(1, 0, 2, 3)
+
+
+def with_packed_projections(module: torch.nn.Module, packing: str = "onednn") -> torch.nn.Module:
+    """A copy of `module` whose `Conv1x1`s run on prepacked weights (`packing`, one of `packings`):
+    `NativeConv1x1`s or oneDNN's `PackedConv1x1`s. Every other parameter and buffer is shared, not
+    copied (the packed weights are the one extra copy)."""
+    wrap = {"native": NativeConv1x1, "onednn": PackedConv1x1}[packing]
     shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
     clone = copy.deepcopy(module, memo=shared)
     for name, child in list(clone.named_modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, Conv1x1):
-                setattr(child, attr, PackedConv1x1(sub))
+                setattr(child, attr, wrap(sub))
     return clone.eval()
 
 
-__all__ = ["build_model", "can_pack", "with_packed_projections"]
+__all__ = ["PACKINGS", "build_model", "packings", "with_packed_projections"]

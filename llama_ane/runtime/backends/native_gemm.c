@@ -1,0 +1,102 @@
+/* Products of a few columns with a prepacked weight, for the torch backend on a CPU.
+ *
+ * y (M, N) = x (M, K) @ W^T, W (N, K), for M = 1..16 or so: one-token decoding (M = 1) and the
+ * verify window of a token tree (M = its nodes). At such M a product is bound by reading W, and
+ * general GEMM libraries compute it column by column, as if W were read M times. Here W is packed
+ * once into panels of NR output rows, [N / NR][K][NR], so one sequential pass over the panels
+ * serves every column: each panel's 16 outputs of up to MR columns are accumulated in registers
+ * (MR x 2 vectors of 8 floats), further columns re-read the panel from the core's cache.
+ *
+ * Each output is a sum over k = 0..K-1 in order, one fused multiply-add per term, whatever M and
+ * however the panels are spread over threads: a column's result does not depend on the others.
+ *
+ * Written with the compiler's vector extensions (GCC, Clang): AVX2/FMA or AVX-512 with
+ * -march=native on x86-64, NEON on arm64. Threads: OpenMP when built with -fopenmp.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
+
+#define NR 16 /* output rows per panel: two vectors */
+#define MR 6  /* columns per register block: 12 accumulators */
+#define PREFETCH 32 /* blocks of 2+ columns prefetch the panel this many k ahead (2 KB) */
+
+int64_t llama_ane_panel_rows(void) { return NR; }
+
+/* Pack w (N, K), row-major, into panels [ceil(N / NR)][K][NR]; rows past N are zeros. */
+void llama_ane_pack(const float *w, float *out, int64_t n, int64_t k) {
+    int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t row = p * NR + j;
+                out[(p * k + kk) * NR + j] = row < n ? w[row * k + kk] : 0.0f;
+            }
+}
+
+/* acc (R, NR) = x (R, K) @ panel^T for R = 1..MR columns; x[r][k] at x + r * sr + k * sk. With
+ * two columns or more the loads alone do not keep enough of the panel in flight: prefetch it.
+ * (A prefetch past the panel's end is a hint, never a fault.) */
+#define BLOCK(R)                                                                         \
+    static void block_##R(const float *x, int64_t sr, int64_t sk, const float *panel,   \
+                          int64_t k, float *acc) {                                       \
+        v8 lo[R], hi[R];                                                                 \
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = (v8){0};                             \
+        for (int64_t kk = 0; kk < k; kk++) {                                             \
+            if (R >= 2) __builtin_prefetch(panel + (kk + PREFETCH) * NR);                \
+            if (R >= 2) __builtin_prefetch(panel + (kk + PREFETCH) * NR + 8);            \
+            v8 w0 = *(const v8u *)(panel + kk * NR);                                     \
+            v8 w1 = *(const v8u *)(panel + kk * NR + 8);                                 \
+            for (int r = 0; r < R; r++) {                                                \
+                v8 b = (v8){0} + x[r * sr + kk * sk];                                    \
+                lo[r] += b * w0;                                                         \
+                hi[r] += b * w1;                                                         \
+            }                                                                            \
+        }                                                                                \
+        for (int r = 0; r < R; r++) {                                                    \
+            memcpy(acc + r * NR, &lo[r], sizeof(v8));                                    \
+            memcpy(acc + r * NR + 8, &hi[r], sizeof(v8));                                \
+        }                                                                                \
+    }
+BLOCK(1)
+BLOCK(2)
+BLOCK(3)
+BLOCK(4)
+BLOCK(5)
+BLOCK(6)
+
+/* y = x @ W^T for x (M, K) at x + m * sxm + k * sxk, W packed by llama_ane_pack, and y (M, N)
+ * written at y + m * sym + n * syn; on `threads` OpenMP threads (panels split among them). */
+void llama_ane_gemm(const float *x, int64_t sxm, int64_t sxk, const float *packed, float *y,
+                    int64_t sym, int64_t syn, int64_t m, int64_t n, int64_t k, int threads) {
+    int64_t panels = (n + NR - 1) / NR;
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++) {
+        float acc[MR * NR];
+        const float *panel = packed + p * k * NR;
+        int64_t rows = n - p * NR < NR ? n - p * NR : NR;
+        for (int64_t m0 = 0; m0 < m; m0 += MR) {
+            int64_t r = m - m0 < MR ? m - m0 : MR;
+            const float *xm = x + m0 * sxm;
+            switch (r) {
+                case 1: block_1(xm, sxm, sxk, panel, k, acc); break;
+                case 2: block_2(xm, sxm, sxk, panel, k, acc); break;
+                case 3: block_3(xm, sxm, sxk, panel, k, acc); break;
+                case 4: block_4(xm, sxm, sxk, panel, k, acc); break;
+                case 5: block_5(xm, sxm, sxk, panel, k, acc); break;
+                default: block_6(xm, sxm, sxk, panel, k, acc); break;
+            }
+            for (int64_t c = 0; c < r; c++) {
+                float *out = y + (m0 + c) * sym + p * NR * syn;
+                if (syn == 1) {
+                    memcpy(out, acc + c * NR, (size_t)rows * sizeof(float));
+                } else {
+                    for (int64_t j = 0; j < rows; j++) out[j * syn] = acc[c * NR + j];
+                }
+            }
+        }
+    }
+}
