@@ -5,7 +5,9 @@
  * general GEMM libraries compute it column by column, as if W were read M times. Here W is packed
  * once into panels of NR output rows, [N / NR][K][NR], so one sequential pass over the panels
  * serves every column: each panel's 16 outputs of up to MR columns are accumulated in registers
- * (MR x 2 vectors of 8 floats), further columns re-read the panel from the core's cache.
+ * (MR x 2 vectors of 8 floats), further columns re-read the panel from the core's cache. Columns
+ * are split into blocks of balanced sizes (7 = 4 + 3): a block of one or two columns is bound by
+ * the latency of its few accumulator chains once the panel is in cache.
  *
  * Each output is a sum over k = 0..K-1 in order, one fused multiply-add per term, whatever M and
  * however the panels are spread over threads: a column's result does not depend on the others.
@@ -78,8 +80,9 @@ void llama_ane_gemm(const float *x, int64_t sxm, int64_t sxk, const float *packe
         float acc[MR * NR];
         const float *panel = packed + p * k * NR;
         int64_t rows = n - p * NR < NR ? n - p * NR : NR;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {
-            int64_t r = m - m0 < MR ? m - m0 : MR;
+        int64_t blocks = (m + MR - 1) / MR;
+        for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+            int64_t r = (m - m0) / (blocks - b); /* balanced: 7 = 4 + 3, not 6 + 1 */
             const float *xm = x + m0 * sxm;
             switch (r) {
                 case 1: block_1(xm, sxm, sxk, panel, k, acc); break;
@@ -97,6 +100,7 @@ void llama_ane_gemm(const float *x, int64_t sxm, int64_t sxk, const float *packe
                     for (int64_t j = 0; j < rows; j++) out[j * syn] = acc[c * NR + j];
                 }
             }
+            m0 += r;
         }
     }
 }
