@@ -5,9 +5,9 @@
  * general GEMM libraries compute it column by column, as if W were read M times. Here W is packed
  * once into panels of NR output rows, [N / NR][K][NR], so one sequential pass over the panels
  * serves every column: each panel's 16 outputs of up to MR columns are accumulated in registers
- * (MR x 2 vectors of 8 floats), further columns re-read the panel from the core's cache. Columns
- * are split into blocks of balanced sizes (7 = 4 + 3): a block of one or two columns is bound by
- * the latency of its few accumulator chains once the panel is in cache.
+ * (MR x 2 vectors of 8 floats). Further blocks of columns re-read the panel in slices of KC
+ * k, each still in L1 from the first block. Blocks have balanced sizes (7 = 3 + 4, not 6 + 1): a
+ * block of one or two columns would be bound by the latency of its few accumulator chains.
  *
  * Each output is a sum over k = 0..K-1 in order, one fused multiply-add per term, whatever M and
  * however the panels are spread over threads: a column's result does not depend on the others.
@@ -23,6 +23,8 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned lo
 
 #define NR 16 /* output rows per panel: two vectors */
 #define MR 6  /* columns per register block: 12 accumulators */
+#define KC 256  /* k per pass: a panel's 16 KB slice stays in L1 for every block of columns */
+#define GROUP 64 /* columns accumulated at once (more re-read the panel) */
 #define PREFETCH 32 /* blocks of 2+ columns prefetch the panel this many k ahead (2 KB) */
 
 int64_t llama_ane_panel_rows(void) { return NR; }
@@ -38,21 +40,25 @@ void llama_ane_pack(const float *w, float *out, int64_t n, int64_t k) {
             }
 }
 
-/* acc (R, NR) = x (R, K) @ panel^T for R = 1..MR columns; x[r][k] at x + r * sr + k * sk. With
+/* acc (R, NR) += x (R, K) @ panel^T for R = 1..MR columns; x[r][k] at x + r * sr + k * sk. With
  * two columns or more the loads alone do not keep enough of the panel in flight: prefetch it.
  * (A prefetch past the panel's end is a hint, never a fault.) */
 #define BLOCK(R)                                                                         \
     static void block_##R(const float *x, int64_t sr, int64_t sk, const float *panel,   \
-                          int64_t k, float *acc) {                                       \
+                          int64_t k, int64_t ahead, float *acc) {                        \
         v8 lo[R], hi[R];                                                                 \
-        for (int r = 0; r < R; r++) lo[r] = hi[r] = (v8){0};                             \
+        for (int r = 0; r < R; r++) {                                                    \
+            memcpy(&lo[r], acc + r * NR, sizeof(v8));                                    \
+            memcpy(&hi[r], acc + r * NR + 8, sizeof(v8));                                \
+        }                                                                                \
         for (int64_t kk = 0; kk < k; kk++) {                                             \
-            if (R >= 2) __builtin_prefetch(panel + (kk + PREFETCH) * NR);                \
-            if (R >= 2) __builtin_prefetch(panel + (kk + PREFETCH) * NR + 8);            \
+            if (R >= 2) __builtin_prefetch(panel + (kk + ahead) * NR);                   \
+            if (R >= 2) __builtin_prefetch(panel + (kk + ahead) * NR + 8);               \
             v8 w0 = *(const v8u *)(panel + kk * NR);                                     \
             v8 w1 = *(const v8u *)(panel + kk * NR + 8);                                 \
             for (int r = 0; r < R; r++) {                                                \
-                v8 b = (v8){0} + x[r * sr + kk * sk];                                    \
+                float v = x[r * sr + kk * sk];                                           \
+                v8 b = {v, v, v, v, v, v, v, v}; /* not 0 + v: that adds (-0.0) */       \
                 lo[r] += b * w0;                                                         \
                 hi[r] += b * w1;                                                         \
             }                                                                            \
@@ -77,30 +83,40 @@ void llama_ane_gemm(const float *x, int64_t sxm, int64_t sxk, const float *packe
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < panels; p++) {
-        float acc[MR * NR];
+        float acc[GROUP * NR];
         const float *panel = packed + p * k * NR;
         int64_t rows = n - p * NR < NR ? n - p * NR : NR;
-        int64_t blocks = (m + MR - 1) / MR;
-        for (int64_t b = 0, m0 = 0; b < blocks; b++) {
-            int64_t r = (m - m0) / (blocks - b); /* balanced: 7 = 4 + 3, not 6 + 1 */
-            const float *xm = x + m0 * sxm;
-            switch (r) {
-                case 1: block_1(xm, sxm, sxk, panel, k, acc); break;
-                case 2: block_2(xm, sxm, sxk, panel, k, acc); break;
-                case 3: block_3(xm, sxm, sxk, panel, k, acc); break;
-                case 4: block_4(xm, sxm, sxk, panel, k, acc); break;
-                case 5: block_5(xm, sxm, sxk, panel, k, acc); break;
-                default: block_6(xm, sxm, sxk, panel, k, acc); break;
+        for (int64_t g0 = 0; g0 < m; g0 += GROUP) {
+            int64_t gm = m - g0 < GROUP ? m - g0 : GROUP;
+            int64_t blocks = (gm + MR - 1) / MR;
+            memset(acc, 0, (size_t)gm * NR * sizeof(float));
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                int64_t kc = k - k0 < KC ? k - k0 : KC;
+                for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+                    int64_t r = (gm - m0) / (blocks - b); /* balanced: 7 = 3 + 4, not 6 + 1 */
+                    const float *xm = x + (g0 + m0) * sxm + k0 * sxk;
+                    const float *part = panel + k0 * NR;
+                    float *a = acc + m0 * NR;
+                    int64_t ahead = b == 0 ? PREFETCH : KC; /* later blocks fetch the next slice */
+                    switch (r) {
+                        case 1: block_1(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 2: block_2(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 3: block_3(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 4: block_4(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 5: block_5(xm, sxm, sxk, part, kc, ahead, a); break;
+                        default: block_6(xm, sxm, sxk, part, kc, ahead, a); break;
+                    }
+                    m0 += r;
+                }
             }
-            for (int64_t c = 0; c < r; c++) {
-                float *out = y + (m0 + c) * sym + p * NR * syn;
+            for (int64_t c = 0; c < gm; c++) {
+                float *out = y + (g0 + c) * sym + p * NR * syn;
                 if (syn == 1) {
                     memcpy(out, acc + c * NR, (size_t)rows * sizeof(float));
                 } else {
                     for (int64_t j = 0; j < rows; j++) out[j * syn] = acc[c * NR + j];
                 }
             }
-            m0 += r;
         }
     }
 }
