@@ -9,8 +9,9 @@
  * k, each still in L1 from the first block. Blocks have balanced sizes (7 = 3 + 4, not 6 + 1): a
  * block of one or two columns would be bound by the latency of its few accumulator chains.
  *
- * Each output is a sum over k = 0..K-1 in order, one fused multiply-add per term, whatever M and
- * however the panels are spread over threads: a column's result does not depend on the others.
+ * Each output is a sum over k = 0..K-1 in order, one multiply-add per term (fused where the CPU
+ * has FMA), whatever M and however the panels are spread over threads: a column's result does not
+ * depend on the others.
  *
  * Written with the compiler's vector extensions (GCC, Clang): AVX2/FMA or AVX-512 with
  * -march=native on x86-64, NEON on arm64. Threads: OpenMP when built with -fopenmp.
