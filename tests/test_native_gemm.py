@@ -22,9 +22,9 @@ needs_kernel = pytest.mark.skipif(not native_gemm.available(), reason=f"no nativ
 def fresh_library(monkeypatch, tmp_path):
     """`native_gemm.library()` rebuilt from scratch under a temporary cache, and restored after."""
     monkeypatch.setenv("LLAMA_ANE_CACHE", str(tmp_path))
-    native_gemm.library.cache_clear()
+    native_gemm.forget()
     yield
-    native_gemm.library.cache_clear()
+    native_gemm.forget()
 
 
 @needs_kernel
@@ -85,7 +85,7 @@ def test_the_kernel_builds_and_checks_out_where_there_is_a_compiler():
 def test_disabled_or_without_compiler_says_why(fresh_library, monkeypatch):
     monkeypatch.setenv("LLAMA_ANE_NATIVE", "0")
     assert native_gemm.library() is None and native_gemm.unavailable() == "LLAMA_ANE_NATIVE=0"
-    native_gemm.library.cache_clear()
+    native_gemm.forget()
     monkeypatch.delenv("LLAMA_ANE_NATIVE")
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     assert native_gemm.library() is None and "no C compiler" in native_gemm.unavailable()
@@ -108,7 +108,7 @@ def test_the_build_is_cached(fresh_library, tmp_path):
     built = list(tmp_path.glob("native_gemm-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    native_gemm.library.cache_clear()
+    native_gemm.forget()
     assert native_gemm.library() is not None and built[0].stat().st_mtime_ns == stamp  # not rebuilt
 
 

@@ -11,7 +11,7 @@ It is compiled on first use with the C compiler at hand (`$CC`, else `cc`), opti
 and cached under `$LLAMA_ANE_CACHE` (default `~/.cache/llama-ane`), keyed by the source, the
 compiler and the CPU. Before first use it is checked against a product in numpy. Without a
 compiler (or with `LLAMA_ANE_NATIVE=0`) `library()` is None and the torch backend keeps oneDNN;
-`unavailable()` says why.
+`unavailable()` says why. `forget()` drops what was found, so that the next call looks again.
 
     packed = pack(weight)                        # float32 (N, K) -> packed, built once
     y = columns(x, packed, n)                    # x (K, M) float32 (a view is fine) -> y (N, M)
@@ -34,7 +34,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("native_gemm.c")
 DISABLE = "LLAMA_ANE_NATIVE"  # "0": never build or use the kernel
-_reason: list[str] = []  # why the library is unavailable, once `library()` has tried
 
 
 def cache_dir() -> Path:
@@ -67,10 +66,9 @@ def _flag_sets() -> list[list[str]]:
 
 def _build(compiler: str) -> Path | None:
     """The library built for this CPU (from the cache, or compiled now); None if no flags compile."""
-    source = SOURCE.read_bytes()
+    source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
     for flags in _flag_sets():
-        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                         _cpu_signature().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]
         path = cache_dir() / f"native_gemm-{key}.so"
         if path.exists():
             return path
@@ -95,7 +93,8 @@ def _check(lib: ctypes.CDLL) -> bool:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((37, 29)).astype(np.float32)
     x = rng.standard_normal((9, 29)).astype(np.float32)
-    packed = np.empty(-(-37 // 16) * 16 * 29, np.float32)
+    rows = lib.llama_ane_panel_rows()
+    packed = np.empty(-(-37 // rows) * rows * 29, np.float32)
     lib.llama_ane_pack(w.ctypes.data, packed.ctypes.data, 37, 29)
     y = np.full((37, 9), np.nan, np.float32)  # written transposed: (N, M)
     lib.llama_ane_gemm(x.ctypes.data, 29, 1, packed.ctypes.data, y.ctypes.data, 1, 9, 9, 37, 29, 1)
@@ -103,23 +102,19 @@ def _check(lib: ctypes.CDLL) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL | None:
-    """The kernel's library, built and checked on first call; None where it cannot be (see `unavailable`)."""
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel's library, None), built and checked on first call, or (None, why it cannot be)."""
     if os.environ.get(DISABLE, "1") == "0":
-        _reason.append(f"{DISABLE}=0")
-        return None
+        return None, f"{DISABLE}=0"
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        _reason.append(f"no C compiler ({compiler!r} not found; set CC)")
-        return None
+        return None, f"no C compiler ({compiler!r} not found; set CC)"
     try:
         path = _build(compiler)
     except OSError as e:
-        _reason.append(f"cannot write under {cache_dir()}: {e}; set LLAMA_ANE_CACHE")
-        return None
+        return None, f"cannot write under {cache_dir()}: {e}; set LLAMA_ANE_CACHE"
     if path is None:
-        _reason.append(f"{compiler} could not compile {SOURCE.name}")
-        return None
+        return None, f"{compiler} could not compile {SOURCE.name}"
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.llama_ane_pack.argtypes = [ptr, ptr, i64, i64]
@@ -128,9 +123,13 @@ def library() -> ctypes.CDLL | None:
     lib.llama_ane_gemm.restype = None
     lib.llama_ane_panel_rows.restype = i64
     if not _check(lib):
-        _reason.append(f"the kernel built at {path} gives wrong products")
-        return None
-    return lib
+        return None, f"the kernel built at {path} gives wrong products"
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel's library, built and checked on first call; None where it cannot be (see `unavailable`)."""
+    return _loaded()[0]
 
 
 def available() -> bool:
@@ -139,7 +138,13 @@ def available() -> bool:
 
 def unavailable() -> str | None:
     """Why the kernel cannot be used here (None when it can)."""
-    return None if available() else (_reason[-1] if _reason else "unknown")
+    return _loaded()[1]
+
+
+def forget() -> None:
+    """Drop the library found (or the reason it was not), so that the next call looks again (after
+    a change of $CC, $LLAMA_ANE_CACHE or $LLAMA_ANE_NATIVE)."""
+    _loaded.cache_clear()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

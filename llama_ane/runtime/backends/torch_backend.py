@@ -73,17 +73,15 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
-        here = packings(self.device, self.torch_dtype)
         if prepack not in (None, True, False, *PACKINGS):
             raise BackendError(f"prepack must be one of {', '.join(PACKINGS)}, True, False or None, got {prepack!r}")
+        here = () if prepack is False else packings(self.device, self.torch_dtype)  # no build when not asked
         if prepack and not here:
             raise BackendError("prepack needs fp32 on a CPU, with a C compiler or oneDNN")
         if isinstance(prepack, str) and prepack not in here:
             why = native_gemm.unavailable() if prepack == "native" else "this torch has no oneDNN"
             raise BackendError(f"prepack {prepack!r} cannot run here: {why}")
-        self.packing: str | None = (prepack if isinstance(prepack, str) else
-                                    None if prepack is False or not here else here[0])
-        self.prepack = self.packing is not None
+        self.packing: str | None = prepack if isinstance(prepack, str) else (here[0] if here else None)
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -116,7 +114,7 @@ class TorchBackend(Backend):
 
     def _runs_packed(self, model: str, function: str) -> bool:
         """Whether `function` of `model` runs on the prepacked weights (see the module docstring)."""
-        if not self.prepack or model_kind(model) not in ("chunk", "lm_head"):
+        if self.packing is None or model_kind(model) not in ("chunk", "lm_head"):
             return False
         if function == "decode" and self.packing == "onednn":
             return torch.get_num_threads() >= self.PACKED_DECODE_THREADS
