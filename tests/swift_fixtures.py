@@ -921,12 +921,13 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
                 model.plain(event[2])
             else:
                 n = int(rng.integers(2, 17))
-                event = ["verify", n, float((1.0 + 0.05 * case + (0.04 + 0.03 * case) * (n - 2)) * 0.01
+                jump = 0.4 * case * (n > 6)  # a kernel that reads the weights once for up to 6 columns
+                event = ["verify", n, float((1.0 + 0.05 * case + (0.04 + 0.03 * case) * (n - 2) + jump) * 0.01
                                             * rng.uniform(0.9, 1.1))]
                 model.verify(n, event[2])
             intercept, slope = model.line()
             steps.append({"event": event, "plain_seconds": model.plain_seconds, "line": [intercept, slope],
-                          "cost": [model(n) for n in (2, 5, 16)]})
+                          "cost": [model(n) for n in (2, 3, 5, 6, 8, 12, 16)]})
         costs.append(steps)
 
     manifest = json.loads(Path(manifest_path).read_text())

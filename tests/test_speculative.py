@@ -202,6 +202,26 @@ def test_step_costs_fit_what_windows_cost():
     assert costs(9) == pytest.approx(1.85, abs=0.05)
 
 
+def test_step_costs_learn_each_size_where_costs_jump():
+    """Windows of up to 6 nodes cost 1.1 plain steps and larger ones 1.9, as a kernel that reads
+    the weights once for up to 6 columns makes them: each size measured costs what it measured,
+    where the line through them is wrong at both ends; a size never measured costs the line's."""
+    costs = StepCosts()
+    costs.plain(0.1)
+    for _ in range(30):
+        for n in (2, 4, 6, 8, 12, 16):
+            costs.verify(n, 0.1 * (1.1 if n <= 6 else 1.9))
+    intercept, slope = costs.line()
+    assert intercept + 4 * slope > 1.1 + 0.1 and intercept + 6 * slope < 1.9 - 0.1  # the line: wrong at 6 and 8
+    for n in (2, 4, 6):
+        assert costs(n) == pytest.approx(1.1, abs=0.02)
+    for n in (8, 16):
+        assert costs(n) == pytest.approx(1.9, abs=0.02)
+    assert costs(10) == pytest.approx(intercept + 8 * slope)
+    costs.verify(8, 0.1 * 1.1)  # 8 nodes got cheap: the newest window weighs most
+    assert 1.1 < costs(8) < 1.9 - 0.05
+
+
 def test_lookup_drafts_nothing_where_it_does_not_pay(tiny):
     """With chances that its proposals are accepted far below what a window costs, every step
     is a plain one; the output stays plain decoding's."""

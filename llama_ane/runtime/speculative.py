@@ -138,20 +138,32 @@ def check_speculative(manifest: dict, draft_tokens: int | None) -> int:
 class StepCosts:
     """What a verify window costs, in plain steps, by its number of nodes n (the root included).
 
-    Measured as generation runs: the seconds of plain steps (a moving average) and a straight
-    line through the seconds of recent verify windows over n, each divided by the plain step's
-    seconds at the time (least squares, older windows weighing less, with two pseudo-windows of
-    `PRIOR`, weighing `PRIOR_WEIGHT` each, so that a line exists from the first window on).
+    Measured as generation runs: the seconds of plain steps (a moving average), and the seconds of
+    recent verify windows, each divided by the plain step's seconds at the time. Two estimates are
+    kept of those window costs:
+
+      * a straight line over n (least squares, older windows weighing less, with two
+        pseudo-windows of `PRIOR`, weighing `PRIOR_WEIGHT` each, so that a line exists from the
+        first window on);
+      * the average cost of the windows of each size n (older ones weighing less).
+
+    A window's cost is its size's average shrunk towards the line: a size measured often costs
+    what it measured, one never measured what the line says. Costs need not follow a line: a
+    kernel that reads the weights once for up to a few columns makes a window of a few nodes cost
+    little more than two, and the next node cost a jump (see runtime/backends/native_gemm.c).
     """
 
     PRIOR = (1.1, 0.1)  # a window of n nodes: 1.1 + 0.1 (n - 2) plain steps, before measuring
     PRIOR_WEIGHT = 0.25
     MEMORY = 0.95  # weight of a window measured one verify step earlier
     PLAIN_MEMORY = 0.8
+    SIZE_MEMORY = 0.9  # weight of a window of the same size measured one window of that size earlier
+    SIZE_WEIGHT = 0.5  # pseudo-windows of the line's cost in each size's average
 
     def __init__(self):
         self.plain_seconds: float | None = None
         self._sums = np.zeros(5)  # weighted sums of 1, x, y, x*x, x*y; x = n - 2, y = cost in plain steps
+        self._sizes: dict[int, tuple[float, float]] = {}  # n -> weighted (windows, sum of their costs)
 
     def plain(self, seconds: float) -> None:
         prev = self.plain_seconds
@@ -161,6 +173,8 @@ class StepCosts:
         if self.plain_seconds:
             x, y = n - 2.0, seconds / self.plain_seconds
             self._sums = self.MEMORY * self._sums + np.array([1.0, x, y, x * x, x * y])
+            count, total = self._sizes.get(n, (0.0, 0.0))
+            self._sizes[n] = (self.SIZE_MEMORY * count + 1.0, self.SIZE_MEMORY * total + y)
 
     def line(self) -> tuple[float, float]:
         """(intercept at n = 2, slope per node), in plain steps."""
@@ -171,9 +185,11 @@ class StepCosts:
         return (sy - slope * sx) / w, slope
 
     def __call__(self, n: int) -> float:
-        """The cost of a verify window of n >= 2 nodes, in plain steps."""
+        """The cost of a verify window of n >= 2 nodes, in plain steps: the average of the windows
+        of n nodes measured, with `SIZE_WEIGHT` pseudo-windows of the line's cost."""
         intercept, slope = self.line()
-        return intercept + slope * (n - 2)
+        count, total = self._sizes.get(n, (0.0, 0.0))
+        return (total + self.SIZE_WEIGHT * (intercept + slope * (n - 2))) / (count + self.SIZE_WEIGHT)
 
 
 def plan(tree: DraftTree, cost: Callable[[int], float]) -> DraftTree:

@@ -106,7 +106,7 @@ final class SpeculativeFixtureTests: XCTestCase {
                     costs.verify(nodes: try XCTUnwrap(event[1].intValue), seconds: seconds)
                 }
                 let line = costs.line
-                assertClose([costs.plainSeconds ?? .nan, line.intercept, line.slope] + [2, 5, 16].map { costs.cost(nodes: $0) },
+                assertClose([costs.plainSeconds ?? .nan, line.intercept, line.slope] + [2, 3, 5, 6, 8, 12, 16].map { costs.cost(nodes: $0) },
                             [step["plain_seconds"]?.doubleValue ?? .nan] + doubles(step["line"]) + doubles(step["cost"]),
                             "sequence \(s) step \(i)")
             }

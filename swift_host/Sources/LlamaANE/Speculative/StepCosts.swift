@@ -11,10 +11,13 @@ public protocol StepCostModel: Sendable {
 }
 
 /// Step costs measured as generation runs, as Python's `StepCosts`: the seconds of plain steps (a
-/// moving average) and a straight line through the seconds of recent verify windows over n, each
-/// divided by the plain step's seconds at the time (least squares, older windows weighing less,
-/// with two pseudo-windows of `prior` weighing `priorWeight` each, so that a line exists from the
-/// first window on).
+/// moving average), and the seconds of recent verify windows, each divided by the plain step's
+/// seconds at the time. Two estimates are kept of those window costs: a straight line over n
+/// (least squares, older windows weighing less, with two pseudo-windows of `prior` weighing
+/// `priorWeight` each, so that a line exists from the first window on), and the average cost of
+/// the windows of each size (older ones weighing less). A window's cost is its size's average
+/// shrunk towards the line, so a size never measured costs what the line says, and costs that
+/// jump with n (a kernel reading the weights once for up to a few columns) are learnt.
 public struct MeasuredStepCosts: StepCostModel, Equatable {
     /// A window of n nodes costs intercept + slope (n - 2) plain steps before measuring.
     public static let prior = (intercept: 1.1, slope: 0.1)
@@ -23,11 +26,17 @@ public struct MeasuredStepCosts: StepCostModel, Equatable {
     public static let memory = 0.95
     /// The weight of the previous average of plain steps.
     public static let plainMemory = 0.8
+    /// The weight of a window of the same size measured one window of that size earlier.
+    public static let sizeMemory = 0.9
+    /// Pseudo-windows of the line's cost in each size's average.
+    public static let sizeWeight = 0.5
 
     /// The moving average of plain steps' seconds; nil before the first.
     public private(set) var plainSeconds: Double?
     /// Weighted sums of 1, x, y, x², xy over the verify windows; x = n - 2, y = cost in plain steps.
     private var sums = [Double](repeating: 0, count: 5)
+    /// By window size n: the weighted count of windows measured and the weighted sum of their costs.
+    private var sizes: [Int: (count: Double, total: Double)] = [:]
 
     public init() {}
 
@@ -40,6 +49,8 @@ public struct MeasuredStepCosts: StepCostModel, Equatable {
         guard let plain = plainSeconds, plain != 0 else { return }
         let x = Double(nodes) - 2, y = seconds / plain
         sums = zip(sums, [1, x, y, x * x, x * y]).map { Self.memory * $0 + $1 }
+        let (count, total) = sizes[nodes] ?? (0, 0)
+        sizes[nodes] = (Self.sizeMemory * count + 1, Self.sizeMemory * total + y)
     }
 
     /// The fitted line: the cost of a 2-node window and the cost of each further node, in plain
@@ -54,13 +65,18 @@ public struct MeasuredStepCosts: StepCostModel, Equatable {
         return ((sy - slope * sx) / w, slope)
     }
 
+    /// The average cost of the windows of `nodes` measured, with `sizeWeight` pseudo-windows of
+    /// the line's cost.
     public func cost(nodes: Int) -> Double {
         let (intercept, slope) = line
-        return intercept + slope * Double(nodes - 2)
+        let (count, total) = sizes[nodes] ?? (0, 0)
+        return (total + Self.sizeWeight * (intercept + slope * Double(nodes - 2))) / (count + Self.sizeWeight)
     }
 
     public static func == (a: MeasuredStepCosts, b: MeasuredStepCosts) -> Bool {
         a.plainSeconds == b.plainSeconds && a.sums == b.sums
+            && a.sizes.count == b.sizes.count
+            && a.sizes.allSatisfy { n, s in b.sizes[n].map { $0.count == s.count && $0.total == s.total } ?? false }
     }
 }
 
