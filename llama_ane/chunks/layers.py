@@ -94,8 +94,10 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     The cache is neither transposed nor concatenated: the scores are, and the probabilities are
     split again at T. The exported programs multiply with a broadcast batch dim (G, R); run
     eagerly, torch would copy each kv head R times for that, so a small window (R x S up to
-    `GROUPED_ROWS` query rows: decoding, verify windows) stacks its R heads' rows instead, one
-    (R*S, D) x (D, T) product per kv head that reads the cache once. Larger windows (prefill)
+    `GROUPED_ROWS` query rows: decoding, verify windows) stacks its R heads' rows instead: per kv
+    head one (R*S, D) x (D, T) product for the scores and one (R*S, T) x (T, D) for the values,
+    each reading the cache once (the values as the right-hand side: BLAS runs the few rows of a
+    verify window far faster that way round than as (D, T) x (T, R*S)). Larger windows (prefill)
     keep the broadcast form, which spreads better over threads. Same arithmetic either way.
     """
     g, r, d, s = q.shape
@@ -109,9 +111,9 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     rows = q.transpose(2, 3).reshape(g, r * s, d)  # (G, R*S, D)
     scores = torch.cat([torch.bmm(rows, k_cache), torch.bmm(rows, k_win)], dim=2).view(g, r, s, -1) + mask
     p = torch.softmax(scores, dim=3).view(g, r * s, -1)  # (G, R*S, T+S)
-    out = torch.baddbmm(torch.bmm(v_win, p[..., cache_length:].transpose(1, 2)),
-                        v_cache, p[..., :cache_length].transpose(1, 2))  # (G, D, R*S)
-    return out.view(g, d, r, s).transpose(1, 2)
+    out = torch.bmm(p[..., :cache_length], v_cache.transpose(1, 2))  # (G, R*S, D)
+    out = out.baddbmm_(p[..., cache_length:], v_win.transpose(1, 2))
+    return out.view(g, r, s, d).transpose(2, 3)
 
 
 def attention_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
