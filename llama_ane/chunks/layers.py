@@ -97,7 +97,7 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     `GROUPED_ROWS` query rows: decoding, verify windows) stacks its R heads' rows instead: per kv
     head one (R*S, D) x (D, T) product for the scores and one (R*S, T) x (T, D) for the values,
     each reading the cache once (the values as the right-hand side: BLAS runs the few rows of a
-    verify window far faster that way round than as (D, T) x (T, R*S)). Larger windows (prefill)
+    verify window faster that way round than as (D, T) x (T, R*S)). Larger windows (prefill)
     keep the broadcast form, which spreads better over threads. Same arithmetic either way.
     """
     g, r, d, s = q.shape
