@@ -11,23 +11,37 @@ float32), for S = 1..16 columns, two ways:
 * `native`: the native kernel on weights packed into panels (runtime/backends/native_gemm), what
   the torch backend runs by default where a C compiler builds it (`NativeConv1x1`).
 
-It prints each time and its ratio to one column through `linear` (a plain decode step), measured
-in the same process; the best of --repeats runs.
+It prints each time and its ratio to one column through the first of `--ways` (`linear` by default,
+the way an unpacked decode step runs), measured in the same process; the best of --repeats runs.
+
+`--shapes 1b|3b|8b` takes the shapes of Llama-3.2-1B, Llama-3.2-3B or Llama-3.1-8B instead, the
+sizes an ANE app deploys (export_scale.py's presets; `tiny` is a 2-layer toy for a quick check);
+`--ways` picks which ways run. Each way but `linear` holds a second copy of the weights; what the
+chosen ways need is checked against the memory available before anything is allocated.
 
     python benchmarks/verify_columns.py                 # SmolLM2-135M shapes, 1 thread
     python benchmarks/verify_columns.py --threads 2
+    python benchmarks/verify_columns.py --shapes 1b --ways linear,native
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # export_scale.py, beside this script, has the presets
+from export_scale import PRESETS, preset_config  # noqa: E402
 from llama_ane.checkpoint.loader import load_checkpoint
 from llama_ane.chunks.plan import layer_shapes
+from llama_ane.config import LlamaConfig
+from llama_ane.export.memory import GIB, available_bytes
 from llama_ane.runtime.backends import native_gemm
+
+WAYS = ("linear", "onednn", "native")
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:
@@ -50,30 +64,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--columns", default="1,2,4,6,8,12,16")
+    ap.add_argument("--shapes", default="smollm2", choices=PRESETS,
+                    help="the model whose projection shapes are timed (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, from {', '.join(WAYS)}")
     args = ap.parse_args(argv)
+    ways = [w for w in args.ways.split(",") if w]
+    if not ways or any(w not in WAYS for w in ways):
+        raise SystemExit(f"--ways takes a comma-separated list of {', '.join(WAYS)}, got {args.ways!r}")
     torch.set_num_threads(args.threads)
-    cfg = load_checkpoint(None).config
-    weights = [torch.randn(o, i) * 0.02 for o, i in projection_shapes(cfg)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    native = [native_gemm.pack(w) for w in weights] if native_gemm.available() else None
-    print(f"{cfg.num_hidden_layers} layers, {sum(w.numel() for w in weights) / 1e6:.1f}M projection weights, "
-          f"{args.threads} thread(s), best of {args.repeats}; 'x step': over one column through linear")
-    if native is None:
+    cfg = load_checkpoint(None).config if args.shapes == "smollm2" else LlamaConfig.from_hf_dict(preset_config(args.shapes))
+    shapes = projection_shapes(cfg)
+    need = 4 * sum(o * i for o, i in shapes) * (1 + sum(w != "linear" for w in ways))  # fp32, and a copy per packing
+    room = available_bytes()
+    if room is not None and need > 0.9 * room:
+        raise SystemExit(f"{args.shapes} with {', '.join(ways)} needs about {need / GIB:.1f} GiB of weights and "
+                         f"{room / GIB:.1f} GiB is available: leave out ways (--ways linear,native) or use smaller --shapes")
+    if "native" in ways and not native_gemm.available():
         print(f"no native kernel: {native_gemm.unavailable()}")
+        ways.remove("native")
+    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+    packed = {"onednn": [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights] if "onednn" in ways else None,
+              "native": [native_gemm.pack(w) for w in weights] if "native" in ways else None}
+    print(f"{args.shapes}: {cfg.num_hidden_layers} layers, {sum(w.numel() for w in weights) / 1e6:.1f}M projection "
+          f"weights, {args.threads} thread(s), best of {args.repeats}; 'x step': over one column through "
+          f"{ways[0]}")
     base = None
-    print(f"{'columns':>7}  {'linear ms':>9}  {'x step':>6}  {'onednn ms':>9}  {'x step':>6}  {'native ms':>9}  {'x step':>6}")
+    print(f"{'columns':>7}" + "".join(f"  {w + ' ms':>9}  {'x step':>6}" for w in ways))
     for s in (int(c) for c in args.columns.split(",")):
         xs = {i: torch.randn(s, i) for i in {w.shape[1] for w in weights}}
+        run = {
+            "linear": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                               for w, p in zip(weights, packed["onednn"])],
+            "native": lambda: [native_gemm.columns(xs[w.shape[1]].t(), p, w.shape[0])
+                               for w, p in zip(weights, packed["native"])],
+        }
         with torch.inference_mode():
-            plain = best_time(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
-            pre = best_time(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                     for w, p in zip(weights, packed)], args.repeats)
-            own = float("nan") if native is None else best_time(
-                lambda: [native_gemm.columns(xs[w.shape[1]].t(), p, w.shape[0]) for w, p in zip(weights, native)],
-                args.repeats)
-        base = plain if base is None else base
-        print(f"{s:>7}  {plain * 1e3:>9.1f}  {plain / base:>6.2f}  {pre * 1e3:>9.1f}  {pre / base:>6.2f}  "
-              f"{own * 1e3:>9.1f}  {own / base:>6.2f}")
+            times = [best_time(run[w], args.repeats) for w in ways]
+        base = times[0] if base is None else base
+        print(f"{s:>7}" + "".join(f"  {t * 1e3:>9.1f}  {t / base:>6.2f}" for t in times))
     return 0
 
 
