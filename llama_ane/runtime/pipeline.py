@@ -330,8 +330,9 @@ class Pipeline:
     def score_streamed(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits float32 [T, vocab] of `token_ids` from position 0, one model at a time.
 
-        The same windows, functions and cache updates as `prefill(token_ids, all_logits=True)` after
-        `reset()`, in chunk-major order: every window through the embeddings, then every window
+        The same windows, functions and cache writes as `prefill(token_ids, all_logits=True)` after
+        `reset()` (with direct caches, the same cache positions read, as `forward` does), in
+        chunk-major order: every window through the embeddings, then every window
         through chunk 0 (against chunk 0's own caches, updated after each window), then chunk 1, ...,
         then the LM head. Each model is released (`Backend.release`) before the next one loads, and
         a chunk's caches are dropped once it has seen every window, so memory holds one model's
@@ -361,12 +362,15 @@ class Pipeline:
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
                 caches = self.cache.caches[i]
                 position = np.array([start], np.int32)
-                pool = {**embs[w], "hidden_states": hidden[w], "position": position,
-                        "k_cache": caches["k"], "v_cache": caches["v"]}
+                emb, read = embs[w], caches
+                if self.direct:  # as `forward` reads them: the masks and caches up to the filled positions
+                    emb, read = self.visible(emb, start), {key: cache[..., :start] for key, cache in caches.items()}
+                pool = {**emb, "hidden_states": hidden[w], "position": position,
+                        "k_cache": read["k"], "v_cache": read["v"]}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"]
                 # synchronous: the next window of this chunk reads the updated caches at once
-                if self.stateful:
+                if self.direct or self.stateful:
                     self.write_window(i, None, out, start, len(parts[w]))
                 else:
                     self.update(chunk["cache_update"][fn], caches, out, {"position": position})
