@@ -13,7 +13,7 @@ from llama_ane.chunks.layers import Conv1x1
 from llama_ane.runtime.backends import native_gemm
 from llama_ane.runtime.backends.base import BackendError
 from llama_ane.runtime.backends.torch_backend import TorchBackend
-from llama_ane.runtime.backends.torch_modules import NativeConv1x1, with_packed_projections
+from llama_ane.runtime.backends.torch_modules import NativeConv1x1, with_cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not native_gemm.available(), reason=f"no native kernel: {native_gemm.unavailable()}")
 
@@ -59,7 +59,7 @@ def test_a_column_does_not_depend_on_the_others():
 @needs_kernel
 def test_native_conv_is_the_conv():
     """`NativeConv1x1` gives Conv1x1's product (with and without bias) for (1, C, 1, S) windows and
-    batched (B, C, H, S) inputs; a module's Conv1x1s are all swapped by with_packed_projections."""
+    batched (B, C, H, S) inputs; a module's Conv1x1s are all swapped by with_cpu_kernels."""
     torch.manual_seed(0)
     for bias in (False, True):
         conv = Conv1x1(48, 40, bias=bias).eval()
@@ -68,7 +68,7 @@ def test_native_conv_is_the_conv():
             x = torch.randn(shape)
             torch.testing.assert_close(native(x), conv(x), rtol=1e-5, atol=1e-5)
     block = torch.nn.Sequential(Conv1x1(8, 8), torch.nn.ReLU(), Conv1x1(8, 4))
-    clone = with_packed_projections(block, "native")
+    clone = with_cpu_kernels(block, "native")
     assert [type(m).__name__ for m in clone] == ["NativeConv1x1", "ReLU", "NativeConv1x1"]
     assert [type(m).__name__ for m in block] == ["Conv1x1", "ReLU", "Conv1x1"]  # the original is untouched
 

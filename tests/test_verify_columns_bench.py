@@ -13,12 +13,26 @@ def bench():
 
 
 def test_it_times_the_chosen_ways_for_each_column_count(bench, capsys):
-    assert bench.main(["--shapes", "tiny", "--columns", "1,3", "--repeats", "1", "--ways", "linear,native"]) == 0
+    assert bench.main(["--shapes", "tiny", "--columns", "1,3", "--repeats", "1", "--ways", "linear,native",
+                       "--cache", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     table = lines[lines.index(next(line for line in lines if line.lstrip().startswith("columns"))):]
     assert "linear ms" in table[0] and "onednn" not in table[0]
     assert [row.split()[0] for row in table[1:]] == ["1", "3"]
     assert float(table[1].split()[2]) == 1.0  # one column through the first way is the step
+
+
+def test_it_times_the_attention_over_the_cache_both_ways(bench, capsys):
+    from llama_ane.runtime.backends import native_attention
+
+    assert bench.main(["--shapes", "tiny", "--columns", "1,5", "--repeats", "1", "--ways", "linear",
+                       "--cache", "37"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("attention of 2 layers over 37 cached")))
+    assert lines[at + 1].split() == ["tokens", "torch", "ms", "x", "step", "native", "ms", "x", "step"]
+    rows = [line.split() for line in lines[at + 2:]]
+    assert [row[0] for row in rows] == ["1", "5"] and float(rows[0][2]) == 1.0
+    assert len(rows[0]) == (5 if native_attention.available() else 6)  # "(no native kernel)" is two words
 
 
 def test_the_presets_have_the_real_shapes(bench):

@@ -17,7 +17,9 @@ prepacked once, made on first use (or by `prepare`). Two packings (torch_modules
 
   * "native" (the default where a C compiler builds it): native_gemm's kernel reads each weight
     once for all the columns of a window, so a one-token step runs at the memory's speed and a
-    verify window of a few tree nodes costs little more than one step;
+    verify window of a few tree nodes costs little more than one step; the decoder layers of that
+    copy also attend with native_attention's kernel, which reads each kv head's cache once for
+    all the window's query rows;
   * "onednn": oneDNN's reordered weights. A window costs far less than as many one-token steps,
     and a one-token step spreads over the threads where `linear` does not; on one thread
     one-token decoding keeps the plain weights, which are as fast there.
@@ -42,7 +44,7 @@ from ...contract.manifest import function_entry, function_states
 from ...contract.specs import VERIFY, model_kind
 from . import native_gemm
 from .base import Backend, BackendError
-from .torch_modules import PACKINGS, CheckpointWeights, ExportWeights, build_model, packings, with_packed_projections
+from .torch_modules import PACKINGS, CheckpointWeights, ExportWeights, build_model, packings, with_cpu_kernels
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -109,7 +111,7 @@ class TorchBackend(Backend):
             if not self._runs_packed(model, function):
                 return built[function]
             if model not in self._packed:
-                self._packed[model] = with_packed_projections(built[function], self.packing)
+                self._packed[model] = with_cpu_kernels(built[function], self.packing)
             return self._packed[model]
 
     def _runs_packed(self, model: str, function: str) -> bool:

@@ -25,11 +25,11 @@ from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer
 from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
 from ...chunks.layers import Conv1x1
 from ...chunks.verify import VerifyEmbeddings, VerifyUpdate
-from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
+from ...chunks.models import BlockChunk, CacheUpdate, DecoderLayer, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
 from ...contract.specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, model_kind, window_of
-from . import native_gemm
+from . import native_attention, native_gemm
 
 
 def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -248,10 +248,12 @@ class NativeConv1x1(torch.nn.Module):
         return y.reshape(self.out_channels, b, h, s).permute(1, 0, 2, 3)
 
 
-def with_packed_projections(module: torch.nn.Module, packing: str = "onednn") -> torch.nn.Module:
-    """A copy of `module` whose `Conv1x1`s run on prepacked weights (`packing`, one of `packings`):
-    `NativeConv1x1`s or oneDNN's `PackedConv1x1`s. Every other parameter and buffer is shared, not
-    copied (the packed weights are the one extra copy)."""
+def with_cpu_kernels(module: torch.nn.Module, packing: str = "onednn") -> torch.nn.Module:
+    """A copy of `module` for one-token steps and verify windows on a CPU: its `Conv1x1`s run on
+    prepacked weights (`packing`, one of `packings`: `NativeConv1x1`s or oneDNN's
+    `PackedConv1x1`s), and with the native packing its decoder layers attend with the native
+    kernel (native_attention) where it takes their head_dim. Every other parameter and buffer is
+    shared, not copied (the packed weights are the one extra copy)."""
     wrap = {"native": NativeConv1x1, "onednn": PackedConv1x1}[packing]
     shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
     clone = copy.deepcopy(module, memo=shared)
@@ -259,7 +261,9 @@ def with_packed_projections(module: torch.nn.Module, packing: str = "onednn") ->
         for attr, sub in list(child.named_children()):
             if isinstance(sub, Conv1x1):
                 setattr(child, attr, wrap(sub))
+        if packing == "native" and isinstance(child, DecoderLayer) and native_attention.supports(child.cfg.head_dim):
+            child.attend = native_attention.attend
     return clone.eval()
 
 
-__all__ = ["PACKINGS", "build_model", "packings", "with_packed_projections"]
+__all__ = ["PACKINGS", "build_model", "packings", "with_cpu_kernels"]
