@@ -165,47 +165,61 @@ int llama_ane_attend(const float *q, int64_t sqg, int64_t sqr, int64_t sqd, int6
         return -1;
     }
     (void)threads;
-    for (int64_t gi = 0; gi < g; gi++) {
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int64_t i = 0; i < d; i++) { /* the cache's last positions, fetched while the rest runs */
+            const float *kt = k + gi * skg + i * skd + whole, *vt = v + gi * svg + i * svd + whole;
+            if (whole < t) {
+                __builtin_prefetch(kt), __builtin_prefetch(kt + (t - whole - 1));
+                __builtin_prefetch(vt), __builtin_prefetch(vt + (t - whole - 1));
+            }
+        }
+    for (int64_t gi = 0; gi < g; gi++)
         for (int64_t ri = 0; ri < r; ri++)
             for (int64_t si = 0; si < s; si++)
                 for (int64_t i = 0; i < d; i++)
                     rows[(gi * m + ri * s + si) * d + i] = q[gi * sqg + ri * sqr + i * sqd + si * sqs];
-        for (int64_t i = 0; i < d; i++)
-            for (int64_t u = 0; u < ecols; u++) {
-                int64_t at = whole + u; /* position in the sequence of keys */
-                float *ke = ek + (gi * d + i) * ecols + u, *ve = ev + (gi * d + i) * ecols + u;
-                if (at < t) {
-                    *ke = k[gi * skg + i * skd + at];
-                    *ve = v[gi * svg + i * svd + at];
-                } else if (at < cols) {
-                    *ke = kw[(gi * d + i) * s + at - t];
-                    *ve = vw[(gi * d + i) * s + at - t];
-                } else {
-                    *ke = *ve = 0.0f;
-                }
-            }
-    }
 
-    /* scores, panel by panel, every block of rows re-reading the panel from L1 */
+    /* scores, panel by panel (the cache's whole panels, then the extra ones), every block of rows
+     * re-reading the panel from L1 */
+    int64_t cached = whole / TP;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1)
+            for (int64_t gi = 0; gi < g; gi++)
+                for (int64_t i = 0; i < d; i++)
+                    for (int64_t u = 0; u < ecols; u++) {
+                        int64_t at = whole + u; /* position in the sequence of keys */
+                        float *ke = ek + (gi * d + i) * ecols + u, *ve = ev + (gi * d + i) * ecols + u;
+                        if (at < t) {
+                            *ke = k[gi * skg + i * skd + at];
+                            *ve = v[gi * svg + i * svd + at];
+                        } else if (at < cols) {
+                            *ke = kw[(gi * d + i) * s + at - t];
+                            *ve = vw[(gi * d + i) * s + at - t];
+                        } else {
+                            *ke = *ve = 0.0f;
+                        }
+                    }
+        int64_t first = pass == 0 ? 0 : cached, count = pass == 0 ? cached : panels - cached;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t job = 0; job < g * panels; job++) {
-        int64_t gi = job / panels, at = (job % panels) * TP;
-        const float *kp = at < whole ? k + gi * skg + at : ek + gi * d * ecols + (at - whole);
-        int64_t ldk = at < whole ? skd : ecols;
-        int64_t blocks = (m + QR - 1) / QR;
-        for (int64_t b = 0, m0 = 0; b < blocks; b++) {
-            int64_t n = (m - m0) / (blocks - b); /* balanced: 7 = 3 + 4 */
-            const float *x = rows + (gi * m + m0) * d;
-            float *o = p + (gi * m + m0) * ldp + at;
-            switch (n) {
-                case 1: scores_1(x, d, kp, ldk, o, ldp); break;
-                case 2: scores_2(x, d, kp, ldk, o, ldp); break;
-                case 3: scores_3(x, d, kp, ldk, o, ldp); break;
-                case 4: scores_4(x, d, kp, ldk, o, ldp); break;
-                case 5: scores_5(x, d, kp, ldk, o, ldp); break;
-                default: scores_6(x, d, kp, ldk, o, ldp); break;
+        for (int64_t job = 0; job < g * count; job++) {
+            int64_t gi = job / count, at = (first + job % count) * TP;
+            const float *kp = at < whole ? k + gi * skg + at : ek + gi * d * ecols + (at - whole);
+            int64_t ldk = at < whole ? skd : ecols;
+            int64_t blocks = (m + QR - 1) / QR;
+            for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+                int64_t n = (m - m0) / (blocks - b); /* balanced: 7 = 3 + 4 */
+                const float *x = rows + (gi * m + m0) * d;
+                float *o = p + (gi * m + m0) * ldp + at;
+                switch (n) {
+                    case 1: scores_1(x, d, kp, ldk, o, ldp); break;
+                    case 2: scores_2(x, d, kp, ldk, o, ldp); break;
+                    case 3: scores_3(x, d, kp, ldk, o, ldp); break;
+                    case 4: scores_4(x, d, kp, ldk, o, ldp); break;
+                    case 5: scores_5(x, d, kp, ldk, o, ldp); break;
+                    default: scores_6(x, d, kp, ldk, o, ldp); break;
+                }
+                m0 += n;
             }
-            m0 += n;
         }
     }
 
