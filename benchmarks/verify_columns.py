@@ -46,7 +46,7 @@ from llama_ane.checkpoint.loader import load_checkpoint
 from llama_ane.chunks.plan import layer_shapes
 from llama_ane.config import LlamaConfig
 from llama_ane.export.memory import GIB, available_bytes
-from llama_ane.chunks.layers import grouped_attention
+from llama_ane.chunks.layers import MASK_VALUE, grouped_attention
 from llama_ane.runtime.backends import native_attention, native_gemm
 
 WAYS = ("linear", "onednn", "native")
@@ -71,7 +71,7 @@ def attention_times(cfg, cache: int, columns: list[int], repeats: int) -> list[t
     for s in columns:
         q, kw, vw = torch.randn(g, r, d, s) / d ** 0.5, torch.randn(g, d, s), torch.randn(g, d, s)
         mask = torch.zeros(1, 1, s, cache + s)
-        mask[0, 0, :, cache:] = torch.triu(torch.full((s, s), -1e4), 1)
+        mask[0, 0, :, cache:] = torch.triu(torch.full((s, s), MASK_VALUE), 1)
         with torch.inference_mode():
             ways = [lambda f=f: [f(q, k, v, kw, vw, mask, r, cache) for k, v in caches]
                     for f in (grouped_attention, *([native_attention.attend] if native else []))]

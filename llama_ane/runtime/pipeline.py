@@ -185,6 +185,12 @@ class Pipeline:
                              np.concatenate([m[..., :length], m[..., self.context_length:]], axis=-1))
         return out
 
+    def chunk_caches(self, i: int, length: int) -> dict[str, np.ndarray]:
+        """Chunk i's caches {"k", "v"} as the chunk reads them: with direct caches, views of their
+        first `length` positions (those holding tokens); else the whole arrays."""
+        caches = self.cache.caches[i]
+        return {key: cache[..., :length] for key, cache in caches.items()} if self.direct else caches
+
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
                 visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
         """One step of function `fn` through every model: the one forward pass of every decoder.
@@ -202,9 +208,7 @@ class Pipeline:
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
-            caches = self.cache.caches[i]
-            if self.direct:  # the cache positions that hold tokens
-                caches = {key: cache[..., :visible] for key, cache in caches.items()}
+            caches = self.chunk_caches(i, visible)
             pool = {**embed_inputs, **emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
@@ -357,15 +361,14 @@ class Pipeline:
             for emb, (fn, window) in zip(embs, windows):
                 emb["hidden_states"] = self._embed_part(part, fn, window, emb["hidden_states"])
             self.backend.release(part)
+        if self.direct:  # as `forward` reads them: the masks up to the filled positions
+            embs = [self.visible(emb, start) for emb, start in zip(embs, starts)]
         hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
-                caches = self.cache.caches[i]
+                caches, read = self.cache.caches[i], self.chunk_caches(i, start)
                 position = np.array([start], np.int32)
-                emb, read = embs[w], caches
-                if self.direct:  # as `forward` reads them: the masks and caches up to the filled positions
-                    emb, read = self.visible(emb, start), {key: cache[..., :start] for key, cache in caches.items()}
-                pool = {**emb, "hidden_states": hidden[w], "position": position,
+                pool = {**embs[w], "hidden_states": hidden[w], "position": position,
                         "k_cache": read["k"], "v_cache": read["v"]}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"]

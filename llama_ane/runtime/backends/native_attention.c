@@ -142,6 +142,37 @@ VALUES(2)
 
 int64_t llama_ane_attention_channels(void) { return VD; }
 
+/* p[g][m][at .. at + 16) for the panels at = first * 16 .. (first + count) * 16: those below
+ * `whole` read from the keys k in place (rows skd apart), the others from the extra panels ek
+ * (rows ecols apart, starting at position `whole`). Every block of rows re-reads a panel from L1;
+ * blocks have balanced sizes (7 = 3 + 4). */
+static void score_panels(const float *rows, const float *k, int64_t skg, int64_t skd, const float *ek,
+                         int64_t ecols, int64_t whole, float *p, int64_t ldp, int64_t g, int64_t m,
+                         int64_t d, int64_t first, int64_t count, int threads) {
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t job = 0; job < g * count; job++) {
+        int64_t gi = job / count, at = (first + job % count) * TP;
+        const float *kp = at < whole ? k + gi * skg + at : ek + gi * d * ecols + (at - whole);
+        int64_t ldk = at < whole ? skd : ecols;
+        int64_t blocks = (m + QR - 1) / QR;
+        for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+            int64_t n = (m - m0) / (blocks - b);
+            const float *x = rows + (gi * m + m0) * d;
+            float *o = p + (gi * m + m0) * ldp + at;
+            switch (n) {
+                case 1: scores_1(x, d, kp, ldk, o, ldp); break;
+                case 2: scores_2(x, d, kp, ldk, o, ldp); break;
+                case 3: scores_3(x, d, kp, ldk, o, ldp); break;
+                case 4: scores_4(x, d, kp, ldk, o, ldp); break;
+                case 5: scores_5(x, d, kp, ldk, o, ldp); break;
+                default: scores_6(x, d, kp, ldk, o, ldp); break;
+            }
+            m0 += n;
+        }
+    }
+}
+
 /* out (G, R, D, S), contiguous = softmax(q k^T + mask) v for G kv heads of R query heads each:
  *   q[g][r][d][s] at q + g * sqg + r * sqr + d * sqd + s * sqs (already scaled by 1/sqrt(D));
  *   the caches k, v (G, D, T): k[g][d][t] at k + g * skg + d * skd + t (positions contiguous);
@@ -155,7 +186,7 @@ int llama_ane_attend(const float *q, int64_t sqg, int64_t sqr, int64_t sqd, int6
     int64_t m = r * s, cols = t + s;
     int64_t whole = t / TP * TP;                         /* keys read from the cache in place */
     int64_t ecols = (cols - whole + TP - 1) / TP * TP;   /* the others, copied and padded */
-    int64_t ldp = whole + ecols, panels = ldp / TP;
+    int64_t ldp = whole + ecols;
     float *rows = malloc((size_t)(g * m * d) * sizeof(float));   /* [g][m][d], m = r * S + s */
     float *p = malloc((size_t)(g * m * ldp) * sizeof(float));    /* [g][m][ldp] */
     float *ek = malloc((size_t)(g * d * ecols) * sizeof(float)); /* [g][d][ecols] */
@@ -165,63 +196,37 @@ int llama_ane_attend(const float *q, int64_t sqg, int64_t sqr, int64_t sqd, int6
         return -1;
     }
     (void)threads;
-    for (int64_t gi = 0; gi < g; gi++)
-        for (int64_t i = 0; i < d; i++) { /* the cache's last positions, fetched while the rest runs */
-            const float *kt = k + gi * skg + i * skd + whole, *vt = v + gi * svg + i * svd + whole;
-            if (whole < t) {
+    if (whole < t) /* the cache's last positions, fetched while the whole panels' scores run */
+        for (int64_t gi = 0; gi < g; gi++)
+            for (int64_t i = 0; i < d; i++) {
+                const float *kt = k + gi * skg + i * skd + whole, *vt = v + gi * svg + i * svd + whole;
                 __builtin_prefetch(kt), __builtin_prefetch(kt + (t - whole - 1));
                 __builtin_prefetch(vt), __builtin_prefetch(vt + (t - whole - 1));
             }
-        }
     for (int64_t gi = 0; gi < g; gi++)
         for (int64_t ri = 0; ri < r; ri++)
             for (int64_t si = 0; si < s; si++)
                 for (int64_t i = 0; i < d; i++)
                     rows[(gi * m + ri * s + si) * d + i] = q[gi * sqg + ri * sqr + i * sqd + si * sqs];
 
-    /* scores, panel by panel (the cache's whole panels, then the extra ones), every block of rows
-     * re-reading the panel from L1 */
-    int64_t cached = whole / TP;
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1)
-            for (int64_t gi = 0; gi < g; gi++)
-                for (int64_t i = 0; i < d; i++)
-                    for (int64_t u = 0; u < ecols; u++) {
-                        int64_t at = whole + u; /* position in the sequence of keys */
-                        float *ke = ek + (gi * d + i) * ecols + u, *ve = ev + (gi * d + i) * ecols + u;
-                        if (at < t) {
-                            *ke = k[gi * skg + i * skd + at];
-                            *ve = v[gi * svg + i * svd + at];
-                        } else if (at < cols) {
-                            *ke = kw[(gi * d + i) * s + at - t];
-                            *ve = vw[(gi * d + i) * s + at - t];
-                        } else {
-                            *ke = *ve = 0.0f;
-                        }
-                    }
-        int64_t first = pass == 0 ? 0 : cached, count = pass == 0 ? cached : panels - cached;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t job = 0; job < g * count; job++) {
-            int64_t gi = job / count, at = (first + job % count) * TP;
-            const float *kp = at < whole ? k + gi * skg + at : ek + gi * d * ecols + (at - whole);
-            int64_t ldk = at < whole ? skd : ecols;
-            int64_t blocks = (m + QR - 1) / QR;
-            for (int64_t b = 0, m0 = 0; b < blocks; b++) {
-                int64_t n = (m - m0) / (blocks - b); /* balanced: 7 = 3 + 4 */
-                const float *x = rows + (gi * m + m0) * d;
-                float *o = p + (gi * m + m0) * ldp + at;
-                switch (n) {
-                    case 1: scores_1(x, d, kp, ldk, o, ldp); break;
-                    case 2: scores_2(x, d, kp, ldk, o, ldp); break;
-                    case 3: scores_3(x, d, kp, ldk, o, ldp); break;
-                    case 4: scores_4(x, d, kp, ldk, o, ldp); break;
-                    case 5: scores_5(x, d, kp, ldk, o, ldp); break;
-                    default: scores_6(x, d, kp, ldk, o, ldp); break;
+    /* scores: the cache's whole panels, then the extra ones, copied once the others have run */
+    score_panels(rows, k, skg, skd, ek, ecols, whole, p, ldp, g, m, d, 0, whole / TP, threads);
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t u = 0; u < ecols; u++) {
+                int64_t at = whole + u; /* position in the sequence of keys */
+                float *ke = ek + (gi * d + i) * ecols + u, *ve = ev + (gi * d + i) * ecols + u;
+                if (at < t) {
+                    *ke = k[gi * skg + i * skd + at];
+                    *ve = v[gi * svg + i * svd + at];
+                } else if (at < cols) {
+                    *ke = kw[(gi * d + i) * s + at - t];
+                    *ve = vw[(gi * d + i) * s + at - t];
+                } else {
+                    *ke = *ve = 0.0f;
                 }
-                m0 += n;
             }
-        }
-    }
+    score_panels(rows, k, skg, skd, ek, ecols, whole, p, ldp, g, m, d, whole / TP, ecols / TP, threads);
 
     /* each row's mask and softmax (past the sequence's end: probability 0) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
