@@ -238,7 +238,10 @@ def test_mil_decode_branches_match_decoding_alone(export):
     """The exported decode_branches programs (mil, fp16) against the prefill/decode programs, teacher
     forced. Both are fp16 and round differently, so where the fp32 logits' top-2 margin is within
     twice the fp16 programs' own logit error at that position, either token is right: those
-    near-ties are left out of the top-1 count (and counted, to show they are few)."""
+    near-ties are left out of the top-1 count (and counted, to show they are few). How many there
+    are depends on the CPU: the executor's float32 products run on the BLAS kernels chosen for it,
+    which sum in different orders (with numpy's OpenBLAS, 6-7 of 75 positions per family on its
+    Haswell and Zen kernels, 8-9 on its SkylakeX kernels for AVX-512)."""
     name, out = export
     mil = llama_ane.load(out, backend="mil")
     exact = llama_ane.load(out, backend="torch", precision="fp32")
@@ -254,7 +257,7 @@ def test_mil_decode_branches_match_decoding_alone(export):
         total, ties = total + int(clear.sum()), ties + int((~clear).sum())
     print(f"{name}: decode_branches vs alone top-1 {agree / total:.4f} over {total} tokens ({ties} near-ties left out)")
     assert agree / total >= 0.99
-    assert ties <= 0.1 * (total + ties)
+    assert ties <= 0.15 * (total + ties)
     exact.close()
 
 
