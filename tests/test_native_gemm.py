@@ -31,12 +31,12 @@ def fresh_library(monkeypatch, tmp_path):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n, k", [(16, 8), (37, 29), (200, 96)])
 def test_columns_match_a_matmul(n, k, threads):
-    """W x for 1..17 columns (1..2 blocks of 6 and a rest), rows not a multiple of the panel, a
-    transposed (strided) x, on 1 and 2 threads."""
+    """W x for 1..25 columns (one to three register blocks, of up to 6 or 12 columns by the CPU),
+    rows not a multiple of the panel, a transposed (strided) x, on 1 and 2 threads."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
     packed = native_gemm.pack(w)
-    for m in range(1, 18):
+    for m in range(1, 26):
         x = torch.randn(m, k, generator=g).t()  # (K, M), a view with strides (1, K)
         y = native_gemm.columns(x, packed, n, threads=threads)
         assert y.shape == (n, m) and y.is_contiguous()
@@ -50,9 +50,9 @@ def test_a_column_does_not_depend_on_the_others():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 576, generator=g)
     packed = native_gemm.pack(w)
-    x = torch.randn(576, 16, generator=g)
-    alone = torch.cat([native_gemm.columns(x[:, j:j + 1], packed, 300) for j in range(16)], dim=1)
-    for m in (2, 5, 6, 7, 16):
+    x = torch.randn(576, 25, generator=g)
+    alone = torch.cat([native_gemm.columns(x[:, j:j + 1], packed, 300) for j in range(25)], dim=1)
+    for m in (2, 5, 6, 7, 8, 12, 13, 16, 25):
         assert torch.equal(native_gemm.columns(x[:, :m], packed, 300), alone[:, :m])
 
 

@@ -5,9 +5,14 @@
  * general GEMM libraries compute it column by column, as if W were read M times. Here W is packed
  * once into panels of NR output rows, [N / NR][K][NR], so one sequential pass over the panels
  * serves every column: each panel's 16 outputs of up to MR columns are accumulated in registers
- * (MR x 2 vectors of 8 floats). Further blocks of columns re-read the panel in slices of KC
- * k, each still in L1 from the first block. Blocks have balanced sizes (7 = 3 + 4, not 6 + 1): a
- * block of one or two columns would be bound by the latency of its few accumulator chains.
+ * (MR x 2 vectors of 8 floats): 12 columns where the CPU has 32 vector registers (AVX-512VL), else
+ * 6 (AVX2's 16; NEON's 32 of half the width). Further blocks of columns re-read the panel in
+ * slices of KC k, each still in L1 from the first block, and cost more than one block of their
+ * sum would: on an AVX-512 core of this project's machine, 8 columns took 1.58x the time of 6 as
+ * two blocks of 4 and 1.16x as one block of 8 (benchmarks/verify_columns.py, all of SmolLM2's
+ * projections: 43.7 and 32.8 ms against 27.6 and 28.3). Blocks have balanced sizes (13 = 6 + 7,
+ * not 12 + 1): a block of one or two columns would be bound by the latency of its few
+ * accumulator chains.
  *
  * Each output is a sum over k = 0..K-1 in order, one multiply-add per term (fused where the CPU
  * has FMA), whatever M and however the panels are spread over threads: a column's result does not
@@ -23,7 +28,11 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
 
 #define NR 16 /* output rows per panel: two vectors */
-#define MR 6  /* columns per register block: 12 accumulators */
+#if defined(__AVX512VL__)
+#define MR 12 /* columns per register block: 24 accumulators of the 32 registers */
+#else
+#define MR 6  /* columns per register block: 12 accumulators of 16 registers */
+#endif
 #define KC 256  /* k per pass: a panel's 16 KB slice stays in L1 for every block of columns */
 #define GROUP 64 /* columns accumulated at once (more re-read the panel) */
 #define PREFETCH 32 /* blocks of 2+ columns prefetch the panel this many k ahead (2 KB) */
@@ -75,6 +84,14 @@ BLOCK(3)
 BLOCK(4)
 BLOCK(5)
 BLOCK(6)
+#if MR > 6
+BLOCK(7)
+BLOCK(8)
+BLOCK(9)
+BLOCK(10)
+BLOCK(11)
+BLOCK(12)
+#endif
 
 /* y = x @ W^T for x (M, K) at x + m * sxm + k * sxk, W packed by llama_ane_pack, and y (M, N)
  * written at y + m * sym + n * syn; on `threads` OpenMP threads (panels split among them). */
@@ -105,7 +122,17 @@ void llama_ane_gemm(const float *x, int64_t sxm, int64_t sxk, const float *packe
                         case 3: block_3(xm, sxm, sxk, part, kc, ahead, a); break;
                         case 4: block_4(xm, sxm, sxk, part, kc, ahead, a); break;
                         case 5: block_5(xm, sxm, sxk, part, kc, ahead, a); break;
+#if MR > 6
+                        case 6: block_6(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 7: block_7(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 8: block_8(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 9: block_9(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 10: block_10(xm, sxm, sxk, part, kc, ahead, a); break;
+                        case 11: block_11(xm, sxm, sxk, part, kc, ahead, a); break;
+                        default: block_12(xm, sxm, sxk, part, kc, ahead, a); break;
+#else
                         default: block_6(xm, sxm, sxk, part, kc, ahead, a); break;
+#endif
                     }
                     m0 += r;
                 }
