@@ -132,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = load_checkpoint(None if args.model == "default" else args.model)
     cfg = ckpt.config
     total = cfg.num_hidden_layers
-    exits = ([int(n) for n in args.layers.split(",")] if args.layers
-             else [max(1, round(f * total)) for f in (1 / 4, 1 / 2, 2 / 3, 4 / 5, 14 / 15)])
+    try:
+        exits = ([int(n) for n in args.layers.split(",")] if args.layers
+                 else [max(1, round(f * total)) for f in (1 / 4, 1 / 2, 2 / 3, 4 / 5, 14 / 15)])
+    except ValueError:
+        exits = [0]  # refused just below
     layers = sorted(set(exits) | {total})
     if layers[0] < 1 or layers[-1] > total:
         raise SystemExit(f"--layers must be 1..{cfg.num_hidden_layers} (the model has {cfg.num_hidden_layers}), got {args.layers}")

@@ -71,5 +71,7 @@ def test_bad_options_are_refused(bench, tiny_checkpoint):
     folder = str(tiny_checkpoint(num_hidden_layers=3))
     with pytest.raises(SystemExit, match=r"--layers must be 1\.\.3 \(the model has 3\)"):
         bench.main(["--model", folder, "--layers", "2,7"])
+    with pytest.raises(SystemExit, match=r"--layers must be 1\.\.3 .* got 1,two"):
+        bench.main(["--model", folder, "--layers", "1,two"])
     with pytest.raises(SystemExit, match="unknown task"):
         bench.main(["--model", folder, "--tasks", "translate"])
