@@ -41,7 +41,7 @@ from speculative import RESULTS, TASKS  # noqa: E402
 import llama_ane  # noqa: E402
 from llama_ane.checkpoint.loader import load_checkpoint  # noqa: E402
 from llama_ane.chunks.plan import layer_shapes  # noqa: E402
-from llama_ane.reference import run_layers  # noqa: E402
+from llama_ane.reference import final_outputs, run_layers  # noqa: E402
 
 TOP = 4  # the model's best tokens kept per decode step, for recycled@1..TOP
 
@@ -100,14 +100,7 @@ def early_exit_tokens(ckpt, prompt: Sequence[int], answer: Sequence[int], layers
         return hook.remove
 
     run_layers(ckpt, ids, logits=False, on_layer=on_layer)
-    cfg = ckpt.config
-    norm = ckpt.tensor("model.norm.weight").to(torch.float32)
-    head = ckpt.tensor("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight").to(torch.float32)
-    out = {}
-    for n, h in hidden.items():
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * norm  # LlamaRMSNorm
-        out[n] = (h @ head.T).argmax(-1).numpy()
-    return out
+    return {n: final_outputs(ckpt, h).argmax(-1) for n, h in hidden.items()}
 
 
 def exit_weight_share(cfg, layers: int) -> float:
@@ -139,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         exits = [0]  # refused just below
     layers = sorted(set(exits) | {total})
     if layers[0] < 1 or layers[-1] > total:
-        raise SystemExit(f"--layers must be 1..{cfg.num_hidden_layers} (the model has {cfg.num_hidden_layers}), got {args.layers}")
+        raise SystemExit(f"--layers must be 1..{total} (the model has {total}), got {args.layers}")
     names = [t[0] for t in TASKS]
     chosen = names if args.tasks is None else args.tasks.split(",")
     unknown = [t for t in chosen if t not in names]
@@ -167,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print("weights an early exit reads, of a step's (from the shapes): "
           + ", ".join(f"exit@{n} {s}" for n, s in shares.items()))
     RESULTS.mkdir(exist_ok=True)
-    out = {"model": model.manifest["name"], "new_tokens": args.new_tokens, "layers": cfg.num_hidden_layers,
+    out = {"model": model.manifest["name"], "new_tokens": args.new_tokens, "layers": total,
            "measured": "the share of steps whose next greedy token each drafter guesses (see the docstring)",
            "early_exit_weight_share": shares, "rows": rows}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -39,26 +39,28 @@ def hf_config(cfg):
     return AutoConfig.for_model(**d)
 
 
+def _with_weights(ckpt: Checkpoint, module, prefix: str):
+    """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`, in float32."""
+    import torch
+
+    state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
+             for name, t in module.state_dict().items()}
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.eval()
+
+
 def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                on_layer: Callable[[int, object], Callable[[], None]] | None = None):
     """Run `token_ids` (one sequence from position 0) through the checkpoint's layers in float32.
 
     `on_layer(n, layer)` is called with each decoder layer (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...) before it runs and may return a
     function to call after it (e.g. to remove hooks it put on the layer's projections). Returns
-    the logits float32 [T, vocab] when `logits`, else the final norm's output [T, C].
+    the logits float32 [T, vocab] when `logits`, else the final norm's output [T, C] (`final_outputs`).
     """
     import torch
 
-    hf, (DecoderLayer, RMSNorm, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
+    hf, (DecoderLayer, _, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
     hf._attn_implementation = "sdpa"
-
-    def weights(module: torch.nn.Module, prefix: str) -> torch.nn.Module:
-        """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`."""
-        state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
-                 for name, t in module.state_dict().items()}
-        module.load_state_dict(state, strict=True, assign=True)
-        return module.eval()
-
     with torch.no_grad():
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
@@ -67,16 +69,27 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         for n in range(hf.num_hidden_layers):
             with torch.device("meta"):
                 layer = DecoderLayer(hf, n)
-            layer = weights(layer, f"model.layers.{n}.")
+            layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
             after = on_layer(n, layer) if on_layer is not None else None
             x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
             x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
             if after is not None:
                 after()
             del layer  # before the next layer's weights are read
+    return final_outputs(ckpt, x[0], logits=logits)
+
+
+def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarray:
+    """The family's final norm of decoder hidden states `hidden` float32 (T, C) (a torch tensor),
+    then, when `logits`, the (tied or untied) LM head in blocks of the vocabulary: float32
+    [T, vocab]; else the norm's output [T, C]."""
+    import torch
+
+    hf, (_, RMSNorm, _) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
+    with torch.no_grad():
         with torch.device("meta"):
             norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
-        h = weights(norm, "model.norm.")(x)[0]  # (T, C)
+        h = _with_weights(ckpt, norm, "model.norm.")(hidden)  # (T, C)
         if not logits:
             return h.numpy()
         head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)
