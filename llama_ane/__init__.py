@@ -6,7 +6,7 @@
     print(model.generate("The capital of France is", max_new_tokens=16).text)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def load(path, backend="auto", **options):
