@@ -2,7 +2,7 @@
 
 Grid: prefix {1024, 8192, 32768} x batch {16, 64, 256} x suffix {128, 2048}, heads 32/32 and 32/8,
 head_dim 128, page 16, fp16; every path runs on the same cache and page tables in the same process.
-Timing: L2 flushed before each call, median of >= 20 (llama_ane.cuda.timing). Also: plain decode
+Timing: L2 flushed before each call, median of >= 20 (benchmarks/timing.py). Also: plain decode
 bandwidth at batch 64 x 4096 tokens (no sharing), a split sweep of the prefix kernel, and checks
 that our outputs equal FlashInfer's (through the base-2 LSE adapter for merge_state).
 
@@ -199,7 +199,7 @@ def _plan(t, prefix, hq, hkv, path, **kw):
 
 
 def run_sweeps(timer, log):
-    """The cascade's two schedules at the largest shared prefixes (run 10 onwards)."""
+    """The cascade's two schedules at the largest shared prefixes."""
     import torch
 
     rows = []
@@ -347,7 +347,7 @@ def main() -> int:
 
     import torch
 
-    from llama_ane.cuda.timing import Timer
+    from timing import Timer  # benchmarks/timing.py, beside this script
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

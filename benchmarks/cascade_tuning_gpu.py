@@ -343,7 +343,7 @@ def suffix_section(timer, log) -> None:
 
 
 def main() -> None:
-    from llama_ane.cuda.timing import Timer
+    from timing import Timer  # benchmarks/timing.py, beside this script
 
     timer = Timer(30)
     log = lambda s: print(s, flush=True)  # noqa: E731

@@ -15,7 +15,8 @@ import torch
 
 FLUSH_BYTES = 256 * 1024 * 1024
 # ~0.75 ms at H100 clocks: far longer than any wrapper's host overhead, so that a host-side
-# hiccup (run 8 had single points 2x off between two identical plans) cannot open a gap
+# hiccup cannot open a gap between the queued call and its start event (without the spin,
+# identical plans timed back to back differed by up to 2x at a few grid points)
 SPIN_CYCLES = 1_500_000
 
 

@@ -73,7 +73,7 @@ def main() -> int:
 
     from llama_ane.cuda import ops
     from llama_ane.cuda.cascade import SharedPrefixBatch
-    from llama_ane.cuda.timing import Timer
+    from timing import Timer  # benchmarks/timing.py, beside this script
     from llama_ane.cuda.tree import BLOCK_TOKEN_CHOICES, build_tree_plan
     from llama_ane.cuda.tree_batch import TreeBatch
 

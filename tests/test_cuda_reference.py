@@ -163,8 +163,8 @@ def test_overlap_model():
 
 
 def test_overlap_splits_leave_room_for_large_suffixes():
-    # run 23 (32768 x 256 x 128): MHA suffixes are 0.6x the prefix time -> 3 splits measured best;
-    # GQA 32/8 suffixes a fifth -> the standalone 4
+    # 32768 x 256 x 128: MHA suffixes are 0.6x the prefix time -> 3 splits measured best on an
+    # H100; GQA 32/8 suffixes a fifth -> the standalone 4
     model = CostModel()
     for (hq, hkv), want in (((32, 32), 3), ((32, 8), 4)):
         rows = 256 * hq // hkv

@@ -16,7 +16,7 @@ from .splits import (choose_decode_splits, choose_overlap_prefix_splits, choose_
 PATHS = ("auto", "cascade", "decode")
 # Prefix work above which the prefix tiles run on a side stream next to the suffix decode (three
 # launches) instead of before a decode that merges their states (two launches): ~50 us of tensor
-# work. Runs 5 and 7 at 32768 x 256 (1.4e11 flops): 0.539 against 0.555 ms, 0.551 against 0.580.
+# work, enough to hide the third launch behind the overlap.
 OVERLAP_MIN_FLOPS = 2e10
 
 
@@ -161,7 +161,7 @@ class SharedPrefixBatch:
         if self.overlap:
             # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
             # this one: the scheduler fills SM slots the prefix leaves free with decode programs
-            # (128-key blocks: run 23 measured 0.497 against 0.510 ms with 64 at 32768 x 256)
+            # (128-key blocks: fewer, longer decode programs fit the gaps the prefix leaves)
             if dec_cfg is None:
                 dec_cfg = dict(ops.decode_config(self.num_qo_heads // self.num_kv_heads),
                                BLOCK_N=128)

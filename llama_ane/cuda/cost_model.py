@@ -19,9 +19,8 @@ from .splits import choose_decode_splits, choose_prefix_splits, prefix_block_m
 
 @dataclass(frozen=True)
 class CostModel:
-    """Constants fitted by :func:`fit_cost_model` to the H100 80GB grid of device run 4
-    (``benchmarks/results/cuda_runs/run4``; see cuda_notes.md); ``launch_s`` absorbs every fixed
-    per-launch cost, start-up, tail and merge included.
+    """Constants fitted to a measured H100 80GB grid (how: benchmarks/results/cuda_notes.md);
+    ``launch_s`` absorbs every fixed per-launch cost, start-up, tail and merge included.
 
     hbm_bytes_per_s : achieved streaming rate of the decode kernel
     l2_bytes_per_s : rate of prefix re-reads that hit L2 in plain decode
@@ -93,30 +92,3 @@ class CostModel:
 
 DEFAULT_COST_MODEL = CostModel()
 
-
-def fit_cost_model(points: list[dict], num_sms: int) -> CostModel:
-    """Grid-search the constants that make :meth:`CostModel.choose` right on measured points.
-
-    ``points`` are the ``points`` of ``benchmarks/results/cuda_cascade.json`` (our cascade and
-    decode times per shape), measured on a GPU of ``num_sms`` multiprocessors. Ranks by the number of points where the pick is more than 5% slower
-    than the better path, then by the model's log-error on both times.
-    """
-    import itertools
-    import math
-
-    best = None
-    for hbm, l2, tc, launch in itertools.product(
-            (2.6e12, 2.8e12, 3.0e12), (4e12, 6e12, 8e12, 10e12, 14e12),
-            (2.5e14, 3.0e14, 3.5e14, 4.0e14), (2e-6, 4e-6, 6e-6, 8e-6, 12e-6)):
-        model = CostModel(hbm, l2, tc, launch)
-        misses, err = 0, 0.0
-        for p in points:
-            args = (p["batch"], p["prefix"], p["suffix"], p["hq"], p["hkv"], 128)
-            tc_, td = p["ours_cascade_ms"], p["ours_decode_ms"]
-            pick = tc_ if model.choose(*args, num_sms=num_sms) == "cascade" else td
-            misses += pick > 1.05 * min(tc_, td)
-            err += abs(math.log(model.cascade_time(*args, num_sms=num_sms) * 1e3 / tc_))
-            err += abs(math.log(model.decode_time(*args, num_sms=num_sms) * 1e3 / td))
-        if best is None or (misses, err) < best[0]:
-            best = ((misses, err), model)
-    return best[1]

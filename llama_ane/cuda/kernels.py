@@ -269,13 +269,13 @@ def shared_prefix_kernel(
         krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
         k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
         v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
-        # (a lazy rescale, skipping acc *= alpha while the max moves < 2^8, measured slower in
-        # run 7: 0.372 ms against 0.342 at 32768 x 256; the CTA-wide test costs more than it saves)
+        # no lazy rescale (skipping acc *= alpha while the max moves < 2^8): the CTA-wide test
+        # costs more than the multiply it skips
         m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
                                           sm_scale_log2)
     if not WHOLE_BLOCKS:
-        # run 19: this second (masked) loop after the main one cost 6% at 32768 x 256 even where
-        # it never executes, so prefixes of whole key blocks are compiled without it
+        # a second (masked) loop after the main one slows the main loop's code even where it
+        # never executes, so prefixes of whole key blocks are compiled without it
         for n0 in range(full_end, end, BLOCK_N):
             tok = n0 + offs_n
             n_mask = tok < end
@@ -303,9 +303,8 @@ def ordered_prefix_kernel(
     per-element addresses. The descriptor's block is ``[BLOCK_N // PAGE_SIZE, 1, PAGE_SIZE, 1,
     D]`` for pages of at most ``BLOCK_N`` tokens, ``[1, 1, BLOCK_N, 1, D]`` for larger ones.
     ``prefix_len`` and ``chunk_len`` are multiples of ``BLOCK_N`` (whole key blocks only).
-    Run 35 (``prefix_tma_gpu.py``, GQA 32/8, prefix 8192/32768 x batch 16/64/256): 1.20-1.62x
-    the paged kernel's time with the library's tile; the paged gathers are as fast on ordered
-    as on shuffled pages, so the gain is the copy engine's, not the order's.
+    Faster than the paged kernel because the copy engine computes the addresses; paged gathers
+    gain nothing from ordered pages (``benchmarks/prefix_tma_gpu.py`` measures both).
     """
     mb = tl.program_id(0)
     kvh = tl.program_id(1)

@@ -98,11 +98,11 @@ def _layout_args(q, kv_cache, o_buf, lse_buf) -> tuple:
 
 
 def decode_config(group: int) -> dict:
-    """Launch parameters of the decode kernel, from the run-3/5 sweeps (cuda_notes.md).
+    """Launch parameters of the decode kernel (the sweeps are in benchmarks/results/cuda_notes.md).
 
     ``BLOCK_G`` is the row tile of the query heads of one kv head: 1 selects the broadcast path,
     >= 16 the tensor-core path (rows past the group are padding). The tensor-core tile wins even
-    for MHA, where 15 of 16 rows are padding: run 6, 64 x 4096 MHA, 90.4% of peak against 85.7%.
+    for MHA, where 15 of 16 rows are padding: it streams the cache closer to peak bandwidth.
     """
     return dict(BLOCK_G=_decode_block_g(group), BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -141,8 +141,8 @@ def launch_decode(q, kv_cache, indptr, indices, last_page_len, o_buf, lse_buf, s
 
 
 def prefix_config() -> dict:
-    """Launch parameters of the shared-prefix kernel, the same for every row tile (runs 2-5 and
-    19 in cuda_notes.md: 8 warps, 128-key blocks and 256-row tiles were all slower)."""
+    """Launch parameters of the shared-prefix kernel, the same for every row tile (8 warps,
+    128-key blocks and 256-row tiles were all slower: benchmarks/results/cuda_notes.md)."""
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
@@ -173,8 +173,8 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     )
 
 
-# the ordered-pages (TMA) prefix kernel's tile: the best at 4 of the 6 GQA grid points of run 35
-# (prefix_tma_gpu.py), 3% and 11% behind the best at the other two (8192 x 64 and x 16)
+# the ordered-pages (TMA) prefix kernel's tile: the best at most GQA grid points of
+# benchmarks/prefix_tma_gpu.py, and close to it at the others
 ORDERED_PREFIX_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 

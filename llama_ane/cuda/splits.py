@@ -12,13 +12,12 @@ MIN_PREFIX_CHUNK = 256
 DECODE_BLOCK_N = 64
 PREFIX_BLOCK_N = 64
 # Decode programs are small (4 warps, little shared memory) and several stay resident per SM.
-# A batch with two programs per SM is not split (every split costs a merge: run 4, 64 x 4096 GQA
-# split in two, 75% of peak against 86% unsplit); smaller batches are split up to four per SM
-# (run 5: 1024/16/128 GQA 0.0233 ms with 4 splits, 0.0252 with 2).
+# A batch with two programs per SM is not split (every split costs a merge); smaller batches are
+# split up to four per SM.
 DECODE_NO_SPLIT_PER_SM = 2
 DECODE_PROGRAMS_PER_SM = 4
 # Two shared-prefix programs with a 128-row tile fit an SM (registers) and hide each other's
-# load latency: run 2 measured 0.395 ms with 256 programs against 0.611 ms with 128.
+# load latency.
 PREFIX_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64
 
@@ -79,8 +78,8 @@ def choose_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, prefix_le
 
 
 # A shared-prefix program alone on its SM, next to decode programs, runs at this fraction of the
-# rate of two prefix programs sharing one: fitted to run 23 (3 splits at 32768 x 256 x 128, 32/32:
-# 0.497 ms). Without decode programs beside it run 2 measured 0.65 (0.395 against 0.611 ms).
+# rate of two prefix programs sharing one: fitted to the H100 timings of the overlap schedule at
+# prefix 32768, batch 256, suffix 128 (benchmarks/results/cuda_notes.md).
 PREFIX_SOLO_RATE = 0.58
 
 
@@ -111,12 +110,10 @@ def choose_overlap_prefix_splits(n_rows: int, block_m: int, num_kv_heads: int, p
     """``(splits, chunk_len)`` of the prefix kernel when it runs next to the suffix decode.
 
     Fewer programs than two per SM leave SMs with a free half for the decode: worth it when the
-    suffixes are a large share of the work (run 23, 32768 x 256 x 128: heads 32/32 0.497 ms with
-    3 splits against 0.511 with 4; heads 32/8, a quarter of the suffix bytes, 0.354 with 4 against
-    0.413 with 3). Candidates are the split counts that give every SM one or two programs, modelled
-    by :func:`overlap_time`, and the standalone choice, modelled as the prefix then the decode.
-    Fewer programs than SMs are not tried: with 2 splits (128 programs) run 23 measured 0.65 ms,
-    far off any such model.
+    suffixes are a large share of the work (MHA), not when they are small (GQA). Candidates are
+    the split counts that give every SM one or two programs, modelled by :func:`overlap_time`, and
+    the standalone choice, modelled as the prefix then the decode. Fewer programs than SMs are not
+    tried: they leave SMs idle and measure far slower than any such model predicts.
     """
     standalone = choose_prefix_splits(n_rows, block_m, num_kv_heads, prefix_len, num_sms)
     units = _cdiv(max(n_rows, 1), block_m) * num_kv_heads

@@ -4,9 +4,9 @@ two-level cascade where the tree is one.
 A tree in which no node below the root is seen by two queries (a shared prompt and private
 branches: few-shot examples, parallel samples) is exactly the two-level cascade's case: the root is
 the shared prefix and every query's path below it is its own suffix. There the cascade's dedicated
-kernels win (run 29: the tree kernel took 0.71-0.92x of the cascade's speed on such trees); where
-nodes below the root are shared (speculative token trees) the tree kernel reads each of them once
-and won 5 of 6 trees (0.95-1.38x of the cascade). ``path="auto"`` picks by that structure.
+kernels win; where nodes below the root are shared (speculative token trees) the tree kernel
+reads each of them once and wins on most trees. ``path="auto"`` picks by that structure
+(``benchmarks/tree_gpu.py`` measures both on each kind of tree).
 """
 
 from __future__ import annotations
