@@ -116,34 +116,6 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.view(g, r, s, d).transpose(2, 3)
 
 
-def attention_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one head as an attention state (v, s), for merging with `merge_states`.
-
-    q: (B, D, 1, S) already scaled by 1/sqrt(D); k, v: (B, D, 1, T); mask: (B, T, 1, S) additive.
-    Returns v_out: (B, D, 1, S), the softmax-weighted values, and lse: (B, 1, 1, S), the natural-log
-    sum of exp of the masked scores. The max is subtracted before exp, so fp16 cannot overflow.
-    """
-    scores = torch.einsum("bchq,bchk->bkhq", q, k) + mask
-    m = scores.amax(dim=1, keepdim=True)
-    p = torch.exp(scores - m)
-    denom = p.sum(dim=1, keepdim=True)
-    out = torch.einsum("bkhq,bchk->bchq", p, v) / denom
-    return out, m + torch.log(denom)
-
-
-def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
-                 s_b: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp merge of two attention states over disjoint key sets (values only).
-
-    v_a, v_b: (B, D, 1, S); s_a, s_b: (B, 1, 1, S) natural-log LSE -> (B, D, 1, S)
-    """
-    m = torch.maximum(s_a, s_b)
-    w_a = torch.exp(s_a - m)
-    w_b = torch.exp(s_b - m)
-    return (v_a * w_a + v_b * w_b) / (w_a + w_b)
-
-
 class MLP(nn.Module):
     """SwiGLU MLP. x: (B, C, 1, S) -> (B, C, 1, S)"""
 

@@ -19,13 +19,9 @@ VERIFY = "verify"
 KV_CACHE_KINDS = ("inputs", "state")
 
 
-def window_of(function: str, prefill_length: int, branch_width: int = 0) -> int:
-    """Query length S of a function: the prefill window, 1, or the branch width B."""
-    if function.startswith("prefill"):
-        return prefill_length
-    if function.startswith(BRANCHES):
-        return branch_width
-    return 1
+def window_of(function: str, prefill_length: int) -> int:
+    """Query length S of a prefill or decode function: the prefill window, or 1."""
+    return prefill_length if function.startswith("prefill") else 1
 
 
 def chunk_model_name(index: int) -> str:
