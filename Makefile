@@ -1,5 +1,6 @@
 # llama-ane: set up, run, test.  `make run` exports the default model and generates;
-# `make test` runs the whole test suite (Python, notebooks, Swift) as CI does.
+# `make test` runs the whole test suite (Python, notebooks, Swift) as CI does;
+# `make test-quick` runs the unit tier only (no export, no subprocess, no SmolLM2).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ OUT    ?= out/smollm2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 FIXTURES := swift_host/Tests/LlamaANETests/Fixtures
 
-.PHONY: setup run test test-python test-swift bench-branches clean
+.PHONY: setup run test test-quick test-python test-swift bench-branches bench-report clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +30,9 @@ test: test-python test-swift
 test-python: setup
 	$(PY) -m pytest -q
 
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow and not export"
+
 test-swift: setup
 	@if command -v swift >/dev/null 2>&1; then \
 	  $(PY) tests/swift_fixtures.py $(FIXTURES) && \
@@ -37,6 +41,10 @@ test-swift: setup
 
 bench-branches: setup
 	$(PY) benchmarks/branches_cpu.py
+
+# benchmarks/README.md from the committed results in benchmarks/results/*.json
+bench-report: setup
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) out swift_host/.build $(FIXTURES)
