@@ -248,9 +248,10 @@ def test_generate_with_coreml_off_macos(tiny_export):
     assert_one_error_line(r, "coreml backend needs macOS")
 
 
-def test_generate_bad_sampling_option(tiny_export):
-    r = run_cli("generate", tiny_export, "--prompt", "x", "--backend", "torch", "--top-p", "0")
-    assert_one_error_line(r, "top_p")
+def test_generate_bad_sampling_option(tmp_path):
+    """Refused while the options are read, by flag, before OUT is looked at."""
+    r = run_cli("generate", tmp_path, "--prompt", "x", "--backend", "torch", "--top-p", "0")
+    assert_one_error_line(r, "--top-p", "(0, 1]")
 
 
 def test_help_lists_the_commands():

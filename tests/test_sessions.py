@@ -100,7 +100,7 @@ def test_a_prompt_cache_file_is_reused_and_tied_to_its_export(models, tiny_check
     with pytest.raises(PromptCacheError, match="made by another export"):
         other.load_cache(path)
     (tmp_path / "junk.npz").write_bytes(b"not a cache")
-    with pytest.raises(PromptCacheError, match="not a llama-ane prompt-cache file"):
+    with pytest.raises(PromptCacheError, match="not a usable llama-ane prompt-cache file"):
         model.load_cache(tmp_path / "junk.npz")
     other.close()
 

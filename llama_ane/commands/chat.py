@@ -2,29 +2,32 @@
 
 Each turn prefills only its new tokens; a conversation longer than the context shifts (the system
 prompt and the most recent tokens are kept). Commands: /reset, /save FILE, /load FILE, /quit.
+A turn or command that fails is reported on one `Error:` line and the conversation goes on as it was.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
 from ..runtime.model import BACKENDS
 from .errors import user_errors
+from .options import TEMPERATURE, TEXT, TOP_P, not_utf8
 
 HELP = "commands: /reset (new conversation), /save FILE, /load FILE, /quit"
 
 
 @click.command("chat")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--system", default=None, help="A system prompt, kept through context shifts.")
+@click.option("--system", type=TEXT, default=None, help="A system prompt, kept through context shifts.")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Longest reply.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 def command(out, system, max_new_tokens, backend, temperature, top_k, top_p, seed):
     """Chat with the export in OUT (reads turns from standard input)."""
@@ -38,6 +41,7 @@ def command(out, system, max_new_tokens, backend, temperature, top_k, top_p, see
         model.prepare()
     click.echo(f"{model.manifest['name']} on {model.backend.name}, context {model.manifest['context_length']} "
                f"tokens. {HELP}", err=True)
+    _keep_undecodable_bytes(sys.stdin)
     try:
         while True:
             try:
@@ -47,11 +51,15 @@ def command(out, system, max_new_tokens, backend, temperature, top_k, top_p, see
             line = line.strip()
             if not line:
                 continue
-            if line.startswith("/"):
-                if not _command(chat, line):
-                    break
+            problem = not_utf8("that line", line)
+            if problem is not None:
+                click.echo(f"Error: {problem}; type it again in UTF-8", err=True)
                 continue
-            with user_errors(exit_on_error=False):
+            with user_errors(exit_on_error=False):  # a failed turn or command leaves the conversation as it was
+                if line.startswith("/"):
+                    if not _command(chat, line):
+                        break
+                    continue
                 r = chat.send(line, on_token=lambda e: click.echo(e.text, nl=False))
                 click.echo()
                 shift = f", context shifted {r.shifts}x" if r.shifts else ""
@@ -60,6 +68,15 @@ def command(out, system, max_new_tokens, backend, temperature, top_k, top_p, see
                            err=True)
     finally:
         model.close()
+
+
+def _keep_undecodable_bytes(stream) -> None:
+    """Read bytes that are not UTF-8 as surrogates (refused line by line, with their offset) rather
+    than let the decoder raise and end the conversation."""
+    try:
+        stream.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError, OSError):  # not a text stream that can change its error handler
+        pass
 
 
 def _command(chat, line: str) -> bool:
@@ -74,13 +91,11 @@ def _command(chat, line: str) -> bool:
     elif name in ("/save", "/load") and not arg:
         click.echo(f"[{name} needs a file name: {name} FILE]", err=True)
     elif name == "/save":
-        with user_errors(exit_on_error=False):
-            chat.save(arg)
-            click.echo(f"[saved {chat.cache.position} tokens to {arg}]", err=True)
+        chat.save(arg)
+        click.echo(f"[saved {chat.cache.position} tokens to {arg}]", err=True)
     elif name == "/load":
-        with user_errors(exit_on_error=False):
-            chat.load(arg)
-            click.echo(f"[loaded {chat.cache.position} tokens from {arg}]", err=True)
+        chat.load(arg)
+        click.echo(f"[loaded {chat.cache.position} tokens from {arg}]", err=True)
     else:
         click.echo(f"[unknown command {name}; {HELP}]", err=True)
     return True

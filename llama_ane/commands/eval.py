@@ -9,11 +9,12 @@ import click
 
 from ..runtime.model import BACKENDS
 from .errors import user_errors
+from .options import Utf8File
 
 
 @click.command("eval")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
-@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+@click.option("--text", "text_file", type=Utf8File(), default=None,
               help="Text file to score instead of the shipped held-out prose (about 2100 tokens).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere; mil runs the saved programs with numpy.")

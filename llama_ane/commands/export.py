@@ -10,6 +10,7 @@ import click
 from ..contract.plan import TARGETS
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
 from .errors import user_errors
+from .options import FiniteFloat
 
 
 @click.command("export")
@@ -31,7 +32,7 @@ from .errors import user_errors
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
 @click.option("--workers", type=int, default=None,
               help="Packages built at once [default: from cores and available memory].")
-@click.option("--max-memory", "max_memory", type=float, default=None,
+@click.option("--max-memory", "max_memory", type=FiniteFloat(minimum=0, min_open=True, unit="GiB"), default=None,
               help="Memory budget in GiB, instead of what the machine reports as available; an export "
                    "estimated above it is refused before anything is converted.")
 @click.option("--quantize", default="none", show_default=True, metavar="SCHEME",

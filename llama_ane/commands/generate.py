@@ -19,16 +19,17 @@ import click
 from ..errors import InvalidArgumentError
 from ..runtime.model import BACKENDS
 from .errors import user_errors
+from .options import TEMPERATURE, TEXT, TOP_P, Utf8File
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 
 
 @click.command("generate")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--prompt", default=None, help="Prompt text.")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Read the prompt (e.g. a document) from this file.")
-@click.option("--question", "questions", multiple=True,
+@click.option("--prompt", type=TEXT, default=None, help="Prompt text.")
+@click.option("--prompt-file", type=Utf8File(), default=None,
+              help="Read the prompt (e.g. a document) from this UTF-8 file.")
+@click.option("--question", "questions", type=TEXT, multiple=True,
               help="A question about the prompt (repeatable): each is a branch over the shared prompt.")
 @click.option("--samples", type=int, default=None, help="Decode N samples of the prompt as branches.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -37,11 +38,11 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option("--stop", type=TEXT, multiple=True, help="Stop at this string (repeatable).")
 @click.option("--prompt-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A prompt-cache file: reused if it exists (only the prompt's new tokens are prefilled), "
                    "created or updated otherwise.")
@@ -64,7 +65,7 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
         raise click.UsageError("--speculative decodes one continuation: drop --question/--samples")
     if draft_tokens is not None and speculative is None:
         raise click.UsageError("--draft-tokens needs --speculative")
-    text = prompt if prompt is not None else prompt_file.read_text()
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop=list(stop))
     with user_errors():
@@ -92,7 +93,9 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
 
 
 def _single(model, text, chat, sampling, as_json):
-    result = model.generate(text, chat=chat, **sampling,
+    from ..runtime.chat import encode_chat
+
+    result = model.generate(encode_chat(model, text) if chat else text, **sampling,
                             on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
     stats = {"backend": model.backend.name, "prompt_tokens": result.prompt_tokens,
              "reused_tokens": result.reused_tokens, "prefill_seconds": round(result.prefill_seconds, 3),
@@ -123,16 +126,18 @@ def _single(model, text, chat, sampling, as_json):
 def _branches(model, text, questions, samples, chat, sampling, as_json):
     """Document QA (one branch per question) or N samples, decoded with the cascade."""
     from ..runtime.cascade import split_shared_prefix
+    from ..runtime.chat import encode_chat
 
     if samples is not None:
         labels = [f"sample {i + 1}" for i in range(samples)]
-        out = model.generate_branches(model.encode(text, chat), n=samples, **sampling)
+        out = model.generate_branches(encode_chat(model, text) if chat else model.encode(text), n=samples,
+                                      **sampling)
         if sampling["temperature"] == 0 and samples > 1 and not as_json:
             click.echo("[note: at --temperature 0 every sample is the same greedy text]", err=True)
     else:
         labels = [f"Q: {q}" for q in questions]
         if chat:
-            prefix, own = split_shared_prefix([model.encode(f"{text}\n\nQuestion: {q}", chat=True) for q in questions])
+            prefix, own = split_shared_prefix([encode_chat(model, f"{text}\n\nQuestion: {q}") for q in questions])
         else:
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
         out = model.generate_branches(prefix, own, **sampling)

@@ -9,11 +9,12 @@ import click
 
 from ..errors import InvalidArgumentError
 from .errors import user_errors
+from .options import FiniteFloat
 
 
 @click.command("info")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--bandwidth", type=float, default=None, metavar="GB/S",
+@click.option("--bandwidth", type=FiniteFloat(minimum=0, min_open=True, unit="GB/s"), default=None, metavar="GB/S",
               help="Memory bandwidth of a device: adds the decode tokens/s that bandwidth bounds (an upper "
                    "bound, not a measurement).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest, with the decode step's traffic, as JSON.")

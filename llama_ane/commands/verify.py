@@ -10,13 +10,14 @@ import sys
 import click
 
 from .errors import one_line, user_errors
+from .options import Utf8File
 
 
 @click.command("verify")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--backend", type=click.Choice(["mil", "coreml"]), default="mil", show_default=True,
               help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS).")
-@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+@click.option("--text", "text_file", type=Utf8File(), default=None,
               help="Text file to score instead of the shipped prose.")
 @click.option("--max-tokens", default=128, show_default=True,
               help="Tokens of the text to score (capped at the context length).")

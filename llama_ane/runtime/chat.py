@@ -11,11 +11,41 @@ tokens are kept.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, LlamaANEError
 from .model import GenerationResult, LlamaANEModel, TokenEvent
+
+
+class ChatTemplateError(LlamaANEError, ValueError):
+    """The export's chat template failed to render a conversation; the message says how."""
+
+
+@contextlib.contextmanager
+def template_errors() -> Iterator[None]:
+    """Turn an exception raised while rendering the chat template into a ChatTemplateError.
+
+    The template is code that came with the checkpoint (jinja, run by transformers): a syntax error,
+    an undefined name, its own raise_exception(...) or a Python error in an expression all surface
+    here, and all are the template's problem, not ours. Our own errors pass through unchanged."""
+    try:
+        yield
+    except LlamaANEError:
+        raise
+    except Exception as e:
+        detail = " ".join(str(e).split()) or "no message"
+        raise ChatTemplateError(f"the export's chat template failed ({type(e).__name__}: {detail}); fix "
+                                "chat_template in its tokenizer_config.json (or chat_template.jinja), or run "
+                                "without the chat template (generate without --chat)") from e
+
+
+def encode_chat(model: LlamaANEModel, text: str) -> list[int]:
+    """Token ids of `text` as one user turn of the chat template (`model.encode(text, chat=True)`),
+    a failing template refused as ChatTemplateError."""
+    with template_errors():
+        return model.encode(text, chat=True)
 
 
 class Chat:
@@ -40,8 +70,9 @@ class Chat:
     def _render(self, add_generation_prompt: bool) -> str:
         if not self.messages:
             return ""
-        return self.model.tokenizer.apply_chat_template(self.messages, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=False)
+        with template_errors():
+            return self.model.tokenizer.apply_chat_template(self.messages, tokenize=False,
+                                                            add_generation_prompt=add_generation_prompt)
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.model.tokenizer(text, add_special_tokens=False).input_ids)
@@ -59,12 +90,17 @@ class Chat:
 
     def send(self, text: str, on_token: Callable[[TokenEvent], None] | None = None, **sampling) -> GenerationResult:
         """Add a user turn, generate the assistant's reply on the conversation's cache, and return it
-        (`reused_tokens` / `prefilled_tokens` say what the cache saved)."""
+        (`reused_tokens` / `prefilled_tokens` say what the cache saved). If it fails, the conversation
+        is as it was before the call (the cache still holds its tokens and reuses what matches)."""
         self.messages.append({"role": "user", "content": text})
-        rendered = self._render(add_generation_prompt=True)
-        ids = self._ids_of(rendered)
-        result = self.model.generate(ids, cache=self.cache, on_token=on_token, overflow="shift", keep=self.keep,
-                                     **{**self.sampling, **sampling})
+        try:
+            rendered = self._render(add_generation_prompt=True)
+            ids = self._ids_of(rendered)
+            result = self.model.generate(ids, cache=self.cache, on_token=on_token, overflow="shift", keep=self.keep,
+                                         **{**self.sampling, **sampling})
+        except BaseException:
+            self.messages.pop()
+            raise
         self.messages.append({"role": "assistant", "content": result.text})
         self.covered, self.history = rendered + result.text, ids + result.token_ids
         if result.shifts:  # the cache no longer starts with the rendered text: tokenize it all next turn

@@ -11,10 +11,17 @@ by another export is refused.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
+import tempfile
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -54,49 +61,153 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def save_cache(cache: KVCache, manifest: dict, path: str | Path) -> Path:
-    """Write `cache` to `path` (.npz): only its filled positions, tied to `manifest`."""
+    """Write `cache` to `path` (.npz): only its filled positions, tied to `manifest`.
+
+    The file appears whole or not at all: it is written under a temporary name in the same folder,
+    synced and renamed over `path`; on any failure the temporary file is removed and `path` is left
+    as it was. An existing file that is not a prompt cache is refused rather than replaced.
+    """
     path = Path(path)
+    if path.exists() and not _looks_like_prompt_cache(path):
+        raise PromptCacheError(f"{path} exists and is not a llama-ane prompt-cache file; it was left as it is: "
+                               "choose another file name for the prompt cache")
     n = cache.position
     arrays = {f"{name}_{i}": c[name][..., :n] for i, c in enumerate(cache.caches) for name in ("k", "v")}
     meta = {"version": CACHE_FILE_VERSION, "manifest_sha256": manifest_digest(manifest), "name": manifest["name"],
             "tokens": [int(t) for t in cache.tokens]}
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    tmp.replace(path)  # never a half-written file under the real name
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise PromptCacheError(f"cannot write the prompt-cache file {path}: {_why(e, path)}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return path
+
+
+def _why(e: OSError, path: Path) -> str:
+    """What went wrong writing `path`, and what to do."""
+    if e.errno == errno.ENOSPC:
+        return "the disk is full; free some space or save it on another disk"
+    if e.errno == errno.ENOENT and not path.parent.is_dir():
+        return f"the folder {path.parent} does not exist; create it or choose another folder"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"the folder {path.parent} is not writable; choose another folder"
+    return f"{e.strerror or e}; choose another file name or folder"
+
+
+def _looks_like_prompt_cache(path: Path) -> bool:
+    """Whether `path` is a zip holding a prompt cache's meta array (what save_cache may replace)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return "meta.npy" in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def load_cache(path: str | Path, manifest: dict, empty: KVCache) -> KVCache:
     """Read a prompt-cache file into `empty` (a new cache of this export) and return it.
 
-    Raises PromptCacheError if the file is not a prompt cache or was made by another export.
+    Raises PromptCacheError, naming the file and the problem, if the file is missing, unreadable,
+    not a prompt cache (object arrays are never unpickled), incomplete, made by another export or
+    longer than the context.
     """
     path = Path(path)
+    if not path.is_file():
+        where = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise PromptCacheError(f"the prompt-cache file {path} {where}; check the name")
     try:
+        if not zipfile.is_zipfile(path):
+            raise ValueError("it is not a zip archive")
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise PromptCacheError(f"{path} is not a llama-ane prompt-cache file ({e}); delete it to make a new one") from None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("it is not an .npz archive")
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise _unusable(path, f"it cannot be read as an .npz archive: {e}") from None
     with data:
         return _fill(path, data, manifest, empty)
 
 
+def _unusable(path: Path, problem: str) -> PromptCacheError:
+    return PromptCacheError(f"{path} is not a usable llama-ane prompt-cache file ({problem}); it was left as it "
+                            "is: re-create it (generate --prompt-cache with a new file name, or /save in chat)")
+
+
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _array(path: Path, data, key: str, dtypes: tuple[type, ...], fits: Callable[[tuple[int, ...]], bool],
+           want: str) -> np.ndarray:
+    """The array `key` of the open archive, checked from its header before any data is read: one of
+    `dtypes` (never Python objects) and a shape that `fits` (a crafted header may declare any size)."""
+    member = f"{key}.npy"
+    if member not in data.zip.namelist():
+        raise _unusable(path, f"it has no {key!r} array")
+    try:
+        with data.zip.open(member) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"unsupported .npy format version {version}")
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+    except _READ_ERRORS as e:
+        raise _unusable(path, f"its {key!r} array cannot be read: {e}") from None
+    if dtype not in [np.dtype(d) for d in dtypes] or not fits(shape):
+        raise _unusable(path, f"its {key!r} array is {dtype} {shape}; this export's needs {want}")
+    try:
+        return data[key]
+    except _READ_ERRORS as e:
+        raise _unusable(path, f"its {key!r} array cannot be read: {e}") from None
+
+
+def _meta(path: Path, data, manifest: dict, context: int) -> dict:
+    """The checked metadata of the open archive: version, export identity, and tokens that fit."""
+    limit = 16 * context + 4096  # JSON of `context` token ids and a few short fields
+    meta_array = _array(path, data, "meta", (np.uint8,), lambda shape: len(shape) == 1 and shape[0] <= limit,
+                        f"uint8 JSON bytes of at most {limit}")
+    try:
+        meta = json.loads(meta_array.tobytes().decode("utf-8"))
+    except ValueError as e:
+        raise _unusable(path, f"its 'meta' array is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise _unusable(path, "its 'meta' array is not a JSON object")
+    if meta.get("version") != CACHE_FILE_VERSION:
+        raise PromptCacheError(f"{path} has prompt-cache version {meta.get('version')!r}, this llama-ane reads "
+                               f"{CACHE_FILE_VERSION}; re-create it with this version")
+    digest = manifest_digest(manifest)
+    if meta.get("manifest_sha256") != digest:
+        made_by = str(meta.get("manifest_sha256"))[:12]
+        raise PromptCacheError(f"{path} was made by another export ({meta.get('name')!r}, manifest sha256 "
+                               f"{made_by}...) than this one ({manifest['name']}, {digest[:12]}...); use the export "
+                               "that made it, or re-create it with this one")
+    tokens = meta.get("tokens")
+    vocab = manifest["config"]["vocab_size"]
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        raise _unusable(path, f"its tokens are not a list of token ids below the vocabulary size {vocab}")
+    if len(tokens) > context:
+        raise _unusable(path, f"it holds {len(tokens)} tokens, more than this export's context of {context}")
+    return meta
+
+
 def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
     """`empty` given the tokens and K/V of the open prompt-cache file `data`, after checking it."""
-    try:
-        meta = json.loads(bytes(data["meta"]).decode())
-    except (ValueError, KeyError) as e:
-        raise PromptCacheError(f"{path} is not a llama-ane prompt-cache file ({e}); delete it to make a new one") from None
-    if meta.get("version") != CACHE_FILE_VERSION:
-        raise PromptCacheError(f"{path} has prompt-cache version {meta.get('version')}, this llama-ane reads "
-                               f"{CACHE_FILE_VERSION}; delete it to make a new one")
-    if meta["manifest_sha256"] != manifest_digest(manifest):
-        raise PromptCacheError(f"{path} was made by another export ({meta.get('name')}, manifest sha256 "
-                               f"{meta['manifest_sha256'][:12]}...) than this one ({manifest['name']}, "
-                               f"{manifest_digest(manifest)[:12]}...); delete it, or use the export that made it")
-    n = len(meta["tokens"])
+    context = empty.caches[0]["k"].shape[-1] if empty.caches else manifest["context_length"]
+    tokens = _meta(path, data, manifest, context)["tokens"]
+    n = len(tokens)
     for i, c in enumerate(empty.caches):
         for name in ("k", "v"):
-            c[name][..., :n] = data[f"{name}_{i}"]  # cast to the backend's dtype
-    empty.tokens = list(meta["tokens"])
+            key, want = f"{name}_{i}", c[name][..., :n].shape
+            array = _array(path, data, key, (np.float16, np.float32), lambda shape: shape == want,
+                           f"float16 or float32 {want}")
+            c[name][..., :n] = array  # cast to the backend's dtype
+    empty.tokens = list(tokens)
     return empty

@@ -1,0 +1,146 @@
+"""Option types shared by the commands: numbers that must be finite (and in range), and text that
+must be UTF-8.
+
+A value that fails here is refused while click parses the command line, before any model is
+loaded, with one `Error:` line that names the flag and exit code 1 (as every bad value the commands
+check themselves).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+class OptionError(click.ClickException):
+    """A command-line value that cannot be used; the message names the flag."""
+
+
+def flag_of(param: click.Parameter | None) -> str:
+    """How the user wrote the parameter: its longest flag (`--top-p`), or an argument's name."""
+    if param is None:
+        return "the value"
+    if isinstance(param, click.Option) and param.opts:
+        return max(param.opts, key=len)
+    return (param.name or "the value").upper()
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is not nan or infinite, optionally within [minimum, maximum] (`*_open`: the bound
+    itself excluded). Python's float() reads "nan", "inf" and "1e400" as numbers; sampling or sizing
+    with them gives garbage or hangs far from where they were typed."""
+
+    name = "number"
+
+    def __init__(self, minimum: float | None = None, maximum: float | None = None, min_open: bool = False,
+                 max_open: bool = False, unit: str = ""):
+        self.minimum, self.maximum = minimum, maximum
+        self.min_open, self.max_open = min_open, max_open
+        self.unit = unit
+
+    def _number(self, kind: str = "") -> str:
+        """"a finite number of GiB"-style phrase."""
+        return f"a {kind + ' ' if kind else ''}number" + (f" of {self.unit}" if self.unit else "")
+
+    def _range(self) -> str:
+        """The allowed range in words, e.g. "in (0, 1]", "a positive number of GB/s", "at least 0"."""
+        low = None if self.minimum is None else ("(" if self.min_open else "[") + f"{self.minimum:g}"
+        high = None if self.maximum is None else f"{self.maximum:g}" + (")" if self.max_open else "]")
+        if low is not None and high is not None:
+            return f"in {low}, {high}"
+        unit = f" {self.unit}" if self.unit else ""
+        if low is not None:
+            if self.minimum == 0 and self.min_open:
+                return self._number("positive")
+            return f"{'greater than' if self.min_open else 'at least'} {self.minimum:g}{unit}"
+        return f"{'less than' if self.max_open else 'at most'} {self.maximum:g}{unit}"
+
+    def _in_range(self, x: float) -> bool:
+        if self.minimum is not None and (x <= self.minimum if self.min_open else x < self.minimum):
+            return False
+        if self.maximum is not None and (x >= self.maximum if self.max_open else x > self.maximum):
+            return False
+        return True
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        flag = flag_of(param)
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise OptionError(f"{flag} must be {self._number()}, got {value!r}") from None
+        if not math.isfinite(x):
+            raise OptionError(f"{flag} must be {self._number('finite')}, got {value!r}")
+        if not self._in_range(x):
+            raise OptionError(f"{flag} must be {self._range()}, got {value}")
+        return x
+
+
+TEMPERATURE = FiniteFloat(minimum=0)
+TOP_P = FiniteFloat(minimum=0, maximum=1, min_open=True)
+
+
+def not_utf8(where: str, data: bytes | str) -> str | None:
+    """The refusal of `data` that is not UTF-8 text (bytes, or a str whose undecodable bytes Python
+    kept as surrogates, as it does with command-line arguments and file names on Linux), naming the
+    first bad byte and its offset; None if it is UTF-8."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+            return None
+        except UnicodeEncodeError as e:
+            start = e.start
+        # the offset in the bytes the user gave: what precedes the bad character, encoded back
+        prefix = data[:start].encode("utf-8", "surrogateescape")
+        char = ord(data[start])
+        byte = char - 0xDC00 if 0xDC80 <= char <= 0xDCFF else None
+        if byte is None:  # a surrogate that stands for no byte (e.g. from "\ud800" in Python code)
+            return f"{where} is not UTF-8 text (a lone surrogate U+{char:04X} at offset {len(prefix)})"
+        return f"{where} is not UTF-8 text (byte 0x{byte:02x} at offset {len(prefix)})"
+    try:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+
+
+def read_utf8(path: str | Path, where: str) -> str:
+    """The text of the file at `path`, which must be UTF-8; `where` names it in the refusal
+    (e.g. "--prompt-file doc.txt")."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise OptionError(f"{where}: cannot read it ({e.strerror or e})") from None
+    problem = not_utf8(where, data)
+    if problem is not None:
+        raise OptionError(f"{problem}; convert it to UTF-8 (e.g. iconv -t UTF-8)")
+    return data.decode("utf-8")
+
+
+class Utf8Text(click.ParamType):
+    """A text option whose bytes must be UTF-8 (click passes on what the OS decoded, bad bytes and all)."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        problem = not_utf8(flag_of(param), value) if isinstance(value, str) else None
+        if problem is not None:
+            raise OptionError(f"{problem}; pass UTF-8 text")
+        return value
+
+
+class Utf8File(click.Path):
+    """An existing file that must hold UTF-8 text; converts to its Path (the command reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, dir_okay=False, readable=True, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        path = super().convert(value, param, ctx)
+        read_utf8(path, f"{flag_of(param)} {path}")
+        return path
+
+
+TEXT = Utf8Text()
