@@ -1,4 +1,5 @@
-"""`llama-ane info`: what an export folder holds, from its manifest."""
+"""`llama-ane info`: what an export folder holds, from its manifest, and its modelled cost per chip;
+or, with --config, the same model of an export not made yet."""
 
 from __future__ import annotations
 
@@ -7,39 +8,94 @@ from pathlib import Path
 
 import click
 
+from ..contract.plan import TARGETS
+from ..contract.specs import KV_CACHE_KINDS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat
 
+# options that describe the export a --config is modelled as (an export folder records its own)
+CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache")
+
 
 @click.command("info")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None, metavar="CONFIG.json",
+              help="Model a Hugging Face config.json (or a folder holding one) as an export with the options "
+                   "below, without exporting it.")
+@click.option("--context-length", type=int, default=None, help="With --config: the context length [default: 1024].")
+@click.option("--quantize", default=None, metavar="SCHEME",
+              help="With --config: the weights' scheme (none, int8, int4, lut8, lut6, lut4) [default: none].")
+@click.option("--target", type=click.Choice(TARGETS), default=None, help="With --config: the deployment target "
+              "[default: iOS18].")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_CACHE_KINDS), default=None,
+              help="With --config: where the K/V caches live [default: inputs].")
+@click.option("--filled", type=int, default=None,
+              help="Positions already cached at the modelled decode step (and the prefix of --branches) "
+                   "[default: the context length less one].")
+@click.option("--chip", default=None, metavar="NAME", help="Model this chip only (M1, M4 Max, A18 Pro, ...) "
+              "[default: every chip in the table].")
+@click.option("--prompt-length", type=int, default=None, metavar="P",
+              help="Add the modelled time to first token of a P-token prompt.")
+@click.option("--branches", type=int, default=None, metavar="B",
+              help="Add the modelled tokens/s of B cascade branches over --filled prefix tokens.")
 @click.option("--bandwidth", type=FiniteFloat(minimum=0, min_open=True, unit="GB/s"), default=None, metavar="GB/S",
               help="Memory bandwidth of a device: adds the decode tokens/s that bandwidth bounds (an upper "
                    "bound, not a measurement).")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest, with the decode step's traffic, as JSON.")
-def command(out, bandwidth, as_json):
-    """Describe the export in OUT (the hashes are checked): its models, weights and the bytes one
-    decode step reads."""
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the manifest, with the decode step's traffic and the modelled costs, as JSON.")
+def command(out, config_path, context_length, quantize, target, kv_cache, filled, chip, prompt_length, branches,
+            bandwidth, as_json):
+    """Describe the export in OUT (the hashes are checked), or the export a --config would make: its
+    models, weights, the bytes and Core ML calls of one decode step, and its modelled tokens/s per
+    Apple chip."""
+    from ..contract.device_model import CHIPS, chip as find_chip, manifest_from_config, read_config, report
     from ..contract.manifest import kv_cache_kind, read_manifest
     from ..contract.traffic import decode_step_traffic
 
+    given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache}
     with user_errors():
-        m = read_manifest(out)
-        if bandwidth is not None and bandwidth <= 0:
-            raise InvalidArgumentError(f"--bandwidth must be a positive number of GB/s, got {bandwidth}")
-    traffic = decode_step_traffic(m)
+        if (out is None) == (config_path is None):
+            raise InvalidArgumentError("give an export folder OUT or --config CONFIG.json (one of them)")
+        if config_path is None:
+            extra = [name for name in CONFIG_ONLY if given[name] is not None]
+            if extra:
+                flag = "--" + extra[0].replace("_", "-")
+                raise InvalidArgumentError(f"{flag} describes the export a --config is modelled as; an export "
+                                           "folder records its own: drop it")
+            m = read_manifest(out)
+        else:
+            options = {k: v for k, v in given.items() if v is not None}
+            m = manifest_from_config(read_config(config_path), **options)
+        chips = [find_chip(chip)] if chip is not None else list(CHIPS.values())
+        n = m["context_length"] - 1 if filled is None else filled
+        model = report(m, n, chips, prompt_length=prompt_length, branches=branches)
+    traffic = decode_step_traffic(m, filled=n)
     if as_json:
         other = "inputs" if kv_cache_kind(m) == "state" else "state"
-        extra = {"decode_step_bytes": traffic.to_dict(),
+        extra = {"decode_step_bytes": {**traffic.to_dict(), **model},
                  "decode_step_bytes_other_kv_cache": {"kv_cache": other,
-                                                      **decode_step_traffic(m, other).to_dict()}}
+                                                      **decode_step_traffic(m, other, filled=n).to_dict()}}
         if bandwidth is not None:
             extra["bandwidth_bound_tokens_per_s"] = traffic.tokens_per_s_bound(bandwidth)
         click.echo(json.dumps({**m, **extra}, indent=2))
         return
+    _describe(m, config_path)
+    _traffic(m, traffic, n, bandwidth)
+    _modelled(model, prompt_length, branches)
+    if config_path is None:
+        size = sum(f.stat().st_size for name in m["files"] for f in ([out / name] if (out / name).is_file()
+                                                                       else (out / name).rglob("*")) if f.is_file())
+        click.echo(f"  files     {len(m['files'])}, {size / 1e6:.1f} MB, sha256 verified")
+
+
+def _describe(m: dict, config_path: Path | None) -> None:
     c = m["config"]
-    click.echo(f"{m['name']}  (format {m['format_version']}, made by llama_ane {m['created_by'].get('llama_ane')})")
+    if config_path is None:
+        click.echo(f"{m['name']}  (format {m['format_version']}, made by llama_ane "
+                   f"{m['created_by'].get('llama_ane')})")
+    else:
+        click.echo(f"{config_path}  (not exported: the export these options would make, modelled)")
     click.echo(f"  model     {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, heads "
                f"{c['num_attention_heads']}/{c['num_key_value_heads']} x {c['head_dim']}, vocab {c['vocab_size']}")
     click.echo(f"  context   {m['context_length']} tokens, prefill window {m['prefill_length']}, "
@@ -67,17 +123,22 @@ def command(out, bandwidth, as_json):
     schemes = {part: d["scheme"] for part, d in m.get("quantization", {}).items()}
     if any(s != "none" for s in schemes.values()):
         click.echo("  weights   " + ", ".join(f"{part} {scheme}" for part, scheme in schemes.items()))
-    t = traffic
+
+
+def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:
+    from ..contract.manifest import kv_cache_kind
+    from ..contract.traffic import decode_step_traffic
+
     compressed = t.weights != t.weights_dense
     stateful = kv_cache_kind(m) == "state"
     written = "state write" if stateful else "cache update"
     how = "one column per state" if stateful else "read and written"
-    click.echo(f"  decode    {t.total / 1e6:.1f} MB per token (modelled from the manifest): weights "
-               f"{t.weights / 1e6:.1f} MB"
+    click.echo(f"  decode    {t.total / 1e6:.1f} MB per token at {filled} filled positions (modelled from the "
+               f"manifest): weights {t.weights / 1e6:.1f} MB"
                + (f" as stored ({t.weights_dense / 1e6:.1f} MB decompressed)" if compressed else "")
                + f", KV cache read {t.cache_read / 1e6:.1f} MB, {written} {t.cache_update / 1e6:.1f} MB ({how})")
     other = "inputs" if stateful else "state"
-    o = decode_step_traffic(m, other)
+    o = decode_step_traffic(m, other, filled=filled)
     click.echo(f"  kv cache  {'Core ML states' if stateful else 'inputs + cache-update model'}; with --kv-cache "
                f"{other}: {o.total / 1e6:.1f} MB per token ({'cache update' if stateful else 'state write'} "
                f"{o.cache_update / 1e6:.1f} MB)")
@@ -87,6 +148,31 @@ def command(out, bandwidth, as_json):
             bound += f" ({t.tokens_per_s_bound(bandwidth, dense=True):.1f} if decompressed at load)"
         click.echo(f"  bound     at {bandwidth:g} GB/s: at most {bound} tokens/s (upper bound from bytes per token, "
                    "not a measurement)")
-    size = sum(f.stat().st_size for name in m["files"] for f in ([out / name] if (out / name).is_file()
-                                                                   else (out / name).rglob("*")) if f.is_file())
-    click.echo(f"  files     {len(m['files'])}, {size / 1e6:.1f} MB, sha256 verified")
+
+
+def _modelled(model: dict, prompt_length: int | None, branches: int | None) -> None:
+    """The per-chip table: decode tokens/s (and the range the chip's figures span), and the time to
+    first token, cascade tokens/s and verify break-even where asked or exported."""
+    click.echo(f"  calls     {model['calls_per_token']} Core ML calls per decode token; cache read up to "
+               f"{model['attended_positions']} positions")
+    columns = []  # (title, key in the chip's row, format)
+    if prompt_length is not None:
+        columns.append((f"TTFT ms (P={prompt_length})", "ttft_ms", "{:.0f}"))
+    if branches is not None:
+        columns.append((f"cascade tok/s (B={branches})", "cascade_tokens_per_s", "{:.1f}"))
+    if "verify" in model:
+        columns.append(("verify break-even", "verify_break_even_tokens", "{:.2f} tokens"))
+    click.echo(f"  {'chip':<9} {'GB/s':>9} {'ms/call':>10}  {'decode tok/s (range)':<22}"
+               + "".join(f" {title:>{len(title)}}" for title, _, _ in columns))
+    for name, row in model["chips"].items():
+        (b0, b1), (c0, c1) = row["bandwidth_gb_s"], row["per_call_ms"]
+        lo, hi = row["tokens_per_s_range"]
+        rate = f"{row['tokens_per_s']:.1f} ({lo:.1f}-{hi:.1f})"
+        click.echo(f"  {name:<9} {_span(b0, b1, '{:g}'):>9} {_span(c0, c1, '{:.2f}'):>10}  {rate:<22}"
+                   + "".join(f" {fmt.format(row[key]):>{len(title)}}" for title, key, fmt in columns))
+    click.echo("  (modelled: time = max(bytes / ANE streaming bandwidth, flops / fp16 peak) + calls x per-call cost, "
+               "from published or assumed chip figures, not measured; see docs/device-model.md)")
+
+
+def _span(lo: float, hi: float, fmt: str) -> str:
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"

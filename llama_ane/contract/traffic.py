@@ -1,14 +1,17 @@
-"""Bytes one decode step moves, from the manifest alone: the weights every step reads, the KV
-cache the chunks read, and what the cache-update model reads and writes.
+"""Bytes one step of an export moves, from the manifest alone: the weights every step reads, the
+K/V the chunks read, and what writing the new K/V reads and writes.
 
 Decode is bound by memory traffic: each token reads every chunk's weights and the LM head's once,
-and, because every shape is static, each chunk reads its whole cache (all `context_length`
-positions, masked or not). With caches passed as inputs (the default), the cache-update model
-rewrites that cache through a one-hot matmul: it reads it and writes it again. With caches in
-Core ML states (`--kv-cache state`) the chunk writes only the new token's column of each state (a
-slice update). The embeddings model reads one row of its table. Dividing a
-bandwidth by the total gives an upper bound on tokens/s: a bound, not a measurement (compute,
-dispatch and the ANE's own caches are left out).
+and, because every shape is static, each chunk reads its whole cache: all the positions of the
+context bucket that runs (`bucket_for`: the smallest of the manifest's `context_buckets` holding
+the filled positions, else `context_length`), masked or not. With caches passed as inputs (the
+default), the cache-update model rewrites that cache through a one-hot matmul: it reads it and
+writes it again. With caches in Core ML states (`--kv-cache state`) the chunk writes only the
+window's columns of each state (a slice update). A cascade step ("decode_branches") reads the
+prefix cache once for all branches plus every branch's whole suffix cache, and its cache update
+rewrites the suffix caches. The embeddings model reads one row of its table per token.
+
+`device_model` turns these bytes, with the calls of a step, into modelled time per chip.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import asdict, dataclass
 from .manifest import function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
+MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
+SUFFIX_CACHES = ("k_suffix", "v_suffix")  # a cascade's per-branch caches: read whole
 
 
 @dataclass(frozen=True)
@@ -53,27 +58,82 @@ def _nbytes(spec: dict) -> int:
     return n * DTYPE_BYTES[spec["dtype"]]
 
 
-def decode_step_traffic(manifest: dict, kv_cache: str | None = None) -> StepTraffic:
-    """What one "decode" step of the export at `manifest` reads and writes, with its caches as they
-    are (`kv_cache=None`) or as the other kind would keep them ("inputs" or "state"): the weights
-    and the cache reads are the same, only the writing of the new K/V differs."""
+def _cache_bytes(spec: dict, attended: int) -> int:
+    """Bytes of a cache tensor as one step reads it: a main cache up to `attended` positions, a
+    suffix cache whole."""
+    if spec["name"] in MAIN_CACHES:
+        return _nbytes(spec) // spec["shape"][-1] * attended
+    return _nbytes(spec)
+
+
+def _chunk_caches(manifest: dict, chunk: dict, function: str) -> list[dict]:
+    fn = manifest["models"][chunk["model"]]["functions"][function]
+    return [t for t in fn["inputs"] + function_states(fn) if t["name"] in MAIN_CACHES + SUFFIX_CACHES]
+
+
+def bucket_for(manifest: dict, filled: int) -> int:
+    """The cache positions a step reads with `filled` positions cached: the smallest of the
+    manifest's `context_buckets` holding them, else the whole `context_length` (static shapes
+    read every position, masked or not)."""
+    fits = [b for b in manifest.get("context_buckets") or [] if b >= filled]
+    return min(fits) if fits else manifest["context_length"]
+
+
+def window_tokens(manifest: dict, function: str) -> int:
+    """Tokens one step of `function` computes (its query length S, padding included)."""
+    fn = manifest["models"][manifest["chunks"][0]["model"]]["functions"][function]
+    return next(t["shape"][-1] for t in fn["inputs"] if t["name"] == "hidden_states")
+
+
+def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
+    """Weight bytes one step reads: every chunk and LM head file as stored (`dense`: decompressed)
+    and one embedding row per token (the table is looked up, not streamed)."""
     weights = manifest.get("weights", {})
     stepped = [c["model"] for c in manifest["chunks"]] + list(manifest["lm_head"]["models"])
     row = manifest["config"]["hidden_size"] * DTYPE_BYTES[manifest["cache"]["dtype"]]
+    key = "dense_bytes" if dense else "bytes"
+    return sum(weights.get(m, {}).get(key, 0) for m in stepped) + row
+
+
+def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:
+    """K/V bytes the chunks read in one step of `function`: the main caches up to `attended`
+    positions (`bucket_for`), plus a cascade's suffix caches whole."""
+    return sum(_cache_bytes(t, attended) for chunk in manifest["chunks"]
+               for t in _chunk_caches(manifest, chunk, function))
+
+
+def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_cache: str | None = None) -> int:
+    """Bytes of writing one step's new K/V, with the caches as exported (`kv_cache=None`) or as the
+    other kind would keep them ("inputs" or "state").
+
+    A cascade step's cache update reads and rewrites the suffix caches (the prefix is only read);
+    a single-sequence window writes the main caches: the cache-update model reads and rewrites
+    them up to `attended` positions ("inputs"), or the chunk writes the window's columns of each
+    state ("state")."""
     kind = kv_cache or kv_cache_kind(manifest)
-    read, update = 0, 0
+    total = 0
     for chunk in manifest["chunks"]:
-        fn = manifest["models"][chunk["model"]]["functions"]["decode"]
-        caches = [t for t in fn["inputs"] + function_states(fn) if t["name"] in ("k_cache", "v_cache")]
-        read += sum(_nbytes(t) for t in caches)
-        if kind == "state":  # a slice update writes one column (the position) of each state
-            update += sum(_nbytes(t) // t["shape"][-1] for t in caches)
-        else:  # the cache-update model reads each cache and writes it whole
-            update += sum(2 * _nbytes(t) for t in caches)
-    return StepTraffic(
-        weights=sum(weights.get(m, {}).get("bytes", 0) for m in stepped) + row,
-        weights_dense=sum(weights.get(m, {}).get("dense_bytes", 0) for m in stepped) + row,
-        cache_read=read, cache_update=update)
+        caches = _chunk_caches(manifest, chunk, function)
+        suffix = [t for t in caches if t["name"] in SUFFIX_CACHES]
+        if suffix:
+            total += sum(2 * _nbytes(t) for t in suffix)
+        elif kind == "state":
+            total += sum(_nbytes(t) // t["shape"][-1] * window_tokens(manifest, function) for t in caches)
+        else:
+            total += sum(2 * _cache_bytes(t, attended) for t in caches)
+    return total
+
+
+def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int | None = None) -> StepTraffic:
+    """What one "decode" step of the export at `manifest` reads and writes with `filled` positions
+    cached before it (None: the context's last step), with its caches as they are (`kv_cache=None`)
+    or as the other kind would keep them ("inputs" or "state"): the weights and the cache reads are
+    the same, only the writing of the new K/V differs. The bucket that runs holds the filled
+    positions and the new token's."""
+    attended = bucket_for(manifest, manifest["context_length"] if filled is None else filled + 1)
+    return StepTraffic(weights=weight_read_bytes(manifest), weights_dense=weight_read_bytes(manifest, dense=True),
+                       cache_read=kv_read_bytes(manifest, attended),
+                       cache_update=kv_write_bytes(manifest, attended, kv_cache=kv_cache))
 
 
 def window_io_bytes(manifest: dict, function: str) -> int:
@@ -87,5 +147,5 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     total = 0
     for model in models:
         fn = manifest["models"][model]["functions"][function]
-        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if t["name"] not in ("k_cache", "v_cache"))
+        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if t["name"] not in MAIN_CACHES + SUFFIX_CACHES)
     return total
