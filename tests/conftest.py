@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,10 +29,34 @@ def pytest_collection_modifyitems(config, items):
     on_macos = platform.system() == "Darwin"
     has_cuda = _has_cuda() if any("cuda" in item.keywords for item in items) else False
     for item in items:
+        if EXPORTING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.export)
         if "macos" in item.keywords and not on_macos:
             item.add_marker(skip_macos)
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip_cuda)
+
+
+# fixtures that export a model: a test using one is in the export tier whether it says so or not
+EXPORTING_FIXTURES = {"tiny_export", "smollm2_export"}
+UNIT_TIER = os.environ.get("LLAMA_ANE_UNIT_TIER") == "1"  # set by `make test-quick`
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request, monkeypatch):
+    """In the unit tier (`make test-quick`), a test that exports a model or starts a process fails
+    at once, naming the mark it lacks: the tier stays quick because nothing slips into it."""
+    if not UNIT_TIER or request.node.get_closest_marker("export") or request.node.get_closest_marker("slow"):
+        return
+
+    def refuse(what):
+        def stop(*args, **kwargs):
+            pytest.fail(f"this test {what}: mark it @pytest.mark.export (or slow)", pytrace=False)
+        return stop
+    from llama_ane.export import convert
+
+    monkeypatch.setattr(convert, "convert_all", refuse("exports a model"))
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a subprocess"))
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
