@@ -40,9 +40,10 @@ import numpy as np
 import torch
 
 from ...checkpoint.loader import Checkpoint, load_checkpoint
-from ...contract.manifest import function_entry, function_states
+from ...contract.manifest import check_package_io, function_entry, function_states
 from ...contract.specs import VERIFY, model_kind
 from . import native_gemm
+from ...mil.package import MilPackage
 from .base import Backend, BackendError
 from .torch_modules import PACKINGS, CheckpointWeights, ExportWeights, build_model, packings, with_cpu_kernels
 
@@ -98,6 +99,9 @@ class TorchBackend(Backend):
         """The module behind `function` of `model`, built on first use with only its weights."""
         with self._lock:
             if model not in self._built:
+                if self.checkpoint is None:  # the export's own weights: its packages must be what the manifest says
+                    for file in {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}:
+                        check_package_io(self.manifest, file, MilPackage(self.weights.folder / file).describe())
                 try:
                     modules = build_model(self.weights, self.manifest, model, self.torch_dtype, self.round_to)
                 except KeyError as e:
