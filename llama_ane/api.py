@@ -159,6 +159,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     """
     from .checkpoint.loader import load_checkpoint
     from .contract.plan import plan_export
+    from .contract.tokenizer import check_tokenizer
     from .export.budget import GIB, plan_memory
     from .export.memory import available_bytes
 
@@ -181,6 +182,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     check_writable_parent(out)
     t0 = time.perf_counter()
     ckpt = load_checkpoint(source)
+    check_tokenizer(ckpt.tokenizer_dir, ckpt.config)  # a bad tokenizer is refused before anything is converted
     plan = plan_export(ckpt.config, opts)
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB))

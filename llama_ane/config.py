@@ -58,74 +58,88 @@ class LlamaConfig:
     sliding_window: int | None = None  # the attention window when a layer uses one, else None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        """Build and validate from a Hugging Face `config.json` dictionary."""
+    def from_hf_dict(cls, d: dict[str, Any], origin: str = "config.json") -> "LlamaConfig":
+        """Build and validate from a Hugging Face `config.json` dictionary. Every field is checked for
+        its JSON type and range before use: `origin` (the file it came from) and the field are named
+        in the ConfigError a wrong one raises."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{origin} holds {_json_type(d)}, not a JSON object of config fields")
+        f = _Fields(d, origin)
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {d.get('hidden_act')!r}; {SUPPORTED_DESCRIPTION}")
-        if d.get("mlp_bias"):
+        if f.boolean("mlp_bias"):
             raise ConfigError(f"mlp_bias is not supported; {SUPPORTED_DESCRIPTION}")
-        biased = bool(d.get("attention_bias")) and model_type in ATTENTION_BIAS_FLAG
+        biased = f.boolean("attention_bias") and model_type in ATTENTION_BIAS_FLAG
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"]
-        missing = [k for k in required if k not in d]
+        missing = [k for k in required if d.get(k) is None]
         if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+            raise ConfigError(f"{origin} lacks {', '.join(missing)}")
 
-        rope = dict(d.get("rope_parameters") or {})
-        rope_theta = float(d.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-        if scaling:
-            scaling = dict(scaling)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"unsupported RoPE scaling {rope_type!r}; {SUPPORTED_DESCRIPTION}")
-            scaling["rope_type"] = rope_type
-            scaling.pop("type", None)
-            scaling.pop("rope_theta", None)
-            if rope_type == "default":
-                scaling = None
+        rope = f.mapping("rope_parameters")
+        rope_theta = f.number("rope_theta", None) or _Fields(rope, f"{origin} rope_parameters").number(
+            "rope_theta", 10000.0)
+        scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = _rope_scaling(scaling, origin) if scaling else None
 
-        eos = d.get("eos_token_id")
-        eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        heads = int(d["num_attention_heads"])
+        eos_list = f.token_ids("eos_token_id")
+        hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+        head_dim = f.integer("head_dim", None)
+        if head_dim is None and model_type == "qwen3":
+            head_dim = QWEN3_HEAD_DIM
+        elif head_dim is None:  # transformers derives it, which needs heads to divide the hidden size
+            if hidden % heads:
+                raise ConfigError(f"{origin}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                                  f"({heads}) and there is no head_dim; fix one of them or add head_dim")
+            head_dim = hidden // heads
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=f.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=f.integer("intermediate_size"),
+            num_hidden_layers=f.integer("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or (QWEN3_HEAD_DIM if model_type == "qwen3" else d["hidden_size"] // heads)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            num_key_value_heads=f.integer("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rms_norm_eps=f.number("rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
-            rope_scaling=scaling or None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
+            rope_scaling=scaling,
+            max_position_embeddings=f.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=f.boolean("tie_word_embeddings"),
+            bos_token_id=f.integer("bos_token_id", None, minimum=0),
             eos_token_id=eos_list,
             model_type=model_type,
             qkv_bias=biased or model_type in QKV_BIAS_ALWAYS,
             o_proj_bias=biased,
             qk_norm=model_type in QK_NORM,
-            sliding_window=_sliding_window(d, model_type),
+            sliding_window=_sliding_window(f, model_type),
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
+                          ("eos_token_id", self.eos_token_id)):
+            outside = [i for i in ids if not 0 <= i < self.vocab_size]
+            if outside:  # the sampler would stop on (or the runtime feed) a token the model has no row for
+                raise ConfigError(f"{name} {outside[0]} is outside the vocabulary (vocab_size {self.vocab_size})")
 
     def check_context_length(self, context_length: int) -> None:
         """Refuse a context longer than the model's attention window: the exported graphs attend to
@@ -180,22 +194,118 @@ class LlamaConfig:
         return d
 
 
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+def _sliding_window(f: "_Fields", model_type: str) -> int | None:
     """The attention window of the layers that use one (None: every layer attends to everything),
     as transformers reads it: Mistral's `sliding_window` applies to every layer; Qwen's only with
     `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) names."""
-    window = d.get("sliding_window")
+    window = f.integer("sliding_window", None)
     if window is None or model_type == "llama":
         return None
     if model_type in ("qwen2", "qwen3"):
-        if not d.get("use_sliding_window"):
+        if not f.boolean("use_sliding_window"):
             return None
-        types = d.get("layer_types")
+        types = f.d.get("layer_types")
+        if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+            raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must be a list of strings")
         if types is not None and "sliding_attention" not in types:
             return None
-        if types is None and int(d.get("max_window_layers", 28)) >= int(d.get("num_hidden_layers", 0)):
+        if types is None and f.integer("max_window_layers", 28, minimum=0) >= f.integer("num_hidden_layers"):
             return None
-    return int(window)
+    return window
+
+
+_MISSING = object()
+
+
+def _json_type(value: Any) -> str:
+    """How `value` reads in JSON, for error messages: 'the string "8"', 'a list', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return {list: "a list", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+
+
+class _Fields:
+    """Typed reads of a config dictionary's fields: a field of the wrong JSON type or out of range
+    raises a ConfigError naming `origin`, the field, what it is and what it must be. An absent field
+    (or null) gives `default`; with no default it is an error."""
+
+    def __init__(self, d: dict[str, Any], origin: str):
+        self.d, self.origin = d, origin
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.d.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise ConfigError(f"{self.origin} lacks {key}")
+            return default
+        return value
+
+    def _refuse(self, key: str, value: Any, must: str) -> ConfigError:
+        return ConfigError(f"{self.origin}: {key} is {_json_type(value)}; it must be {must}")
+
+    def integer(self, key: str, default: Any = _MISSING, minimum: int = 1) -> Any:
+        value = self._get(key, default)
+        if value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._refuse(key, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
+        return value
+
+    def number(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._get(key, default)
+        if value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise self._refuse(key, value, "a positive number")
+        return float(value)
+
+    def boolean(self, key: str) -> bool:
+        value = self._get(key, False)
+        if not isinstance(value, bool):
+            raise self._refuse(key, value, "true or false")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self._refuse(key, value, "an object (or null)")
+        return dict(value)
+
+    def token_ids(self, key: str) -> list[int]:
+        """A token id or a list of them (EOS may be either), as a list."""
+        value = self._get(key, [])
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise self._refuse(key, value, "a token id or a list of token ids (integers >= 0)")
+        return list(ids)
+
+
+def _rope_scaling(scaling: dict[str, Any], origin: str) -> dict[str, Any] | None:
+    """The checked `rope_scaling` (None for the default RoPE): its type supported and the numbers
+    that type uses present and in range (a llama3 band with high_freq_factor <= low_freq_factor
+    would divide by zero)."""
+    f = _Fields(scaling, f"{origin} rope_scaling")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"unsupported RoPE scaling {rope_type!r}; {SUPPORTED_DESCRIPTION}")
+    if rope_type == "default":
+        return None
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = rope_type
+    out["factor"] = f.number("factor")
+    if rope_type == "llama3":
+        low, high = f.number("low_freq_factor", 1.0), f.number("high_freq_factor", 4.0)
+        f.integer("original_max_position_embeddings", None)
+        if high <= low:
+            raise ConfigError(f"{origin} rope_scaling: high_freq_factor ({high}) must be above "
+                              f"low_freq_factor ({low})")
+    return out
 
 
 def inv_freq(cfg: LlamaConfig) -> "list[float]":

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import LlamaANEError
+from .loader import TensorInfo
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -34,6 +35,20 @@ _LAYER = {  # GGUF name inside blk.N -> HF name inside model.layers.N
 }
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 per-frequency divisors: becomes config_dict["rope_scaling"]
 _REQUIRED = object()
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # what transformers builds a tokenizer from
+
+
+def _dequantizable() -> tuple[str, ...]:
+    """The GGML types `gguf.dequantize` turns into floats: F32, F16 and those gguf has a dequantizer
+    for (BF16 and the quantized types). Integer types (I8..I64) are not weights we can convert."""
+    try:
+        from gguf import quants
+    except ImportError:
+        return ("F32", "F16")
+    return ("F32", "F16", *(t.name for t in getattr(quants, "_type_traits", {})))
+
+
+GGUF_FLOATS = _dequantizable()
 
 
 class GGUFError(LlamaANEError, ValueError):
@@ -109,6 +124,7 @@ class LazyGGUF:
         if "model.embed_tokens.weight" not in self._tensors:
             raise GGUFError(f"{path} has no token_embd.weight; is it a complete llama GGUF?")
         self.config_dict: dict[str, Any] = self._config()
+        self.has_tokenizer = all(key in reader.fields for key in TOKENIZER_KEYS)
 
     def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
         """One scalar metadata value (int, float, bool or str), or `default` when the key is absent."""
@@ -175,6 +191,11 @@ class LazyGGUF:
 
             return _llama3_scaling(gguf.dequantize(freqs.data, freqs.tensor_type).reshape(-1), theta, head_dim)
         return {"rope_type": "linear", "factor": float(factor)} if kind == "linear" else None
+
+    def tensor_info(self) -> dict[str, TensorInfo]:
+        """Each tensor's HF shape and GGML type, from the tensor table (no data read)."""
+        return {name: TensorInfo(tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+                for name, t in self._tensors.items()}
 
     def names(self) -> list[str]:
         """The Hugging Face tensor names in the file, in file order (lm_head.weight only when untied)."""

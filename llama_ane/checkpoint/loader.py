@@ -5,14 +5,16 @@ name, only when asked for (`Checkpoint.tensor`).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
+import math
 import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -24,10 +26,24 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
 USAGE = "pass a Hugging Face folder (config.json + *.safetensors), a .gguf file, or nothing for the default model"
+# safetensors dtype -> bytes per element; only the floating ones are weights we convert (an integer
+# tensor would be a quantized format we do not read, and casting it would export garbage)
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_FLOATS = ("F32", "F16", "BF16")
 
 
 class CheckpointError(LlamaANEError, ValueError):
     """A checkpoint we cannot read; the message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a checkpoint's header says of one tensor, before any of its data is read: its shape
+    (as Hugging Face lays it out) and its stored dtype (a safetensors or GGML type name)."""
+
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass
@@ -45,6 +61,7 @@ class Checkpoint:
     get: Callable[[str], torch.Tensor]
     _tmp: list = field(default_factory=list, repr=False)
     get_rows: Callable[[str, int, int], torch.Tensor] | None = None
+    tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
     def tensor(self, hf_name: str) -> torch.Tensor:
         try:
@@ -97,23 +114,33 @@ def source_path(source: dict) -> str | None:
     return None if source.get("kind") == "default" else source.get("path")
 
 
+def _read_json(file: Path, what: str) -> Any:
+    """The JSON value in `file`, or a CheckpointError naming the file and the fix."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{file} is not valid JSON ({e}); restore the checkpoint's {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file} ({e.strerror or e}); check the checkpoint folder") from None
+
+
 def _read_config(folder: Path) -> LlamaConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; {USAGE}")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
-    return LlamaConfig.from_hf_dict(data)
+    return LlamaConfig.from_hf_dict(_read_json(cfg_file, "config.json"), origin=str(cfg_file))
 
 
-def check_safetensors(file: Path) -> list[str]:
-    """Check a safetensors file's header against its size; return its tensor names.
+def safetensors_tensors(file: Path) -> dict[str, TensorInfo]:
+    """Check a safetensors file's header (its JSON, every entry's dtype, shape and data_offsets, and
+    the data's extent against the file's size) and return its tensors. No tensor data is read.
 
-    A download cut short keeps a valid header but loses data at the end: catch that here, before
-    any conversion starts, rather than as an obscure read error later.
+    A download cut short keeps a valid header but loses data at the end, and a hand-edited or
+    damaged header may point outside the file: catch either here, before any conversion starts,
+    rather than as an obscure read error later.
     """
+    if not file.is_file():
+        raise CheckpointError(f"{file} is not a file; download the checkpoint's weights again")
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
@@ -121,14 +148,69 @@ def check_safetensors(file: Path) -> list[str]:
             if header_len > size - 8:
                 raise ValueError("header longer than the file")
             header = json.loads(f.read(header_len))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not a readable safetensors file ({e}); download it again") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file} ({e.strerror or e}); check the checkpoint folder") from None
+    tensors, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        info, (begin, stop) = _header_entry(file, name, entry)
+        tensors[name] = info
+        end = max(end, stop)
     if 8 + header_len + end != size:
         raise CheckpointError(
             f"{file} is truncated or corrupt: its header describes {8 + header_len + end} bytes but the file "
             f"has {size}; download it again")
-    return [k for k in header if k != "__metadata__"]
+    return tensors
+
+
+def _header_entry(file: Path, name: str, entry: Any) -> tuple[TensorInfo, tuple[int, int]]:
+    """One tensor's header entry checked: (its TensorInfo, its [begin, end) data offsets)."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file} is corrupt: the header entry of tensor {name!r} {what}; download it again")
+
+    def naturals(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in value)
+    if not isinstance(entry, dict):
+        raise bad("is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad(f"has dtype {dtype!r}, not a type name")
+    if not naturals(shape):
+        raise bad(f"has shape {shape!r}, not a list of sizes")
+    if not naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise bad(f"has data_offsets {offsets!r}, not [begin, end] byte offsets")
+    if dtype in SAFETENSORS_BYTES and offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_BYTES[dtype]:
+        raise bad(f"spans {offsets[1] - offsets[0]} bytes, but {dtype}{shape} needs "
+                  f"{math.prod(shape) * SAFETENSORS_BYTES[dtype]}")
+    return TensorInfo(tuple(shape), dtype), (offsets[0], offsets[1])
+
+
+def check_safetensors(file: Path) -> list[str]:
+    """Check a safetensors file's header against its size; return its tensor names."""
+    return list(safetensors_tensors(file))
+
+
+def _shards(folder: Path, index: Path) -> dict[str, str]:
+    """The index's weight_map (tensor name -> shard file name), checked to be one."""
+    data = _read_json(index, "model.safetensors.index.json")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        found = "no weight_map" if weight_map is None else f"a weight_map that is a {type(weight_map).__name__}"
+        if isinstance(weight_map, dict):
+            found = "a weight_map whose values are not all file names"
+        raise CheckpointError(f"{index} has {found}; it must map each tensor name to its shard's file name. "
+                              "Download the index again")
+    for shard in set(weight_map.values()):
+        if Path(shard).is_absolute() or ".." in Path(shard).parts or not shard:
+            raise CheckpointError(f"{index} names the shard {shard!r}, which is not a file inside {folder}; "
+                                  "download the index again")
+    return weight_map
 
 
 def _load_hf_folder(folder: Path) -> Checkpoint:
@@ -136,21 +218,30 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
 
     config = _read_config(folder)
     index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _shards(folder, index)
         files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+    elif single.exists():
+        weight_map, files = {}, ["model.safetensors"]
     else:
         raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json; "
                               "export the checkpoint with safe_serialization=True")
     where: dict[str, Path] = {}
+    tensors: dict[str, TensorInfo] = {}
+    held: dict[str, dict[str, TensorInfo]] = {}
     for name in files:
         file = folder / name
-        if not file.is_file():
+        if not file.exists():
             raise CheckpointError(f"{file} is listed in the index but missing; download it again")
-        for key in check_safetensors(file):
-            where[key] = file
+        held[name] = safetensors_tensors(file)
+        for key, info in held[name].items():
+            where[key], tensors[key] = file, info
+    for key, shard in weight_map.items():  # the index decides where a tensor is read from
+        if key not in held[shard]:
+            raise CheckpointError(f"{index} puts tensor {key!r} in {shard}, which does not hold it; "
+                                  "download the index and that shard again")
+        where[key], tensors[key] = folder / shard, held[shard][key]
 
     # Each read opens its shard and closes it again: safetensors maps the file, and a mapping kept
     # open would keep every page read so far resident and counted as this process's memory (a whole
@@ -163,8 +254,16 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
         with safe_open(str(where[hf_name]), framework="pt") as f:
             return f.get_slice(hf_name)[start:end]
 
-    return Checkpoint(name=folder.name, config=config, source={"kind": "hf", "path": str(folder)},
-                      tokenizer_dir=folder, get=get, get_rows=get_rows)
+    ckpt = Checkpoint(name=folder.name, config=config, source={"kind": "hf", "path": str(folder)},
+                      tokenizer_dir=folder, get=get, get_rows=get_rows, tensors=tensors)
+    _check_tensors(ckpt, SAFETENSORS_FLOATS, "F32, F16 or BF16")
+    return ckpt
+
+
+def _check_tensors(ckpt: Checkpoint, dtypes: tuple[str, ...], allowed: str) -> None:
+    from .mapping import check_tensors  # the mapping knows each family's tensors; it imports this module
+
+    check_tensors(ckpt.config, ckpt.tensors, ckpt.name, dtypes, allowed)
 
 
 def _load_gguf(file: Path, name: str) -> Checkpoint:
@@ -175,31 +274,50 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .gguf_lazy import open_gguf
+    from .gguf_lazy import GGUF_FLOATS, open_gguf
 
     hf_logging.disable_progress_bar()
     try:
         reader = open_gguf(file)
-        config = LlamaConfig.from_hf_dict(reader.config_dict)
+        config = LlamaConfig.from_hf_dict(reader.config_dict, origin=f"{file}'s metadata")
     except ConfigError:
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"could not read {file} as a GGUF Llama checkpoint ({type(e).__name__}: {e})") from None
+    if not reader.has_tokenizer:
+        raise CheckpointError(f"{file} has no tokenizer (no tokenizer.ggml.model and tokenizer.ggml.tokens "
+                              "metadata); convert the model again with llama.cpp's convert_hf_to_gguf.py, "
+                              "which stores it")
+    ckpt = Checkpoint(name=name, config=config, source={"kind": "gguf", "path": str(file)},
+                      tokenizer_dir=Path(), get=reader.get, tensors=reader.tensor_info())
+    _check_tensors(ckpt, GGUF_FLOATS, "F32, F16, BF16 or a quantized type gguf dequantizes")
     tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")
-    tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    tok.save_pretrained(tmp.name)
-    return Checkpoint(name=name, config=config, source={"kind": "gguf", "path": str(file)},
-                      tokenizer_dir=Path(tmp.name), get=reader.get, _tmp=[tmp])
+    try:
+        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tok.save_pretrained(tmp.name)
+    except Exception as e:  # transformers raises anything from KeyError to its own errors on a bad vocabulary
+        tmp.cleanup()
+        raise CheckpointError(f"the tokenizer in {file} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); convert the model again") from None
+    ckpt.tokenizer_dir, ckpt._tmp = Path(tmp.name), [tmp]
+    return ckpt
 
 
 def copy_tokenizer(ckpt: Checkpoint, out: Path) -> list[str]:
-    """Copy the tokenizer files that exist into `out`; return their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        src = ckpt.tokenizer_dir / name
-        if src.is_file():
-            shutil.copyfile(src, out / name)
-            copied.append(name)
-    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+    """Copy the tokenizer files that exist into `out`; return their names. A copy that fails (a
+    full disk, a folder gone) removes what it copied and raises CheckpointError."""
+    present = [name for name in TOKENIZER_FILES if (ckpt.tokenizer_dir / name).is_file()]
+    if "tokenizer.json" not in present and "tokenizer.model" not in present:
         raise CheckpointError(f"{ckpt.tokenizer_dir} has no tokenizer.json or tokenizer.model; add the tokenizer files")
+    copied = []
+    try:
+        for name in present:
+            copied.append(name)
+            shutil.copyfile(ckpt.tokenizer_dir / name, out / name)
+    except OSError as e:
+        for name in copied:  # a half-written file must not pass for the tokenizer
+            (out / name).unlink(missing_ok=True)
+        why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        raise CheckpointError(f"could not copy the tokenizer file {copied[-1]} into {out}: {why}; "
+                              "free some space or choose another -o/--out") from None
     return copied

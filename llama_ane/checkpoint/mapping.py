@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import LlamaConfig
-from .loader import Checkpoint
+from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
 LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N (the Llama block)
@@ -34,12 +34,74 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "k_norm.weight": "self_attn.k_norm.weight",
 }
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
+SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+    "q_proj.weight": ("q_channels", "hidden_size"),
+    "k_proj.weight": ("kv_channels", "hidden_size"),
+    "v_proj.weight": ("kv_channels", "hidden_size"),
+    "o_proj.weight": ("hidden_size", "q_channels"),
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "q_proj.bias": ("q_channels",),
+    "k_proj.bias": ("kv_channels",),
+    "v_proj.bias": ("kv_channels",),
+    "o_proj.bias": ("hidden_size",),
+    "q_norm.weight": ("head_dim",),
+    "k_norm.weight": ("head_dim",),
+}
+GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
+    "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+    "model.norm.weight": ("hidden_size",),
+    "lm_head.weight": ("vocab_size", "hidden_size"),
+}
+DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the 1/sqrt(head_dim) scale is folded into (no q_norm)
 
 
 def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
     """Our DecoderLayer parameter names -> HF names inside model.layers.N, for `cfg`'s family."""
     return {**LAYER_TENSORS, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """Every HF tensor an export of `cfg` reads -> its shape as LlamaConfig attribute names."""
+    names = ["model.embed_tokens.weight"]
+    names += [f"model.layers.{n}.{hf}" for n in range(cfg.num_hidden_layers) for hf in layer_tensors(cfg).values()]
+    names += ["model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+    by_hf = {hf: SHAPES[ours] for ours, hf in layer_tensors(cfg).items()}
+    return {name: GLOBAL_SHAPES.get(name) or by_hf[name.split(".", 3)[3]] for name in names}
+
+
+def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: str, dtypes: tuple[str, ...],
+                  allowed: str) -> None:
+    """Refuse a checkpoint whose tensors do not match `cfg`, from their headers alone (no data read):
+    a missing tensor, one stored as a type other than `dtypes` (`allowed` says which in words), or
+    one of another shape than the config gives it, each named with what it is and what it must be."""
+    for name, dims in expected_tensors(cfg).items():
+        info = tensors.get(name)
+        if info is None:
+            if name == "lm_head.weight":
+                raise CheckpointError(f"checkpoint {checkpoint} has no tensor 'lm_head.weight' (its config has an "
+                                      "untied LM head); if the head is the embedding table, set "
+                                      "tie_word_embeddings to true in config.json")
+            raise CheckpointError(f"checkpoint {checkpoint} has no tensor {name!r}; is it a complete "
+                                  f"{cfg.model_type} checkpoint?")
+        if info.dtype not in dtypes:
+            raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} is stored as {info.dtype}; "
+                                  f"only {allowed} weights can be exported (dequantize the checkpoint first)")
+        want = tuple(getattr(cfg, d) for d in dims)
+        if info.shape != want:
+            formula = ", ".join(DERIVED.get(d, d) for d in dims)
+            raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} has shape {list(info.shape)}, but the "
+                                  f"config gives it {list(want)} ({formula}); the weights and config.json do "
+                                  "not belong together")
+    layers = {int(parts[2]) for name in tensors if (parts := name.split(".", 3))[:2] == ["model", "layers"]
+              and len(parts) > 3 and parts[2].isdigit()}
+    if layers and max(layers) >= cfg.num_hidden_layers:
+        raise CheckpointError(f"checkpoint {checkpoint} has tensors of layer {max(layers)}, but num_hidden_layers "
+                              f"is {cfg.num_hidden_layers}; the weights and config.json do not belong together")
 
 
 def as_conv(w: torch.Tensor) -> torch.Tensor:

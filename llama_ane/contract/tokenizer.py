@@ -4,20 +4,76 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from ..checkpoint.loader import TOKENIZER_FILES, CheckpointError
 from ..config import LlamaConfig
+
+
+def check_tokenizer(folder: Path, cfg: LlamaConfig) -> None:
+    """Load the tokenizer in `folder` and hold it against the model, before anything is converted:
+    its JSON files must parse, transformers must load it, and every token id it can produce (added
+    tokens included) and every EOS id of generation_config.json must be a row of the model's
+    vocabulary, or generation would index past the embedding table. Raises CheckpointError naming
+    the file or the token."""
+    present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if "tokenizer.json" not in present and "tokenizer.model" not in present:
+        raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model; add the tokenizer files")
+    for name in present:
+        if name.endswith(".json"):
+            _read_json(folder / name)
+    eos = _generation_eos(folder)
+    tok = _load(folder)
+    vocab = tok.get_vocab()
+    if not vocab:
+        raise CheckpointError(f"the tokenizer in {folder} has no tokens; restore its tokenizer files")
+    token, top = max(vocab.items(), key=lambda kv: kv[1])
+    if top >= cfg.vocab_size:
+        raise CheckpointError(f"the tokenizer in {folder} has token {token!r} with id {top}, but the model's "
+                              f"vocab_size is {cfg.vocab_size}; the tokenizer and the weights do not belong together")
+    if any(not 0 <= e < cfg.vocab_size for e in eos):
+        raise CheckpointError(f"{folder / 'generation_config.json'}: eos_token_id {eos} is outside the model's "
+                              f"vocabulary (vocab_size {cfg.vocab_size})")
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{file} is not readable JSON ({e}); restore the checkpoint's tokenizer files") from None
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    """The EOS ids generation_config.json adds (none without the file)."""
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return []
+    data = _read_json(gen)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{gen} is not a JSON object; restore the checkpoint's generation_config.json")
+    g = data.get("eos_token_id")
+    ids = [] if g is None else [g] if not isinstance(g, list) else g
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{gen}: eos_token_id is {g!r}; it must be a token id or a list of them")
+    return list(ids)
+
+
+def _load(folder: Path):
+    """transformers' tokenizer for `folder`; a tokenizer it cannot build is a CheckpointError."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # tokenizers and transformers raise anything from ValueError to their own types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"the tokenizer in {folder} cannot be loaded ({type(e).__name__}: {first}); "
+                              "restore the checkpoint's tokenizer files") from None
 
 
 def tokenizer_info(folder: Path, cfg: LlamaConfig, files: list[str]) -> dict:
     """Describe the tokenizer saved in `folder` (files copied there already)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    eos = list(cfg.eos_token_id)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        g = json.loads(gen.read_text()).get("eos_token_id")
-        eos += [g] if isinstance(g, int) else list(g or [])
+    tok = _load(folder)
+    eos = list(cfg.eos_token_id) + _generation_eos(folder)
     if tok.eos_token_id is not None:
         eos.append(tok.eos_token_id)
     probe = "a"

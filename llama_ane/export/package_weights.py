@@ -18,19 +18,39 @@ from ..chunks.models import vocab_splits
 from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from .programs import rope_weights
-from ..checkpoint.loader import Checkpoint
-from ..checkpoint.mapping import as_conv, layer_tensor, layer_tensors
+from ..checkpoint.loader import Checkpoint, CheckpointError
+from ..checkpoint.mapping import HF_LAYER_NAMES, as_conv, layer_tensor, layer_tensors
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
 
-def to_array(t: torch.Tensor, dtype: type) -> np.ndarray:
-    """A checkpoint tensor (any float dtype) as a numpy array of `dtype`, via fp32, in row blocks."""
+def to_array(t: torch.Tensor, dtype: type, name: str = "a weight") -> np.ndarray:
+    """A checkpoint tensor (any float dtype) as a numpy array of `dtype`, via fp32, in row blocks.
+
+    Each block is checked for NaN and infinity as it is converted (the one pass over the weights an
+    export makes, verified or not): such a weight exports without complaint and then breaks
+    sampling. `name` (the checkpoint's tensor) is named in the CheckpointError.
+    """
     out = np.empty(tuple(t.shape), dtype)
     rows = max(1, ROW_BLOCK // max(1, t[0].numel())) if t.dim() > 1 else t.shape[0]
     for start in range(0, t.shape[0], rows):
-        out[start:start + rows] = t[start:start + rows].to(torch.float32).numpy().astype(dtype)
+        block = t[start:start + rows].to(torch.float32).numpy()
+        with np.errstate(over="ignore"):  # an overflow is found just below, and named
+            out[start:start + rows] = block.astype(dtype)
+        if not np.isfinite(out[start:start + rows]).all():
+            raise _not_finite(block, dtype, name)
     return out
+
+
+def _not_finite(block: np.ndarray, dtype: type, name: str) -> CheckpointError:
+    """The error for a block with NaN/inf after its cast: in the checkpoint, or made by the cast."""
+    if not np.isfinite(block).all():
+        kind = "NaN" if np.isnan(block).any() else "infinite"
+        return CheckpointError(f"tensor {name!r} holds {kind} values; the checkpoint is damaged: "
+                               "download it again")
+    largest = float(np.abs(block).max())
+    return CheckpointError(f"tensor {name!r} has values up to {largest:.4g}, beyond {np.dtype(dtype).name}'s "
+                           f"range ({float(np.finfo(dtype).max):.0f}); export it with --precision fp32")
 
 
 def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int]) -> set[str]:
@@ -75,15 +95,18 @@ class PackageWeights:
     def _read(self, name: str) -> np.ndarray:
         if name.startswith("layers."):
             _, j, ours = name.split(".", 2)
-            return to_array(layer_tensor(self.ckpt, self.layers[int(j)], ours), self.dtype)
+            layer = self.layers[int(j)]
+            return to_array(layer_tensor(self.ckpt, layer, ours), self.dtype,
+                            f"model.layers.{layer}.{HF_LAYER_NAMES[ours]}")
         if name == "embed_tokens.weight":
-            return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype)
+            return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
+                            "model.embed_tokens.weight")
         if name in ("cos_table", "sin_table"):
             tables = rope_weights(self.cfg, self.rope_positions, self.dtype)
             self._arrays.update(tables)  # made together, read one at a time
             return tables[name]
         if name == "norm.weight":
-            return to_array(self.ckpt.tensor("model.norm.weight"), self.dtype)
+            return to_array(self.ckpt.tensor("model.norm.weight"), self.dtype, "model.norm.weight")
         if name.startswith("heads."):  # heads.j: vocabulary split j, inside this file's rows
             if "lm_head_matrix" not in self._arrays:  # read once, cut into every head
                 self._arrays["lm_head_matrix"] = self._read("lm_head_matrix")
@@ -96,5 +119,5 @@ class PackageWeights:
             return as_conv(torch.from_numpy(matrix[start:start + splits[j]])).numpy()
         if name == "lm_head_matrix":  # this file's rows of the (tied or untied) output matrix
             hf = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-            return to_array(self.ckpt.rows(hf, *self.rows), self.dtype)
+            return to_array(self.ckpt.rows(hf, *self.rows), self.dtype, hf)
         raise KeyError(f"no weight {name!r} in this package")
