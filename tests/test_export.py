@@ -165,7 +165,8 @@ def test_edited_input_shape_is_caught(copy):
         real["shape"] = list(k_cache["shape"])
         k_cache["shape"] = k_cache["shape"][:-1] + [2 * k_cache["shape"][-1]]  # a longer context than exported
     rewrite_manifest(copy, edit)
-    read_manifest(copy)  # the hashes are fine: only the package comparison can catch this
+    with pytest.raises(ManifestError, match="context_length 256"):
+        read_manifest(copy)  # the hashes are fine, but the cache no longer holds context_length positions
     with pytest.raises(ManifestError) as e:
         validate_export(copy)
     msg = str(e.value)
@@ -242,7 +243,16 @@ def test_dimension_over_16384_is_caught(tmp_path):
     mlmodel.save(str(tmp_path / "wide.mlpackage"))
     io = {"inputs": [{"name": "x", "shape": [1, width], "dtype": "float16"}],
           "outputs": [{"name": "y", "shape": [1, width], "dtype": "float16"}]}
-    manifest = {"format_version": FORMAT_VERSION, "files": ["wide.mlpackage"],
+    # the smallest manifest the schema accepts, every section naming the one model
+    manifest = {"format_version": FORMAT_VERSION, "name": "wide", "created_by": {}, "source": {"kind": "hf"},
+                "config": {k: 1 for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                          "num_key_value_heads", "head_dim")},
+                "context_length": 32, "prefill_length": 1, "branch_width": 0, "suffix_length": 0, "precision": "fp16",
+                "deployment_target": "iOS18", "multifunction": False,
+                "cache": {"layout": "", "channels": 1, "dtype": "float16"},
+                "embeddings": {"models": ["wide"], "vocab_ranges": [[0, 1]]},
+                "lm_head": {"models": ["wide"], "vocab_splits": [1]}, "chunks": [{"model": "wide", "layers": [0]}],
+                "tokenizer": {"files": [], "eos_token_ids": []}, "files": ["wide.mlpackage"],
                 "models": {"wide": {"functions": {"main": {"file": "wide.mlpackage", "function_name": "main", **io}}}}}
     write_manifest(tmp_path, manifest)
     with pytest.raises(ManifestError, match=f"wide.mlpackage \\(main\\) input 'x' has a dimension over {MAX_DIM}"):

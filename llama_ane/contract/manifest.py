@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import LlamaANEError
+from .schema import schema_problem
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -17,15 +20,48 @@ class ManifestError(LlamaANEError, ValueError):
     """An export folder whose manifest is missing, of another version, or does not match its files."""
 
 
+_HASHES: dict[str, tuple[tuple, str]] = {}
+_HASHES_LOCK = threading.Lock()
+_TYPE_WORDS = {"list": "a list", "str": "a string", "int": "a number", "float": "a number", "bool": "true or false"}
+# what a manifest that does not hold together is told to do
+REEXPORT = "the manifest was edited or damaged: re-export the model with `llama-ane export`"
+
+
+def _signature(path: Path) -> tuple:
+    """What changes when any byte of a file or of a directory's files changes: each file's relative
+    path, size, inode and modification and change times (ctime moves on every write and cannot be
+    set back, so a rewrite that restores the mtime still shows)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((f.relative_to(path).as_posix() if f != path else "", st.st_size, st.st_ino, st.st_mtime_ns,
+                    st.st_ctime_ns))
+    return tuple(out)
+
+
 def sha256_path(path: Path) -> str:
-    """sha256 of a file, or of a directory as defined in docs/manifest.md (sorted relative paths)."""
+    """sha256 of a file, or of a directory as defined in docs/manifest.md (sorted relative paths).
+
+    Computed once per process for a file or folder in one state: loading an export again (a
+    backend, a draft model, `verify` after `load`) reads the stat of its files, not their bytes."""
+    key = str(Path(path).resolve())
+    signature = _signature(path)
+    with _HASHES_LOCK:
+        cached = _HASHES.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
     if path.is_file():
-        return _sha256_file(path)
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
-        h.update(rel.encode() + b"\0" + _sha256_file(f).encode() + b"\n")
-    return h.hexdigest()
+        digest = _sha256_file(path)
+    else:
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            rel = f.relative_to(path).as_posix()
+            h.update(rel.encode() + b"\0" + _sha256_file(f).encode() + b"\n")
+        digest = h.hexdigest()
+    with _HASHES_LOCK:
+        _HASHES[key] = (signature, digest)
+    return digest
 
 
 def _sha256_file(path: Path) -> str:
@@ -36,11 +72,13 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_relative_name(name: str) -> str:
-    """Refuse absolute paths and `..` in file names recorded in a manifest."""
+def check_relative_name(name: str, field: str = "files") -> str:
+    """Refuse absolute paths, `..`, backslashes and empty names among the file names of a manifest."""
     p = PurePosixPath(name)
-    if p.is_absolute() or ".." in p.parts or "\\" in name or not name:
-        raise ManifestError(f"manifest file name {name!r} must be a plain relative name inside the export folder")
+    if not isinstance(name, str) or not name or p.is_absolute() or ".." in p.parts or "\\" in name \
+            or name.startswith("~"):
+        raise ManifestError(f"{MANIFEST}: {field} names {name!r}, which is not a plain relative name inside the "
+                            f"export folder (absolute paths, '..' and backslashes are refused); {REEXPORT}")
     return name
 
 
@@ -50,8 +88,119 @@ def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def referenced_files(manifest: dict[str, Any]) -> dict[str, str]:
+    """Every file a manifest names outside its `files` map -> the first field that names it:
+    each function's package and the tokenizer's files."""
+    found: dict[str, str] = {}
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            found.setdefault(f["file"], f"models.{model}.functions.{fn}.file")
+    for i, name in enumerate(manifest["tokenizer"]["files"]):
+        found.setdefault(name, f"tokenizer.files[{i}]")
+    return found
+
+
+def _check_inside(out: Path, name: str, field: str) -> Path:
+    """`out/name`, refused where it or (for a folder) anything in it is a link leading outside `out`."""
+    root = out.resolve()
+    path = out / name
+    escapes = [path] if not path.resolve().is_relative_to(root) else []
+    if path.is_dir() and not escapes:
+        for folder, dirs, files in os.walk(path):
+            escapes += [Path(folder) / n for n in dirs + files
+                        if (Path(folder) / n).is_symlink() and not (Path(folder) / n).resolve().is_relative_to(root)]
+    if escapes:
+        raise ManifestError(f"{MANIFEST}: {field} names {name!r}, but {escapes[0]} is a link to "
+                            f"{escapes[0].resolve()}, outside the export folder; copy the real files into the export "
+                            "or re-export the model")
+    return path
+
+
+def _check_version(manifest: Any) -> None:
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
+        if version < FORMAT_VERSION:
+            raise ManifestError(f"{MANIFEST}: format_version {version} comes from an older llama-ane; this one "
+                                f"reads format_version {FORMAT_VERSION}: re-export the model with `llama-ane export`")
+        raise ManifestError(f"{MANIFEST}: format_version {version} comes from a newer llama-ane; this one reads "
+                            f"format_version {FORMAT_VERSION}: upgrade llama-ane, or re-export the model with this one")
+
+
+def _check_references(manifest: dict[str, Any]) -> None:
+    """The sections name models and functions that exist, and the chunks hold every layer once."""
+    models = manifest["models"]
+    named = [(f"embeddings.models[{i}]", m) for i, m in enumerate(manifest["embeddings"]["models"])] \
+        + [(f"lm_head.models[{i}]", m) for i, m in enumerate(manifest["lm_head"]["models"])] \
+        + [(f"chunks[{i}].model", c["model"]) for i, c in enumerate(manifest["chunks"])]
+    for field, model in named:
+        if model not in models:
+            raise ManifestError(f"{MANIFEST}: {field} names the model {model!r}, which models does not hold; "
+                                + REEXPORT)
+    updates = models.get("cache_update", {}).get("functions", {})
+    for i, chunk in enumerate(manifest["chunks"]):
+        for phase, fn in chunk.get("cache_update", {}).items():
+            if fn not in updates:
+                raise ManifestError(f"{MANIFEST}: chunks[{i}].cache_update.{phase} names {fn!r}, which is not a "
+                                    f"function of models.cache_update; {REEXPORT}")
+    layers = sorted(layer for c in manifest["chunks"] for layer in c["layers"])
+    if layers != list(range(manifest["config"]["num_hidden_layers"])):
+        raise ManifestError(f"{MANIFEST}: chunks hold layers {layers}, not each of 0..{manifest['config']['num_hidden_layers'] - 1} "
+                            f"(config.num_hidden_layers) once; {REEXPORT}")
+    if sum(manifest["lm_head"]["vocab_splits"]) != manifest["config"]["vocab_size"]:
+        raise ManifestError(f"{MANIFEST}: lm_head.vocab_splits {manifest['lm_head']['vocab_splits']} do not add up to "
+                            f"config.vocab_size {manifest['config']['vocab_size']}; {REEXPORT}")
+
+
+CACHE_TENSORS = ("k_cache", "v_cache", "k_cache_out", "v_cache_out")
+
+
+def _check_cache_shapes(manifest: dict[str, Any]) -> None:
+    """Every K/V cache tensor holds context_length positions of cache.channels channels, as the
+    packages were built for (their own shapes are compared where they are opened)."""
+    context, channels = manifest["context_length"], manifest["cache"]["channels"]
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            for kind in ("inputs", "outputs", "states"):
+                for i, t in enumerate(f.get(kind, [])):
+                    if t["name"] not in CACHE_TENSORS or len(t["shape"]) != 4:
+                        continue
+                    want = [t["shape"][0], channels, 1, context]
+                    if t["shape"] != want:
+                        raise ManifestError(
+                            f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] {t['name']!r} of {f['file']} "
+                            f"has shape {t['shape']}, but context_length {context} and cache.channels {channels} give "
+                            f"{want}; {REEXPORT}")
+
+
+def check_manifest(manifest: Any, out: Path) -> dict[str, Any]:
+    """Everything about a manifest that its folder's file names and its own fields can tell: the
+    version, the schema (contract/schema.py), every file name a plain relative name that stays
+    inside `out` (links included), the `files` map naming every file referenced anywhere, the
+    sections naming what exists, and the context length agreeing with the cache shapes."""
+    if not isinstance(manifest, dict):
+        kind = "null" if manifest is None else _TYPE_WORDS.get(type(manifest).__name__, type(manifest).__name__)
+        raise ManifestError(f"{MANIFEST} holds {kind}, not an object; {REEXPORT}")
+    _check_version(manifest)
+    problem = schema_problem(manifest)
+    if problem:
+        raise ManifestError(f"{MANIFEST}: {problem}; {REEXPORT}")
+    fields = {name: "files" for name in manifest["files"]} | referenced_files(manifest)
+    for name, field in fields.items():
+        check_relative_name(name, field)
+    for name, field in referenced_files(manifest).items():
+        if name not in manifest["files"]:
+            raise ManifestError(f"{MANIFEST}: files has no sha256 of {name!r}, which {field} names: without it the "
+                                f"file could be changed unnoticed; {REEXPORT}")
+    _check_references(manifest)
+    _check_cache_shapes(manifest)
+    for name, field in fields.items():
+        _check_inside(out, name, field)
+    return manifest
+
+
 def read_manifest(out: str | Path, check_hashes: bool = True) -> dict[str, Any]:
-    """Read and check OUT/manifest.json: version, file names, presence and (optionally) hashes."""
+    """Read and check OUT/manifest.json (`check_manifest`), then that every file in its `files` map
+    exists and (unless `check_hashes` is False) has its recorded sha256."""
     out = Path(out)
     path = out / MANIFEST
     if not path.is_file():
@@ -59,20 +208,47 @@ def read_manifest(out: str | Path, check_hashes: bool = True) -> dict[str, Any]:
         raise ManifestError(f"{out} is not a llama-ane export: {MANIFEST} is missing{hint}")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path} is not valid JSON ({e})") from None
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ManifestError(f"{path} has format_version {version!r}; this llama-ane reads {FORMAT_VERSION}: "
-                            "re-export with this version")
-    for name, digest in manifest.get("files", {}).items():
-        file = out / check_relative_name(name)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not valid JSON ({e}); {REEXPORT}") from None
+    check_manifest(manifest, out)
+    for name, digest in manifest["files"].items():
+        file = out / name
         if not file.exists():
             raise ManifestError(f"{file} is named in the manifest but missing; re-export or restore it")
         if check_hashes and sha256_path(file) != digest:
             raise ManifestError(f"{file} does not match its sha256 in the manifest: it was modified or corrupted; "
                                 "re-export it")
     return manifest
+
+
+def check_package_io(manifest: dict[str, Any], file: str,
+                     functions: dict[str, tuple[Sequence, Sequence]]) -> None:
+    """Compare the I/O a package describes with what the manifest says of every function it holds.
+
+    `functions` maps each function name in the package to its (inputs, outputs) as the package's
+    model description declares them: objects with `name`, `shape` and `dtype` (states among the
+    inputs). Raises ManifestError naming the function, the tensor and both shapes."""
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            if f["file"] != file:
+                continue
+            inner = f["function_name"] or "main"
+            if inner not in functions:
+                raise ManifestError(f"{file} has no function {inner!r} (models.{model}.functions.{fn}); it has "
+                                    f"{sorted(functions)}; {REEXPORT}")
+            described = {kind: {t.name: t for t in tensors} for kind, tensors in zip(("inputs", "outputs"),
+                                                                                     functions[inner])}
+            declared = {"inputs": f["inputs"] + f.get("states", []), "outputs": f["outputs"]}
+            for kind in ("inputs", "outputs"):
+                for t in declared[kind]:
+                    actual = described[kind].get(t["name"])
+                    where = f"{file} ({model}/{fn}) {kind[:-1]} {t['name']!r}"
+                    if actual is None:
+                        raise ManifestError(f"{where} named in {MANIFEST} is not in the package, which has "
+                                            f"{sorted(described[kind])}; {REEXPORT}")
+                    if list(actual.shape) != t["shape"] or actual.dtype != t["dtype"]:
+                        raise ManifestError(f"{where} is {actual.dtype}{list(actual.shape)} in the package but "
+                                            f"{t['dtype']}{t['shape']} in {MANIFEST}; {REEXPORT}")
 
 
 def model_names(manifest: dict[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import LlamaANEError
 from ..mil.package import MilPackage
+from ..contract.manifest import check_package_io
 from ..contract.specs import model_kind
 from .ane_rules import (
     FunctionSummary,
@@ -269,6 +270,8 @@ def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str]
     its role. Without them the role is guessed from the file name (chunk_*, embeddings, ...).
     """
     package = MilPackage(Path(path))
+    if manifest is not None:
+        check_package_io(manifest, Path(path).name, package.describe())
     functions = []
     violations: list[Violation] = []
     stem = Path(path).name.removesuffix(".mlpackage")

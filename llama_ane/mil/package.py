@@ -151,6 +151,11 @@ class MilPackage:
         inputs = [_feature_desc(f) for f in desc.input] + [_feature_desc(f) for f in desc.state]
         return inputs, [_feature_desc(f) for f in desc.output]
 
+    def describe(self) -> dict[str, tuple[list[TensorDesc], list[TensorDesc]]]:
+        """Every function's (inputs, outputs), as `io` gives them: what a manifest's specs are
+        compared with before the package runs."""
+        return {fn: self.io(fn) for fn in self.function_names}
+
     def blob_locations(self, function: str) -> dict[str, tuple[str, int]]:
         """Map const output name -> (blob file name, byte offset) for consts stored in the weight blob.
 

@@ -22,7 +22,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ...contract.manifest import function_entry, function_states
+from ...contract.manifest import check_package_io, function_entry, function_states
+from ...mil.package import MilPackage
 from .base import Backend, BackendError
 
 COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")
@@ -46,10 +47,14 @@ class CoreMLBackend(Backend):
         self.compute_units = getattr(ct.ComputeUnit, compute_units)
         self.dtype = np.dtype(np.float16 if manifest["precision"] == "fp16" else np.float32)
         self._loaded: dict[tuple[str, str], object] = {}
+        self._checked: set[str] = set()
         # (package file, id of the caller's k_cache array) -> (MLState, the caller's arrays by name)
         self._states: OrderedDict[tuple[str, int], tuple[object, dict[str, np.ndarray]]] = OrderedDict()
 
     def _compiled(self, file: str) -> Path:
+        if file not in self._checked:  # the package's description must be what the manifest says
+            check_package_io(self.manifest, file, MilPackage(self.export_dir / file).describe())
+            self._checked.add(file)
         digest = self.manifest["files"][file][:16]
         target = self.export_dir / ".compiled" / f"{Path(file).stem}-{digest}.mlmodelc"
         if not target.exists():

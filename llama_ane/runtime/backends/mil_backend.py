@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...contract.manifest import function_entry, function_states
+from ...contract.manifest import check_package_io, function_entry, function_states
 from .base import Backend, BackendError
 
 
@@ -54,12 +54,15 @@ class MilBackend(Backend):
         """The compiled executor of package `file`, loaded on first use (thread-safe)."""
         with self._lock:
             if file not in self._executors:
-                from ...mil import PackageError, PackageExecutor, UnsupportedOpError
+                from ...mil import MilPackage, PackageError, PackageExecutor, UnsupportedOpError
 
                 path = self.export_dir / file
                 if not path.exists():
                     raise BackendError(f"{path} is missing; the export is incomplete, re-run `llama-ane export`")
                 try:
+                    # the description first: a package that disagrees with the manifest is refused
+                    # before its weights are read
+                    check_package_io(self.manifest, file, MilPackage(path).describe())
                     self._executors[file] = PackageExecutor(path, precision=self.precision,
                                                            widen_weights=self.widen_weights)
                 except (UnsupportedOpError, PackageError) as exc:
