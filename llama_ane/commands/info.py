@@ -156,6 +156,8 @@ def _modelled(model: dict, prompt_length: int | None, branches: int | None) -> N
     click.echo(f"  calls     {model['calls_per_token']} Core ML calls per decode token; cache read up to "
                f"{model['attended_positions']} positions")
     columns = []  # (title, key in the chip's row, format)
+    if any("tokens_per_s_dense" in row for row in model["chips"].values()):
+        columns.append(("decompressed tok/s", "tokens_per_s_dense", "{:.1f}"))
     if prompt_length is not None:
         columns.append((f"TTFT ms (P={prompt_length})", "ttft_ms", "{:.0f}"))
     if branches is not None:
