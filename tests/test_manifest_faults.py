@@ -7,6 +7,7 @@ packages are opened; hashes are computed once per folder state.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -133,3 +134,114 @@ def test_commands_give_one_error_line(command, tiny_export, tmp_path):
         for word in load_case(name)["mentions"]:
             assert word in errors[0], (name, word, errors[0])
         assert sorted(p.relative_to(export).as_posix() for p in export.rglob("*")) == before, name
+
+
+# ---- packages against the manifest ------------------------------------------------------------------------
+
+def _longer_context(export: Path, context: int) -> list[int]:
+    """Rewrite the manifest as if the export held `context` positions: context_length and every cache
+    tensor agree with each other (so only the packages can tell). Returns chunk_0's new k_cache shape."""
+    path = export / "manifest.json"
+    m = json.loads(path.read_text())
+    m["context_length"] = context
+    for entry in m["models"].values():
+        for f in entry["functions"].values():
+            for t in f["inputs"] + f["outputs"] + f.get("states", []):
+                if t["name"] in manifest_module.CACHE_TENSORS:
+                    t["shape"][-1] = context
+    path.write_text(json.dumps(m))
+    return next(t["shape"] for t in m["models"]["chunk_0"]["functions"]["decode"]["inputs"] if t["name"] == "k_cache")
+
+
+@pytest.fixture
+def longer_context(tiny_export, tmp_path):
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    shape = _longer_context(export, 512)
+    read_manifest(export)  # consistent in itself: the hashes and every field agree
+    return export, shape
+
+
+def _assert_names_both_shapes(message: str, shape: list[int]) -> None:
+    assert "chunk_0.mlpackage" in message and "'k_cache'" in message, message
+    assert str(shape) in message and str(shape[:-1] + [256]) in message, message
+
+
+@pytest.mark.parametrize("backend", ["mil", "torch"])
+def test_backends_refuse_packages_that_disagree(longer_context, backend):
+    import llama_ane
+
+    export, shape = longer_context
+    model = llama_ane.load(export, backend=backend)
+    with pytest.raises(ManifestError) as e:
+        model.score([1, 2, 3])
+    _assert_names_both_shapes(str(e.value), shape)
+    model.close()
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["generate", "--prompt", "Hi", "--backend", "mil"]])
+def test_commands_refuse_packages_that_disagree(longer_context, args):
+    from llama_ane.cli import main
+
+    export, shape = longer_context
+    result = CliRunner().invoke(main, [args[0], str(export), *args[1:]])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    _assert_names_both_shapes(errors[0], shape)
+
+
+# ---- hashing once per folder state --------------------------------------------------------------------------
+
+def test_hashes_are_computed_once_per_folder_state(tiny_export, tmp_path, monkeypatch):
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    hashed = []
+    real = manifest_module._sha256_file
+    monkeypatch.setattr(manifest_module, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    read_manifest(export)
+    assert hashed, "the first read hashes every file"
+    hashed.clear()
+    read_manifest(export)
+    assert hashed == []
+    # the same bytes count, same size, modification time set back: still seen, and refused
+    weights = next((export / "chunk_1.mlpackage").rglob("weight.bin"))
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ManifestError, match=r"chunk_1\.mlpackage does not match its sha256"):
+        read_manifest(export)
+    assert {p.relative_to(export).parts[0] for p in hashed} == {"chunk_1.mlpackage"}  # only the changed package
+
+
+def test_write_manifest_then_read_agree(tiny_export, tmp_path):
+    """A manifest written by write_manifest after a file changed records the new hash, not a stale one."""
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    read_manifest(export)
+    with open(export / "tokenizer_config.json", "a") as f:
+        f.write(" ")
+    m = json.loads((export / "manifest.json").read_text())
+    m["files"] = list(m["files"])
+    write_manifest(export, m)
+    assert read_manifest(export)["files"]["tokenizer_config.json"] == sha256_path(export / "tokenizer_config.json")
+
+
+# ---- the real command line ----------------------------------------------------------------------------------
+
+@pytest.mark.export
+@pytest.mark.parametrize("name,args", [
+    ("dotdot_function_file", ["generate", "--prompt", "Hi", "--backend", "mil"]),
+    ("files_map_deleted", ["info"]),
+    ("symlink_tokenizer_outside", ["verify", "--no-transformers"]),
+    ("manifest_is_list", ["inspect"]),
+])
+def test_process_exits_with_one_error_line(name, args, bad_export, tmp_path):
+    from test_bad_input import assert_clear_error, run_cli
+
+    export = bad_export(name)
+    proc = run_cli([args[0], export, *args[1:]], tmp_path / "tmpdir")
+    assert_clear_error(proc, load_case(name)["mentions"], 1)
+    assert list((tmp_path / "tmpdir").iterdir()) == []
