@@ -386,3 +386,33 @@ def test_export_without_verify_refuses_nan_weights(base, tmp_path, private_tmp):
     folder = poisoned(base, tmp_path / "ckpt", name, float("nan"))
     out = tmp_path / "out"
     assert_refused(export(folder, out), [name, "NaN"], out, private_tmp)
+
+
+# -- the same through the real command line, in a process of its own ---------------------------
+
+@pytest.mark.export
+@pytest.mark.parametrize("case", ["tokenizer: tokenizer.json not JSON", "tensor: integer projection"])
+def test_refusals_through_the_command_line(case, base, tmp_path):
+    from test_bad_input import assert_clear_error, assert_nothing_left_looking_complete, run_cli
+
+    damage, words = CASES[case]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(base, folder)
+    damage(folder)
+    proc = run_cli(["export", folder, "-o", tmp_path / "out", *EXPORT_ARGS], tmp_path / "tmpdir")
+    assert_clear_error(proc, words, 1)
+    assert proc.stdout == ""  # refused before the plan is printed
+    assert_nothing_left_looking_complete(tmp_path)
+    assert list((tmp_path / "tmpdir").iterdir()) == []
+
+
+@pytest.mark.export
+def test_nan_weights_through_the_command_line(base, tmp_path):
+    from test_bad_input import assert_clear_error, assert_nothing_left_looking_complete, run_cli
+
+    name = LAYER0 + "mlp.gate_proj.weight"
+    folder = poisoned(base, tmp_path / "ckpt", name, float("inf"))
+    proc = run_cli(["export", folder, "-o", tmp_path / "out", *EXPORT_ARGS], tmp_path / "tmpdir")
+    assert_clear_error(proc, [name, "infinite"], 1)
+    assert_nothing_left_looking_complete(tmp_path)
+    assert list((tmp_path / "tmpdir").iterdir()) == []
