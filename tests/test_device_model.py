@@ -253,6 +253,11 @@ def test_info_from_a_config(tmp_path):
     assert set(step["chips"]) == set(dm.CHIPS) and all(math.isfinite(c["tokens_per_s"]) for c in step["chips"].values())
 
 
+def test_info_on_a_checkpoint_folder_points_to_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    assert_one_error_line(run_cli("info", tmp_path), "not a llama-ane export", "manifest.json", "--config")
+
+
 def test_info_config_errors(tmp_path):
     assert_one_error_line(run_cli("info", "--config", tmp_path / "nowhere.json"), "--config", "nowhere.json")
     (tmp_path / "bad.json").write_text("{not json")

@@ -63,6 +63,10 @@ def command(out, config_path, context_length, quantize, target, kv_cache, filled
                 flag = "--" + extra[0].replace("_", "-")
                 raise InvalidArgumentError(f"{flag} describes the export a --config is modelled as; an export "
                                            "folder records its own: drop it")
+            if not (out / "manifest.json").exists() and (out / "config.json").is_file():
+                raise InvalidArgumentError(f"{out} is not a llama-ane export (manifest.json is missing) but a "
+                                           f"checkpoint folder: model the export it would make with "
+                                           f"`llama-ane info --config {out}`, or export it first")
             m = read_manifest(out)
         else:
             options = {k: v for k, v in given.items() if v is not None}
