@@ -43,8 +43,10 @@ def llamacpp_rope_freqs(theta: float, factor: float, low: float, high: float, ct
 
 
 def write_tiny(path: Path, *, untied: bool = False, arch: str = "llama", theta: float = 10000.0,
-               rope_freqs: np.ndarray | None = None, scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
-    """A 2-layer Llama GGUF: layer 0 and the norms in F32, layer 1, embeddings and head in F16.
+               rope_freqs: np.ndarray | None = None, scaling: tuple[str, float] | None = None,
+               int8: str | None = None) -> dict[str, np.ndarray]:
+    """A 2-layer Llama GGUF: layer 0 and the norms in F32, layer 1, embeddings and head in F16
+    (`int8`: the GGUF name of one tensor stored as I8 instead).
 
     Returns the HF tensors as the file should give them back (F16 ones already rounded to fp16).
     """
@@ -93,7 +95,7 @@ def write_tiny(path: Path, *, untied: bool = False, arch: str = "llama", theta: 
         w.add_rope_scaling_type(gguf.RopeScalingType(scaling[0]))
         w.add_rope_scaling_factor(scaling[1])
     for name, t in tensors:
-        w.add_tensor(name, t)
+        w.add_tensor(name, t.astype(np.int8) if name == int8 else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -123,6 +125,35 @@ def test_tiny_gguf_reads_back_config_and_every_tensor(tmp_path, untied):
         assert got.dtype == torch.float32 and tuple(got.shape) == want.shape, name
         # F32 tensors exactly; F16 ones exactly their fp16 rounding, widened losslessly to float32
         assert torch.equal(got, torch.from_numpy(want)), name
+
+
+def test_tensor_table_gives_hf_shapes_and_types_without_reading_data(tmp_path, monkeypatch):
+    from llama_ane.checkpoint.gguf_lazy import GGUF_FLOATS
+    from llama_ane.checkpoint.mapping import check_tensors
+
+    path = tmp_path / "tiny.gguf"
+    hf = write_tiny(path, untied=True)
+    lazy = open_gguf(path)
+    monkeypatch.setattr(gguf, "dequantize", lambda *a: pytest.fail("a tensor was read"))
+    info = lazy.tensor_info()
+    assert {name: i.shape for name, i in info.items()} == {name: w.shape for name, w in hf.items()}
+    assert info["model.layers.0.self_attn.q_proj.weight"].dtype == "F32"
+    assert info["model.layers.1.self_attn.q_proj.weight"].dtype == "F16"
+    assert not lazy.has_tokenizer  # write_tiny stores no tokenizer.ggml.* metadata
+    check_tensors(LlamaConfig.from_hf_dict(lazy.config_dict), info, "tiny", GGUF_FLOATS, "floats")
+
+
+def test_integer_tensors_are_refused_by_name(tmp_path):
+    from llama_ane.checkpoint.gguf_lazy import GGUF_FLOATS
+    from llama_ane.checkpoint.loader import CheckpointError
+    from llama_ane.checkpoint.mapping import check_tensors
+
+    path = tmp_path / "int8.gguf"
+    write_tiny(path, int8="blk.1.ffn_up.weight")
+    lazy = open_gguf(path)
+    assert "I8" not in GGUF_FLOATS and {"Q4_1", "Q8_0", "BF16"} <= set(GGUF_FLOATS)
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is stored as I8"):
+        check_tensors(LlamaConfig.from_hf_dict(lazy.config_dict), lazy.tensor_info(), "int8", GGUF_FLOATS, "floats")
 
 
 def test_get_dequantizes_only_the_requested_tensor(tmp_path, monkeypatch):
