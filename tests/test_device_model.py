@@ -73,6 +73,8 @@ def test_bucket_for():
     step = dm.decode_step(m, 70)  # 71 positions with the new token: the 128 bucket runs
     assert step.bytes == dm.decode_step(m, 100).bytes < dm.decode_step(m, 200).bytes
     assert dm.report(m, 70, [dm.CHIPS["M4"]])["kv_read_bytes"] == 2 * KV_COLUMN * 128
+    # a cascade's prefix of 64 tokens fits the 64 bucket: its new tokens go to the suffix caches
+    assert dm.cascade_cost(m, 64, 8).bytes < dm.cascade_cost(m, 65, 8).bytes
 
 
 # ---- time per chip -----------------------------------------------------------------------------------------------

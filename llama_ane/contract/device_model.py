@@ -145,9 +145,10 @@ def _flops(manifest: dict, tokens: int, keys: int) -> float:
 
 def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = None, dense: bool = False) -> StepCost:
     """One step of `function` after `filled` cached positions, yielding `tokens` (default: its
-    window). The cache bucket that runs holds the filled positions and the window's."""
+    window). The cache bucket that runs holds the filled positions and the window's (a cascade
+    step writes its tokens to the branches' suffix caches: its bucket holds the prefix)."""
     window = window_tokens(manifest, function)
-    attended = bucket_for(manifest, filled + (1 if function == BRANCHES else window))
+    attended = bucket_for(manifest, filled + (0 if function == BRANCHES else window))
     keys = attended + (manifest.get("suffix_length", 0) if function == BRANCHES else window)
     moved = (weight_read_bytes(manifest, dense) + kv_read_bytes(manifest, attended, function)
              + kv_write_bytes(manifest, attended, function) + window_io_bytes(manifest, function))
