@@ -154,7 +154,7 @@ def test_report_refusals():
     for kwargs, flag in [({"filled": CTX}, "--filled"), ({"filled": -1}, "--filled"),
                          ({"filled": 0, "prompt_length": 0}, "--prompt-length"),
                          ({"filled": 0, "prompt_length": CTX + 1}, "--prompt-length"),
-                         ({"filled": 0, "branches": 0}, "--branches")]:
+                         ({"filled": 1, "branches": 0}, "--branches"), ({"filled": 0, "branches": 2}, "--filled")]:
         with pytest.raises(InvalidArgumentError, match=flag):
             dm.report(m, chips=[dm.CHIPS["M1"]], **kwargs)
     with pytest.raises(InvalidArgumentError, match="--branches"):

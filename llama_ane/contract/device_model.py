@@ -215,6 +215,8 @@ def report(manifest: dict, filled: int, chips: Sequence[Chip], prompt_length: in
                                    f"got {prompt_length}")
     if branches is not None and branches < 1:
         raise InvalidArgumentError(f"--branches must be at least 1, got {branches}")
+    if branches is not None and filled < 1:
+        raise InvalidArgumentError("--branches decodes over a shared prefix of --filled tokens: give --filled 1 or more")
     if branches is not None and not manifest.get("branch_width"):
         raise InvalidArgumentError("--branches needs a cascade function, which this export lacks (exported with "
                                    "--branches 0): re-export with --branches 8")
