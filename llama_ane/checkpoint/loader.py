@@ -114,7 +114,7 @@ def source_path(source: dict) -> str | None:
     return None if source.get("kind") == "default" else source.get("path")
 
 
-def _read_json(file: Path, what: str) -> Any:
+def read_json(file: Path, what: str) -> Any:
     """The JSON value in `file`, or a CheckpointError naming the file and the fix."""
     try:
         return json.loads(file.read_text(encoding="utf-8"))
@@ -128,7 +128,7 @@ def _read_config(folder: Path) -> LlamaConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; {USAGE}")
-    return LlamaConfig.from_hf_dict(_read_json(cfg_file, "config.json"), origin=str(cfg_file))
+    return LlamaConfig.from_hf_dict(read_json(cfg_file, "config.json"), origin=str(cfg_file))
 
 
 def safetensors_tensors(file: Path) -> dict[str, TensorInfo]:
@@ -198,7 +198,7 @@ def check_safetensors(file: Path) -> list[str]:
 
 def _shards(folder: Path, index: Path) -> dict[str, str]:
     """The index's weight_map (tensor name -> shard file name), checked to be one."""
-    data = _read_json(index, "model.safetensors.index.json")
+    data = read_json(index, "model.safetensors.index.json")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         found = "no weight_map" if weight_map is None else f"a weight_map that is a {type(weight_map).__name__}"

@@ -85,7 +85,7 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
             if name == "lm_head.weight":
                 raise CheckpointError(f"checkpoint {checkpoint} has no tensor 'lm_head.weight' (its config has an "
                                       "untied LM head); if the head is the embedding table, set "
-                                      "tie_word_embeddings to true in config.json")
+                                      "tie_word_embeddings to true")
             raise CheckpointError(f"checkpoint {checkpoint} has no tensor {name!r}; is it a complete "
                                   f"{cfg.model_type} checkpoint?")
         if info.dtype not in dtypes:
@@ -95,13 +95,13 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
         if info.shape != want:
             formula = ", ".join(DERIVED.get(d, d) for d in dims)
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} has shape {list(info.shape)}, but the "
-                                  f"config gives it {list(want)} ({formula}); the weights and config.json do "
+                                  f"config gives it {list(want)} ({formula}); the weights and the config do "
                                   "not belong together")
     layers = {int(parts[2]) for name in tensors if (parts := name.split(".", 3))[:2] == ["model", "layers"]
               and len(parts) > 3 and parts[2].isdigit()}
     if layers and max(layers) >= cfg.num_hidden_layers:
         raise CheckpointError(f"checkpoint {checkpoint} has tensors of layer {max(layers)}, but num_hidden_layers "
-                              f"is {cfg.num_hidden_layers}; the weights and config.json do not belong together")
+                              f"is {cfg.num_hidden_layers}; the weights and the config do not belong together")
 
 
 def as_conv(w: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from ..checkpoint.loader import TOKENIZER_FILES, CheckpointError
+from ..checkpoint.loader import TOKENIZER_FILES, CheckpointError, read_json
 from ..config import LlamaConfig
 
 
@@ -21,7 +19,7 @@ def check_tokenizer(folder: Path, cfg: LlamaConfig) -> None:
         raise CheckpointError(f"{folder} has no tokenizer.json or tokenizer.model; add the tokenizer files")
     for name in present:
         if name.endswith(".json"):
-            _read_json(folder / name)
+            read_json(folder / name, "tokenizer files")
     eos = _generation_eos(folder)
     tok = _load(folder)
     vocab = tok.get_vocab()
@@ -36,19 +34,12 @@ def check_tokenizer(folder: Path, cfg: LlamaConfig) -> None:
                               f"vocabulary (vocab_size {cfg.vocab_size})")
 
 
-def _read_json(file: Path) -> Any:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"{file} is not readable JSON ({e}); restore the checkpoint's tokenizer files") from None
-
-
 def _generation_eos(folder: Path) -> list[int]:
     """The EOS ids generation_config.json adds (none without the file)."""
     gen = folder / "generation_config.json"
     if not gen.is_file():
         return []
-    data = _read_json(gen)
+    data = read_json(gen, "generation_config.json")
     if not isinstance(data, dict):
         raise CheckpointError(f"{gen} is not a JSON object; restore the checkpoint's generation_config.json")
     g = data.get("eos_token_id")
