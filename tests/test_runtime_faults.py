@@ -190,6 +190,8 @@ def test_a_prompt_cache_round_trips(tmp_path):
     for got, want in zip(loaded.caches, cache.caches):
         np.testing.assert_array_equal(got["k"], want["k"])
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]
+    (tmp_path / "plain").write_bytes(b"")  # made with the same umask: the cache is as readable as any file
+    assert path.stat().st_mode == (tmp_path / "plain").stat().st_mode
     # a hand-made file of the right fields (float16 arrays) loads as well
     assert load_cache(write_npz(tmp_path / "h.npz", good_meta(), **good_arrays()), MANIFEST, empty_cache()).position == 5
 
@@ -315,9 +317,9 @@ def test_a_failed_save_leaves_no_partial_file_and_the_old_one_intact(fault, word
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(kv_cache.os, "fsync", fsync)
     else:  # root ignores permission bits, so the refusal the OS gives is simulated
-        def mkstemp(*args, **kwargs):
+        def refused(*args, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied")
-        monkeypatch.setattr(kv_cache.tempfile, "mkstemp", mkstemp)
+        monkeypatch.setattr(kv_cache, "open", refused, raising=False)
     with pytest.raises(PromptCacheError) as e:
         save_cache(filled_cache(6), MANIFEST, old)
     assert str(old) in str(e.value)

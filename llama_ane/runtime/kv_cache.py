@@ -5,8 +5,10 @@
 `position` may hold stale K/V: every function masks them, and the next write overwrites them.
 
 A prompt-cache file (`save_cache` / `load_cache`, numpy .npz) holds the tokens, the filled
-positions of every cache, and the sha256 of the manifest of the export that made it; a file made
-by another export is refused.
+positions of every cache, and the sha256 of the manifest of the export that made it. It is
+untrusted: each array is checked from its .npy header (dtype, shape; never a pickle) before it is
+read, and a file made by another export or longer than the context is refused. A file is written
+under a temporary name and renamed, so a failed save leaves neither a partial nor a truncated file.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import errno
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -77,8 +79,11 @@ def save_cache(cache: KVCache, manifest: dict, path: str | Path) -> Path:
             "tokens": [int(t) for t in cache.tokens]}
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-        with os.fdopen(fd, "wb") as f:
+        # a fresh name beside the target (the rename stays on one file system), made with the user's umask
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+        f = open(partial, "xb")
+        tmp = partial  # ours to remove from here on
+        with f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
