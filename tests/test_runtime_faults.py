@@ -128,8 +128,10 @@ def test_generate_text_options_must_be_utf8(flag, tmp_path, no_model):
     assert_one_error(r, flag, "not UTF-8", "byte 0xfe at offset 10")
 
 
-def test_chat_system_prompt_must_be_utf8(tmp_path, no_model):
-    assert_one_error(invoke(["chat", tmp_path, "--system", "\udc80"]), "--system", "byte 0x80 at offset 0")
+@pytest.mark.parametrize("command,flag", [("chat", "--system"), ("gpu-generate", "--prompt"),
+                                          ("gpu-generate", "--branch")])
+def test_other_text_options_must_be_utf8(command, flag, tmp_path, no_model):
+    assert_one_error(invoke([command, tmp_path, flag, "\udc80"]), flag, "byte 0x80 at offset 0")
 
 
 @pytest.mark.parametrize("argv", [["generate", "{tmp}", "--prompt-file"], ["eval", "{tmp}", "--text"],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from .options import TEXT
+
 DEFAULT_BRANCHES = (
     "Question: What is the capital of France?\nAnswer:",
     "Question: Name three primary colors.\nAnswer:",
@@ -24,8 +26,8 @@ DEFAULT_PROMPT = ("You are a helpful assistant. Answer each question in one shor
 @click.command("gpu-generate")
 @click.argument("model_dir", required=False, type=click.Path(path_type=Path))
 @click.option("--gguf-file", default=None, help="GGUF file name inside MODEL_DIR.")
-@click.option("--prompt", default=DEFAULT_PROMPT, help="Shared prefix text of every branch.")
-@click.option("--branch", "branches", multiple=True,
+@click.option("--prompt", type=TEXT, default=DEFAULT_PROMPT, help="Shared prefix text of every branch.")
+@click.option("--branch", "branches", type=TEXT, multiple=True,
               help="Text of one branch after the shared prompt (repeatable).")
 @click.option("--max-new-tokens", default=32, show_default=True)
 @click.option("--path", "attn_path", type=click.Choice(["auto", "cascade", "decode"]),
