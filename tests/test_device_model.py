@@ -25,8 +25,19 @@ KV_COLUMN = 5 * 64 * 2  # bytes of one position of every layer's K (or V) cache:
 
 
 def tiny_manifest(**options) -> dict:
-    options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2, **options}
+    """The planned export of TINY; with a verify window of 16 where the caches allow one."""
+    options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2,
+               "verify_window": 0 if options.get("kv_cache") == "state" else 16, **options}
     return dm.manifest_from_config(TINY, **options)
+
+
+@pytest.fixture(scope="module")
+def verify_export(tiny_checkpoint, tmp_path_factory):
+    """tiny_export's shapes with a verify function of 16 tokens (input caches, as a device runs them)."""
+    from llama_ane.api import export_model
+
+    return export_model(tiny_checkpoint(num_hidden_layers=5, head_dim=32), tmp_path_factory.mktemp("export") / "v",
+                        context_length=CTX, prefill_length=64, layers_per_chunk=2, verify_window=16, progress=False)
 
 
 def run_cli(*args):
@@ -164,10 +175,10 @@ def test_report_refusals():
 # ---- against an export and the runtime -------------------------------------------------------------------------
 
 @pytest.mark.export
-def test_config_path_gives_the_exports_own_bytes_and_calls(tiny_export):
+def test_config_path_gives_the_exports_own_bytes_and_calls(verify_export):
     from llama_ane.contract.manifest import read_manifest
 
-    exported = read_manifest(tiny_export)
+    exported = read_manifest(verify_export)
     planned = tiny_manifest()
     assert planned["weights"] == exported["weights"] and planned["chunks"] == exported["chunks"]
     for n in (0, 100, CTX - 1):
@@ -176,11 +187,11 @@ def test_config_path_gives_the_exports_own_bytes_and_calls(tiny_export):
 
 
 @pytest.mark.export
-def test_calls_are_what_the_pipeline_calls(tiny_export):
+def test_calls_are_what_the_pipeline_calls(verify_export):
     """Count the backend's predictions in real steps, run with the cache-update model as a device runs it."""
     import llama_ane
 
-    model = llama_ane.load(tiny_export, backend="torch", direct_cache=False)
+    model = llama_ane.load(verify_export, backend="torch", direct_cache=False)
     pipeline, backend = model.pipeline, model.backend
     calls = []
     predict = backend.predict
@@ -208,18 +219,18 @@ def test_calls_are_what_the_pipeline_calls(tiny_export):
 # ---- the command line --------------------------------------------------------------------------------------------
 
 @pytest.mark.export
-def test_info_models_an_export(tiny_export):
-    r = run_cli("info", tiny_export, "--filled", "100", "--prompt-length", "130", "--branches", "9")
+def test_info_models_an_export(verify_export):
+    r = run_cli("info", verify_export, "--filled", "100", "--prompt-length", "130", "--branches", "9")
     assert r.exit_code == 0, r.stderr
     assert "8 Core ML calls per decode token" in r.stdout and "modelled" in r.stdout
     for name in dm.CHIPS:
         assert f"  {name} " in r.stdout
     assert "TTFT ms (P=130)" in r.stdout and "cascade tok/s (B=9)" in r.stdout and "verify break-even" in r.stdout
-    j = run_cli("info", tiny_export, "--filled", "100", "--chip", "m4 max", "--json")
+    j = run_cli("info", verify_export, "--filled", "100", "--chip", "m4 max", "--json")
     assert j.exit_code == 0, j.stderr
     got = json.loads(j.stdout)["decode_step_bytes"]
     from llama_ane.contract.manifest import read_manifest
-    m = read_manifest(tiny_export)
+    m = read_manifest(verify_export)
     assert got["filled"] == 100 and got["calls_per_token"] == 8
     assert got["weight_read_bytes"] == weight_read_bytes(m) and got["kv_read_bytes"] == 2 * KV_COLUMN * CTX
     assert list(got["chips"]) == ["M4 Max"]
