@@ -116,7 +116,7 @@ CASES: dict[str, tuple[Callable[[Inputs], list], list[str], int]] = {
                                   ["max_new_tokens", "at least 1"], 1),
     "generate: negative temperature": (lambda i: ["generate", i.export, "--prompt", "Hi", "--temperature", -1],
                                        ["temperature"], 1),
-    "generate: top-p above 1": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-p", 1.5], ["top_p"], 1),
+    "generate: top-p above 1": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-p", 1.5], ["--top-p"], 1),
     "generate: negative top-k": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-k", -3], ["top_k"], 1),
     "generate: zero samples": (lambda i: ["generate", i.export, "--prompt", "Hi", "--samples", 0],
                                ["--samples", "at least 1"], 1),

@@ -93,9 +93,7 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
 
 
 def _single(model, text, chat, sampling, as_json):
-    from ..runtime.chat import encode_chat
-
-    result = model.generate(encode_chat(model, text) if chat else text, **sampling,
+    result = model.generate(model.encode(text, chat=True) if chat else text, **sampling,
                             on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
     stats = {"backend": model.backend.name, "prompt_tokens": result.prompt_tokens,
              "reused_tokens": result.reused_tokens, "prefill_seconds": round(result.prefill_seconds, 3),
@@ -126,18 +124,17 @@ def _single(model, text, chat, sampling, as_json):
 def _branches(model, text, questions, samples, chat, sampling, as_json):
     """Document QA (one branch per question) or N samples, decoded with the cascade."""
     from ..runtime.cascade import split_shared_prefix
-    from ..runtime.chat import encode_chat
 
     if samples is not None:
         labels = [f"sample {i + 1}" for i in range(samples)]
-        out = model.generate_branches(encode_chat(model, text) if chat else model.encode(text), n=samples,
+        out = model.generate_branches(model.encode(text, chat=chat), n=samples,
                                       **sampling)
         if sampling["temperature"] == 0 and samples > 1 and not as_json:
             click.echo("[note: at --temperature 0 every sample is the same greedy text]", err=True)
     else:
         labels = [f"Q: {q}" for q in questions]
         if chat:
-            prefix, own = split_shared_prefix([encode_chat(model, f"{text}\n\nQuestion: {q}") for q in questions])
+            prefix, own = split_shared_prefix([model.encode(f"{text}\n\nQuestion: {q}", chat=True) for q in questions])
         else:
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
         out = model.generate_branches(prefix, own, **sampling)

@@ -41,13 +41,6 @@ def template_errors() -> Iterator[None]:
                                 "without the chat template (generate without --chat)") from e
 
 
-def encode_chat(model: LlamaANEModel, text: str) -> list[int]:
-    """Token ids of `text` as one user turn of the chat template (`model.encode(text, chat=True)`),
-    a failing template refused as ChatTemplateError."""
-    with template_errors():
-        return model.encode(text, chat=True)
-
-
 class Chat:
     """`chat = Chat(model, system="...")`, then `chat.send("Hello")` per user turn."""
 

@@ -182,9 +182,12 @@ class LlamaANEModel:
         if chat:
             if not self.manifest["tokenizer"].get("chat_template"):
                 raise InvalidArgumentError("this model has no chat template; drop --chat")
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+            from .chat import template_errors
+
+            with template_errors():
+                return list(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
         return list(self.tokenizer(text).input_ids)
 
     def make_cache(self) -> KVCache:

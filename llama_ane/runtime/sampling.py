@@ -40,8 +40,8 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # refuses nan too
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
