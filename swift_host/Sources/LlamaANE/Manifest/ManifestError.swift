@@ -3,7 +3,12 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case missingManifest(folder: String)
     case invalidJSON(path: String, reason: String)
     case unsupportedFormatVersion(found: Int?, supported: [Int])
+    case notAnObject(kind: String)
     case unsafePath(String)
+    case linkOutside(name: String, link: String, target: String)
+    case missingHash(name: String, field: String)
+    case invalidHash(String)
+    case noHashes
     case missingFile(String)
     case hashMismatch(String)
     case inconsistent(String)
@@ -16,12 +21,34 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
         case let .invalidJSON(path, reason):
             return "\(path) is not a valid manifest: \(reason). Re-export the model with `llama-ane export`."
         case let .unsupportedFormatVersion(found, supported):
-            let f = found.map(String.init) ?? "none"
-            return "manifest.json has format_version \(f), but this LlamaANE reads \(supported.map(String.init).joined(separator: ", ")). "
-                + "Re-export with a llama-ane that writes a supported version, or update the Swift package."
+            let reads = supported.map(String.init).joined(separator: ", ")
+            guard let found else {
+                return "manifest.json has no format_version, but this LlamaANE reads \(reads). "
+                    + "Re-export the model with `llama-ane export`."
+            }
+            if let newest = supported.max(), found > newest {
+                return "manifest.json has format_version \(found), from a newer llama-ane, but this LlamaANE reads \(reads). "
+                    + "Update the Swift package, or re-export with a llama-ane that writes a supported version."
+            }
+            return "manifest.json has format_version \(found), from an older llama-ane, but this LlamaANE reads \(reads). "
+                + "Re-export the model with `llama-ane export`."
+        case let .notAnObject(kind):
+            return "manifest.json holds \(kind), not an object. The manifest was edited or damaged: re-export the model."
         case let .unsafePath(name):
             return "manifest.json names the file \"\(name)\", which is not a plain relative name inside the export folder "
                 + "(absolute paths, \"..\" and backslashes are refused). The manifest was edited or damaged: re-export the model."
+        case let .linkOutside(name, link, target):
+            return "manifest.json names \"\(name)\", but \(link) is a link to \(target), outside the export folder. "
+                + "Copy the real files into the export, or re-export the model."
+        case let .missingHash(name, field):
+            return "manifest.json: files has no sha256 of \"\(name)\", which \(field) names: without it the file could be "
+                + "changed unnoticed. The manifest was edited or damaged: re-export the model."
+        case let .invalidHash(name):
+            return "manifest.json: files.\(name) is not a sha256 hex digest (64 lowercase hex digits). "
+                + "The manifest was edited or damaged: re-export the model."
+        case .noHashes:
+            return "manifest.json: files is empty, so nothing in the export could be checked. "
+                + "The manifest was edited or damaged: re-export the model."
         case let .missingFile(name):
             return "\(name) is named in manifest.json but missing from the export folder. Copy the whole folder, or re-export."
         case let .hashMismatch(name):

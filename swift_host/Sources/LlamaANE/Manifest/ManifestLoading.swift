@@ -14,6 +14,11 @@ extension Manifest {
 
     /// Decodes manifest JSON, refusing unknown format versions before anything else.
     public static func decode(_ data: Data, path: String = fileName) throws -> Manifest {
+        let top: Any
+        do { top = try JSONSerialization.jsonObject(with: data, options: .fragmentsAllowed) } catch {
+            throw ManifestError.invalidJSON(path: path, reason: "\(error.localizedDescription)")
+        }
+        guard top is [String: Any] else { throw ManifestError.notAnObject(kind: describeKind(top)) }
         struct VersionProbe: Decodable {
             let formatVersion: Int?
             enum CodingKeys: String, CodingKey { case formatVersion = "format_version" }
@@ -51,16 +56,59 @@ extension Manifest {
         return names.sorted()
     }
 
-    /// Checks names, presence and (optionally) hashes of all named files in `folder`.
+    /// Every file the manifest names outside its `files` map -> the first field that names it: each
+    /// function's package and the tokenizer's files.
+    public var referencedFiles: [String: String] {
+        var found: [String: String] = [:]
+        for (model, entry) in models.sorted(by: { $0.key < $1.key }) {
+            for (name, f) in entry.functions.sorted(by: { $0.key < $1.key }) where found[f.file] == nil {
+                found[f.file] = "models.\(model).functions.\(name).file"
+            }
+        }
+        for (i, name) in tokenizer.files.enumerated() where found[name] == nil { found[name] = "tokenizer.files[\(i)]" }
+        return found
+    }
+
+    /// Checks names, hashes' presence, links, presence and (optionally) hashes of all named files in
+    /// `folder`: every name is a plain relative name, `files` holds the sha256 of every file named
+    /// anywhere, and no named file (nor anything inside a package) is a link leading outside `folder`.
     public func checkFiles(in folder: URL, verifyHashes: Bool = false) throws {
+        for name in namedFiles { _ = try Self.resolve(name, in: folder) }
+        guard !files.isEmpty else { throw ManifestError.noHashes }
+        let hex = Set("0123456789abcdef")
+        for (name, digest) in files.sorted(by: { $0.key < $1.key }) where digest.count != 64 || !digest.allSatisfy(hex.contains) {
+            throw ManifestError.invalidHash(name)
+        }
+        for (name, field) in referencedFiles.sorted(by: { $0.key < $1.key }) where files[name] == nil {
+            throw ManifestError.missingHash(name: name, field: field)
+        }
         for name in namedFiles {
             let url = try Self.resolve(name, in: folder)
             guard FileManager.default.fileExists(atPath: url.path) else { throw ManifestError.missingFile(name) }
+            try Self.checkInside(url, name: name, root: folder)
         }
         guard verifyHashes else { return }
         for (name, digest) in files.sorted(by: { $0.key < $1.key }) {
             let actual = try SHA256.manifestHash(of: try Self.resolve(name, in: folder))
             guard actual == digest.lowercased() else { throw ManifestError.hashMismatch(name) }
+        }
+    }
+
+    /// Refuses `url` when it, or anything inside it, resolves to a place outside `root` (a link).
+    private static func checkInside(_ url: URL, name: String, root: URL) throws {
+        let base = root.resolvingSymlinksInPath().standardizedFileURL.path
+        func inside(_ u: URL) -> Bool {
+            let p = u.resolvingSymlinksInPath().standardizedFileURL.path
+            return p == base || p.hasPrefix(base + "/")
+        }
+        var candidates = [url]
+        var isDirectory: ObjCBool = false
+        if inside(url), FileManager.default.fileExists(atPath: url.path, isDirectory: &isDirectory), isDirectory.boolValue,
+           let walk = FileManager.default.enumerator(at: url, includingPropertiesForKeys: nil) {
+            candidates += walk.compactMap { $0 as? URL }
+        }
+        for u in candidates where !inside(u) {
+            throw ManifestError.linkOutside(name: name, link: u.path, target: u.resolvingSymlinksInPath().path)
         }
     }
 
@@ -83,6 +131,7 @@ extension Manifest {
         guard contextLength > 0, prefillLength > 0, prefillLength <= contextLength else {
             throw ManifestError.inconsistent("context_length \(contextLength) and prefill_length \(prefillLength) must satisfy 0 < prefill <= context")
         }
+        try checkCacheShapes()
         let layers = chunks.flatMap(\.layers).sorted()
         guard layers == Array(0..<config.numHiddenLayers) else {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
@@ -142,6 +191,25 @@ extension Manifest {
         for (name, shape) in expected.sorted(by: { $0.key < $1.key }) where first.input(name)?.shape != shape {
             throw ManifestError.inconsistent("\(embeddings.models[0]) (verify) must take \(name) of shape \(shape) "
                 + "for verify_window \(w), not \(first.input(name).map { "\($0.shape)" } ?? "nothing")")
+        }
+    }
+
+    /// Every K/V cache tensor holds `context_length` positions of `cache.channels` channels, as the
+    /// packages were built for.
+    private func checkCacheShapes() throws {
+        let names: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
+        for (model, entry) in models.sorted(by: { $0.key < $1.key }) {
+            for (name, f) in entry.functions.sorted(by: { $0.key < $1.key }) {
+                for (kind, tensors) in [("inputs", f.inputs), ("outputs", f.outputs), ("states", f.states)] {
+                    for (i, t) in tensors.enumerated() where names.contains(t.name) && t.shape.count == 4 {
+                        let want = [t.shape[0], cache.channels, 1, contextLength]
+                        guard t.shape == want else {
+                            throw ManifestError.inconsistent("models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file) "
+                                + "has shape \(t.shape), but context_length \(contextLength) and cache.channels \(cache.channels) give \(want)")
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -221,7 +289,23 @@ extension Manifest {
         }
     }
 
+    /// `models.chunk_0.functions.decode.inputs[4].shape`, as the Python reader names fields.
     private static func path(_ keys: [CodingKey]) -> String {
-        keys.map { $0.intValue.map { "[\($0)]" } ?? $0.stringValue }.joined(separator: ".")
+        keys.reduce(into: "") { out, key in
+            if let i = key.intValue, key.stringValue != String(i) {  // a list index ("Index 4"), not a numeric key
+                out += "[\(i)]"
+            } else {
+                out += out.isEmpty ? key.stringValue : ".\(key.stringValue)"
+            }
+        }
+    }
+
+    private static func describeKind(_ value: Any) -> String {
+        switch value {
+        case is NSNull: return "null"
+        case is [Any]: return "a list"
+        case is String: return "a string"
+        default: return "a number"
+        }
     }
 }
