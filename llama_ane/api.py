@@ -88,6 +88,23 @@ def check_writable_parent(out: Path) -> None:
         raise ExportError(f"cannot write {out}: {existing} is not a writable folder; choose another -o/--out")
 
 
+def check_not_source(out: Path, source: str | Path | None) -> None:
+    """Refuse an OUT that is the checkpoint, lies inside it or contains it, --force or not: the
+    export would replace or write into the model it reads."""
+    from .export.out_folder import overlap
+
+    if source is None or not Path(source).expanduser().exists():
+        return
+    how = overlap(out, Path(source).expanduser())
+    if how is not None:
+        raise ExportError(f"-o/--out {out} {how} the checkpoint {Path(source).expanduser().resolve()}, which the "
+                          "export would overwrite; choose an output folder outside the checkpoint")
+
+
+def _silent(_message: str) -> None:
+    """The default log: nothing. (A function, not a lambda: it travels to spawned workers.)"""
+
+
 def calibration_text() -> str:
     """Prose shipped to calibrate compression on (neither the verify text nor the eval text)."""
     from importlib import resources
@@ -161,9 +178,10 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     from .contract.plan import plan_export
     from .contract.tokenizer import check_tokenizer
     from .export.budget import GIB, plan_memory
+    from .export.convert import start_method
     from .export.memory import available_bytes
 
-    say = log or (lambda _m: None)
+    say = log or _silent
     compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
                                            block_size=block_size, lut_block_size=lut_block_size)
@@ -175,6 +193,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     if max_memory_gb is not None and max_memory_gb <= 0:
         raise ExportOptionsError(f"--max-memory must be a positive number of GiB, got {max_memory_gb}")
     out = Path(out).expanduser().resolve()
+    check_not_source(out, source)
     if out.exists() and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
@@ -185,7 +204,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     check_tokenizer(ckpt.tokenizer_dir, ckpt.config)  # a bad tokenizer is refused before anything is converted
     plan = plan_export(ckpt.config, opts)
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
-                         max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB))
+                         max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB), method=start_method())
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
         f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
@@ -204,54 +223,58 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
-    return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0)
+    return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0, force)
 
 
 def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,
-           say: Callable[[str], None], t0: float) -> Path:
+           say: Callable[[str], None], t0: float, force: bool = False) -> Path:
     """Convert every package of `plan` into a hidden folder next to `out`, write the manifest,
-    validate and verify it, and only then rename it to `out`."""
+    validate and verify it, and only then rename it to `out`; all under a lock on `out` (see
+    export.out_folder), first removing what exports to `out` that were killed left."""
     from .checkpoint.loader import copy_tokenizer
     from .contract.tokenizer import tokenizer_info
     from .export.budget import GIB
     from .export.convert import convert_all
     from .export.memory import PeakMemory
+    from .export.out_folder import OutLock, finish, make_partial, remove_stale_partials
     from .export.validate import validate_export
 
     calibration = None
     if any(c.weighted for part in PARTS if (c := opts.quantize.compression(part, target))):
         calibration = functools.partial(calibrate, ckpt, say)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        with PeakMemory() as meter:
-            bar = _Progress(plan, progress)
-            try:
-                convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built, calibration=calibration,
-                            compressed=bar.compressed)
-            finally:
-                bar.close()
-            tok_files = copy_tokenizer(ckpt, tmp)
-            write_manifest(tmp, plan.manifest(ckpt.name, ckpt.source, tokenizer_info(tmp, ckpt.config, tok_files)))
-            validate_export(tmp)
-            say(f"converted in {time.perf_counter() - t0:.1f} s")
-            if verify:  # the parity gate runs before the rename: a failing export is never left in place
-                from .verify import verify_export
+    with OutLock(out):
+        if out.exists() and not force:  # written by an export that finished since the first look
+            raise ExportError(f"{out} already exists; pass --force to replace it")
+        for stale in remove_stale_partials(out):
+            say(f"removed {stale.name}, left by an export to {out.name} that was killed")
+        tmp = make_partial(out)
+        try:
+            with PeakMemory() as meter:
+                bar = _Progress(plan, progress)
+                try:
+                    convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built,
+                                calibration=calibration, compressed=bar.compressed)
+                finally:
+                    bar.close()
+                tok_files = copy_tokenizer(ckpt, tmp)
+                write_manifest(tmp, plan.manifest(ckpt.name, ckpt.source,
+                                                  tokenizer_info(tmp, ckpt.config, tok_files)))
+                validate_export(tmp)
+                say(f"converted in {time.perf_counter() - t0:.1f} s")
+                if verify:  # the parity gate runs before the rename: a failing export is never left in place
+                    from .verify import verify_export
 
-                report = verify_export(tmp, checkpoint=ckpt)
-                report.export_dir = str(out)
-                say(str(report))
-                if not report.passed:
-                    raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was not "
-                                      "written; pass --no-verify to keep it anyway")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{int(time.time())}"
-            out.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                    report = verify_export(tmp, checkpoint=ckpt)
+                    report.export_dir = str(out)
+                    say(str(report))
+                    if not report.passed:
+                        raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was "
+                                          "not written; pass --no-verify to keep it anyway")
+            finish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     say(f"exported {out} in {time.perf_counter() - t0:.1f} s, peak memory {meter.peak / GIB:.2f} GiB "
         f"({'summed PSS of the process tree' if meter.method == 'pss-tree' else 'peak RSS'})")
     return out

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -64,7 +66,7 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
     from ..api import export_model
 
     t0 = time.perf_counter()
-    with user_errors():
+    with user_errors(), stopped_by_signal(out):
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, verify_window=verify_window, target=target, precision=precision, force=force,
@@ -73,3 +75,19 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
                      block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, progress=not quiet, log=click.echo)
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+@contextlib.contextmanager
+def stopped_by_signal(out: Path) -> Iterator[None]:
+    """SIGTERM and SIGHUP clean up as Ctrl-C does (the export's workers stopped, its partial folder
+    removed), then end the command with one `Error:` line and the exit code a shell gives a process
+    that signal ended."""
+    from ..export.convert import Stopped, stop_on_signals
+
+    try:
+        with stop_on_signals():
+            yield
+    except Stopped as stop:
+        error = click.ClickException(f"the export was {stop}; nothing was written to {out}")
+        error.exit_code = 128 + stop.signum
+        raise error from None

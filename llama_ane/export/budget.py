@@ -23,6 +23,7 @@ from ..contract.plan import ExportPlan, PackageSpec
 GIB = 1 << 30
 PARENT_BYTES = int(0.9 * GIB)  # python, torch, coremltools and the tokenizer, before any weight
 WORKER_BYTES = int(0.25 * GIB)  # a forked worker's own pages beyond those it shares with the parent
+SPAWNED_WORKER_BYTES = int(0.4 * GIB)  # a spawned worker (macOS) imports torch and coremltools itself
 BUILD_FACTOR = 2.0  # peak bytes of building a package, per byte of its weights
 VERIFY_FACTOR = 3.5  # peak bytes of verifying a package, per byte of its weights
 
@@ -62,14 +63,20 @@ def held_bytes(plan: ExportPlan, package: PackageSpec) -> int:
     return package.dense_bytes - codes  # 2 bytes per fp16 weight, 1 per code
 
 
-def build_peak(plan: ExportPlan, workers: int) -> int:
+def worker_bytes(method: str) -> int:
+    """A worker's own memory besides the weights it holds, by how workers start ("fork", "spawn")."""
+    return WORKER_BYTES if method == "fork" else SPAWNED_WORKER_BYTES
+
+
+def build_peak(plan: ExportPlan, workers: int, method: str = "fork") -> int:
     """Estimated peak while `workers` packages are built at once (the largest ones first), or
-    while they compress weights, whichever is higher."""
+    while they compress weights, whichever is higher; workers started by `method`."""
+    own = worker_bytes(method)
     sizes = sorted((held_bytes(plan, p) for p in plan.packages), reverse=True)[:max(1, workers)]
-    build = PARENT_BYTES + sum(WORKER_BYTES + int(BUILD_FACTOR * s) for s in sizes)
+    build = PARENT_BYTES + sum(own + int(BUILD_FACTOR * s) for s in sizes)
     if not plan.options.quantize.active:
         return build
-    return max(build, PARENT_BYTES + max(1, workers) * (WORKER_BYTES + COMPRESS_BYTES))
+    return max(build, PARENT_BYTES + max(1, workers) * (own + COMPRESS_BYTES))
 
 
 def verify_peak(plan: ExportPlan, verify: bool) -> int:
@@ -79,42 +86,44 @@ def verify_peak(plan: ExportPlan, verify: bool) -> int:
     return PARENT_BYTES + int(VERIFY_FACTOR * max(p.dense_bytes for p in plan.packages))
 
 
-def _fits_chunk(plan: ExportPlan, budget: int, verify: bool) -> int | None:
+def _fits_chunk(plan: ExportPlan, budget: int, verify: bool, method: str) -> int | None:
     """The largest --layers-per-chunk whose packages fit `budget` with one worker, if any."""
     cfg, per_weight = plan.config, 2 if plan.options.precision == "fp16" else 4
     other = max((p.dense_bytes for p in plan.packages if not p.layers), default=0)
     factor = max(BUILD_FACTOR, VERIFY_FACTOR if verify else 0)
     for k in range(max(len(c) for c in plan.chunks) - 1, 0, -1):
-        if PARENT_BYTES + WORKER_BYTES + factor * max(other, k * layer_weight_bytes(cfg, per_weight)) <= budget:
+        if PARENT_BYTES + worker_bytes(method) + factor * max(other, k * layer_weight_bytes(cfg, per_weight)) <= budget:
             return k
     return None
 
 
 def plan_memory(plan: ExportPlan, *, available: int | None, max_memory: int | None = None,
-                workers: int | None = None, verify: bool = True, cores: int | None = None) -> MemoryPlan:
+                workers: int | None = None, verify: bool = True, cores: int | None = None,
+                method: str = "fork") -> MemoryPlan:
     """Choose the worker count from cores and memory, or refuse with what would fit.
 
     `max_memory` (bytes) replaces the memory this machine reports as available; `workers` fixes
-    the count instead of choosing it. Raises MemoryBudgetError before anything is converted.
+    the count instead of choosing it; `method` is how workers start (convert.start_method).
+    Raises MemoryBudgetError before anything is converted.
     """
     budget = max_memory if max_memory is not None else (int(available * 0.9) if available else None)
     cores = cores or os.cpu_count() or 1
     limit = workers if workers is not None else min(cores, len(plan.packages))
     chosen = max(1, limit)
     if budget is not None and workers is None:
-        while chosen > 1 and build_peak(plan, chosen) > budget:
+        while chosen > 1 and build_peak(plan, chosen, method) > budget:
             chosen -= 1
-    result = MemoryPlan(chosen, build_peak(plan, chosen), verify_peak(plan, verify), budget)
+    result = MemoryPlan(chosen, build_peak(plan, chosen, method), verify_peak(plan, verify), budget)
     if budget is None or result.peak <= budget:
         return result
     where = "--max-memory" if max_memory is not None else "available memory"
     hints = []
     if chosen > 1:
-        hints.append(f"--workers 1 (estimated {max(build_peak(plan, 1), result.verify_peak) / GIB:.1f} GiB)")
-    if verify and result.verify_peak > budget and build_peak(plan, chosen) <= budget:
-        hints.append(f"--no-verify (estimated {build_peak(plan, chosen) / GIB:.1f} GiB; run `llama-ane verify` "
-                     "later on a larger machine)")
-    k = _fits_chunk(plan, budget, verify)
+        hints.append(f"--workers 1 (estimated {max(build_peak(plan, 1, method), result.verify_peak) / GIB:.1f} GiB)")
+    if verify and result.verify_peak > budget and build_peak(plan, chosen, method) <= budget:
+        hints.append(f"--no-verify (estimated {build_peak(plan, chosen, method) / GIB:.1f} GiB; run "
+                     "`llama-ane verify` later on a larger machine)")
+    k = _fits_chunk(plan, budget, verify, method)
     if k is not None:
         hints.append(f"--layers-per-chunk {k}")
     if max_memory is None:

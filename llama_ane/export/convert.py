@@ -13,19 +13,27 @@ of a 1B model in lut4), so compressing per package would leave all but one worke
 in workers kept from one unit to the next (a fresh process per unit faulted in all of its working
 memory again). Each package's build then reads its compressed weights back instead of the dense
 ones.
+
+Workers fork where that is safe and spawn where it is not (macOS: see start_method), so what a
+worker runs is plain data that pickles: a function of this module named as a string, and its
+arguments, the checkpoint among them by reference. However the export ends, its workers end with
+it: a stop signal is acted on between waits and stops them, and a worker whose export died
+(SIGKILL included) ends itself (see _Lifeline).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import shutil
-import sys
 import signal
+import sys
 import tempfile
 import threading
 import traceback
@@ -288,23 +296,194 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
     return path
 
 
-def start_without_sigint(proc: multiprocessing.process.BaseProcess) -> None:
-    """Start `proc` with SIGINT blocked. Ctrl-C then reaches only this process, which stops its
-    children itself: a child interrupted while it starts up would print a traceback of its own. The
-    child calls `ignore_sigint` first thing."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+# --- Workers: how they start, what they run, and how they die with the export ---------------------
+
+START_METHOD_ENV = "LLAMA_ANE_START_METHOD"  # "fork" or "spawn": how workers start (default: start_method())
+PDEATHSIG_ENV = "LLAMA_ANE_PDEATHSIG"  # "0": Linux workers rely on their parent watch alone, as macOS ones do
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+ORPHANED_EXIT = 70  # a worker's exit code when it finds its export gone
+
+
+class Stopped(KeyboardInterrupt):
+    """The export was stopped by SIGTERM or SIGHUP. A KeyboardInterrupt, so that everything that
+    cleans up after Ctrl-C cleans up after it too; the command line turns it into one `Error:` line."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+def interruption(signum: int) -> KeyboardInterrupt:
+    """What a stop signal raises: KeyboardInterrupt for Ctrl-C, Stopped for the others."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
+
+
+def start_method() -> str:
+    """How workers start: `spawn` on macOS, where a process that has loaded torch and coremltools
+    (and the system frameworks under them) cannot safely fork, and wherever fork is missing;
+    `fork` elsewhere, which starts a worker in milliseconds with the parent's modules already
+    imported (a spawned one imports torch and coremltools again, seconds each). The environment
+    variable LLAMA_ANE_START_METHOD picks either."""
+    methods = multiprocessing.get_all_start_methods()
+    chosen = os.environ.get(START_METHOD_ENV) or ("fork" if sys.platform != "darwin" and "fork" in methods
+                                                  else "spawn")
+    if chosen not in ("fork", "spawn") or chosen not in methods:
+        usable = [m for m in ("fork", "spawn") if m in methods]
+        raise ConversionError(f"{START_METHOD_ENV}={chosen!r} is not a way to start workers here; "
+                              f"set it to {' or '.join(usable)}, or unset it")
+    return chosen
+
+
+# Checkpoints hold open-file callables and do not pickle; a job names its checkpoint by where it
+# came from instead. A forked worker finds the parent's opened checkpoint here (inherited); a
+# spawned one opens it once from its source and keeps it for its later jobs.
+_CHECKPOINTS: dict[str, Checkpoint] = {}
+
+
+def _share(ckpt: Checkpoint) -> tuple[str, dict]:
+    """How jobs name `ckpt` (registered here, for the workers this process forks from now on)."""
+    key = f"{ckpt.source.get('kind')}:{ckpt.source.get('path')}"
+    _CHECKPOINTS.setdefault(key, ckpt)
+    return key, ckpt.source
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return _share(obj) if isinstance(obj, Checkpoint) else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        from ..checkpoint.loader import load_checkpoint, source_path
+
+        key, source = pid
+        if key not in _CHECKPOINTS:
+            _CHECKPOINTS[key] = load_checkpoint(source_path(source))
+        return _CHECKPOINTS[key]
+
+
+def pack(obj) -> bytes:
+    """`obj` pickled for a worker, checkpoints by reference (see _CHECKPOINTS)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes):
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What a worker runs: a function of this module, by name, and its arguments, all data.
+    By name, so that it pickles (no closures) and a forked worker calls whatever the module holds."""
+
+    function: str
+    args: tuple
+
+    def run(self) -> None:
+        globals()[self.function](*self.args)
+
+
+def _calibrate(calibration: Callable[..., object], found: "SavedImportance") -> None:
+    calibration(on_found=found.save)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One piece of work for a worker: `task` in the child, `what` for errors, `spec` for progress.
+    A build starts once its package's compression units are done, a compression unit once the
+    statistics `keys` are saved (the parent decides: nothing here runs in a worker but `task`)."""
+
+    what: str
+    spec: PackageSpec | None
+    task: _Task
+    weights: int  # its size, for messages
+    builds: bool = True  # builds `spec` (else compresses some of its weights, or calibrates)
+    reusable: bool = False  # may run in a worker that ran jobs before it (see _reused_worker)
+    keys: tuple[str, ...] = ()  # the calibration statistics it needs
+
+
+POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
+
+
+@dataclass(frozen=True)
+class _Lifeline:
+    """What ties a worker's life to the export's. Linux: a parent-death signal (prctl), unless
+    LLAMA_ANE_PDEATHSIG=0. Everywhere: a thread that blocks on the read end of a pipe whose only
+    write end the export holds, and ends the worker when it reads end-of-file: the export is gone,
+    however it died (macOS has no parent-death signal). A forked worker inherits that write end
+    (`inherited`, its descriptor) and closes it first."""
+
+    parent: int
+    watch: multiprocessing.connection.Connection
+    inherited: int | None
+    pdeathsig: bool
+    coremltools_log_level: int  # a spawned worker starts with logging unset
+
+    def hold(self) -> None:
+        if self.inherited is not None:
+            os.close(self.inherited)
+        if self.pdeathsig:
+            _set_parent_death_signal()
+        if os.getppid() != self.parent:  # gone before the signal was set
+            os._exit(ORPHANED_EXIT)
+        threading.Thread(target=self._watch, name="parent-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            self.watch.recv_bytes()  # the export never writes: this returns when its end closes
+        except (EOFError, OSError):
+            pass
+        os._exit(ORPHANED_EXIT)
+
+
+def _set_parent_death_signal() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux only; nothing elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this C library: the watch thread still works
+        pass
+
+
+def start_blocked(proc: multiprocessing.process.BaseProcess) -> None:
+    """Start `proc` with the stop signals blocked. Ctrl-C then reaches only this process, which
+    stops its children itself: a child interrupted while it starts up (a spawned one imports for
+    seconds) would print a traceback of its own. The child calls `worker_signals` first thing; a
+    spawned child keeps the mask across exec."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         proc.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+def worker_signals() -> None:
+    """In a child started by `start_blocked`: drop a pending Ctrl-C and ignore later ones (the
+    export stops its workers itself); SIGTERM and SIGHUP end it as they would any process (a
+    forked child would otherwise keep the export's handlers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
+
+
 @contextlib.contextmanager
-def deferred_sigint() -> Iterator[Callable[[], None]]:
-    """Within it, Ctrl-C only sets a flag, and the `check()` it yields raises KeyboardInterrupt at a
-    point of the caller's choosing. Raised wherever the main thread happened to be, the interrupt
-    could land in a fork hook, which swallows it, and the export would go on. (Outside the main
-    thread signals cannot be handled: `check` then does nothing.)"""
+def deferred_signals() -> Iterator[Callable[[], None]]:
+    """Within it, Ctrl-C, SIGTERM and SIGHUP only set a flag, and the `check()` it yields raises
+    KeyboardInterrupt (Ctrl-C) or Stopped at a point of the caller's choosing. Raised wherever the
+    main thread happened to be, the interrupt could land in a fork hook, which swallows it, and the
+    export would go on. A signal this process ignores (nohup's SIGHUP) stays ignored. (Outside the
+    main thread signals cannot be handled: `check` then does nothing.)"""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
@@ -312,41 +491,44 @@ def deferred_sigint() -> Iterator[Callable[[], None]]:
 
     def check() -> None:
         if hit:
-            raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
-    try:
+            raise interruption(hit[0])
+    with _handling(STOP_SIGNALS, lambda signum, _frame: hit.append(signum)):
         yield check
-    finally:
-        signal.signal(signal.SIGINT, previous)
     check()
 
 
-def ignore_sigint() -> None:
-    """In a child started by `start_without_sigint`: drop a pending Ctrl-C and ignore later ones."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within it, SIGTERM and SIGHUP raise Stopped in the main thread, as Ctrl-C raises
+    KeyboardInterrupt: what was half written is removed on the way out. For a command line; an
+    ignored signal stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+    with _handling([s for s in STOP_SIGNALS if s != signal.SIGINT], stop):
+        yield
 
 
-@dataclass(frozen=True)
-class _Job:
-    """One piece of work for a worker: `run()` in the child, `what` for errors, `spec` for progress;
-    it starts once `ready()`."""
-
-    what: str
-    spec: PackageSpec | None
-    run: Callable[[], object]
-    weights: int  # its size, for messages
-    ready: Callable[[], bool] = lambda: True
-    builds: bool = True  # builds `spec` (else compresses some of its weights, or calibrates)
-    reusable: bool = False  # may run in a worker that ran jobs before it (see _reused_worker)
+@contextlib.contextmanager
+def _handling(signals, handler) -> Iterator[None]:
+    """`handler` for each of `signals` that this process does not ignore; the previous handlers
+    back afterwards."""
+    previous = {s: signal.signal(s, handler) for s in signals if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
 
 
-POLL_SECONDS = 0.2  # how often jobs waiting for the calibration look again
-
-
-def _worker_setup(scratch: Path) -> None:
-    """First thing in a forked worker."""
-    ignore_sigint()  # the parent stops the workers on Ctrl-C
+def _worker_setup(scratch: Path, lifeline: _Lifeline) -> None:
+    """First thing in a worker."""
+    worker_signals()
+    lifeline.hold()
+    logging.getLogger("coremltools").setLevel(lifeline.coremltools_log_level)
     import torch
 
     torch.set_num_threads(1)
@@ -361,38 +543,39 @@ def _fail(exc: BaseException, errors) -> None:
     os._exit(1)
 
 
-def _worker(job: _Job, scratch: Path, errors) -> None:
-    """Body of a forked worker for one job: run it, report a failure through `errors`."""
-    _worker_setup(scratch)
+def _worker(task: _Task | bytes, scratch: Path, errors, lifeline: _Lifeline) -> None:
+    """Body of a worker for one job (`task`, packed for a spawned one): run it, report a failure
+    through `errors`."""
+    _worker_setup(scratch, lifeline)
     try:
-        job.run()
+        (task if isinstance(task, _Task) else unpack(task)).run()
     except BaseException as exc:
         _fail(exc, errors)
     sys.stdout.flush()
     os._exit(0)
 
 
-def _reused_worker(jobs: list[_Job], conn, scratch: Path, errors) -> None:
-    """Body of a forked worker that runs reusable jobs one after another: the index of each in
-    `jobs` comes through `conn`, which gets back (index, whether the worker stays) once the job is
-    done; None ends the worker. Compression units are short, and a fresh process per unit faulted in
-    all of its working memory again; this one keeps the memory it frees for its next job (see
+def _reused_worker(conn, scratch: Path, errors, lifeline: _Lifeline) -> None:
+    """Body of a worker that runs reusable jobs one after another: each packed task comes through
+    `conn`, which gets back whether the worker stays for another once it is done; None ends the
+    worker. Compression units are short, and a fresh process per unit faulted in all of its
+    working memory again; this one keeps the memory it frees for its next job (see
     keep_freed_memory), and leaves once its private memory has grown by more than a compression
     worker's share of the memory plan (budget.COMPRESS_BYTES)."""
     from . import budget
     from .memory import keep_freed_memory, private_bytes
 
-    _worker_setup(scratch)
+    _worker_setup(scratch, lifeline)
     keep_freed_memory()
     start = private_bytes(os.getpid())
-    while (index := conn.recv()) is not None:
+    while (packed := conn.recv()) is not None:
         try:
-            jobs[index].run()
+            unpack(packed).run()
         except BaseException as exc:
             _fail(exc, errors)
         sys.stdout.flush()
         stays = private_bytes(os.getpid()) - start <= budget.COMPRESS_BYTES
-        conn.send((index, stays))
+        conn.send(stays)
         if not stays:
             break
     os._exit(0)
@@ -412,7 +595,7 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
                 progress: Callable[[PackageSpec], None] | None = None,
                 importance: dict[str, np.ndarray] | None = None,
                 compressed: Callable[[PackageSpec, int], None] | None = None,
-                calibration: Callable[..., object] | None = None) -> None:
+                calibration: Callable[..., object] | None = None, method: str | None = None) -> None:
     """Build every package of `plan` into `folder`, at most `workers` jobs at a time.
     `progress(spec)` follows each package built, `compressed(spec, weights)` each compression
     unit done (see compression_units). A package with compressed weights is built once all its
@@ -423,50 +606,55 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
     known, or `calibration(on_found=...)` (api.calibrate) run as the first job, each unit starting
     as soon as the statistics of its weight are saved (the layers in order, the LM head last).
 
+    Workers start by `method` ("fork" or "spawn"; default: start_method()); spawned ones need
+    `calibration` to pickle (a module-level function or a partial of one). They stay in this
+    process's process group, and die with this process however it ends (see _Lifeline). Ctrl-C,
+    SIGTERM and SIGHUP stop them and raise KeyboardInterrupt (Stopped for the last two).
+
     Raises ConversionError naming the package when a worker fails or dies; the caller removes
-    `folder`. Without `fork` (Windows) the jobs run one by one in this process.
+    `folder`.
     """
-    with deferred_sigint() as check_interrupt:  # a Ctrl-C from here on is acted on where it is safe
-        _convert_all(plan, ckpt, folder, workers, progress, importance, compressed, calibration, check_interrupt)
+    method = method or start_method()
+    with deferred_signals() as check_interrupt:  # a stop signal from here on is acted on where it is safe
+        _convert_all(plan, ckpt, folder, workers, progress, importance, compressed, calibration, check_interrupt,
+                     method)
 
 
 def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
                  progress: Callable[[PackageSpec], None] | None, importance: dict[str, np.ndarray] | None,
                  compressed: Callable[[PackageSpec, int], None] | None, calibration: Callable[..., object] | None,
-                 check_interrupt: Callable[[], None]) -> None:
-    """The body of convert_all, with `check_interrupt()` raising a deferred Ctrl-C."""
+                 check_interrupt: Callable[[], None], method: str) -> None:
+    """The body of convert_all, with `check_interrupt()` raising a deferred stop signal."""
     scratch = folder / ".scratch"
     scratch.mkdir(exist_ok=True)
+    _share(ckpt)
     units = compression_units(plan)
     jobs: list[_Job] = []
     pending = {spec.file: 0 for spec in plan.packages}  # compression units of each package not done yet
+    found: dict[str, np.ndarray] | SavedImportance | None = importance
     if units:
-        found = importance
         if calibration is not None:
             found = SavedImportance(scratch / "importance")
-            jobs.append(_Job("calibrating", None, functools.partial(calibration, on_found=found.save), 0))
-
-        def ready(unit: CompressionUnit) -> Callable[[], bool]:
-            if not isinstance(found, SavedImportance):
-                return lambda: True
-            keys = [importance_key(p.spec, p.name) for p in unit.pieces if plan.compression(p.name).weighted]
-            return lambda: all(found.has(key) for key in keys)
-
-        def what(unit: CompressionUnit) -> str:
-            first, last = unit.pieces[0], unit.pieces[-1]
-            return f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
-                f" of {unit.spec.file}"
-
+            jobs.append(_Job("calibrating", None, _Task("_calibrate", (calibration, found)), 0))
         for u in units:
             pending[u.spec.file] += 1
-            jobs.append(_Job(what(u), u.spec, functools.partial(compress_unit, u, plan, ckpt, scratch, found),
-                             u.weights, ready(u), builds=False, reusable=True))
+            first, last = u.pieces[0], u.pieces[-1]
+            what = f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
+                f" of {u.spec.file}"
+            keys = tuple(importance_key(p.spec, p.name) for p in u.pieces if plan.compression(p.name).weighted)
+            jobs.append(_Job(what, u.spec, _Task("compress_unit", (u, plan, ckpt, scratch, found)), u.weights,
+                             builds=False, reusable=True, keys=keys))
     # a package is built as soon as its weights are compressed (builds come first once ready: the
     # largest build is the longest job, and the other workers go on compressing meanwhile)
     jobs[:0] = [_Job(f"building {spec.file}", spec,
-                  functools.partial(build_package, spec, plan, ckpt, folder, importance, scratch if units else None),
-                  spec.dense_bytes // 2, functools.partial(lambda file: pending[file] == 0, spec.file))
-             for spec in sorted(plan.packages, key=lambda p: -p.dense_bytes)]
+                     _Task("build_package", (spec, plan, ckpt, folder, importance, scratch if units else None)),
+                     spec.dense_bytes // 2)
+                for spec in sorted(plan.packages, key=lambda p: -p.dense_bytes)]
+
+    def ready(job: _Job) -> bool:
+        if job.builds:
+            return job.spec is None or pending[job.spec.file] == 0
+        return not isinstance(found, SavedImportance) or all(found.has(key) for key in job.keys)
 
     def done(job: _Job) -> None:
         if job.spec is None:  # the calibration
@@ -479,26 +667,16 @@ def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
             progress(job.spec)
 
     try:
-        from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
-
+        if method == "fork":
+            from .package_weights import PackageWeights  # noqa: F401 (and coremltools) imported once here, not in every worker
         check_interrupt()
-        if "fork" not in multiprocessing.get_all_start_methods():
-            todo = list(jobs)
-            while todo:
-                job = next((j for j in todo if j.ready()), None)
-                if job is None:
-                    raise _never_ready(todo)
-                todo.remove(job)
-                job.run()
-                done(job)
-                check_interrupt()
-        else:
-            _run_forked(jobs, scratch, max(1, workers), done, check_interrupt)
+        _run_workers(jobs, scratch, max(1, workers), ready, done, check_interrupt, method)
     finally:
+        _CHECKPOINTS.clear()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _never_ready(todo: list["_Job"]) -> ConversionError:
+def _never_ready(todo: list[_Job]) -> ConversionError:
     """The error when nothing runs and none of `todo` can start: a unit waits for statistics the
     calibration never saved (and the builds wait for that unit)."""
     waiting = next((job for job in todo if not job.builds), todo[0])
@@ -506,12 +684,11 @@ def _never_ready(todo: list["_Job"]) -> ConversionError:
 
 
 def _answered(conn) -> tuple[bool, bool]:
-    """(whether a kept worker sent back its job's index, whether it stays for another job); a
+    """(whether a kept worker answered that its job is done, whether it stays for another job); a
     worker that did not answer ended (the pipe is closed)."""
     try:
         if conn.poll():
-            _, stays = conn.recv()
-            return True, stays
+            return True, conn.recv()
     except EOFError:
         pass
     return False, False
@@ -538,22 +715,24 @@ def _end(proc: multiprocessing.process.BaseProcess, conn=None) -> None:
         conn.close()
 
 
-def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_Job], None] | None,
-                check_interrupt: Callable[[], None]) -> None:
-    """Run `jobs` in forked workers, at most `workers` processes at a time, each job once it is
-    ready: a reusable job in a worker kept for them (started when none is idle), any other in a
-    fresh process of its own, which an idle kept worker makes room for. `check_interrupt()`
-    raises a deferred Ctrl-C (see deferred_sigint) between waits."""
-    ctx = multiprocessing.get_context("fork")
+def _run_workers(jobs: list[_Job], scratch: Path, workers: int, ready: Callable[[_Job], bool],
+                 done: Callable[[_Job], None], check_interrupt: Callable[[], None], method: str) -> None:
+    """Run `jobs` in workers started by `method`, at most `workers` processes at a time, each job
+    once `ready(job)`: a reusable job in a worker kept for them (started when none is idle), any
+    other in a fresh process of its own, which an idle kept worker makes room for.
+    `check_interrupt()` raises a deferred stop signal (see deferred_signals) between waits."""
+    ctx = multiprocessing.get_context(method)
     errors = ctx.SimpleQueue()
-    index = {id(job): i for i, job in enumerate(jobs)}  # what a kept worker is sent
+    watch, keep = ctx.Pipe(duplex=False)  # `keep` closes when this process dies: the workers' cue to go
+    lifeline = _Lifeline(os.getpid(), watch, keep.fileno() if method == "fork" else None,
+                         os.environ.get(PDEATHSIG_ENV, "1") != "0", logging.getLogger("coremltools").level)
     todo = list(jobs)
     running: list[_Running] = []
     idle: list[tuple] = []  # kept workers waiting for a job: (process, pipe)
 
     def start(target, args, what: str):
-        proc = ctx.Process(target=target, args=args, name=what[:60], daemon=True)
-        start_without_sigint(proc)
+        proc = ctx.Process(target=target, args=args + (scratch, errors, lifeline), name=what[:60], daemon=True)
+        start_blocked(proc)
         return proc
 
     def retire_idle() -> None:
@@ -564,7 +743,7 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
     try:
         while todo or running:
             check_interrupt()
-            while len(running) < workers and (job := next((j for j in todo if j.ready()), None)):
+            while len(running) < workers and (job := next((j for j in todo if ready(j)), None)):
                 todo.remove(job)
                 if job.reusable:
                     while idle and not idle[-1][0].is_alive():  # gone while it waited: start another
@@ -573,19 +752,21 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                         proc, conn = idle.pop()
                     else:
                         conn, theirs = ctx.Pipe()
-                        proc = start(_reused_worker, (jobs, theirs, scratch, errors), "compression worker")
+                        proc = start(_reused_worker, (theirs,), "compression worker")
                         theirs.close()
-                    conn.send(index[id(job)])
+                    conn.send(pack(job.task))
                     running.append(_Running(proc, job, conn))
                 else:
                     if len(running) + len(idle) >= workers:
                         retire_idle()
-                    running.append(_Running(start(_worker, (job, scratch, errors), job.what), job))
+                    task = job.task if method == "fork" else pack(job.task)
+                    running.append(_Running(start(_worker, (task,), job.what), job))
             if not running:  # nothing runs and nothing can start: what it waits for will never come
                 raise _never_ready(todo)
-            # a bounded wait, so that a deferred Ctrl-C is acted on promptly
+            # a bounded wait, so that a deferred stop signal is acted on promptly
             finished = set(multiprocessing.connection.wait([w for r in running for w in r.waits()],
                                                            timeout=POLL_SECONDS))
+            check_interrupt()  # before a worker the same signal ended is taken for a failure
             for r in [r for r in running if finished.intersection(r.waits())]:
                 running.remove(r)
                 answered, stays = _answered(r.conn) if r.conn is not None else (False, False)
@@ -600,11 +781,12 @@ def _run_forked(jobs: list[_Job], scratch: Path, workers: int, done: Callable[[_
                         if detail:
                             raise ConversionError(f"{r.job.what} failed: {detail}")
                         raise _death(r.job, r.proc.exitcode)
-                if done:
-                    done(r.job)
+                done(r.job)
         while idle:
             retire_idle()
     finally:
         for proc in [r.proc for r in running] + [proc for proc, _ in idle]:
             proc.kill()
             proc.join()
+        keep.close()
+        watch.close()

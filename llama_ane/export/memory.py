@@ -5,6 +5,7 @@ so they overstate a process tree. The proportional set size (PSS, from `/proc/PI
 divides each shared page among the processes mapping it: summed over a tree it counts every page
 once. `PeakMemory` samples that sum in a background thread. Where /proc does not exist (macOS),
 it falls back to the peak RSS the kernel reports for this process and its waited-for children.
+Available memory comes from psutil on every system.
 """
 
 from __future__ import annotations
@@ -20,28 +21,22 @@ GIB = 1 << 30
 
 
 def available_bytes() -> int | None:
-    """Memory a new allocation can get without swapping: MemAvailable, capped by a cgroup limit."""
-    avail = None
+    """Memory a new allocation can get without swapping (psutil's `available`: MemAvailable on
+    Linux, free plus inactive and purgeable pages on macOS), capped by a Linux cgroup limit."""
+    import psutil
+
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    if avail is None and sys.platform == "darwin":
-        try:
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
-    limit = _cgroup_room()
+        avail = int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
+        avail = None
+    limit = _cgroup_room() if sys.platform.startswith("linux") else None
     if limit is not None:
         avail = limit if avail is None else min(avail, limit)
     return avail
 
 
 def _cgroup_room() -> int | None:
-    """Bytes left under a cgroup v2 memory limit, if this process runs under one."""
+    """Bytes left under a cgroup v2 memory limit, if this process runs under one (Linux)."""
     base = Path("/sys/fs/cgroup")
     try:
         limit = (base / "memory.max").read_text().strip()
@@ -52,22 +47,14 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
 def tree_pids(root: int) -> list[int]:
-    """`root` and all its descendants (Linux /proc)."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(_children(pid))
-    return out
+    """`root` and all its descendants."""
+    import psutil
+
+    try:
+        return [root] + [p.pid for p in psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return [root]
 
 
 def _rollup_bytes(pid: int, fields: tuple[str, ...]) -> int:
@@ -87,8 +74,16 @@ def pss_bytes(pid: int) -> int:
 
 def private_bytes(pid: int) -> int:
     """Memory only this process maps (its private pages: what it allocated or copied on write, not
-    what it shares with its parent), 0 if it is gone or unreadable."""
-    return _rollup_bytes(pid, ("Private_Clean:", "Private_Dirty:"))
+    what it shares with its parent), 0 if it is gone or unreadable. Linux reads smaps_rollup;
+    elsewhere psutil's unique set size."""
+    if have_pss():
+        return _rollup_bytes(pid, ("Private_Clean:", "Private_Dirty:"))
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).memory_full_info().uss)
+    except (psutil.Error, AttributeError, OSError):
+        return 0
 
 
 def tree_pss_bytes(root: int | None = None) -> int:
@@ -97,7 +92,8 @@ def tree_pss_bytes(root: int | None = None) -> int:
 
 
 def have_pss() -> bool:
-    return Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
+    """Whether PSS can be read (Linux /proc; nothing is read from /proc elsewhere)."""
+    return sys.platform.startswith("linux") and Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
 
 
 def max_rss_bytes() -> int:
