@@ -3,8 +3,11 @@ import Foundation
 /// A Codable mirror of an export's `manifest.json` (format_version 2, see docs/manifest.md): the one
 /// place that names the files, functions, tensors, shapes and dtypes of an exported model.
 ///
-/// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, refuses
-/// file names that are absolute or contain `..`, and checks that every named file exists.
+/// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, then the
+/// fields and their types, the cache shapes against `context_length`, every file name (plain relative
+/// names, no link leading outside the folder), a `files` map holding the sha256 of every named file,
+/// and that every named file exists. The manifest is untrusted input: tests/fixtures/bad_manifests
+/// holds the cases it must refuse, shared with the Python reader.
 public struct Manifest: Codable, Equatable, Sendable {
     /// The format versions this package reads.
     public static let supportedFormatVersions = [2]
