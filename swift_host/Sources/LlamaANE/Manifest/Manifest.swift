@@ -6,8 +6,7 @@ import Foundation
 /// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, then the
 /// fields and their types, the cache shapes against `context_length`, every file name (plain relative
 /// names, no link leading outside the folder), a `files` map holding the sha256 of every named file,
-/// and that every named file exists. The manifest is untrusted input: tests/fixtures/bad_manifests
-/// holds the cases it must refuse, shared with the Python reader.
+/// and that every named file exists: the manifest is untrusted input.
 public struct Manifest: Codable, Equatable, Sendable {
     /// The format versions this package reads.
     public static let supportedFormatVersions = [2]
