@@ -163,13 +163,17 @@ def main() -> None:
     ap.add_argument("--tasks", default=None, help="comma-separated task names (default: all)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each way per task (the median is reported)")
     ap.add_argument("--name", default="speculative", help="results file name under benchmarks/results/")
+    ap.add_argument("--verify-window", type=int, default=16,
+                    help="W of the verify function when --model is a checkpoint (an export has its own)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = llama_ane.load(args.model, backend="torch", precision="fp32")
-    model.prepare()
     src = None if args.model == "default" else Path(args.model)
-    device_manifest = (model.manifest if (src and (src / "manifest.json").exists())
-                       else describe_checkpoint(src, precision="fp16")[0])  # an fp16 export of it
+    exported = src is not None and (src / "manifest.json").exists()
+    model = llama_ane.load(args.model, backend="torch", precision="fp32",
+                           **({} if exported else {"verify_window": args.verify_window}))
+    model.prepare()
+    device_manifest = (model.manifest if exported  # else an fp16 export of it
+                       else describe_checkpoint(src, precision="fp16", verify_window=args.verify_window)[0])
     tasks = [t for t in TASKS if args.tasks is None or t[0] in args.tasks.split(",")]
     # the first verify window prepares its weights (torch backend, see TorchBackend's prepack): not timed
     model.generate(model.encode(TASKS[0][2][:400], chat=True), max_new_tokens=8, speculative="lookup")

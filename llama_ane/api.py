@@ -148,7 +148,7 @@ def calibration_tokens(config) -> int:
 @no_inductor_leftover()
 def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
                  prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
-                 suffix_length: int = 256, target: str = "iOS18", verify_window: int | None = None,
+                 suffix_length: int = 256, target: str = "iOS18", verify_window: int = 0,
                  precision: str = "fp16", force: bool = False, verify: bool = False,
                  workers: int | None = None, max_memory_gb: float | None = None,
                  quantize: str = "none", quantize_embeddings: str | None = None,
@@ -157,8 +157,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  lut_block_size: int | None = None, kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
-    `verify_window` is W of the speculative "verify" functions (default 16; 0 with state caches,
-    which have none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
+    `verify_window` is W of the speculative "verify" functions (default 0: none; state caches have
+    none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
     themselves (iOS18/macOS15, fp16); the default "inputs" passes them in and out, written back by
     the asynchronous cache-update model.
 

@@ -438,8 +438,8 @@ def test_mil_decompresses_each_weight_once_per_package(quantized, name):
 
     path = quantized[name] / "chunk_0.mlpackage"
     stored = PackageExecutor(path, precision="fp16", widen_weights=False)
-    # prefill, decode, decode_branches and verify share the weights
-    assert sorted(stored.function_names) == ["decode", "decode_branches", "prefill", "verify"]
+    # prefill, decode and decode_branches share the weights (no verify function unless asked for)
+    assert sorted(stored.function_names) == ["decode", "decode_branches", "prefill"]
     dense = json.loads((quantized[name] / "manifest.json").read_text())["weights"]["chunk_0"]["dense_bytes"]
     assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not four
 

@@ -11,10 +11,10 @@ import torch
 
 import llama_ane
 from llama_ane.runtime.backends.base import BackendError
-from llama_ane.runtime.backends.torch_modules import packings
+from llama_ane.runtime.backends.torch_modules import onednn_available
 from llama_ane.runtime.drafters import DraftTree, ModelDrafter, PromptLookupDrafter
 from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabilities
-from llama_ane.runtime.speculative import SpeculativeDecoder, StepCosts, choose, plan
+from llama_ane.runtime.speculative import SpeculativeDecoder, StepTimes, choose
 
 from conftest import no_eos
 
@@ -149,7 +149,7 @@ def test_prompt_lookup_merges_matches_into_a_tree():
     # the shorter n-grams [2, 3] and [3] end at the same places: no further continuations
     assert drafter.continuations(text, 4) == [(3, [5, 6, 1, 2]), (3, [7, 8, 9, 1])]
     tree = drafter.draft(text, 6)
-    assert tree.estimated and tree.tokens[0] == 3 and len(tree) - 1 == 6
+    assert tree.tokens[0] == 3 and len(tree) - 1 == 6
     assert [tree.tokens[c] for c in tree.children(0)] == [5, 7]  # two branches under the root
     assert tree.tokens == [3, 5, 6, 1, 7, 8, 9]  # the 6 likeliest nodes: each branch's first three
     assert tree.depths().tolist() == [0, 1, 2, 3, 1, 2, 3]
@@ -175,68 +175,108 @@ def test_prompt_lookup_learns_how_its_proposals_fare():
     assert right.chance(4, 1) == pytest.approx(PromptLookupDrafter.PRIOR[4])  # what follows 5 is not known yet
 
 
-def test_plan_keeps_the_nodes_that_pay():
+def test_expected_tokens_of_a_tree():
+    """1 (the model's own next token) + each node's chance that it and its ancestors are accepted."""
     tree = DraftTree.root(1)
     a = tree.add(0, 2, confidence=0.9)
     tree.add(a, 3, confidence=0.9)
     tree.add(0, 4, confidence=0.05)
-    tree.estimated = True
-    cost = lambda n: 1.1 + 0.1 * (n - 2)  # noqa: E731  (plain steps)
     assert [node for node, _ in tree.ranked()] == [1, 2, 3]
-    assert plan(tree, cost).tokens == [1, 2, 3]  # 1 + 0.9 + 0.81 tokens for 1.2 steps; the 0.05 node does not pay
-    assert plan(tree, lambda n: 3.0).tokens == [1]  # 2.7 tokens for 3 steps: a plain step is better
-    unlikely = tree.keep([3])
-    assert unlikely.tokens == [1, 4] and plan(unlikely, cost).tokens == [1]
+    assert tree.expected_tokens() == pytest.approx(1 + 0.9 + 0.81 + 0.05)
+    assert DraftTree.root(1).expected_tokens() == 1.0
 
 
-def test_step_costs_fit_what_windows_cost():
-    costs = StepCosts()
-    a, b = StepCosts.PRIOR
-    assert costs(2) == pytest.approx(a) and costs(12) == pytest.approx(a + 10 * b)
-    costs.plain(0.1)
-    for _ in range(40):
-        for n in (2, 5, 9):
-            costs.verify(n, 0.1 * (1.5 + 0.05 * (n - 2)))  # 1.5 plain steps, and 0.05 a node
-    intercept, slope = costs.line()
-    assert intercept == pytest.approx(1.5, abs=0.05) and slope == pytest.approx(0.05, abs=0.01)
-    assert costs(9) == pytest.approx(1.85, abs=0.05)
+def test_step_times_rule():
+    """Verify when expected tokens per second of a verify step beat 1 token per second of a plain step."""
+    times = StepTimes()
+    assert not times.worth_verifying(5.0)  # no plain step measured yet
+    times.plain(0.1)
+    times.plain(0.3)
+    assert times.plain_seconds == pytest.approx(0.2) and times.verify_seconds is None
+    assert times.worth_verifying(1.01) and not times.worth_verifying(1.0)  # a window not measured yet: try one
+    times.verify(0.5)
+    times.verify(0.7)
+    assert times.verify_seconds == pytest.approx(0.6)  # a window costs 3 plain steps
+    assert times.worth_verifying(3.1) and not times.worth_verifying(2.9)
 
 
-def test_step_costs_learn_each_size_where_costs_jump():
-    """Windows of up to 6 nodes cost 1.1 plain steps and larger ones 1.9, as a kernel that reads
-    the weights once for up to 6 columns makes them: each size measured costs what it measured,
-    where the line through them is wrong at both ends; a size never measured costs the line's."""
-    costs = StepCosts()
-    costs.plain(0.1)
-    for _ in range(30):
-        for n in (2, 4, 6, 8, 12, 16):
-            costs.verify(n, 0.1 * (1.1 if n <= 6 else 1.9))
-    intercept, slope = costs.line()
-    assert intercept + 4 * slope > 1.1 + 0.1 and intercept + 6 * slope < 1.9 - 0.1  # the line: wrong at 6 and 8
-    for n in (2, 4, 6):
-        assert costs(n) == pytest.approx(1.1, abs=0.02)
-    for n in (8, 16):
-        assert costs(n) == pytest.approx(1.9, abs=0.02)
-    assert costs(10) == pytest.approx(intercept + 8 * slope)
-    costs.verify(8, 0.1 * 1.1)  # 8 nodes got cheap: the newest window weighs most
-    assert 1.1 < costs(8) < 1.9 - 0.05
+class FixedTimes(StepTimes):
+    """Step times that ignore what is measured."""
+
+    def __init__(self, plain: float, verify: float):
+        super().__init__()
+        super().plain(plain)
+        super().verify(verify)
+
+    def plain(self, seconds: float) -> None:
+        pass
+
+    def verify(self, seconds: float) -> None:
+        pass
+
+
+class ChanceDrafter:
+    """Drafts a chain `tokens[-1] + 1, + 2, ...` whose every node has chance `chance`."""
+
+    def __init__(self, chance: float = 1.0):
+        self.chance = chance
+
+    def draft(self, tokens, k):
+        tree = DraftTree.root(tokens[-1])
+        node = 0
+        for i in range(k):
+            node = tree.add(node, tokens[-1] + 1 + i, confidence=self.chance)
+        return tree
+
+
+def test_the_decoder_verifies_only_trees_worth_a_window(tiny):
+    """A window that costs 3 plain steps: a chain of 4 nodes with chance 0.9 (3.1 tokens expected) is
+    verified, one with chance 0.5 (1.9 tokens) is not; the first step is plain; without `adaptive`
+    every drafted tree is verified."""
+    model = _load(tiny)
+    for chance, verified in ((0.9, True), (0.5, False)):
+        decoder = SpeculativeDecoder(model.pipeline, ChanceDrafter(chance), SamplingParams(), SeededRandom(0),
+                                     lambda token: None, draft_tokens=4)
+        assert len(decoder._draft([1, 2, 3])) == 1  # nothing measured: a plain step, to measure one
+        decoder.times = FixedTimes(0.1, 0.3)
+        assert len(decoder._draft([1, 2, 3])) == (5 if verified else 1)
+    decoder = SpeculativeDecoder(model.pipeline, ChanceDrafter(0.01), SamplingParams(), SeededRandom(0),
+                                 lambda token: None, draft_tokens=4, adaptive=False)
+    assert len(decoder._draft([1, 2, 3])) == 5
+
+
+def test_the_decoder_measures_both_steps(tiny):
+    """Every plain step and every verify step (drafting included) goes to the running averages."""
+    model = _load(tiny)
+    prompt = repetitive_prompt(3)
+    decoder = SpeculativeDecoder(model.pipeline, PromptLookupDrafter(), SamplingParams(), SeededRandom(0),
+                                 lambda token: model.pipeline.run_window([token])[0])
+    model.pipeline.reset()
+    logits = model.pipeline.prefill(prompt)
+    for i, _ in enumerate(decoder.tokens(logits, prompt)):
+        if i == 20:
+            break
+    s = decoder.stats
+    assert s.decode_steps >= 1 and s.verify_steps >= 1
+    assert decoder.times.plain_seconds == pytest.approx(s.decode_seconds / s.decode_steps)
+    assert decoder.times.verify_seconds == pytest.approx(s.verify_seconds / s.verify_steps)
 
 
 def test_lookup_drafts_nothing_where_it_does_not_pay(tiny):
-    """With chances that its proposals are accepted far below what a window costs, every step
-    is a plain one; the output stays plain decoding's."""
+    """With chances that its proposals are accepted far below what a window costs, a generation
+    verifies at most one window (the one that measures a window); the output stays plain decoding's."""
     model = _load(tiny)
     prompt = repetitive_prompt(3)
 
     class Hopeless(PromptLookupDrafter):
         def chance(self, match, votes):
-            return 0.01
+            return 1e-6
 
     with no_eos(model):
         plain = model.generate(prompt, max_new_tokens=12)
         spec = model.generate(prompt, max_new_tokens=12, speculative=Hopeless())
     assert spec.token_ids == plain.token_ids
-    assert spec.speculative["verify_steps"] == 0 and spec.speculative["decode_steps"] == 11
+    assert spec.speculative["verify_steps"] <= 1
 
 
 def _sample_first(p_logits, make_tree, params, rng, n):
@@ -317,40 +357,14 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tiny):
         assert table.shape[1] >= 2 and _homogeneity_pvalue(table) > 1e-3, f"token {position}"
 
 
-class ChainDrafter:
-    """Drafts `tokens[-1] + 1, + 2, ...`: a tree without estimates."""
-
-    def draft(self, tokens, k):
-        tree = DraftTree.root(tokens[-1])
-        node = 0
-        for i in range(k):
-            node = tree.add(node, tokens[-1] + 1 + i)
-        return tree
+needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="no oneDNN here")
 
 
-def test_drafting_without_estimates_pauses_when_it_does_not_pay(tiny):
-    model = _load(tiny)
-    decoder = SpeculativeDecoder(model.pipeline, ChainDrafter(), SamplingParams(), SeededRandom(0),
-                                 lambda token: None)
-    decoder.stats.decode_steps, decoder.stats.decode_seconds = 10, 1.0  # 0.1 s per plain token
-    assert len(decoder._draft([1, 2, 3])) == 1 + SpeculativeDecoder.FIRST_DRAFT
-    for _ in range(SpeculativeDecoder.MIN_STEPS):
-        decoder._timed_verify(0.3, drafted=8, accepted=1)  # 2 tokens per 0.3 s: less than plain
-    assert decoder.stats.fallbacks == 1 and decoder._paused == SpeculativeDecoder.COOLDOWN
-    assert len(decoder._draft([1, 2, 1, 2])) == 1  # paused: nothing drafted
-    decoder._paused = 0
-    for _ in range(SpeculativeDecoder.MIN_STEPS):
-        decoder._timed_verify(0.15, drafted=8, accepted=4)  # 5 tokens per 0.15 s: pays
-    assert decoder.stats.fallbacks == 1 and decoder.pays()
-
-
-@pytest.mark.parametrize("packing", ["native", "onednn"])
-def test_packed_verify_gives_the_unpacked_logits(tiny, packing):
+@needs_onednn
+def test_packed_verify_gives_the_unpacked_logits(tiny):
     """The torch backend's verify windows on prepacked weights (the default on a CPU in fp32)
     give the logits of the plain modules; fp16 cannot pack."""
-    if packing not in packings(torch.device("cpu"), torch.float32):
-        pytest.skip(f"no {packing} packing here")
-    packed, plain = _load(tiny, prepack=packing), _load(tiny, prepack=False)
+    packed, plain = _load(tiny, prepack=True), _load(tiny, prepack=False)
     prompt = repetitive_prompt(5)
     tree = DraftTree.root(prompt[-1])
     tree.add(tree.add(0, 31), 32)
@@ -366,16 +380,14 @@ def test_packed_verify_gives_the_unpacked_logits(tiny, packing):
         _load(tiny, precision="fp16", prepack=True)
 
 
-@pytest.mark.parametrize("packing", ["native", "onednn"])
+@needs_onednn
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_runs_packed_where_it_pays_with_the_same_tokens(tiny, threads, packing):
-    """One-token decoding runs on the prepacked weights with the native kernel at any thread count,
-    and with oneDNN from two threads on (where oneDNN spreads a one-column product over them and
-    `linear` does not); the greedy tokens are those of the plain modules either way."""
-    if packing not in packings(torch.device("cpu"), torch.float32):
-        pytest.skip(f"no {packing} packing here")
-    packed, plain = _load(tiny, prepack=packing), _load(tiny, prepack=False)
-    runs_packed = packing == "native" or threads >= 2
+def test_decode_runs_packed_where_it_pays_with_the_same_tokens(tiny, threads):
+    """One-token decoding runs on the prepacked weights from two threads on (where oneDNN spreads
+    a one-column product over them and `linear` does not); the greedy tokens are those of the
+    plain modules either way."""
+    packed, plain = _load(tiny, prepack=True), _load(tiny, prepack=False)
+    runs_packed = threads >= 2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -387,7 +399,7 @@ def test_decode_runs_packed_where_it_pays_with_the_same_tokens(tiny, threads, pa
     assert ("chunk_0" in packed.backend._packed) == runs_packed
     assert (module is packed.backend._packed.get("chunk_0")) == runs_packed
     assert packed.backend.module("chunk_0", "prefill") is packed.backend._built["chunk_0"]["prefill"]
-    fresh = _load(tiny, prepack=packing)
+    fresh = _load(tiny, prepack=True)
     torch.set_num_threads(threads)
     try:
         fresh.prepare()  # the packed copy is made with the loading, not in the first timed step
@@ -428,10 +440,24 @@ def test_cli_speculative_json_and_errors(tiny_export):
     assert "Traceback" not in bad.output
 
 
+def test_cli_speculative_needs_a_verify_window(tiny):
+    """Speculation is opt-in: without a verify window (the default), `generate --speculative` says how
+    to get one, in one line."""
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    out = CliRunner().invoke(main, ["generate", str(tiny), "--backend", "torch", "--prompt", "a b a b",
+                                    "--max-new-tokens", "2", "--speculative", "lookup"])
+    assert out.exit_code == 1 and "Traceback" not in out.output
+    assert out.output.strip().splitlines()[-1].startswith("Error: this export has no verify function")
+    assert "--verify-window W" in out.output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
 def test_smollm2_greedy_speculative_equals_plain(drafter):
-    model = llama_ane.load("default", backend="torch", precision="fp32")
+    model = llama_ane.load("default", backend="torch", precision="fp32", verify_window=16)
     doc = ("The harbour of Harwick could only be entered at high tide. In 1847 a merchant built a stone pier, "
            "and the village became a town. The pier still stands, and the harbour can now be entered at any tide.")
     prompt = model.encode(f"Repeat this text exactly:\n\n{doc}", chat=True)

@@ -42,7 +42,7 @@ def test_options_need_an_ios18_target_and_fp16():
     with pytest.raises(ExportOptionsError, match="--kv-cache must be one of"):
         ExportOptions(kv_cache="ring").check()
     # no speculative verify function: its accepted path is written by the cache-update model
-    assert ExportOptions(kv_cache="state").verify_window == 0 and ExportOptions().verify_window == 16
+    assert ExportOptions(kv_cache="state").verify_window == 0 and ExportOptions().verify_window == 0
     with pytest.raises(ExportOptionsError, match="no speculative verify function"):
         ExportOptions(kv_cache="state", verify_window=16).check()
 

@@ -31,12 +31,7 @@ from .plan import ROW_UNIT, even_parts
 class DecoderLayer(nn.Module):
     """One decoder layer of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
     per-head q/k norms). The 1/sqrt(head_dim) scale is folded into q_proj's weights (into q_norm's
-    where there is one).
-
-    `attend` is `grouped_attention`; a runtime may give a layer another function with the same
-    arguments and result (the torch backend's native kernel on a CPU)."""
-
-    attend = staticmethod(grouped_attention)
+    where there is one)."""
 
     def __init__(self, cfg: LlamaConfig, context_length: int):
         super().__init__()
@@ -82,8 +77,8 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]
         q, k, v = self.project_qkv(x, cos, sin)
-        heads = self.attend(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
-                            c.num_attention_heads // g, t)
+        heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
+                                  c.num_attention_heads // g, t)
         x = x + self.o_proj(heads.reshape(1, c.q_channels, 1, -1))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)

@@ -26,9 +26,9 @@ from .options import FiniteFloat
               help="Cascade width B: branches decoded per step over a shared prefix (0 = none).")
 @click.option("--suffix-length", default=256, show_default=True,
               help="Tokens each cascade branch may add after the shared prefix.")
-@click.option("--verify-window", type=int, default=None,
-              help="Tokens of the token tree one speculative-decoding step verifies (0 = no verify function) "
-                   "[default: 16; 0 with --kv-cache state].")
+@click.option("--verify-window", type=int, default=0, show_default=True,
+              help="Tokens of the token tree one speculative-decoding step verifies, e.g. 16; 0 = no verify "
+                   "function (generate --speculative needs one; not with --kv-cache state).")
 @click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)

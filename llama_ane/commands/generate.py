@@ -48,9 +48,10 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
                    "created or updated otherwise.")
 @click.option("--speculative", default=None, metavar="lookup|draft:OUT",
               help="Speculative decoding: 'lookup' drafts from n-gram matches in the prompt and the text so far, "
-                   "'draft:OUT' with a smaller export of the same tokenizer; the output is the same as without.")
+                   "'draft:OUT' with a smaller export of the same tokenizer; the output is the same as without. "
+                   "Needs an export made with --verify-window W.")
 @click.option("--draft-tokens", type=int, default=None,
-              help="Most drafted tokens per verify step [default: the export's verify window - 1; adapted as it runs].")
+              help="Most drafted tokens per verify step [default: the export's verify window - 1].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, backend, precision, temperature,
             top_k, top_p, seed, stop, prompt_cache, speculative, draft_tokens, as_json):
@@ -115,10 +116,9 @@ def _single(model, text, chat, sampling, as_json):
                f"finish: {result.finish_reason}", err=True)
     spec = result.speculative
     if spec is not None:
-        paused = f", drafting paused {spec['fallbacks']}x (did not pay)" if spec["fallbacks"] else ""
         click.echo(f"[speculative] {spec['verify_steps']} verify steps, {spec['tokens_per_step']} tokens per "
                    f"verify step, acceptance {spec['acceptance_rate']} ({spec['accepted_tokens']}/"
-                   f"{spec['drafted_tokens']} drafted), {spec['decode_steps']} plain steps{paused}", err=True)
+                   f"{spec['drafted_tokens']} drafted), {spec['decode_steps']} plain steps", err=True)
 
 
 def _branches(model, text, questions, samples, chat, sampling, as_json):

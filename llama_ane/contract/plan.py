@@ -19,7 +19,6 @@ from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
-DEFAULT_VERIFY_WINDOW = 16
 
 
 class ExportOptionsError(LlamaANEError, ValueError):
@@ -37,14 +36,11 @@ class ExportOptions:
     suffix_length: int = 256
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
     kv_cache: str = "inputs"
-    # W of the "verify" functions (speculative decoding); 0 = none; None: DEFAULT_VERIFY_WINDOW, or
-    # 0 with state caches (the accepted path is written by the cache-update model, which cannot
+    # W of the "verify" functions (speculative decoding); 0 = none, the default: every function is
+    # compiled and loaded on the device, so an app that decodes speculatively asks for one. Never
+    # with state caches (the accepted path is written by the cache-update model, which cannot
     # write a chunk's states)
-    verify_window: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.verify_window is None:
-            object.__setattr__(self, "verify_window", 0 if self.kv_cache == "state" else DEFAULT_VERIFY_WINDOW)
+    verify_window: int = 0
 
     def check(self) -> None:
         if self.prefill_length < 1:

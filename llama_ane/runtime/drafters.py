@@ -8,7 +8,8 @@ produced (runtime/speculative.py).
     PromptLookupDrafter   n-gram matches in the prompt and the generated text (no extra model):
                           the continuations after several matches merged into one tree, each node
                           with its estimated chance of acceptance, learnt as the text goes on
-    ModelDrafter          a smaller export with the same tokenizer drafts a chain greedily
+    ModelDrafter          a smaller export with the same tokenizer drafts a chain greedily, each
+                          node's chance of acceptance its own probability for the token
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .sampling import SamplingParams, probabilities
 
 
 @dataclass
@@ -29,14 +31,14 @@ class DraftTree:
     `probs[i]` is the drafter's distribution float [vocab] of node i's token given its parent, or
     None when the token was picked deterministically (a point mass: prompt lookup, greedy drafting).
     `confidence[i]` is the drafter's estimate of the chance that node i is accepted once its parent
-    is (the root's is 1); a tree without estimates (`estimated` False) has 1.0 everywhere.
+    is (the root's is 1; 1.0 where a drafter gives none): what speculative decoding weighs a tree
+    by (`expected_tokens`).
     """
 
     tokens: list[int]
     parents: list[int]
     probs: list[np.ndarray | None] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
-    estimated: bool = False
     _nodes: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -104,7 +106,12 @@ class DraftTree:
         kept = sorted({0, *nodes})
         index = {v: i for i, v in enumerate(kept)}
         return DraftTree([self.tokens[v] for v in kept], [index[self.parents[v]] if v else -1 for v in kept],
-                         [self.probs[v] for v in kept], [self.confidence[v] for v in kept], self.estimated)
+                         [self.probs[v] for v in kept], [self.confidence[v] for v in kept])
+
+    def expected_tokens(self) -> float:
+        """The tokens a verify step of this tree is expected to give: the model's own next token
+        plus, for every node, the chance that it and its ancestors are accepted."""
+        return 1.0 + sum(chance for _, chance in self.ranked())
 
     def best(self, k: int) -> "DraftTree":
         """The `k` nodes most likely to be accepted (see `ranked`), with the root."""
@@ -131,7 +138,6 @@ class PromptLookupDrafter:
     `draft` returns the `k` nodes most likely to be accepted (`DraftTree.best`).
     """
 
-    estimates = True  # its trees carry chances of acceptance (see runtime/speculative.plan)
     PRIOR = {1: 0.2, 2: 0.35, 3: 0.5, 4: 0.65, 5: 0.75, 6: 0.8, 7: 0.85, 8: 0.9}  # by match length
     PRIOR_WEIGHT = 4.0  # pseudo-observations of each prior
     MAX_VOTES = 3  # votes counted up to this
@@ -199,7 +205,6 @@ class PromptLookupDrafter:
     def draft(self, tokens: Sequence[int], k: int) -> DraftTree:
         self._learn(tokens)
         tree = DraftTree.root(tokens[-1])
-        tree.estimated = True
         if k < 1:
             return tree
         match, votes = [0], [0]  # per node: the longest match proposing it, its continuations
@@ -222,8 +227,9 @@ class PromptLookupDrafter:
 
 class ModelDrafter:
     """Drafts a chain greedily with a smaller export (same tokenizer): `k` decode steps of the
-    draft model per verify step. Its cache follows the text: each call keeps the longest common
-    prefix with what it holds and prefills the rest."""
+    draft model per verify step. Each node's chance of acceptance is the draft model's probability
+    of its token. Its cache follows the text: each call keeps the longest common prefix with what
+    it holds and prefills the rest."""
 
     def __init__(self, model):
         self.model = model  # a LlamaANEModel
@@ -240,7 +246,8 @@ class ModelDrafter:
         node = 0
         for step in range(k):
             token = int(np.argmax(logits))
-            node = tree.add(node, token)
+            chance = float(probabilities(logits, SamplingParams(temperature=1.0))[token])
+            node = tree.add(node, token, confidence=chance)
             if step + 1 < k:
                 logits = self.pipeline.run_window([token])[0]
         return tree

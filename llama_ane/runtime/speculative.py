@@ -16,15 +16,13 @@ So every accepted token, and the step's last token, is distributed exactly as pl
 would produce it (greedy: the very same tokens). Only the accepted path reaches the cache
 (`Pipeline.accept`); the last token is the next step's root.
 
-Drafting adapts to what pays. The decoder measures what a plain step and a verify window of n
-nodes cost (`StepCosts`). A tree whose nodes carry estimated chances of acceptance (prompt
-lookup) is cut to the nodes that raise the expected tokens per unit of time: with the nodes
-ranked by the chance P_i that they are accepted, it keeps the n that maximise
-(1 + P_1 + ... + P_n) / cost(n + 1), and takes a plain step instead when no n beats a plain
-step's one token. A tree without estimates (a draft model's chain) keeps the older rule: its
-length grows after a tree accepted to a leaf and shrinks after a rejection, and drafting pauses
-(plain steps, for a growing cool-down) when recent verify steps give fewer tokens per second
-than plain steps.
+Drafting is worth it when it gives more tokens per second than plain decoding. The decoder keeps
+two running averages, the seconds of a plain step and of a verify step (drafting included; the
+window is the export's W wide whatever the tree, as Core ML runs it), and one rule (`StepTimes`):
+verify a drafted tree when its expected tokens, 1 + the sum over its nodes of the chance that the
+node and its ancestors are accepted (the drafter's per-node chances, `DraftTree.expected_tokens`),
+per second of a verify step beat 1 token per second of a plain step; otherwise take a plain step.
+The first step of a generation is plain (it measures one).
 """
 
 from __future__ import annotations
@@ -47,12 +45,11 @@ class SpeculativeStats:
     """Accounting of one speculative generation."""
 
     verify_steps: int = 0  # verify windows run
-    decode_steps: int = 0  # plain one-token steps (nothing drafted, or drafting paused)
+    decode_steps: int = 0  # plain one-token steps (nothing drafted, or no tree worth a window)
     drafted_tokens: int = 0  # tree nodes below the root, over all verify steps
     accepted_tokens: int = 0  # drafted tokens kept
     verify_seconds: float = 0.0
     decode_seconds: float = 0.0
-    fallbacks: int = 0  # times drafting was paused for not paying
 
     @property
     def tokens_per_step(self) -> float:
@@ -67,8 +64,7 @@ class SpeculativeStats:
     def as_dict(self) -> dict:
         return {"verify_steps": self.verify_steps, "decode_steps": self.decode_steps,
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "tokens_per_step": round(self.tokens_per_step, 3), "acceptance_rate": round(self.acceptance_rate, 3),
-                "fallbacks": self.fallbacks}
+                "tokens_per_step": round(self.tokens_per_step, 3), "acceptance_rate": round(self.acceptance_rate, 3)}
 
 
 def choose(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
@@ -129,94 +125,62 @@ def check_speculative(manifest: dict, draft_tokens: int | None) -> int:
     w = manifest.get("verify_window", 0)
     if not w:
         raise InvalidArgumentError("this export has no verify function for speculative decoding; re-export it with "
-                         "--verify-window 16 (the default)")
+                                   "--verify-window W (e.g. 16) to decode speculatively")
     if draft_tokens is not None and not 1 <= draft_tokens <= w - 1:
         raise InvalidArgumentError(f"--draft-tokens must be 1..{w - 1} (the export's verify window is {w}), got {draft_tokens}")
     return w
 
 
-class StepCosts:
-    """What a verify window costs, in plain steps, by its number of nodes n (the root included).
+class StepTimes:
+    """The two running averages speculative decoding decides by, and its one rule.
 
-    Measured as generation runs: the seconds of plain steps (a moving average), and the seconds of
-    recent verify windows, each divided by the plain step's seconds at the time. Two estimates are
-    kept of those window costs:
-
-      * a straight line over n (least squares, older windows weighing less, with two
-        pseudo-windows of `PRIOR`, weighing `PRIOR_WEIGHT` each, so that a line exists from the
-        first window on);
-      * the average cost of the windows of each size n (older ones weighing less).
-
-    A window's cost is its size's average shrunk towards the line: a size measured often costs
-    what it measured, one never measured what the line says. Costs need not follow a line: a
-    kernel that reads the weights once for up to a few columns makes a window of a few nodes cost
-    little more than two, and the next node cost a jump (see runtime/backends/native_gemm.c).
+    `plain_seconds` is the mean of the plain steps measured, `verify_seconds` the mean of the verify
+    steps (None before the first of each). A tree expected to give `expected` tokens is worth a
+    verify step when expected / verify_seconds > 1 / plain_seconds. Before a plain step is
+    measured nothing is verified; before a verify step is, every tree with a drafted token is (it
+    measures one).
     """
 
-    PRIOR = (1.1, 0.1)  # a window of n nodes: 1.1 + 0.1 (n - 2) plain steps, before measuring
-    PRIOR_WEIGHT = 0.25
-    MEMORY = 0.95  # weight of a window measured one verify step earlier
-    PLAIN_MEMORY = 0.8
-    SIZE_MEMORY = 0.9  # weight of a window of the same size measured one window of that size earlier
-    SIZE_WEIGHT = 0.5  # pseudo-windows of the line's cost in each size's average
-
     def __init__(self):
-        self.plain_seconds: float | None = None
-        self._sums = np.zeros(5)  # weighted sums of 1, x, y, x*x, x*y; x = n - 2, y = cost in plain steps
-        self._sizes: dict[int, tuple[float, float]] = {}  # n -> weighted (windows, sum of their costs)
+        self._plain = (0, 0.0)  # (steps, seconds)
+        self._verify = (0, 0.0)
+
+    @staticmethod
+    def _mean(steps: tuple[int, float]) -> float | None:
+        return steps[1] / steps[0] if steps[0] else None
+
+    @property
+    def plain_seconds(self) -> float | None:
+        return self._mean(self._plain)
+
+    @property
+    def verify_seconds(self) -> float | None:
+        return self._mean(self._verify)
 
     def plain(self, seconds: float) -> None:
-        prev = self.plain_seconds
-        self.plain_seconds = seconds if prev is None else self.PLAIN_MEMORY * prev + (1 - self.PLAIN_MEMORY) * seconds
+        self._plain = (self._plain[0] + 1, self._plain[1] + seconds)
 
-    def verify(self, n: int, seconds: float) -> None:
-        if self.plain_seconds:
-            x, y = n - 2.0, seconds / self.plain_seconds
-            self._sums = self.MEMORY * self._sums + np.array([1.0, x, y, x * x, x * y])
-            count, total = self._sizes.get(n, (0.0, 0.0))
-            self._sizes[n] = (self.SIZE_MEMORY * count + 1.0, self.SIZE_MEMORY * total + y)
+    def verify(self, seconds: float) -> None:
+        self._verify = (self._verify[0] + 1, self._verify[1] + seconds)
 
-    def line(self) -> tuple[float, float]:
-        """(intercept at n = 2, slope per node), in plain steps."""
-        a, b = self.PRIOR
-        prior = self.PRIOR_WEIGHT * np.array([[1.0, x, a + b * x, x * x, x * (a + b * x)] for x in (0.0, 8.0)]).sum(axis=0)
-        w, sx, sy, sxx, sxy = self._sums + prior
-        slope = max(0.0, (w * sxy - sx * sy) / (w * sxx - sx * sx))
-        return (sy - slope * sx) / w, slope
-
-    def __call__(self, n: int) -> float:
-        """The cost of a verify window of n >= 2 nodes, in plain steps: the average of the windows
-        of n nodes measured, with `SIZE_WEIGHT` pseudo-windows of the line's cost."""
-        intercept, slope = self.line()
-        count, total = self._sizes.get(n, (0.0, 0.0))
-        return (total + self.SIZE_WEIGHT * (intercept + slope * (n - 2))) / (count + self.SIZE_WEIGHT)
-
-
-def plan(tree: DraftTree, cost: Callable[[int], float]) -> DraftTree:
-    """The part of `tree` worth verifying: the n best-ranked nodes (`DraftTree.ranked`) for the n
-    that maximises expected tokens per cost, (1 + sum of their chances) / cost(n + 1); the root
-    alone when no n gives more than a plain step (1 token per 1 step)."""
-    best, best_rate, expected = 0, 1.0, 1.0
-    ranked = tree.ranked()
-    for n, (_, chance) in enumerate(ranked, start=1):
-        expected += chance
-        rate = expected / cost(n + 1)
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return tree.keep([node for node, _ in ranked[:best]])
+    def worth_verifying(self, expected: float) -> bool:
+        """Whether a verify step expected to give `expected` tokens beats plain decoding."""
+        plain, window = self.plain_seconds, self.verify_seconds
+        if plain is None:
+            return False
+        if window is None:
+            return expected > 1.0
+        return expected * plain > window
 
 
 class SpeculativeDecoder:
     """Generates tokens with a drafter and the verify function of `pipeline`'s export.
 
     `decode_one(token)` feeds one token the plain way and returns the logits after it (or None
-    when the context is full and generation must stop); it also handles context shifts.
+    when the context is full and generation must stop); it also handles context shifts. Trees have
+    at most `draft_tokens` drafted nodes (default W - 1). With `adaptive` False every drafted tree
+    is verified, whatever the times (tests).
     """
-
-    MIN_STEPS = 4  # verify steps measured before the fallback may judge (trees without estimates)
-    FIRST_DRAFT = 4  # drafted tokens of the first tree without estimates; +2 after one accepted to a leaf, -1 otherwise
-    COOLDOWN = 16  # plain steps after a first fallback; doubled after each further one, up to MAX_COOLDOWN
-    MAX_COOLDOWN = 256
 
     def __init__(self, pipeline: Pipeline, drafter: Drafter, params: SamplingParams, rng: SeededRandom,
                  decode_one: Callable[[int], np.ndarray | None], draft_tokens: int | None = None,
@@ -225,14 +189,10 @@ class SpeculativeDecoder:
         self.pipeline, self.drafter, self.params, self.rng = pipeline, drafter, params, rng
         self.decode_one = decode_one
         self.max_draft = draft_tokens or w - 1
-        self.draft_length = min(self.FIRST_DRAFT, self.max_draft)
         self.adaptive = adaptive
         self.stats = SpeculativeStats()
-        self.costs = StepCosts()
+        self.times = StepTimes()
         self.unconsumed = 0  # accepted tokens cached that the caller has not gone past (see `tokens`)
-        self._paused = 0  # plain steps left before drafting again
-        self._cooldown = self.COOLDOWN
-        self._recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last verify steps
 
     def tokens(self, logits: np.ndarray, history: Sequence[int]) -> Iterator[int]:
         """Yield generated tokens, starting from the logits after `history` (the prompt); the
@@ -246,6 +206,7 @@ class SpeculativeDecoder:
         while True:
             text.append(root)
             yield root
+            t0 = time.perf_counter()
             tree = self._draft(text)
             if len(tree) == 1:
                 t0 = time.perf_counter()
@@ -255,13 +216,11 @@ class SpeculativeDecoder:
                     return
                 root = _draw(probabilities(logits, self.params), self.rng)
                 continue
-            t0 = time.perf_counter()
             out = self.pipeline.verify_tree(np.asarray(tree.tokens, np.int32), tree.depths(),
                                             tree.mask(self.pipeline.backend.dtype))
             path, root = choose(tree, out, self.params, self.rng)
             self.pipeline.accept(path)
-            self._adapt_length(tree, path)
-            self._timed_verify(time.perf_counter() - t0, len(tree) - 1, len(path) - 1, tree.estimated)
+            self._timed_verify(time.perf_counter() - t0, len(tree) - 1, len(path) - 1)
             for i, node in enumerate(path[1:]):
                 text.append(tree.tokens[node])
                 self.unconsumed = len(path) - 1 - i  # cached, and not yet passed by the caller
@@ -269,54 +228,25 @@ class SpeculativeDecoder:
             self.unconsumed = 0
 
     def _draft(self, text: list[int]) -> DraftTree:
-        """The tree to verify after `text`, or the root alone (a plain step): on the first step
-        (it measures a plain one), while drafting is paused, when nothing fits, or when no part
-        of an estimated tree pays (`plan`). A drafter with estimates is asked every step (it
-        learns from how the text went on) for as many nodes as the window takes."""
+        """The tree to verify after `text`, or the root alone (a plain step) when nothing fits or
+        is drafted, or when the tree is not worth a verify step (`StepTimes.worth_verifying`). The
+        drafter is asked every step, the first included (it may learn from how the text went on)."""
         room = self.pipeline.context_length - self.pipeline.position - 1  # the root takes one position
-        estimates = getattr(self.drafter, "estimates", False)
-        first = self.stats.decode_steps == 0
-        if self._paused > 0 or (first and not estimates):
-            self._paused = max(0, self._paused - 1)
-            return DraftTree.root(text[-1])
-        k = min(self.draft_length if self.adaptive and not estimates else self.max_draft, room)
+        k = min(self.max_draft, room)
         tree = self.drafter.draft(text, k) if k >= 1 else DraftTree.root(text[-1])
-        if first:
-            return DraftTree.root(text[-1])
-        return plan(tree, self.costs) if self.adaptive and tree.estimated else tree
-
-    def _adapt_length(self, tree: DraftTree, path: list[int]) -> None:
-        """Longer trees (without estimates) after one accepted down to a leaf, shorter after a rejection."""
-        leaf = not tree.children(path[-1])
-        self.draft_length = (min(self.draft_length + 2, self.max_draft) if leaf
-                             else max(1, self.draft_length - 1))
+        if len(tree) == 1 or not self.adaptive or self.times.worth_verifying(tree.expected_tokens()):
+            return tree
+        return DraftTree.root(text[-1])
 
     def _timed_decode(self, seconds: float) -> None:
         self.stats.decode_steps += 1
         self.stats.decode_seconds += seconds
-        self.costs.plain(seconds)
+        self.times.plain(seconds)
 
-    def _timed_verify(self, seconds: float, drafted: int, accepted: int, estimated: bool = False) -> None:
+    def _timed_verify(self, seconds: float, drafted: int, accepted: int) -> None:
         s = self.stats
         s.verify_steps += 1
         s.verify_seconds += seconds
         s.drafted_tokens += drafted
         s.accepted_tokens += accepted
-        self.costs.verify(drafted + 1, seconds)
-        self._recent = (self._recent + [(seconds, accepted + 1)])[-8:]
-        if self.adaptive and not estimated and not self.pays():
-            s.fallbacks += 1
-            self._paused = self._cooldown
-            self._cooldown = min(2 * self._cooldown, self.MAX_COOLDOWN)
-            self._recent = []
-
-    def pays(self) -> bool:
-        """Whether recent verify steps give more tokens per second than plain decode steps
-        (True until both have been measured enough to tell)."""
-        s = self.stats
-        if len(self._recent) < self.MIN_STEPS or s.decode_steps == 0:
-            return True
-        per_decode = s.decode_seconds / s.decode_steps
-        seconds = sum(t for t, _ in self._recent)
-        tokens = sum(n for _, n in self._recent)
-        return tokens / seconds >= 1.0 / per_decode
+        self.times.verify(seconds)

@@ -11,21 +11,12 @@ With `direct_cache` (the default) the pipeline writes new K/V into the caches in
 each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
 `direct_cache=False` it runs the cache-update modules in the background, as a device does.
 
-With `prepack` (the default where it can: fp32 on a CPU), the block chunks and the LM head run
-their one-token "decode" and their "verify" functions on a copy of the projection weights
-prepacked once, made on first use (or by `prepare`). Two packings (torch_modules.packings):
-
-  * "native" (the default where a C compiler builds it): native_gemm's kernel reads each weight
-    once for all the columns of a window, so a one-token step runs at the memory's speed and a
-    verify window of a few tree nodes costs little more than one step; the decoder layers of that
-    copy also attend with native_attention's kernel, which reads each kv head's cache once for
-    all the window's query rows;
-  * "onednn": oneDNN's reordered weights. A window costs far less than as many one-token steps,
-    and a one-token step spreads over the threads where `linear` does not; on one thread
-    one-token decoding keeps the plain weights, which are as fast there.
-
-The copy is about the chunks' and the head's weights once more. Prefill keeps the plain weights
-(oneDNN is fast at its window of tokens).
+With `prepack` (the default where oneDNN runs: fp32 on a CPU), the block chunks and the LM head
+run their "verify" windows, and their one-token "decode" steps from two threads on, on a copy of
+the projection weights reordered once by oneDNN (torch_modules.prepacked), made on first use (or
+by `prepare`): through `linear`, a window of a few tokens costs close to as many one-token steps,
+and a one-token step does not spread over the threads. The copy is about the chunks' and the
+head's weights once more. Prefill keeps the plain weights (oneDNN is fast at its window of tokens).
 """
 
 from __future__ import annotations
@@ -42,10 +33,9 @@ import torch
 from ...checkpoint.loader import Checkpoint, load_checkpoint
 from ...contract.manifest import check_package_io, function_entry, function_states
 from ...contract.specs import VERIFY, model_kind
-from . import native_gemm
 from ...mil.package import MilPackage
 from .base import Backend, BackendError
-from .torch_modules import PACKINGS, CheckpointWeights, ExportWeights, build_model, packings, with_cpu_kernels
+from .torch_modules import CheckpointWeights, ExportWeights, build_model, onednn_available, prepacked
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -59,15 +49,15 @@ def _argument_names(module_class: type) -> tuple[str, ...]:
 
 class TorchBackend(Backend):
     name = "torch"
-    PACKED_DECODE_THREADS = 2  # with oneDNN packing, one-token decoding runs packed from this many threads
+    PACKED_DECODE_THREADS = 2  # prepacked, one-token decoding runs packed from this many threads
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | str | None = None):
+                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | None = None):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
         before computing in `precision`, as an export in that precision stores them. `prepack`:
-        see the module docstring; "native" or "onednn" for that packing, True for the best that
-        runs here, False for none, None (the default) for the best where any runs."""
+        see the module docstring; True to require it, False for none, None (the default) where
+        it runs."""
         self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
@@ -76,15 +66,12 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
-        if prepack not in (None, True, False, *PACKINGS):
-            raise BackendError(f"prepack must be one of {', '.join(PACKINGS)}, True, False or None, got {prepack!r}")
-        here = () if prepack is False else packings(self.device, self.torch_dtype)  # no build when not asked
+        if prepack not in (None, True, False):
+            raise BackendError(f"prepack must be True, False or None, got {prepack!r}")
+        here = prepack is not False and onednn_available(self.device, self.torch_dtype)
         if prepack and not here:
-            raise BackendError("prepack needs fp32 on a CPU, with a C compiler or oneDNN")
-        if isinstance(prepack, str) and prepack not in here:
-            why = native_gemm.unavailable() if prepack == "native" else "this torch has no oneDNN"
-            raise BackendError(f"prepack {prepack!r} cannot run here: {why}")
-        self.packing: str | None = prepack if isinstance(prepack, str) else (here[0] if here else None)
+            raise BackendError("prepack needs fp32 on a CPU and a torch with oneDNN")
+        self.prepack = here
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -115,21 +102,21 @@ class TorchBackend(Backend):
             if not self._runs_packed(model, function):
                 return built[function]
             if model not in self._packed:
-                self._packed[model] = with_cpu_kernels(built[function], self.packing)
+                self._packed[model] = prepacked(built[function])
             return self._packed[model]
 
     def _runs_packed(self, model: str, function: str) -> bool:
         """Whether `function` of `model` runs on the prepacked weights (see the module docstring)."""
-        if self.packing is None or model_kind(model) not in ("chunk", "lm_head"):
+        if not self.prepack or model_kind(model) not in ("chunk", "lm_head"):
             return False
-        if function == "decode" and self.packing == "onednn":
+        if function == "decode":
             return torch.get_num_threads() >= self.PACKED_DECODE_THREADS
         return function in (VERIFY, "decode")
 
     def prepare(self, models: list[str]) -> None:
         """Build the modules of `models` now rather than on first use (so a first step is not
         timed with the loading), with their prepacked weights where one-token decoding will run on
-        them (native packing; oneDNN's on two threads or more)."""
+        them (on two threads or more)."""
         for model in models:
             entry = next(iter(self.manifest["models"][model]["functions"]))
             self.module(model, entry)

@@ -25,11 +25,10 @@ from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer
 from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
 from ...chunks.layers import Conv1x1
 from ...chunks.verify import VerifyEmbeddings, VerifyUpdate
-from ...chunks.models import BlockChunk, CacheUpdate, DecoderLayer, Embeddings, EmbeddingsPart, LMHead, vocab_splits
+from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
 from ...contract.specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, model_kind, window_of
-from . import native_attention, native_gemm
 
 
 def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -182,20 +181,10 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     return modules
 
 
-PACKINGS = ("native", "onednn")  # prepacked projection weights: native_gemm's panels, or oneDNN's layout
-
-
-def packings(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The packings that can run here, best first: the native kernel where it builds, then oneDNN
-    (both fp32 on a CPU only)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return ()
-    found = []
-    if native_gemm.available():
-        found.append("native")
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        found.append("onednn")
-    return tuple(found)
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack the projection weights here (fp32 on a CPU, a torch with oneDNN)."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class PackedConv1x1(torch.nn.Module):
@@ -224,46 +213,17 @@ class PackedConv1x1(torch.nn.Module):
         return y.reshape(b, h, s, self.out_channels).permute(0, 3, 1, 2)
 
 
-class NativeConv1x1(torch.nn.Module):
-    """A `Conv1x1`'s matrix product through the native kernel (native_gemm) on its packed weight:
-    the weight is read once for all S columns, so a verify window of a few tree nodes costs about
-    one one-token step. Each column's result is the same whatever S (see native_gemm.c).
-    x: (B, C_in, H, S) -> (B, C_out, H, S)
-    """
-
-    def __init__(self, conv: Conv1x1):
-        super().__init__()
-        self.out_channels = conv.out_channels
-        self.packed = native_gemm.pack(conv.weight.detach().reshape(conv.out_channels, -1))
-        self.bias = None if conv.bias is None else conv.bias.detach().reshape(-1, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, s = x.shape
-        cols = x.reshape(c, s) if b == 1 and h == 1 else x.permute(1, 0, 2, 3).reshape(c, b * h * s)
-        y = native_gemm.columns(cols, self.packed, self.out_channels)  # (C_out, B*H*S)
-        if self.bias is not None:
-            y += self.bias
-        if b == 1 and h == 1:
-            return y.reshape(1, self.out_channels, 1, s)
-        return y.reshape(self.out_channels, b, h, s).permute(1, 0, 2, 3)
-
-
-def with_cpu_kernels(module: torch.nn.Module, packing: str = "onednn") -> torch.nn.Module:
-    """A copy of `module` for one-token steps and verify windows on a CPU: its `Conv1x1`s run on
-    prepacked weights (`packing`, one of `packings`: `NativeConv1x1`s or oneDNN's
-    `PackedConv1x1`s), and with the native packing its decoder layers attend with the native
-    kernel (native_attention) where it takes their head_dim. Every other parameter and buffer is
-    shared, not copied (the packed weights are the one extra copy)."""
-    wrap = {"native": NativeConv1x1, "onednn": PackedConv1x1}[packing]
+def prepacked(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose `Conv1x1`s run on oneDNN-prepacked weights (`PackedConv1x1`).
+    Every other parameter and buffer is shared, not copied (the packed weights are the one extra
+    copy)."""
     shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
     clone = copy.deepcopy(module, memo=shared)
-    for name, child in list(clone.named_modules()):
+    for _, child in list(clone.named_modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, Conv1x1):
-                setattr(child, attr, wrap(sub))
-        if packing == "native" and isinstance(child, DecoderLayer) and native_attention.supports(child.cfg.head_dim):
-            child.attend = native_attention.attend
+                setattr(child, attr, PackedConv1x1(sub))
     return clone.eval()
 
 
-__all__ = ["PACKINGS", "build_model", "packings", "with_cpu_kernels"]
+__all__ = ["build_model", "onednn_available", "prepacked"]
