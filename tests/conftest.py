@@ -42,21 +42,21 @@ EXPORTING_FIXTURES = {"tiny_export", "smollm2_export"}
 UNIT_TIER = os.environ.get("LLAMA_ANE_UNIT_TIER") == "1"  # set by `make test-quick`
 
 
-@pytest.fixture(autouse=True)
-def _unit_tier_guard(request, monkeypatch):
-    """In the unit tier (`make test-quick`), a test that exports a model or starts a process fails
-    at once, naming the mark it lacks: the tier stays quick because nothing slips into it."""
-    if not UNIT_TIER or request.node.get_closest_marker("export") or request.node.get_closest_marker("slow"):
+def pytest_configure(config):
+    """In the unit tier (`make test-quick`), exporting a model or starting a process fails at once,
+    in a test or in any fixture it uses, naming the mark the test lacks: the tier stays quick
+    because nothing slips into it."""
+    if not UNIT_TIER:
         return
 
     def refuse(what):
         def stop(*args, **kwargs):
-            pytest.fail(f"this test {what}: mark it @pytest.mark.export (or slow)", pytrace=False)
+            pytest.fail(f"this test {what} in the unit tier: mark it @pytest.mark.export (or slow)", pytrace=False)
         return stop
     from llama_ane.export import convert
 
-    monkeypatch.setattr(convert, "convert_all", refuse("exports a model"))
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("starts a subprocess"))
+    convert.convert_all = refuse("exports a model")
+    subprocess.Popen.__init__ = refuse("starts a subprocess")
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
