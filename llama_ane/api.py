@@ -106,6 +106,16 @@ def _silent(_message: str) -> None:
 
 
 def calibration_text() -> str:
+def _pickles(obj: object) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(obj)
+        return True
+    except Exception:  # what pickling raises differs by object (PicklingError, TypeError, AttributeError)
+        return False
+
+
     """Prose shipped to calibrate compression on (neither the verify text nor the eval text)."""
     from importlib import resources
 
@@ -241,7 +251,9 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
 
     calibration = None
     if any(c.weighted for part in PARTS if (c := opts.quantize.compression(part, target))):
-        calibration = functools.partial(calibrate, ckpt, say)
+        # the calibration runs in a worker, which a log that does not pickle cannot reach when workers
+        # spawn (macOS): that worker prints its line instead
+        calibration = functools.partial(calibrate, ckpt, say if _pickles(say) else print)
     out.parent.mkdir(parents=True, exist_ok=True)
     with OutLock(out):
         if out.exists() and not force:  # written by an export that finished since the first look

@@ -22,7 +22,7 @@ GIB = 1 << 30
 
 def available_bytes() -> int | None:
     """Memory a new allocation can get without swapping (psutil's `available`: MemAvailable on
-    Linux, free plus inactive and purgeable pages on macOS), capped by a Linux cgroup limit."""
+    Linux, free plus inactive pages on macOS), capped by a Linux cgroup limit."""
     import psutil
 
     try:
