@@ -27,15 +27,15 @@ Nothing in those fixtures is written by hand:
   drafter's trees (tokens, parents, chances of acceptance) for fixed texts, and for sequences of
   calls on growing texts (the drafter learns its chances from how the text went on; each call
   records the chance of every class of proposal afterwards); ``DraftTree.ranked`` and
-  ``speculative.plan`` of drafted trees under fixed step costs; ``StepCosts`` after fixed sequences
-  of measured seconds; the verify window (``input_ids``, ``position``, ``depths``, ``tree_mask``)
+  ``DraftTree.expected_tokens`` of drafted trees, and whether each is worth a verify step under fixed
+  step times; ``StepTimes`` after fixed sequences of measured seconds; the verify window (``input_ids``, ``position``, ``depths``, ``tree_mask``)
   that ``Pipeline.verify_tree`` feeds the exported embeddings for fixed trees, and the ``slots`` its
   ``accept`` feeds the verify cache update (recorded from the real pipeline over the export's
   manifest, with a backend that records its inputs); the accepted path and next token of
   ``speculative.choose`` for fixed trees, logits and seeds (greedy and sampling); and speculative
-  generations with prompt lookup on the bigram model, without tree sizing and with it under fixed
-  step costs (measured costs are the machine's). The Swift drafter, costs, sizing, window,
-  acceptance rule and generator must give the same.
+  generations with prompt lookup on the bigram model, verifying every drafted tree and verifying
+  by the rule under fixed step times (measured times are the machine's). The Swift drafter, step
+  times, rule, window, acceptance rule and generator must give the same.
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
@@ -659,7 +659,8 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
                 shutil.rmtree(folder)
             export_model(checkpoint, folder, context_length=64, prefill_length=8, layers_per_chunk=1,
                          branch_width=2, suffix_length=32, target="iOS18", precision="fp16", force=True,
-                         verify=False, kv_cache=kv_cache, progress=False)
+                         verify_window=16 if kv_cache == "inputs" else 0, verify=False, kv_cache=kv_cache,
+                         progress=False)
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
     return out
@@ -816,36 +817,42 @@ SPECULATIVE_TEXTS = [  # token texts for the prompt-lookup drafter (the last tok
 ]
 
 SPECULATIVE_GENERATIONS = [  # prompt, max new tokens, context, temperature, top_k, top_p, seed, draft tokens,
-    # fixed step costs (intercept, slope) for tree sizing, or None: no sizing (`adaptive` off)
+    # fixed step times (plain, verify seconds) for the rule, or None: every drafted tree (`adaptive` off)
     ([1, 2, 3, 1, 2, 3, 1, 2], 40, 256, 0.0, 0, 1.0, 0, None, None),
     ([4, 5, 6, 7, 4, 5, 6, 7, 4], 40, 256, 0.0, 0, 1.0, 0, 3, None),
     ([9, 3, 9, 3, 8, 9, 3], 48, 256, 0.6, 0, 1.0, 17, None, None),
     ([2, 5, 2, 5, 2], 48, 256, 0.9, 6, 0.95, 2024, 5, None),
     ([1, 2, 3, 1, 2, 3, 1, 2], 60, 30, 0.0, 0, 1.0, 0, None, None),  # fills the context
-    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 256, 0.0, 0, 1.0, 0, None, (1.1, 0.1)),
-    ([9, 3, 9, 3, 8, 9, 3], 60, 256, 0.6, 0, 1.0, 17, None, (1.05, 0.02)),
-    ([2, 5, 2, 5, 2], 60, 256, 0.9, 6, 0.95, 2024, 5, (1.3, 0.15)),
-    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 60, 256, 0.0, 0, 1.0, 0, None, (1.6, 0.4)),  # expensive: short trees, plain steps
+    ([1, 2, 3, 1, 2, 3, 1, 2], 60, 256, 0.0, 0, 1.0, 0, None, (0.01, 0.011)),
+    ([9, 3, 9, 3, 8, 9, 3], 60, 256, 0.6, 0, 1.0, 17, None, (0.01, 0.0105)),
+    ([2, 5, 2, 5, 2], 60, 256, 0.9, 6, 0.95, 2024, 5, (0.01, 0.013)),
+    ([4, 5, 6, 7, 4, 5, 6, 7, 4], 60, 256, 0.0, 0, 1.0, 0, None, (0.01, 0.045)),  # expensive: more plain steps
 ]
 
-SPECULATIVE_COSTS = [(1.1, 0.1), (1.0, 0.02), (1.3, 0.15), (1.6, 0.4), (3.0, 0.5)]  # plans: (intercept, slope)
+SPECULATIVE_TIMES = [(0.01, 0.011), (0.01, 0.035), (0.01, 0.041), (0.01, 0.05), (0.01, 0.08)]  # ranked trees: (plain, verify seconds)
+EXPECTED_TOKENS = [1.0, 1.05, 1.5, 2.5, 4.0]  # step times: the rule's answer for these expected tokens
 
 
-class _FixedCosts:
-    """Step costs that ignore the measured seconds: a window of n nodes costs a + b (n - 2) plain
-    steps (stands in for `SpeculativeDecoder.costs`, which measures the machine)."""
+def fixed_step_times() -> type:
+    """A `StepTimes` of fixed seconds, FixedTimes(plain, verify), that ignores what is measured."""
+    from llama_ane.runtime.speculative import StepTimes
 
-    def __init__(self, intercept: float, slope: float):
-        self.intercept, self.slope = intercept, slope
+    class FixedTimes(StepTimes):
+        """Step times that ignore what is measured (stand in for `SpeculativeDecoder.times`, which
+        measures the machine)."""
 
-    def plain(self, seconds: float) -> None:
-        pass
+        def __init__(self, plain: float, verify: float):
+            super().__init__()
+            super().plain(plain)
+            super().verify(verify)
 
-    def verify(self, n: int, seconds: float) -> None:
-        pass
+        def plain(self, seconds: float) -> None:
+            pass
 
-    def __call__(self, n: int) -> float:
-        return self.intercept + self.slope * (n - 2)
+        def verify(self, seconds: float) -> None:
+            pass
+
+    return FixedTimes
 
 
 def _lookup_session(seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -864,8 +871,7 @@ def _lookup_session(seed: int, vocab: int) -> list[tuple[list[int], int]]:
 
 
 def _tree_json(tree) -> dict[str, Any]:
-    return {"tokens": tree.tokens, "parents": tree.parents, "confidence": [float(c) for c in tree.confidence],
-            "estimated": tree.estimated}
+    return {"tokens": tree.tokens, "parents": tree.parents, "confidence": [float(c) for c in tree.confidence]}
 
 
 def _repetitive_text(seed: int, vocab: int) -> list[int]:
@@ -884,7 +890,9 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
     from llama_ane.runtime.drafters import DraftTree, PromptLookupDrafter
     from llama_ane.runtime.pipeline import Pipeline
     from llama_ane.runtime.sampling import SamplingParams, SeededRandom
-    from llama_ane.runtime.speculative import SpeculativeDecoder, StepCosts, choose, plan
+    from llama_ane.runtime.speculative import SpeculativeDecoder, StepTimes, choose
+
+    FixedTimes = fixed_step_times()
 
     drafter = PromptLookupDrafter()  # one drafter for every call, in this order
     texts = SPECULATIVE_TEXTS + [_repetitive_text(seed, 40) for seed in range(4)]
@@ -904,31 +912,28 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
                             "chances": [[learner.chance(m, v) for v in range(1, 4)] for m in range(1, 9)]})
         sessions.append(session)
 
-    plans = []
+    ranked = []
     for text in [t for t in texts if len(PromptLookupDrafter().draft(t, 15)) > 3]:
         tree = PromptLookupDrafter().draft(text, 15)
-        plans.append({**_tree_json(tree), "ranked": [[node, chance] for node, chance in tree.ranked()],
-                      "plans": [{"costs": list(c), **_tree_json(plan(tree, _FixedCosts(*c)))}
-                                for c in SPECULATIVE_COSTS]})
+        ranked.append({**_tree_json(tree), "ranked": [[node, chance] for node, chance in tree.ranked()],
+                       "expected_tokens": tree.expected_tokens(),
+                       "verify": [[*t, FixedTimes(*t).worth_verifying(tree.expected_tokens())]
+                                  for t in SPECULATIVE_TIMES]})
 
-    costs = []
+    times = []
     rng = np.random.default_rng(23)
     for case in range(3):
-        model, steps = StepCosts(), []
-        for step in range(30):
-            if step % 7 == case:
-                event = ["plain", 0, float(rng.uniform(0.008, 0.012))]
-                model.plain(event[2])
+        model, steps = StepTimes(), []
+        for step in range(12):
+            if step % (case + 2) == 0:
+                event = ["plain", float(rng.uniform(0.008, 0.012))]
+                model.plain(event[1])
             else:
-                n = int(rng.integers(2, 17))
-                jump = 0.4 * case * (n > 6)  # a kernel that reads the weights once for up to 6 columns
-                event = ["verify", n, float((1.0 + 0.05 * case + (0.04 + 0.03 * case) * (n - 2) + jump) * 0.01
-                                            * rng.uniform(0.9, 1.1))]
-                model.verify(n, event[2])
-            intercept, slope = model.line()
-            steps.append({"event": event, "plain_seconds": model.plain_seconds, "line": [intercept, slope],
-                          "cost": [model(n) for n in (2, 3, 5, 6, 8, 12, 16)]})
-        costs.append(steps)
+                event = ["verify", float(rng.uniform(0.009, 0.03))]
+                model.verify(event[1])
+            steps.append({"event": event, "plain_seconds": model.plain_seconds, "verify_seconds": model.verify_seconds,
+                          "verify": [[e, model.worth_verifying(e)] for e in EXPECTED_TOKENS]})
+        times.append(steps)
 
     manifest = json.loads(Path(manifest_path).read_text())
     w = manifest["verify_window"]
@@ -998,7 +1003,7 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
         decoder = SpeculativeDecoder(pipeline, PromptLookupDrafter(), SamplingParams(temperature, top_k, top_p),
                                      SeededRandom(seed), pipeline.decode_one, draft_tokens, adaptive=fixed is not None)
         if fixed is not None:
-            decoder.costs = _FixedCosts(*fixed)
+            decoder.times = FixedTimes(*fixed)
         tokens = []
         for token in decoder.tokens(table[prompt[-1]], prompt):
             tokens.append(int(token))
@@ -1007,14 +1012,14 @@ def write_speculative_fixture(path: Path, manifest_path: Path, vocab: int = 24) 
         st = decoder.stats
         generations.append({"prompt": prompt, "max_new_tokens": max_new, "context_length": context,
                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed),
-                            "draft_tokens": draft_tokens, "costs": None if fixed is None else list(fixed),
+                            "draft_tokens": draft_tokens, "times": None if fixed is None else list(fixed),
                             "tokens": tokens,
                             "finish_reason": "length" if len(tokens) >= max_new else "context",
                             "verify_steps": st.verify_steps, "decode_steps": st.decode_steps,
                             "drafted_tokens": st.drafted_tokens, "accepted_tokens": st.accepted_tokens})
     if not all(g["accepted_tokens"] > 0 for g in generations):
         raise AssertionError("every speculative generation case should accept some drafts")
-    data = {"verify_window": w, "drafts": drafts, "sessions": sessions, "plans": plans, "costs": costs,
+    data = {"verify_window": w, "drafts": drafts, "sessions": sessions, "ranked": ranked, "times": times,
             "windows": windows, "choices": choices,
             "table": [[float(v) for v in row] for row in table], "generations": generations}
     path.write_text(json.dumps(data, indent=1))
@@ -1050,7 +1055,7 @@ def main(argv: list[str] | None = None) -> None:
         data = write_speculative_fixture(args.fixtures_dir / "speculative.json",
                                          args.fixtures_dir / "export" / "manifest.json")
         print("speculative:", len(data["drafts"]), "drafts,", sum(map(len, data["sessions"])), "session calls,",
-              len(data["plans"]), "plans,", len(data["windows"]), "windows,",
+              len(data["ranked"]), "ranked trees,", len(data["windows"]), "windows,",
               len(data["choices"]), "choices,", len(data["generations"]), "generations")
 
 

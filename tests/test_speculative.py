@@ -17,6 +17,9 @@ from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabiliti
 from llama_ane.runtime.speculative import SpeculativeDecoder, StepTimes, choose
 
 from conftest import no_eos
+from swift_fixtures import fixed_step_times
+
+FixedTimes = fixed_step_times()
 
 
 def _load(folder, **kw):
@@ -198,21 +201,6 @@ def test_step_times_rule():
     times.verify(0.7)
     assert times.verify_seconds == pytest.approx(0.6)  # a window costs 3 plain steps
     assert times.worth_verifying(3.1) and not times.worth_verifying(2.9)
-
-
-class FixedTimes(StepTimes):
-    """Step times that ignore what is measured."""
-
-    def __init__(self, plain: float, verify: float):
-        super().__init__()
-        super().plain(plain)
-        super().verify(verify)
-
-    def plain(self, seconds: float) -> None:
-        pass
-
-    def verify(self, seconds: float) -> None:
-        pass
 
 
 class ChanceDrafter:

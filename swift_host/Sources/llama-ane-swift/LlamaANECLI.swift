@@ -46,8 +46,8 @@ enum LlamaANECLI {
                            stats.decodeTokensPerSecond) + " (\(stats.stopReason.rawValue))")
                 if let spec = stats.speculative {
                     log(String(format: "speculative: %d verify + %d plain steps, %.2f tokens per verify step, "
-                               + "acceptance %.2f, drafting paused %d times", spec.verifySteps, spec.decodeSteps,
-                               spec.tokensPerStep, spec.acceptanceRate, spec.fallbacks))
+                               + "acceptance %.2f", spec.verifySteps, spec.decodeSteps,
+                               spec.tokensPerStep, spec.acceptanceRate))
                 }
             }
         }

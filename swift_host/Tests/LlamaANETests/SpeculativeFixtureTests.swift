@@ -4,8 +4,8 @@ import XCTest
 
 /// Swift's speculative decoding against what Python's did on the same inputs (`speculative.json`,
 /// written by tests/swift_fixtures.py): the prompt-lookup drafter's trees and chances, also along
-/// sequences of calls on growing texts (what it learns), ranking and tree sizing under fixed step
-/// costs, measured step costs, the verify window the real Python pipeline fed the exported
+/// sequences of calls on growing texts (what it learns), ranking, expected tokens and the rule
+/// under fixed step times, measured step times, the verify window the real Python pipeline fed the exported
 /// embeddings and the slots it fed the verify cache update, the acceptance rule with the seeded
 /// generator, and whole generations on a bigram model.
 final class SpeculativeFixtureTests: XCTestCase {
@@ -28,7 +28,6 @@ final class SpeculativeFixtureTests: XCTestCase {
                                  confidence: confidence.isEmpty ? 1 : confidence[i])
             XCTAssertEqual(added, i, "the fixture's tree has a repeated child")
         }
-        tree.estimated = v["estimated"]?.boolValue ?? false
         return tree
     }
 
@@ -36,7 +35,6 @@ final class SpeculativeFixtureTests: XCTestCase {
     private func assertTree(_ tree: DraftTree, _ expected: JSONValue, _ message: String, line: UInt = #line) {
         XCTAssertEqual(tree.tokens, ints(expected["tokens"]), message, line: line)
         XCTAssertEqual(tree.parents, ints(expected["parents"]), message, line: line)
-        XCTAssertEqual(tree.estimated, expected["estimated"]?.boolValue, message, line: line)
         assertClose(tree.confidence, doubles(expected["confidence"]), message, line: line)
     }
 
@@ -80,35 +78,39 @@ final class SpeculativeFixtureTests: XCTestCase {
         }
     }
 
-    func testRankingAndTreeSizingArePythons() throws {
-        for c in try cases("plans") {
+    func testRankingAndTheRuleArePythons() throws {
+        for c in try cases("ranked") {
             let tree = tree(c)
             let ranked = tree.ranked()
             let expected = c["ranked"]?.arrayValue ?? []
             XCTAssertEqual(ranked.map(\.node), expected.map { $0.arrayValue?.first?.intValue ?? -1 }, "tree \(tree.tokens)")
             assertClose(ranked.map(\.chance), expected.map { $0.arrayValue?.last?.doubleValue ?? .nan }, "tree \(tree.tokens)")
-            for p in c["plans"]?.arrayValue ?? [] {
-                let line = doubles(p["costs"])
-                assertTree(tree.planned(by: FixedStepCosts(intercept: line[0], slope: line[1])), p, "tree \(tree.tokens) costs \(line)")
+            assertClose([tree.expectedTokens], [c["expected_tokens"]?.doubleValue ?? .nan], "tree \(tree.tokens)")
+            for v in c["verify"]?.arrayValue?.compactMap(\.arrayValue) ?? [] {  // [plain seconds, verify seconds, worth verifying]
+                let times = FixedStepTimes(plain: v[0].doubleValue ?? .nan, verify: v[1].doubleValue ?? .nan)
+                XCTAssertEqual(times.worthVerifying(expected: tree.expectedTokens), v[2].boolValue, "tree \(tree.tokens) \(times)")
             }
         }
     }
 
-    func testMeasuredStepCostsArePythons() throws {
-        for (s, sequence) in try cases("costs").enumerated() {
-            var costs = MeasuredStepCosts()
+    func testMeasuredStepTimesArePythons() throws {
+        for (s, sequence) in try cases("times").enumerated() {
+            var times = MeasuredStepTimes()
             for (i, step) in (sequence.arrayValue ?? []).enumerated() {
                 let event = try XCTUnwrap(step["event"]?.arrayValue)
-                let seconds = try XCTUnwrap(event[2].doubleValue)
+                let seconds = try XCTUnwrap(event[1].doubleValue)
                 if event[0].stringValue == "plain" {
-                    costs.plain(seconds: seconds)
+                    times.plain(seconds: seconds)
                 } else {
-                    costs.verify(nodes: try XCTUnwrap(event[1].intValue), seconds: seconds)
+                    times.verify(seconds: seconds)
                 }
-                let line = costs.line
-                assertClose([costs.plainSeconds ?? .nan, line.intercept, line.slope] + [2, 3, 5, 6, 8, 12, 16].map { costs.cost(nodes: $0) },
-                            [step["plain_seconds"]?.doubleValue ?? .nan] + doubles(step["line"]) + doubles(step["cost"]),
+                assertClose([times.plainSeconds ?? .nan, times.verifySeconds ?? .nan],
+                            [step["plain_seconds"]?.doubleValue ?? .nan, step["verify_seconds"]?.doubleValue ?? .nan],
                             "sequence \(s) step \(i)")
+                for v in step["verify"]?.arrayValue?.compactMap(\.arrayValue) ?? [] {  // [expected tokens, worth verifying]
+                    let expected = v[0].doubleValue ?? .nan
+                    XCTAssertEqual(times.worthVerifying(expected: expected), v[1].boolValue, "sequence \(s) step \(i) expected \(expected)")
+                }
             }
         }
     }
@@ -172,13 +174,13 @@ final class SpeculativeFixtureTests: XCTestCase {
             let model = BigramVerifier(table: table, contextLength: c["context_length"]?.intValue ?? 0, verifyWindow: width)
             let sampling = SamplingParameters(temperature: Float(c["temperature"]?.doubleValue ?? 0), topK: c["top_k"]?.intValue ?? 0,
                                               topP: Float(c["top_p"]?.doubleValue ?? 1), seed: UInt64(c["seed"]?.stringValue ?? "") ?? 0)
-            // With fixed step costs, Python sized its trees by them; without, it did not size them.
-            let line = doubles(c["costs"])
+            // With fixed step times, Python verified by the rule under them; without, every drafted tree.
+            let line = doubles(c["times"])
             let options = SpeculativeDecoding.promptLookup(draftTokens: c["draft_tokens"]?.intValue, adaptive: !line.isEmpty,
-                                                           costs: line.isEmpty ? MeasuredStepCosts() : FixedStepCosts(intercept: line[0], slope: line[1]))
+                                                           times: line.isEmpty ? MeasuredStepTimes() : FixedStepTimes(plain: line[0], verify: line[1]))
             let (tokens, stats) = try await Generator(predictor: model, eosTokenIds: [])
                 .generateAll(prompt: prompt, maxNewTokens: c["max_new_tokens"]?.intValue ?? 0, sampling: sampling, speculative: options)
-            XCTAssertEqual(tokens, ints(c["tokens"]), "prompt \(prompt) costs \(line)")
+            XCTAssertEqual(tokens, ints(c["tokens"]), "prompt \(prompt) times \(line)")
             XCTAssertEqual(stats.stopReason.rawValue, c["finish_reason"]?.stringValue, "prompt \(prompt)")
             let spec = try XCTUnwrap(stats.speculative)
             XCTAssertEqual([spec.verifySteps, spec.draftedTokens, spec.acceptedTokens],

@@ -125,95 +125,62 @@ final class SpeculativeGeneratorTests: XCTestCase {
         }
     }
 
-    /// A drafter without estimates: a chain of k copies of the root.
+    /// A chain of k copies of the root, each node with chance `chance`.
     private struct RepeatDrafter: Drafter {
+        var chance = 1.0
+
         func draft(_ tokens: [Int], k: Int) -> DraftTree {
             var tree = DraftTree(root: tokens[tokens.count - 1])
-            for _ in 0..<k { tree.add(tree.tokens[0], under: tree.count - 1) }
+            for _ in 0..<k { tree.add(tree.tokens[0], under: tree.count - 1, confidence: chance) }
             return tree
         }
     }
 
-    func testTreesWithoutEstimatesGrowAfterAFullAcceptanceAndShrinkAfterARejection() throws {
-        var decoder = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(), draftTokens: 7), sampling: .greedy, verifyWindow: 16)
-        XCTAssertEqual(decoder.draftLength, 4)
-        var chain = DraftTree(root: 1)
-        for t in 2...4 { chain.add(t, under: chain.count - 1) }
-        decoder.recordVerify(seconds: 1, tree: chain, path: [0, 1, 2, 3])  // down to the leaf
-        XCTAssertEqual(decoder.draftLength, 6)
-        decoder.recordVerify(seconds: 1, tree: chain, path: [0, 1, 2, 3])
-        XCTAssertEqual(decoder.draftLength, 7, "never past the draft tokens asked for")
-        decoder.recordVerify(seconds: 1, tree: chain, path: [0, 1])
-        XCTAssertEqual(decoder.draftLength, 6)
-        decoder.recordDecode(seconds: 1)
-        XCTAssertEqual(decoder.tree(after: [5, 5], room: 50).count, 7, "a tree of draftLength tokens")
-        XCTAssertEqual(decoder.stats.verifySteps, 3)
-        XCTAssertEqual(decoder.stats.draftedTokens, 9)
-        XCTAssertEqual(decoder.stats.acceptedTokens, 7)
-        XCTAssertEqual(decoder.stats.tokensPerStep, 10.0 / 3, accuracy: 1e-12)
-        XCTAssertEqual(decoder.stats.acceptanceRate, 7.0 / 9, accuracy: 1e-12)
+    func testExpectedTokensOfATree() {
+        var tree = DraftTree(root: 1)
+        let a = tree.add(2, under: 0, confidence: 0.9)
+        tree.add(3, under: a, confidence: 0.9)
+        tree.add(4, under: 0, confidence: 0.05)
+        XCTAssertEqual(tree.expectedTokens, 1 + 0.9 + 0.81 + 0.05, accuracy: 1e-12)
+        XCTAssertEqual(DraftTree(root: 1).expectedTokens, 1)
     }
 
-    func testDraftingWithoutEstimatesPausesWhileVerifyStepsDoNotPay() throws {
-        let options = SpeculativeDecoding(drafter: RepeatDrafter())
-        var decoder = try SpeculativeDecoder(options, sampling: .greedy, verifyWindow: 16)
-        let text = [1, 2, 3, 1, 2, 3, 1, 2]
-        XCTAssertEqual(decoder.tree(after: text, room: 50).count, 1, "the first step is a plain one, to measure it")
-        decoder.recordDecode(seconds: 1)  // a plain step: 1 token per second
-        XCTAssertGreaterThan(decoder.tree(after: text, room: 50).count, 1)
-        XCTAssertEqual(decoder.tree(after: text, room: 0).count, 1, "nothing is drafted without room")
-        var tree = DraftTree(root: 2)
-        tree.add(3, under: 0)
-        for _ in 0..<3 { decoder.recordVerify(seconds: 3, tree: tree, path: [0]) }  // 1 token per 3 s
-        XCTAssertTrue(decoder.pays, "four verify steps are needed to judge")
-        decoder.recordVerify(seconds: 3, tree: tree, path: [0])
-        XCTAssertEqual(decoder.stats.fallbacks, 1)
-        XCTAssertEqual(decoder.pausedSteps, 16)
-        for _ in 0..<16 { XCTAssertEqual(decoder.tree(after: text, room: 50).count, 1) }
-        XCTAssertGreaterThan(decoder.tree(after: text, room: 50).count, 1, "drafting resumes after the cool-down")
-        for _ in 0..<4 { decoder.recordVerify(seconds: 3, tree: tree, path: [0]) }
-        XCTAssertEqual(decoder.pausedSteps, 32, "each further pause is twice as long")
-        // Steps that pay keep drafting on.
-        var paying = try SpeculativeDecoder(options, sampling: .greedy, verifyWindow: 16)
-        paying.recordDecode(seconds: 1)
-        for _ in 0..<8 { paying.recordVerify(seconds: 1, tree: tree, path: [0, 1]) }  // 2 tokens per second
-        XCTAssertEqual(paying.stats.fallbacks, 0)
-        // Without `adaptive` nothing pauses.
-        var fixed = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(), adaptive: false), sampling: .greedy, verifyWindow: 16)
-        fixed.recordDecode(seconds: 1)
-        for _ in 0..<8 { fixed.recordVerify(seconds: 3, tree: tree, path: [0]) }
-        XCTAssertEqual(fixed.stats.fallbacks, 0)
-        XCTAssertEqual(fixed.tree(after: text, room: 50).count, 16, "the full draft size every time")
+    func testStepTimesRule() {
+        var times = MeasuredStepTimes()
+        XCTAssertFalse(times.worthVerifying(expected: 5), "no plain step measured yet")
+        times.plain(seconds: 0.1)
+        times.plain(seconds: 0.3)
+        XCTAssertEqual(times.plainSeconds ?? .nan, 0.2, accuracy: 1e-12)
+        XCTAssertNil(times.verifySeconds)
+        XCTAssertTrue(times.worthVerifying(expected: 1.01), "a window not measured yet: try one")
+        XCTAssertFalse(times.worthVerifying(expected: 1))
+        times.verify(seconds: 0.5)
+        times.verify(seconds: 0.7)
+        XCTAssertEqual(times.verifySeconds ?? .nan, 0.6, accuracy: 1e-12)  // a window costs 3 plain steps
+        XCTAssertTrue(times.worthVerifying(expected: 3.1))
+        XCTAssertFalse(times.worthVerifying(expected: 2.9))
     }
 
-    func testEstimatedTreesAreSizedByStepCosts() throws {
-        let text = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2, 3]
-        var lookup = PromptLookupDrafter()
-        let full = lookup.draft(text, k: 15)
-        XCTAssertGreaterThan(full.count, 4)
-        let cheap = FixedStepCosts(intercept: 1, slope: 0.01), dear = FixedStepCosts(intercept: 3, slope: 1)
-        XCTAssertEqual(full.planned(by: FixedStepCosts(intercept: 1, slope: 0)), full, "with free nodes every node pays")
-        XCTAssertEqual(full.planned(by: dear).count, 1, "no tree beats a plain step that costs a third of a window")
-        let sized = full.planned(by: FixedStepCosts(intercept: 1.1, slope: 0.3))
-        XCTAssertTrue(sized.count > 1 && sized.count < full.count, "\(sized.count) of \(full.count) nodes")
-        XCTAssertEqual(sized, full.best(sized.count - 1), "the best-ranked nodes")
-
-        var decoder = try SpeculativeDecoder(.promptLookup(costs: cheap), sampling: .greedy, verifyWindow: 16)
-        XCTAssertEqual(decoder.tree(after: text, room: 50).count, 1, "the first step is a plain one")
-        XCTAssertEqual(decoder.drafter as? PromptLookupDrafter, lookup, "but the drafter saw the text (it learns from it)")
-        decoder.recordDecode(seconds: 1)
-        XCTAssertEqual(decoder.tree(after: text + [4], room: 50), { var d = lookup; return d.draft(text + [4], k: 15) }()
-                       .planned(by: cheap))
-        for _ in 0..<8 { decoder.recordVerify(seconds: 30, tree: full, path: [0]) }
-        XCTAssertEqual(decoder.stats.fallbacks, 0, "an estimated tree is sized by costs, never paused")
-        var dearDecoder = try SpeculativeDecoder(.promptLookup(costs: dear), sampling: .greedy, verifyWindow: 16)
-        dearDecoder.recordDecode(seconds: 1)
-        XCTAssertEqual(dearDecoder.tree(after: text, room: 50).count, 1, "a plain step when no tree pays")
+    func testTheDecoderVerifiesOnlyTreesWorthAWindow() throws {
+        let text = [1, 2, 3]
+        for (chance, verified) in [(0.9, true), (0.5, false)] {  // 3.1 and 1.9 tokens expected of 4 nodes
+            var first = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(chance: chance), draftTokens: 4),
+                                               sampling: .greedy, verifyWindow: 16)
+            XCTAssertEqual(first.tree(after: text, room: 50).count, 1, "the first step is a plain one, to measure it")
+            let options = SpeculativeDecoding(drafter: RepeatDrafter(chance: chance), draftTokens: 4,
+                                              times: FixedStepTimes(plain: 0.1, verify: 0.3))
+            var decoder = try SpeculativeDecoder(options, sampling: .greedy, verifyWindow: 16)
+            XCTAssertEqual(decoder.tree(after: text, room: 50).count, verified ? 5 : 1, "chance \(chance)")
+            XCTAssertEqual(decoder.tree(after: text, room: 0).count, 1, "nothing is drafted without room")
+        }
+        var fixed = try SpeculativeDecoder(SpeculativeDecoding(drafter: RepeatDrafter(chance: 0.01), adaptive: false),
+                                           sampling: .greedy, verifyWindow: 16)
+        XCTAssertEqual(fixed.tree(after: text, room: 50).count, 16, "without adaptive, every drafted tree in full")
     }
 
-    func testTheDecoderMeasuresStepCosts() throws {
+    func testTheDecoderMeasuresBothSteps() throws {
         var decoder = try SpeculativeDecoder(.promptLookup(), sampling: .greedy, verifyWindow: 16)
-        var expected = MeasuredStepCosts()
+        var expected = MeasuredStepTimes()
         var tree = DraftTree(root: 2)
         tree.add(3, under: 0)
         tree.add(4, under: 1)
@@ -221,9 +188,11 @@ final class SpeculativeGeneratorTests: XCTestCase {
             decoder.recordDecode(seconds: plain)
             expected.plain(seconds: plain)
             decoder.recordVerify(seconds: verify, tree: tree, path: [0, 1])
-            expected.verify(nodes: 3, seconds: verify)
+            expected.verify(seconds: verify)
         }
-        XCTAssertEqual(decoder.costs as? MeasuredStepCosts, expected)
-        XCTAssertNotEqual(expected, MeasuredStepCosts())
+        XCTAssertEqual(decoder.times as? MeasuredStepTimes, expected)
+        XCTAssertNotEqual(expected, MeasuredStepTimes())
+        XCTAssertEqual([decoder.stats.verifySteps, decoder.stats.draftedTokens, decoder.stats.acceptedTokens], [3, 6, 3])
+        XCTAssertEqual(decoder.stats.tokensPerStep, 2, accuracy: 1e-12)
     }
 }

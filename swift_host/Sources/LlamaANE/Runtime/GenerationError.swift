@@ -26,7 +26,7 @@ public enum GenerationError: Error, CustomStringConvertible, Equatable {
             return "this export has no decode_branches functions (branch_width is 0); export with branch decoding enabled."
         case .noVerifyWindow:
             return "this export has no verify function for speculative decoding (verify_window is 0, or its caches are "
-                + "Core ML states); re-export it with --verify-window 16 (the default) and --kv-cache inputs."
+                + "Core ML states); re-export it with --verify-window W (e.g. 16) and --kv-cache inputs."
         case let .draftTokensOutOfRange(tokens, window):
             return "draft tokens must be 1...\(window - 1) (the export's verify window is \(window)), got \(tokens)."
         }

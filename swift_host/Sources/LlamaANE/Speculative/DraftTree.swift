@@ -5,7 +5,7 @@
 /// `probabilities[i]` is the drafter's distribution over the vocabulary of node i's token given its
 /// parent, or nil when the token was picked deterministically (a point mass: prompt lookup).
 /// `confidence[i]` is the drafter's estimate of the chance that node i is accepted once its parent
-/// is (the root's is 1); a tree without estimates (`estimated` false) has 1 everywhere.
+/// is (the root's is 1; 1 where the drafter gives none): what the decoder weighs a tree by.
 public struct DraftTree: Equatable, Sendable {
     /// The additive mask value of a hidden key, as the exported functions use it (`MASK_VALUE`).
     public static let hidden: Float = -1.0e4
@@ -22,8 +22,6 @@ public struct DraftTree: Equatable, Sendable {
     public private(set) var probabilities: [[Double]?]
     /// Each node's estimated chance of acceptance given its parent's, (n,); 1 for the root.
     public private(set) var confidence: [Double]
-    /// Whether `confidence` holds a drafter's estimates (see `SpeculativeDecoder`'s tree sizing).
-    public var estimated = false
     /// (parent, token) -> node.
     private var nodes: [Edge: Int] = [:]
 
@@ -54,12 +52,10 @@ public struct DraftTree: Equatable, Sendable {
         return count - 1
     }
 
-    /// Sets every node's estimated chance of acceptance given its parent, (n,) with the root's 1,
-    /// and marks the tree `estimated`.
+    /// Sets every node's estimated chance of acceptance given its parent, (n,) with the root's 1.
     public mutating func estimate(_ chances: [Double]) {
         precondition(chances.count == count, "\(chances.count) chances for a tree of \(count) nodes")
         confidence = chances
-        estimated = true
     }
 
     /// The children of `node`, in the order they were added.

@@ -31,16 +31,22 @@ extension DraftTree {
     }
 
     /// The tree of the root and `nodes` (each node's parent among them), in index order, with their
-    /// probabilities, confidence and `estimated`.
+    /// probabilities and confidence.
     public func keep(_ nodes: [Int]) -> DraftTree {
         var tree = DraftTree(root: tokens[0])
-        tree.estimated = estimated
         var index = [0: 0]  // node here -> node in `tree`
         for v in Set(nodes).subtracting([0]).sorted() {
             guard let parent = index[parents[v]] else { preconditionFailure("node \(v) is kept without its parent \(parents[v])") }
             index[v] = tree.add(tokens[v], under: parent, probabilities: probabilities[v], confidence: confidence[v])
         }
         return tree
+    }
+
+    /// The tokens a verify step of this tree is expected to give, as Python's
+    /// `DraftTree.expected_tokens`: the model's own next token plus, for every node, the chance
+    /// that it and its ancestors are accepted.
+    public var expectedTokens: Double {
+        ranked().reduce(1) { $0 + $1.chance }
     }
 
     /// The `k` nodes most likely to be accepted (see `ranked`), with the root.

@@ -32,8 +32,6 @@ public struct PromptLookupDrafter: Drafter, Equatable {
     public private(set) var chances = LookupChances()
     private var last: LastDraft?
 
-    public var estimates: Bool { true }
-
     public init(maxNgram: Int = 8, minNgram: Int = 1, matches: Int = 4, candidates: Int = 12, length: Int = 15) {
         precondition(1 <= minNgram && minNgram <= maxNgram, "n-gram sizes must satisfy 1 <= min <= max, got \(minNgram)...\(maxNgram)")
         precondition(matches >= 1 && candidates >= 1 && length >= 1, "matches, candidates and length must be at least 1")
@@ -75,7 +73,6 @@ public struct PromptLookupDrafter: Drafter, Equatable {
             chances.learn(tokens, after: last.text, tree: last.tree, keys: last.keys)
         }
         var tree = DraftTree(root: root)
-        tree.estimated = true
         guard k >= 1 else { return tree }
         var match = [0], votes = [0]  // per node: the longest match proposing it, its continuations
         for continuation in continuations(tokens, length: length) {

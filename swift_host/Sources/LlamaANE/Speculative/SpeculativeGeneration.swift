@@ -3,8 +3,9 @@ extension Generator {
     /// the `logits` after the prompt (which the cache holds).
     ///
     /// Each step starts from the root, the last sampled token, streamed but not cached yet. When
-    /// the decoder drafts nothing (the first step, a pause, no match, no room) the root is fed the
-    /// plain way. Otherwise its tree runs in one verify window, the decoder keeps the path the
+    /// the decoder drafts nothing (the first step, no match, no room, no tree worth a window) the
+    /// root is fed the plain way. Otherwise its tree runs in one verify window (timed with its
+    /// drafting, as a verify step's cost), the decoder keeps the path the
     /// model agrees with, only that path (the root and the accepted drafts) is written to the
     /// cache, the drafts are streamed, and the model's own next token is the next root. When the
     /// generation ends on an accepted draft, that draft and those after it leave the cache again,
@@ -27,9 +28,10 @@ extension Generator {
                 break
             }
             try Task.checkCancellation()
+            let drafting = clock.now
             let tree = decoder.tree(after: history, room: cache.capacity - cache.position - 1)
-            let start = clock.now
             guard tree.count > 1 else {
+                let start = clock.now
                 let next = try await feed(root, overflow: overflow, cache: &cache, stats: &stats)
                 decoder.recordDecode(seconds: Self.seconds(clock.now - start))
                 root = decoder.draw(next)
@@ -37,7 +39,7 @@ extension Generator {
             }
             let window = TreeWindow(tree: tree, position: cache.position, width: verifier.verifyWindow)
             let (path, next) = try await verify(window, of: tree, on: verifier, decoder: &decoder, recordingIn: &cache)
-            decoder.recordVerify(seconds: Self.seconds(clock.now - start), tree: tree, path: path)
+            decoder.recordVerify(seconds: Self.seconds(clock.now - drafting), tree: tree, path: path)
             for (i, node) in path.dropFirst().enumerated() {
                 let (event, done) = events.next(tree.tokens[node], stats: &stats)
                 emit(event)

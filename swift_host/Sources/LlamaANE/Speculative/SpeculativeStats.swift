@@ -2,7 +2,7 @@
 public struct SpeculativeStats: Equatable, Sendable {
     /// Verify windows run.
     public var verifySteps = 0
-    /// Plain one-token steps (nothing drafted, or drafting paused).
+    /// Plain one-token steps (nothing drafted, or no tree worth a verify step).
     public var decodeSteps = 0
     /// Tree nodes below the root, over all verify steps.
     public var draftedTokens = 0
@@ -10,8 +10,6 @@ public struct SpeculativeStats: Equatable, Sendable {
     public var acceptedTokens = 0
     public var verifySeconds = 0.0
     public var decodeSeconds = 0.0
-    /// Times drafting was paused for not paying.
-    public var fallbacks = 0
 
     public init() {}
 
