@@ -21,6 +21,7 @@ COMMANDS = {
     "inspect": "inspect",
     "verify": "verify",
     "gpu-generate": "gpu_generate",
+    "serve": "serve",
 }
 
 

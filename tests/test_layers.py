@@ -31,6 +31,7 @@ ALLOWED = {
     "reference": {"checkpoint"},
     "verify": {"chunks", "checkpoint", "contract", "reference", "runtime"},
     "evaluate": {"contract", "runtime", "verify"},
+    "serve": {"contract", "runtime"},
     "api": {"checkpoint", "contract", "export", "quantize", "reference", "verify"},
 }
 

@@ -1,0 +1,404 @@
+"""`llama-ane serve`: the OpenAI client against a live server on a tiny export with cascade branches.
+
+Each server runs in a thread of this process (uvicorn on 127.0.0.1, a free port) over one model
+loaded once (torch, fp32), so model calls can be counted by wrapping the backend's predict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jsonschema
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")  # the HTTP client the openai package uses
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+pytest.importorskip("llguidance")
+
+import llama_ane  # noqa: E402
+from llama_ane.runtime.sampling import SamplingParams  # noqa: E402
+from llama_ane.serve.app import create_app  # noqa: E402
+from llama_ane.serve.options import ServeOptions  # noqa: E402
+from llama_ane.serve.scheduler import Finished, Request, Scheduler, Token  # noqa: E402
+
+from conftest import no_eos  # noqa: E402
+
+pytestmark = pytest.mark.export
+
+# a tools-capable template in the Hermes style: tools listed in a system turn, calls as <tool_call> JSON
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools; call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n"
+    "{% for tool in tools %}{{ tool.function | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DOCUMENT = ("The quick brown fox jumps over the lazy dog. Numbers like 12, 345 and 6789 appear in text; so do "
+            "questions? And answers! The Neural Engine runs small models quickly and with little power. ") * 4
+QUESTIONS = ["Who jumps?", "What runs?", "Which numbers?", "Is it quick?", "And the dog?", "What power?",
+             "So do what?", "How small?"]
+
+
+@pytest.fixture(scope="module")
+def export(tiny_checkpoint, tmp_path_factory):
+    from llama_ane.api import export_model
+
+    return export_model(tiny_checkpoint(num_hidden_layers=3, head_dim=32), tmp_path_factory.mktemp("serve") / "tiny",
+                        context_length=512, prefill_length=64, layers_per_chunk=2, branch_width=8, suffix_length=64,
+                        progress=False)
+
+
+@pytest.fixture(scope="module")
+def model(export):
+    m = llama_ane.load(export, backend="torch", precision="fp32")
+    m.calls = 0
+    predict = m.backend.predict
+
+    def counted(*args, **kwargs):
+        m.calls += 1
+        return predict(*args, **kwargs)
+    m.backend.predict = counted
+    yield m
+    m.close()
+
+
+@contextlib.contextmanager
+def serving(model, **options):
+    """A live server on 127.0.0.1 (a free port) in a thread; yields its base URL."""
+    options.setdefault("chat_template", TOOLS_TEMPLATE)
+    app = create_app(model, ServeOptions(**options))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+def client(url: str, key: str = "none") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat_ids(model, messages, tools=None) -> list[int]:
+    return list(model.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False, chat_template=TOOLS_TEMPLATE))
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_models_chat_and_completions_equal_generate(model):
+    messages = [{"role": "user", "content": "Name a river."}]
+    with no_eos(model), serving(model) as url:
+        c = client(url)
+        assert [m.id for m in c.models.list().data] == [model.manifest["name"]]
+        r = c.chat.completions.create(model="x", messages=messages, max_tokens=10, temperature=0)
+        alone = model.generate(chat_ids(model, messages), max_new_tokens=10)
+        assert r.choices[0].message.content == alone.text
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len(chat_ids(model, messages))
+        r = c.completions.create(model="x", prompt="The quick brown", max_tokens=8, temperature=0)
+        assert r.choices[0].text == model.generate("The quick brown", max_new_tokens=8).text
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_streaming_stop_seed_and_n(model):
+    messages = [{"role": "user", "content": "Tell a story."}]
+    with no_eos(model), serving(model) as url:
+        c = client(url)
+        whole = c.chat.completions.create(model="x", messages=messages, max_tokens=16, temperature=0)
+        text = whole.choices[0].message.content
+        chunks = list(c.chat.completions.create(model="x", messages=messages, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 16
+
+        stop = text[len(text) // 2:len(text) // 2 + 2]  # a stop string known to occur in the answer
+        cut = c.chat.completions.create(model="x", messages=messages, max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == text[:text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+        sampled = [c.completions.create(model="x", prompt="Once", max_tokens=12, temperature=1.0, seed=seed)
+                   .choices[0].text for seed in (7, 7, 8)]
+        assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+        n = c.completions.create(model="x", prompt="Once", max_tokens=12, temperature=1.0, seed=7, n=3)
+        assert len(n.choices) == 3 and len({ch.text for ch in n.choices}) > 1
+        assert n.usage.completion_tokens == 36
+
+
+def test_logprobs_with_top_alternatives(model):
+    with serving(model) as url:
+        r = client(url).chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                                temperature=0, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e.logprob == pytest.approx(tops[0]) and e.token == e.top_logprobs[0].token  # greedy: the top one
+        assert np.exp(tops).sum() <= 1.0 + 1e-6
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def test_json_schema_output_validates_even_from_a_random_model(model):
+    with serving(model) as url:
+        c = client(url)
+        for seed in (0, 1):
+            r = c.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": "A person, as JSON."}], max_tokens=48,
+                temperature=1.0, seed=seed,
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+            jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+            assert r.choices[0].finish_reason == "stop"
+
+
+def test_forced_tool_call(model):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                                                              "required": ["city"], "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    with serving(model) as url:
+        r = client(url).chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=32,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+    assert r.usage.prompt_tokens == len(chat_ids(model, messages, tools))  # the template rendered the tools
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
+    with serving(model, max_tokens_limit=64, api_key="secret") as url:
+        h = {"Authorization": "Bearer secret"}
+        post = lambda path, body, headers=h: httpx.post(url + path, json=body, headers=headers, timeout=60)  # noqa: E731
+        ok = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        cases = [
+            (post("/v1/chat/completions", ok, {}), 401, None),
+            (httpx.post(url + "/v1/chat/completions", content=b"{not json", headers=h), 400, None),
+            (post("/v1/chat/completions", {"max_tokens": 4}), 400, None),
+            (post("/v1/chat/completions", {**ok, "messages": []}), 400, "messages"),
+            (post("/v1/chat/completions", {**ok, "temperature": 5}), 400, "temperature"),
+            (post("/v1/chat/completions", {**ok, "max_tokens": 65}), 400, "max_tokens"),
+            (post("/v1/chat/completions", {**ok, "messages": [{"role": "user", "content": "fox " * 600}]}), 400,
+             "messages"),
+            (post("/v1/chat/completions", {**ok, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+             400, "tool_choice"),
+            (post("/v1/chat/completions", {**ok, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}), 400, None),
+            (post("/v1/completions", {"prompt": [5, 10 ** 6], "max_tokens": 4}), 400, "prompt"),
+            (post("/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 99}), 400, "n"),
+            (post("/v1/nothing", ok), 404, None),
+            (httpx.get(url + "/v1/chat/completions", headers=h), 405, None),
+            (httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20), headers=h), 413, None),
+        ]
+        for response, status, param in cases:
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            if param is not None:
+                assert error["param"] == param, error
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        r = client(url, "secret").chat.completions.create(model="x", messages=ok["messages"], max_tokens=4)
+        assert r.choices[0].message.role == "assistant"
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_concurrent_clients_sharing_a_prefix_get_their_answers_in_half_the_calls(model):
+    docs = [f"{DOCUMENT}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
+    assert len(model.encode(DOCUMENT)) >= 200
+    with no_eos(model), serving(model, prompt_cache_bytes=0) as url:
+        c = client(url)
+        start = model.calls
+        sequential = [c.completions.create(model="x", prompt=d, max_tokens=12, temperature=0).choices[0].text
+                      for d in docs]
+        sequential_calls = model.calls - start
+        answers: list = [None] * len(docs)
+
+        def ask(i):
+            answers[i] = c.completions.create(model="x", prompt=docs[i], max_tokens=12, temperature=0).choices[0].text
+        start = model.calls
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(docs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        concurrent_calls = model.calls - start
+        m = metrics(url)
+    assert answers == sequential
+    assert concurrent_calls <= sequential_calls / 2, (concurrent_calls, sequential_calls)
+    assert m["llama_ane_cascade_batches_total"] >= 1
+
+
+def test_prompt_cache_prefills_only_the_new_tokens(model, tmp_path):
+    doc_ids = model.encode(DOCUMENT)
+    with serving(model, prompt_cache_dir=tmp_path) as url:
+        c = client(url)
+        first = c.completions.create(model="x", prompt=DOCUMENT + " Question: who?", max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = c.completions.create(model="x", prompt=DOCUMENT + " Question: what?", max_tokens=4, temperature=0)
+        shared = len(os.path.commonprefix([model.encode(DOCUMENT + " Question: who?"),
+                                           model.encode(DOCUMENT + " Question: what?")]))
+        assert second.usage.prompt_tokens_details.cached_tokens == shared >= len(doc_ids) - 1
+
+        turn1 = [{"role": "user", "content": "Hello there."}]
+        r1 = c.chat.completions.create(model="x", messages=turn1, max_tokens=6, temperature=0)
+        # the answer as text that tokenizes back to the same tokens after the template's "assistant\n"
+        turn2 = turn1 + [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And then?"}]
+        r2 = c.chat.completions.create(model="x", messages=turn2, max_tokens=6, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+        assert metrics(url)["llama_ane_cached_prompt_tokens_total"] >= shared + r1.usage.prompt_tokens
+
+
+def test_prompt_cache_spills_to_disk_and_reads_back(model, tmp_path):
+    with serving(model, prompt_cache_bytes=1, prompt_cache_dir=tmp_path) as url:  # every entry goes to disk
+        c = client(url)
+        c.completions.create(model="x", prompt=DOCUMENT, max_tokens=2, temperature=0)
+    assert list(tmp_path.glob("*.npz"))  # after the server stopped: the worker caches after answering
+    with serving(model, prompt_cache_dir=tmp_path) as url:  # a new server indexes the folder
+        r = client(url).completions.create(model="x", prompt=DOCUMENT + " More.", max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(model.encode(DOCUMENT)) - 1
+
+
+def test_disconnect_mid_stream_frees_the_request(model):
+    with no_eos(model), serving(model) as url:
+        body = {"prompt": DOCUMENT, "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the answer has started: then the client goes away
+        c = client(url)
+        r = c.completions.create(model="x", prompt="The quick", max_tokens=8, temperature=0)
+        assert r.choices[0].text == model.generate("The quick", max_new_tokens=8).text
+        deadline = time.monotonic() + 30
+        while metrics(url)["llama_ane_requests_cancelled_total"] < 1:
+            assert time.monotonic() < deadline, "the disconnected request was never cancelled"
+            time.sleep(0.1)
+
+
+def test_burst_is_served_or_refused_cleanly(model):
+    with serving(model, max_queue=8) as url:
+        results: list = []
+
+        def ask(i):
+            try:
+                r = httpx.post(url + "/v1/completions", json={"prompt": f"Burst {i}", "max_tokens": 2}, timeout=120)
+                results.append((r.status_code, r.json()))
+            except Exception as e:  # noqa: BLE001 - any transport failure is a failure of the test
+                results.append((None, repr(e)))
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(100)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        elapsed = time.monotonic() - t0
+        assert len(results) == 100 and elapsed < 120
+        statuses = [s for s, _ in results]
+        assert set(statuses) <= {200, 429}, results
+        assert statuses.count(200) >= 8
+        assert all(body["error"]["code"] == "queue_full" for s, body in results if s == 429)
+        assert httpx.get(url + "/health").json() == {"status": "ok", "waiting": 0, "running": 0}
+
+
+def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
+    """The scheduler alone: shared-prefix requests batch on the cascade with each one's greedy answer;
+    a request whose grammar fails fails alone."""
+    rng = np.random.default_rng(0)
+    prefix = [int(t) for t in rng.integers(3, 300, 90)]
+    own = [[int(t) for t in rng.integers(3, 300, k)] for k in (1, 4, 2, 6)]
+
+    class Broken:
+        def mask(self, logits):
+            raise ValueError("broken grammar")
+
+    with no_eos(model):
+        alone = [model.generate(prefix + o, max_new_tokens=6).token_ids for o in own]
+        scheduler = Scheduler(model, max_queue=8)
+        try:
+            handles = scheduler.submit([Request(prefix + o, 6) for o in own] +
+                                       [Request(prefix + own[0], 6, constraint=Broken())])
+            ends = [list(h)[-1] for h in handles]
+        finally:
+            scheduler.close()
+    assert [e.token_ids for e in ends[:4]] == alone
+    assert all(isinstance(e, Finished) for e in ends[:4]) and "broken grammar" in ends[4].message
+    assert scheduler.metrics.cascade_batches == 1 and scheduler.metrics.requests_failed == 1
+
+
+def test_sampled_branch_equals_sampling_alone(model):
+    """Sampling under a seed gives the same tokens in a batch as alone (its own generator)."""
+    rng = np.random.default_rng(1)
+    prefix = [int(t) for t in rng.integers(3, 300, 70)]
+    params = SamplingParams(temperature=0.9, top_k=40)
+    with no_eos(model):
+        alone = [model.generate(prefix + [7 + i], max_new_tokens=8, temperature=0.9, top_k=40, seed=i).token_ids
+                 for i in range(3)]
+        scheduler = Scheduler(model)
+        try:
+            handles = scheduler.submit([Request(prefix + [7 + i], 8, params, seed=i) for i in range(3)])
+            got = [[e.token_id for e in h if isinstance(e, Token)] for h in handles]
+        finally:
+            scheduler.close()
+    assert got == alone and scheduler.metrics.cascade_batches == 1
+
+
+def test_serve_command_exits_cleanly_on_sigterm(export):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_ane", "serve", str(export), "--port", str(port),
+                             "--backend", "torch", "--max-tokens-limit", "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the server did not come up"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
