@@ -458,7 +458,10 @@ def start_blocked(proc: multiprocessing.process.BaseProcess) -> None:
     """Start `proc` with the stop signals blocked. Ctrl-C then reaches only this process, which
     stops its children itself: a child interrupted while it starts up (a spawned one imports for
     seconds) would print a traceback of its own. The child calls `worker_signals` first thing; a
-    spawned child keeps the mask across exec."""
+    spawned child keeps the mask across exec. (Windows has no signal masks.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        proc.start()
+        return
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         proc.start()
@@ -474,7 +477,8 @@ def worker_signals() -> None:
     for signum in STOP_SIGNALS:
         if signum != signal.SIGINT:
             signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
 
 
 @contextlib.contextmanager
