@@ -34,8 +34,6 @@ from llama_ane.serve.scheduler import Finished, Request, Scheduler, Token  # noq
 
 from conftest import no_eos  # noqa: E402
 
-pytestmark = pytest.mark.export
-
 # a tools-capable template in the Hermes style: tools listed in a system turn, calls as <tool_call> JSON
 TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools; call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n"
@@ -111,6 +109,7 @@ def metrics(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
 
 
+@pytest.mark.export
 def test_models_chat_and_completions_equal_generate(model):
     messages = [{"role": "user", "content": "Name a river."}]
     with no_eos(model), serving(model) as url:
@@ -126,6 +125,7 @@ def test_models_chat_and_completions_equal_generate(model):
         assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
+@pytest.mark.export
 def test_streaming_stop_seed_and_n(model):
     messages = [{"role": "user", "content": "Tell a story."}]
     with no_eos(model), serving(model) as url:
@@ -151,6 +151,7 @@ def test_streaming_stop_seed_and_n(model):
         assert n.usage.completion_tokens == 36
 
 
+@pytest.mark.export
 def test_logprobs_with_top_alternatives(model):
     with serving(model) as url:
         r = client(url).chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
@@ -170,6 +171,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "pet"], "additionalProperties": False}
 
 
+@pytest.mark.export
 def test_json_schema_output_validates_even_from_a_random_model(model):
     with serving(model) as url:
         c = client(url)
@@ -182,6 +184,7 @@ def test_json_schema_output_validates_even_from_a_random_model(model):
             assert r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.export
 def test_forced_tool_call(model):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
@@ -200,6 +203,7 @@ def test_forced_tool_call(model):
     assert r.usage.prompt_tokens == len(chat_ids(model, messages, tools))  # the template rendered the tools
 
 
+@pytest.mark.export
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
     with serving(model, max_tokens_limit=64, api_key="secret") as url:
         h = {"Authorization": "Bearer secret"}
@@ -237,6 +241,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
         assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
+@pytest.mark.export
 def test_concurrent_clients_sharing_a_prefix_get_their_answers_in_half_the_calls(model):
     docs = [f"{DOCUMENT}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
     assert len(model.encode(DOCUMENT)) >= 200
@@ -263,6 +268,7 @@ def test_concurrent_clients_sharing_a_prefix_get_their_answers_in_half_the_calls
     assert m["llama_ane_cascade_batches_total"] >= 1
 
 
+@pytest.mark.export
 def test_prompt_cache_prefills_only_the_new_tokens(model, tmp_path):
     doc_ids = model.encode(DOCUMENT)
     with serving(model, prompt_cache_dir=tmp_path) as url:
@@ -283,6 +289,7 @@ def test_prompt_cache_prefills_only_the_new_tokens(model, tmp_path):
         assert metrics(url)["llama_ane_cached_prompt_tokens_total"] >= shared + r1.usage.prompt_tokens
 
 
+@pytest.mark.export
 def test_prompt_cache_spills_to_disk_and_reads_back(model, tmp_path):
     with serving(model, prompt_cache_bytes=1, prompt_cache_dir=tmp_path) as url:  # every entry goes to disk
         c = client(url)
@@ -293,6 +300,7 @@ def test_prompt_cache_spills_to_disk_and_reads_back(model, tmp_path):
         assert r.usage.prompt_tokens_details.cached_tokens >= len(model.encode(DOCUMENT)) - 1
 
 
+@pytest.mark.export
 def test_disconnect_mid_stream_frees_the_request(model):
     with no_eos(model), serving(model) as url:
         body = {"prompt": DOCUMENT, "max_tokens": 60, "temperature": 0, "stream": True}
@@ -308,6 +316,7 @@ def test_disconnect_mid_stream_frees_the_request(model):
             time.sleep(0.1)
 
 
+@pytest.mark.export
 def test_burst_is_served_or_refused_cleanly(model):
     with serving(model, max_queue=8) as url:
         results: list = []
@@ -333,6 +342,7 @@ def test_burst_is_served_or_refused_cleanly(model):
         assert httpx.get(url + "/health").json() == {"status": "ok", "waiting": 0, "running": 0}
 
 
+@pytest.mark.export
 def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
     """The scheduler alone: shared-prefix requests batch on the cascade with each one's greedy answer;
     a request whose grammar fails fails alone."""
@@ -358,6 +368,7 @@ def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
     assert scheduler.metrics.cascade_batches == 1 and scheduler.metrics.requests_failed == 1
 
 
+@pytest.mark.export
 def test_sampled_branch_equals_sampling_alone(model):
     """Sampling under a seed gives the same tokens in a batch as alone (its own generator)."""
     rng = np.random.default_rng(1)
@@ -375,6 +386,7 @@ def test_sampled_branch_equals_sampling_alone(model):
     assert got == alone and scheduler.metrics.cascade_batches == 1
 
 
+@pytest.mark.export
 def test_serve_command_exits_cleanly_on_sigterm(export):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -402,3 +414,108 @@ def test_serve_command_exits_cleanly_on_sigterm(export):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+# ---- unit tests: no export, no server ----------------------------------------------------------
+
+def _fake_cache(context: int = 64):
+    from llama_ane.runtime.kv_cache import KVCache
+
+    return KVCache([], [{"k": np.zeros((2, 8, 1, context), np.float32), "v": np.zeros((2, 8, 1, context), np.float32)}])
+
+
+def _filled(tokens: list[int]):
+    cache = _fake_cache()
+    cache.tokens = list(tokens)
+    for c in cache.caches:
+        for a in c.values():
+            a[..., :len(tokens)] = np.asarray(tokens, np.float32)  # each position holds its token id
+    return cache
+
+
+def test_prompt_cache_finds_the_longest_shared_prefix_and_evicts_by_bytes():
+    from llama_ane.serve.prompt_cache import PromptCache
+
+    entry_bytes = lambda n: 2 * 2 * 8 * n * 4  # noqa: E731  k and v, (2, 8, 1, n) float32
+    lru = PromptCache(_fake_cache, {"name": "fake"}, max_bytes=entry_bytes(10) + entry_bytes(7))
+    lru.put(_filled([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+    lru.put(_filled([1, 2, 3, 9, 9, 9]))
+    cache, shared = lru.lookup([1, 2, 3, 4, 5, 0])
+    assert shared == 5 and cache.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert (cache.caches[0]["k"][0, 0, 0, :10] == np.arange(1, 11)).all()  # a copy of the entry's K/V
+    cache.caches[0]["k"][:] = -1  # the caller's working cache: the entry is not touched
+    assert (lru.lookup([1, 2, 3, 4])[0].caches[0]["k"][0, 0, 0, :10] == np.arange(1, 11)).all()
+    lru.put(_filled([1, 2, 3, 9, 9, 9, 4]))  # supersedes [1, 2, 3, 9, 9, 9]
+    assert lru.entries == 2 and lru.bytes == entry_bytes(10) + entry_bytes(7)
+    assert lru.lookup([1, 2, 3, 4])[1] == 4  # [1..10] was used last: [1, 2, 3, 9, 9, 9, 4] is evicted next
+    lru.put(_filled([5, 5]))
+    assert lru.entries == 2 and lru.lookup([1, 2, 3, 9])[1] == 3 and lru.bytes <= lru.max_bytes
+    assert lru.lookup([7])[1] == 0 and lru.lookup([7])[0].tokens == []
+
+
+def test_request_bodies_are_checked_with_the_bad_field_named():
+    from llama_ane.serve import protocol as p
+
+    ok = {"messages": [{"role": "user", "content": "hi"}]}
+    assert p.check_body(ok, p.CHAT_SCHEMA) is ok
+    for body, param in [({**ok, "top_p": 0}, "top_p"), ({**ok, "n": 0}, "n"), ({**ok, "stop": ["a"] * 5}, "stop"),
+                        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+                        ({**ok, "top_logprobs": 21}, "top_logprobs")]:
+        with pytest.raises(p.RequestError) as e:
+            p.check_body(body, p.CHAT_SCHEMA)
+        assert e.value.param == param and e.value.status == 400
+
+
+def test_tool_calls_are_read_back_as_the_mode_says():
+    from llama_ane.serve import protocol as p
+
+    tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    auto, schema = p.tool_mode(tools)
+    assert auto.parse and schema is None
+    content, calls = p.tool_calls('Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>', auto)
+    assert content == "Let me look." and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 1}'}]
+    assert p.tool_calls("<tool_call>{broken</tool_call>", auto) == ("<tool_call>{broken</tool_call>", [])
+    required, schema = p.tool_mode({**tools, "tool_choice": "required"})
+    assert schema["anyOf"][0]["properties"]["name"] == {"const": "f"}
+    assert p.tool_calls('{"name": "f", "arguments": {}}', required)[1][0]["function"]["name"] == "f"
+    forced, schema = p.tool_mode({**tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert schema == {"type": "object"} and p.tool_calls('{"a": 2}', forced)[1][0]["function"]["arguments"] == '{"a": 2}'
+    assert p.tool_mode({**tools, "tool_choice": "none"})[0] == p.ToolMode(names=["f"])
+
+
+def test_json_constraint_masks_all_but_the_grammar(tmp_path):
+    from transformers import AutoTokenizer
+
+    from llama_ane.serve.constraints import GrammarError, Grammars
+    from llama_ane.testing import make_tiny_tokenizer
+
+    vocab = make_tiny_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"],
+              "additionalProperties": False}
+    constraint = grammars.matcher(grammars.json_schema(schema))
+    rng = np.random.default_rng(0)
+    out: list[int] = []
+    while not constraint.complete:
+        logits = constraint.mask(rng.normal(size=vocab).astype(np.float32))
+        assert np.isfinite(logits).sum() >= 1
+        token = int(np.argmax(logits))
+        constraint.advance(token)
+        out.append(token)
+    assert json.loads(tok.decode(out))["pet"] in ("cat", "dog")
+    with pytest.raises(GrammarError):
+        grammars.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+
+
+def test_serve_command_refuses_bad_options_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    for args, needle in [([str(tmp_path / "missing")], "missing"),
+                         ([str(tmp_path), "--prompt-cache-dir", str(tmp_path / "nope")], "--prompt-cache-dir"),
+                         ([str(tmp_path), "--max-queue", "0"], "--max-queue")]:
+        r = CliRunner().invoke(main, ["serve", *args])
+        assert r.exit_code != 0 and "Traceback" not in r.output
+        assert needle in r.output, r.output
