@@ -28,7 +28,7 @@ pytest.importorskip("llguidance")
 
 import llama_ane  # noqa: E402
 from llama_ane.runtime.sampling import SamplingParams  # noqa: E402
-from llama_ane.serve.app import create_app  # noqa: E402
+from llama_ane.serve.app import create_app, serve_in_thread  # noqa: E402
 from llama_ane.serve.options import ServeOptions  # noqa: E402
 from llama_ane.serve.scheduler import Finished, Request, Scheduler, Token  # noqa: E402
 
@@ -76,23 +76,8 @@ def model(export):
 def serving(model, **options):
     """A live server on 127.0.0.1 (a free port) in a thread; yields its base URL."""
     options.setdefault("chat_template", TOOLS_TEMPLATE)
-    app = create_app(model, ServeOptions(**options))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
+    with serve_in_thread(create_app(model, ServeOptions(**options))) as url:
+        yield url
 
 
 def client(url: str, key: str = "none") -> "openai.OpenAI":

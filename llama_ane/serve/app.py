@@ -423,3 +423,31 @@ def create_app(model, options: ServeOptions | None = None) -> Starlette:
                     middleware=[Middleware(_APIKey, key=server.options.api_key)])
     app.state.server = server
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0, startup_seconds: float = 60.0):
+    """Run `app` with uvicorn in a background thread (port 0: a free one) and yield its base URL;
+    the server stops, its lifespan closing the scheduler, when the block ends. For notebooks,
+    benchmarks and tests; `llama-ane serve` runs uvicorn in the main thread instead."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_seconds
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
