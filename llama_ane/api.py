@@ -105,7 +105,6 @@ def _silent(_message: str) -> None:
     """The default log: nothing. (A function, not a lambda: it travels to spawned workers.)"""
 
 
-def calibration_text() -> str:
 def _pickles(obj: object) -> bool:
     import pickle
 
@@ -116,6 +115,7 @@ def _pickles(obj: object) -> bool:
         return False
 
 
+def calibration_text() -> str:
     """Prose shipped to calibrate compression on (neither the verify text nor the eval text)."""
     from importlib import resources
 
