@@ -211,6 +211,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
             (post("/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 99}), 400, "n"),
             (post("/v1/nothing", ok), 404, None),
             (httpx.get(url + "/v1/chat/completions", headers=h), 405, None),
+            (httpx.get(url + "/metrics"), 401, None),
             (httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20), headers=h), 413, None),
         ]
         for response, status, param in cases:

@@ -38,7 +38,7 @@ def _serve_extra():
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
 @click.option("--api-key", default=None, envvar="LLAMA_ANE_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/ (or set LLAMA_ANE_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on every path but /health (or set LLAMA_ANE_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(1), default=DEFAULTS.max_queue, show_default=True,
               help="Waiting requests (choices) before 429.")
 @click.option("--max-tokens-limit", type=click.IntRange(1), default=DEFAULTS.max_tokens_limit, show_default=True,

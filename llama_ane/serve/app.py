@@ -4,9 +4,10 @@
 
 Errors are OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for a malformed or
 invalid request (a prompt past the context, max_tokens above the limit, a bad schema), 401 without
-the API key, 404/405 for other paths, 413 for a body over the limit, 429 when the queue is full,
-503 while shutting down. Streaming answers are server-sent events in OpenAI's chunk format,
-ending with `data: [DONE]`; a client that disconnects cancels its request.
+the API key (when one is set; /health needs none), 404/405 for other paths, 413 for a body over
+the limit, 429 when the queue is full, 503 while shutting down. Streaming answers are server-sent
+events in OpenAI's chunk format, ending with `data: [DONE]`; a client that disconnects cancels its
+request.
 """
 
 from __future__ import annotations
@@ -384,14 +385,14 @@ def _handlers(server: Server) -> dict:
 
 
 class _APIKey:
-    """Refuses /v1/ requests without `Authorization: Bearer KEY` when a key is set (plain ASGI, so
-    streamed answers and disconnects pass through untouched)."""
+    """Refuses every request but /health without `Authorization: Bearer KEY` when a key is set
+    (plain ASGI, so streamed answers and disconnects pass through untouched)."""
 
     def __init__(self, app, key: str | None):
         self.app, self.expected = app, None if not key else f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if self.expected and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if self.expected and scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error(401, "a valid API key is required: send 'Authorization: Bearer KEY'", None,
