@@ -499,9 +499,15 @@ def test_serve_command_refuses_bad_options_in_one_line(tmp_path):
 
     from llama_ane.cli import main
 
-    for args, needle in [([str(tmp_path / "missing")], "missing"),
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    for args, needle in [([str(tmp_path / "missing"), "--port", "0"], "missing"),
+                         ([str(tmp_path), "--port", str(busy.getsockname()[1])], "--port"),
+                         ([str(tmp_path), "--host", "256.0.0.1", "--port", "0"], "--host"),
                          ([str(tmp_path), "--prompt-cache-dir", str(tmp_path / "nope")], "--prompt-cache-dir"),
                          ([str(tmp_path), "--max-queue", "0"], "--max-queue")]:
         r = CliRunner().invoke(main, ["serve", *args])
         assert r.exit_code != 0 and "Traceback" not in r.output
         assert needle in r.output, r.output
+    busy.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import click
@@ -57,6 +58,7 @@ def command(out, host, port, backend, precision, api_key, max_queue, max_tokens_
     from ..errors import InvalidArgumentError
 
     with user_errors():
+        sock = _bind(host, port)  # before the model loads: a busy port is refused at once
         if prompt_cache_dir is not None and not prompt_cache_dir.is_dir():
             raise InvalidArgumentError(f"--prompt-cache-dir {prompt_cache_dir}: the folder does not exist; create it "
                                        "or choose another")
@@ -68,11 +70,28 @@ def command(out, host, port, backend, precision, api_key, max_queue, max_tokens_
                                prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
                                chat_template=None if chat_template is None else chat_template.read_text("utf-8"))
         app = create_app(model, options)
+    port = sock.getsockname()[1]
     click.echo(f"{model.manifest['name']} on {model.backend.name}: http://{host}:{port}/v1", err=True)
     # uvicorn stops on SIGTERM/SIGINT: no new connections, running answers get up to 30 s, then
     # the app's lifespan closes the scheduler (what still waits is refused). It then re-raises the
     # signal to the handler it found: a no-op one here, so a requested stop exits 0, not by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)).run(sockets=[sock])
+    sock.close()
     model.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to listen on, or one clear error."""
+    from ..errors import InvalidArgumentError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidArgumentError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose "
+                                   "another --port, or an address of this machine for --host") from None
+    return sock
