@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from .errors import LlamaANEError
 from .contract.manifest import write_manifest
@@ -164,8 +164,14 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  quantize: str = "none", quantize_embeddings: str | None = None,
                  quantize_attention: str | None = None, quantize_mlp: str | None = None,
                  quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
-                 lut_block_size: int | None = None, kv_cache: str = "inputs", progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                 lut_block_size: int | None = None, kv_cache: str = "inputs",
+                 context_buckets: str | int | Sequence[int] = "auto", progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
+
+    `context_buckets` ("auto", one size, or ascending sizes ending at `context_length`) are the
+    cache lengths with prefill and decode functions of their own: a step runs the smallest that
+    holds its positions (see `ExportOptions`).
 
     `verify_window` is W of the speculative "verify" functions (default 0: none; state caches have
     none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
@@ -196,7 +202,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                                            mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
                                            block_size=block_size, lut_block_size=lut_block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length, compression, kv_cache, verify_window)
+                         suffix_length, compression, kv_cache, verify_window,
+                         context_buckets if isinstance(context_buckets, (str, int)) else tuple(context_buckets))
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
@@ -216,7 +223,9 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB), method=start_method())
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
-        f"{[len(c) for c in plan.chunks]}, context {context_length}, prefill window {prefill_length}, "
+        f"{[len(c) for c in plan.chunks]}, context {context_length}"
+        + (f" in buckets {list(opts.context_buckets)}" if len(opts.context_buckets) > 1 else "")
+        + f", prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
         + (", KV caches in Core ML states" if kv_cache == "state" else "")
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))

@@ -204,7 +204,7 @@ def _scored(out_dir: Path, backend: str, ids: list[int], **options) -> np.ndarra
 
     model = load(out_dir, backend=backend, **options)
     try:
-        return model.pipeline.score_streamed(ids)  # one model in memory at a time
+        return model.pipeline.score_streamed(ids, every_bucket=True)  # one model in memory at a time
     finally:
         model.close()
 

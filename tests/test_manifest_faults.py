@@ -143,7 +143,7 @@ def _longer_context(export: Path, context: int) -> list[int]:
     tensor agree with each other (so only the packages can tell). Returns chunk_0's new k_cache shape."""
     path = export / "manifest.json"
     m = json.loads(path.read_text())
-    m["context_length"] = context
+    m["context_length"], m["context_buckets"] = context, [context]
     for entry in m["models"].values():
         for f in entry["functions"].values():
             for t in f["inputs"] + f["outputs"] + f.get("states", []):

@@ -70,12 +70,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
         """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
-        T is the context length in the exported programs; the torch backend may pass fewer cache
-        positions (those holding tokens) with the mask cut to match. Returns x_out (1,C,1,S) and the
-        window's k_new, v_new (1,KV,1,S) (k after RoPE).
+        T is the context bucket in the exported programs; the torch backend may pass fewer cache
+        positions (those holding tokens) with the mask cut to match. The mask decides: a longer cache
+        (a state of the whole context read in a smaller bucket) is read up to the mask's T. Returns
+        x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE).
         """
         c = self.cfg
-        g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]
+        g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
+        k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
         q, k, v = self.project_qkv(x, cos, sin)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
                                   c.num_attention_heads // g, t)

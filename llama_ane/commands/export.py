@@ -11,6 +11,7 @@ import click
 
 from ..contract.plan import TARGETS
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
+from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat
 
@@ -29,6 +30,10 @@ from .options import FiniteFloat
 @click.option("--verify-window", type=int, default=0, show_default=True,
               help="Tokens of the token tree one speculative-decoding step verifies, e.g. 16; 0 = no verify "
                    "function (generate --speculative needs one; not with --kv-cache state).")
+@click.option("--context-buckets", default="auto", show_default=True, metavar="auto|SIZE[,SIZE...]",
+              help="Cache lengths with prefill and decode functions of their own; a step runs the smallest that "
+                   "holds its positions, so it reads no more of the cache than the conversation fills. auto: "
+                   "powers of two from 512 up to --context-length (iOS18/macOS15); one size: the whole context.")
 @click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
@@ -58,7 +63,7 @@ from .options import FiniteFloat
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, verify_window,
-            target,
+            context_buckets, target,
             precision, workers, max_memory, quantize, quantize_embeddings, quantize_attention, quantize_mlp,
             quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
@@ -67,13 +72,14 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
 
     t0 = time.perf_counter()
     with user_errors(), stopped_by_signal(out):
+        buckets = parse_buckets(context_buckets)
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, verify_window=verify_window, target=target, precision=precision, force=force,
                      verify=not no_verify, workers=workers, max_memory_gb=max_memory, quantize=quantize,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
-                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, progress=not quiet, log=click.echo)
+                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, context_buckets=buckets, progress=not quiet, log=click.echo)
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")
 
 
@@ -91,3 +97,14 @@ def stopped_by_signal(out: Path) -> Iterator[None]:
         error = click.ClickException(f"the export was {stop}; nothing was written to {out}")
         error.exit_code = 128 + stop.signum
         raise error from None
+
+
+def parse_buckets(text: str) -> str | tuple[int, ...]:
+    """--context-buckets: "auto", or comma-separated sizes."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"--context-buckets must be 'auto' or sizes such as 512,1024,2048, got {text!r}") \
+            from None

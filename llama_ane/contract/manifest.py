@@ -155,21 +155,29 @@ CACHE_TENSORS = ("k_cache", "v_cache", "k_cache_out", "v_cache_out")
 
 
 def _check_cache_shapes(manifest: dict[str, Any]) -> None:
-    """Every K/V cache tensor holds context_length positions of cache.channels channels, as the
-    packages were built for (their own shapes are compared where they are opened)."""
+    """Every K/V cache tensor holds its function's context bucket (a state: the whole context) of
+    cache.channels channels, as the packages were built for (their own shapes are compared where
+    they are opened); the buckets ascend to context_length."""
+    from .specs import bucket_of
+
     context, channels = manifest["context_length"], manifest["cache"]["channels"]
     for model, entry in manifest["models"].items():
         for fn, f in entry["functions"].items():
+            bucket = bucket_of(fn, context)
             for kind in ("inputs", "outputs", "states"):
                 for i, t in enumerate(f.get(kind, [])):
                     if t["name"] not in CACHE_TENSORS or len(t["shape"]) != 4:
                         continue
-                    want = [t["shape"][0], channels, 1, context]
+                    want = [t["shape"][0], channels, 1, context if kind == "states" else bucket]
                     if t["shape"] != want:
                         raise ManifestError(
                             f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] {t['name']!r} of {f['file']} "
                             f"has shape {t['shape']}, but context_length {context} and cache.channels {channels} give "
                             f"{want}; {REEXPORT}")
+    buckets = context_buckets(manifest)
+    if buckets != sorted(set(buckets)) or buckets[-1] != context:
+        raise ManifestError(f"{MANIFEST}: context_buckets {buckets} must ascend to context_length {context}; "
+                            f"{REEXPORT}")
 
 
 def check_manifest(manifest: Any, out: Path) -> dict[str, Any]:
@@ -258,6 +266,11 @@ def model_names(manifest: dict[str, Any]) -> list[str]:
             *manifest["lm_head"]["models"], *(["cache_update"] if "cache_update" in manifest["models"] else [])]
 
 
+def context_buckets(manifest: dict[str, Any]) -> list[int]:
+    """The context buckets of an export, ascending to its context length (one for older exports)."""
+    return list(manifest.get("context_buckets") or [manifest["context_length"]])
+
+
 def kv_cache_kind(manifest: dict[str, Any]) -> str:
     """"inputs" (caches passed in, written by the cache-update model) or "state" (Core ML states
     the chunk functions update themselves)."""
@@ -282,7 +295,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  context_length: int, prefill_length: int, branch_width: int, suffix_length: int,
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
                  tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
-                 kv_cache: str = "inputs", verify_window: int = 0) -> dict[str, Any]:
+                 kv_cache: str = "inputs", verify_window: int = 0,
+                 context_buckets: list[int] | None = None) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
@@ -292,8 +306,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
     each of its functions to the cache-update function that writes its K/V, where there is one.
     """
-    from .specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, chunk_model_name, embeddings_model_name, \
-        lm_head_model_name
+    from .specs import cache_update_function, chunk_model_name, embeddings_model_name, lm_head_model_name
 
     models: dict[str, Any] = {}
     for model, functions in specs.items():
@@ -303,9 +316,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
     updates = specs.get("cache_update", {})
     chunks = [{"model": chunk_model_name(i), "layers": layers,
-               "cache_update": {fn: cache_update_function(fn, len(layers))
-                                for fn in FUNCTIONS + ((BRANCHES,) if branch_width else ())
-                                + ((VERIFY,) if verify_window else ())
+               "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in specs[chunk_model_name(i)]
                                 if cache_update_function(fn, len(layers)) in updates}}
               for i, layers in enumerate(plan)]
     lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
@@ -320,6 +331,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "branch_width": branch_width,
         "suffix_length": suffix_length,
         "verify_window": verify_window,
+        "context_buckets": context_buckets or [context_length],
         "precision": precision,
         "deployment_target": target,
         "multifunction": multifunction,

@@ -19,6 +19,8 @@ from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
+FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
+MAX_BUCKETS = 6  # 512 .. 16384
 
 
 class ExportOptionsError(LlamaANEError, ValueError):
@@ -41,6 +43,20 @@ class ExportOptions:
     # with state caches (the accepted path is written by the cache-update model, which cannot
     # write a chunk's states)
     verify_window: int = 0
+    # the context buckets: the cache lengths with prefill and decode functions of their own. "auto"
+    # (or None): powers of two from FIRST_BUCKET (or the prefill window) up to the context length,
+    # on targets whose packages hold several functions; one size: one bucket, the whole context
+    context_buckets: tuple[int, ...] | str | int | None = "auto"
+
+    def __post_init__(self) -> None:
+        buckets = self.context_buckets
+        if buckets is None or buckets == "auto":
+            buckets = auto_buckets(self.context_length, self.prefill_length, self.multifunction)
+        elif isinstance(buckets, int):
+            buckets = (buckets,)
+        elif isinstance(buckets, str):
+            raise ExportOptionsError(f"--context-buckets must be 'auto' or sizes, got {buckets!r}")
+        object.__setattr__(self, "context_buckets", tuple(int(b) for b in buckets))
 
     def check(self) -> None:
         if self.prefill_length < 1:
@@ -63,6 +79,7 @@ class ExportOptions:
         if self.verify_window < 0 or self.verify_window == 1 or self.verify_window > self.context_length:
             raise ExportOptionsError(f"--verify-window must be 0 (no speculative decoding) or 2..{self.context_length}, "
                                      f"got {self.verify_window}")
+        self._check_buckets()
         if self.precision not in ("fp16", "fp32"):
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
         if self.quantize.active and self.precision != "fp16":
@@ -81,9 +98,39 @@ class ExportOptions:
             raise ExportOptionsError("--kv-cache state keeps the caches in Core ML states, which are float16: "
                                      "drop --precision fp32, or use --kv-cache inputs")
 
+    def _check_buckets(self) -> None:
+        b = self.context_buckets
+        if list(b) != sorted(set(b)) or not b:
+            raise ExportOptionsError(f"--context-buckets must be distinct sizes in ascending order, got "
+                                     f"{','.join(map(str, b))}")
+        if b[-1] != self.context_length:
+            raise ExportOptionsError(f"the largest of --context-buckets ({b[-1]}) must be --context-length "
+                                     f"({self.context_length}): it is the context the export holds")
+        for size in b:
+            if size % 32 or size < self.prefill_length:
+                raise ExportOptionsError(f"context bucket {size} must be a multiple of 32 (ANE cache rule) and hold "
+                                         f"a prefill window ({self.prefill_length})")
+        if len(b) > 1 and not self.multifunction:
+            raise ExportOptionsError(f"--context-buckets with several sizes needs packages that share weights between "
+                                     f"functions, which --target {self.target} does not have: use --target "
+                                     f"{' or '.join(MULTIFUNCTION_TARGETS)}, or --context-buckets {self.context_length}")
+        if len(b) > MAX_BUCKETS:
+            raise ExportOptionsError(f"--context-buckets has {len(b)} sizes; at most {MAX_BUCKETS} (each adds a "
+                                     "prefill and a decode function that the device compiles and loads)")
+
     @property
     def multifunction(self) -> bool:
         return self.target in MULTIFUNCTION_TARGETS
+
+
+def auto_buckets(context_length: int, prefill_length: int, multifunction: bool = True) -> tuple[int, ...]:
+    """The default context buckets: FIRST_BUCKET (or the prefill window, when longer), doubling, up to
+    `context_length`; one bucket where functions cannot share weights."""
+    sizes, size = [], max(FIRST_BUCKET, prefill_length)
+    while multifunction and size < context_length:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, context_length)
 
 
 def created_by() -> dict:
@@ -154,7 +201,7 @@ class ExportPlan:
         return new_manifest(name=name, source=source, config=self.config.to_dict(), plan=self.chunks,
                             embedding_rows=self.embedding_rows, head_groups=self.head_groups, specs=self.specs, context_length=o.context_length, prefill_length=o.prefill_length,
                             branch_width=o.branch_width, suffix_length=o.suffix_length if o.branch_width else 0,
-                            verify_window=o.verify_window,
+                            verify_window=o.verify_window, context_buckets=list(o.context_buckets),
                             precision=o.precision, target=o.target, multifunction=o.multifunction,
                             quantization=o.quantize.describe(o.target),
                             weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
@@ -208,7 +255,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
                         opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
-                        verify_window=opts.verify_window)
+                        verify_window=opts.verify_window, buckets=opts.context_buckets)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
     for k, (a, b) in enumerate(embedding_rows):

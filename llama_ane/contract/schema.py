@@ -68,6 +68,7 @@ SCHEMA: dict[str, Any] = {
         "branch_width": _COUNT,
         "suffix_length": _COUNT,
         "verify_window": _COUNT,
+        "context_buckets": {"type": "array", "minItems": 1, "items": _SIZE},
         "precision": {"enum": ["fp16", "fp32"]},
         "deployment_target": _NAME,
         "multifunction": {"type": "boolean"},

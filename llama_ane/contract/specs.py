@@ -19,6 +19,28 @@ VERIFY = "verify"
 KV_CACHE_KINDS = ("inputs", "state")
 
 
+def bucket_function(function: str, bucket: int, context_length: int) -> str:
+    """Name of "prefill" or "decode" at context bucket `bucket` (the cache positions it reads): the
+    plain name at the full context, else e.g. "decode_512". Only the models whose shapes hold the
+    cache length (the embeddings' masks, the chunks, the cache updates) have bucketed functions; the
+    LM head and the later embedding files run their plain function in every bucket."""
+    return function if bucket == context_length else f"{function}_{bucket}"
+
+
+def bucket_of(function: str, context_length: int) -> int:
+    """The context bucket of a prefill or decode function named by `bucket_function`, or of its
+    cache update (`cache_update_function`: "decode_512_l3")."""
+    base, _, layers = function.rpartition("_l")
+    name = base if layers.isdigit() else function
+    return int(name.rpartition("_")[2]) if base_function(name) != name else context_length
+
+
+def base_function(function: str) -> str:
+    """The function a bucketed one is a copy of ("decode_512" -> "decode"); others unchanged."""
+    base, _, size = function.rpartition("_")
+    return base if size.isdigit() and base in FUNCTIONS else function
+
+
 def window_of(function: str, prefill_length: int) -> int:
     """Query length S of a prefill or decode function: the prefill window, or 1."""
     return prefill_length if function.startswith("prefill") else 1
@@ -83,7 +105,8 @@ def _cache_io(io: dict, kv_cache: str) -> dict:
 def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, prefill_length: int,
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
                 embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
-                kv_cache: str = "inputs", verify_window: int = 0) -> dict[str, dict[str, dict]]:
+                kv_cache: str = "inputs", verify_window: int = 0,
+                buckets: tuple[int, ...] = ()) -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export.
 
     With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade). The
@@ -96,6 +119,11 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     With `kv_cache="state"` the chunks' caches are states (see `_cache_io`): prefill and decode
     need no cache-update function, and "cache_update" holds only the cascade's suffix updates (it
     is left out when there are none). State exports have no verify function (see ExportOptions).
+
+    `buckets` are the context buckets (ascending, the last `context_length`): the embeddings, the
+    chunks and the cache updates get prefill and decode functions per bucket (`bucket_function`),
+    whose masks and caches hold that many positions. State caches keep one state of the full
+    context, which every bucket's function reads the first positions of.
     """
     c, d, kv, t, f = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, context_length, float_dtype
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
@@ -103,14 +131,15 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     specs.update({chunk_model_name(i): {} for i in range(len(plan))})
     specs.update({lm_head_model_name(k): {} for k in range(len(groups))})
     specs["cache_update"] = {}
-    for fn in FUNCTIONS:
-        s = window_of(fn, prefill_length)
+    for base, t in ((fn, t) for t in (buckets or (context_length,)) for fn in FUNCTIONS):
+        fn, s = bucket_function(base, t, context_length), window_of(base, prefill_length)
         specs["embeddings"][fn] = {
             "inputs": [_t("input_ids", [1, s], "int32"), _t("position", [1], "int32")],
             "outputs": [_t("hidden_states", [1, c, 1, s], f), _t("cos", [1, d, 1, s], f),
                         _t("sin", [1, d, 1, s], f), _t("mask", [1, 1, s, t + s], f)],
         }
-        add_embedding_part_specs(specs, embedding_parts, fn, c, s, f)
+        if fn == base:
+            add_embedding_part_specs(specs, embedding_parts, fn, c, s, f)
         for i, layers in enumerate(plan):
             n = len(layers)
             specs[chunk_model_name(i)][fn] = _cache_io({
@@ -121,6 +150,8 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                             _t("k_new", [n, kv, 1, s], f), _t("v_new", [n, kv, 1, s], f)],
             }, kv_cache)
             if kv_cache == "state":
+                for state in specs[chunk_model_name(i)][fn]["states"]:  # one state of the full context
+                    state["shape"][3] = context_length
                 continue
             specs["cache_update"][cache_update_function(fn, n)] = {
                 "inputs": [_t("k_cache", [n, kv, 1, t], f), _t("v_cache", [n, kv, 1, t], f),
@@ -128,7 +159,8 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                            _t("position", [1], "int32")],
                 "outputs": [_t("k_cache_out", [n, kv, 1, t], f), _t("v_cache_out", [n, kv, 1, t], f)],
             }
-        add_lm_head_specs(specs, cfg, groups, fn, s, f)
+        if fn == base:
+            add_lm_head_specs(specs, cfg, groups, fn, s, f)
     if branch_width:
         add_branch_specs(specs, cfg, plan, context_length, f, branch_width, suffix_length, embedding_parts, groups,
                          kv_cache)

@@ -84,11 +84,18 @@ def lookup(g: L.Graph, input_ids, rows: tuple[int, int], vocab_size: int):
     return mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2])  # (1,S,C) -> (1,C,1,S)
 
 
-def embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
-    """Token lookup, RoPE rows and the mask of one window (chunks.models.Embeddings)."""
+def _bucket(io: dict, where: str = "inputs") -> int:
+    """The cache positions a window function reads: its mask's columns less the window's own."""
+    mask = _shape(io, "mask", where)
+    return mask[3] - mask[2]
+
+
+def embeddings_function(g: L.Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]):
+    """Token lookup, RoPE rows and the mask of one window (chunks.models.Embeddings), masking the
+    cache positions of its context bucket."""
     def body(inputs):
         s = _shape(io, "input_ids")[1]
-        t = context_length
+        t = _bucket(io, "outputs")
         hidden = lookup(g, inputs["input_ids"], rows, cfg.vocab_size)
         pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
         cos, sin = (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=pos, axis=0), perm=[1, 0]),
@@ -150,11 +157,13 @@ def embeddings_part_function(g: L.Graph, cfg: LlamaConfig, rows: tuple[int, int]
     return body
 
 
-def chunk_function(g: L.Graph, cfg: LlamaConfig, io: dict, layers: int, context_length: int):
-    """`layers` decoder layers over a window (chunks.models.BlockChunk); when the caches are states,
-    the window's K/V is written into them at `position` instead of being returned."""
+def chunk_function(g: L.Graph, cfg: LlamaConfig, io: dict, layers: int):
+    """`layers` decoder layers over a window (chunks.models.BlockChunk), attending to the cache
+    positions of its context bucket; when the caches are states (of the whole context: a bucket
+    reads their first positions through static slices), the window's K/V is written into them at
+    `position` instead of being returned."""
     def body(inputs):
-        s = _shape(io, "hidden_states")[3]
+        s, context_length = _shape(io, "hidden_states")[3], _bucket(io)
         values = read_states(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
         for i in range(layers):
@@ -243,7 +252,7 @@ def function_body(model: str, function: str, g: L.Graph, cfg: LlamaConfig, io: d
             return branch_embeddings_function(g, cfg, io, context_length, suffix_length, rows)
         if function == VERIFY:
             return verify_embeddings_function(g, cfg, io, context_length, rows)
-        return embeddings_function(g, cfg, io, context_length, rows)
+        return embeddings_function(g, cfg, io, rows)
     if kind == "embeddings_part":
         return embeddings_part_function(g, cfg, rows)
     if kind == "lm_head":
@@ -253,7 +262,7 @@ def function_body(model: str, function: str, g: L.Graph, cfg: LlamaConfig, io: d
                 else cache_update_function(g, io))
     if function == BRANCHES:
         return branch_chunk_function(g, cfg, io, layers, context_length, suffix_length)
-    return chunk_function(g, cfg, io, layers, context_length)
+    return chunk_function(g, cfg, io, layers)
 
 
 def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weights: L.Weights, *, dtype: type,

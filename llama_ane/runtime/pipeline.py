@@ -35,8 +35,8 @@ import numpy as np
 
 from ..chunks.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..contract.manifest import function_entry, function_states, kv_cache_kind
-from ..contract.specs import VERIFY
+from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind
+from ..contract.specs import VERIFY, base_function, bucket_function, bucket_of
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -70,6 +70,7 @@ class Pipeline:
         self.backend = backend
         self.manifest = manifest
         self.context_length: int = manifest["context_length"]
+        self.buckets: list[int] = context_buckets(manifest)
         self.prefill_length: int = manifest["prefill_length"]
         self.chunks: list[dict] = manifest["chunks"]
         self.embedding_models: list[str] = manifest["embeddings"]["models"]
@@ -138,13 +139,24 @@ class Pipeline:
         window[0, :n] = token_ids
         return fn, window
 
+    def bucket(self, positions: int) -> int:
+        """The smallest context bucket that holds `positions` cache positions: the one a window
+        ending there runs in (its functions read no more of the cache than that)."""
+        return next((b for b in self.buckets if b >= positions), self.context_length)
+
+    def _bucket_of_window(self, k: int, end: int, every_bucket: bool) -> int:
+        holding = [b for b in self.buckets if b >= end] or [self.context_length]
+        return holding[k % len(holding)] if every_bucket else holding[0]
+
     def embed(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Function `fn` of the embeddings files in order on `inputs` (input_ids and the function's
         positions): hidden_states (1, C, 1, S), the RoPE tables and the masks. Each file after the
-        first adds the lookup of its rows of the table to the hidden states."""
+        first adds the lookup of its rows of the table to the hidden states (the same in every
+        context bucket: they run the bucket's base function)."""
         out = dict(self.backend.predict(self.embedding_models[0], fn, inputs))
         for part in self.embedding_models[1:]:
-            out["hidden_states"] = self._embed_part(part, fn, inputs["input_ids"], out["hidden_states"])
+            out["hidden_states"] = self._embed_part(part, base_function(fn), inputs["input_ids"],
+                                                    out["hidden_states"])
         return out
 
     def _embed_part(self, part: str, fn: str, input_ids: np.ndarray, hidden: np.ndarray) -> np.ndarray:
@@ -158,7 +170,7 @@ class Pipeline:
         vocabulary order: float32 [S, vocab]."""
         parts: dict[str, np.ndarray] = {}
         for model in self.head_models:
-            parts.update(self.backend.predict(model, fn, {"hidden_states": hidden}))
+            parts.update(self.backend.predict(model, base_function(fn), {"hidden_states": hidden}))
         return self._join(parts)
 
     def _join(self, parts: dict[str, np.ndarray]) -> np.ndarray:
@@ -182,14 +194,20 @@ class Pipeline:
             if name in out:
                 m = out[name]
                 out[name] = (m[..., :length] if where == "all" else
-                             np.concatenate([m[..., :length], m[..., self.context_length:]], axis=-1))
+                             np.concatenate([m[..., :length], m[..., m.shape[-1] - m.shape[-2]:]], axis=-1))
         return out
 
-    def chunk_caches(self, i: int, length: int) -> dict[str, np.ndarray]:
+    def chunk_caches(self, i: int, length: int, bucket: int | None = None) -> dict[str, np.ndarray]:
         """Chunk i's caches {"k", "v"} as the chunk reads them: with direct caches, views of their
-        first `length` positions (those holding tokens); else the whole arrays."""
+        first `length` positions (those holding tokens); as inputs, views of the first `bucket`
+        positions (the function's context bucket); as states, the whole arrays (every bucket's
+        function reads its part of one state of the whole context)."""
         caches = self.cache.caches[i]
-        return {key: cache[..., :length] for key, cache in caches.items()} if self.direct else caches
+        if self.direct:
+            return {key: cache[..., :length] for key, cache in caches.items()}
+        if self.stateful or bucket is None or bucket == self.context_length:
+            return caches
+        return {key: cache[..., :bucket] for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
                 visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
@@ -206,9 +224,10 @@ class Pipeline:
         if self.direct:
             emb = self.visible(emb, visible)
         hidden = emb["hidden_states"]
+        bucket = bucket_of(fn, self.context_length)
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
-            caches = self.chunk_caches(i, visible)
+            caches = self.chunk_caches(i, visible, bucket)
             pool = {**embed_inputs, **emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
@@ -232,12 +251,18 @@ class Pipeline:
 
         Its inputs come by name from `state` (the caches it rewrites, keyed "k"/"v" or by name),
         the chunk's outputs and `values` (int32 positions)."""
-        keys = self._state_keys(function_entry(self.manifest, "cache_update", function))
-        named = {name: state[key] for name, key in keys.items()}
+        entry = function_entry(self.manifest, "cache_update", function)
+        keys = self._state_keys(entry)
+        width = {t["name"]: t["shape"][-1] for t in entry["inputs"]}  # a context bucket's first positions
+        named = {name: state[key][..., :width[name]] for name, key in keys.items()}
         out = self.backend.predict("cache_update", function,
                                    self._inputs("cache_update", function, {**named, **chunk_out, **values}))
         for name, key in keys.items():
-            state[key] = out[name + "_out"]
+            new = out[name + "_out"]
+            if new.shape == state[key].shape:
+                state[key] = new
+            else:  # a context bucket's first positions of the whole cache
+                state[key][..., :new.shape[-1]] = new
 
     @staticmethod
     def _state_keys(entry: dict) -> dict[str, str]:
@@ -276,6 +301,7 @@ class Pipeline:
         if self.stateful and start + window.shape[1] > self.context_length:
             # a state is written a whole window at a time: the padding must fit too
             return np.concatenate([self.run_window(ids[j:j + 1]) for j in range(len(ids))], axis=0)
+        fn = bucket_function(fn, self.bucket(start + len(ids)), self.context_length)
         logits = self.forward(fn, self._window_inputs(window, start),
                               lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
                               visible=start)[:len(ids)]
@@ -331,7 +357,7 @@ class Pipeline:
                 self.updates.submit(i, functools.partial(self.update, function, caches, out, {"slots": slots}))
         self.cache.tokens.extend(int(t) for t in ids[path])
 
-    def score_streamed(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
+    def score_streamed(self, token_ids: list[int] | np.ndarray, every_bucket: bool = False) -> np.ndarray:
         """Teacher-forced logits float32 [T, vocab] of `token_ids` from position 0, one model at a time.
 
         The same windows, functions and cache writes as `prefill(token_ids, all_logits=True)` after
@@ -343,6 +369,10 @@ class Pipeline:
         weights, one chunk's caches and the windows' activations (hidden states, T x C). A window's
         computation does not depend on the order, so the logits are the token-major ones exactly.
 
+        With `every_bucket`, window k runs in the k-th (cyclically) of the context buckets that hold
+        it, not always the smallest: one pass then runs every bucket's functions (the parity gate),
+        and the logits stay those of any bucket (a bucket's extra positions are masked to exactly 0).
+
         Starts and ends with `reset()`: whatever sequence the pipeline held is dropped.
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
@@ -352,21 +382,25 @@ class Pipeline:
         self._check_room(len(ids))
         starts = range(0, len(ids), self.prefill_length)
         parts = [ids[start:start + self.prefill_length] for start in starts]
-        windows = [self._window(part) for part in parts]  # (function, input_ids (1, S))
+        windows = [self._window(part) for part in parts]  # (function, input_ids (1, S)), in its context bucket
+        windows = [(bucket_function(fn, self._bucket_of_window(k, start + len(part), every_bucket),
+                                    self.context_length), window)
+                   for k, ((fn, window), part, start) in enumerate(zip(windows, parts, starts))]
         first, *later = self.embedding_models
         embs = [dict(self.backend.predict(first, fn, self._window_inputs(window, start)))
                 for (fn, window), start in zip(windows, starts)]
         self.backend.release(first)
         for part in later:
             for emb, (fn, window) in zip(embs, windows):
-                emb["hidden_states"] = self._embed_part(part, fn, window, emb["hidden_states"])
+                emb["hidden_states"] = self._embed_part(part, base_function(fn), window, emb["hidden_states"])
             self.backend.release(part)
         if self.direct:  # as `forward` reads them: the masks up to the filled positions
             embs = [self.visible(emb, start) for emb, start in zip(embs, starts)]
         hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
-                caches, read = self.cache.caches[i], self.chunk_caches(i, start)
+                caches = self.cache.caches[i]
+                read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
                 pool = {**embs[w], "hidden_states": hidden[w], "position": position,
                         "k_cache": read["k"], "v_cache": read["v"]}
@@ -382,7 +416,7 @@ class Pipeline:
         outputs: list[dict[str, np.ndarray]] = [{} for _ in windows]
         for model in self.head_models:
             for out, (fn, _), h in zip(outputs, windows, hidden):
-                out.update(self.backend.predict(model, fn, {"hidden_states": h}))
+                out.update(self.backend.predict(model, base_function(fn), {"hidden_states": h}))
             self.backend.release(model)  # the cache-update model holds no weights and stays
         self.reset()
         return np.concatenate([self._join(out)[:len(part)] for out, part in zip(outputs, parts)], axis=0)

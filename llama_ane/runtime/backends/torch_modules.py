@@ -28,7 +28,7 @@ from ...chunks.verify import VerifyEmbeddings, VerifyUpdate
 from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
-from ...contract.specs import BRANCHES, FUNCTIONS, VERIFY, cache_update_function, model_kind, window_of
+from ...contract.specs import BRANCHES, VERIFY, bucket_of, model_kind, window_of
 
 
 def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -128,11 +128,10 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         weights = CheckpointWeights(weights)
     cfg = LlamaConfig.from_dict(manifest["config"])
     m = manifest
-    context, prefill, branches = m["context_length"], m["prefill_length"], m.get("branch_width", 0)
-    verify = m.get("verify_window", 0)
-    functions = (*FUNCTIONS, *([BRANCHES] if branches else []), *([VERIFY] if verify else []))
+    context, prefill = m["context_length"], m["prefill_length"]
     if model not in model_names(m):
         raise KeyError(f"no model {model!r} in this export")
+    functions = m["models"][model]["functions"]  # each function's module follows its specs
     kind = model_kind(model)
     if kind in ("embeddings", "embeddings_part"):
         start, end = m["embeddings"]["vocab_ranges"][m["embeddings"]["models"].index(model)]
@@ -141,41 +140,40 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
             part = EmbeddingsPart(cfg, start, 1)
             part.embed_tokens = table  # the one-row placeholder replaced by the part's rows
             return {fn: part.eval() for fn in functions}
-        # each function's module gets a one-row placeholder table, replaced by the shared one
         modules: dict[str, torch.nn.Module] = {}
-        for fn in FUNCTIONS:
-            e = Embeddings(cfg, context, window_of(fn, prefill), rows=1)
-            e.embed_tokens = table
-            modules[fn] = e
-        if branches:
-            modules[BRANCHES] = BranchEmbeddings(cfg, table, context, branches, m["suffix_length"])
-        if verify:
-            modules[VERIFY] = VerifyEmbeddings(cfg, table, context, verify)
+        for fn in functions:
+            if fn == BRANCHES:
+                modules[fn] = BranchEmbeddings(cfg, table, context, m["branch_width"], m["suffix_length"])
+            elif fn == VERIFY:
+                modules[fn] = VerifyEmbeddings(cfg, table, context, m["verify_window"])
+            else:  # a one-row placeholder table, replaced by the shared one
+                e = Embeddings(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1)
+                e.embed_tokens = table
+                modules[fn] = e
         stored = weights.rope(model)
         if stored is not None:  # the tables the export holds (one size for every function)
             for module in modules.values():
                 module.cos_table, module.sin_table = stored
     elif kind == "lm_head":
-        heads = [int(o["name"].removeprefix("logits_")) for o in m["models"][model]["functions"]["decode"]["outputs"]]
+        heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]]
         head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
         modules = {fn: head for fn in functions}
     elif kind == "cache_update":
         modules = {}
-        for n in sorted({len(c["layers"]) for c in m["chunks"]}):  # one function per chunk size
-            for fn in FUNCTIONS:
-                modules[cache_update_function(fn, n)] = CacheUpdate(context, window_of(fn, prefill))
-            if branches:
-                modules[cache_update_function(BRANCHES, n)] = SuffixUpdate(cfg, n, m["suffix_length"])
-            if verify:
-                modules[cache_update_function(VERIFY, n)] = VerifyUpdate(context)
+        for fn, io in functions.items():
+            shape = {t["name"]: t["shape"] for t in io["inputs"]}
+            if "slots" in shape:
+                modules[fn] = VerifyUpdate(context)
+            elif "k_suffix" in shape:
+                modules[fn] = SuffixUpdate(cfg, shape["k_new"][0], m["suffix_length"])
+            else:  # a window of S at the positions of its bucket
+                modules[fn] = CacheUpdate(shape["k_cache"][3], shape["k_new"][3])
     else:
         layers = next(c["layers"] for c in m["chunks"] if c["model"] == model)
         chunk = _with_state(lambda: BlockChunk(cfg, layers, context), weights.chunk(model, layers, dtype))
-        modules = {fn: chunk for fn in FUNCTIONS}
-        if branches:
+        modules = {fn: chunk for fn in functions}  # the verify window too: the tree is in its mask
+        if BRANCHES in functions:
             modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
-        if verify:
-            modules[VERIFY] = chunk  # the window function at S = W; the tree is in the mask
     for module in modules.values():
         module.eval()
     return modules
