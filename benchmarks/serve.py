@@ -1,7 +1,7 @@
 """`llama-ane serve` under concurrent clients vs the same requests one after another (torch, CPU).
 
 For 1, 2, 4 and 8 clients, each asking a different question about one shared document (the
-prompts share the document's first 300 characters, ~250 tokens on the tiny model), the script sends the requests first one
+prompts share the document's first 250 tokens), the script sends the requests first one
 after another, then all at once, to a live server over HTTP with the openai client, and reports
 the aggregate completion tokens/s of each, their ratio and the model calls each needed. Answers
 are greedy with no end-of-sequence token, so every request generates exactly --new-tokens tokens,
@@ -10,7 +10,8 @@ the numbers measure batching alone. It also measures the JSON-schema mask's cost
 (llguidance) on the served tokenizer. Results go to benchmarks/results/serve.json.
 
     python benchmarks/serve.py                      the tiny random model (exported to a temp folder)
-    python benchmarks/serve.py --model out/smollm2  an existing export (e.g. SmolLM2-135M)
+    python benchmarks/serve.py --smollm2            SmolLM2-135M-Instruct (exported first: minutes)
+    python benchmarks/serve.py --model out/smollm2  an existing export
 """
 
 from __future__ import annotations
@@ -102,14 +103,23 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="an export folder (default: a tiny random export)")
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prefix-chars", type=int, default=300,
-                    help="characters of benchmarks/document.txt shared by every prompt (~250 tiny-model tokens)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "serve.json")
+    ap.add_argument("--smollm2", action="store_true", help="export the embedded SmolLM2-135M and serve it")
+    ap.add_argument("--prefix-tokens", type=int, default=250,
+                    help="tokens of benchmarks/document.txt shared by every prompt")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each; the fastest is kept (a shared CPU is noisy)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: benchmarks/results/serve.json (serve_smollm2.json with --smollm2)")
     args = ap.parse_args()
+    args.out = args.out or RESULTS / ("serve_smollm2.json" if args.smollm2 else "serve.json")
     import openai
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else tiny_export(Path(tmp))
+        if args.smollm2:
+            from llama_ane.api import export_model
+
+            folder = export_model(None, Path(tmp) / "smollm2", branch_width=8, progress=False)
+        else:
+            folder = Path(args.model) if args.model else tiny_export(Path(tmp))
         model = llama_ane.load(folder, backend="torch", precision="fp32")
         model.manifest["tokenizer"]["eos_token_ids"] = []  # every answer is --new-tokens long
         calls = [0]
@@ -119,17 +129,21 @@ def main() -> None:
             calls[0] += 1
             return predict(*a, **k)
         model.backend.predict = counted
-        prompts = [f"{DOCUMENT[:args.prefix_chars]}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
+        shared = model.tokenizer.decode(model.encode(DOCUMENT)[:args.prefix_tokens], skip_special_tokens=True)
+        prompts = [f"{shared}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
         rows = []
         with serve_in_thread(create_app(model, ServeOptions(prompt_cache_bytes=0))) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
             ask_all(client, prompts[:1], 4, concurrent=False)  # warm-up: weights loaded, paths taken
             for k in [int(c) for c in args.clients.split(",")]:
-                c0 = calls[0]
-                seq, seq_s = ask_all(client, prompts[:k], args.new_tokens, concurrent=False)
-                c1 = calls[0]
-                con, con_s = ask_all(client, prompts[:k], args.new_tokens, concurrent=True)
-                c2 = calls[0]
+                seq_s = con_s = float("inf")
+                for _ in range(args.repeats):
+                    c0 = calls[0]
+                    seq, s = ask_all(client, prompts[:k], args.new_tokens, concurrent=False)
+                    c1 = calls[0]
+                    con, c = ask_all(client, prompts[:k], args.new_tokens, concurrent=True)
+                    c2 = calls[0]
+                    seq_s, con_s = min(seq_s, s), min(con_s, c)
                 tokens = k * args.new_tokens
                 rows.append({"clients": k, "prompt_tokens": [len(model.encode(p)) for p in prompts[:k]],
                              "new_tokens_per_client": args.new_tokens, "same_answers": con == seq,
@@ -141,9 +155,11 @@ def main() -> None:
                       f"{tokens / con_s:7.1f} tok/s ({c2 - c1} calls), x{seq_s / con_s:.2f}, same answers: {con == seq}")
         mask_ms = mask_ms_per_token(model)
         print(f"JSON-schema mask: {mask_ms:.3f} ms per token (vocabulary {model.manifest['config']['vocab_size']})")
-        result = {"benchmark": "serve", "model": args.model or "tiny random (3 layers, hidden 64, vocab 320)",
+        result = {"benchmark": "serve", "model": "SmolLM2-135M-Instruct" if args.smollm2 else args.model or
+                  "tiny random (3 layers, hidden 64, vocab 320)",
                   "backend": "torch fp32", "branch_width": model.manifest.get("branch_width"),
                   "context_length": model.manifest["context_length"], "prompt_cache": False,
+                  "shared_prefix_tokens": args.prefix_tokens, "repeats": args.repeats,
                   "torch_threads": __import__("torch").get_num_threads(), "rows": rows,
                   "grammar": {"library": "llguidance", "schema": PERSON, "mask_ms_per_token": mask_ms,
                               "vocab_size": model.manifest["config"]["vocab_size"]},
