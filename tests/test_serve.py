@@ -355,6 +355,32 @@ def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
 
 
 @pytest.mark.export
+def test_a_request_joins_the_running_batch_only_in_its_turn(model):
+    """A request continuing the running batch's prefix takes a free branch slot mid-batch; one queued
+    behind a request that does not match waits its turn (first come, first served)."""
+    rng = np.random.default_rng(2)
+    prefix = [int(t) for t in rng.integers(3, 300, 80)]
+    other = [int(t) for t in rng.integers(3, 300, 40)]
+    prompts = [prefix + [11], prefix + [12, 13], prefix + [14], other, prefix + [15]]
+    with no_eos(model):
+        alone = [model.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
+        scheduler = Scheduler(model)
+        try:
+            first = scheduler.submit([Request(ids, 20) for ids in prompts[:2]])
+            events = iter(first[0])
+            assert isinstance(next(events), Token)  # the batch is running
+            joiner = scheduler.submit([Request(prompts[2], 20)])
+            later = scheduler.submit([Request(ids, 20) for ids in prompts[3:]])
+            ends = [list(h)[-1] for h in [*first[1:], *joiner, *later]] + [list(events)[-1]]
+            batches, singles = scheduler.metrics.cascade_batches, scheduler.metrics.single_runs
+        finally:
+            scheduler.close()
+    assert [e.token_ids for e in ends] == [alone[1], alone[2], alone[3], alone[4], alone[0]]
+    assert ends[1].cached_tokens == len(prefix)  # it joined the batch: the prefix was there already
+    assert (batches, singles) == (1, 2)  # the non-matching one and the one behind it ran alone, in order
+
+
+@pytest.mark.export
 def test_sampled_branch_equals_sampling_alone(model):
     """Sampling under a seed gives the same tokens in a batch as alone (its own generator)."""
     rng = np.random.default_rng(1)
