@@ -266,7 +266,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return sum(not job.done for job in self._running)
 
     def check(self, request: Request) -> None:
         """Refuse a request that could never run: an empty prompt, ids outside the vocabulary, or a
