@@ -9,6 +9,7 @@ that looks complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import getpass
 import os
@@ -117,9 +118,13 @@ def _pickles(obj: object) -> bool:
 
 def calibration_text() -> str:
     """Prose shipped to calibrate compression on (neither the verify text nor the eval text)."""
+    return _shipped_text("calibration_text.txt")
+
+
+def _shipped_text(name: str) -> str:
     from importlib import resources
 
-    return resources.files("llama_ane").joinpath("calibration_text.txt").read_text(encoding="utf-8")
+    return resources.files("llama_ane").joinpath(name).read_text(encoding="utf-8")
 
 
 def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None) -> dict:
@@ -138,6 +143,69 @@ def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object]
     importance = activation_importance(ckpt, ids, on_found)
     say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
+
+
+def text_ids(ckpt, text: str, tokens: int) -> list[int]:
+    """The first `tokens` token ids of `text` (those inside the model's vocabulary)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))(text).input_ids[:tokens]
+    return [i for i in ids if i < ckpt.config.vocab_size]
+
+
+def quality_model(ckpt):
+    """The checkpoint as a float32 quantize.sensitivity.Float32Model, every layer in memory (own
+    copies: the measurements swap weights in place)."""
+    import torch
+
+    from .quantize.sensitivity import Float32Model
+    from .reference import _with_weights, family_classes, hf_config
+
+    hf, (DecoderLayer, RMSNorm, Rotary) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
+    hf._attn_implementation = "sdpa"
+    layers = []
+    for n in range(hf.num_hidden_layers):
+        with torch.device("meta"):
+            layer = DecoderLayer(hf, n)
+        layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
+        for p in layer.parameters():
+            p.data = p.data.clone()
+        layers.append(layer)
+    with torch.device("meta"):
+        norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
+    table = ckpt.tensor("model.embed_tokens.weight").to(torch.float32).clone()
+    head = table.clone() if hf.tie_word_embeddings else ckpt.tensor("lm_head.weight").to(torch.float32).clone()
+    return Float32Model(table, layers, _with_weights(ckpt, norm, "model.norm."), head, Rotary(config=hf))
+
+
+def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
+    """`--quantize auto`: the recipe of fewest bytes within `budget_pct` (quantize.auto), measured
+    on the calibration text and checked on the eval text."""
+    from .quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
+    from .quantize.sensitivity import choose_recipe
+
+    importance = calibrate(ckpt, say)
+    return choose_recipe(quality_model(ckpt), text_ids(ckpt, calibration_text(), SENSITIVITY_TOKENS),
+                         text_ids(ckpt, _shipped_text("eval_text.txt"), CHECK_TOKENS), importance, budget_pct,
+                         "the eval text", say)
+
+
+def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[str], None]) -> float:
+    """Measure a fixed scheme of 4 bits or fewer on the eval text and say the perplexity change;
+    beyond WARN_PCT, say so plainly and what to use instead."""
+    from .quantize.auto import CHECK_TOKENS, WARN_PCT, part_of_unit, units
+    from .quantize.sensitivity import perplexity_change
+
+    forms = {u: quantize.compression(part_of_unit(u), target, None if quantize.recipe is None else u)
+             for u in units(ckpt.config.num_hidden_layers)}
+    ids = text_ids(ckpt, _shipped_text("eval_text.txt"), CHECK_TOKENS)
+    change = perplexity_change(quality_model(ckpt), forms, ids, calibrate(ckpt, say))
+    say(f"quality: perplexity {change:+.2f}% against fp16 on {len(ids)} tokens of the eval text")
+    if change > WARN_PCT:
+        say(f"warning: these weights lose {change:.0f}% perplexity (more than {WARN_PCT:g}%). Use --quantize auto "
+            "(the fewest bytes within --quantize-budget, default 5%), a larger scheme, or, for a GPU deployment "
+            "on macOS, a LUT scaled per block (--lut-block-size 32, or the block size of a GGUF source)")
+    return change
 
 
 CALIBRATION_TOKENS = (128, 512)  # fewest and most
@@ -166,7 +234,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
                  lut_block_size: int | None = None, kv_cache: str = "inputs",
                  context_buckets: str | int | Sequence[int] = "auto", progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> Path:
+                 log: Callable[[str], None] | None = None,
+                 quantize_budget: float | None = None, quantize_recipe: str | Path | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
     `context_buckets` ("auto", one size, or ascending sizes ending at `context_length`) are the
@@ -182,6 +251,9 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
     `block_size` (input channels per scale) replace the defaults; `lut_block_size` scales and
     shifts LUT values per row and block of that many input channels (see `llama_ane.quantize`).
+    `quantize="auto"` chooses a form per part and layer, the fewest bytes whose perplexity increase
+    stays within `quantize_budget` percent (default 5; quantize.auto), and records the recipe in
+    the manifest; `quantize_recipe` (a JSON file: a recipe or an export's manifest.json) reuses one.
 
     Packages are built one per worker process with only their own weights in memory; the number
     of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb` sets
@@ -198,9 +270,14 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     from .export.memory import available_bytes
 
     say = log or _silent
-    compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
-                                           mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
-                                           block_size=block_size, lut_block_size=lut_block_size)
+    recipe = choose_recipe_options(quantize, quantize_budget, quantize_recipe, quantize_embeddings, quantize_attention,
+                                   quantize_mlp, quantize_lm_head, group_size, block_size, lut_block_size)
+    if recipe is not None or quantize == "auto":
+        compression = QuantizeOptions.from_recipe(recipe) if recipe is not None else QuantizeOptions()
+    else:
+        compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
+                                               mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
+                                               block_size=block_size, lut_block_size=lut_block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
                          suffix_length, compression, kv_cache, verify_window,
                          context_buckets if isinstance(context_buckets, (str, int)) else tuple(context_buckets))
@@ -219,7 +296,18 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     t0 = time.perf_counter()
     ckpt = load_checkpoint(source)
     check_tokenizer(ckpt.tokenizer_dir, ckpt.config)  # a bad tokenizer is refused before anything is converted
+    if recipe is not None:
+        recipe.check(ckpt.config.num_hidden_layers)
+    if quantize == "auto" and recipe is None:
+        from .quantize.auto import DEFAULT_BUDGET_PCT
+
+        chosen = auto_recipe(ckpt, DEFAULT_BUDGET_PCT if quantize_budget is None else quantize_budget, say)
+        opts = dataclasses.replace(opts, quantize=QuantizeOptions.from_recipe(chosen))
+        opts.check()
     plan = plan_export(ckpt.config, opts)
+    if verify and recipe is None and quantize != "auto" and any(c.bits <= 4 for part in PARTS
+                                                                if (c := opts.quantize.compression(part, target))):
+        check_quality(ckpt, opts.quantize, target, say)
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB), method=start_method())
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
@@ -238,11 +326,37 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                 sizes.append("per channel" if d["block_size"] == 0 else f"block {d['block_size']}")
             return f" ({', scaled per '.join(sizes)})" if sizes else ""
         stored, dense = sum(p.weight_bytes for p in plan.packages), sum(p.dense_bytes for p in plan.packages)
-        say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" for part, d in opts.quantize.describe(target).items())
+        described = opts.quantize.describe(target)
+        say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" if "units" not in d else
+                                    f"{part} " + " + ".join(f"{n} x {form}" for form, n in d["units"].items())
+                                    for part, d in described.items() if part in PARTS)
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
     return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0, force)
+
+
+def choose_recipe_options(quantize: str, budget: float | None, recipe_file: str | Path | None, *others):
+    """The recipe of `--quantize-recipe` (None without one), after refusing options that cannot go
+    with `--quantize auto` or a recipe: these give every unit its form themselves."""
+    from .quantize.auto import Recipe
+    from .quantize.schemes import QuantizeError
+
+    if budget is not None and quantize != "auto":
+        raise QuantizeError("--quantize-budget is the budget of --quantize auto; add --quantize auto or drop it")
+    if budget is not None and budget <= 0:
+        raise QuantizeError(f"--quantize-budget must be a positive percentage, got {budget:g}")
+    if quantize != "auto" and recipe_file is None:
+        return None
+    if any(o is not None for o in others):
+        what = "--quantize-recipe" if recipe_file is not None else "--quantize auto"
+        raise QuantizeError(f"{what} gives every part and layer its form; drop --quantize-embeddings/-attention/"
+                            "-mlp/-lm-head, --group-size, --block-size and --lut-block-size")
+    if recipe_file is None:
+        return None
+    if quantize not in ("none", "auto"):
+        raise QuantizeError(f"--quantize-recipe gives every part and layer its form; drop --quantize {quantize}")
+    return Recipe.load(recipe_file)
 
 
 def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,

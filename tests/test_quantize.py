@@ -273,15 +273,17 @@ def test_stored_bytes_count_codes_and_tables():
 def test_options_per_part_and_defaults():
     q = QuantizeOptions.from_cli("lut4", lm_head="lut6", embeddings="none")
     assert q.schemes == {"embeddings": "none", "attention": "lut4", "mlp": "lut4", "lm_head": "lut6"}
-    assert q.compression("mlp", "iOS18") == Compression("lut4", group_size=16)
-    assert q.compression("mlp", "iOS17") == Compression("lut4", group_size=0)  # one LUT per tensor there
+    # lut4 scales its values per output channel by default (a form the ANE runs just in time)
+    assert q.compression("mlp", "iOS18") == Compression("lut4", group_size=16, block_size=0, scaled=True)
+    assert q.compression("mlp", "iOS17") == Compression("lut4", group_size=0)  # one plain LUT per tensor there
     assert q.compression("embeddings", "iOS18") is None
     assert QuantizeOptions.from_cli("int4").compression("mlp", "iOS18") == Compression("int4", block_size=32)
     assert QuantizeOptions.from_cli("int8").compression("mlp", "iOS16") == Compression("int8", symmetric=True)
-    assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 8}
+    assert q.describe("iOS18")["lm_head"] == {"scheme": "lut6", "group_size": 8, "device_path": "just-in-time"}
     scaled = QuantizeOptions.from_cli("lut4", embeddings="int8", lut_block_size=32)
     assert scaled.compression("mlp", "iOS18") == Compression("lut4", group_size=16, block_size=32, scaled=True)
-    assert scaled.describe("iOS18")["mlp"] == {"scheme": "lut4", "group_size": 16, "block_size": 32}
+    assert scaled.describe("iOS18")["mlp"] == {"scheme": "lut4", "group_size": 16, "block_size": 32,
+                                               "device_path": "at-load"}
     assert scaled.compression("embeddings", "iOS18") == Compression("int8", block_size=0)  # not a LUT
 
 
@@ -730,3 +732,239 @@ def test_a_failing_unit_in_a_kept_worker_is_a_clear_error(tiny_checkpoint, tmp_p
     with pytest.raises(convert.ConversionError, match=words):
         convert.convert_all(plan, ckpt, tmp_path / "out", workers=2, importance={})
     assert not (tmp_path / "out" / ".scratch").exists()
+
+
+# ---- device paths, recipes and --quantize auto --------------------------------------------------------------------
+
+@pytest.mark.parametrize("c, path", [
+    (Compression("lut4", group_size=0), "just-in-time"),  # per tensor
+    (Compression("lut4", group_size=16), "just-in-time"),  # per grouped channel
+    (Compression("lut6", group_size=8, block_size=0, scaled=True), "just-in-time"),  # a per-channel scale
+    (Compression("lut4", group_size=16, block_size=32, scaled=True), "at-load"),  # scaled per block: the GPU's form
+    (Compression("int8", block_size=0, symmetric=True), "just-in-time"),
+    (Compression("int8", block_size=32), "at-load"),
+    (Compression("int4", block_size=0), "at-load"),
+    (Compression("int4", block_size=32), "at-load"),
+])
+def test_every_form_has_its_device_path(c, path):
+    assert c.device_path == path
+
+
+def test_units_of_exported_weights():
+    from llama_ane.quantize.auto import unit_of, units
+
+    assert unit_of("layers.12.q_proj.weight") == "layers.12.attention"
+    assert unit_of("layers.3.mlp.down_proj.weight") == "layers.3.mlp"
+    assert unit_of("heads.2.weight") == "lm_head" and unit_of("embed_tokens.weight") == "embeddings"
+    assert unit_of("layers.3.input_layernorm.weight") is None and unit_of("rope_cos") is None
+    assert units(2) == ["embeddings", "layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.mlp",
+                        "lm_head"]
+
+
+def brute_force(costs, budget):
+    import itertools
+
+    best = None
+    names = list(costs)
+    for forms in itertools.product(*(list(costs[u]) for u in names)):
+        size = sum(costs[u][f][0] for u, f in zip(names, forms))
+        kl = sum(costs[u][f][1] for u, f in zip(names, forms))
+        if kl <= budget and (best is None or size < best):
+            best = size
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choose_fits_the_budget_in_about_the_fewest_bytes(seed):
+    from llama_ane.quantize.auto import CANDIDATES, choose
+
+    rng = np.random.default_rng(seed)
+    costs = {}
+    for u in range(6):
+        sensitivity = rng.lognormal(-4, 1.5)
+        costs[f"layers.{u}.mlp"] = {None: (1000, 0.0)}
+        for c in CANDIDATES:
+            costs[f"layers.{u}.mlp"][c] = (1000 * c.bits // 16 + 10, sensitivity * 4.0 ** (4 - c.bits))
+    total_kl = sum(max(k for _, k in options.values()) for options in costs.values())
+    for budget in (0.0, total_kl * 0.1, total_kl * 0.5, total_kl * 2):
+        forms = choose(costs, budget)
+        size = sum(costs[u][f][0] for u, f in forms.items())
+        assert sum(costs[u][f][1] for u, f in forms.items()) <= budget + 1e-12
+        assert size <= brute_force(costs, budget) * 1.1  # a Lagrangian choice: near the optimum
+    assert all(f is None for f in choose(costs, 0.0).values())  # no budget: fp16 everywhere
+    assert all(f == CANDIDATES[0] for f in choose(costs, total_kl * 2).values())  # room for the fewest bits
+
+
+def test_a_recipe_round_trips_and_bad_ones_are_named(tmp_path):
+    from llama_ane.quantize.auto import Recipe
+
+    recipe = Recipe({"embeddings": Compression("lut6", group_size=8), "layers.0.mlp": Compression("lut4", group_size=16),
+                     "layers.1.attention": None,
+                     "lm_head": Compression("lut4", group_size=16, block_size=32, scaled=True)}, budget_pct=5.0,
+                    measured_pct=3.2, measured_on="512 tokens")
+    recipe.save(tmp_path / "r.json")
+    again = Recipe.load(tmp_path / "r.json")
+    assert again.forms == recipe.forms and again.budget_pct == 5.0
+    # an export's manifest holds its recipe: it is a recipe file too
+    (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"recipe": recipe.to_dict()}}))
+    assert Recipe.load(tmp_path / "manifest.json").forms == recipe.forms
+    cases = {
+        "not json": ("{", "is not JSON"),
+        "no format": (json.dumps({"units": {}}), "is not a quantization recipe"),
+        "version": (json.dumps({"format": "llama-ane-quantize-recipe", "version": 9, "units": {}}), "version 9"),
+        "unit": (json.dumps({"format": "llama-ane-quantize-recipe", "version": 1,
+                             "units": {"layers.x.mlp": {"scheme": "lut4"}}}), "'layers.x.mlp' is not a unit"),
+        "scheme": (json.dumps({"format": "llama-ane-quantize-recipe", "version": 1,
+                               "units": {"lm_head": {"scheme": "lut5"}}}), "units.lm_head: scheme 'lut5'"),
+        "size": (json.dumps({"format": "llama-ane-quantize-recipe", "version": 1,
+                             "units": {"lm_head": {"scheme": "lut4", "group_size": -2}}}), "group_size must be"),
+    }
+    for name, (text, words) in cases.items():
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(QuantizeError, match="--quantize-recipe .*bad.json") as err:
+            Recipe.load(tmp_path / "bad.json")
+        assert words in str(err.value), (name, str(err.value))
+    with pytest.raises(QuantizeError, match="cannot read --quantize-recipe"):
+        Recipe.load(tmp_path / "missing.json")
+    with pytest.raises(QuantizeError, match="layers.7.mlp.*layers 0..1"):
+        Recipe({"layers.7.mlp": None}).check(2)
+
+
+def test_a_recipe_gives_each_layer_its_form_and_the_plan_its_bytes():
+    from llama_ane.config import LlamaConfig
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.quantize.auto import Recipe
+    from llama_ane.testing import TINY_CONFIG
+
+    cfg = LlamaConfig.from_hf_dict({**TINY_CONFIG, "vocab_size": 320, "num_hidden_layers": 2, "head_dim": 32})
+    lut4, lut8 = Compression("lut4", group_size=16), Compression("lut8", group_size=16)
+    recipe = Recipe({"layers.0.mlp": lut4, "layers.1.mlp": lut8, "layers.0.attention": lut4,
+                     "lm_head": Compression("lut4", group_size=16, block_size=32, scaled=True)})
+    q = QuantizeOptions.from_recipe(recipe)
+    assert q.compression("mlp", "iOS18", "layers.1.mlp") == lut8 and q.compression("mlp", "iOS18") == lut4
+    assert q.compression("embeddings", "iOS18") is None
+    described = q.describe("iOS18")
+    assert described["mlp"]["units"] == {"lut4 group 16": 1, "lut8 group 16": 1}
+    assert described["recipe"]["units"]["layers.1.mlp"] == {"scheme": "lut8", "group_size": 16}
+    assert described["lm_head"]["device_path"] == "at-load"
+    with pytest.raises(QuantizeError, match="layers.0.mlp.*iOS18"):
+        q.check("iOS17")
+    opts = ExportOptions(context_length=64, prefill_length=16, branch_width=0, layers_per_chunk=1, quantize=q)
+    plan = plan_export(cfg, opts)
+    chunk0, chunk1 = (next(p for p in plan.packages if p.model == f"chunk_{i}") for i in range(2))
+    assert chunk0.weight_bytes < chunk1.weight_bytes < chunk1.dense_bytes  # layer 1: fp16 attention, lut8 MLP
+    assert chunk0.read_bytes == chunk0.weight_bytes  # grouped LUTs: read as stored
+    head = next(p for p in plan.packages if p.model.startswith("lm_head"))
+    assert head.weight_bytes < head.dense_bytes == head.read_bytes  # scaled per block: fp16 once loaded
+    # inside a chunk, "layers.j" is its j-th layer
+    assert plan.compression("layers.0.mlp.up_proj.weight", chunk1) == lut8
+    assert plan.compression("layers.0.mlp.up_proj.weight", chunk0) == lut4
+
+
+def test_device_paths_read_from_a_manifest():
+    from llama_ane.quantize.auto import Recipe, device_paths
+
+    plain = QuantizeOptions.from_cli("lut4", embeddings="int8", lm_head="none", lut_block_size=32).describe("iOS18")
+    paths = device_paths(plain)
+    assert paths["mlp"] == "lut4 group 16, scaled per block 32: at-load"
+    assert paths["embeddings"] == "int8 per channel: just-in-time" and paths["lm_head"] == "fp16"
+    assert device_paths({"mlp": {"scheme": "lut6", "group_size": 8}})["mlp"] == "lut6 group 8: just-in-time"
+    mixed = QuantizeOptions.from_recipe(Recipe({"layers.0.mlp": Compression("lut4", group_size=16),
+                                                "layers.1.mlp": Compression("lut6", group_size=8)})).describe("iOS18")
+    assert device_paths(mixed)["mlp"] == "1 x lut4 group 16: just-in-time, 1 x lut6 group 8: just-in-time"
+
+
+@pytest.fixture(scope="module")
+def tiny_quality(tiny_checkpoint):
+    from llama_ane import api
+    from llama_ane.checkpoint.loader import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
+    ids = api.text_ids(ckpt, api.calibration_text(), 48)
+    return ckpt, api.quality_model(ckpt), ids, api.calibrate(ckpt, lambda _: None)
+
+
+def test_the_float32_model_is_transformers_model(tiny_quality):
+    from llama_ane.reference import transformers_logits
+
+    ckpt, model, ids, _ = tiny_quality
+    want = torch.log_softmax(torch.from_numpy(transformers_logits(ids, ckpt)), -1)
+    inputs, got = model.trace(ids)
+    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(model.log_probs(ids, 1, inputs), want, atol=1e-4)  # from a layer's saved input
+
+
+def test_unit_measurements_swap_weights_back_and_grow_with_fewer_bits(tiny_quality):
+    from llama_ane.quantize.auto import CANDIDATES, units
+    from llama_ane.quantize.sensitivity import measure_units, perplexity_change
+
+    ckpt, model, ids, importance = tiny_quality
+    before = {u: {n: t.clone() for n, t in model.weights(u).items()} for u in units(2)}
+    found = measure_units(model, ids, CANDIDATES, importance)
+    for u in units(2):
+        assert all(torch.equal(t, before[u][n]) for n, t in model.weights(u).items()), u
+    costs = found["costs"]
+    assert set(costs) == set(units(2))
+    for u, options in costs.items():
+        assert options[None][1] == 0 and all(k >= 0 for _, k in options.values())
+        sizes = [options[c][0] for c in CANDIDATES]
+        assert sizes == sorted(sizes) and sizes[-1] < options[None][0]
+        assert options[CANDIDATES[0]][1] > options[CANDIDATES[-1]][1], u  # 4 bits lose more than 8
+    assert perplexity_change(model, {u: None for u in units(2)}, ids, importance) == pytest.approx(0, abs=1e-9)
+    lut4 = perplexity_change(model, {u: CANDIDATES[0] for u in units(2)}, ids, importance)
+    lut8 = perplexity_change(model, {u: CANDIDATES[-1] for u in units(2)}, ids, importance)
+    assert abs(lut8) < abs(lut4)
+
+
+def test_choose_recipe_measures_what_it_chose(tiny_quality):
+    from llama_ane.quantize.sensitivity import choose_recipe
+
+    ckpt, model, ids, importance = tiny_quality
+    said = []
+    wide = choose_recipe(model, ids, ids[::-1], importance, 1000.0, "test text", said.append)
+    assert all(c is not None and c.bits == 4 for c in wide.forms.values())  # room for the fewest bytes
+    tight = choose_recipe(model, ids, ids[::-1], importance, 0.01, "test text", said.append)
+    assert sum(c is None for c in tight.forms.values()) > sum(c is None for c in wide.forms.values())
+    for r in (wide, tight):
+        assert r.measured_on == f"{len(ids)} tokens of test text" and r.budget_pct in (1000.0, 0.01)
+        assert r.measured_pct is not None and r.estimated_pct is not None
+    assert any("measured on" in s for s in said)
+
+
+@pytest.mark.export
+def test_quantize_auto_records_its_recipe_which_an_export_reuses(tiny_checkpoint, tmp_path):
+    from llama_ane.contract.manifest import read_manifest
+
+    ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
+    common = ["--context-length", "64", "--prefill-length", "16", "--branches", "0", "--quiet", "--no-verify"]
+    r = run_export(ckpt, "-o", tmp_path / "auto", "--quantize", "auto", "--quantize-budget", "50", *common)
+    assert r.exit_code == 0, r.output
+    assert "auto:" in r.output and "measured on" in r.output
+    m = read_manifest(tmp_path / "auto")
+    recipe = m["quantization"]["recipe"]
+    assert recipe["budget_pct"] == 50 and recipe["measured_pct"] is not None
+    assert set(recipe["units"]) == {"embeddings", "lm_head", "layers.0.attention", "layers.0.mlp",
+                                    "layers.1.attention", "layers.1.mlp"}
+    r = run_export(ckpt, "-o", tmp_path / "again", "--quantize-recipe", tmp_path / "auto" / "manifest.json", *common)
+    assert r.exit_code == 0, r.output
+    again = read_manifest(tmp_path / "again")
+    assert again["quantization"]["recipe"]["units"] == recipe["units"] and again["weights"] == m["weights"]
+    r = CliRunner().invoke(__import__("llama_ane.cli", fromlist=["main"]).main, ["info", str(tmp_path / "auto")])
+    assert r.exit_code == 0 and "quality   perplexity" in r.output and "just-in-time" in r.output, r.output
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--quantize", "auto", "--quantize-mlp", "lut4"], ["--quantize auto gives every part", "--quantize-embeddings"]),
+    (["--quantize", "lut4", "--quantize-budget", "3"], ["--quantize-budget", "--quantize auto"]),
+    (["--quantize", "auto", "--quantize-budget", "0"], ["--quantize-budget", "positive"]),
+    (["--quantize-recipe", "nowhere.json"], ["cannot read --quantize-recipe", "nowhere.json"]),
+    (["--quantize", "lut6", "--quantize-recipe", "nowhere.json"], ["drop --quantize lut6"]),
+])
+def test_bad_auto_options_are_one_error_line(tiny_checkpoint, tmp_path, options, words):
+    out = tmp_path / "out"
+    r = run_export(tiny_checkpoint(), "-o", out, "--context-length", "64", "--prefill-length", "32", "--quiet",
+                   *options)
+    assert r.exit_code != 0
+    error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1 and all(w in error[0] for w in words), r.output
+    assert not out.exists()

@@ -10,6 +10,7 @@ from typing import Iterator
 import click
 
 from ..contract.plan import TARGETS
+from ..quantize.auto import DEFAULT_BUDGET_PCT
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
 from ..errors import InvalidArgumentError
 from .errors import user_errors
@@ -43,7 +44,13 @@ from .options import FiniteFloat
               help="Memory budget in GiB, instead of what the machine reports as available; an export "
                    "estimated above it is refused before anything is converted.")
 @click.option("--quantize", default="none", show_default=True, metavar="SCHEME",
-              help=f"Compress the weights: {', '.join(SCHEMES)} (lutN: N-bit palettization, intN: N-bit integers).")
+              help=f"Compress the weights: {', '.join(SCHEMES)} (lutN: N-bit palettization, intN: N-bit integers), "
+                   "or auto: per part and layer, the fewest bytes within --quantize-budget.")
+@click.option("--quantize-budget", type=FiniteFloat(minimum=0, min_open=True, unit="percent"), default=None,
+              help=f"Perplexity increase --quantize auto may spend, percent [default: {DEFAULT_BUDGET_PCT:g}].")
+@click.option("--quantize-recipe", type=click.Path(path_type=Path), default=None,
+              help="Compress as a recipe says: a JSON file from --quantize auto (an export's manifest.json, or "
+                   "its quantization.recipe saved alone).")
 @click.option("--quantize-embeddings", metavar="SCHEME", help="Scheme of the embedding table [default: --quantize].")
 @click.option("--quantize-attention", metavar="SCHEME", help="Scheme of the q/k/v/o projections [default: --quantize].")
 @click.option("--quantize-mlp", metavar="SCHEME", help="Scheme of the MLP projections [default: --quantize].")
@@ -55,16 +62,19 @@ from .options import FiniteFloat
               help="Input channels sharing one scale [default: 32 for int4, 0 (one per output channel) for int8].")
 @click.option("--lut-block-size", type=int, default=None,
               help="Scale and shift LUT values per row and block of this many input channels (iOS18/macOS15; "
-                   "0 = per output channel) [default: plain LUTs].")
+                   "0 = per output channel, which the Neural Engine decompresses just in time; a block is the GPU's "
+                   "form, decompressed at load on the Neural Engine) [default: 0 for lut4, plain LUTs otherwise].")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["inputs", "state"]), default="inputs", show_default=True,
               help="Where the KV caches live: passed in and written back by the asynchronous cache-update model "
                    "(inputs), or Core ML states the chunks update in place (state; iOS18/macOS15, fp16).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs.")
+@click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs (and the perplexity "
+                                                "check of 4-bit schemes).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, verify_window,
             context_buckets, target,
-            precision, workers, max_memory, quantize, quantize_embeddings, quantize_attention, quantize_mlp,
+            precision, workers, max_memory, quantize, quantize_budget, quantize_recipe, quantize_embeddings,
+            quantize_attention, quantize_mlp,
             quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet):
     """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
@@ -77,6 +87,7 @@ def command(model, out, context_length, prefill_length, layers_per_chunk, branch
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, verify_window=verify_window, target=target, precision=precision, force=force,
                      verify=not no_verify, workers=workers, max_memory_gb=max_memory, quantize=quantize,
+                     quantize_budget=quantize_budget, quantize_recipe=quantize_recipe,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
                      block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, context_buckets=buckets, progress=not quiet, log=click.echo)

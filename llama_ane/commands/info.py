@@ -124,9 +124,16 @@ def _describe(m: dict, config_path: Path | None) -> None:
     for model in m["lm_head"]["models"]:
         splits = [o["shape"][1] for o in m["models"][model]["functions"]["decode"]["outputs"]]
         click.echo(f"  {model:<12} vocab splits {splits}{mb(model)}")
-    schemes = {part: d["scheme"] for part, d in m.get("quantization", {}).items()}
-    if any(s != "none" for s in schemes.values()):
-        click.echo("  weights   " + ", ".join(f"{part} {scheme}" for part, scheme in schemes.items()))
+    from ..quantize.auto import device_paths
+
+    quantization = m.get("quantization", {})
+    paths = device_paths(quantization)  # each form with how the Neural Engine runs it
+    if any(p != "fp16" for p in paths.values()):
+        click.echo("  weights   " + "; ".join(f"{part} {p}" for part, p in paths.items()))
+    recipe = quantization.get("recipe", {})
+    if recipe.get("measured_pct") is not None:
+        click.echo(f"  quality   perplexity {recipe['measured_pct']:+.2f}% against fp16 (measured on "
+                   f"{recipe.get('measured_on', 'held-out text')}; --quantize auto budget {recipe.get('budget_pct')}%)")
 
 
 def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:

@@ -13,6 +13,8 @@ from ..config import LlamaConfig
 from ..errors import LlamaANEError
 from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget
 from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
+from ..quantize.auto import unit_of
+from ..quantize.schemes import AT_LOAD
 from .manifest import new_manifest
 from .specs import KV_CACHE_KINDS, chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
 from ..checkpoint.loader import Checkpoint, load_checkpoint
@@ -155,6 +157,7 @@ class PackageSpec:
     weight_bytes: int  # as stored in the file (compressed weights at their packed size)
     rows: tuple[int, int] | None = None  # [start, end) vocabulary rows of an embeddings or LM head file
     dense_bytes: int = 0  # the same weights in the export precision (what building or running holds)
+    read_bytes: int | None = None  # what the Neural Engine reads per pass: forms it decompresses at load count dense
 
 
 @dataclass(frozen=True)
@@ -181,11 +184,17 @@ class ExportPlan:
     def rope_positions(self) -> int:
         return rope_positions(self.options)
 
-    def compression(self, name: str) -> Compression | None:
+    def compression(self, name: str, spec: "PackageSpec | None" = None) -> Compression | None:
         """How parameter `name` (as in the modules, e.g. "layers.0.q_proj.weight") is stored: None
-        for dense weights."""
+        for dense weights. Inside package `spec` a chunk's "layers.j" is its j-th layer (a
+        recipe compresses layers apart)."""
         part = weight_part(name)
-        return None if part is None else self.options.quantize.compression(part, self.options.target)
+        if part is None:
+            return None
+        if spec is not None and name.startswith("layers."):
+            _, j, rest = name.split(".", 2)
+            name = f"layers.{spec.layers[int(j)]}.{rest}"
+        return self.options.quantize.compression(part, self.options.target, unit_of(name))
 
     @property
     def files(self) -> dict[tuple[str, str], tuple[str, str]]:
@@ -204,7 +213,8 @@ class ExportPlan:
                             verify_window=o.verify_window, context_buckets=list(o.context_buckets),
                             precision=o.precision, target=o.target, multifunction=o.multifunction,
                             quantization=o.quantize.describe(o.target),
-                            weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes}
+                            weights={p.model: {"bytes": p.weight_bytes, "dense_bytes": p.dense_bytes,
+                                               "read_bytes": p.weight_bytes if p.read_bytes is None else p.read_bytes}
                                      for p in self.packages},
                             tokenizer=tokenizer, files=self.files if files is None else files,
                             created_by=created_by(), kv_cache=o.kv_cache)
@@ -235,18 +245,22 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     budget, row = weight_budget(opts.target), cfg.hidden_size
     quantize, target = opts.quantize, opts.target
 
-    def stored(name: str, shape: tuple[int, ...]) -> int:
+    def stored(name: str, shape: tuple[int, ...], read: bool = False) -> int:
+        """Bytes in the package (`read`: that the Neural Engine reads, forms decompressed at load dense)."""
         part = weight_part(name)
-        c = None if part is None else quantize.compression(part, target)
+        c = None if part is None else quantize.compression(part, target, unit_of(name))
         if c is not None:
             check_divides(name, shape, c)
-        return stored_bytes(shape, c, per_weight)
+        return stored_bytes(shape, None if read and c is not None and c.device_path == AT_LOAD else c, per_weight)
 
-    def stored_rows(name: str, rows: int) -> int:  # bytes of `rows` rows of a vocabulary matrix
-        return stored(name, (rows, row))
+    def stored_rows(name: str, rows: int, read: bool = False) -> int:  # bytes of `rows` rows of a vocabulary matrix
+        return stored(name, (rows, row), read)
 
-    layer = layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.0.{name}", shape))
-    chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=layer)
+    layer_bytes = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape))
+                   for n in range(cfg.num_hidden_layers)]  # a recipe compresses layers apart
+    layer_read = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape, True))
+                  for n in range(cfg.num_hidden_layers)]
+    chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=max(layer_bytes))
     rope_bytes = 2 * rope_positions(opts) * cfg.head_dim * per_weight  # cos and sin tables
     table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
     embedding_rows = vocab_row_ranges(cfg.vocab_size, table_row, budget, fixed_bytes=rope_bytes)
@@ -257,27 +271,30 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
                         opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
                         verify_window=opts.verify_window, buckets=opts.context_buckets)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
-    contents = {}  # model -> (layers, rows, stored bytes, dense bytes)
+    contents = {}  # model -> (layers, rows, stored bytes, dense bytes, bytes the Neural Engine reads)
     for k, (a, b) in enumerate(embedding_rows):
         fixed = rope_bytes if k == 0 else 0
         contents[embeddings_model_name(k)] = ((), (a, b), stored_rows("embed_tokens.weight", b - a) + fixed,
-                                              (b - a) * row * per_weight + fixed)
+                                              (b - a) * row * per_weight + fixed,
+                                              stored_rows("embed_tokens.weight", b - a, True) + fixed)
     for i, layers in enumerate(chunks):
-        contents[chunk_model_name(i)] = (tuple(layers), None, len(layers) * layer,
-                                         len(layers) * layer_weight_bytes(cfg, per_weight))
+        contents[chunk_model_name(i)] = (tuple(layers), None, sum(layer_bytes[n] for n in layers),
+                                         len(layers) * layer_weight_bytes(cfg, per_weight),
+                                         sum(layer_read[n] for n in layers))
     for k, heads in enumerate(head_groups):
         a, b = heads_start[heads[0]], heads_start[heads[-1] + 1]
         norm = row * per_weight
         contents[lm_head_model_name(k)] = ((), (a, b), sum(stored_rows(f"heads.{j}.weight", splits[j]) for j in heads)
-                                           + norm, (b - a) * row * per_weight + norm)
-    contents["cache_update"] = ((), None, 0, 0)
+                                           + norm, (b - a) * row * per_weight + norm,
+                                           sum(stored_rows(f"heads.{j}.weight", splits[j], True) for j in heads) + norm)
+    contents["cache_update"] = ((), None, 0, 0, 0)
     packages = []
     for model, functions in specs.items():
-        layers, rows, size, dense = contents[model]
+        layers, rows, size, dense, read = contents[model]
         groups = [tuple(functions)] if opts.multifunction else [(fn,) for fn in functions]
         for fns in groups:
             file = f"{model}.mlpackage" if opts.multifunction else f"{model}_{fns[0]}.mlpackage"
-            packages.append(PackageSpec(file, model, fns, layers, size, rows, dense))
+            packages.append(PackageSpec(file, model, fns, layers, size, rows, dense, read))
     return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages)
 
 

@@ -86,13 +86,16 @@ def window_tokens(manifest: dict, function: str) -> int:
 
 
 def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
-    """Weight bytes one step reads: every chunk and LM head file as stored (`dense`: decompressed)
-    and one embedding row per token (the table is looked up, not streamed)."""
+    """Weight bytes one step reads: every chunk and LM head file as the Neural Engine reads it
+    (compressed where it decompresses just in time; `dense`: all decompressed) and one embedding
+    row per token (the table is looked up, not streamed)."""
     weights = manifest.get("weights", {})
     stepped = [c["model"] for c in manifest["chunks"]] + list(manifest["lm_head"]["models"])
     row = manifest["config"]["hidden_size"] * DTYPE_BYTES[manifest["cache"]["dtype"]]
-    key = "dense_bytes" if dense else "bytes"
-    return sum(weights.get(m, {}).get(key, 0) for m in stepped) + row
+    if dense:
+        return sum(weights.get(m, {}).get("dense_bytes", 0) for m in stepped) + row
+    # "read_bytes": forms the Neural Engine decompresses at load count at their dense size (quantize.schemes)
+    return sum(weights.get(m, {}).get("read_bytes", weights.get(m, {}).get("bytes", 0)) for m in stepped) + row
 
 
 def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:

@@ -30,9 +30,7 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
 from ..quantize import Compression
-from ..quantize.kmeans import lut_compress
-from ..quantize.linear import int_compress
-from ..quantize.scaled_lut import scaled_lut_compress
+from ..quantize.fit import fit
 
 
 @dataclass(frozen=True)
@@ -54,14 +52,8 @@ def compress(value: np.ndarray | Payload, c: Compression, importance: np.ndarray
     Payload, see convert.compression_units) is returned as it is."""
     if isinstance(value, Payload):
         return value
-    if c.kind == "lut" and c.scaled:
-        indices, lut, scale, offset = scaled_lut_compress(value, c.bits, c.group_size, c.block_size, importance)
-        return Payload(c, indices, lut, value.shape, offset, scale)
-    if c.kind == "lut":
-        indices, lut = lut_compress(value, c.bits, c.group_size, importance)
-        return Payload(c, indices, lut, value.shape)
-    data, scale, offset = int_compress(value, c.bits, c.block_size, symmetric=c.symmetric, importance=importance)
-    return Payload(c, data, scale, value.shape, offset)
+    codes, table, offset, scale = fit(value, c, importance)
+    return Payload(c, codes, table, value.shape, offset, scale)
 
 
 def join(parts: list[Payload]) -> Payload:

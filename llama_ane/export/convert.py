@@ -164,7 +164,7 @@ def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[i
                  if spec.rows[0] <= starts[j] < spec.rows[1]}
     else:
         found = {}
-    return {name: shape for name, shape in found.items() if plan.compression(name) is not None}
+    return {name: shape for name, shape in found.items() if plan.compression(name, spec) is not None}
 
 
 def weight_rows(plan: ExportPlan) -> list[WeightRows]:
@@ -173,7 +173,7 @@ def weight_rows(plan: ExportPlan) -> list[WeightRows]:
     pieces = []
     for spec in plan.packages:
         for name, shape in compressed_weights(plan, spec).items():
-            c = plan.compression(name)
+            c = plan.compression(name, spec)
             rows, row = shape[0], int(np.prod(shape[1:]))
             step = rows
             if c.kind == "int" or c.group_size:  # one LUT per tensor cannot be split
@@ -200,7 +200,7 @@ def compression_units(plan: ExportPlan) -> list[CompressionUnit]:
         units.append(CompressionUnit(tuple(group), sum(p.weights for p in group)))
     work = {}  # package -> its units' weights times bits: about what their k-means costs
     for u in units:
-        work[u.spec.file] = work.get(u.spec.file, 0) + u.weights * plan.compression(u.pieces[0].name).bits
+        work[u.spec.file] = work.get(u.spec.file, 0) + u.weights * plan.compression(u.pieces[0].name, u.spec).bits
     return sorted(units, key=lambda u: (-work[u.spec.file], u.spec.file, -u.weights))
 
 
@@ -224,7 +224,7 @@ def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scr
             value = as_conv(torch.from_numpy(weights("lm_head_matrix"))).numpy()
         else:  # rows of this file's embedding table
             value = PackageWeights(ckpt, np.float16, rows=(spec.rows[0] + piece.start, spec.rows[0] + piece.end))(name)
-        c = plan.compression(name)
+        c = plan.compression(name, spec)
         found = importance.get(importance_key(spec, name)) if importance is not None and c.weighted else None
         payload = compress(value, c, found)
         arrays = {"codes": payload.codes, "table": payload.table, "offset": payload.offset, "scale": payload.scale}
@@ -252,7 +252,7 @@ def load_payloads(plan: ExportPlan, spec: PackageSpec, scratch: Path) -> dict:
             codes = np.load(folder / "codes.npy")
             offset, scale = (np.load(folder / f"{key}.npy") if (folder / f"{key}.npy").exists() else None
                              for key in ("offset", "scale"))
-            payloads.append(Payload(plan.compression(name), codes, np.load(folder / "table.npy"), codes.shape,
+            payloads.append(Payload(plan.compression(name, spec), codes, np.load(folder / "table.npy"), codes.shape,
                                     offset, scale))
         found[name] = join(payloads)
     return found
@@ -289,7 +289,7 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
         prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
                              opset=getattr(ct.target, o.target), layers=len(spec.layers),
                              context_length=o.context_length, suffix_length=o.suffix_length, rows=spec.rows,
-                             compressions=plan.compression, importance=importance_of(spec, importance),
+                             compressions=lambda name: plan.compression(name, spec), importance=importance_of(spec, importance),
                              multifunction=o.multifunction)
         path = folder / spec.file
         save_program(prog, path, SPECIFICATION_VERSIONS[o.target], o.multifunction)
@@ -645,7 +645,7 @@ def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
             first, last = u.pieces[0], u.pieces[-1]
             what = f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
                 f" of {u.spec.file}"
-            keys = tuple(importance_key(p.spec, p.name) for p in u.pieces if plan.compression(p.name).weighted)
+            keys = tuple(importance_key(p.spec, p.name) for p in u.pieces if plan.compression(p.name, p.spec).weighted)
             jobs.append(_Job(what, u.spec, _Task("compress_unit", (u, plan, ckpt, scratch, found)), u.weights,
                              builds=False, reusable=True, keys=keys))
     # a package is built as soon as its weights are compressed (builds come first once ready: the

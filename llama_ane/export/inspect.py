@@ -90,12 +90,14 @@ class InspectReport:
     target_source: str  # "manifest" | "option" | "default"
     packages: list[PackageReport]
     violations: list[Violation] = field(default_factory=list)
+    device_paths: dict[str, str] = field(default_factory=dict)  # part -> its forms and how the ANE runs them
 
     def to_dict(self) -> dict:
         return {
             "path": self.path, "target": self.target, "target_source": self.target_source,
             "packages": [p.to_dict() for p in self.packages],
             "violations": [v.to_dict() for v in self.violations],
+            "device_paths": self.device_paths,
         }
 
     def to_json(self) -> str:
@@ -117,6 +119,10 @@ class InspectReport:
                         lines.append(f"    {kind} {d.name:<20} {str(list(d.shape)):<22} {d.dtype}{state}")
                 ops = ", ".join(f"{k} {v}" for k, v in sorted(fn.op_histogram.items(), key=lambda kv: (-kv[1], kv[0])))
                 lines.append(f"    ops ({sum(fn.op_histogram.values())} + {fn.const_count} const): {ops}")
+        if any(p != "fp16" for p in self.device_paths.values()):
+            lines.append("\ncompressed weights (just-in-time: the ANE reads them compressed; at-load: fp16 once "
+                         "loaded, see docs/quantization.md):")
+            lines.extend(f"  {part:<11} {p}" for part, p in self.device_paths.items())
         if self.violations:
             lines.append(f"\n{len(self.violations)} ANE rule violation(s):")
             lines.extend(f"  {v}" for v in self.violations)
@@ -310,7 +316,9 @@ def inspect_path(path: str | Path, *, target: str | None = None) -> InspectRepor
     for model, entry in manifest["models"].items():
         for fn in entry["functions"].values():
             files.setdefault(fn["file"], {})[fn.get("function_name") or "main"] = model
-    report = InspectReport(str(path), t, source, [])
+    from ..quantize.auto import device_paths
+
+    report = InspectReport(str(path), t, source, [], device_paths=device_paths(manifest.get("quantization", {})))
     for file, models in files.items():
         pkg, violations = inspect_package(path / file, target=t, models=models, manifest=manifest)
         report.packages.append(pkg)

@@ -18,6 +18,13 @@ Granularity, and the Core ML ops each becomes:
                        int8: symmetric, one scale per output channel (constexpr_affine_dequantize);
                              int4 and blocks are refused (they need iOS18 / macOS15)
 
+Device path (`Compression.device_path`, sources in docs/quantization.md): whether the Neural Engine
+reads the compressed form and decompresses it just in time ("just-in-time": fewer bytes per token)
+or the form is expanded to fp16 when the model loads ("at-load": a smaller package, the bytes per
+token of fp16). LUTs per tensor, per grouped channels and with a per-channel scale, and int8 per
+output channel, are just in time; integers in blocks, int4, and LUTs scaled per block (forms
+Apple's guide points at the GPU) are counted at load.
+
 Parts: "embeddings" (the token table), "attention" (q/k/v/o projections), "mlp" (gate/up/down
 projections), "lm_head" (the vocabulary projection). Norm weights and the RoPE tables are never
 compressed.
@@ -26,8 +33,12 @@ compressed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import LlamaANEError
+
+if TYPE_CHECKING:
+    from .auto import Recipe
 
 SCHEMES = ("none", "int8", "int4", "lut8", "lut6", "lut4")
 PARTS = ("embeddings", "attention", "mlp", "lm_head")
@@ -35,6 +46,9 @@ GROUPED_TARGETS = ("iOS18", "macOS15")  # grouped LUTs, blockwise and 4-bit inte
 DEFAULT_GROUP_SIZE = {"lut8": 16, "lut6": 8, "lut4": 16}  # output channels sharing one LUT: lut6 gets 8,
 # which keeps SmolLM2 within 2% of fp16 perplexity (16: +2.11%) for 2% more bytes (benchmarks/quantize_smollm2.py)
 DEFAULT_BLOCK_SIZE = {"int4": 32, "int8": 0}  # input channels sharing one scale (0: the whole row)
+DEFAULT_LUT_BLOCK_SIZE = {"lut4": 0}  # lut4's values scaled and shifted per output channel (a form the ANE
+# decompresses just in time): SmolLM2 +48% instead of +90% on the eval text, for 4 bytes a row
+JUST_IN_TIME, AT_LOAD = "just-in-time", "at-load"  # Compression.device_path
 
 
 class QuantizeError(LlamaANEError, ValueError):
@@ -74,6 +88,17 @@ class Compression:
         """Whether fitting it uses the calibration's input importance: LUTs and int4 ranges."""
         return self.kind == "lut" or self.kind == "int" and self.bits < 8 and not self.symmetric
 
+    @property
+    def device_path(self) -> str:
+        """How the Neural Engine runs this form: JUST_IN_TIME (it reads the compressed bytes) or
+        AT_LOAD (expanded to fp16 when the model loads). Palettization is decompressed just in
+        time on the Neural Engine, per tensor, per grouped channel and with a per-channel scale;
+        per-block scales are the GPU's form (Apple recommends per-channel scales on the Neural
+        Engine), and linear int4 is not relied on there (see docs/quantization.md)."""
+        if self.kind == "lut":
+            return AT_LOAD if self.scaled and self.block_size else JUST_IN_TIME
+        return JUST_IN_TIME if self.bits == 8 and self.block_size == 0 else AT_LOAD
+
     def to_dict(self) -> dict:
         out = {"scheme": self.scheme}
         if self.kind == "lut":
@@ -89,12 +114,15 @@ class Compression:
 @dataclass(frozen=True)
 class QuantizeOptions:
     """The scheme of each part, and the group and block sizes; `None` sizes mean the defaults
-    (`lut_block_size` None: LUTs without scales)."""
+    (`lut_block_size` None: LUTs without scales). A `recipe` (quantize.auto.Recipe: `--quantize
+    auto` or `--quantize-recipe`) instead gives every layer's attention and MLP, the embeddings
+    and the LM head a form of their own."""
 
     schemes: dict[str, str] = field(default_factory=lambda: {p: "none" for p in PARTS})
     group_size: int | None = None
     block_size: int | None = None
     lut_block_size: int | None = None
+    recipe: "Recipe | None" = None
 
     @classmethod
     def from_cli(cls, quantize: str = "none", *, embeddings: str | None = None, attention: str | None = None,
@@ -106,23 +134,38 @@ class QuantizeOptions:
         for name, scheme in [("--quantize", quantize)] + [(f"--quantize-{p.replace('_', '-')}", s)
                                                           for p, s in given.items() if s is not None]:
             if scheme not in SCHEMES:
-                raise QuantizeError(f"{name} {scheme!r} is not a scheme; choose one of {', '.join(SCHEMES)}")
+                raise QuantizeError(f"{name} {scheme!r} is not a scheme; choose one of {', '.join(SCHEMES)}, or auto")
         return cls(schemes, group_size, block_size, lut_block_size)
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "QuantizeOptions":
+        return cls(recipe=recipe)
 
     @property
     def active(self) -> bool:
+        if self.recipe is not None:
+            return any(c is not None for c in self.recipe.forms.values())
         return any(s != "none" for s in self.schemes.values())
 
-    def compression(self, part: str, target: str) -> Compression | None:
-        """The compression of `part` for `target`, or None for fp16 weights."""
+    def compression(self, part: str, target: str, unit: str | None = None) -> Compression | None:
+        """The compression of `part` for `target` (of its `unit`, e.g. "layers.3.mlp", under a
+        recipe; without one, the part's most lossy form), or None for fp16 weights."""
+        if self.recipe is not None:
+            from .auto import most_lossy, part_of_unit
+
+            if unit is not None:
+                return self.recipe.compression(unit)
+            return most_lossy([c for u, c in self.recipe.forms.items() if part_of_unit(u) == part])
         scheme = self.schemes[part]
         if scheme == "none":
             return None
         grouped = target in GROUPED_TARGETS
         if kind(scheme) == "lut":
             size = self.group_size if self.group_size is not None else (DEFAULT_GROUP_SIZE[scheme] if grouped else 0)
-            if self.lut_block_size is not None:
-                return Compression(scheme, group_size=size, block_size=self.lut_block_size, scaled=True)
+            block = self.lut_block_size if self.lut_block_size is not None else \
+                DEFAULT_LUT_BLOCK_SIZE.get(scheme) if grouped else None
+            if block is not None:
+                return Compression(scheme, group_size=size, block_size=block, scaled=True)
             return Compression(scheme, group_size=size)
         size = self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[scheme]
         return Compression(scheme, block_size=size, symmetric=not grouped)
@@ -134,6 +177,14 @@ class QuantizeOptions:
         if target in GROUPED_TARGETS or not self.active:
             return
         platform = "macOS15" if target.startswith("macOS") else "iOS18"
+        if self.recipe is not None:
+            for unit, c in self.recipe.forms.items():
+                if c is not None and (c.group_size or c.scaled or c.kind == "int" and (c.bits < 8 or c.block_size
+                                                                                       or not c.symmetric)):
+                    raise QuantizeError(f"the recipe's {unit} ({c.scheme} grouped, scaled, blockwise or asymmetric) "
+                                        f"needs --target {platform}: {target} has per-tensor LUTs and per-channel "
+                                        "symmetric int8 only")
+            return
         for part, scheme in self.schemes.items():
             if scheme == "int4":
                 raise QuantizeError(f"int4 weights ({part}) need --target {platform} or later: {target} has no "
@@ -149,9 +200,23 @@ class QuantizeOptions:
                                 "plain LUTs only; drop --lut-block-size")
 
     def describe(self, target: str) -> dict[str, dict]:
-        """What the manifest records: the compression of each part ({"scheme": "none"} for fp16)."""
-        return {part: (c.to_dict() if (c := self.compression(part, target)) else {"scheme": "none"})
-                for part in PARTS}
+        """What the manifest records: the compression of each part ({"scheme": "none"} for fp16),
+        with its device path; under a recipe, each part's most lossy form with "units" counting
+        the forms of its units, and the recipe itself under "recipe"."""
+        out = {}
+        for part in PARTS:
+            c = self.compression(part, target)
+            out[part] = {"scheme": "none"} if c is None else {**c.to_dict(), "device_path": c.device_path}
+            if self.recipe is not None:
+                from .auto import summary
+
+                out[part]["units"] = summary(self.recipe.forms, part)
+        if self.recipe is not None:
+            from .auto import most_lossy
+
+            worst = most_lossy(list(self.recipe.forms.values()))
+            out["recipe"] = {**self.recipe.to_dict(), "scheme": worst.scheme if worst else "none"}
+        return out
 
 
 def check_divides(name: str, shape: tuple[int, ...], c: Compression) -> None:

@@ -1,0 +1,223 @@
+"""What each unit's compression costs in quality, measured on a float32 model in memory.
+
+`Float32Model` holds a checkpoint's decoder layers (transformers' modules, built by the caller)
+with the embedding table, the final norm and the LM head, and runs token ids through them with any
+unit's weights swapped for their compressed-then-decompressed values. The inputs of every layer on
+the uncompressed model are kept, so measuring a unit runs only the layers from its own on.
+
+`measure_units` gives, for every unit and form, its bytes and the KL divergence of the model's
+next-token distribution from the uncompressed one when that unit alone is compressed (see
+quantize.auto), and the importance-weighted squared error of its weights: the cheap proxy, whose
+rank correlation with the measured KL says how well it would have ranked the units.
+`perplexity_change` runs a whole recipe on other text, end to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .auto import CANDIDATES, MAX_RETRIES, Recipe, change_pct, choose, nll_of_pct, units
+from .fit import roundtrip
+from .schemes import Compression, stored_bytes
+
+MEASURED_FORMS = 2  # candidates run through the model per unit (lut4, lut6); lut8's KL comes from the proxy
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Float32Model:
+    """A decoder-only model in float32: `layers` are the family's decoder layer modules, called as
+    layer(x, attention_mask=None, position_ids=..., position_embeddings=rope) (causal, sdpa);
+    `rotary` gives rope from (x, positions). `embed` (V, C) and `head` (V, C) are separate
+    tensors even when the checkpoint ties them (the export compresses them apart)."""
+
+    embed: torch.Tensor
+    layers: list
+    norm: torch.nn.Module
+    head: torch.Tensor
+    rotary: torch.nn.Module
+
+    def weights(self, unit: str) -> dict[str, torch.Tensor]:
+        """Exported parameter name -> the float32 tensor it is in this model (changed in place by `swapped`)."""
+        if unit == "embeddings":
+            return {"embed_tokens.weight": self.embed}
+        if unit == "lm_head":
+            return {"heads.weight": self.head}
+        _, n, part = unit.split(".")
+        layer = self.layers[int(n)]
+        if part == "attention":
+            return {f"layers.{n}.{p}.weight": layer.self_attn.get_submodule(p).weight.data for p in ATTENTION}
+        return {f"layers.{n}.mlp.{p}.weight": layer.mlp.get_submodule(p).weight.data for p in MLP}
+
+    @contextlib.contextmanager
+    def swapped(self, values: dict[str, dict[str, np.ndarray]]):
+        """Within the block, each unit's weights (unit -> name -> float32 array) replace the model's."""
+        saved = []
+        try:
+            for unit, named in values.items():
+                for name, tensor in self.weights(unit).items():
+                    saved.append((tensor, tensor.clone()))
+                    tensor.copy_(torch.from_numpy(named[name]))
+            yield
+        finally:
+            for tensor, old in saved:
+                tensor.copy_(old)
+
+    def trace(self, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The input of every layer (and, last, the final hidden states) on `ids`, and log-probs."""
+        with torch.no_grad():
+            x = self.embed[torch.tensor(ids)][None]
+            inputs = []
+            for layer in self.layers:
+                inputs.append(x)
+                x = self._layer(layer, x, len(ids))
+            inputs.append(x)
+            return inputs, self._log_probs(x)
+
+    def log_probs(self, ids: list[int], start: int = 0, inputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Log-probs (T, V) on `ids`, from layer `start` on (its input taken from `inputs`, a
+        `trace`, past the table: start 0 looks the tokens up); start = len(layers) runs only the
+        final norm and the head."""
+        with torch.no_grad():
+            x = self.embed[torch.tensor(ids)][None] if inputs is None or start == 0 else inputs[start]
+            for layer in self.layers[start:]:
+                x = self._layer(layer, x, len(ids))
+            return self._log_probs(x)
+
+    def _layer(self, layer, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        positions = torch.arange(tokens)[None]
+        out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out
+
+    def _log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.norm(x[0]) @ self.head.T, dim=-1)
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || other), both log-probs (T, V)."""
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+def nll(log_probs: torch.Tensor, ids: list[int]) -> float:
+    """Mean negative log-likelihood of each next token of `ids`."""
+    targets = torch.tensor(ids[1:])
+    return float(-log_probs[:-1].gather(1, targets[:, None]).to(torch.float64).mean())
+
+
+def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
+                    importance: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, float]:
+    """The unit's weights compressed as `c` says and decompressed (fitted as the export fits them,
+    from fp16), their stored bytes, and the proxy: the importance-weighted squared error."""
+    values, size, error = {}, 0, 0.0
+    for name, tensor in model.weights(unit).items():
+        fp16 = tensor.to(torch.float16).numpy()
+        shape = tuple(fp16.shape)
+        if c is None:
+            values[name], size = fp16.astype(np.float32), size + stored_bytes(shape, None)
+            continue
+        weight = importance.get("heads" if unit == "lm_head" else name) if c.weighted else None
+        dense = roundtrip(fp16, c, weight)
+        diff = (dense - fp16.astype(np.float32)) ** 2
+        error += float((diff * (1 if weight is None else weight[None, :])).sum())
+        values[name], size = dense, size + stored_bytes(shape, c)
+    return values, size, error
+
+
+def start_of(unit: str, layers: int) -> int:
+    """The first layer a unit's compression changes (`layers`: only the head)."""
+    if unit == "embeddings":
+        return 0
+    if unit == "lm_head":
+        return layers
+    return int(unit.split(".")[1])
+
+
+def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compression, ...],
+                  importance: dict[str, np.ndarray], say: Callable[[str], None] = lambda _: None,
+                  measured: int = MEASURED_FORMS) -> dict:
+    """{unit: {form: (bytes, KL)}} for every unit and candidate form (and fp16, KL 0) on `ids`.
+
+    The first `measured` candidates (the fewest bits) are run through the model; the KL of each
+    later one is its last measured neighbour's scaled by their proxy errors' ratio (the KL of a
+    small weight error grows with its square, which the proxy is). "proxy_rank_correlation" is
+    the Spearman correlation over units between the first candidate's proxy error and its KL:
+    how well the proxy alone would have ranked the units."""
+    t0 = time.perf_counter()
+    inputs, reference = model.trace(ids)
+    n = len(model.layers)
+    costs: dict[str, dict] = {}
+    proxy, kls = [], []
+    for unit in units(n):
+        _, fp16_bytes, _ = compressed_unit(model, unit, None, importance)
+        costs[unit] = {None: (fp16_bytes, 0.0)}
+        last = None  # (proxy error, KL) of the last measured form
+        for i, c in enumerate(candidates):
+            values, size, error = compressed_unit(model, unit, c, importance)
+            if i < measured or last is None:
+                with model.swapped({unit: values}):
+                    divergence = max(kl(reference, model.log_probs(ids, start_of(unit, n), inputs)), 0.0)
+                last = (error, divergence)
+            else:
+                divergence = last[1] * error / max(last[0], 1e-30)
+            costs[unit][c] = (size, divergence)
+            if i == 0 and unit != "embeddings":  # the table is looked up: no input channels to weigh
+                proxy.append(error)
+                kls.append(divergence)
+    say(f"measured {len(costs)} units on {len(ids)} tokens in {time.perf_counter() - t0:.0f} s")
+    return {"costs": costs, "proxy_rank_correlation": spearman(proxy, kls)}
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    if len(a) < 3:
+        return None
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    r = np.corrcoef(ra, rb)[0, 1]
+    return None if math.isnan(r) else round(float(r), 3)
+
+
+def perplexity_change(model: Float32Model, forms: dict[str, Compression | None], ids: list[int],
+                      importance: dict[str, np.ndarray]) -> float:
+    """Perplexity change, percent, on `ids` when every unit takes its form of `forms` at once."""
+    base = nll(model.log_probs(ids), ids)
+    values = {u: compressed_unit(model, u, c, importance)[0] for u, c in forms.items() if c is not None}
+    with model.swapped(values):
+        after = nll(model.log_probs(ids), ids)
+    return 100 * (math.exp(after - base) - 1)
+
+
+def choose_recipe(model: Float32Model, calibration_ids: list[int], check_ids: list[int],
+                  importance: dict[str, np.ndarray], budget_pct: float, check_text: str,
+                  say: Callable[[str], None] = lambda _: None, found: dict | None = None) -> Recipe:
+    """`--quantize auto`: measure every unit on `calibration_ids`, choose the fewest bytes whose
+    estimated perplexity increase fits `budget_pct`, then measure that recipe on `check_ids` (text
+    the choice never saw); over the budget, the estimate's budget shrinks by the ratio and the
+    choice runs again (at most MAX_RETRIES times; the last measured recipe within budget wins,
+    else the last one). `found`: `measure_units`' result, when measured before (for several budgets)."""
+    found = found or measure_units(model, calibration_ids, CANDIDATES, importance, say)
+    costs = found["costs"]
+    target = nll_of_pct(budget_pct)
+    best = None
+    for attempt in range(MAX_RETRIES + 1):
+        forms = choose(costs, target)
+        estimated = change_pct(sum(costs[u][f][1] for u, f in forms.items()))
+        measured = perplexity_change(model, forms, check_ids, importance)
+        size = sum(costs[u][f][0] for u, f in forms.items())
+        say(f"auto: {size / 1e6:.1f} MB of weights, perplexity {estimated:+.2f}% estimated, {measured:+.2f}% "
+            f"measured on {len(check_ids)} tokens of {check_text} (budget {budget_pct:g}%)")
+        recipe = Recipe(forms, budget_pct, round(estimated, 2), round(measured, 2),
+                        f"{len(check_ids)} tokens of {check_text}",
+                        {"proxy_rank_correlation": found["proxy_rank_correlation"]})
+        if measured <= budget_pct:
+            return recipe
+        best = recipe
+        if attempt < MAX_RETRIES:
+            target *= nll_of_pct(budget_pct) / max(nll_of_pct(measured), 1e-12)
+    return best
