@@ -22,6 +22,7 @@ COMMANDS = {
     "verify": "verify",
     "gpu-generate": "gpu_generate",
     "serve": "serve",
+    "bench": "bench",
 }
 
 
