@@ -418,7 +418,13 @@ def test_serve_command_exits_cleanly_on_sigterm(export):
             time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200
-        proc.send_signal(signal.SIGTERM)
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)  # mid-answer: the answer in flight still ends properly
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"]
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert "Traceback" not in err
