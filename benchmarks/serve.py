@@ -152,7 +152,7 @@ def main() -> None:
                              "concurrent_s": con_s, "concurrent_tok_per_s": tokens / con_s,
                              "concurrent_model_calls": c2 - c1, "speedup": seq_s / con_s})
                 print(f"{k} clients: sequential {tokens / seq_s:7.1f} tok/s ({c1 - c0} calls), concurrent "
-                      f"{tokens / con_s:7.1f} tok/s ({c2 - c1} calls), x{seq_s / con_s:.2f}, same answers: {con == seq}")
+                      f"{tokens / con_s:7.1f} tok/s ({c2 - c1} calls), x{seq_s / con_s:.2f}, same: {con == seq}")
         mask_ms = mask_ms_per_token(model)
         print(f"JSON-schema mask: {mask_ms:.3f} ms per token (vocabulary {model.manifest['config']['vocab_size']})")
         result = {"benchmark": "serve", "model": "SmolLM2-135M-Instruct" if args.smollm2 else args.model or

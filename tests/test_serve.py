@@ -192,7 +192,8 @@ def test_forced_tool_call(model):
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
     with serving(model, max_tokens_limit=64, api_key="secret") as url:
         h = {"Authorization": "Bearer secret"}
-        post = lambda path, body, headers=h: httpx.post(url + path, json=body, headers=headers, timeout=60)  # noqa: E731
+        def post(path, body, headers=h):
+            return httpx.post(url + path, json=body, headers=headers, timeout=60)
         ok = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         cases = [
             (post("/v1/chat/completions", ok, {}), 401, None),
@@ -497,7 +498,8 @@ def test_tool_calls_are_read_back_as_the_mode_says():
     assert schema["anyOf"][0]["properties"]["name"] == {"const": "f"}
     assert p.tool_calls('{"name": "f", "arguments": {}}', required)[1][0]["function"]["name"] == "f"
     forced, schema = p.tool_mode({**tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
-    assert schema == {"type": "object"} and p.tool_calls('{"a": 2}', forced)[1][0]["function"]["arguments"] == '{"a": 2}'
+    assert schema == {"type": "object"}
+    assert p.tool_calls('{"a": 2}', forced)[1][0]["function"]["arguments"] == '{"a": 2}'
     assert p.tool_mode({**tools, "tool_choice": "none"})[0] == p.ToolMode(names=["f"])
 
 

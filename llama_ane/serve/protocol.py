@@ -195,7 +195,8 @@ def tool_mode(body: dict) -> tuple[ToolMode, dict | None]:
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         if name not in params:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not in tools ({', '.join(names) or 'none'})",
+            given = ", ".join(names) or "none"
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in tools ({given})",
                                "tool_choice")
         return ToolMode(forced=name, names=names), params[name]
     if choice == "required":
