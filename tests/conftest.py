@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 def _has_cuda() -> bool:
     try:
@@ -109,11 +105,3 @@ def no_eos(model):
         yield
     finally:
         model.manifest["tokenizer"]["eos_token_ids"] = saved
-
-
-def load_benchmark(name: str):
-    """The module of benchmarks/NAME.py (a script, not a package), for tests of its pure parts."""
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
