@@ -6,7 +6,6 @@ import contextlib
 import os
 import platform
 import subprocess
-from pathlib import Path
 
 import pytest
 
