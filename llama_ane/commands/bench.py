@@ -51,7 +51,7 @@ class IntList(click.ParamType):
                    "[default: 0, each context bucket's first position, the context less one].")
 @click.option("--branches", type=int, default=None, metavar="B",
               help="Cascade branches per measured step, over each --filled prefix [default: the export's width; "
-                   "none without a cascade function].")
+                   "none without a cascade function]; 0: no cascade steps.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed samples per measurement (the median).")
 @click.option("--warmup", type=int, default=1, show_default=True,
               help="Untimed-in-the-median warm-up samples per measurement (reported apart).")

@@ -48,7 +48,7 @@ MEMORY_INTERVAL_S = 0.05  # how often the peak-memory sampler looks
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """What to measure. `branches` None: the export's cascade width (none without a cascade)."""
+    """What to measure. `branches` None: the export's cascade width (none without a cascade); 0: none."""
 
     prompt_lengths: tuple[int, ...] = ()
     filled: tuple[int, ...] = ()
@@ -64,7 +64,7 @@ class BenchOptions:
             if bad:
                 raise InvalidArgumentError(f"{flag} values must be at least {low}, got {bad[0]}")
         for flag, value, low in (("--repeats", self.repeats, 1), ("--warmup", self.warmup, 0),
-                                 ("--branches", self.branches, 1), ("--decode-tokens", self.decode_tokens, 1)):
+                                 ("--branches", self.branches, 0), ("--decode-tokens", self.decode_tokens, 1)):
             if value is not None and value < low:
                 raise InvalidArgumentError(f"{flag} must be at least {low}, got {value}")
 
@@ -83,10 +83,10 @@ class BenchOptions:
         for f in filled:
             dm.check_filled(manifest, f)
         width = manifest.get("branch_width") or 0
-        if self.branches is not None and not width:
+        if self.branches and not width:
             raise InvalidArgumentError("--branches needs a cascade function, which this export lacks (exported with "
                                        "--branches 0): drop --branches or re-export with --branches 8")
-        branches = self.branches if self.branches is not None else (width or None)
+        branches = (self.branches if self.branches is not None else width) or None
         return BenchOptions(tuple(prompts), tuple(sorted(set(filled))), branches, self.repeats, self.warmup,
                             self.decode_tokens)
 
