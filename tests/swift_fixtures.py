@@ -39,7 +39,8 @@ Nothing in those fixtures is written by hand:
 
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
-  KV caches in Core ML states (``kv_cache="state"``).
+  KV caches in Core ML states (``kv_cache="state"``); ``export_buckets/``: the same checkpoint with
+  context buckets (context 1024, buckets [512, 1024], prefill 64; no cascade or verify functions).
 
 Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
 ``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
@@ -646,21 +647,28 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
 
 
 def write_manifest_fixture(fixtures_dir: Path) -> Path:
-    """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``, and
-    the same with state caches into ``fixtures_dir/export_state``."""
+    """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``, the
+    same with state caches into ``fixtures_dir/export_state`` and with context buckets into
+    ``fixtures_dir/export_buckets``."""
     from llama_ane.api import export_model
     from llama_ane.testing import make_tiny_checkpoint
 
     out = Path(fixtures_dir) / "export"
+    common = dict(layers_per_chunk=1, target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+    exports = {
+        out: dict(context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=16,
+                  kv_cache="inputs"),
+        Path(fixtures_dir) / "export_state": dict(context_length=64, prefill_length=8, branch_width=2,
+                                                  suffix_length=32, verify_window=0, kv_cache="state"),
+        Path(fixtures_dir) / "export_buckets": dict(context_length=1024, prefill_length=64, context_buckets=[512, 1024],
+                                                    branch_width=0, verify_window=0, kv_cache="inputs"),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny")
-        for folder, kv_cache in ((out, "inputs"), (Path(fixtures_dir) / "export_state", "state")):
+        for folder, options in exports.items():
             if folder.exists():
                 shutil.rmtree(folder)
-            export_model(checkpoint, folder, context_length=64, prefill_length=8, layers_per_chunk=1,
-                         branch_width=2, suffix_length=32, target="iOS18", precision="fp16", force=True,
-                         verify_window=16 if kv_cache == "inputs" else 0, verify=False, kv_cache=kv_cache,
-                         progress=False)
+            export_model(checkpoint, folder, **common, **options)
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
     return out

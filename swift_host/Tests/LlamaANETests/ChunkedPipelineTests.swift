@@ -18,17 +18,17 @@ final class ChunkedPipelineTests: XCTestCase {
 
         init(updateDelayNanoseconds: UInt64) { updateDelay = updateDelayNanoseconds }
 
-        func embed(_ window: TokenWindow) async throws -> [Int] {
+        func embed(_ window: TokenWindow, bucket: Int) async throws -> [Int] {
             await log.add("embed \(window.phase.rawValue)@\(window.position)")
             return window.tokens.map(Int.init)
         }
 
-        func runChunk(_ index: Int, _ input: [Int], phase: Phase) async throws -> [Int] {
+        func runChunk(_ index: Int, _ input: [Int], phase: Phase, bucket: Int) async throws -> [Int] {
             await log.add("chunk \(index)")
             return input.map { $0 + 1 }
         }
 
-        func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
+        func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws {
             await log.add("update \(index) start @\(position)")
             try await Task.sleep(nanoseconds: updateDelay)
             await log.add("update \(index) end")

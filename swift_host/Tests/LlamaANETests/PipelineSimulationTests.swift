@@ -4,8 +4,9 @@ import XCTest
 
 /// `ChunkedPipeline` over a backend that simulates the exported functions on token ids: each chunk
 /// keeps its own cache, written only by its (slow, background) cache update, and a chunk reads its
-/// cache as the real one would. Any ordering or position mistake changes the history a step sees,
-/// hence the logits, hence the tokens.
+/// cache as the real one would: the first T positions of it for a function of context bucket T, its
+/// cache update writing back only those. Any ordering, position or bucket mistake changes the
+/// history a step sees, hence the logits, hence the tokens.
 final class PipelineSimulationTests: XCTestCase {
     static let vocab = 48
     static let eos = 5
@@ -23,14 +24,19 @@ final class PipelineSimulationTests: XCTestCase {
         let contextLength: Int
         let branchWidth: Int
         let suffixLength: Int
+        let buckets: ContextBuckets
         private let lock = NSLock()
         private var prefix: [[Int?]]
         private var suffix: [[[Int?]]]
         private var newTokens: [[Int]]
         private var newPosition: [Int]
         var problems: [String] = []
+        /// Chunk 0's calls: the function run and the cache positions it was given; its cache updates
+        /// ("update <function>") and the positions they wrote back.
+        var calls: [(function: String, width: Int)] = []
 
-        init(contextLength: Int, branchWidth: Int, suffixLength: Int) {
+        init(contextLength: Int, branchWidth: Int, suffixLength: Int, buckets: [Int]? = nil) {
+            self.buckets = ContextBuckets(buckets ?? [contextLength], contextLength: contextLength)
             self.contextLength = contextLength
             self.branchWidth = branchWidth
             self.suffixLength = suffixLength
@@ -42,10 +48,11 @@ final class PipelineSimulationTests: XCTestCase {
 
         private func locked<T>(_ body: () -> T) -> T { lock.lock(); defer { lock.unlock() }; return body() }
 
-        /// A chunk's view of the cache: every position below `count` must hold a token.
-        private func cached(_ chunk: Int, _ count: Int) -> [Int] {
+        /// A chunk's view of the first `width` cache positions: every position below `count` must hold a token.
+        private func cached(_ chunk: Int, _ count: Int, width: Int) -> [Int] {
             locked {
-                let slice = prefix[chunk][0..<count]
+                if count > width { problems.append("chunk \(chunk) reads \(count) cached tokens from a cache of \(width)") }
+                let slice = prefix[chunk][0..<min(count, width)]
                 if slice.contains(where: { $0 == nil }) { problems.append("chunk \(chunk) read an unwritten cache position") }
                 return slice.map { $0 ?? -1 }
             }
@@ -57,25 +64,33 @@ final class PipelineSimulationTests: XCTestCase {
             }
         }
 
-        func embed(_ window: TokenWindow) async throws -> Activations {
+        func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
             Activations(position: window.position, tokens: window.tokens.map(Int.init), histories: [],
                         active: (0..<window.tokens.count).map { $0 < window.count })
         }
 
-        func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations {
+        func runChunk(_ index: Int, _ input: Activations, phase: Phase, bucket: Int) async throws -> Activations {
             var x = input
-            let base = cached(index, x.position)
+            let function = buckets.functionName(phase, bucket: bucket)  // traps on a bucket the export lacks
+            let base = cached(index, x.position, width: bucket)
+            let real = x.active.filter { $0 }.count
+            if x.position + real > bucket { locked { problems.append("\(function) holds no window ending at \(x.position + real)") } }
             let histories = (0..<x.tokens.count).map { base + x.tokens[...$0] }
             check(index, &x, histories)
-            locked { newTokens[index] = x.tokens; newPosition[index] = x.position }
+            locked {
+                newTokens[index] = x.tokens; newPosition[index] = x.position
+                if index == 0 { calls.append((function, bucket)) }
+            }
             return x
         }
 
-        func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
+        func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws {
             try await Task.sleep(nanoseconds: 2_000_000)
             locked {
                 if newPosition[index] != position { problems.append("update at \(position) for a window at \(newPosition[index])") }
-                for (k, t) in newTokens[index].enumerated() where position + k < contextLength { prefix[index][position + k] = t }
+                // The update's outputs are the bucket's first positions; the host writes back those only.
+                for (k, t) in newTokens[index].enumerated() where position + k < bucket { prefix[index][position + k] = t }
+                if index == 0 { calls.append(("update " + buckets.functionName(phase, bucket: bucket), bucket)) }
             }
         }
 
@@ -97,7 +112,7 @@ final class PipelineSimulationTests: XCTestCase {
 
         func runBranchChunk(_ index: Int, _ input: Activations) async throws -> Activations {
             var x = input
-            let base = cached(index, x.position)
+            let base = cached(index, x.position, width: contextLength)  // cascades run at the whole context
             let histories: [[Int]] = (0..<branchWidth).map { b in
                 guard x.active[b] else { return [] }
                 let own = locked { suffix[index][b][0..<x.suffixPositions[b]] }

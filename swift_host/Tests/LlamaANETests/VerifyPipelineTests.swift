@@ -47,11 +47,11 @@ final class VerifyPipelineTests: XCTestCase {
         /// What chunk `index`'s cache holds, written or not.
         func cache(_ index: Int) -> [Int?] { locked { caches[index] } }
 
-        func embed(_ window: TokenWindow) async throws -> Activations { Activations(window: window) }
+        func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations { Activations(window: window) }
 
         func embedTree(_ window: TreeWindow) async throws -> Activations { Activations(tree: window) }
 
-        func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations {
+        func runChunk(_ index: Int, _ input: Activations, phase: Phase, bucket: Int) async throws -> Activations {
             var x = input
             var histories: [[Int]]
             if let w = x.window {
@@ -74,7 +74,7 @@ final class VerifyPipelineTests: XCTestCase {
             return x
         }
 
-        func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
+        func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws {
             try await Task.sleep(nanoseconds: 2_000_000)
             locked {
                 guard let w = lastRun[index].window, w.position == position else { return problems.append("update without its window") }

@@ -38,6 +38,31 @@ enum CoreMLArrays {
         }
     }
 
+    /// A view of the first `positions` entries of `array`'s last dimension: the same memory with
+    /// `array`'s storage strides (row padding included), so that a context bucket's function reads
+    /// and writes the first positions of the whole cache in place. The view keeps `array` alive.
+    /// The address taken here stays valid after the access ends: heap storage never moves, and an
+    /// IOSurface stays mapped at one address for as long as it exists.
+    static func prefixView(_ array: MLMultiArray, positions: Int) throws -> MLMultiArray {
+        var shape = array.shape.map(\.intValue)
+        guard let last = shape.last, positions > 0, positions <= last else {
+            throw PipelineError.allocationFailed("a view of the first \(positions) positions of an array of shape \(shape)")
+        }
+        shape[shape.count - 1] = positions
+        var base: UnsafeMutableRawPointer?
+        var strides: [Int] = []
+        array.withUnsafeMutableBytes { raw, storageStrides in
+            base = raw.baseAddress
+            strides = storageStrides
+        }
+        guard let base else {
+            throw PipelineError.allocationFailed("a view of the first \(positions) positions of an array without storage")
+        }
+        return try MLMultiArray(dataPointer: base, shape: shape.map { NSNumber(value: $0) }, dataType: array.dataType,
+                                strides: strides.map { NSNumber(value: $0) },
+                                deallocator: { _ in withExtendedLifetime(array) {} })
+    }
+
     /// Sets every byte (padding included) to zero.
     static func zero(_ array: MLMultiArray) {
         array.withUnsafeMutableBytes { raw, _ in

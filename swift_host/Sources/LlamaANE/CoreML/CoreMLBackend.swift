@@ -23,6 +23,10 @@ import Foundation
 /// arrays, and once the accepted path is known each chunk's verify cache update writes only that
 /// path's K/V (`slots`), double-buffered like every other update.
 ///
+/// An export with context buckets also loads each bucket's prefill and decode functions; a window
+/// runs in its bucket's stage, whose functions are given views of the first T positions of the
+/// prefix caches (see `CacheBuffers`). The LM head is the same in every bucket.
+///
 /// Tensors are wired by name as `PipelineWiring` resolves them from the manifest.
 public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
@@ -58,20 +62,38 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     /// Double-buffered cache tensors of one chunk, by input name ("k_cache", "v_cache", ...).
+    ///
+    /// A context bucket T below the whole context gets, once, views of the first T positions of
+    /// both buffers (`CoreMLArrays.prefixView`: the same memory, with the whole array's strides),
+    /// rather than per-bucket buffers: a per-bucket copy would cost a copy of the filled positions
+    /// at every step, or at every change of bucket plus a second set of caches, while a view costs
+    /// nothing and lets the update write its T positions straight back into the whole cache. The
+    /// positions past T are left as they were; they are past the window's position, which every
+    /// function masks, so no bucket ever reads them as history.
     private final class CacheBuffers: @unchecked Sendable {
         private let lock = NSLock()
         private let buffers: [[String: MLMultiArray]]
+        /// Bucket -> per buffer, the views of its first positions.
+        private let views: [Int: [[String: MLMultiArray]]]
         private var current = 0
 
-        init(_ specs: [Manifest.TensorSpec]) throws {
-            buffers = try (0..<2).map { _ in
+        init(_ specs: [Manifest.TensorSpec], buckets: [Int] = []) throws {
+            let buffers = try (0..<2).map { _ in
                 try Dictionary(uniqueKeysWithValues: specs.map { ($0.name, try CoreMLArrays.make($0)) })
             }
+            var views: [Int: [[String: MLMultiArray]]] = [:]
+            for bucket in buckets {
+                views[bucket] = try buffers.map { set in try set.mapValues { try CoreMLArrays.prefixView($0, positions: bucket) } }
+            }
+            self.buffers = buffers
+            self.views = views
         }
 
-        func pair() -> (current: [String: MLMultiArray], spare: [String: MLMultiArray]) {
+        /// The current and the spare buffers, or their views of a context bucket's first positions.
+        func pair(bucket: Int? = nil) -> (current: [String: MLMultiArray], spare: [String: MLMultiArray]) {
             lock.lock(); defer { lock.unlock() }
-            return (buffers[current], buffers[1 - current])
+            let sets = bucket.flatMap { views[$0] } ?? buffers
+            return (sets[current], sets[1 - current])
         }
 
         func swap() { lock.lock(); current = 1 - current; lock.unlock() }
@@ -108,35 +130,45 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public let manifest: Manifest
     private let wiring: PipelineWiring
-    private let stages: [Phase: Stage]
+    /// By function name: each phase's ("prefill", ...) and each context bucket's ("prefill_512", ...).
+    private let stages: [String: Stage]
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
     private let chunkStates: ChunkStates?
 
     public var chunkCount: Int { manifest.chunks.count }
-    public var branchWidth: Int { stages[.decodeBranches] == nil ? 0 : manifest.branchWidth ?? 0 }
+    public var branchWidth: Int { stages[Phase.decodeBranches.rawValue] == nil ? 0 : manifest.branchWidth ?? 0 }
     public var suffixLength: Int { manifest.suffixLength ?? 0 }
-    public var verifyWindow: Int { stages[.verify] == nil ? 0 : manifest.verifyWindow ?? 0 }
+    public var verifyWindow: Int { stages[Phase.verify.rawValue] == nil ? 0 : manifest.verifyWindow ?? 0 }
 
     /// Loads every function the manifest names (compiling packages on first use) and allocates
-    /// all buffers. The cascade and verify phases are loaded when the export has them.
+    /// all buffers. The cascade and verify phases are loaded when the export has them, and each
+    /// context bucket's prefill and decode functions.
     public static func load(manifest: Manifest, store: CoreMLModelStore) async throws -> CoreMLBackend {
         let wiring = try PipelineWiring(manifest: manifest)
-        var stages: [Phase: Stage] = [:]
+        var stages: [String: Stage] = [:]
         for phase in PipelineWiring.phases(of: manifest) {
-            stages[phase] = try await makeStage(phase, manifest: manifest, store: store)
+            stages[phase.rawValue] = try await makeStage(phase, function: phase.rawValue, manifest: manifest, store: store)
         }
-        let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0) }
+        let buckets = manifest.buckets
+        for bucket in buckets.sizes.dropLast() {
+            for phase in [Phase.prefill, .decode] {
+                let name = buckets.functionName(phase, bucket: bucket)
+                stages[name] = try await makeStage(phase, function: name, manifest: manifest, store: store)
+            }
+        }
+        let smaller = Array(buckets.sizes.dropLast())
+        let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0, buckets: smaller) }
         let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
         var states: ChunkStates?
-        if manifest.cache.inStates, let decode = stages[.decode] {
+        if manifest.cache.inStates, let decode = stages[Phase.decode.rawValue] {
             states = try ChunkStates { try decode.chunks.map { try Self.makeState($0, manifest: manifest) } }
         }
         return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix,
                              chunkStates: states)
     }
 
-    private init(manifest: Manifest, wiring: PipelineWiring, stages: [Phase: Stage], prefixCaches: [CacheBuffers],
+    private init(manifest: Manifest, wiring: PipelineWiring, stages: [String: Stage], prefixCaches: [CacheBuffers],
                  suffixCaches: [CacheBuffers], chunkStates: ChunkStates?) {
         self.manifest = manifest
         self.wiring = wiring
@@ -159,18 +191,21 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return state
     }
 
-    private static func makeStage(_ phase: Phase, manifest: Manifest, store: CoreMLModelStore) async throws -> Stage {
+    /// The stage of function `function` of `phase`: the phase's own, or a context bucket's copy
+    /// (whose later embeddings parts and LM head are the phase's: they have no bucketed functions).
+    private static func makeStage(_ phase: Phase, function fn: String, manifest: Manifest,
+                                  store: CoreMLModelStore) async throws -> Stage {
         let p = phase.rawValue
         let firstPart = manifest.embeddings.models.first ?? ""
-        let embeddingsFunction = try manifest.function(firstPart, p)
+        let embeddingsFunction = try manifest.function(firstPart, fn)
         let partFunctions = try manifest.embeddings.models.dropFirst().map { try manifest.function($0, p) }
         let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
-        let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, p) }
+        let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, fn) }
         // A state export's prefill and decode write their caches in the chunk: no cache update.
         let writesInChunk = manifest.cache.inStates && (phase == .prefill || phase == .decode)
         let updateFunctions = writesInChunk ? [] : try manifest.chunks.map { chunk -> Manifest.Function in
-            guard let name = chunk.cacheUpdate[p] else {
-                throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
+            guard let name = chunk.cacheUpdate[fn] else {
+                throw ManifestError.inconsistent("chunk \(chunk.model) names no \(fn) cache update")
             }
             return try manifest.function("cache_update", name)
         }
@@ -220,8 +255,10 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
 
-    private func stage(_ phase: Phase) throws -> Stage {
-        guard let s = stages[phase] else {
+    /// The stage of `phase` at context bucket `bucket` (the whole context by default).
+    private func stage(_ phase: Phase, bucket: Int? = nil) throws -> Stage {
+        let bucket = bucket ?? manifest.contextLength
+        guard let s = stages[bucket == manifest.contextLength ? phase.rawValue : manifest.buckets.functionName(phase, bucket: bucket)] else {
             throw phase == .verify ? GenerationError.noVerifyWindow : GenerationError.noBranchWidth
         }
         return s
@@ -253,8 +290,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// The embeddings of `phase` with the given int32 inputs (and float inputs, row-major over
     /// their shapes): the first part into hidden buffer 0 and the shared outputs, then each later
     /// part from the current hidden buffer into the other.
-    private func embed(_ phase: Phase, _ values: [String: [Int32]], floats: [String: [Float]] = [:]) async throws -> Activations {
-        let s = try stage(phase)
+    private func embed(_ phase: Phase, bucket: Int? = nil, _ values: [String: [Int32]],
+                       floats: [String: [Float]] = [:]) async throws -> Activations {
+        let s = try stage(phase, bucket: bucket)
         for spec in s.embeddingsFunction.inputs {
             guard let array = s.hostInputs[spec.name] else {
                 throw PipelineError.unwiredInput(model: manifest.embeddings.models.first ?? "", input: spec.name)
@@ -290,9 +328,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return current
     }
 
-    private func chunk(_ index: Int, _ input: Activations, _ phase: Phase) async throws -> Activations {
-        let s = try stage(phase)
-        let prefix = prefixCaches[index].pair().current
+    private func chunk(_ index: Int, _ input: Activations, _ phase: Phase, bucket: Int? = nil) async throws -> Activations {
+        let s = try stage(phase, bucket: bucket)
+        let prefix = prefixCaches[index].pair(bucket: bucket).current
         let suffix = phase == .decodeBranches ? suffixCaches[index].pair().current : [:]
         var inputs: [String: MLMultiArray] = [:]
         for (name, source) in wiring.chunkInputs[phase]?[index] ?? [:] {
@@ -322,16 +360,18 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return out
     }
 
-    /// cache_update(phase) of chunk `index`: reads `cache`'s current buffers and the chunk's new
-    /// K/V, writes the spare buffers, then swaps them.
-    private func update(_ index: Int, _ phase: Phase, _ cache: CacheBuffers, _ values: [String: [Int32]]) async throws {
-        let s = try stage(phase)
+    /// cache_update(phase at `bucket`) of chunk `index`: reads `cache`'s current buffers (a
+    /// bucket's first positions of them) and the chunk's new K/V, writes the spare buffers, then
+    /// swaps them.
+    private func update(_ index: Int, _ phase: Phase, bucket: Int? = nil, _ cache: CacheBuffers,
+                        _ values: [String: [Int32]]) async throws {
+        let s = try stage(phase, bucket: bucket)
         guard index < s.updateFunctions.count else {
             throw ManifestError.inconsistent("chunk \(manifest.chunks[index].model) has no \(phase.rawValue) cache update: "
                 + "its caches are Core ML states the chunk writes itself")
         }
         let function = s.updateFunctions[index]
-        let (current, spare) = cache.pair()
+        let (current, spare) = cache.pair(bucket: bucket)
         var inputs: [String: MLMultiArray] = [:]
         for (name, source) in wiring.updateInputs[phase]?[index] ?? [:] {
             switch source {
@@ -382,16 +422,17 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     // MARK: PipelineBackend
 
-    public func embed(_ window: TokenWindow) async throws -> Activations {
-        try await embed(window.phase, [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]])
+    public func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
+        try await embed(window.phase, bucket: bucket,
+                        [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]])
     }
 
-    public func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations {
-        try await chunk(index, input, phase)
+    public func runChunk(_ index: Int, _ input: Activations, phase: Phase, bucket: Int) async throws -> Activations {
+        try await chunk(index, input, phase, bucket: bucket)
     }
 
-    public func updateCache(_ index: Int, phase: Phase, position: Int) async throws {
-        try await update(index, phase, prefixCaches[index], [TensorNames.position: [Int32(position)]])
+    public func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws {
+        try await update(index, phase, bucket: bucket, prefixCaches[index], [TensorNames.position: [Int32(position)]])
     }
 
     public func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float] {

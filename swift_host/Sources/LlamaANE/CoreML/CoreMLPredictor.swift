@@ -12,7 +12,7 @@ extension ExportedModel {
                                      cacheDirectory: cacheDirectory)
         let backend = try await CoreMLBackend.load(manifest: manifest, store: store)
         return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
-                               cacheInStates: manifest.cache.inStates)
+                               cacheInStates: manifest.cache.inStates, buckets: manifest.buckets)
     }
 }
 #endif

@@ -22,6 +22,9 @@ public struct Manifest: Codable, Equatable, Sendable {
     public var contextLength: Int
     /// Query length S of the "prefill" functions.
     public var prefillLength: Int
+    /// Cache lengths with their own prefill and decode functions, ascending to `contextLength`
+    /// (absent in exports without buckets: see `buckets`).
+    public var contextBuckets: [Int]?
     /// Branches B of the "decode_branches" functions; nil or 0 when the export has none.
     public var branchWidth: Int?
     /// Tokens each branch's private suffix cache holds (with `branchWidth`).
@@ -47,10 +50,17 @@ public struct Manifest: Codable, Equatable, Sendable {
 
     enum CodingKeys: String, CodingKey {
         case formatVersion = "format_version", name, createdBy = "created_by", source, config
-        case contextLength = "context_length", prefillLength = "prefill_length", branchWidth = "branch_width"
+        case contextLength = "context_length", prefillLength = "prefill_length", contextBuckets = "context_buckets"
+        case branchWidth = "branch_width"
         case suffixLength = "suffix_length", verifyWindow = "verify_window"
         case precision, deploymentTarget = "deployment_target", multifunction, cache, embeddings, lmHead = "lm_head"
         case chunks, models, tokenizer, files
+    }
+
+    /// The export's context buckets: `context_buckets`, or the whole context alone when absent.
+    /// Call after `Manifest.load`/`decode`, which check that the buckets ascend to `contextLength`.
+    public var buckets: ContextBuckets {
+        ContextBuckets(contextBuckets ?? [contextLength], contextLength: contextLength)
     }
 
     /// Where the checkpoint came from (provenance only).

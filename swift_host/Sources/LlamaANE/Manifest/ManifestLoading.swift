@@ -132,6 +132,7 @@ extension Manifest {
             throw ManifestError.inconsistent("context_length \(contextLength) and prefill_length \(prefillLength) must satisfy 0 < prefill <= context")
         }
         try checkCacheShapes()
+        try checkBuckets()
         let layers = chunks.flatMap(\.layers).sorted()
         guard layers == Array(0..<config.numHiddenLayers) else {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
@@ -172,6 +173,30 @@ extension Manifest {
         for phase in phases { try checkLogits(phase) }
     }
 
+    /// `context_buckets` ascend strictly from a positive size to `context_length`, and each bucket
+    /// below it has its prefill and decode functions in the first embeddings model and every chunk,
+    /// with a cache update for each (unless the caches are Core ML states).
+    private func checkBuckets() throws {
+        guard let sizes = contextBuckets else { return }
+        guard let first = sizes.first, first > 0, sizes.last == contextLength,
+              zip(sizes, sizes.dropFirst()).allSatisfy({ $0 < $1 }) else {
+            throw ManifestError.inconsistent("context_buckets \(sizes) must ascend to context_length \(contextLength)")
+        }
+        let buckets = ContextBuckets(sizes, contextLength: contextLength)
+        for bucket in sizes.dropLast() {
+            for phase in [Phase.prefill, .decode] {
+                let name = buckets.functionName(phase, bucket: bucket)
+                for model in embeddings.models.prefix(1) { _ = try function(model, name) }
+                for chunk in chunks {
+                    _ = try function(chunk.model, name)
+                    if chunk.cacheUpdate[name] == nil && !cache.inStates {
+                        throw ManifestError.inconsistent("chunk \(chunk.model) names no \(name) cache update")
+                    }
+                }
+            }
+        }
+    }
+
     /// The "verify" functions of a `verify_window` W > 0: every embeddings, chunk and LM head model
     /// has one, each chunk names its verify cache update, and the first embeddings part reads the
     /// tree's `input_ids` (1, W), `depths` (W,) and `tree_mask` (1, 1, W, W) by those names.
@@ -194,15 +219,16 @@ extension Manifest {
         }
     }
 
-    /// Every K/V cache tensor holds `context_length` positions of `cache.channels` channels, as the
-    /// packages were built for.
+    /// Every K/V cache tensor holds its function's context bucket of positions (a state: the whole
+    /// context) of `cache.channels` channels, as the packages were built for.
     private func checkCacheShapes() throws {
         let names: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
         for (model, entry) in models.sorted(by: { $0.key < $1.key }) {
             for (name, f) in entry.functions.sorted(by: { $0.key < $1.key }) {
+                let bucket = ContextBuckets.bucket(ofFunction: name, contextLength: contextLength)
                 for (kind, tensors) in [("inputs", f.inputs), ("outputs", f.outputs), ("states", f.states)] {
                     for (i, t) in tensors.enumerated() where names.contains(t.name) && t.shape.count == 4 {
-                        let want = [t.shape[0], cache.channels, 1, contextLength]
+                        let want = [t.shape[0], cache.channels, 1, kind == "states" ? contextLength : bucket]
                         guard t.shape == want else {
                             throw ManifestError.inconsistent("models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file) "
                                 + "has shape \(t.shape), but context_length \(contextLength) and cache.channels \(cache.channels) give \(want)")

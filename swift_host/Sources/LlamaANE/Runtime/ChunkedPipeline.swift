@@ -5,12 +5,15 @@ public protocol PipelineBackend: AnyObject, Sendable {
     associatedtype Activations
     /// Block chunks in execution order.
     var chunkCount: Int { get }
-    /// embeddings(phase): token ids and position -> hidden states, cos, sin, mask.
-    func embed(_ window: TokenWindow) async throws -> Activations
-    /// chunk_i(phase): reads chunk i's cache, returns the next activations and keeps k_new, v_new.
-    func runChunk(_ index: Int, _ input: Activations, phase: Phase) async throws -> Activations
-    /// cache_update(chunk i's function for phase): writes the kept k_new, v_new at `position`.
-    func updateCache(_ index: Int, phase: Phase, position: Int) async throws
+    /// embeddings(the window's phase at context bucket `bucket`): token ids and position -> hidden
+    /// states, cos, sin, mask (whose cache columns are the bucket's `bucket` positions).
+    func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations
+    /// chunk_i(phase at `bucket`, see `ContextBuckets.functionName`): reads the first `bucket`
+    /// positions of chunk i's cache, returns the next activations and keeps k_new, v_new.
+    func runChunk(_ index: Int, _ input: Activations, phase: Phase, bucket: Int) async throws -> Activations
+    /// cache_update(chunk i's function for phase at `bucket`): writes the kept k_new, v_new at
+    /// `position` into the first `bucket` positions of the cache (the rest stay as they are).
+    func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws
     /// lm_head(phase): the logits (all vocabulary splits, concatenated) of window column `column`.
     func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float]
     /// Empties every cache.
@@ -21,6 +24,11 @@ public protocol PipelineBackend: AnyObject, Sendable {
 /// describes: each chunk's cache update starts in the background as soon as the chunk has
 /// produced its new K/V, and must finish before that chunk runs again.
 ///
+/// A window ending at position p runs in the smallest context bucket T >= p (`ContextBuckets`):
+/// every function of the step reads and writes only the first T positions of each cache. The
+/// positions past T hold no token of the window's history (they are at or past its position), so
+/// leaving them as they are is what a whole-context run would do with them: mask them.
+///
 /// The pipeline keeps no position of its own: each window says where it goes. A window below
 /// positions written earlier (a rewound cache, see `KVCacheState`) needs nothing special: the
 /// functions mask everything from its position on, and its cache updates, queued per chunk after
@@ -29,6 +37,8 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     public let backend: Backend
     public let contextLength: Int
     public let prefillLength: Int
+    /// The cache lengths with their own functions (the whole context alone without buckets).
+    public let buckets: ContextBuckets
     /// The caches are Core ML states that the chunks' prefill and decode functions write
     /// themselves (`--kv-cache state`): no cache update runs for those phases.
     public let cacheInStates: Bool
@@ -37,9 +47,12 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     /// Suffix-cache updates of cascade steps (see `decodeBranches`).
     let branchUpdates = CacheUpdateQueue()
 
-    public init(backend: Backend, contextLength: Int, prefillLength: Int, cacheInStates: Bool = false) {
+    public init(backend: Backend, contextLength: Int, prefillLength: Int, cacheInStates: Bool = false,
+                buckets: ContextBuckets? = nil) {
+        precondition(buckets == nil || buckets?.contextLength == contextLength, "the last context bucket must be the context length")
         self.backend = backend
         self.contextLength = contextLength
+        self.buckets = buckets ?? ContextBuckets(contextLength: contextLength)
         self.prefillLength = prefillLength
         self.cacheInStates = cacheInStates
     }
@@ -48,20 +61,29 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
 
     public func predict(_ window: TokenWindow) async throws -> [Float] {
         let backend = self.backend
-        let x = try await runChunks(try await backend.embed(window), phase: window.phase) { i in
+        let bucket = self.bucket(of: window)
+        let x = try await runChunks(try await backend.embed(window, bucket: bucket), phase: window.phase, bucket: bucket) { i in
             if self.cacheInStates { return }  // the chunk wrote its window into its states
-            await self.updates.submit(i) { try await backend.updateCache(i, phase: window.phase, position: window.position) }
+            await self.updates.submit(i) {
+                try await backend.updateCache(i, phase: window.phase, bucket: bucket, position: window.position)
+            }
         }
         return try await backend.logits(x, phase: window.phase, column: window.count - 1)
     }
 
-    /// The chunks of `phase` in manifest order on `x`: chunk i runs once its previous cache update
-    /// has finished, and `afterChunk(i)` follows at once (where a window submits its update).
-    func runChunks(_ x: Backend.Activations, phase: Phase, afterChunk: (Int) async -> Void) async throws -> Backend.Activations {
+    /// The context bucket `window` runs in: the smallest that holds its real tokens.
+    public func bucket(of window: TokenWindow) -> Int {
+        ContextBuckets.isBucketed(window.phase) ? buckets.bucket(holding: window.position + window.count) : contextLength
+    }
+
+    /// The chunks of `phase` at `bucket` in manifest order on `x`: chunk i runs once its previous
+    /// cache update has finished, and `afterChunk(i)` follows at once (where a window submits its update).
+    func runChunks(_ x: Backend.Activations, phase: Phase, bucket: Int,
+                   afterChunk: (Int) async -> Void) async throws -> Backend.Activations {
         var x = x
         for i in 0..<backend.chunkCount {
             try await updates.wait(i)
-            x = try await backend.runChunk(i, x, phase: phase)
+            x = try await backend.runChunk(i, x, phase: phase, bucket: bucket)
             await afterChunk(i)
         }
         return x

@@ -42,6 +42,9 @@ public struct PipelineWiring: Equatable, Sendable {
         return phases
     }
 
+    /// Resolves every phase's wiring; each context bucket's prefill and decode functions must be
+    /// wired as the whole context's are (only their cache widths differ), so one wiring per phase
+    /// serves every bucket.
     public init(manifest: Manifest) throws {
         var embeddingInputs: [Phase: [[String: TensorSource]]] = [:]
         var chunkInputs: [Phase: [[String: TensorSource]]] = [:]
@@ -49,85 +52,114 @@ public struct PipelineWiring: Equatable, Sendable {
         var updatedState: [Phase: [[Manifest.TensorSpec]]] = [:]
         var chunkStates: [Phase: [[Manifest.TensorSpec]]] = [:]
         for phase in Self.phases(of: manifest) {
-            let p = phase.rawValue
-            guard let firstPart = manifest.embeddings.models.first else {
-                throw ManifestError.inconsistent("embeddings models is empty")
+            embeddingInputs[phase] = try Self.embeddingWiring(phase.rawValue, manifest: manifest)
+            let chunks = try Self.chunkWiring(phase, function: phase.rawValue, manifest: manifest)
+            chunkInputs[phase] = chunks.map(\.inputs)
+            updateInputs[phase] = chunks.map(\.update)
+            updatedState[phase] = chunks.map(\.state)
+            chunkStates[phase] = chunks.map(\.states)
+        }
+        let buckets = manifest.buckets
+        for bucket in buckets.sizes.dropLast() {
+            for phase in [Phase.prefill, .decode] {
+                let name = buckets.functionName(phase, bucket: bucket)
+                let chunks = try Self.chunkWiring(phase, function: name, manifest: manifest)
+                for (i, chunk) in chunks.enumerated()
+                where chunk.inputs != chunkInputs[phase]?[i] || chunk.update != updateInputs[phase]?[i]
+                    || chunk.state.map(\.name) != updatedState[phase]?[i].map(\.name) {
+                    throw ManifestError.inconsistent("\(manifest.chunks[i].model) (\(name)) and its cache update take other "
+                        + "inputs than \(phase.rawValue): a context bucket's functions must differ only in their cache length")
+                }
             }
-            let first = try manifest.function(firstPart, p)
-            let embeddings = Set(first.outputs.map(\.name))
-            embeddingInputs[phase] = try manifest.embeddings.models.dropFirst().map {
-                try Self.embeddingPartInputs($0, p, first: first, firstName: firstPart, manifest: manifest)
-            }
-            var chunks: [[String: TensorSource]] = [], updates: [[String: TensorSource]] = [], states: [[Manifest.TensorSpec]] = []
-            var chunkStateSpecs: [[Manifest.TensorSpec]] = []
-            let inStates = manifest.cache.inStates
-            for chunk in manifest.chunks {
-                let run = try manifest.function(chunk.model, p)
-                // A state export's prefill and decode write their caches themselves: no cache update.
-                let updateName = chunk.cacheUpdate[p]
-                if updateName == nil, !(inStates && phase != .decodeBranches) {
-                    throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
-                }
-                let update = try updateName.map { try manifest.function("cache_update", $0) }
-                let state = try update.map { try Self.state(of: $0) } ?? []
-                let stateNames = Set(state.map(\.name))
-                // Decode's cache update rewrites the prefix cache; decode_branches' the suffix caches.
-                // In a state export the prefix caches are the chunks' states, never inputs.
-                let prefixNames: Set<String>
-                if inStates {
-                    prefixNames = []
-                } else if phase == .decodeBranches {
-                    prefixNames = Set(try Self.state(of: manifest.function("cache_update", chunk.cacheUpdate[Phase.decode.rawValue] ?? "")).map(\.name))
-                } else {
-                    prefixNames = stateNames
-                }
-                var inputs: [String: TensorSource] = [:]
-                for spec in run.inputs {
-                    if spec.name == TensorNames.hiddenStates {
-                        inputs[spec.name] = .hiddenStates
-                    } else if embeddings.contains(spec.name) {
-                        inputs[spec.name] = .embeddingsOutput(spec.name)
-                    } else if prefixNames.contains(spec.name) {
-                        inputs[spec.name] = .cache(spec.name)
-                    } else if phase == .decodeBranches, stateNames.contains(spec.name) {
-                        inputs[spec.name] = .suffixCache(spec.name)
-                    } else if inStates, spec.name == TensorNames.position, spec.dtype == "int32" {
-                        inputs[spec.name] = .value(spec.name)  // where the function writes the window into its states
-                    } else {
-                        throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
-                    }
-                }
-                for spec in run.states where spec.name != TensorNames.kCache && spec.name != TensorNames.vCache {
-                    throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
-                }
-                let outputs = Set(run.outputs.map(\.name))
-                var updateSources: [String: TensorSource] = [:]
-                for spec in update?.inputs ?? [] {
-                    if spec.dtype == "int32" {
-                        updateSources[spec.name] = .value(spec.name)
-                    } else if stateNames.contains(spec.name) {
-                        updateSources[spec.name] = phase == .decodeBranches ? .suffixCache(spec.name) : .cache(spec.name)
-                    } else if outputs.contains(spec.name) {
-                        updateSources[spec.name] = .chunkOutput(spec.name)
-                    } else {
-                        throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
-                    }
-                }
-                chunks.append(inputs)
-                updates.append(updateSources)
-                states.append(state)
-                chunkStateSpecs.append(run.states)
-            }
-            chunkInputs[phase] = chunks
-            updateInputs[phase] = updates
-            updatedState[phase] = states
-            chunkStates[phase] = chunkStateSpecs
         }
         self.embeddingInputs = embeddingInputs
         self.chunkInputs = chunkInputs
         self.updateInputs = updateInputs
         self.updatedState = updatedState
         self.chunkStates = chunkStates
+    }
+
+    /// Where the inputs of each later embeddings part come from in function `p`.
+    private static func embeddingWiring(_ p: String, manifest: Manifest) throws -> [[String: TensorSource]] {
+        guard let firstPart = manifest.embeddings.models.first else {
+            throw ManifestError.inconsistent("embeddings models is empty")
+        }
+        let first = try manifest.function(firstPart, p)
+        return try manifest.embeddings.models.dropFirst().map {
+            try Self.embeddingPartInputs($0, p, first: first, firstName: firstPart, manifest: manifest)
+        }
+    }
+
+    /// One chunk's wiring in one function: its inputs, its cache update's inputs, the tensors the
+    /// update rewrites and the states the chunk holds.
+    private struct ChunkWiring {
+        let inputs: [String: TensorSource]
+        let update: [String: TensorSource]
+        let state: [Manifest.TensorSpec]
+        let states: [Manifest.TensorSpec]
+    }
+
+    /// Every chunk's wiring in function `p` of `phase` (the phase's own name, or a context bucket's).
+    private static func chunkWiring(_ phase: Phase, function p: String, manifest: Manifest) throws -> [ChunkWiring] {
+        guard let firstPart = manifest.embeddings.models.first else {
+            throw ManifestError.inconsistent("embeddings models is empty")
+        }
+        let embeddings = Set(try manifest.function(firstPart, p).outputs.map(\.name))
+        let inStates = manifest.cache.inStates
+        return try manifest.chunks.map { chunk in
+            let run = try manifest.function(chunk.model, p)
+            // A state export's prefill and decode write their caches themselves: no cache update.
+            let updateName = chunk.cacheUpdate[p]
+            if updateName == nil, !(inStates && phase != .decodeBranches) {
+                throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
+            }
+            let update = try updateName.map { try manifest.function("cache_update", $0) }
+            let state = try update.map { try Self.state(of: $0) } ?? []
+            let stateNames = Set(state.map(\.name))
+            // Decode's cache update rewrites the prefix cache; decode_branches' the suffix caches.
+            // In a state export the prefix caches are the chunks' states, never inputs.
+            let prefixNames: Set<String>
+            if inStates {
+                prefixNames = []
+            } else if phase == .decodeBranches {
+                prefixNames = Set(try Self.state(of: manifest.function("cache_update", chunk.cacheUpdate[Phase.decode.rawValue] ?? "")).map(\.name))
+            } else {
+                prefixNames = stateNames
+            }
+            var inputs: [String: TensorSource] = [:]
+            for spec in run.inputs {
+                if spec.name == TensorNames.hiddenStates {
+                    inputs[spec.name] = .hiddenStates
+                } else if embeddings.contains(spec.name) {
+                    inputs[spec.name] = .embeddingsOutput(spec.name)
+                } else if prefixNames.contains(spec.name) {
+                    inputs[spec.name] = .cache(spec.name)
+                } else if phase == .decodeBranches, stateNames.contains(spec.name) {
+                    inputs[spec.name] = .suffixCache(spec.name)
+                } else if inStates, spec.name == TensorNames.position, spec.dtype == "int32" {
+                    inputs[spec.name] = .value(spec.name)  // where the function writes the window into its states
+                } else {
+                    throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
+                }
+            }
+            for spec in run.states where spec.name != TensorNames.kCache && spec.name != TensorNames.vCache {
+                throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
+            }
+            let outputs = Set(run.outputs.map(\.name))
+            var updateSources: [String: TensorSource] = [:]
+            for spec in update?.inputs ?? [] {
+                if spec.dtype == "int32" {
+                    updateSources[spec.name] = .value(spec.name)
+                } else if stateNames.contains(spec.name) {
+                    updateSources[spec.name] = phase == .decodeBranches ? .suffixCache(spec.name) : .cache(spec.name)
+                } else if outputs.contains(spec.name) {
+                    updateSources[spec.name] = .chunkOutput(spec.name)
+                } else {
+                    throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
+                }
+            }
+            return ChunkWiring(inputs: inputs, update: updateSources, state: state, states: run.states)
+        }
     }
 
     /// Where the inputs of the later embeddings part `name` come from; checks that it takes and

@@ -1,6 +1,6 @@
 /// A `PipelineBackend` that also has the "verify" functions (speculative decoding): a token tree
 /// of `verifyWindow` W tokens through the embeddings, the chunks' verify functions (their window
-/// graph at S = W, run with `runChunk(_:_:phase: .verify)`) and the LM head; and the verify cache
+/// graph at S = W, run with `runChunk(_:_:phase: .verify, bucket:)` at the whole context) and the LM head; and the verify cache
 /// update, which writes only the accepted tokens' K/V.
 public protocol VerifyBackend: PipelineBackend {
     /// W of the exported "verify" functions (0 when the export has none).
@@ -27,7 +27,7 @@ extension ChunkedPipeline: TreeVerifier where Backend: VerifyBackend {
         guard window.end <= contextLength else {
             throw GenerationError.contextFull(position: window.position, requested: window.end - window.position, capacity: contextLength)
         }
-        let x = try await runChunks(try await backend.embedTree(window), phase: .verify) { _ in }
+        let x = try await runChunks(try await backend.embedTree(window), phase: .verify, bucket: contextLength) { _ in }
         let logits = try await backend.treeLogits(x, count: window.count)
         guard logits.count == window.count else { throw GenerationError.badLogits(expected: window.count, got: logits.count) }
         return logits
