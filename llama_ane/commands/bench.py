@@ -130,7 +130,9 @@ def _print(r: dict) -> None:
     click.echo(f"  memory    peak {mem['peak_bytes'] / 1e6:.1f} MB {mem['kind'].upper()} (after load "
                f"{mem['after_load_bytes'] / 1e6:.1f} MB)")
     plan = r["compute_plan"]
-    if plan is not None and plan["ane_op_share"] is not None:
+    if plan is not None and "unavailable" in plan:
+        click.echo(f"  plan      Core ML gave no compute plan ({plan['unavailable']})")
+    elif plan is not None and plan["ane_op_share"] is not None:
         ops = plan["ops"]
         click.echo(f"  plan      {plan['ane_op_share']:.1%} of ops on the Neural Engine (ANE {ops['ANE']}, "
                    f"GPU {ops['GPU']}, CPU {ops['CPU']})")
