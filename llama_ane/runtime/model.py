@@ -10,18 +10,24 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, LlamaANEError
+from ..hub import resolve
 from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, SeededRandom, branch_seed, sample
+from .sampling import REPETITION_WINDOW, SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from .drafters import Drafter
 
 BACKENDS = ("auto", "coreml", "torch", "mil")
+
+
+class TokenizerError(LlamaANEError, OSError):
+    """An export's tokenizer files are missing or unreadable."""
+
 OVERFLOW = ("stop", "shift")
 
 
@@ -45,6 +51,7 @@ class GenerationResult:
     reused_tokens: int = field(default=0)  # prompt tokens whose K/V the cache already held
     shifts: int = field(default=0)  # context shifts (overflow="shift")
     speculative: dict | None = field(default=None)  # SpeculativeStats.as_dict() of a speculative generation
+    first_token_seconds: float = field(default=float("nan"))  # from the call to the first token (or the end)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -61,10 +68,14 @@ class GenerationResult:
 
 
 def _plain_tokens(logits: np.ndarray, params: SamplingParams, rng: SeededRandom,
-                  advance: Callable[[int], np.ndarray | None]) -> Iterator[int]:
-    """Plain decoding: sample a token, feed it (`advance`), repeat; ends when `advance` returns None."""
+                  advance: Callable[[int], np.ndarray | None], context: Sequence[int] = ()) -> Iterator[int]:
+    """Plain decoding: sample a token, feed it (`advance`), repeat; ends when `advance` returns None.
+    `context`: the prompt's ids, which the repetition penalty reads with the generated ones."""
+    recent = list(context)[-REPETITION_WINDOW:] if params.repetition_penalty != 1.0 else None
     while True:
-        token = sample(logits, params, rng)
+        token = sample(logits, params, rng, recent)
+        if recent is not None:
+            recent = (recent + [token])[-REPETITION_WINDOW:]
         yield token
         logits = advance(token)
         if logits is None:
@@ -124,14 +135,21 @@ def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> 
     return MilBackend(path, manifest, **options)
 
 
-def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
-    """Load an export folder (or, with the torch backend, a checkpoint folder / .gguf / "default").
+def load(path: str | Path, backend: str = "auto", revision: str | None = None, **options) -> "LlamaANEModel":
+    """Load an export folder, or a Hugging Face repo id (`owner/name`, at `revision`) holding one
+    (fetched into the Hub's cache); with the torch backend also a checkpoint (folder, repo id or
+    .gguf) or "default".
 
-    options go to the backend: `precision` ("fp32"|"fp16") and `device` for torch,
-    `compute_units` for coreml, `precision` for mil. Export options, for a checkpoint:
-    `context_length`, `prefill_length`, `layers_per_chunk`, `branch_width`, `suffix_length`, `verify_window`.
+    A path is made absolute and the tokenizer is read now, from the folder alone, so nothing later
+    (a change of working directory included) reaches the network. options go to the backend:
+    `precision` ("fp32"|"fp16") and `device` for torch, `compute_units` for coreml, `precision`
+    for mil. Export options, for a checkpoint: `context_length`, `prefill_length`,
+    `layers_per_chunk`, `branch_width`, `suffix_length`, `verify_window`.
     """
-    p = Path(path) if path != "default" else None
+    if str(path) == "default" and revision is not None:
+        raise InvalidArgumentError(f"revision {revision} applies to a Hugging Face repo id, not the embedded default "
+                                   "model; drop it")
+    p = resolve(path, revision) if str(path) != "default" else None
     if p is not None and (p / "manifest.json").is_file():
         manifest = read_manifest(p)
         folder = p
@@ -142,10 +160,22 @@ def load(path: str | Path, backend: str = "auto", **options) -> "LlamaANEModel":
         from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
                                                  "branch_width", "suffix_length", "verify_window") if k in options}
-        manifest, checkpoint, folder = describe_checkpoint(None if p is None else p, **ckpt_opts)
+        manifest, checkpoint, folder = describe_checkpoint(p, **ckpt_opts)
         options["checkpoint"] = checkpoint
         backend = "torch"
     return LlamaANEModel(folder, manifest, make_backend(p, manifest, backend, **options))
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer saved in `folder`, read from there alone: a folder never becomes a Hub request."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError or its own errors for a missing or bad file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerError(f"the tokenizer in {folder} cannot be read ({first}); copy the export's tokenizer files "
+                             "(tokenizer.json, tokenizer_config.json) back or export again") from None
 
 
 @dataclass
@@ -164,13 +194,10 @@ class LlamaANEModel:
         self.manifest = manifest
         self.backend = backend
         self.pipeline = Pipeline(backend, manifest)
-        self._tokenizer = None
+        self._tokenizer = load_tokenizer(folder)
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
         return self._tokenizer
 
     @property
@@ -220,7 +247,8 @@ class LlamaANEModel:
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: Sequence[str] | None = None, chat: bool = False, cache: KVCache | None = None,
                overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
-               draft_tokens: int | None = None) -> Iterator[TokenEvent]:
+               draft_tokens: int | None = None, min_p: float = 0.0,
+               repetition_penalty: float = 1.0) -> Iterator[TokenEvent]:
         """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`.
 
         `cache` (from `make_cache` or `load_cache`): continue from it; the longest common prefix of
@@ -230,9 +258,13 @@ class LlamaANEModel:
         `speculative`: "lookup" (prompt lookup), "draft:OUT" (a smaller export drafts) or a Drafter:
         token trees of up to `draft_tokens` drafts verified in one window each, with the same output
         as without (greedy: the same tokens; sampling: the same distribution); the result's
-        `speculative` holds tokens per verify step and the acceptance rate.
+        `speculative` holds tokens per verify step and the acceptance rate. `min_p` and
+        `repetition_penalty`: see `sampling` (the penalty is not combined with `speculative`).
         """
-        params = SamplingParams(temperature, top_k, top_p)
+        started = time.perf_counter()
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
+        if speculative is not None and repetition_penalty != 1.0:
+            raise InvalidArgumentError("a repetition penalty cannot be combined with speculative decoding; drop one")
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if overflow not in OVERFLOW:
@@ -247,12 +279,13 @@ class LlamaANEModel:
         drafter, owned = self._drafter(speculative)
         try:
             yield from self._stream(ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter,
-                                    draft_tokens)
+                                    draft_tokens, started)
         finally:
             if owned:
                 drafter.close()
 
-    def _stream(self, ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter, draft_tokens):
+    def _stream(self, ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter, draft_tokens,
+                started):
         self.pipeline.start(cache)
         context = self.pipeline.context_length
         shifts = 0
@@ -284,11 +317,14 @@ class LlamaANEModel:
             decoder = SpeculativeDecoder(self.pipeline, drafter, params, rng, advance, draft_tokens)
             source = decoder.tokens(logits, fed)
         else:
-            source = _plain_tokens(logits, params, rng, advance)
+            source = _plain_tokens(logits, params, rng, advance, fed)
         text = TextStream(self.tokenizer, stop or [])
         reason = "context"
         decode_start = time.perf_counter()
+        first_token = None
         for token in source:
+            if first_token is None:
+                first_token = time.perf_counter() - started
             if token in self.eos_token_ids:
                 reason = "eos"
                 break
@@ -310,7 +346,9 @@ class LlamaANEModel:
             spec = st.as_dict()
         self.last_result = GenerationResult(text.token_ids, text.text, len(fed), reason, t1 - t0,
                                             t2 - decode_start, decoded_tokens=steps, reused_tokens=reused,
-                                            shifts=shifts, speculative=spec)
+                                            shifts=shifts, speculative=spec,
+                                            first_token_seconds=first_token if first_token is not None else
+                                            time.perf_counter() - started)
 
     def _drafter(self, speculative) -> tuple[object | None, bool]:
         """The drafter named by `speculative` and whether this call owns it (closes it after)."""
@@ -338,12 +376,14 @@ class LlamaANEModel:
                  stop: Sequence[str] | None = None, chat: bool = False,
                  on_token: Callable[[TokenEvent], None] | None = None, cache: KVCache | None = None,
                  overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
-                 draft_tokens: int | None = None) -> GenerationResult:
+                 draft_tokens: int | None = None, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0) -> GenerationResult:
         """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced.
-        `cache`, `overflow`, `keep`, `speculative` and `draft_tokens`: see `stream`."""
+        `cache`, `overflow`, `keep`, `speculative`, `draft_tokens`, `min_p` and `repetition_penalty`:
+        see `stream`."""
         for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
                                  cache=cache, overflow=overflow, keep=keep, speculative=speculative,
-                                 draft_tokens=draft_tokens):
+                                 draft_tokens=draft_tokens, min_p=min_p, repetition_penalty=repetition_penalty):
             if on_token is not None:
                 on_token(event)
         return self.last_result
@@ -352,7 +392,8 @@ class LlamaANEModel:
                           n: int | None = None, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                           top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
                           on_token: Callable[[int, int, str], None] | None = None,
-                          teacher_forced: bool = False, cache: KVCache | None = None) -> "CascadeOutput":
+                          teacher_forced: bool = False, cache: KVCache | None = None,
+                          min_p: float = 0.0) -> "CascadeOutput":
         """Decode several branches over one shared prefix with cascade attention.
 
         Give either `continuations` (each branch's own text or ids after the prefix, e.g. questions
@@ -378,7 +419,7 @@ class LlamaANEModel:
             max_new_tokens = 0
         elif max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        params = SamplingParams(temperature, top_k, top_p)
+        params = SamplingParams(temperature, top_k, top_p, min_p)
         prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         own = [[] for _ in range(n)] if n is not None else [
             list(self.tokenizer(c, add_special_tokens=False).input_ids) if isinstance(c, str) else [int(t) for t in c]
