@@ -113,8 +113,9 @@ def _print(r: dict) -> None:
     chip = r["chip"]["name"] if r["chip"] else None
     click.echo(f"{e['name']}: {r['backend']} backend on {m['cpu']} ({m['os']}, {m['memory_bytes'] / 2**30:.0f} GiB)")
     click.echo(r["label"])
-    click.echo(f"  load      {r['load_s']:.2f} s; medians of {r['options']['repeats']} samples after "
-               f"{r['options']['warmup']} warm-up")
+    n, w = r["options"]["repeats"], r["options"]["warmup"]
+    click.echo(f"  load      {r['load_s']:.2f} s; each number the median of {n} timed sample{'s' * (n != 1)}, "
+               f"after {w} warm-up sample{'s' * (w != 1)}")
     for p in r["prefill"]:
         warm = p["timings"]["warmup_s"]
         click.echo(f"  prefill   P={p['prompt_length']}: TTFT {p['ttft_ms']:.1f} ms, {p['tokens_per_s']:.1f} tok/s, "

@@ -36,6 +36,7 @@ from ..contract.manifest import context_buckets, kv_cache_kind, model_names, rea
 from ..contract.specs import BRANCHES, bucket_function
 from ..contract.traffic import bucket_for
 from ..errors import InvalidArgumentError
+from .backends.base import Backend
 from .model import LlamaANEModel, make_backend
 
 BENCH_FORMAT = 1  # the version of the JSON `run_bench` returns
@@ -170,7 +171,7 @@ class CallCounter:
     """Counts the backend's predictions (from every thread: cache updates run in the background)
     while installed over its `predict`."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.count = 0
         self._lock = threading.Lock()
@@ -412,7 +413,7 @@ def plan_summary(plan, function) -> dict:
             "off_ane_ops": dict(sorted(off_ane.items(), key=lambda kv: -kv[1]))}
 
 
-def compute_plan(backend, manifest: dict) -> dict:
+def compute_plan(backend: Backend, manifest: dict) -> dict:
     """The compute plan of every package and function of the export as Core ML loads it on this Mac
     (with the backend's compute units), summarised by `plan_summary`, and the totals over all of them.
     macOS only: it reads the packages the coreml backend compiled."""
@@ -506,7 +507,7 @@ def run_bench(path: str | Path, backend: str = "auto", options: BenchOptions = B
             "compute_plan": plan}
 
 
-def _backend(path: str | Path, manifest: dict, backend: str):
+def _backend(path: str | Path, manifest: dict, backend: str) -> Backend:
     """The backend as a device runs the export: a torch backend writes caches through the
     cache-update model (`direct_cache=False`), making the calls a device makes."""
     if backend == "auto":
