@@ -153,7 +153,7 @@ class LlamaConfig:
     @property
     def layer_extras(self) -> tuple[str, ...]:
         """The decoder-layer parameters this family has beyond the Llama block's (names as in
-        chunks.models.DecoderLayer): projection biases and the per-head q/k norms."""
+        model.chunk.DecoderLayer): projection biases and the per-head q/k norms."""
         extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
         return extras + (("q_norm.weight", "k_norm.weight") if self.qk_norm else ())

@@ -12,6 +12,8 @@ manifest checks all read them from here.
 
 from __future__ import annotations
 
+from .precision import PRECISIONS
+
 MAX_DIM = 16384
 CACHE_MULTIPLE = 32
 FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
@@ -19,8 +21,8 @@ PROGRAM_BYTES = 4_000_000
 
 # Core ML ArrayFeatureType codes and MIL dtype names -> the names the manifest uses
 COREML_ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}
-PRECISION_DTYPES = {"fp16": "float16", "fp32": "float32"}
-BYTES_PER_WEIGHT = {"fp16": 2, "fp32": 4}
+PRECISION_DTYPES = {name: p.dtype for name, p in PRECISIONS.items()}
+BYTES_PER_WEIGHT = {name: p.bytes for name, p in PRECISIONS.items()}
 
 
 def platform_of(target: str) -> str:

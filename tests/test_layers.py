@@ -1,4 +1,4 @@
-"""Imports run downward only: config -> chunks -> contract -> export | runtime -> commands.
+"""Imports run downward only: config -> model -> contract -> export | runtime -> commands.
 
 Read statically from the source (every `import` and `from ... import`, at any depth, relative ones
 resolved), so a lazy import inside a function counts as much as one at the top of a file.
@@ -13,23 +13,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_ane"
 
-LEAVES = {"config", "errors", "limits", "_version"}
+LEAVES = {"config", "errors", "limits", "precision", "_version"}
 # part of llama_ane -> the parts it may import (besides itself and the leaves)
 ALLOWED = {
     "config": set(),
     "errors": set(),
     "_version": set(),
     "limits": set(),
+    "precision": set(),
     "mil": set(),
     "cuda": set(),
     "checkpoint": set(),
     "quantize": set(),
-    "chunks": set(),
-    "contract": {"chunks", "checkpoint", "quantize"},
-    "export": {"chunks", "checkpoint", "contract", "mil", "quantize"},
-    "runtime": {"chunks", "checkpoint", "contract", "mil"},
+    "model": set(),
+    "contract": {"model", "checkpoint", "quantize"},
+    "export": {"model", "checkpoint", "contract", "mil", "quantize"},
+    "runtime": {"model", "checkpoint", "contract", "mil"},
     "reference": {"checkpoint"},
-    "verify": {"chunks", "checkpoint", "contract", "reference", "runtime"},
+    "verify": {"model", "checkpoint", "contract", "reference", "runtime"},
     "evaluate": {"contract", "runtime", "verify"},
     "serve": {"contract", "runtime"},
     "api": {"checkpoint", "contract", "export", "quantize", "reference", "verify"},

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llama_ane.chunks.models import vocab_splits
-from llama_ane.chunks.plan import layer_weight_bytes, plan_chunks
+from llama_ane.contract.sizing import layer_weight_bytes, plan_chunks
+from llama_ane.model.lm_head import vocab_splits
 from llama_ane.export import ane_rules
 from llama_ane.limits import file_limit_bytes
 from llama_ane.config import LlamaConfig

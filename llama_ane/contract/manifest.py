@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 from ..errors import LlamaANEError
+from ..precision import PRECISIONS
 from .schema import schema_problem
 
 FORMAT_VERSION = 2
@@ -339,7 +340,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "weights": weights,
         "cache": {"kind": kv_cache, "layout": "(layers, kv_heads*head_dim, 1, context)",
                   "channels": config["num_key_value_heads"] * config["head_dim"],
-                  "dtype": "float16" if precision == "fp16" else "float32"},
+                  "dtype": PRECISIONS[precision].dtype},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
         "lm_head": {"models": [lm_head_model_name(k) for k in range(len(head_groups))],

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._version import __version__
-from ..chunks.models import vocab_splits
-from ..chunks.plan import ROW_UNIT, group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
+from ..model.lm_head import ROW_UNIT, vocab_splits
+from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
 from ..errors import LlamaANEError
 from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget

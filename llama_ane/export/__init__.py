@@ -1,5 +1,5 @@
 """The exporter: each package of an export plan built as a MIL program straight from the checkpoint,
-one package's weights per worker process (`convert`, `programs`, `mil_layers`, `package_weights`),
+one package's weights per worker process (`convert`, `programs`, `package_weights`),
 the memory that takes foreseen (`budget`, `memory`), and the checks of what was written
 (`validate`, `inspect`, `ane_rules`). `llama_ane.export_model` drives it.
 """

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import LlamaANEError
-from ..chunks.plan import layer_weight_bytes
+from ..contract.sizing import layer_weight_bytes
 from ..contract.plan import ExportPlan, PackageSpec
 
 GIB = 1 << 30

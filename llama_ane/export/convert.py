@@ -43,8 +43,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..chunks.models import vocab_splits
-from ..chunks.plan import layer_shapes
+from ..contract.sizing import layer_shapes
+from ..model.lm_head import vocab_splits
 from ..errors import LlamaANEError
 from ..contract.plan import ExportPlan, PackageSpec
 from ..contract.specs import model_kind

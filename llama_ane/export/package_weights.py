@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..chunks.models import vocab_splits
+from ..model.lm_head import vocab_splits
 from ..config import LlamaConfig
 from ..contract.specs import model_kind
-from .programs import rope_weights
+from ..model.embeddings import rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
 from ..checkpoint.mapping import HF_LAYER_NAMES, as_conv, layer_tensor, layer_tensors
 

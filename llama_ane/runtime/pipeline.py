@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..chunks.layers import MASK_VALUE
+from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind
 from ..contract.specs import VERIFY, base_function, bucket_function, bucket_of

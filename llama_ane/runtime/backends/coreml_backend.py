@@ -24,6 +24,7 @@ import numpy as np
 
 from ...contract.manifest import check_package_io, function_entry, function_states
 from ...mil.package import MilPackage
+from ...precision import PRECISIONS
 from .base import Backend, BackendError
 
 COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")
@@ -45,7 +46,7 @@ class CoreMLBackend(Backend):
         self.export_dir = Path(export_dir)
         self.manifest = manifest
         self.compute_units = getattr(ct.ComputeUnit, compute_units)
-        self.dtype = np.dtype(np.float16 if manifest["precision"] == "fp16" else np.float32)
+        self.dtype = PRECISIONS[manifest["precision"]].numpy
         self._loaded: dict[tuple[str, str], object] = {}
         self._checked: set[str] = set()
         # (package file, id of the caller's k_cache array) -> (MLState, the caller's arrays by name)

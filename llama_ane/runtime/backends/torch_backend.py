@@ -1,4 +1,4 @@
-"""The torch backend: runs the torch modules of `llama_ane.chunks`, in fp32 or fp16, on CPU or CUDA.
+"""The torch backend: runs the torch modules of `llama_ane.model`, in fp32 or fp16, on CPU or CUDA.
 
 They are the reference the exported MIL programs are written from, op for op, and the ground
 truth those programs are checked against. Weights come from the export's own packages (compressed
@@ -34,10 +34,11 @@ from ...checkpoint.loader import Checkpoint, load_checkpoint
 from ...contract.manifest import check_package_io, function_entry, function_states
 from ...contract.specs import VERIFY, model_kind
 from ...mil.package import MilPackage
+from ...precision import PRECISIONS
 from .base import Backend, BackendError
 from .torch_modules import CheckpointWeights, ExportWeights, build_model, onednn_available, prepacked
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {name: p.torch for name, p in PRECISIONS.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +66,7 @@ class TorchBackend(Backend):
         self.manifest = manifest
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
-        self.dtype = np.dtype(np.float32 if precision == "fp32" else np.float16)
+        self.dtype = PRECISIONS[precision].numpy
         if prepack not in (None, True, False):
             raise BackendError(f"prepack must be True, False or None, got {prepack!r}")
         here = prepack is not False and onednn_available(self.device, self.torch_dtype)

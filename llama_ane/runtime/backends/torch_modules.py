@@ -22,10 +22,11 @@ from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
 from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
-from ...chunks.cascade import BranchChunk, BranchEmbeddings, SuffixUpdate
-from ...chunks.layers import Conv1x1
-from ...chunks.verify import VerifyEmbeddings, VerifyUpdate
-from ...chunks.models import BlockChunk, CacheUpdate, Embeddings, EmbeddingsPart, LMHead, vocab_splits
+from ...model.cache_update import CacheUpdate, SuffixUpdate, VerifyUpdate
+from ...model.chunk import BlockChunk, BranchChunk
+from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, VerifyEmbeddings
+from ...model.layers import Conv1x1
+from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
 from ...contract.specs import BRANCHES, VERIFY, bucket_of, model_kind, window_of
@@ -71,7 +72,7 @@ class ExportWeights:
     """Module weights read from an export's packages: the weights it ships, decompressed.
 
     The exporter names every weight after the module parameter it stands for (dots as
-    underscores, see export/mil_layers.Graph.weight), so a module's state dict is read by name.
+    underscores, see model.layers.Graph.weight), so a module's state dict is read by name.
     """
 
     def __init__(self, folder: Path, manifest: dict):

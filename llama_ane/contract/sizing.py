@@ -9,11 +9,12 @@ from typing import Callable
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
 from ..limits import weight_budget
+from ..model.lm_head import ROW_UNIT, even_parts
 
 
 def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of a decoder layer of `cfg`'s family (its name in DecoderLayer) and its shape:
-    (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for the norms."""
+    """Every weight of a decoder layer of `cfg`'s family (its name in model.chunk.DecoderLayer) and
+    its shape: (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for the norms."""
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
     shapes = {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
               "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
@@ -67,20 +68,6 @@ def plan_chunks(cfg: LlamaConfig, layers_per_chunk: int | None = None, *,
     per_layer = layer_bytes or layer_weight_bytes(cfg, bytes_per_weight)
     k = max(1, min(n, weight_budget(target) // per_layer))
     return [list(range(a, b)) for a, b in even_parts(n, -(-n // k))]
-
-
-ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
-
-
-def even_parts(count: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
-    """[start, end) ranges of `count` items cut into `parts` consecutive near-equal parts, each
-    boundary a multiple of `unit` (the last part takes the remainder)."""
-    units = -(-count // unit)
-    base, extra = divmod(units, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(min(count, bounds[-1] + (base + (1 if i < extra else 0)) * unit))
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def vocab_row_ranges(rows: int, row_bytes: int, budget: int, fixed_bytes: int = 0) -> list[tuple[int, int]]:

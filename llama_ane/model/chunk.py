@@ -1,0 +1,336 @@
+"""The block chunks: a few decoder layers each, with the cascade's branch function and the verify
+window next to their base; each torch module with its MIL builder below it.
+
+    BlockChunk   hidden_states, cos, sin, mask, k_cache/v_cache (L,KV,1,T)
+                 -> hidden_states_out (1,C,1,S), k_new/v_new (L,KV,1,S)
+    BranchChunk  hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache/v_cache (L,KV,1,T),
+                 k_suffix/v_suffix (L*G,B,D,U) -> hidden_states_out (1,C,1,B), k_new/v_new (L,KV,1,B)
+
+C = hidden size, D = head_dim, G kv heads, KV = G*D, T = the cache positions (the context bucket),
+S = query length (the prefill window or 1), L = layers in the chunk, B branches with suffixes of up
+to U tokens. The chunks attend to the cache (positions < `position`, the rest masked) plus the
+window itself; they never write the cache: the cache-update model does that afterwards,
+asynchronously, with a one-hot matmul. With state caches (`kv_cache="state"`) the window
+functions write their K/V into the states themselves instead.
+
+Cascade ("decode_branches"): B branches decode one token each over one shared prefix cache. Per
+layer, inside the graph, all B queries attend to the prefix as one multi-query attention (the
+prefix K/V is read once for every branch), each query attends to its own suffix cache plus its
+own new key, and the two attention states are merged with the log-sum-exp operator
+(layers.merge_states). The result equals decoding each branch alone.
+
+Verify ("verify"): a token tree of W drafted tokens checked in one window (speculative decoding,
+DeFT's tree attention over one shared prefix). It is the window function at S = W, the same
+BlockChunk with the same weights: only the mask the embeddings build differs (each token attends
+to the cache and to its ancestors in the tree). The cache is read once for all W queries; once
+the runtime knows which path was accepted, the cache update writes only those tokens' K/V.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import LlamaConfig
+from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
+from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
+                     grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
+                     mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
+                     suffix_state_mil)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+    per-head q/k norms). The 1/sqrt(head_dim) scale is folded into q_proj's weights (into q_norm's
+    where there is one)."""
+
+    def __init__(self, cfg: LlamaConfig, context_length: int):
+        super().__init__()
+        self.cfg = cfg
+        self.context_length = context_length
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
+        self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
+
+        x: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
+        R query heads each.
+        """
+        c = self.cfg
+        g, d = c.num_key_value_heads, c.head_dim
+        r = c.num_attention_heads // g
+        h = self.input_layernorm(x)
+        cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
+        q, k = self.q_proj(h).reshape(g * r, d, -1), self.k_proj(h).reshape(g, d, -1)  # (H,D,S), (G,D,S)
+        if c.qk_norm:
+            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
+        q = apply_rope(q, cos, sin, d // 2).reshape(g, r, d, -1)
+        k = apply_rope(k, cos, sin, d // 2)
+        v = self.v_proj(h).reshape(g, d, -1)
+        return q, k, v
+
+    def finish(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
+        x = x + self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache):
+        """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
+
+        T is the context bucket in the exported programs; the torch backend may pass fewer cache
+        positions (those holding tokens) with the mask cut to match. The mask decides: a longer cache
+        (a state of the whole context read in a smaller bucket) is read up to the mask's T. Returns
+        x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE).
+        """
+        c = self.cfg
+        g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
+        k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
+        q, k, v = self.project_qkv(x, cos, sin)
+        heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
+                                  c.num_attention_heads // g, t)
+        x = self.finish(x, heads)
+        return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
+
+
+def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
+    """Layer projection `name` ("q_proj", ...) of x (1,C_in,1,S) -> (1,C_out,1,S), with its bias if
+    the family has one (LlamaConfig.layer_extras)."""
+    bias = f"{name}.bias" if f"{name}.bias" in cfg.layer_extras else None
+    return conv_mil(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
+
+
+def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int):
+    """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0.").
+    x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
+    gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+    cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
+    q = mb.reshape(x=_projection_mil(g, cfg, prefix, "q_proj", hn), shape=[h, d, s])
+    k = mb.reshape(x=_projection_mil(g, cfg, prefix, "k_proj", hn), shape=[gk, d, s])
+    if cfg.qk_norm:
+        q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
+        k = head_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
+    q, k = apply_rope_mil(g, q, cos3, sin3, h, d, s), apply_rope_mil(g, k, cos3, sin3, gk, d, s)
+    v = mb.reshape(x=_projection_mil(g, cfg, prefix, "v_proj", hn), shape=[gk, d, s])
+    return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
+
+
+def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int):
+    """DecoderLayer.finish. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
+    x = mb.add(x=x, y=_projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s])))
+    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp."))
+
+
+def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
+    """Layer i's slice of a chunk cache (L,KV,1,T) as (G,1,D,T)."""
+    one = g.slice(cache, [i, 0, 0, 0], [i + 1, cfg.kv_channels, 1, t])
+    return mb.reshape(x=one, shape=[cfg.num_key_value_heads, 1, cfg.head_dim, t])
+
+
+def decoder_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_cache, v_cache, i: int,
+                      t: int, s: int):
+    """DecoderLayer.forward over a window of S tokens.
+
+    x: (1,C,1,S); k_cache, v_cache: the chunk's (L,KV,1,T), of which layer i is read
+    -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
+    """
+    gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s)
+    heads = grouped_attention_mil(g, q, _layer_cache_mil(g, cfg, k_cache, i, t), _layer_cache_mil(g, cfg, v_cache, i, t),
+                                  mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
+                                  mask, t, s, (gk, r))
+    x = finish_mil(g, cfg, prefix, x, heads, s)
+    return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
+
+
+class BlockChunk(nn.Module):
+    """Decoder layers `first .. first+len(layers)-1` of the model, run in sequence."""
+
+    def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int):
+        super().__init__()
+        self.layer_indices = list(layer_indices)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, context_length) for _ in layer_indices)
+
+    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
+        k_out, v_out = [], []
+        for i, layer in enumerate(self.layers):
+            hidden_states, k, v = layer(hidden_states, cos, sin, mask, k_cache[i:i + 1], v_cache[i:i + 1])
+            k_out.append(k)
+            v_out.append(v)
+        return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
+
+
+def read_states_mil(inputs: dict, io: dict) -> dict:
+    """`inputs` with each state replaced by its value (read_state): what the body computes from."""
+    return {**inputs, **{t["name"]: mb.read_state(input=inputs[t["name"]]) for t in io.get("states", [])}}
+
+
+def write_window_mil(states: dict, values: dict, new: dict, position, window: int) -> None:
+    """Write a window's K/V into the cache states at `position`.
+
+    states: the "k_cache"/"v_cache" state inputs; values: their values as read at the start
+    (L,KV,1,T); new: "k_cache"/"v_cache" -> the window's (L,KV,1,S); position: int32 (1,). A slice
+    update of columns [position, position + S), then the state is written back.
+    """
+    for name, state in states.items():
+        layers, channels, one, _ = values[name].shape
+        begin = mb.concat(values=[np.zeros(3, np.int32), position], axis=0)
+        end = mb.add(x=begin, y=np.array([layers, channels, one, window], np.int32))
+        mb.coreml_update_state(state=state, value=mb.slice_update(x=values[name], update=new[name],
+                                                                   begin=begin, end=end))
+
+
+def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: int):
+    """BlockChunk of `layers` layers over a window, attending to the cache positions of its context
+    bucket; when the caches are states (of the whole context: a bucket reads their first positions
+    through static slices), the window's K/V is written into them at `position` instead of being
+    returned."""
+    def body(inputs):
+        mask = shape_of(io, "mask")
+        s, context_length = shape_of(io, "hidden_states")[3], mask[3] - mask[2]
+        values = read_states_mil(inputs, io)
+        x, ks, vs = inputs["hidden_states"], [], []
+        for i in range(layers):
+            x, k, v = decoder_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["mask"],
+                                        values["k_cache"], values["v_cache"], i, context_length, s)
+            ks.append(k)
+            vs.append(v)
+        if io.get("states"):
+            write_window_mil({n: inputs[n] for n in ("k_cache", "v_cache")}, values,
+                             {"k_cache": stack_mil(ks), "v_cache": stack_mil(vs)}, inputs["position"], s)
+            return {"hidden_states_out": x}
+        return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
+    return body
+
+
+def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
+                 k_suffix, v_suffix, suffix_length: int):
+    """One decoder layer for B branch queries (same weights as the layer's own forward).
+
+    x: (1,C,1,B); k_cache, v_cache: (1,KV,1,T); k_suffix, v_suffix: (G,B,D,U)
+    -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
+    """
+    c = layer.cfg
+    g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, or the filled prefix (torch backend)
+    q, k, v = layer.project_qkv(x, cos, sin)
+    v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
+    v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
+    x = layer.finish(x, merge_states(v_p, s_p, v_s, s_s))  # heads (G,R,D,B)
+    return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
+
+
+def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_cache,
+                     v_cache, k_suffix, v_suffix, i: int, t: int, b: int, u: int):
+    """branch_layer. x: (1,C,1,B); k_cache, v_cache: (L,KV,1,T); k_suffix, v_suffix: (L*G,B,D,U), rows
+    of layer i read -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
+    """
+    gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b)
+    v_p, s_p = prefix_state_mil(q, _layer_cache_mil(g, cfg, k_cache, i, t), _layer_cache_mil(g, cfg, v_cache, i, t),
+                                prefix_mask)
+    rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
+    v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
+                                (gk, r), b, u)
+    x = finish_mil(g, cfg, prefix, x, merge_states_mil(v_p, s_p, v_s, s_s), b)
+    return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])
+
+
+class BranchChunk(nn.Module):
+    """The "decode_branches" function of a block chunk: shares every weight with `chunk`."""
+
+    def __init__(self, chunk: BlockChunk, suffix_length: int):
+        super().__init__()
+        self.chunk = chunk
+        self.suffix_length = suffix_length
+
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix):
+        g = self.chunk.layers[0].cfg.num_key_value_heads
+        k_out, v_out = [], []
+        for i, layer in enumerate(self.chunk.layers):
+            hidden_states, k, v = branch_layer(
+                layer, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache[i:i + 1], v_cache[i:i + 1],
+                k_suffix[i * g:(i + 1) * g], v_suffix[i * g:(i + 1) * g], self.suffix_length)
+            k_out.append(k)
+            v_out.append(v)
+        return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
+
+
+def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: int, context_length: int, suffix_length: int):
+    """BranchChunk of `layers` layers (the prefix caches, states or inputs, are only read)."""
+    def body(inputs):
+        b = shape_of(io, "hidden_states")[3]
+        inputs = read_states_mil(inputs, io)
+        x, ks, vs = inputs["hidden_states"], [], []
+        for i in range(layers):
+            x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["prefix_mask"],
+                                       inputs["suffix_mask"], inputs["k_cache"], inputs["v_cache"],
+                                       inputs["k_suffix"], inputs["v_suffix"], i, context_length, b, suffix_length)
+            ks.append(k)
+            vs.append(v)
+        return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
+    return body
+
+
+def _cache_io(io: dict, layout: Layout) -> dict:
+    """A chunk function's io with its k_cache/v_cache inputs moved to "states" when the caches are
+    states: the function reads them (one state of the whole context, whatever its bucket) and,
+    unless it is the cascade's, writes its window at `position` (so it also takes position and no
+    longer outputs k_new/v_new)."""
+    if layout.kv_cache == "inputs":
+        return io
+    caches = [t for t in io["inputs"] if t["name"] in ("k_cache", "v_cache")]
+    inputs = [t for t in io["inputs"] if t not in caches]
+    outputs = io["outputs"]
+    if not any(t["name"] == "k_suffix" for t in inputs):  # single-sequence windows write their K/V
+        inputs.append(tensor("position", [1], "int32"))
+        outputs = [t for t in outputs if t["name"] not in ("k_new", "v_new")]
+    for state in caches:
+        state["shape"][3] = layout.context_length
+    return {"inputs": inputs, "states": caches, "outputs": outputs}
+
+
+def functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]:
+    """{function: io} of a chunk of `layers` layers: a window function per bucket, then the
+    cascade's and verify's (state exports have no verify function)."""
+    c, d, kv, f, n = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, layout.dtype, layers
+    out = {}
+    for fn, _, s, t in layout.windows():
+        out[fn] = _cache_io({
+            "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
+                       tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f),
+                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)],
+            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f),
+                        tensor("k_new", [n, kv, 1, s], f), tensor("v_new", [n, kv, 1, s], f)],
+        }, layout)
+    t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
+                     cfg.num_key_value_heads)
+    if b:
+        out[BRANCHES] = _cache_io({
+            "inputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
+                       tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
+                       tensor("suffix_mask", [1, b, 1, u + 1], f),
+                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f),
+                       tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)],
+            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f),
+                        tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)],
+        }, layout)
+    if w:
+        out[VERIFY] = {
+            "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
+                       tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f),
+                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)],
+            "outputs": [tensor("hidden_states_out", [1, c, 1, w], f),
+                        tensor("k_new", [n, kv, 1, w], f), tensor("v_new", [n, kv, 1, w], f)],
+        }
+    return out

@@ -1,0 +1,291 @@
+"""The embeddings models: token lookup, RoPE rows and attention masks, each torch module with its MIL
+builder below it.
+
+    Embeddings        input_ids (1,S) int32, position (1,) int32
+                      -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,1,S,T+S)
+    EmbeddingsPart    input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
+                      (a later file of an embedding table cut by rows: adds the lookup of its rows)
+    BranchEmbeddings  input_ids (1,B) int32, positions (B,) int32, prefix_length (1,) int32
+                      -> hidden_states (1,C,1,B), cos/sin (1,D,1,B),
+                         prefix_mask (1,1,1,T), suffix_mask (1,B,1,U+1)
+    VerifyEmbeddings  input_ids (1,W) int32, position (1,) int32, depths (W,) int32,
+                      tree_mask (1,1,W,W) additive -> hidden_states (1,C,1,W), cos/sin (1,D,1,W),
+                      mask (1,1,W,T+W)
+
+C = hidden size, D = head_dim, T = the cache positions (the context bucket), S = query length (the
+prefill window or 1), B branches with suffixes of up to U tokens, W the verify window. The RoPE
+tables are constants read with a gather (fp16 cannot compute cos(position * freq) for large
+positions); gathers are fine here, block chunks have none. `position` is the number of cached
+tokens; a branch's `positions[b]` its absolute position; a tree token i sits at position +
+depths[i], and `tree_mask[0,0,i,j]` is 0 where token j is token i or one of its ancestors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import LlamaConfig, inv_freq
+from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
+from .layers import MASK_VALUE, Graph, mb
+
+
+def rope_tables(cfg: LlamaConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (positions, D) in fp32, as transformers computes them (incl. llama3 scaling)."""
+    freqs = torch.tensor(inv_freq(cfg), dtype=torch.float32)
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * freqs[None, :]
+    emb = torch.cat([angles, angles], dim=1)
+    return emb.cos(), emb.sin()
+
+
+def rope_weights(cfg: LlamaConfig, positions: int, dtype: type) -> dict[str, np.ndarray]:
+    """The programs' cos/sin tables (positions, D): computed in fp32, stored in the export dtype."""
+    cos, sin = rope_tables(cfg, positions)
+    return {"cos_table": cos.numpy().astype(dtype), "sin_table": sin.numpy().astype(dtype)}
+
+
+def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+    """Channels-first embeddings of `input_ids` (1,S) -> (1,C,1,S) from `table`, rows start..start+n-1
+    of the vocabulary. A table of the whole vocabulary is a plain lookup; a part of it gives zeros
+    for ids outside its rows (their lookup is clamped into range and multiplied by 0), so the parts'
+    lookups add up to the whole one exactly."""
+    n = table.num_embeddings
+    if start == 0 and n == vocab_size:
+        return table(input_ids).transpose(1, 2).unsqueeze(2)
+    local = (input_ids - start).clamp(0, n - 1)
+    hit = ((input_ids >= start) & (input_ids < start + n)).unsqueeze(2)  # (1,S,1)
+    found = table(local)  # (1,S,C)
+    return (found * hit.to(found.dtype)).transpose(1, 2).unsqueeze(2)
+
+
+def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int):
+    """lookup of input_ids (1,S) in vocabulary rows [start, end) -> (1,C,1,S)."""
+    table = g.weight("embed_tokens.weight")
+    start, end = rows
+    if start == 0 and end == vocab_size:
+        found = mb.gather(x=table, indices=input_ids, axis=0)  # (1,S,C)
+    else:
+        local = mb.minimum(x=mb.maximum(x=mb.sub(x=input_ids, y=np.int32(start)), y=np.int32(0)),
+                           y=np.int32(end - start - 1))
+        hit = mb.logical_and(x=mb.greater_equal(x=input_ids, y=np.int32(start)), y=mb.less(x=input_ids, y=np.int32(end)))
+        hit = mb.expand_dims(x=g.cast(hit), axes=[2])  # (1,S,1)
+        found = mb.mul(x=mb.gather(x=table, indices=local, axis=0), y=hit)
+    return mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2])  # (1,S,C) -> (1,C,1,S)
+
+
+def mask_from_mil(g: Graph, keep):
+    """Additive mask from a bool `keep`: 0 where True, MASK_VALUE (large, finite) where False."""
+    return mb.mul(x=mb.sub(x=g.scalar(1.0), y=g.cast(keep)), y=g.scalar(MASK_VALUE))
+
+
+def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int):
+    """The cos and sin rows of `positions` (S,) int32 -> two (1,D,1,S)."""
+    return (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=positions, axis=0), perm=[1, 0]),
+                       shape=[1, cfg.head_dim, 1, s]) for name in ("cos_table", "sin_table"))
+
+
+def _cache_mask_mil(g: Graph, position, t: int):
+    """(1,1,1,T): 0 at the cache positions below `position`, MASK_VALUE from it on."""
+    cached = mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t),
+                     y=mb.reshape(x=position, shape=[1, 1, 1, 1]))  # (1,1,1,T)
+    return mask_from_mil(g, cached)
+
+
+class Embeddings(nn.Module):
+    """Token lookup, RoPE tables and the attention mask for one window of S tokens.
+
+    The RoPE tables cover positions 0 .. T+S-1 (computed in fp32, stored in the export precision).
+    With `rows` < vocab_size, the table holds the first `rows` rows of the vocabulary and
+    EmbeddingsPart files add the others.
+    """
+
+    def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None):
+        super().__init__()
+        self.window = window
+        self.vocab_size = cfg.vocab_size
+        self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
+        cos, sin = rope_tables(cfg, context_length + window)
+        self.register_buffer("cos_table", cos)
+        self.register_buffer("sin_table", sin)
+        self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
+        self.register_buffer("offsets", torch.arange(window, dtype=torch.int32))
+        causal = torch.full((window, window), MASK_VALUE).triu(1)  # [query, key], built here, not in-graph
+        self.register_buffer("window_mask", causal.view(1, 1, window, window))
+
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,S)
+        pos = position + self.offsets  # (S,)
+        cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (S,D) -> (1,D,1,S)
+        sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
+        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,1,1,T)
+        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, 1, self.window, -1)
+        mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
+        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
+
+
+def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]):
+    """Embeddings, masking the cache positions of the function's context bucket."""
+    def body(inputs):
+        s = shape_of(io, "input_ids")[1]
+        mask = shape_of(io, "mask", "outputs")
+        t = mask[3] - mask[2]
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
+        cos, sin = _rope_rows_mil(g, cfg, pos, s)
+        cache_mask = _cache_mask_mil(g, inputs["position"], t)
+        if s > 1:
+            cache_mask = mb.tile(x=cache_mask, reps=[1, 1, s, 1])
+        window = g.const(np.triu(np.full((s, s), MASK_VALUE, np.float32), 1).reshape(1, 1, s, s), "window_mask")
+        mask = mb.concat(values=[cache_mask, window], axis=3)
+        return {"hidden_states": hidden, "cos": cos, "sin": sin, "mask": mask}
+    return body
+
+
+class EmbeddingsPart(nn.Module):
+    """A later file of an embedding table cut by rows: adds the lookup of vocabulary rows
+    start .. start+rows-1 to the hidden states of the files before it.
+
+    input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
+    """
+
+    def __init__(self, cfg: LlamaConfig, start: int, rows: int):
+        super().__init__()
+        self.start, self.vocab_size = start, cfg.vocab_size
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size)
+
+
+def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
+    """EmbeddingsPart of vocabulary rows `rows`."""
+    def body(inputs):
+        return {"hidden_states_out": mb.add(x=inputs["hidden_states"],
+                                            y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size))}
+    return body
+
+
+class BranchEmbeddings(nn.Module):
+    """Token lookup, per-branch RoPE, and the prefix and suffix masks for B branch tokens (the
+    cascade's "decode_branches"); `positions[b] - prefix_length` suffix tokens of branch b are cached."""
+
+    def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, branches: int,
+                 suffix_length: int):
+        super().__init__()
+        self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
+        self.vocab_size = cfg.vocab_size
+        cos, sin = rope_tables(cfg, context_length + suffix_length + 1)
+        self.register_buffer("cos_table", cos)
+        self.register_buffer("sin_table", sin)
+        self.register_buffer("prefix_slots", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
+        self.register_buffer("suffix_slots", torch.arange(suffix_length, dtype=torch.int32).view(1, 1, 1, -1))
+        self.register_buffer("self_column", torch.zeros(1, branches, 1, 1))
+
+    def forward(self, input_ids, positions, prefix_length):
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,B)
+        cos = self.cos_table[positions].t().unsqueeze(0).unsqueeze(2)  # (1,D,1,B)
+        sin = self.sin_table[positions].t().unsqueeze(0).unsqueeze(2)
+        in_prefix = (self.prefix_slots < prefix_length.view(1, 1, 1, 1)).to(hidden.dtype)
+        prefix_mask = (1.0 - in_prefix) * MASK_VALUE  # (1,1,1,T)
+        filled = (positions - prefix_length).view(1, -1, 1, 1)  # suffix tokens each branch has cached
+        in_suffix = (self.suffix_slots < filled).to(hidden.dtype)  # (1,B,1,U)
+        suffix_mask = torch.cat([(1.0 - in_suffix) * MASK_VALUE, self.self_column.to(hidden.dtype)], dim=3)
+        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), prefix_mask, suffix_mask
+
+
+def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, suffix_length: int,
+                            rows: tuple[int, int]):
+    """BranchEmbeddings."""
+    def body(inputs):
+        b = shape_of(io, "input_ids")[1]
+        t, u = context_length, suffix_length
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        cos, sin = _rope_rows_mil(g, cfg, inputs["positions"], b)
+        plen = mb.reshape(x=inputs["prefix_length"], shape=[1, 1, 1, 1])
+        prefix_mask = mask_from_mil(g, mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t), y=plen))
+        filled = mb.reshape(x=mb.sub(x=inputs["positions"], y=inputs["prefix_length"]), shape=[1, b, 1, 1])
+        in_suffix = mb.less(x=np.arange(u, dtype=np.int32).reshape(1, 1, 1, u), y=filled)  # (1,B,1,U)
+        suffix_mask = mb.concat(values=[mask_from_mil(g, in_suffix), g.const(np.zeros((1, b, 1, 1)), "self_column")],
+                                axis=3)
+        return {"hidden_states": hidden, "cos": cos, "sin": sin, "prefix_mask": prefix_mask,
+                "suffix_mask": suffix_mask}
+    return body
+
+
+class VerifyEmbeddings(nn.Module):
+    """Token lookup, RoPE rows at each token's tree position, and the cache + tree mask (the
+    "verify" function of speculative decoding; see chunk.py)."""
+
+    def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, window: int):
+        super().__init__()
+        self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
+        self.vocab_size = cfg.vocab_size
+        cos, sin = rope_tables(cfg, context_length + window)
+        self.register_buffer("cos_table", cos)
+        self.register_buffer("sin_table", sin)
+        self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
+
+    def forward(self, input_ids, position, depths, tree_mask):
+        """The window may hold fewer than W tokens when run eagerly (the torch backend): every
+        size is read from the inputs."""
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,W)
+        pos = position + depths  # (W,)
+        cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (W,D) -> (1,D,1,W)
+        sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
+        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,1,1,T)
+        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, 1, tree_mask.shape[2], -1)
+        mask = torch.cat([cache_mask, tree_mask.to(hidden.dtype)], dim=3)  # (1,1,W,T+W)
+        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
+
+
+def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
+    """VerifyEmbeddings."""
+    def body(inputs):
+        w = shape_of(io, "input_ids")[1]
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        pos = mb.add(x=inputs["position"], y=inputs["depths"])  # (W,)
+        cos, sin = _rope_rows_mil(g, cfg, pos, w)
+        cache_mask = mb.tile(x=_cache_mask_mil(g, inputs["position"], context_length), reps=[1, 1, w, 1])
+        mask = mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)
+        return {"hidden_states": hidden, "cos": cos, "sin": sin, "mask": mask}
+    return body
+
+
+def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
+    """{function: io} of the (first) embeddings file: a window function per bucket, then the
+    cascade's and verify's."""
+    c, d, f = cfg.hidden_size, cfg.head_dim, layout.dtype
+    out = {}
+    for fn, _, s, t in layout.windows():
+        out[fn] = {
+            "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
+            "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
+                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)],
+        }
+    t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
+    if b:
+        out[BRANCHES] = {
+            "inputs": [tensor("input_ids", [1, b], "int32"), tensor("positions", [b], "int32"),
+                       tensor("prefix_length", [1], "int32")],
+            "outputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
+                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
+                        tensor("suffix_mask", [1, b, 1, u + 1], f)],
+        }
+    if w:
+        out[VERIFY] = {
+            "inputs": [tensor("input_ids", [1, w], "int32"), tensor("position", [1], "int32"),
+                       tensor("depths", [w], "int32"), tensor("tree_mask", [1, 1, w, w], f)],
+            "outputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
+                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)],
+        }
+    return out
+
+
+def part_functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
+    """{function: io} of a later embeddings file: input_ids (1,S) and the hidden states so far ->
+    hidden_states_out (1,C,1,S), one function for every bucket (it reads no cache)."""
+    c, f = cfg.hidden_size, layout.dtype
+    return {fn: {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("hidden_states", [1, c, 1, s], f)],
+                 "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)]}
+            for fn, s in (*layout.full_windows(), *layout.extra_windows())}

@@ -1,0 +1,106 @@
+"""The functions of the exported models: their names, and the sizes their tensor specs follow.
+
+Every kind (embeddings.py, chunk.py, lm_head.py, cache_update.py) declares the inputs, outputs and
+states of each of its functions from a `Layout`; `contract.specs.model_specs` collects them for the
+manifest, which every consumer reads them back from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+# "prefill" runs the prefill window, "decode" one token, "decode_branches" one token for each of B
+# branches over a shared prefix (cascade). Cache-update functions are named after these.
+FUNCTIONS = ("prefill", "decode")
+BRANCHES = "decode_branches"
+# "verify" checks a tree of W drafted tokens in one window (speculative decoding, see chunk.py)
+VERIFY = "verify"
+
+# How the chunks' K/V caches live (manifest "cache"."kind"): "inputs" are arrays passed in and a
+# cache-update model writes each window's K/V back; "state" caches are Core ML states (iOS18,
+# macOS15) that the chunk functions update themselves by a slice update at `position`.
+KV_CACHE_KINDS = ("inputs", "state")
+
+
+def bucket_function(function: str, bucket: int, context_length: int) -> str:
+    """Name of "prefill" or "decode" at context bucket `bucket` (the cache positions it reads): the
+    plain name at the full context, else e.g. "decode_512". Only the models whose shapes hold the
+    cache length (the embeddings' masks, the chunks, the cache updates) have bucketed functions; the
+    LM head and the later embedding files run their plain function in every bucket."""
+    return function if bucket == context_length else f"{function}_{bucket}"
+
+
+def bucket_of(function: str, context_length: int) -> int:
+    """The context bucket of a prefill or decode function named by `bucket_function`, or of its
+    cache update (`cache_update_function`: "decode_512_l3")."""
+    base, _, layers = function.rpartition("_l")
+    name = base if layers.isdigit() else function
+    return int(name.rpartition("_")[2]) if base_function(name) != name else context_length
+
+
+def base_function(function: str) -> str:
+    """The function a bucketed one is a copy of ("decode_512" -> "decode"); others unchanged."""
+    base, _, size = function.rpartition("_")
+    return base if size.isdigit() and base in FUNCTIONS else function
+
+
+def window_of(function: str, prefill_length: int) -> int:
+    """Query length S of a prefill or decode function: the prefill window, or 1."""
+    return prefill_length if function.startswith("prefill") else 1
+
+
+def cache_update_function(function: str, layers: int) -> str:
+    """Name of the cache-update function for a chunk of `layers` layers, e.g. "decode_l3"."""
+    return f"{function}_l{layers}"
+
+
+def tensor(name: str, shape: list[int], dtype: str) -> dict:
+    """One tensor spec as the manifest records it."""
+    return {"name": name, "shape": list(shape), "dtype": dtype}
+
+
+def shape_of(io: dict, name: str, where: str = "inputs") -> list[int]:
+    """The shape of tensor `name` among a function's `where` ("inputs", "outputs" or "states")."""
+    return next(t["shape"] for t in io[where] if t["name"] == name)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes every function's tensors follow.
+
+    T = `context_length`, the prefill window `prefill_length`; `dtype` is the manifest's float
+    dtype ("float16"); `buckets` the context buckets (ascending, the last T; empty: T alone);
+    B = `branch_width` branches of up to U = `suffix_length` tokens (0: no cascade); W =
+    `verify_window` (0: no verify function); `kv_cache` one of KV_CACHE_KINDS.
+    """
+
+    context_length: int
+    prefill_length: int
+    dtype: str
+    buckets: tuple[int, ...] = ()
+    branch_width: int = 0
+    suffix_length: int = 0
+    verify_window: int = 0
+    kv_cache: str = "inputs"
+
+    def windows(self) -> Iterator[tuple[str, str, int, int]]:
+        """(function, its base function, S, T) of every prefill and decode function: per bucket,
+        prefill then decode, smallest bucket first."""
+        for t in self.buckets or (self.context_length,):
+            for base in FUNCTIONS:
+                yield bucket_function(base, t, self.context_length), base, window_of(base, self.prefill_length), t
+
+    def full_windows(self) -> Iterator[tuple[str, int]]:
+        """(function, S) of the prefill and decode functions at the full context, which the models
+        without a cache length (the LM head, later embedding files) run in every bucket."""
+        for fn, base, s, _ in self.windows():
+            if fn == base:
+                yield fn, s
+
+    def extra_windows(self) -> Iterator[tuple[str, int]]:
+        """(function, S) of the cascade and verify functions of this export, in that order."""
+        if self.branch_width:
+            yield BRANCHES, self.branch_width
+        if self.verify_window:
+            yield VERIFY, self.verify_window

@@ -1,0 +1,73 @@
+"""The LM head: the final norm and the vocabulary projection, split by vocabulary rows so no dimension
+exceeds 16384; the torch module with its MIL builder below it.
+
+    LMHead  hidden_states (1,C,1,S) -> logits_j (1,V_j,1,S), V_j <= 16384 (all splits j, or a
+            file's group of them; split j's weight is "heads.j.weight" in the programs)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import LlamaConfig
+from ..limits import MAX_DIM
+from .functions import Layout, tensor
+from .layers import Graph, RMSNorm, conv1x1, conv_mil, rms_norm_mil
+
+ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
+
+
+def even_parts(count: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
+    """[start, end) ranges of `count` items cut into `parts` consecutive near-equal parts, each
+    boundary a multiple of `unit` (the last part takes the remainder)."""
+    units = -(-count // unit)
+    base, extra = divmod(units, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(min(count, bounds[-1] + (base + (1 if i < extra else 0)) * unit))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def vocab_splits(vocab_size: int, limit: int = MAX_DIM) -> list[int]:
+    """Split the vocabulary into the fewest near-equal parts of at most `limit` rows each, cut at
+    multiples of ROW_UNIT rows (the last part takes the remainder)."""
+    parts = -(-vocab_size // limit)
+    while max(b - a for a, b in even_parts(vocab_size, parts, ROW_UNIT)) > limit:
+        parts += 1
+    return [b - a for a, b in even_parts(vocab_size, parts, ROW_UNIT)]
+
+
+class LMHead(nn.Module):
+    """Final norm and vocabulary projection for the splits j in `heads` (default: all; an LM head
+    cut into files computes a group of them in each).
+
+    hidden_states (1,C,1,S) -> tuple of logits_j (1,V_j,1,S)
+    """
+
+    def __init__(self, cfg: LlamaConfig, heads: list[int] | None = None):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        splits = vocab_splits(cfg.vocab_size)
+        self.splits = [splits[j] for j in (heads if heads is not None else range(len(splits)))]
+        self.heads = nn.ModuleList(conv1x1(cfg.hidden_size, n) for n in self.splits)
+
+    def forward(self, hidden_states):
+        h = self.norm(hidden_states)
+        return tuple(head(h) for head in self.heads)
+
+
+def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
+    """LMHead of the splits the function's outputs name (logits_j)."""
+    def body(inputs):
+        h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+        return {t["name"]: conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight") for t in io["outputs"]}
+    return body
+
+
+def functions(cfg: LlamaConfig, layout: Layout, heads: list[int]) -> dict[str, dict]:
+    """{function: io} of an LM head file computing vocabulary splits `heads`: hidden_states
+    (1,C,1,S) -> its logits_j (1,V_j,1,S), one function for every bucket (it reads no cache)."""
+    splits = vocab_splits(cfg.vocab_size)
+    return {fn: {"inputs": [tensor("hidden_states", [1, cfg.hidden_size, 1, s], layout.dtype)],
+                 "outputs": [tensor(f"logits_{j}", [1, splits[j], 1, s], layout.dtype) for j in heads]}
+            for fn, s in (*layout.full_windows(), *layout.extra_windows())}
