@@ -1,9 +1,13 @@
 """The Swift fixtures generator: its tokenizer cases are what HF tokenizers says, round-trip, and
-cover what the Swift tests rely on (>= 200 strings, byte fallback, special tokens)."""
+cover what the Swift tests rely on (>= 200 strings, byte fallback, special tokens); and the
+fixtures committed under swift_host/Tests/LlamaANETests/Fixtures are what it writes."""
 
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,3 +124,128 @@ def test_generation_fixture_is_python_generation(tmp_path):
     g = data["generators"][0]
     rng = SeededRandom(int(g["seed"]))
     assert [str(rng.next()) for _ in g["next"]] == g["next"]
+
+
+FIXTURES = Path(__file__).resolve().parent.parent / "swift_host" / "Tests" / "LlamaANETests" / "Fixtures"
+# Floats (bigram tables, sampled chances, fp16 weights) are compared within these: another numpy or
+# BLAS build may round float32 results differently in the last bits, which the Swift tests' own
+# tolerances absorb. Ids, texts, names, shapes and flags are compared exactly.
+FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-6
+# Manifest fields that record the tools, the run or the bytes rather than what the Swift tests read.
+IGNORED_MANIFEST_FIELDS = {"created_by", "files", "source"}
+REGENERATE = "regenerate them: python tests/swift_fixtures.py swift_host/Tests/LlamaANETests/Fixtures"
+
+
+def _json_differences(got: Any, want: Any, where: str) -> list[str]:
+    """Where `got` differs from `want`: floats beyond the tolerance, anything else not equal."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        if set(got) != set(want):
+            return [f"{where}: keys {sorted(set(got) ^ set(want))} differ"]
+        return [d for k in want for d in _json_differences(got[k], want[k], f"{where}.{k}")]
+    if isinstance(want, list) and isinstance(got, list):
+        if len(got) != len(want):
+            return [f"{where}: {len(got)} items, committed {len(want)}"]
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _json_differences(g, w, f"{where}[{i}]")]
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        return [] if math.isclose(got, want, rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL) else [f"{where}: {got} != {want}"]
+    return [] if (type(got), got) == (type(want), want) else [f"{where}: {got!r} != {want!r}"]
+
+
+def _file_differences(got: Path, want: Path, rel: Path) -> list[str]:
+    """How a generated fixture file differs from the committed one."""
+    import numpy as np
+
+    if rel.suffix == ".json":
+        g, w = (json.loads(p.read_text("utf-8")) for p in (got, want))
+        if rel.name == "manifest.json":  # an export's manifest
+            g, w = ({k: v for k, v in m.items() if k not in IGNORED_MANIFEST_FIELDS} for m in (g, w))
+        return _json_differences(g, w, str(rel))
+    if rel.name == "weight.bin":
+        g, w = got.read_bytes(), want.read_bytes()
+        if len(g) != len(w):
+            return [f"{rel}: {len(g)} bytes, committed {len(w)}"]
+        a, b = (np.frombuffer(x[: len(x) // 2 * 2], np.float16).astype(np.float32) for x in (g, w))
+        close = np.isclose(a, b, rtol=FLOAT_RTOL, atol=FLOAT_ATOL, equal_nan=True)
+        return [] if close.all() else [f"{rel}: {int((~close).sum())} fp16 values differ"]
+    if rel.suffix == ".mlmodel":  # the program; its metadata records the tool versions
+        from coremltools.proto import Model_pb2
+
+        specs = []
+        for p in (got, want):
+            spec = Model_pb2.Model()
+            spec.ParseFromString(p.read_bytes())
+            spec.description.ClearField("metadata")
+            specs.append(spec)
+        return [] if specs[0] == specs[1] else [f"{rel}: the programs differ"]
+    return [] if got.read_bytes() == want.read_bytes() else [f"{rel}: contents differ"]
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+
+def test_fixture_comparison_tolerates_floats_and_tool_versions_only():
+    """The comparison of the committed fixtures: ids and texts exactly, floats within the tolerance,
+    an export manifest's tool versions, provenance and hashes not at all."""
+    want = {"ids": [1, 2], "text": "a b", "p": 0.25, "created_by": {"torch": "1"}}
+    assert _json_differences({**want, "p": 0.25 * (1 + FLOAT_RTOL / 2)}, want, "x") == []
+    assert _json_differences({**want, "p": 0.2501}, want, "x") == ["x.p: 0.2501 != 0.25"]
+    assert _json_differences({**want, "ids": [1, 3]}, want, "x") == ["x.ids[1]: 3 != 2"]
+    assert _json_differences({**want, "text": "a  b"}, want, "x") == ["x.text: 'a  b' != 'a b'"]
+    assert _json_differences({**want, "ids": [1.0, 2]}, want, "x") == ["x.ids[0]: 1.0 != 1"]
+    assert _json_differences({**want, "created_by": {"torch": "2"}}, want, "x") == ["x.created_by.torch: '2' != '1'"]
+
+
+def test_manifest_comparison_ignores_versions_and_hashes(tmp_path):
+    manifest = json.loads((FIXTURES / "export" / "manifest.json").read_text("utf-8"))
+    (tmp_path / "want").mkdir()
+    (tmp_path / "want" / "manifest.json").write_text(json.dumps(manifest))
+    changed = dict(manifest, created_by={"coremltools": "0"}, files={k: "0" * 64 for k in manifest["files"]})
+    (tmp_path / "got.json").write_text(json.dumps(changed))
+    rel = Path("export/manifest.json")
+    assert _file_differences(tmp_path / "got.json", tmp_path / "want" / "manifest.json", rel) == []
+    (tmp_path / "got.json").write_text(json.dumps(dict(changed, prefill_length=manifest["prefill_length"] + 1)))
+    assert _file_differences(tmp_path / "got.json", tmp_path / "want" / "manifest.json", rel) == [
+        f"{rel}.prefill_length: {manifest['prefill_length'] + 1} != {manifest['prefill_length']}"]
+
+
+# Tokenizers whose BPE the generator trains: `tokenizers`' trainer breaks ties between equally
+# frequent pairs in no fixed order, so a new training may merge differently. Their committed cases
+# are checked against their committed tokenizer.json instead, and the rest of the file compared.
+TRAINED_HERE = ("llama2_sentencepiece", "metaspace_bpe")
+
+
+def _trained_tokenizer_differences(generated: Path, committed: Path, rel: Path) -> list[str]:
+    """A trained tokenizer's fixture: the same case texts, each case's ids and decoded text what HF
+    tokenizers gives with the committed tokenizer.json, and that file the same but for the trained
+    vocabulary and merges."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(committed / "tokenizer.json"))
+    got_cases = json.loads((generated / "cases.json").read_text("utf-8"))["cases"]
+    want_cases = json.loads((committed / "cases.json").read_text("utf-8"))["cases"]
+    problems = _json_differences([c["text"] for c in got_cases], [c["text"] for c in want_cases], f"{rel}/cases.json texts")
+    for i, case in enumerate(want_cases):
+        ids = tok.encode(case["text"]).ids
+        now = {"text": case["text"], "ids": ids, "ids_without_special": tok.encode(case["text"], add_special_tokens=False).ids,
+               "decoded": tok.decode(ids, skip_special_tokens=False)}
+        problems += _json_differences(now, case, f"{rel}/cases.json.cases[{i}]")
+    shapes = []
+    for folder in (generated, committed):
+        data = json.loads((folder / "tokenizer.json").read_text("utf-8"))
+        data["model"] = {**data["model"], "vocab": len(data["model"]["vocab"]), "merges": None}
+        shapes.append(data)
+    return problems + _json_differences(shapes[0], shapes[1], f"{rel}/tokenizer.json")
+
+
+@pytest.mark.slow
+@pytest.mark.export
+def test_committed_swift_fixtures_are_what_the_generator_writes(tmp_path):
+    """`swift test` reads the committed fixtures; regenerated, they must come out the same."""
+    sf.write_swift_fixtures(tmp_path)
+    assert _files(tmp_path) == _files(FIXTURES), REGENERATE
+    trained = [Path("tokenizers") / name for name in TRAINED_HERE]
+    problems = [d for rel in trained for d in _trained_tokenizer_differences(tmp_path / rel, FIXTURES / rel, rel)]
+    problems += [d for rel in _files(FIXTURES) if rel.parent not in trained
+                 for d in _file_differences(tmp_path / rel, FIXTURES / rel, rel)]
+    assert not problems, "\n".join(problems[:20]) + f"\n{REGENERATE}"

@@ -1,7 +1,7 @@
 import Foundation
 import XCTest
 
-/// Locates the generated fixtures (`python tests/swift_fixtures.py DIR`).
+/// Locates the fixtures: committed files that `python tests/swift_fixtures.py DIR` generated.
 enum Fixtures {
     static let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().appendingPathComponent("Fixtures")
 
@@ -15,11 +15,11 @@ enum Fixtures {
     }
 }
 
-/// Missing fixtures are an error, not a skip: CI must generate them before `swift test`.
+/// Missing fixtures are an error, not a skip: they are part of the package's sources.
 struct MissingFixtureError: Error, CustomStringConvertible {
     let path: String
     var description: String {
-        "missing fixture \(path). Generate the fixtures first: "
-            + "python tests/swift_fixtures.py swift_host/Tests/LlamaANETests/Fixtures"
+        "missing fixture \(path). The fixtures are committed with the package: restore them from version control, "
+            + "or regenerate them with python tests/swift_fixtures.py swift_host/Tests/LlamaANETests/Fixtures"
     }
 }

@@ -34,6 +34,10 @@ public final class MLModel {
 public final class MLMultiArray {
     public init(shape: [NSNumber], dataType: MLMultiArrayDataType) throws { self.shape = shape; strides = shape; self.dataType = dataType }
     public init(pixelBuffer: CVPixelBuffer, shape: [NSNumber]) { self.shape = shape; strides = shape; dataType = .float16 }
+    public init(dataPointer: UnsafeMutableRawPointer, shape: [NSNumber], dataType: MLMultiArrayDataType, strides: [NSNumber],
+                deallocator: ((UnsafeMutableRawPointer) -> Void)? = nil) throws {
+        self.shape = shape; self.strides = strides; self.dataType = dataType
+    }
     public let shape: [NSNumber]
     public let strides: [NSNumber]
     public let dataType: MLMultiArrayDataType
