@@ -20,12 +20,14 @@ import torch
 
 from ..errors import LlamaANEError
 from ..config import ConfigError, LlamaConfig
+from ..hub import cached_repo, repo_id, resolve
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "generation_config.json")
-USAGE = "pass a Hugging Face folder (config.json + *.safetensors), a .gguf file, or nothing for the default model"
+USAGE = ("pass a Hugging Face folder (config.json + *.safetensors), a Hugging Face repo id (owner/name), a .gguf file, "
+         "or nothing for the default model")
 # safetensors dtype -> bytes per element; only the floating ones are weights we convert (an integer
 # tensor would be a quantized format we do not read, and casting it would export garbage)
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -93,13 +95,20 @@ def default_gguf_path() -> Path:
     return path
 
 
-def load_checkpoint(source: str | Path | None) -> Checkpoint:
-    """Open `source`: None (the embedded default), a .gguf file, or a Hugging Face folder."""
+def load_checkpoint(source: str | Path | None, revision: str | None = None) -> Checkpoint:
+    """Open `source`: None (the embedded default), a .gguf file, a Hugging Face folder, or a Hugging
+    Face repo id (`owner/name`, at `revision`), fetched into the Hub's cache (llama_ane.hub)."""
     if source is None or str(source) == "default":
+        if revision is not None:
+            raise CheckpointError(f"--revision {revision} applies to a Hugging Face repo id, not the embedded "
+                                  "default model; drop --revision")
         ckpt = _load_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
         ckpt.source = {"kind": "default", "path": DEFAULT_GGUF}
         return ckpt
-    path = Path(source).expanduser()
+    if repo_id(source) is not None or revision is not None:
+        path = resolve(source, revision)  # fetched from the Hub or found in its cache; a path with a revision: refused
+    else:
+        path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; {USAGE}")
     if path.is_file():
@@ -126,6 +135,9 @@ def read_json(file: Path, what: str) -> Any:
 
 def _read_config(folder: Path) -> LlamaConfig:
     cfg_file = folder / "config.json"
+    if not cfg_file.is_file() and (folder / "manifest.json").is_file():
+        raise CheckpointError(f"{folder} is a llama-ane export, not a checkpoint: run it as it is (llama-ane generate "
+                              f"{folder}), or export the checkpoint it came from")
     if not cfg_file.is_file():
         raise CheckpointError(f"{folder} has no config.json; {USAGE}")
     return LlamaConfig.from_hf_dict(read_json(cfg_file, "config.json"), origin=str(cfg_file))
@@ -254,8 +266,13 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
         with safe_open(str(where[hf_name]), framework="pt") as f:
             return f.get_slice(hf_name)[start:end]
 
-    ckpt = Checkpoint(name=folder.name, config=config, source={"kind": "hf", "path": str(folder)},
-                      tokenizer_dir=folder, get=get, get_rows=get_rows, tensors=tensors)
+    source, name = {"kind": "hf", "path": str(folder)}, folder.name
+    cached = cached_repo(folder)
+    if cached is not None:  # a snapshot folder is named by its commit: the repo names the model
+        source.update(repo=cached[0], revision=cached[1])
+        name = cached[0].split("/")[-1]
+    ckpt = Checkpoint(name=name, config=config, source=source, tokenizer_dir=folder, get=get, get_rows=get_rows,
+                      tensors=tensors)
     _check_tensors(ckpt, SAFETENSORS_FLOATS, "F32, F16 or BF16")
     return ckpt
 

@@ -13,6 +13,7 @@ from ..contract.plan import TARGETS
 from ..quantize.auto import DEFAULT_BUDGET_PCT
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
 from ..errors import InvalidArgumentError
+from ..hub import resolve
 from .errors import user_errors
 from .options import FiniteFloat
 
@@ -20,6 +21,7 @@ from .options import FiniteFloat
 @click.command("export")
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("--revision", default=None, help="Branch, tag or commit of MODEL when it is a Hugging Face repo id.")
 @click.option("--context-length", default=1024, show_default=True, help="Tokens the KV cache holds.")
 @click.option("--prefill-length", default=64, show_default=True, help="Query length of the prefill functions.")
 @click.option("--layers-per-chunk", type=int, default=None,
@@ -71,18 +73,22 @@ from .options import FiniteFloat
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs (and the perplexity "
                                                 "check of 4-bit schemes).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def command(model, out, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length, verify_window,
-            context_buckets, target,
+def command(model, out, revision, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length,
+            verify_window, context_buckets, target,
             precision, workers, max_memory, quantize, quantize_budget, quantize_recipe, quantize_embeddings,
             quantize_attention, quantize_mlp,
             quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet):
-    """Export MODEL (a Hugging Face folder, a .gguf file, or nothing for the embedded
+    """Export MODEL (a Hugging Face folder or repo id, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..api import export_model
 
     t0 = time.perf_counter()
     with user_errors(), stopped_by_signal(out):
         buckets = parse_buckets(context_buckets)
+        if revision is not None:  # the repo at that revision, fetched first: export_model reads its folder
+            if model is None:
+                raise InvalidArgumentError("--revision applies to a Hugging Face repo id given as MODEL")
+            model = resolve(model, revision)
         export_model(model, out, context_length=context_length, prefill_length=prefill_length,
                      layers_per_chunk=layers_per_chunk, branch_width=branch_width,
                      suffix_length=suffix_length, verify_window=verify_window, target=target, precision=precision, force=force,

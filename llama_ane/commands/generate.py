@@ -25,7 +25,7 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 
 
 @click.command("generate")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=str))  # as typed: "./x" stays a path
 @click.option("--prompt", type=TEXT, default=None, help="Prompt text.")
 @click.option("--prompt-file", type=Utf8File(), default=None,
               help="Read the prompt (e.g. a document) from this UTF-8 file.")
@@ -34,6 +34,7 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 @click.option("--samples", type=int, default=None, help="Decode N samples of the prompt as branches.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
@@ -53,9 +54,9 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 @click.option("--draft-tokens", type=int, default=None,
               help="Most drafted tokens per verify step [default: the export's verify window - 1].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
-def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, backend, precision, temperature,
+def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, revision, backend, precision, temperature,
             top_k, top_p, seed, stop, prompt_cache, speculative, draft_tokens, as_json):
-    """Generate text from the export in OUT."""
+    """Generate text from the export in OUT (a folder or a Hugging Face repo id)."""
     import llama_ane
 
     if (prompt is None) == (prompt_file is None):
@@ -74,7 +75,8 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
             raise InvalidArgumentError(f"--samples must be at least 1, got {samples}")
         if prompt_cache is not None and not prompt_cache.parent.is_dir():
             raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
-        model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
+        model = llama_ane.load(out, backend=backend, revision=revision,
+                               **({} if precision is None else {"precision": precision}))
         try:
             model.prepare()  # load every model before the clock starts
             cache = None

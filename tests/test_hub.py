@@ -1,0 +1,180 @@
+"""Hugging Face repo ids: the path-or-repo decision, offline loading and exporting from a
+pre-populated Hub cache, one clear error for a repo that is not there, and no request at all once a
+model is loaded (even after a change of working directory). Nothing here reaches the network."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llama_ane.hub import HubError, cached_repo, repo_id
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: Path, repo: str, folder: Path, commit: str = COMMIT, ref: str = "main") -> Path:
+    """Put `folder`'s files in the Hugging Face cache at `root` as a download of `repo` at `commit`
+    (its `ref` branch) leaves them: models--owner--name/snapshots/<commit>/..., refs/<ref>."""
+    storage = root / ("models--" + repo.replace("/", "--"))
+    snapshot = storage / "snapshots" / commit
+    shutil.copytree(folder, snapshot)
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache, offline: huggingface_hub reads only what the test puts there."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def no_requests(monkeypatch) -> list:
+    """Make every Hub download and HTTP session of huggingface_hub and transformers record its call
+    and fail; returns the list of calls (a caller that swallows the failure still leaves its trace)."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise AssertionError("a Hub request was made")
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("huggingface_hub", "transformers")):
+            continue
+        for attr in ("get_session", "get_async_session", "hf_hub_download", "snapshot_download"):
+            if callable(getattr(module, attr, None)):
+                monkeypatch.setattr(module, attr, refuse)
+    return calls
+
+
+def test_what_is_a_repo_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert repo_id("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert repo_id("owner/name.v2_b-c") == "owner/name.v2_b-c"
+    for path in ("./owner/name", "/owner/name", "~/name", "out/a/b", "model.gguf", "owner/model.gguf", "name",
+                 "owner/na--me", "owner/..", "owner/name/", "", None, "default"):
+        assert repo_id(path) is None, path
+    assert repo_id(Path("owner/name")) is None  # given as a Path: a path
+    (tmp_path / "out" / "smollm2").mkdir(parents=True)
+    assert repo_id("out/smollm2") is None  # it exists here: a path, never the Hub
+
+
+def test_cached_repo_reads_the_cache_layout(tmp_path):
+    snapshot = tmp_path / "models--owner--my-model" / "snapshots" / COMMIT
+    assert cached_repo(snapshot) == ("owner/my-model", COMMIT)
+    assert cached_repo(tmp_path / "out" / "smollm2") is None
+
+
+def test_a_revision_with_a_path_is_refused(tmp_path):
+    import llama_ane
+    from llama_ane.checkpoint.loader import load_checkpoint
+
+    with pytest.raises(HubError, match="applies to a Hugging Face repo id"):
+        llama_ane.load(str(tmp_path), revision="main")
+    with pytest.raises(HubError, match="applies to a Hugging Face repo id"):
+        load_checkpoint(tmp_path, revision="main")
+
+
+def test_a_missing_repo_offline_is_one_error(offline_hub, monkeypatch):
+    import llama_ane
+
+    monkeypatch.chdir(offline_hub)
+    with pytest.raises(HubError) as e:
+        llama_ane.load("owner/missing")
+    message = str(e.value)
+    assert "owner/missing" in message and "HF_HUB_OFFLINE" in message and "\n" not in message
+
+
+def test_a_checkpoint_loads_by_repo_id_offline(offline_hub, tiny_checkpoint, monkeypatch):
+    import llama_ane
+    from llama_ane.checkpoint.loader import CheckpointError, load_checkpoint
+
+    snapshot = hub_cache(offline_hub, "owner/tiny-llama", tiny_checkpoint())
+    monkeypatch.chdir(offline_hub.parent)
+    ckpt = load_checkpoint("owner/tiny-llama")
+    assert ckpt.name == "tiny-llama"
+    assert ckpt.source == {"kind": "hf", "path": str(snapshot.resolve()), "repo": "owner/tiny-llama",
+                           "revision": COMMIT}
+    assert load_checkpoint("owner/tiny-llama", revision=COMMIT).source["path"] == str(snapshot.resolve())
+    with pytest.raises(HubError, match="revision v9"):
+        load_checkpoint("owner/tiny-llama", revision="v9")
+    model = llama_ane.load("owner/tiny-llama", backend="torch", context_length=64, prefill_length=16)
+    assert model.folder == snapshot.resolve()
+    assert len(model.generate("The quick", max_new_tokens=3).token_ids) <= 3
+    model.close()
+    export_only = hub_cache(offline_hub, "owner/not-a-checkpoint", tiny_checkpoint(), commit="f" * 40)
+    (export_only / "config.json").rename(export_only / "manifest.json")
+    with pytest.raises(CheckpointError, match="is a llama-ane export, not a checkpoint"):
+        load_checkpoint("owner/not-a-checkpoint")
+
+
+def test_an_export_loads_by_repo_id_offline(offline_hub, tiny_export, monkeypatch):
+    import llama_ane
+
+    snapshot = hub_cache(offline_hub, "owner/tiny-ane", tiny_export)
+    monkeypatch.chdir(offline_hub.parent)
+    model = llama_ane.load("owner/tiny-ane", revision="main")
+    assert model.folder == snapshot.resolve() and model.manifest["name"] == json.loads(
+        (tiny_export / "manifest.json").read_text())["name"]
+    reference = llama_ane.load(tiny_export)
+    prompt = "The quick brown fox"
+    assert model.generate(prompt, max_new_tokens=6).token_ids == reference.generate(prompt, max_new_tokens=6).token_ids
+    model.close()
+    reference.close()
+
+
+@pytest.mark.export
+def test_a_checkpoint_exports_by_repo_id_offline(offline_hub, tiny_checkpoint, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    hub_cache(offline_hub, "owner/tiny-llama", tiny_checkpoint())
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["export", "owner/tiny-llama", "--revision", COMMIT, "-o", "out/tiny",
+                                       "--context-length", "64", "--prefill-length", "16", "--branches", "0",
+                                       "--no-verify", "--quiet"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "out" / "tiny" / "manifest.json").read_text())
+    assert manifest["name"] == "tiny-llama"
+    assert manifest["source"]["repo"] == "owner/tiny-llama" and manifest["source"]["revision"] == COMMIT
+
+
+@pytest.mark.export
+def test_the_cli_says_one_line_for_a_missing_repo_offline(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "llama_ane", "generate", "owner/missing", "--prompt", "hi"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "owner/missing" in lines[0], done.stderr
+    assert not (tmp_path / "owner").exists()
+
+
+def test_a_loaded_model_makes_no_request_after_chdir(tiny_export, tmp_path, monkeypatch):
+    import llama_ane
+
+    monkeypatch.chdir(tiny_export.parent.parent)
+    model = llama_ane.load(f"{tiny_export.parent.name}/{tiny_export.name}")  # relative, as a user types it
+    assert model.folder.is_absolute()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    calls = no_requests(monkeypatch)
+    result = model.generate("The quick brown fox", chat=True, max_new_tokens=4)
+    assert result.token_ids or result.finish_reason == "eos"
+    assert calls == []
+    model.close()
