@@ -147,7 +147,8 @@ def decoder_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask
     """
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s)
-    heads = grouped_attention_mil(g, q, _layer_cache_mil(g, cfg, k_cache, i, t), _layer_cache_mil(g, cfg, v_cache, i, t),
+    heads = grouped_attention_mil(g, q, _layer_cache_mil(g, cfg, k_cache, i, t),
+                                  _layer_cache_mil(g, cfg, v_cache, i, t),
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r))
     x = finish_mil(g, cfg, prefix, x, heads, s)
