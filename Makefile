@@ -49,4 +49,4 @@ bench-report: setup
 	$(PY) benchmarks/report.py
 
 clean:
-	rm -rf $(VENV) out swift_host/.build $(FIXTURES)
+	rm -rf $(VENV) out swift_host/.build
