@@ -31,7 +31,7 @@ test-python: setup
 	$(PY) -m pytest -q
 
 test-quick: setup
-	$(PY) -m pytest -q -m "not slow and not export"
+	LLAMA_ANE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not export"
 
 # The Swift tests read the committed fixtures ($(FIXTURES)): no Python needed. After changing what
 # they record, regenerate them with `$(PY) tests/swift_fixtures.py $(FIXTURES)`; a slow test in
