@@ -400,7 +400,7 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
                 if verify:  # the parity gate runs before the rename: a failing export is never left in place
                     from .verify import verify_export
 
-                    report = verify_export(tmp, checkpoint=ckpt)
+                    report = verify_export(tmp, checkpoint=ckpt, progress=progress)
                     report.export_dir = str(out)
                     say(str(report))
                     if not report.passed:

@@ -75,15 +75,20 @@ def windows_of(ids: list[int], size: int) -> list[list[int]]:
 
 
 def evaluate(out_dir: str | Path, text: str | None = None, *, backend: str = "auto", precision: str | None = None,
-             reference: str | Path | None = None, window: int | None = None) -> EvalReport:
+             reference: str | Path | None = None, window: int | None = None, progress: bool = False) -> EvalReport:
     """Perplexity of the export at `out_dir` on `text` (default: the shipped held-out prose), and,
     with `reference` (another export of the same model, e.g. its fp16 one), top-1 agreement and
-    mean KL divergence against it. `window` caps the window length (default: the context length)."""
+    mean KL divergence against it. `window` caps the window length (default: the context length).
+    `progress`: say what is loaded and scored at once, and show the windows with an ETA (stderr)."""
+    import sys
+
     from .contract.manifest import read_manifest
     from .runtime.model import load
-    from .verify import top1_agreement
+    from .verify import StepBar, top1_agreement
 
     out_dir = Path(out_dir)
+    if progress:
+        print(f"eval {out_dir}: loading ({backend})...", file=sys.stderr, flush=True)
     manifest = read_manifest(out_dir)
     options = {} if precision is None else {"precision": precision}
     model = load(out_dir, backend=backend, **options)
@@ -105,17 +110,23 @@ def evaluate(out_dir: str | Path, text: str | None = None, *, backend: str = "au
         nll, ref_nll, agree, kl = [], [], [], []
         parts = windows_of(ids, size)
         half = model.backend.dtype == np.float16
+        bar = StepBar(len(ids), "eval", progress, unit="tok")
+        bar.say(f"eval {out_dir}: {len(ids)} tokens in {len(parts)} window(s) of up to {size}"
+                + (f", each through this export and {reference}" if ref_model is not None else ""))
         for part in parts:
             target = np.asarray(part[1:])
-            logits = model.score(part)[:-1]  # [n-1, V]: position t predicts token t+1
+            with bar.step(f"{len(part)}-token window", len(part)):
+                logits = model.score(part)[:-1]  # [n-1, V]: position t predicts token t+1
+                if ref_model is not None:
+                    ref_logits = ref_model.score(part)[:-1]
             logp = log_softmax(logits)
             nll.append(-logp[np.arange(len(target)), target])
             if ref_model is not None:
-                ref_logits = ref_model.score(part)[:-1]
                 ref_logp = log_softmax(ref_logits)
                 ref_nll.append(-ref_logp[np.arange(len(target)), target])
                 agree.append(top1_agreement(logits, ref_logits, np.float16 if half else np.float32) * len(target))
                 kl.append((np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1))
+        bar.close()
         predictions = sum(len(n) for n in nll)
         report = EvalReport(str(out_dir), model.backend.name, "fp16" if half else "fp32", len(ids), len(parts),
                             predictions, float(np.exp(np.concatenate(nll).mean())),

@@ -21,9 +21,12 @@ which is then released, before the next loads), and transformers runs one decode
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -132,6 +135,35 @@ class VerifyReport:
         else:
             lines.append("  passed")
         return "\n".join(lines)
+
+
+class StepBar:
+    """One progress line over a fixed number of named steps, with tqdm's ETA, on stderr; what a
+    step says goes through tqdm.write so the bar is never broken. Disabled: it says nothing."""
+
+    def __init__(self, steps: int, desc: str, enabled: bool, unit: str = "step"):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc=desc, unit=unit, dynamic_ncols=True, leave=False, file=sys.stderr)
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+
+    @contextlib.contextmanager
+    def step(self, what: str, count: int = 1) -> Iterator[None]:
+        """Show `what` while the body runs, then count `count` steps done."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+        yield
+        if self.bar is not None:
+            self.bar.update(count)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def default_text() -> str:
@@ -254,7 +286,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
                   with_transformers: bool = True,
                   torch_thresholds: Thresholds = TORCH_THRESHOLDS,
                   transformers_thresholds: Thresholds | None = None,
-                  checkpoint=None) -> VerifyReport:
+                  checkpoint=None, progress: bool = False) -> VerifyReport:
     """Score `text` (default: the shipped prose) with `backend` and compare with torch and transformers.
 
     Parameters
@@ -267,6 +299,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         otherwise it is loaded from the manifest's `source`.
     transformers_thresholds : default: fp16's, or for a compressed export those of its most lossy
         scheme (SCHEME_THRESHOLDS).
+    progress : say at once what is checked, and show each step with an ETA (stderr).
 
     Two comparisons. The conversion: with the mil backend, the programs executed in float32 against
     the torch modules they are written from in float32, so that nothing but a conversion error
@@ -278,11 +311,24 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
 
     Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
     """
+    out_dir = Path(out_dir)
+    bar = StepBar(7, "verify", progress)
+    bar.say(f"verify {out_dir}: scoring {max_tokens} tokens of text with the {backend} backend, against torch"
+            + (" and transformers" if with_transformers else "") + "...")
+    try:
+        return _verify(out_dir, backend, text, max_tokens, precision, with_transformers, torch_thresholds,
+                       transformers_thresholds, checkpoint, bar)
+    finally:
+        bar.close()
+
+
+def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, precision: str | None,
+            with_transformers: bool, torch_thresholds: Thresholds, transformers_thresholds: Thresholds | None,
+            checkpoint, bar: StepBar) -> VerifyReport:
     from .contract.manifest import read_manifest
     from .reference import transformers_logits
     from .runtime.model import load
 
-    out_dir = Path(out_dir)
     report = VerifyReport(str(out_dir), backend, precision or "export precision")
     if backend not in ("mil", "coreml"):
         report.error = f"--backend must be mil or coreml, not {backend!r}"
@@ -300,11 +346,12 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     else:
         report.precision = export_precision
     try:
-        model = load(out_dir, backend=backend, **options)
-        try:
-            ids = model.encode(text if text is not None else default_text())
-        finally:
-            model.close()
+        with bar.step("reading the tokenizer"):
+            model = load(out_dir, backend=backend, **options)
+            try:
+                ids = model.encode(text if text is not None else default_text())
+            finally:
+                model.close()
         ids = [int(t) for t in ids[:min(max_tokens, int(manifest["context_length"]))]]
         if len(ids) < MIN_TOKENS:
             report.error = (f"the text has {len(ids)} token(s); verification needs at least {MIN_TOKENS}: "
@@ -318,17 +365,20 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
             report.method += ("\n  torch: the programs run in fp32 against the torch modules in fp32 on the same weights "
                               "(the conversion)" + (f"; transformers: the programs in {report.precision} against the "
                                                     "checkpoint in fp32 (the whole)" if with_transformers else ""))
-        got = _scored(out_dir, backend, ids, **options)  # [T, vocab]
+        with bar.step(f"the {backend} backend in {report.precision}"):
+            got = _scored(out_dir, backend, ids, **options)  # [T, vocab]
         # the conversion check runs the programs in float32 (unless they already ran in it)
         conversion_precision = "fp32" if backend == "mil" else export_precision
         got_conversion = got
-        if backend == "mil" and options["precision"] != "fp32":
-            got_conversion = _scored(out_dir, backend, ids, precision="fp32", widen_weights=False)
+        with bar.step(f"the {backend} backend in fp32"):
+            if backend == "mil" and options["precision"] != "fp32":
+                got_conversion = _scored(out_dir, backend, ids, precision="fp32", widen_weights=False)
     except Exception as exc:  # a broken export must give a report, not a traceback
         report.error = f"the {backend} backend could not score the text: {type(exc).__name__}: {exc}"
         return report
     try:
-        checkpoint = checkpoint or load_source_checkpoint(manifest)
+        with bar.step("loading the source checkpoint"):
+            checkpoint = checkpoint or load_source_checkpoint(manifest)
     except Exception as exc:
         report.error = (f"the source checkpoint recorded in manifest.json ({manifest['source']}) cannot be "
                         f"loaded, and the references are built from it: {type(exc).__name__}: {exc}")
@@ -337,8 +387,9 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     try:
         # the modules the programs are written from, on the checkpoint's weights (the export's own
         # when they are compressed)
-        want = _scored(out_dir, "torch", ids, precision=conversion_precision,
-                       **({} if compressed else {"checkpoint": checkpoint, "weights_precision": export_precision}))
+        with bar.step(f"the torch modules in {conversion_precision}"):
+            want = _scored(out_dir, "torch", ids, precision=conversion_precision,
+                           **({} if compressed else {"checkpoint": checkpoint, "weights_precision": export_precision}))
         label = f"torch ({conversion_precision}{', same weights' if compressed else ''})"
         report.comparisons.append(compare_logits(got_conversion, want, label, torch_thresholds,
                                                  np.float16 if conversion_precision == "fp16" else np.float32))
@@ -351,8 +402,9 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
         try:  # the verify function (speculative decoding): a token tree from the text, the same two backends
             conversion = {"precision": "fp32", "widen_weights": False} if backend == "mil" else {}
             reference = {} if compressed else {"checkpoint": checkpoint, "weights_precision": export_precision}
-            tree = _tree_logits(out_dir, backend, ids[:window], **conversion)
-            want = _tree_logits(out_dir, "torch", ids[:window], precision=conversion_precision, **reference)
+            with bar.step(f"the verify function on a tree of {window}"):
+                tree = _tree_logits(out_dir, backend, ids[:window], **conversion)
+                want = _tree_logits(out_dir, "torch", ids[:window], precision=conversion_precision, **reference)
             report.comparisons.append(compare_logits(tree, want, f"{label}, verify tree of {window}", torch_thresholds,
                                                      np.float16 if conversion_precision == "fp16" else np.float32))
         except Exception as exc:
@@ -360,7 +412,8 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
             return report
     if with_transformers:
         try:
-            hf = transformers_logits(ids, checkpoint)
+            with bar.step("transformers, one layer at a time"):
+                hf = transformers_logits(ids, checkpoint)
         except Exception as exc:
             report.skipped.append(f"transformers: skipped, could not build the reference model "
                                   f"({type(exc).__name__}: {exc})")

@@ -188,7 +188,7 @@ GENERATE_FIELDS = {"text", "token_ids", "backend", "prompt_tokens", "generated_t
 
 def test_generate_json(tiny_export):
     r = run_cli("generate", tiny_export, "--prompt", "The quick brown fox", "--max-new-tokens", "12",
-                "--backend", "torch", "--json")
+                "--backend", "torch", "--json", "--raw")
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert GENERATE_FIELDS <= set(out)
@@ -206,10 +206,13 @@ def test_generate_json(tiny_export):
 
 def test_generate_streams_text_and_reports_speed(tiny_export):
     r = run_cli("generate", tiny_export, "--prompt", "Caches hold", "--max-new-tokens", "8", "--backend", "torch",
-                "--temperature", "0.8", "--top-k", "20", "--seed", "3")
+                "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--raw")
     assert r.exit_code == 0, r.stderr
-    assert re.search(r"\[torch\] prefill: \d+ tokens in [\d.]+ s, [\d.]+ tok/s \| decode: \d+ tokens, .* \| finish: \w+",
-                     r.stderr), r.stderr
+    assert re.search(r"\[torch\] prefill: \d+ tokens in [\d.]+ s, [\d.]+ tok/s \| first token after [\d.]+ s\n"
+                     r"\[torch\] generated \d+ tokens: \d+ decode steps in [\d.]+ s, .* \| finish: \w+\n"
+                     r"\[torch\] load [\d.]+ s \+ warm-up [\d.]+ s \| total [\d.]+ s \| peak memory [\d.]+ GiB", r.stderr), \
+        r.stderr
+    assert "reused" not in r.stderr  # no cache was given
     model = llama_ane.load(tiny_export, backend="torch")
     want = model.generate("Caches hold", max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
     model.close()
@@ -231,7 +234,7 @@ def test_generate_prompt_longer_than_the_context(tiny_export):
     n = len(model.encode(prompt))
     model.close()
     assert n > 256
-    r = run_cli("generate", tiny_export, "--prompt", prompt, "--max-new-tokens", "4", "--backend", "torch")
+    r = run_cli("generate", tiny_export, "--prompt", prompt, "--max-new-tokens", "4", "--backend", "torch", "--raw")
     assert_one_error_line(r, f"{n} tokens do not fit", "context length is 256")
 
 

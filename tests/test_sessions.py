@@ -162,7 +162,7 @@ def test_cli_prompt_cache_is_created_then_reused(tiny_export, tmp_path):
 
     def run(prompt):
         proc = subprocess.run([sys.executable, "-m", "llama_ane", "generate", str(tiny_export), "--prompt", prompt,
-                               "--prompt-cache", str(cache), "--max-new-tokens", "4", "--json"],
+                               "--prompt-cache", str(cache), "--max-new-tokens", "4", "--json", "--raw"],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)

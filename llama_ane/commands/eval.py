@@ -7,16 +7,15 @@ import json
 
 import click
 
-from ..runtime.model import BACKENDS
 from .errors import user_errors
-from .options import Utf8File
+from .options import BACKEND, Utf8File
 
 
 @click.command("eval")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--text", "text_file", type=Utf8File(), default=None,
               help="Text file to score instead of the shipped held-out prose (about 2100 tokens).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere; mil runs the saved programs with numpy.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="Computation precision of the torch or mil backend [default: the backend's].")
@@ -24,8 +23,9 @@ from .options import Utf8File
               help="Another export of the same model (e.g. its fp16 one): adds top-1 agreement and mean KL.")
 @click.option("--window", type=int, default=None, help="Tokens per scored window [default: the context length].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress line.")
 def command(out: str, text_file: str | None, backend: str, precision: str | None, reference: str | None,
-            window: int | None, as_json: bool) -> None:
+            window: int | None, as_json: bool, quiet: bool) -> None:
     """Perplexity of the export OUT on held-out text (and, with --reference, agreement with another export)."""
     from ..evaluate import evaluate
 
@@ -34,5 +34,6 @@ def command(out: str, text_file: str | None, backend: str, precision: str | None
         if text_file is not None:
             with open(text_file, encoding="utf-8") as f:
                 text = f.read()
-        report = evaluate(out, text, backend=backend, precision=precision, reference=reference, window=window)
+        report = evaluate(out, text, backend=backend, precision=precision, reference=reference, window=window,
+                          progress=not quiet)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else str(report))

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import click
 
-from ..contract.plan import TARGETS
 from ..quantize.auto import DEFAULT_BUDGET_PCT
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES
 from ..errors import InvalidArgumentError
 from ..hub import resolve
 from .errors import user_errors
-from .options import FiniteFloat
+from .options import FiniteFloat, LazyChoice
 
 
 @click.command("export")
@@ -37,7 +37,7 @@ from .options import FiniteFloat
               help="Cache lengths with prefill and decode functions of their own; a step runs the smallest that "
                    "holds its positions, so it reads no more of the cache than the conversation fills. auto: "
                    "powers of two from 512 up to --context-length (iOS18/macOS15); one size: the whole context.")
-@click.option("--target", type=click.Choice(TARGETS), default="iOS18", show_default=True,
+@click.option("--target", type=LazyChoice("llama_ane.contract.plan", "TARGETS"), default="iOS18", show_default=True,
               help="Minimum deployment target; iOS18/macOS15 give multifunction packages.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default="fp16", show_default=True)
 @click.option("--workers", type=int, default=None,
@@ -73,11 +73,12 @@ from .options import FiniteFloat
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs (and the perplexity "
                                                 "check of 4-bit schemes).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON object on stdout (the log goes to stderr).")
 def command(model, out, revision, context_length, prefill_length, layers_per_chunk, branch_width, suffix_length,
             verify_window, context_buckets, target,
             precision, workers, max_memory, quantize, quantize_budget, quantize_recipe, quantize_embeddings,
             quantize_attention, quantize_mlp,
-            quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet):
+            quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet, as_json):
     """Export MODEL (a Hugging Face folder or repo id, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..api import export_model
@@ -96,8 +97,28 @@ def command(model, out, revision, context_length, prefill_length, layers_per_chu
                      quantize_budget=quantize_budget, quantize_recipe=quantize_recipe,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
-                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, context_buckets=buckets, progress=not quiet, log=click.echo)
+                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, context_buckets=buckets, progress=not quiet,
+                     log=_log_to_stderr if as_json else _log)
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"out": str(out), "seconds": round(time.perf_counter() - t0, 3),
+                               "verified": not no_verify}))
+        return
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+def _log(line: str) -> None:
+    """A line of the export's log, printed above the progress bar rather than through it."""
+    from tqdm import tqdm
+
+    tqdm.write(line)
+
+
+def _log_to_stderr(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 @contextlib.contextmanager

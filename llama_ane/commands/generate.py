@@ -1,49 +1,70 @@
 """`llama-ane generate`: stream text from an export, or decode many branches over one shared prefix.
 
-    llama-ane generate OUT --prompt "..."                          one continuation, streamed
+    llama-ane generate OUT --prompt "..."                          one reply, streamed (the export's
+                        chat template wraps the prompt when it has one; --raw continues the text itself)
     llama-ane generate OUT --prompt-file doc.txt --question A --question B   document QA (cascade)
     llama-ane generate OUT --prompt "..." --samples 8 --temperature 0.8      N samples (cascade)
     llama-ane generate OUT --prompt-file doc.txt --question A --prompt-cache doc.npz
                         (the document's K/V saved on the first run, reused by later ones)
     llama-ane generate OUT --prompt-file doc.txt --speculative lookup      speculative decoding:
                         drafts from the prompt verified in one window per step, same output
+    cat doc.txt | llama-ane generate OUT --prompt-file - --question "..."   the prompt from stdin
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
 
 from ..errors import InvalidArgumentError
-from ..runtime.model import BACKENDS
 from .errors import user_errors
-from .options import TEMPERATURE, TEXT, TOP_P, Utf8File
+from .options import (BACKEND, MIN_P, REPETITION_PENALTY, TEMPERATURE, TEXT, TOP_P, OptionError, Utf8File,
+                      read_text_arg)
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+# Where a raw (untemplated) answer to a document question ends unless --stop says otherwise: a
+# base model runs on into the next paragraph or question; with the chat template the end-of-turn
+# token ends it.
+RAW_ANSWER_STOP = "\n\n"
 
 
 @click.command("generate")
 @click.argument("out", type=click.Path(path_type=str))  # as typed: "./x" stays a path
 @click.option("--prompt", type=TEXT, default=None, help="Prompt text.")
-@click.option("--prompt-file", type=Utf8File(), default=None,
-              help="Read the prompt (e.g. a document) from this UTF-8 file.")
+@click.option("--prompt-file", type=Utf8File(stdin=True), default=None,
+              help="Read the prompt (e.g. a document) from this UTF-8 file; - reads standard input.")
 @click.option("--question", "questions", type=TEXT, multiple=True,
-              help="A question about the prompt (repeatable): each is a branch over the shared prompt.")
+              help="A question about the prompt (repeatable): each is a branch over the shared prompt. "
+                   f"Without the chat template an answer stops at a blank line unless --stop is given.")
 @click.option("--samples", type=int, default=None, help="Decode N samples of the prompt as branches.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--raw", is_flag=True, help="Give the prompt as it is, without the model's chat template "
+                                          "(which is applied by default when the export records one).")
+@click.option("--chat", is_flag=True, hidden=True, help="Wrap the prompt in the chat template (the default).")
+@click.option("--system", type=TEXT, default=None, help="A system prompt (with the chat template).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
 @click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--min-p", type=MIN_P, default=0.0, show_default=True,
+              help="Keep tokens at least this fraction as likely as the most likely one (after top-p; 0 = off).")
+@click.option("--repetition-penalty", type=REPETITION_PENALTY, default=1.0, show_default=True,
+              help="Lower the logits of the last 64 context tokens: divided by it if positive, multiplied if "
+                   "negative (1 = off).")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", type=TEXT, multiple=True, help="Stop at this string (repeatable).")
+@click.option("--overflow", type=click.Choice(["stop", "shift"]), default="stop", show_default=True,
+              help="At a full context: stop, or shift (keep the first --keep tokens and the most recent ones, "
+                   "go on); a prompt longer than the context is shifted too.")
+@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Tokens at the start that --overflow shift keeps.")
 @click.option("--prompt-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A prompt-cache file: reused if it exists (only the prompt's new tokens are prefilled), "
                    "created or updated otherwise.")
@@ -54,11 +75,53 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 @click.option("--draft-tokens", type=int, default=None,
               help="Most drafted tokens per verify step [default: the export's verify window - 1].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
-def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, revision, backend, precision, temperature,
-            top_k, top_p, seed, stop, prompt_cache, speculative, draft_tokens, as_json):
+def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, revision, backend,
+            precision, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, overflow, keep,
+            prompt_cache, speculative, draft_tokens, as_json):
     """Generate text from the export in OUT (a folder or a Hugging Face repo id)."""
-    import llama_ane
+    started = time.perf_counter()
+    _check_options(prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, speculative,
+                   draft_tokens, repetition_penalty, overflow, keep)
+    text = prompt if prompt is not None else read_text_arg(prompt_file, "--prompt-file")
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    stop=list(stop), min_p=min_p)
+    with user_errors():
+        if prompt_cache is not None and not prompt_cache.parent.is_dir():
+            raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
+        from ..runtime.chat import has_template
+        from .session import check_wrapping, load_model
 
+        loaded = load_model(out, backend, revision=revision, **({} if precision is None else {"precision": precision}))
+        model = loaded.model
+        try:
+            wrap = not raw and has_template(model)
+            if (chat or system is not None) and not wrap:
+                raise InvalidArgumentError(f"{'--chat' if chat else '--system'} needs a chat template, and this "
+                                           f"export records none; drop {'--chat' if chat else '--system'}")
+            cache = None
+            if prompt_cache is not None:
+                cache = model.load_cache(prompt_cache) if prompt_cache.exists() else model.make_cache()
+                check_wrapping(cache, "chat" if wrap else "raw", prompt_cache)
+                cache.wrapping = "chat" if wrap else "raw"
+                sampling["cache"] = cache
+            if questions or samples is not None:
+                if questions and not wrap and not stop:
+                    sampling["stop"] = [RAW_ANSWER_STOP]
+                _branches(model, text, list(questions), samples, wrap, system, sampling, as_json)
+            else:
+                if speculative is not None:
+                    sampling.update(speculative=speculative, draft_tokens=draft_tokens)
+                sampling.update(repetition_penalty=repetition_penalty, overflow=overflow, keep=keep)
+                _single(model, loaded, text, wrap, system, sampling, as_json, raw, started)
+            if cache is not None:
+                model.save_cache(cache, prompt_cache)
+        finally:
+            model.close()
+
+
+def _check_options(prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, speculative,
+                   draft_tokens, repetition_penalty, overflow, keep) -> None:
+    """Refuse options that cannot go together, by flag, before any model loads."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if questions and samples is not None:
@@ -67,42 +130,36 @@ def command(out, prompt, prompt_file, questions, samples, chat, max_new_tokens, 
         raise click.UsageError("--speculative decodes one continuation: drop --question/--samples")
     if draft_tokens is not None and speculative is None:
         raise click.UsageError("--draft-tokens needs --speculative")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    stop=list(stop))
-    with user_errors():
-        if samples is not None and samples < 1:
-            raise InvalidArgumentError(f"--samples must be at least 1, got {samples}")
-        if prompt_cache is not None and not prompt_cache.parent.is_dir():
-            raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
-        model = llama_ane.load(out, backend=backend, revision=revision,
-                               **({} if precision is None else {"precision": precision}))
-        try:
-            model.prepare()  # load every model before the clock starts
-            cache = None
-            if prompt_cache is not None:
-                cache = model.load_cache(prompt_cache) if prompt_cache.exists() else model.make_cache()
-                sampling["cache"] = cache
-            if questions or samples is not None:
-                _branches(model, text, list(questions), samples, chat, sampling, as_json)
-            else:
-                if speculative is not None:
-                    sampling.update(speculative=speculative, draft_tokens=draft_tokens)
-                _single(model, text, chat, sampling, as_json)
-            if cache is not None:
-                model.save_cache(cache, prompt_cache)
-        finally:
-            model.close()
+    if raw and chat:
+        raise click.UsageError("--raw and --chat contradict each other: the chat template is the default, drop --chat")
+    if raw and system is not None:
+        raise click.UsageError("--system needs the chat template: drop --raw")
+    if samples is not None and samples < 1:
+        raise OptionError(f"--samples must be at least 1, got {samples}")
+    if max_new_tokens < 1:
+        raise OptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if repetition_penalty != 1.0 and (questions or samples is not None or speculative is not None):
+        raise click.UsageError("--repetition-penalty decodes one plain continuation: drop --question/--samples/"
+                               "--speculative")
+    if (overflow != "stop" or keep) and (questions or samples is not None):
+        raise click.UsageError("--overflow and --keep apply to one continuation: drop --question/--samples")
+    if keep and overflow != "shift":
+        raise click.UsageError("--keep is what --overflow shift keeps: add --overflow shift")
 
 
-def _single(model, text, chat, sampling, as_json):
-    result = model.generate(model.encode(text, chat=True) if chat else text, **sampling,
+def _prompt(model, text: str, wrap: bool, system: str | None) -> str | list[int]:
+    from ..runtime.chat import prompt_ids
+
+    return prompt_ids(model, text, system) if wrap else text
+
+
+def _single(model, loaded, text, wrap, system, sampling, as_json, raw, started):
+    from .session import generation_stats, stats_lines
+
+    result = model.generate(_prompt(model, text, wrap, system), **sampling,
                             on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
-    stats = {"backend": model.backend.name, "prompt_tokens": result.prompt_tokens,
-             "reused_tokens": result.reused_tokens, "prefill_seconds": round(result.prefill_seconds, 3),
-             "generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
-             "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
-             "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}
+    stats = {"backend": model.backend.name, "chat_template": wrap,
+             **generation_stats(result, loaded, "cache" in sampling, started)}
     if result.speculative is not None:
         stats["speculative"] = result.speculative
     if as_json:
@@ -110,12 +167,14 @@ def _single(model, text, chat, sampling, as_json):
         return
     click.echo()
     if result.finish_reason == "context":
-        click.echo(f"[stopped: the context of {model.manifest['context_length']} tokens is full]", err=True)
-    reused = f" ({result.reused_tokens} reused from the cache)" if result.reused_tokens else ""
-    click.echo(f"[{stats['backend']}] prefill: {result.prefilled_tokens} tokens{reused} in "
-               f"{stats['prefill_seconds']} s, {stats['prefill_tokens_per_s']} tok/s | "
-               f"decode: {result.decoded_tokens} tokens, {stats['decode_tokens_per_s']} tok/s | "
-               f"finish: {result.finish_reason}", err=True)
+        click.echo(f"[stopped: the context of {model.manifest['context_length']} tokens is full; "
+                   "--overflow shift goes on]", err=True)
+    if not result.token_ids and result.finish_reason == "eos":
+        click.echo("[the model ended its reply at once (end of sequence): "
+                   + ("a base model may need the text to continue: try --raw]" if wrap else
+                      "an instruct model answers a question in its chat template: drop --raw]"), err=True)
+    for line in stats_lines(stats["backend"], stats):
+        click.echo(line, err=True)
     spec = result.speculative
     if spec is not None:
         click.echo(f"[speculative] {spec['verify_steps']} verify steps, {spec['tokens_per_step']} tokens per "
@@ -123,25 +182,27 @@ def _single(model, text, chat, sampling, as_json):
                    f"{spec['drafted_tokens']} drafted), {spec['decode_steps']} plain steps", err=True)
 
 
-def _branches(model, text, questions, samples, chat, sampling, as_json):
+def _branches(model, text, questions, samples, wrap, system, sampling, as_json):
     """Document QA (one branch per question) or N samples, decoded with the cascade."""
     from ..runtime.cascade import split_shared_prefix
+    from ..runtime.chat import prompt_ids
 
     if samples is not None:
         labels = [f"sample {i + 1}" for i in range(samples)]
-        out = model.generate_branches(model.encode(text, chat=chat), n=samples,
-                                      **sampling)
+        prefix = prompt_ids(model, text, system) if wrap else model.encode(text)
+        out = model.generate_branches(prefix, n=samples, **sampling)
         if sampling["temperature"] == 0 and samples > 1 and not as_json:
             click.echo("[note: at --temperature 0 every sample is the same greedy text]", err=True)
     else:
         labels = [f"Q: {q}" for q in questions]
-        if chat:
-            prefix, own = split_shared_prefix([model.encode(f"{text}\n\nQuestion: {q}", chat=True) for q in questions])
+        if wrap:
+            prefix, own = split_shared_prefix([prompt_ids(model, f"{text}\n\nQuestion: {q}", system)
+                                               for q in questions])
         else:
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
         out = model.generate_branches(prefix, own, **sampling)
     s = out.stats
-    summary = {"backend": model.backend.name, "prefix_tokens": s.prefix_tokens, "reused_tokens": s.reused_tokens,
+    summary = {"backend": model.backend.name, "chat_template": wrap, "prefix_tokens": s.prefix_tokens,
                "num_branches": s.branches,
                "steps": s.steps, "generated_tokens": s.generated_tokens,
                "prefill_seconds": round(s.prefill_seconds, 3), "decode_seconds": round(s.decode_seconds, 3),
@@ -149,15 +210,19 @@ def _branches(model, text, questions, samples, chat, sampling, as_json):
                # a model (cache shapes x prefix tokens), not a measurement: see runtime.cascade.prefix_bytes_per_step
                "modelled_prefix_bytes_per_step_cascade": s.prefix_bytes_per_step_cascade,
                "modelled_prefix_bytes_per_step_separate": s.prefix_bytes_per_step_separate}
+    if "cache" in sampling:
+        summary["reused_tokens"] = s.reused_tokens
     if as_json:
         click.echo(json.dumps({"branches": [{"label": label, "text": r.text, "token_ids": r.token_ids,
                                              "finish_reason": r.finish_reason}
                                             for label, r in zip(labels, out.branches)], **summary}))
         return
     for label, r in zip(labels, out.branches):
-        click.echo(f"--- [{r.index + 1}] {label}")
+        click.echo(f"--- [{r.index + 1}] {label}" + ("" if r.finish_reason in ("eos", "stop") else
+                                                     f" [finish: {r.finish_reason}]"))
         click.echo(r.text.strip())
-    click.echo(f"[{summary['backend']}] prefix: {s.prefix_tokens} tokens ({s.reused_tokens} reused from the cache), "
+    reused = f" ({s.reused_tokens} reused from the cache)" if "cache" in sampling else ""
+    click.echo(f"[{summary['backend']}] prefix: {s.prefix_tokens} tokens{reused}, "
                f"prefilled in {summary['prefill_seconds']} s", err=True)
     click.echo(f"[{summary['backend']}] {s.branches} branches over a {s.prefix_tokens}-token prefix: "
                f"{s.generated_tokens} tokens in {s.steps} steps, {summary['aggregate_decode_tokens_per_s']} tok/s "

@@ -80,6 +80,39 @@ class FiniteFloat(click.ParamType):
 
 TEMPERATURE = FiniteFloat(minimum=0)
 TOP_P = FiniteFloat(minimum=0, maximum=1, min_open=True)
+MIN_P = FiniteFloat(minimum=0, maximum=1)
+REPETITION_PENALTY = FiniteFloat(minimum=0, min_open=True)
+
+
+class LazyChoice(click.Choice):
+    """A choice among the values of a constant (`BACKENDS`, `TARGETS`) that lives in a module the
+    command only needs once it runs: the module is imported to show --help or to check a value the
+    user typed, never for a default nor for another option's error, so those answer without torch."""
+
+    def __init__(self, module: str, name: str):
+        self._where = (module, name)
+        self._choices: tuple[str, ...] | None = None
+        super().__init__((), case_sensitive=True)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            import importlib
+
+            self._choices = tuple(getattr(importlib.import_module(self._where[0]), self._where[1]))
+        return self._choices
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice's __init__ assigns its (empty) argument
+        pass
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if param is not None and value == param.default:
+            return value
+        return super().convert(value, param, ctx)
+
+
+BACKEND = LazyChoice("llama_ane.runtime.model", "BACKENDS")
 
 
 def not_utf8(where: str, data: bytes | str) -> str | None:
@@ -132,15 +165,29 @@ class Utf8Text(click.ParamType):
 
 
 class Utf8File(click.Path):
-    """An existing file that must hold UTF-8 text; converts to its Path (the command reads it)."""
+    """An existing file that must hold UTF-8 text; converts to its Path (the command reads it).
+    With `stdin`, "-" stands for standard input (converted to the string "-": see `read_text_arg`)."""
 
-    def __init__(self) -> None:
-        super().__init__(exists=True, dir_okay=False, readable=True, path_type=Path)
+    def __init__(self, stdin: bool = False) -> None:
+        super().__init__(exists=True, dir_okay=False, readable=True, path_type=Path, allow_dash=stdin)
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if value == "-" and self.allow_dash:
+            return "-"
         path = super().convert(value, param, ctx)
         read_utf8(path, f"{flag_of(param)} {path}")
         return path
+
+
+def read_text_arg(value: Path | str, flag: str) -> str:
+    """The text of a Utf8File option's value: the file's, or standard input's for "-"."""
+    if value != "-":
+        return Path(value).read_text(encoding="utf-8")
+    data = click.get_binary_stream("stdin").read()
+    problem = not_utf8(f"{flag} - (standard input)", data)
+    if problem is not None:
+        raise OptionError(f"{problem}; convert it to UTF-8 (e.g. iconv -t UTF-8)")
+    return data.decode("utf-8")
 
 
 TEXT = Utf8Text()

@@ -41,6 +41,22 @@ def template_errors() -> Iterator[None]:
                                 "without the chat template (generate without --chat)") from e
 
 
+def has_template(model: LlamaANEModel) -> bool:
+    """Whether the export records a chat template."""
+    return bool(model.manifest["tokenizer"].get("chat_template"))
+
+
+def prompt_ids(model: LlamaANEModel, text: str, system: str | None = None) -> list[int]:
+    """Token ids of `text` as one user turn (after a system turn, if `system`), ready for the
+    assistant's reply, by the export's chat template."""
+    if not system:
+        return model.encode(text, chat=True)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    with template_errors():
+        rendered = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(model.tokenizer(rendered, add_special_tokens=False).input_ids)
+
+
 class Chat:
     """`chat = Chat(model, system="...")`, then `chat.send("Hello")` per user turn."""
 
@@ -101,11 +117,35 @@ class Chat:
         return result
 
     def save(self, path: str | Path) -> Path:
-        """Write the conversation's cache to a prompt-cache file (`load` resumes it)."""
+        """Write the conversation's cache and its messages to one prompt-cache file (`load` resumes it)."""
+        self.cache.wrapping, self.cache.messages = "chat", [dict(m) for m in self.messages]
         return self.model.save_cache(self.cache, path)
 
-    def load(self, path: str | Path) -> None:
-        """Resume from a prompt-cache file: its tokens become the conversation (as one block of text)."""
-        self.cache = self.model.load_cache(path)
-        self.covered, self.history = "", list(self.cache.tokens)
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+    def load(self, path: str | Path) -> bool:
+        """Resume from a prompt-cache file. One saved by `save` brings its conversation back (its
+        messages, the system prompt among them, are rendered as they were, and the cache reuses
+        their tokens); any other holds only tokens, which become the start of the conversation as
+        one block of context. Returns whether messages came with it. On an error the conversation
+        is as it was."""
+        from .kv_cache import PromptCacheError
+
+        cache = self.model.load_cache(path)
+        if cache.wrapping == "raw":
+            raise PromptCacheError(f"{path} holds a prompt given without the chat template (generate --raw); "
+                                   "a conversation continues only from a chat-wrapped cache")
+        self.cache = cache
+        if cache.messages is not None:
+            self.messages = [dict(m) for m in cache.messages]
+            system = self.messages[0]["content"] if self.messages and self.messages[0]["role"] == "system" else None
+            self.system = system
+            self.keep = len(self._tokenize(self._render_messages(self.messages[:1]))) if system else 0
+            self.covered, self.history = "", []  # re-rendered next turn; the cache reuses what matches
+            return True
+        # tokens only: they stand for everything before the next turn, system prompt included
+        self.messages, self.keep = [], 0
+        self.covered, self.history = "", list(cache.tokens)
+        return False
+
+    def _render_messages(self, messages: list[dict[str, str]]) -> str:
+        with template_errors():
+            return self.model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)

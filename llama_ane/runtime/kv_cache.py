@@ -5,7 +5,10 @@
 `position` may hold stale K/V: every function masks them, and the next write overwrites them.
 
 A prompt-cache file (`save_cache` / `load_cache`, numpy .npz) holds the tokens, the filled
-positions of every cache, and the sha256 of the manifest of the export that made it. It is
+positions of every cache, and the sha256 of the manifest of the export that made it; optionally how
+its text was wrapped ("chat": by the chat template, "raw": as given), so that a run that wraps
+its prompt otherwise can say so rather than silently reuse nothing, and a conversation's messages
+(chat's /save), so that /load resumes the conversation itself. It is
 untrusted: each array is checked from its .npy header (dtype, shape; never a pickle) before it is
 read, and a file made by another export or longer than the context is refused. A file is written
 under a temporary name and renamed, so a failed save leaves neither a partial nor a truncated file.
@@ -30,6 +33,7 @@ import numpy as np
 from ..errors import LlamaANEError
 
 CACHE_FILE_VERSION = 1
+WRAPPINGS = ("chat", "raw")  # the prompt wrapped by the export's chat template, or given as it is
 
 
 class PromptCacheError(LlamaANEError, ValueError):
@@ -42,6 +46,8 @@ class KVCache:
 
     tokens: list[int] = field(default_factory=list)
     caches: list[dict[str, np.ndarray]] = field(default_factory=list)
+    wrapping: str | None = None  # one of WRAPPINGS, or None: not recorded
+    messages: list[dict[str, str]] | None = None  # the conversation the tokens render, if one
 
     @property
     def position(self) -> int:
@@ -77,6 +83,10 @@ def save_cache(cache: KVCache, manifest: dict, path: str | Path) -> Path:
     arrays = {f"{name}_{i}": c[name][..., :n] for i, c in enumerate(cache.caches) for name in ("k", "v")}
     meta = {"version": CACHE_FILE_VERSION, "manifest_sha256": manifest_digest(manifest), "name": manifest["name"],
             "tokens": [int(t) for t in cache.tokens]}
+    if cache.wrapping is not None:
+        meta["wrapping"] = cache.wrapping
+    if cache.messages is not None:
+        arrays["messages"] = np.frombuffer(json.dumps(cache.messages).encode(), np.uint8)
     tmp = None
     try:
         # a fresh name beside the target (the rename stays on one file system), made with the user's umask
@@ -174,15 +184,19 @@ def _array(path: Path, data, key: str, dtypes: tuple[type, ...], fits: Callable[
         raise _unusable(path, f"its {key!r} array cannot be read: {e}") from None
 
 
+def _json_array(path: Path, data, key: str, limit: int):
+    """The JSON value stored as uint8 bytes (at most `limit`) in the archive's array `key`."""
+    array = _array(path, data, key, (np.uint8,), lambda shape: len(shape) == 1 and shape[0] <= limit,
+                   f"uint8 JSON bytes of at most {limit}")
+    try:
+        return json.loads(array.tobytes().decode("utf-8"))
+    except ValueError as e:
+        raise _unusable(path, f"its {key!r} array is not JSON: {e}") from None
+
+
 def _meta(path: Path, data, manifest: dict, context: int) -> dict:
     """The checked metadata of the open archive: version, export identity, and tokens that fit."""
-    limit = 16 * context + 4096  # JSON of `context` token ids and a few short fields
-    meta_array = _array(path, data, "meta", (np.uint8,), lambda shape: len(shape) == 1 and shape[0] <= limit,
-                        f"uint8 JSON bytes of at most {limit}")
-    try:
-        meta = json.loads(meta_array.tobytes().decode("utf-8"))
-    except ValueError as e:
-        raise _unusable(path, f"its 'meta' array is not JSON: {e}") from None
+    meta = _json_array(path, data, "meta", 16 * context + 4096)  # `context` token ids and a few short fields
     if not isinstance(meta, dict):
         raise _unusable(path, "its 'meta' array is not a JSON object")
     if meta.get("version") != CACHE_FILE_VERSION:
@@ -200,13 +214,30 @@ def _meta(path: Path, data, manifest: dict, context: int) -> dict:
         raise _unusable(path, f"its tokens are not a list of token ids below the vocabulary size {vocab}")
     if len(tokens) > context:
         raise _unusable(path, f"it holds {len(tokens)} tokens, more than this export's context of {context}")
+    if meta.get("wrapping") not in (None, *WRAPPINGS):
+        raise _unusable(path, f"its wrapping {meta.get('wrapping')!r} is none of {', '.join(WRAPPINGS)}")
     return meta
+
+
+def _messages(path: Path, data, context: int) -> list[dict[str, str]] | None:
+    """The conversation stored with the cache (None if there is none), checked: a list of
+    {"role", "content"} strings, of a size the context's text could have."""
+    if "messages.npy" not in data.zip.namelist():
+        return None
+    messages = _json_array(path, data, "messages", 64 * context + 65536)  # the text of `context` tokens, escaped
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+            for m in messages):
+        raise _unusable(path, "its 'messages' are not a list of {role, content} texts")
+    return messages
 
 
 def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
     """`empty` given the tokens and K/V of the open prompt-cache file `data`, after checking it."""
     context = empty.caches[0]["k"].shape[-1] if empty.caches else manifest["context_length"]
-    tokens = _meta(path, data, manifest, context)["tokens"]
+    meta = _meta(path, data, manifest, context)
+    tokens = meta["tokens"]
+    messages = _messages(path, data, context)
     n = len(tokens)
     for i, c in enumerate(empty.caches):
         for name in ("k", "v"):
@@ -215,4 +246,5 @@ def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
                            f"float16 or float32 {want}")
             c[name][..., :n] = array  # cast to the backend's dtype
     empty.tokens = list(tokens)
+    empty.wrapping, empty.messages = meta.get("wrapping"), messages
     return empty
