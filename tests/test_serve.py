@@ -382,6 +382,31 @@ def test_a_request_joins_the_running_batch_only_in_its_turn(model):
 
 
 @pytest.mark.export
+def test_a_branch_leaves_its_prompt_and_answer_in_the_prompt_cache(model):
+    """The next turn of a conversation served as a branch prefills only its new tokens, and
+    continuing from the branch's cached K/V gives the same answer as starting afresh."""
+    from llama_ane.serve.prompt_cache import PromptCache
+
+    rng = np.random.default_rng(3)
+    prefix = [int(t) for t in rng.integers(3, 300, 75)]
+    prompts = [prefix + [21, 22], prefix + [23]]
+    with no_eos(model):
+        scheduler = Scheduler(model, PromptCache(model.pipeline.new_cache, model.manifest, 2**30))
+        try:
+            answers = [list(h)[-1] for h in scheduler.submit([Request(ids, 10) for ids in prompts])]
+            assert scheduler.metrics.cascade_batches == 1
+            while not scheduler.idle:  # else the next turn joins the batch as a branch over its prefix
+                time.sleep(0.01)
+            turn2 = prompts[0] + answers[0].token_ids + [31, 32]
+            [end] = [list(h)[-1] for h in scheduler.submit([Request(turn2, 8)])]
+        finally:
+            scheduler.close()
+        fresh = model.generate(turn2, max_new_tokens=8).token_ids
+    assert end.cached_tokens == len(prompts[0]) + len(answers[0].token_ids) - 1  # all but its last answer token
+    assert end.token_ids == fresh
+
+
+@pytest.mark.export
 def test_sampled_branch_equals_sampling_alone(model):
     """Sampling under a seed gives the same tokens in a batch as alone (its own generator)."""
     rng = np.random.default_rng(1)

@@ -14,7 +14,10 @@ How the worker picks what to run, each time it is free:
 * a request with nothing to share (or that would not fit a branch: its own tokens longer than a
   prefill window, or with its answer past the suffix length), and every request on an export
   without branch functions, runs alone through the plain pipeline, continuing from the prompt
-  cache's longest matching entry; its prompt and answer are cached for the next turn.
+  cache's longest matching entry.
+
+What a request leaves in the prompt cache: its prompt and answer (a branch's prefix K/V joined with
+its suffix), so the next turn of a conversation prefills only its new tokens; and a batch's prefix.
 
 Each request samples with its own generator (its seed), so its output does not depend on what it
 ran beside: greedy tokens equal the ones it gives alone (fp32), samples come from the same
@@ -37,7 +40,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..runtime.cascade import CascadeDecoder
-from ..runtime.kv_cache import common_prefix
+from ..runtime.kv_cache import KVCache, common_prefix
 from ..runtime.sampling import SamplingParams, SeededRandom, sample
 from ..runtime.text_stream import TextStream
 from .constraints import Constraint
@@ -175,6 +178,7 @@ class _Job:
         self.cached = 0  # tokens in its branch's suffix cache
         self.cached_tokens = 0
         self.done = False
+        self.failed = False
 
     def pick(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
         """Draw the next token from logits [vocab] (masked by the request's grammar)."""
@@ -214,7 +218,7 @@ class _Job:
 
     def fail(self, message: str) -> None:
         if not self.done:
-            self.done = True
+            self.done = self.failed = True
             self.handle._put(Failed(message))
 
 
@@ -263,6 +267,12 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits and nothing runs (the last batch has also finished its bookkeeping)."""
+        with self._cv:
+            return not self._waiting and not self._running
 
     @property
     def running(self) -> int:
@@ -427,6 +437,26 @@ class Scheduler:
         job.own, job.cached, job.cached_tokens = job.ids[prefix:], 0, cached_tokens
         self.metrics.prefilled_tokens += len(job.own)
 
+    def _keep_branch(self, job: _Job, slot: int, prefix: list[int], suffixes: list[dict]) -> None:
+        """Cache a finished branch's whole sequence (the prefix, its own tokens and its answer) as
+        one entry, so its next turn prefills only what is new, as after a plain run: the prefix's
+        K/V and the branch's suffix slot, (layers*G, B, D, U) -> (layers, G*D, 1, n)."""
+        if self.prompt_cache is None or job.failed:
+            return
+        self.pipeline.wait()
+        self.model.backend.sync_states()
+        fed = job.cached  # tokens in the branch's suffix: its own, then all but its last answer token
+        tokens = prefix + (job.ids[len(prefix):] + job.text.token_ids)[:fed]
+        caches = []
+        for held, suffix in zip(self.pipeline.cache.caches, suffixes):
+            entry = {}
+            for name in ("k", "v"):
+                own = suffix[name][:, slot, :, :fed]
+                own = own.reshape(held[name].shape[0], held[name].shape[1], 1, fed)
+                entry[name] = np.concatenate([held[name][..., :len(prefix)], own.astype(held[name].dtype)], axis=-1)
+            caches.append(entry)
+        self.prompt_cache.put(KVCache(tokens, caches))
+
     def _admit(self, slots: list[_Job | None], prefix: list[int]) -> None:
         """Seat waiting requests that continue `prefix` in free slots, oldest first, stopping at the
         first one that does not (it runs next, after this batch)."""
@@ -473,6 +503,7 @@ class Scheduler:
                     continue
                 if self._advance(job, logits[j]):
                     self._finished(job)
+                    self._keep_branch(job, j, prefix, suffixes)
                     slots[j] = None
                 else:
                     job.own.append(job.text.token_ids[-1])
