@@ -177,9 +177,15 @@ def test_forced_tool_call(model):
                                                               "required": ["city"], "additionalProperties": False}}},
              {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
     with serving(model) as url:
         r = client(url).chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=32,
-                                                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                                tool_choice=forced)
+        chunks = list(client(url).chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=32,
+                                                          tool_choice=forced, stream=True))
+    [streamed] = chunks[-1].choices[0].delta.tool_calls  # a streamed call comes whole in the last chunk
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and streamed.function.name == "get_weather"
+    jsonschema.validate(json.loads(streamed.function.arguments), tools[0]["function"]["parameters"])
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -551,6 +557,16 @@ def test_json_constraint_masks_all_but_the_grammar(tmp_path):
     assert json.loads(tok.decode(out))["pet"] in ("cat", "dog")
     with pytest.raises(GrammarError):
         grammars.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+
+
+def test_serve_command_names_the_extra_it_needs(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    r = CliRunner().invoke(main, ["serve", str(tmp_path)])
+    assert r.exit_code == 1 and "pip install 'llama-ane[serve]'" in r.output and "Traceback" not in r.output
 
 
 def test_serve_command_refuses_bad_options_in_one_line(tmp_path):
