@@ -7,11 +7,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import llama_ane
-from llama_ane.runtime.backends.base import BackendError
-from llama_ane.runtime.backends.torch_modules import onednn_available
 from llama_ane.runtime.drafters import DraftTree, ModelDrafter, PromptLookupDrafter
 from llama_ane.runtime.sampling import SamplingParams, SeededRandom, probabilities
 from llama_ane.runtime.speculative import SpeculativeDecoder, StepTimes, choose
@@ -343,57 +340,6 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(tiny):
         table = np.concatenate([table[:, frequent], table[:, ~frequent].sum(axis=1, keepdims=True)], axis=1)
         table = table[:, table.sum(axis=0) > 0]
         assert table.shape[1] >= 2 and _homogeneity_pvalue(table) > 1e-3, f"token {position}"
-
-
-needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="no oneDNN here")
-
-
-@needs_onednn
-def test_packed_verify_gives_the_unpacked_logits(tiny):
-    """The torch backend's verify windows on prepacked weights (the default on a CPU in fp32)
-    give the logits of the plain modules; fp16 cannot pack."""
-    packed, plain = _load(tiny, prepack=True), _load(tiny, prepack=False)
-    prompt = repetitive_prompt(5)
-    tree = DraftTree.root(prompt[-1])
-    tree.add(tree.add(0, 31), 32)
-    tree.add(0, 33)
-    out = []
-    for model in (packed, plain):
-        model.pipeline.reset()
-        model.pipeline.prefill(prompt[:-1])
-        out.append(model.pipeline.verify_tree(np.array(tree.tokens, np.int32), tree.depths(), tree.mask()))
-    assert "chunk_0" in packed.backend._packed and not plain.backend._packed
-    assert np.abs(out[0] - out[1]).max() < 1e-4 and (out[0].argmax(1) == out[1].argmax(1)).all()
-    with pytest.raises(BackendError, match="prepack"):
-        _load(tiny, precision="fp16", prepack=True)
-
-
-@needs_onednn
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_runs_packed_where_it_pays_with_the_same_tokens(tiny, threads):
-    """One-token decoding runs on the prepacked weights from two threads on (where oneDNN spreads
-    a one-column product over them and `linear` does not); the greedy tokens are those of the
-    plain modules either way."""
-    packed, plain = _load(tiny, prepack=True), _load(tiny, prepack=False)
-    runs_packed = threads >= 2
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        runs = [model.generate(repetitive_prompt(5), max_new_tokens=8) for model in (packed, plain)]
-        module = packed.backend.module("chunk_0", "decode")
-    finally:
-        torch.set_num_threads(before)
-    assert runs[0].token_ids == runs[1].token_ids
-    assert ("chunk_0" in packed.backend._packed) == runs_packed
-    assert (module is packed.backend._packed.get("chunk_0")) == runs_packed
-    assert packed.backend.module("chunk_0", "prefill") is packed.backend._built["chunk_0"]["prefill"]
-    fresh = _load(tiny, prepack=True)
-    torch.set_num_threads(threads)
-    try:
-        fresh.prepare()  # the packed copy is made with the loading, not in the first timed step
-    finally:
-        torch.set_num_threads(before)
-    assert ("chunk_0" in fresh.backend._packed) == runs_packed
 
 
 def test_an_export_without_verify_function_is_refused(tiny):

@@ -11,12 +11,7 @@ With `direct_cache` (the default) the pipeline writes new K/V into the caches in
 each chunk only the cache positions that hold tokens (see runtime/pipeline.py); with
 `direct_cache=False` it runs the cache-update modules in the background, as a device does.
 
-With `prepack` (the default where oneDNN runs: fp32 on a CPU), the block chunks and the LM head
-run their "verify" windows, and their one-token "decode" steps from two threads on, on a copy of
-the projection weights reordered once by oneDNN (torch_modules.prepacked), made on first use (or
-by `prepare`): through `linear`, a window of a few tokens costs close to as many one-token steps,
-and a one-token step does not spread over the threads. The copy is about the chunks' and the
-head's weights once more. Prefill keeps the plain weights (oneDNN is fast at its window of tokens).
+Everything runs on plain torch ops: nothing is compiled at import or load.
 """
 
 from __future__ import annotations
@@ -32,11 +27,10 @@ import torch
 
 from ...checkpoint.loader import Checkpoint, load_checkpoint
 from ...contract.manifest import check_package_io, function_entry, function_states
-from ...contract.specs import VERIFY, model_kind
 from ...mil.package import MilPackage
 from ...precision import PRECISIONS
 from .base import Backend, BackendError
-from .torch_modules import CheckpointWeights, ExportWeights, build_model, onednn_available, prepacked
+from .torch_modules import CheckpointWeights, ExportWeights, build_model
 
 DTYPES = {name: p.torch for name, p in PRECISIONS.items()}
 
@@ -50,15 +44,12 @@ def _argument_names(module_class: type) -> tuple[str, ...]:
 
 class TorchBackend(Backend):
     name = "torch"
-    PACKED_DECODE_THREADS = 2  # prepacked, one-token decoding runs packed from this many threads
 
     def __init__(self, export_dir: Path | None, manifest: dict, *, precision: str = "fp32",
                  device: str = "cpu", checkpoint: Checkpoint | str | Path | None = None,
-                 weights_precision: str | None = None, direct_cache: bool = True, prepack: bool | None = None):
+                 weights_precision: str | None = None, direct_cache: bool = True):
         """`weights_precision` ("fp16"): round the checkpoint's weights and the RoPE tables to it
-        before computing in `precision`, as an export in that precision stores them. `prepack`:
-        see the module docstring; True to require it, False for none, None (the default) where
-        it runs."""
+        before computing in `precision`, as an export in that precision stores them."""
         self.direct_cache = direct_cache
         if precision not in DTYPES or weights_precision not in (None, *DTYPES):
             raise BackendError(f"torch backend precision must be fp32 or fp16, got {precision!r}")
@@ -67,12 +58,6 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.torch_dtype = DTYPES[precision]
         self.dtype = PRECISIONS[precision].numpy
-        if prepack not in (None, True, False):
-            raise BackendError(f"prepack must be True, False or None, got {prepack!r}")
-        here = prepack is not False and onednn_available(self.device, self.torch_dtype)
-        if prepack and not here:
-            raise BackendError("prepack needs fp32 on a CPU and a torch with oneDNN")
-        self.prepack = here
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         if checkpoint is None and export_dir is None:
@@ -80,7 +65,6 @@ class TorchBackend(Backend):
         self.checkpoint = checkpoint  # keeps a GGUF's extracted tokenizer folder alive
         self.weights = CheckpointWeights(checkpoint) if checkpoint is not None else ExportWeights(export_dir, manifest)
         self._built: dict[str, dict[str, torch.nn.Module]] = {}  # model -> {function: module}, built on use
-        self._packed: dict[str, torch.nn.Module] = {}  # model -> its window module on prepacked weights
         self._lock = threading.Lock()  # cache updates run on worker threads: build each model once
 
     def module(self, model: str, function: str) -> torch.nn.Module:
@@ -100,40 +84,22 @@ class TorchBackend(Backend):
             built = self._built[model]
             if function not in built:
                 raise BackendError(f"torch backend: no function {function!r} of model {model!r} in this export")
-            if not self._runs_packed(model, function):
-                return built[function]
-            if model not in self._packed:
-                self._packed[model] = prepacked(built[function])
-            return self._packed[model]
-
-    def _runs_packed(self, model: str, function: str) -> bool:
-        """Whether `function` of `model` runs on the prepacked weights (see the module docstring)."""
-        if not self.prepack or model_kind(model) not in ("chunk", "lm_head"):
-            return False
-        if function == "decode":
-            return torch.get_num_threads() >= self.PACKED_DECODE_THREADS
-        return function in (VERIFY, "decode")
+            return built[function]
 
     def prepare(self, models: list[str]) -> None:
         """Build the modules of `models` now rather than on first use (so a first step is not
-        timed with the loading), with their prepacked weights where one-token decoding will run on
-        them (on two threads or more)."""
+        timed with the loading)."""
         for model in models:
-            entry = next(iter(self.manifest["models"][model]["functions"]))
-            self.module(model, entry)
-            if self._runs_packed(model, "decode"):  # chunks and LM heads: every one has "decode"
-                self.module(model, "decode")
+            self.module(model, next(iter(self.manifest["models"][model]["functions"])))
 
     def release(self, model: str) -> None:
         """Drop the modules (and weights) of `model`; they are rebuilt from the checkpoint on next use."""
         with self._lock:
             self._built.pop(model, None)
-            self._packed.pop(model, None)
 
     def close(self) -> None:
         with self._lock:
             self._built.clear()
-            self._packed.clear()
 
     @torch.no_grad()
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

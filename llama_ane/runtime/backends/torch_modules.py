@@ -13,7 +13,6 @@ weights come from one of two sources with the same three methods:
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -25,7 +24,6 @@ from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer
 from ...model.cache_update import CacheUpdate, SuffixUpdate, VerifyUpdate
 from ...model.chunk import BlockChunk, BranchChunk
 from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, VerifyEmbeddings
-from ...model.layers import Conv1x1
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names
@@ -180,49 +178,4 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     return modules
 
 
-def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack the projection weights here (fp32 on a CPU, a torch with oneDNN)."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-class PackedConv1x1(torch.nn.Module):
-    """A `Conv1x1`'s matrix product with its weight prepacked once for oneDNN.
-
-    On a CPU, a product of a few columns (S = 2..16, a verify window of a token tree) through
-    `linear` costs close to S single-column products, as if the weight were read S times; with
-    the weight reordered in advance oneDNN reads it fewer times. The arithmetic is the same matrix
-    product (rounded in another order). x: (B, C_in, H, S) -> (B, C_out, H, S)
-    """
-
-    def __init__(self, conv: Conv1x1):
-        super().__init__()
-        self.out_channels = conv.out_channels
-        weight = conv.weight.detach().reshape(conv.out_channels, -1).contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.bias = None if conv.bias is None else conv.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, s = x.shape
-        if b == 1 and h == 1:  # views only, as Conv1x1 does
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(c, s).t(), self.packed, self.bias, "none", [], "")
-            return y.t().reshape(1, self.out_channels, 1, s)
-        rows = x.permute(0, 2, 3, 1).reshape(b * h * s, c)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return y.reshape(b, h, s, self.out_channels).permute(0, 3, 1, 2)
-
-
-def prepacked(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `module` whose `Conv1x1`s run on oneDNN-prepacked weights (`PackedConv1x1`).
-    Every other parameter and buffer is shared, not copied (the packed weights are the one extra
-    copy)."""
-    shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    clone = copy.deepcopy(module, memo=shared)
-    for _, child in list(clone.named_modules()):
-        for attr, sub in list(child.named_children()):
-            if isinstance(sub, Conv1x1):
-                setattr(child, attr, PackedConv1x1(sub))
-    return clone.eval()
-
-
-__all__ = ["build_model", "onednn_available", "prepacked"]
+__all__ = ["build_model"]
