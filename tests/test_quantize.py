@@ -968,3 +968,38 @@ def test_bad_auto_options_are_one_error_line(tiny_checkpoint, tmp_path, options,
     error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(error) == 1 and all(w in error[0] for w in words), r.output
     assert not out.exists()
+
+
+def test_a_lossy_scheme_is_measured_and_said_plainly(tiny_quality, monkeypatch):
+    from llama_ane import api
+    from llama_ane.quantize import auto
+
+    ckpt = tiny_quality[0]
+    said = []
+    change = api.check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
+    assert any(f"perplexity {change:+.2f}% against fp16" in s for s in said), said
+    assert not any(s.startswith("warning") for s in said) or change > auto.WARN_PCT
+    monkeypatch.setattr(auto, "WARN_PCT", change - 1)  # a model this scheme costs more than the limit
+    said.clear()
+    api.check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
+    warning = [s for s in said if s.startswith("warning")]
+    assert len(warning) == 1 and "--quantize auto" in warning[0] and "--lut-block-size 32" in warning[0]
+
+
+def test_error_compensating_codes_lower_the_output_error():
+    """GPTQ's column order with a fixed LUT per row: the codes index the same values, and the
+    layer's output error on correlated inputs is smaller than with the nearest values."""
+    from llama_ane.quantize.gptq import assign
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 48)) @ rng.normal(size=(48, 48))  # correlated input channels
+    w = rng.normal(size=(40, 48)).astype(np.float32)
+    grid = np.sort(rng.normal(size=(40, 16)), axis=1)  # each row's LUT values
+    nearest = np.abs(w[:, :, None] - grid[:, None, :]).argmin(axis=2)
+    codes = assign(w, grid, torch.from_numpy(x.T @ x))
+    assert codes.shape == w.shape and codes.max() < 16
+
+    def output_error(c):
+        q = np.take_along_axis(grid, c.astype(np.int64), axis=1)
+        return float(((x @ (w - q).T) ** 2).sum())
+    assert output_error(codes) < 0.8 * output_error(nearest)

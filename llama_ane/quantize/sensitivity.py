@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -27,6 +27,7 @@ from .auto import CANDIDATES, MAX_RETRIES, Recipe, change_pct, choose, nll_of_pc
 from .fit import roundtrip
 from .schemes import Compression, stored_bytes
 
+KEPT_BYTES = 1 << 30  # decompressed units kept for measuring recipes (SmolLM2's three forms fit)
 MEASURED_FORMS = 2  # candidates run through the model per unit (lut4, lut6); lut8's KL comes from the proxy
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -44,6 +45,8 @@ class Float32Model:
     norm: torch.nn.Module
     head: torch.Tensor
     rotary: torch.nn.Module
+    kept: dict = field(default_factory=dict)  # (unit, form) -> compressed_unit's result, fp16
+    kept_bytes: int = 0
 
     def weights(self, unit: str) -> dict[str, torch.Tensor]:
         """Exported parameter name -> the float32 tensor it is in this model (changed in place by `swapped`)."""
@@ -115,7 +118,11 @@ def nll(log_probs: torch.Tensor, ids: list[int]) -> float:
 def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
                     importance: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, float]:
     """The unit's weights compressed as `c` says and decompressed (fitted as the export fits them,
-    from fp16), their stored bytes, and the proxy: the importance-weighted squared error."""
+    from fp16), their stored bytes, and the proxy: the importance-weighted squared error. Kept
+    (as fp16) in `model.kept` while it holds less than KEPT_BYTES, for `perplexity_change`."""
+    kept = model.kept.get((unit, c))
+    if kept is not None:
+        return {name: v.astype(np.float32) for name, v in kept[0].items()}, kept[1], kept[2]
     values, size, error = {}, 0, 0.0
     for name, tensor in model.weights(unit).items():
         fp16 = tensor.to(torch.float16).numpy()
@@ -128,6 +135,10 @@ def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
         diff = (dense - fp16.astype(np.float32)) ** 2
         error += float((diff * (1 if weight is None else weight[None, :])).sum())
         values[name], size = dense, size + stored_bytes(shape, c)
+    held = sum(v.nbytes // 2 for v in values.values())
+    if c is not None and model.kept_bytes + held <= KEPT_BYTES:
+        model.kept[(unit, c)] = ({n: v.astype(np.float16) for n, v in values.items()}, size, error)
+        model.kept_bytes += held
     return values, size, error
 
 
