@@ -413,6 +413,26 @@ def test_a_branch_leaves_its_prompt_and_answer_in_the_prompt_cache(model):
 
 
 @pytest.mark.export
+def test_a_request_cancelled_while_waiting_never_runs(model):
+    rng = np.random.default_rng(4)
+    first, second = ([int(t) for t in rng.integers(3, 300, 30)] for _ in range(2))
+    with no_eos(model):
+        scheduler = Scheduler(model)
+        try:
+            [running] = scheduler.submit([Request(first, 30)])
+            events = iter(running)
+            assert isinstance(next(events), Token)
+            [waiting] = scheduler.submit([Request(second, 5)])
+            waiting.cancel()
+            end = list(waiting)[-1]
+            assert list(events)[-1].finish_reason == "length"
+            assert scheduler.metrics.single_runs == 1
+        finally:
+            scheduler.close()
+    assert end.finish_reason == "cancelled" and end.token_ids == []
+
+
+@pytest.mark.export
 def test_sampled_branch_equals_sampling_alone(model):
     """Sampling under a seed gives the same tokens in a batch as alone (its own generator)."""
     rng = np.random.default_rng(1)

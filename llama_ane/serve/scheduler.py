@@ -334,6 +334,7 @@ class Scheduler:
                     return
             time.sleep(self.gather_seconds)
             with self._cv:
+                self._drop_cancelled()
                 if not self._waiting:
                     continue
                 prefix, jobs = self._plan()
@@ -354,6 +355,13 @@ class Scheduler:
             finally:
                 with self._cv:
                     self._running = []
+
+    def _drop_cancelled(self) -> None:
+        """Forget waiting requests whose client has gone (under the lock)."""
+        for job in [job for job in self._waiting if job.handle.cancelled]:
+            self._waiting.remove(job)
+            self.metrics.requests_cancelled += 1
+            job.finish("cancelled")
 
     def _fits(self, job: _Job, prefix: int) -> bool:
         """Whether `job` can run as a branch over its first `prefix` tokens: it feeds at least one
@@ -461,6 +469,7 @@ class Scheduler:
         """Seat waiting requests that continue `prefix` in free slots, oldest first, stopping at the
         first one that does not (it runs next, after this batch)."""
         with self._cv:
+            self._drop_cancelled()
             while None in slots and self._waiting and not self._closing and self._joins(self._waiting[0], prefix):
                 job = self._waiting.popleft()
                 self._seat(job, len(prefix), len(prefix))
