@@ -29,6 +29,8 @@ from test_mil_backend import mil_vs_torch_fp16_on_text
 from test_parity_tiny import (GREEDY_TOKENS, MAX_LOGIT_DIFF, SEQ_LEN, assert_same_greedy, random_ids,
                               reference_greedy, reference_logits)
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 QWEN_VOCAB = 960  # the config's vocabulary is padded past the tokenizer's 907 ids, as Qwen's is
 
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 4 query heads, 2 kv heads: GQA)

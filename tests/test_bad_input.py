@@ -189,6 +189,7 @@ def test_bad_input_is_one_clear_error_line(case, inputs_base, tmp_path):
     assert list((tmp_path / "tmpdir").iterdir()) == []  # no temporary packages, nor anything else
 
 
+@pytest.mark.export
 def test_out_under_a_file_is_refused_before_the_checkpoint_is_read(tiny_checkpoint, tmp_path):
     """The parent of OUT is checked first: no plan printed, no checkpoint loaded."""
     (tmp_path / "file").write_text("")
@@ -207,6 +208,7 @@ def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout: fl
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+@pytest.mark.export
 def test_interrupted_export_leaves_nothing_behind(tiny_checkpoint, tmp_path):
     """Ctrl-C while the workers convert: the process group gets SIGINT; then no OUT, no partial
     folder, nothing in the private TMPDIR, no worker left running, and no traceback."""

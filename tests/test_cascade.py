@@ -13,6 +13,8 @@ from llama_ane.runtime.pipeline import ContextFullError
 
 from conftest import LLAMA3_ROPE
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 SHAPES = {
     "gqa": {},
     "mha": {"num_key_value_heads": 4},

@@ -105,6 +105,7 @@ def test_export_unknown_target_is_a_usage_error(tiny_checkpoint, tmp_path):
 
 # ---- export: a real tiny run through the installed entry point --------------------------------------------------
 
+@pytest.mark.export
 def test_export_tiny_through_the_command(tiny_checkpoint, tmp_path):
     """`python -m llama_ane export` on a 1-layer model: a complete, valid folder, and its time printed.
 

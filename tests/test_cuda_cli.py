@@ -17,6 +17,7 @@ def test_gpu_generate_without_gpu_says_so():
     assert "Traceback" not in result.output
 
 
+@pytest.mark.export
 def test_cuda_package_imports_without_triton():
     """In a fresh interpreter where triton cannot be imported: the package and its LSE helpers load,
     and nothing has pulled in triton or the kernel modules; asking for a kernel wrapper then needs it."""

@@ -276,6 +276,7 @@ def test_existing_out_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("stage", ["convert_all", "validate_export"])
 def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_path, monkeypatch, stage):
     """A failure during conversion or validation leaves no OUT and no partial folder."""

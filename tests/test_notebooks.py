@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs every notebook, which export models
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 MAX_COMMITTED_OUTPUT_CHARS = 20_000
 

@@ -16,6 +16,8 @@ import torch
 import llama_ane
 from conftest import LLAMA3_ROPE
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 SEQ_LEN = 150          # crosses several prefill windows
 GREEDY_TOKENS = 32
 MAX_LOGIT_DIFF = 1e-3

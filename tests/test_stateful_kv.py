@@ -19,6 +19,8 @@ from llama_ane.export.ane_rules import FunctionSummary, OpInfo, TensorInfo, chec
 from llama_ane.export.inspect import inspect_path
 from llama_ane.mil.package import TensorDesc
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 
 @pytest.fixture(scope="module")
 def state_export(tiny_checkpoint, tmp_path_factory):

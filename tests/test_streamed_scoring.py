@@ -25,6 +25,8 @@ from llama_ane.contract.manifest import model_names
 from llama_ane.runtime.backends.torch_modules import build_model
 from llama_ane.reference import transformers_logits
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 CONTEXT, WINDOW = 128, 32
 # 3 full prefill windows and a 1-token (decode) window; 2 full windows and a partial one
 LENGTHS = (3 * WINDOW + 1, 2 * WINDOW + 13)

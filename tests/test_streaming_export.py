@@ -19,6 +19,8 @@ from llama_ane.contract.plan import ExportOptions, plan_export
 from llama_ane.export.package_weights import model_hf_names
 from llama_ane.checkpoint.loader import load_checkpoint
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 TINY = dict(num_hidden_layers=5, head_dim=32)
 OPTIONS = dict(context_length=256, prefill_length=64, layers_per_chunk=2)
 

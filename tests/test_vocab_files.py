@@ -15,6 +15,8 @@ from llama_ane.contract.plan import ExportOptions, plan_export
 from llama_ane.export import ane_rules
 from llama_ane.limits import weight_budget
 
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 
