@@ -27,6 +27,7 @@ pytestmark = pytest.mark.export
 UP = "\x1b[A"
 CTRL_C = "\x03"
 CTRL_D = "\x04"
+PROMPT = re.compile(r">(?: |\x08\x1b\[2C)")  # prompt_toolkit may draw the space as a cursor move
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
 
 
@@ -35,12 +36,18 @@ def saved_messages(path: Path) -> list[dict]:
         return json.loads(np.load(io.BytesIO(z.read("messages.npy"))).tobytes())
 
 
-def screen_text(raw: str) -> str:
-    """What the terminal showed, roughly: escape sequences dropped, carriage returns resolved."""
+REDRAWN = re.compile(r"^>+ ?(.*)> \1$")  # the line editor draws an accepted line once more
+
+
+def screen_text(raw: str, names: dict[str, str]) -> str:
+    """What the terminal showed, roughly: escape sequences dropped, carriage returns resolved,
+    each accepted line once, and the paths in `names` replaced by their short names."""
+    for path, name in names.items():
+        raw = raw.replace(path, name)
     lines = []
-    for line in ANSI.sub("", raw).replace("\r\n", "\n").split("\n"):
+    for line in ANSI.sub("", raw).replace("\x08", "").replace("\r\n", "\n").split("\n"):
         line = line.split("\r")[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r")
-        lines.append(line.rstrip())
+        lines.append(REDRAWN.sub(r"> \1", line.rstrip()))
     return "\n".join(line for line in lines if line.strip()) + "\n"
 
 
@@ -55,33 +62,33 @@ def test_the_chat_repl_at_a_terminal(tiny_export, tmp_path):
     saved = tmp_path / "talk.npz"
     try:
         child.expect_exact("/help for commands")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send("hello\r")
         child.expect_exact("[prefill")  # the reply is done
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send(UP)  # the line editor recalls the last line
         child.expect_exact("hello")
         child.send("\r")
         child.expect_exact("[prefill")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send("tell me a long story\r")
         child.expect_exact("tell me a long story")
         time.sleep(0.3)
         child.send(CTRL_C)  # stops the reply, not the chat
         child.expect_exact("[reply stopped")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send("/help\r")
         child.expect_exact("/save FILE")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send(f"/save {saved}\r")
         child.expect_exact("[saved 4 messages")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send(f"/load {saved}\r")
         child.expect_exact("[loaded 4 messages")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send(CTRL_C)  # at the prompt: a warning first
         child.expect_exact("Ctrl-C again or Ctrl-D to quit")
-        child.expect_exact("> ")
+        child.expect(PROMPT)
         child.send(CTRL_D)
         child.expect(pexpect.EOF)
     finally:
@@ -93,7 +100,8 @@ def test_the_chat_repl_at_a_terminal(tiny_export, tmp_path):
                 "What `llama-ane chat` shows at a terminal, recorded by `tests/test_chat_repl.py` on the tiny random "
                 "test model (so the replies are noise): a turn, the same line recalled with the up arrow, Ctrl-C "
                 "during a reply, `/help`, `/save`, `/load`, then Ctrl-C and Ctrl-D at the prompt to leave.\n\n"
-                "```text\n" + screen_text(log.getvalue()) + "```\n", encoding="utf-8")
+                "```text\n" + screen_text(log.getvalue(), {str(saved): "talk.npz", str(tiny_export): "out/tiny"})
+                + "```\n", encoding="utf-8")
     assert child.exitstatus == 0, log.getvalue()[-2000:]
     messages = saved_messages(saved)
     assert [m["role"] for m in messages] == ["user", "assistant"] * 2

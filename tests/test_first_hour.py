@@ -150,6 +150,7 @@ def test_a_prompt_cache_made_with_the_template_is_not_reused_raw(tiny_export, tm
     assert again["reused_tokens"] >= first["prompt_tokens"] - 1
 
 
+@pytest.mark.filterwarnings("ignore:Duplicate name")  # the bad messages array replaces the good one
 def test_the_wrapping_and_messages_round_trip_in_a_cache_file(model, tmp_path):
     from llama_ane.runtime.kv_cache import PromptCacheError
 
