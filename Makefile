@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(PY) -m llama_ane export -o $(OUT) --force
-	$(PY) -m llama_ane generate $(OUT) --chat --prompt "$(PROMPT)" --max-new-tokens 64
+	$(PY) -m llama_ane generate $(OUT) --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: test-python test-swift
 
