@@ -221,7 +221,7 @@ def test_cli_document_qa_and_samples(tiny_export, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt-file", str(doc),
                                "--question", "What jumps?", "--question", "What do caches hold?",
-                               "--max-new-tokens", "6", "--json"])
+                               "--max-new-tokens", "6", "--json", "--raw"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert [b["label"] for b in out["branches"]] == ["Q: What jumps?", "Q: What do caches hold?"]
@@ -229,7 +229,7 @@ def test_cli_document_qa_and_samples(tiny_export, tmp_path):
     model = llama_ane.load(tiny_export, backend="torch")
     for q, b in zip(["What jumps?", "What do caches hold?"], out["branches"]):
         alone = model.generate(model.encode(doc.read_text()) + model.tokenizer(
-            f"\n\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids, max_new_tokens=6)
+            f"\n\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids, max_new_tokens=6, stop=["\n\n"])
         assert b["token_ids"] == alone.token_ids
 
     res = runner.invoke(main, ["generate", str(tiny_export), "--backend", "torch", "--prompt", "Caches hold",
