@@ -12,6 +12,7 @@ in groups of B, each group reusing the same prefix cache.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -19,8 +20,9 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..contract.specs import BRANCHES
+from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
-from .sampling import SamplingParams, SeededRandom, sample
+from .sampling import SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
 
 
@@ -53,6 +55,14 @@ class CascadeStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+@dataclass
+class CascadeOutput:
+    """What `generate_branches` returns: one result per branch, in order, and the run's accounting."""
+
+    branches: list[BranchResult]
+    stats: CascadeStats
 
 
 class _Branch:
@@ -90,6 +100,37 @@ class CascadeDecoder:
         self.suffix_length = int(manifest["suffix_length"])
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
+
+    def run(self, prefix_ids: Sequence[int], own: Sequence[Sequence[int]], max_new_tokens: int,
+            params: SamplingParams, seed: int | None = None, stop: Sequence[str] | None = None,
+            on_token: Callable[[int, int, str], None] | None = None, teacher_forced: bool = False,
+            cache: KVCache | None = None) -> CascadeOutput:
+        """Prefill the shared prefix once (reusing what `cache` holds), then decode one branch per
+        entry of `own` (its own tokens after the prefix) in groups of the exported width B, each
+        branch seeded from `seed` and its index; returns the results and the run's accounting."""
+        try:
+            self.check_budget(len(prefix_ids), [len(o) for o in own], max_new_tokens)
+            self.pipeline.start(cache)
+            t0 = time.perf_counter()
+            first, reused = self.pipeline.extend(prefix_ids)
+            self.pipeline.wait()
+            t1 = time.perf_counter()
+            results = [BranchResult(i, list(ids)) for i, ids in enumerate(own)]
+            steps = 0
+            for start in range(0, len(results), self.width):
+                group = [_Branch(r, SeededRandom(None if seed is None else branch_seed(seed, r.index)), first,
+                                 TextStream(self.tokenizer, stop or []))
+                         for r in results[start:start + self.width]]
+                steps += self.run_group(group, len(prefix_ids), max_new_tokens, params, on_token,
+                                        record_logits=teacher_forced)
+            t2 = time.perf_counter()
+        finally:
+            self.close()
+        per_step = prefix_bytes_per_step(self.manifest, len(prefix_ids), self.backend.dtype.itemsize)
+        stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
+                             t1 - t0, t2 - t1, per_step, per_step * min(len(results), self.width),
+                             reused_tokens=reused)
+        return CascadeOutput(results, stats)
 
     def check_budget(self, prefix_tokens: int, own_tokens: Sequence[int], max_new_tokens: int) -> None:
         """Refuse branches whose tokens would not fit: clear errors, before any work."""

@@ -1,10 +1,10 @@
-"""`llama_ane.load()` and the model object it returns: scoring and streaming generation."""
+"""`llama_ane.load()` and the model object it returns: encoding, caches, scoring, and thin
+`generate`/`stream`/`generate_branches` over runtime/generate.py and runtime/cascade.py."""
 
 from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -15,9 +15,11 @@ from ..hub import resolve
 from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
-from .pipeline import ContextFullError, Pipeline
-from .sampling import REPETITION_WINDOW, SamplingParams, SeededRandom, branch_seed, sample
-from .text_stream import TextStream
+from .cascade import CascadeDecoder, CascadeOutput
+from .generate import (OVERFLOW, GenerationResult, TokenEvent, make_drafter, shift_limit, shifted,  # noqa: F401
+                       stream_generate)  # GenerationResult, TokenEvent, shift_limit, shifted: importable from here too
+from .pipeline import Pipeline
+from .sampling import SamplingParams, SeededRandom
 
 if TYPE_CHECKING:
     from .drafters import Drafter
@@ -27,59 +29,6 @@ BACKENDS = ("auto", "coreml", "torch", "mil")
 
 class TokenizerError(LlamaANEError, OSError):
     """An export's tokenizer files are missing or unreadable."""
-
-OVERFLOW = ("stop", "shift")
-
-
-@dataclass
-class TokenEvent:
-    """One generated token and the text it completes (may be "" while a UTF-8 sequence is open)."""
-
-    token_id: int
-    text: str
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    finish_reason: str  # one of sampling.FINISH_REASONS: "eos", "stop", "length", "context"
-    prefill_seconds: float
-    decode_seconds: float
-    decoded_tokens: int = field(default=0)  # tokens that went through a decode step (timed by decode_seconds)
-    reused_tokens: int = field(default=0)  # prompt tokens whose K/V the cache already held
-    shifts: int = field(default=0)  # context shifts (overflow="shift")
-    speculative: dict | None = field(default=None)  # SpeculativeStats.as_dict() of a speculative generation
-    first_token_seconds: float = field(default=float("nan"))  # from the call to the first token (or the end)
-
-    @property
-    def prefilled_tokens(self) -> int:
-        """Prompt tokens that were prefilled (not reused from the cache)."""
-        return self.prompt_tokens - self.reused_tokens
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
-
-
-def _plain_tokens(logits: np.ndarray, params: SamplingParams, rng: SeededRandom,
-                  advance: Callable[[int], np.ndarray | None], context: Sequence[int] = ()) -> Iterator[int]:
-    """Plain decoding: sample a token, feed it (`advance`), repeat; ends when `advance` returns None.
-    `context`: the prompt's ids, which the repetition penalty reads with the generated ones."""
-    recent = list(context)[-REPETITION_WINDOW:] if params.repetition_penalty != 1.0 else None
-    while True:
-        token = sample(logits, params, rng, recent)
-        if recent is not None:
-            recent = (recent + [token])[-REPETITION_WINDOW:]
-        yield token
-        logits = advance(token)
-        if logits is None:
-            return
 
 
 def coreml_can_predict() -> bool:
@@ -91,23 +40,6 @@ def coreml_can_predict() -> bool:
     except ImportError:
         return False
     return True
-
-
-def shift_limit(context: int, keep: int) -> int:
-    """Tokens a context shift keeps: the first `keep` and half of the context's other positions."""
-    if not 0 <= keep <= context - 2:
-        raise ContextFullError(f"cannot shift the context: keeping the first {keep} tokens leaves no room in "
-                               f"{context}; keep fewer or re-export with a larger --context-length")
-    return keep + (context - keep) // 2
-
-
-def shifted(tokens: Sequence[int], keep: int, limit: int) -> list[int]:
-    """Context shift: the first `keep` tokens (e.g. the system prompt) and the most recent
-    `limit - keep` ones; `tokens` itself if it has at most `limit`."""
-    tokens = list(tokens)
-    if len(tokens) <= limit:
-        return tokens
-    return tokens[:keep] + tokens[len(tokens) - (limit - keep):]
 
 
 def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
@@ -176,14 +108,6 @@ def load_tokenizer(folder: Path):
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TokenizerError(f"the tokenizer in {folder} cannot be read ({first}); copy the export's tokenizer files "
                              "(tokenizer.json, tokenizer_config.json) back or export again") from None
-
-
-@dataclass
-class CascadeOutput:
-    """What `generate_branches` returns: one result per branch, in order, and the run's accounting."""
-
-    branches: list
-    stats: object
 
 
 class LlamaANEModel:
@@ -276,100 +200,19 @@ class LlamaANEModel:
             check_speculative(self.manifest, draft_tokens)
         elif draft_tokens is not None:
             raise InvalidArgumentError("draft_tokens needs speculative decoding (speculative='lookup' or 'draft:OUT')")
-        drafter, owned = self._drafter(speculative)
+        drafter, owned = (None, False) if speculative is None else make_drafter(
+            speculative, self._open_draft, self.manifest["config"]["vocab_size"])
         try:
-            yield from self._stream(ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter,
-                                    draft_tokens, started)
+            self.last_result = yield from stream_generate(
+                self.pipeline, self.tokenizer, self.eos_token_ids, ids, max_new_tokens, params, rng, stop, started,
+                cache=cache, overflow=overflow, keep=keep, drafter=drafter, draft_tokens=draft_tokens)
         finally:
             if owned:
                 drafter.close()
 
-    def _stream(self, ids, max_new_tokens, params, rng, stop, cache, overflow, keep, drafter, draft_tokens,
-                started):
-        self.pipeline.start(cache)
-        context = self.pipeline.context_length
-        shifts = 0
-        fed = ids
-        if overflow == "shift" and len(ids) > context - 1:
-            fed, shifts = shifted(ids, keep, shift_limit(context, keep)), 1
-        t0 = time.perf_counter()
-        logits, reused = self.pipeline.extend(fed)
-        t1 = time.perf_counter()
-
-        fed_one = 0  # tokens fed one at a time after the prompt
-
-        def advance(token: int) -> np.ndarray | None:
-            """Feed one token the plain way: the logits after it, or None at a full context (stop)."""
-            nonlocal shifts, fed_one
-            if self.pipeline.position < context:
-                fed_one += 1
-                return self.pipeline.run_window([token])[0]
-            if overflow == "stop":
-                return None
-            tokens = shifted(self.pipeline.cache.tokens + [token], keep, shift_limit(context, keep))
-            shifts += 1
-            fed_one += 1
-            return self.pipeline.extend(tokens)[0]
-
-        decoder = None
-        if drafter is not None:
-            from .speculative import SpeculativeDecoder
-            decoder = SpeculativeDecoder(self.pipeline, drafter, params, rng, advance, draft_tokens)
-            source = decoder.tokens(logits, fed)
-        else:
-            source = _plain_tokens(logits, params, rng, advance, fed)
-        text = TextStream(self.tokenizer, stop or [])
-        reason = "context"
-        decode_start = time.perf_counter()
-        first_token = None
-        for token in source:
-            if first_token is None:
-                first_token = time.perf_counter() - started
-            if token in self.eos_token_ids:
-                reason = "eos"
-                break
-            yield TokenEvent(token, text.push(token))
-            if text.stopped:
-                reason = "stop"
-                break
-            if len(text.token_ids) >= max_new_tokens:
-                reason = "length"
-                break
-        if decoder is not None and decoder.unconsumed:  # accepted drafts past the end: as if never fed
-            self.pipeline.rewind(self.pipeline.position - decoder.unconsumed)
-        self.pipeline.wait()
-        t2 = time.perf_counter()
-        steps, spec = fed_one, None
-        if decoder is not None:  # and the tokens the verify windows kept
-            st = decoder.stats
-            steps += st.verify_steps + st.accepted_tokens - decoder.unconsumed
-            spec = st.as_dict()
-        self.last_result = GenerationResult(text.token_ids, text.text, len(fed), reason, t1 - t0,
-                                            t2 - decode_start, decoded_tokens=steps, reused_tokens=reused,
-                                            shifts=shifts, speculative=spec,
-                                            first_token_seconds=first_token if first_token is not None else
-                                            time.perf_counter() - started)
-
-    def _drafter(self, speculative) -> tuple[object | None, bool]:
-        """The drafter named by `speculative` and whether this call owns it (closes it after)."""
-        from .drafters import ModelDrafter, PromptLookupDrafter
-
-        if speculative is None:
-            return None, False
-        if not isinstance(speculative, str):
-            return speculative, False
-        if speculative == "lookup":
-            return PromptLookupDrafter(), False
-        if speculative.startswith("draft:"):
-            folder = speculative.removeprefix("draft:")
-            draft = load(folder, backend=self.backend.name if self.backend.name != "coreml" else "auto")
-            if draft.manifest["config"]["vocab_size"] != self.manifest["config"]["vocab_size"]:
-                draft.close()
-                raise InvalidArgumentError(f"the draft export {folder} has another vocabulary "
-                                 f"({draft.manifest['config']['vocab_size']} tokens, this model "
-                                 f"{self.manifest['config']['vocab_size']}); a drafter must share the tokenizer")
-            return ModelDrafter(draft), True
-        raise InvalidArgumentError(f"--speculative must be 'lookup' or 'draft:OUT' (an export folder), got {speculative!r}")
+    def _open_draft(self, folder: str) -> "LlamaANEModel":
+        """A draft export, on this model's backend (Core ML's own choice, "auto", for coreml)."""
+        return load(folder, backend=self.backend.name if self.backend.name != "coreml" else "auto")
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -407,8 +250,6 @@ class LlamaANEModel:
         With `cache` (e.g. a loaded prompt cache of a document), the prefix reuses what it holds and
         the cache keeps the prefix afterwards (the branches' tokens live in their own suffix caches).
         """
-        from .cascade import BranchResult, CascadeDecoder, CascadeStats, _Branch, prefix_bytes_per_step
-
         if (continuations is None) == (n is None):
             raise InvalidArgumentError("give either continuations=[...] or n=N")
         if n is not None and n < 1:
@@ -425,29 +266,7 @@ class LlamaANEModel:
             list(self.tokenizer(c, add_special_tokens=False).input_ids) if isinstance(c, str) else [int(t) for t in c]
             for c in continuations]
         decoder = CascadeDecoder(self.pipeline, self.tokenizer, self.eos_token_ids)
-        try:
-            decoder.check_budget(len(prefix_ids), [len(o) for o in own], max_new_tokens)
-            self.pipeline.start(cache)
-            t0 = time.perf_counter()
-            first, reused = self.pipeline.extend(prefix_ids)
-            self.pipeline.wait()
-            t1 = time.perf_counter()
-            results = [BranchResult(i, ids) for i, ids in enumerate(own)]
-            steps = 0
-            for start in range(0, len(results), decoder.width):
-                group = [_Branch(r, SeededRandom(None if seed is None else branch_seed(seed, r.index)), first,
-                                 TextStream(self.tokenizer, stop or []))
-                         for r in results[start:start + decoder.width]]
-                steps += decoder.run_group(group, len(prefix_ids), max_new_tokens, params, on_token,
-                                           record_logits=teacher_forced)
-            t2 = time.perf_counter()
-        finally:
-            decoder.close()
-        per_step = prefix_bytes_per_step(self.manifest, len(prefix_ids), self.backend.dtype.itemsize)
-        stats = CascadeStats(len(prefix_ids), len(results), steps, sum(len(r.token_ids) for r in results),
-                             t1 - t0, t2 - t1, per_step, per_step * min(len(results), decoder.width),
-                             reused_tokens=reused)
-        return CascadeOutput(results, stats)
+        return decoder.run(prefix_ids, own, max_new_tokens, params, seed, stop, on_token, teacher_forced, cache)
 
     def score_branches(self, prefix: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced cascade logits: for each branch, float32 [len(continuation), vocab], the
