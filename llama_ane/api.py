@@ -235,7 +235,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  lut_block_size: int | None = None, kv_cache: str = "inputs",
                  context_buckets: str | int | Sequence[int] = "auto", progress: bool = True,
                  log: Callable[[str], None] | None = None,
-                 quantize_budget: float | None = None, quantize_recipe: str | Path | None = None) -> Path:
+                 quantize_budget: float | None = None, quantize_recipe: str | Path | None = None,
+                 revision: str | None = None) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
     `context_buckets` ("auto", one size, or ascending sizes ending at `context_length`) are the
@@ -251,7 +252,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
     `block_size` (input channels per scale) replace the defaults; `lut_block_size` scales and
     shifts LUT values per row and block of that many input channels (see `llama_ane.quantize`).
-    `quantize="auto"` chooses a form per part and layer, the fewest bytes whose perplexity increase
+    `source` may also be a Hugging Face repo id (`revision`: a branch, tag or commit), fetched into
+    the Hub's cache. `quantize="auto"` chooses a form per part and layer, the fewest bytes whose perplexity increase
     stays within `quantize_budget` percent (default 5; quantize.auto), and records the recipe in
     the manifest; `quantize_recipe` (a JSON file: a recipe or an export's manifest.json) reuses one.
 
@@ -294,7 +296,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         raise ExportError(f"{out} exists and is not a folder")
     check_writable_parent(out)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(source)
+    ckpt = load_checkpoint(source, revision=revision)
     check_tokenizer(ckpt.tokenizer_dir, ckpt.config)  # a bad tokenizer is refused before anything is converted
     if recipe is not None:
         recipe.check(ckpt.config.num_hidden_layers)
