@@ -33,12 +33,13 @@ test-python: setup
 test-quick: setup
 	LLAMA_ANE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not export"
 
-# The Swift tests read the committed fixtures ($(FIXTURES)): no Python needed. After changing what
-# they record, regenerate them with `$(PY) tests/swift_fixtures.py $(FIXTURES)`; a slow test in
+# The Swift package's manifest is the root Package.swift (its sources are in swift_host/). Its tests
+# read the committed fixtures ($(FIXTURES)): no Python needed. After changing what they record,
+# regenerate them with `$(PY) tests/swift_fixtures.py $(FIXTURES)`; a slow test in
 # tests/test_swift_fixtures.py checks that they are what the generator writes.
 test-swift:
 	@if command -v swift >/dev/null 2>&1; then \
-	  cd swift_host && swift build -j 2 && swift test -j 2 --disable-swift-testing; \
+	  swift build -j 2 && swift test -j 2 --disable-swift-testing; \
 	else echo "swift not found: skipping the Swift package (see swift_host/README.md)"; fi
 
 bench-branches: setup
@@ -49,4 +50,4 @@ bench-report: setup
 	$(PY) benchmarks/report.py
 
 clean:
-	rm -rf $(VENV) out swift_host/.build
+	rm -rf $(VENV) out .build swift_host/.build

@@ -19,9 +19,10 @@ Nothing in those fixtures is written by hand:
 
 * ``generation.json``: the finish-reason vocabulary, the first numbers of the seeded generator, and
   generations on a bigram model (the logits after token t are row t of a table) run through
-  Python's own generation loop and sampler, with the tokens and finish reason of a single generation
-  and of each cascade branch (seeded by the per-branch rule): the Swift generator and cascade
-  scheduler, given the same table as a closure model, must give the same.
+  Python's own generation loop and sampler (temperature, top-k, top-p, min-p, repetition penalty,
+  stop strings), with the tokens, text and finish reason of a single generation and of each cascade
+  branch (seeded by the per-branch rule): the Swift generator, stop strings and cascade scheduler,
+  given the same table as a closure model, must give the same.
 
 * ``speculative.json``: what Python's speculative decoding does on fixed inputs: the prompt-lookup
   drafter's trees (tokens, parents, chances of acceptance) for fixed texts, and for sequences of
@@ -704,19 +705,29 @@ class _BigramPipeline:
 
 
 class _IdsAsText:
-    """A tokenizer stand-in: decodes ids to text (no stop strings are used)."""
+    """A tokenizer stand-in: decodes ids to their numbers joined by spaces (what stop strings match)."""
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return " ".join(map(str, ids))
 
 
-GENERATION_CASES = [  # prompt, max_new_tokens, context_length, temperature, top_k, top_p, seed, branches
-    ([1, 2, 3], 12, 64, 0.0, 0, 1.0, 0, 2),
-    ([4, 5], 20, 64, 0.8, 0, 1.0, 7, 4),
-    ([6], 16, 64, 1.3, 5, 1.0, 123456789, 3),
-    ([7, 8, 9, 10], 24, 64, 1.0, 0, 0.9, 2**64 - 2, 4),  # per-branch seeds wrap around 2**64
-    ([11, 12], 30, 20, 0.7, 0, 0.95, 99, 2),  # fills the context: finish reason "context"
-    ([3, 1, 4, 1, 5], 40, 64, 2.0, 12, 0.97, 31337, 5),
+# prompt, max_new_tokens, context_length, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+# branches (Python's cascade takes no repetition penalty: those cases have none), stop strings
+GENERATION_CASES = [
+    ([1, 2, 3], 12, 64, 0.0, 0, 1.0, 0.0, 1.0, 0, 2, []),
+    ([4, 5], 20, 64, 0.8, 0, 1.0, 0.0, 1.0, 7, 4, []),
+    ([6], 16, 64, 1.3, 5, 1.0, 0.0, 1.0, 123456789, 3, []),
+    ([7, 8, 9, 10], 24, 64, 1.0, 0, 0.9, 0.0, 1.0, 2**64 - 2, 4, []),  # per-branch seeds wrap around 2**64
+    ([11, 12], 30, 20, 0.7, 0, 0.95, 0.0, 1.0, 99, 2, []),  # fills the context: finish reason "context"
+    ([3, 1, 4, 1, 5], 40, 64, 2.0, 12, 0.97, 0.0, 1.0, 31337, 5, []),
+    ([9, 4], 32, 64, 1.5, 0, 1.0, 0.1, 1.0, 2024, 3, []),  # min-p alone
+    ([5, 6, 7], 32, 64, 2.5, 10, 0.95, 0.2, 1.0, 8, 3, []),  # after top-k and top-p
+    ([1, 3, 5, 7], 40, 64, 0.0, 0, 1.0, 0.0, 1.3, 0, 0, []),  # the penalty applies to greedy decoding too
+    ([2, 4, 6], 40, 64, 1.0, 0, 1.0, 0.0, 1.8, 77, 0, []),
+    ([8, 10, 12], 40, 64, 0.9, 16, 0.98, 0.05, 0.7, 5, 0, []),  # a penalty below 1 favours repeats
+    ([9, 4, 12] + [3] * 64 + [4], 24, 128, 0.0, 0, 1.0, 0.0, 2.0, 0, 0, []),  # only the last 64 context tokens count
+    ([4, 5], 20, 64, 0.8, 0, 1.0, 0.0, 1.0, 7, 0, [" 1", "9 "]),  # stop strings cut the text
+    ([6], 40, 64, 1.0, 0, 1.0, 0.0, 1.3, 3, 0, ["never there", "6 10 0"]),
 ]
 
 
@@ -733,23 +744,26 @@ def write_generation_fixture(path: Path, vocab: int = 24, eos: int = 2) -> dict[
     model.manifest = {"tokenizer": {"eos_token_ids": [eos]}}
     model._tokenizer = _IdsAsText()
 
-    def run(prompt, max_new, context, temperature, top_k, top_p, seed):
+    def run(prompt, max_new, context, seed, stop=(), **sampling):
         model.pipeline = _BigramPipeline(table, context)
-        result = model.generate(prompt, max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=seed)
-        return {"tokens": result.token_ids, "finish_reason": result.finish_reason}
+        result = model.generate(prompt, max_new_tokens=max_new, seed=seed, stop=list(stop), **sampling)
+        return {"tokens": result.token_ids, "finish_reason": result.finish_reason, "text": result.text}
 
     cases = []
-    for prompt, max_new, context, temperature, top_k, top_p, seed, branches in GENERATION_CASES:
+    for prompt, max_new, context, temperature, top_k, top_p, min_p, penalty, seed, branches, stop in GENERATION_CASES:
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty)
         case = {"prompt": prompt, "max_new_tokens": max_new, "context_length": context, "prefill_length": 4,
-                "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": str(seed)}
-        case.update(run(prompt, max_new, context, temperature, top_k, top_p, seed))
-        case["branches"] = [run(prompt, max_new, 10**6, temperature, top_k, top_p, branch_seed(seed, i))
-                            for i in range(branches)]
+                **sampling, "seed": str(seed), "stop": stop}
+        case.update(run(prompt, max_new, context, seed, stop, **sampling))
+        if min_p > 0 or penalty != 1.0:  # a case that does not depend on its filter would test nothing
+            plain = run(prompt, max_new, context, seed, stop, **{**sampling, "min_p": 0.0, "repetition_penalty": 1.0})
+            if plain["tokens"] == case["tokens"]:
+                raise AssertionError(f"min_p/repetition_penalty change nothing in the case with prompt {prompt}")
+        case["branches"] = [run(prompt, max_new, 10**6, branch_seed(seed, i), **sampling) for i in range(branches)]
         cases.append(case)
     reasons = {c["finish_reason"] for c in cases} | {b["finish_reason"] for c in cases for b in c["branches"]}
-    if not {"eos", "length", "context"} <= reasons:
-        raise AssertionError(f"the generation cases should end in eos, length and context, not only {reasons}")
+    if set(FINISH_REASONS) - reasons:
+        raise AssertionError(f"the generation cases should end in each of {FINISH_REASONS}, not only {reasons}")
     generators = []
     for seed in (0, 1, 42, 2**64 - 1):
         rng = SeededRandom(seed)

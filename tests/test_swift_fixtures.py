@@ -107,20 +107,21 @@ def test_all_tokenizer_fixtures(tmp_path):
 
 def test_generation_fixture_is_python_generation(tmp_path):
     """generation.json holds what Python's loop and sampler give: branch 0 is the single generation
-    (its seed is the request's), every finish reason is in the shared vocabulary, and the cases end
-    in eos, length and context."""
+    (its seed is the request's), every finish reason is in the shared vocabulary, the cases end in
+    each of them, and some sample with min-p and a repetition penalty."""
     from llama_ane.runtime.sampling import FINISH_REASONS, SeededRandom
 
     data = sf.write_generation_fixture(tmp_path / "generation.json")
     assert json.loads((tmp_path / "generation.json").read_text())["cases"] == data["cases"]
     assert data["finish_reasons"] == list(FINISH_REASONS)
     for case in data["cases"]:
-        first = case["branches"][0]
-        if case["finish_reason"] != "context":  # the branches run with room to spare
+        if case["branches"] and case["finish_reason"] != "context":  # the branches run with room to spare
+            first = case["branches"][0]
             assert (first["tokens"], first["finish_reason"]) == (case["tokens"], case["finish_reason"])
         assert case["finish_reason"] in FINISH_REASONS
         assert len(case["tokens"]) <= case["max_new_tokens"] and data["eos"] not in case["tokens"]
-    assert {c["finish_reason"] for c in data["cases"]} >= {"eos", "length", "context"}
+    assert {c["finish_reason"] for c in data["cases"]} == set(FINISH_REASONS)
+    assert any(c["min_p"] > 0 for c in data["cases"]) and any(c["repetition_penalty"] != 1 for c in data["cases"])
     g = data["generators"][0]
     rng = SeededRandom(int(g["seed"]))
     assert [str(rng.next()) for _ in g["next"]] == g["next"]

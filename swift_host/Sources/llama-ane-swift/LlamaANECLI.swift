@@ -5,7 +5,8 @@ import CoreML
 #endif
 
 /// `llama-ane-swift EXPORT_FOLDER PROMPT [options]`: streams generated text to stdout and reports
-/// prefill and decode speeds on stderr.
+/// prefill and decode speeds on stderr. `llama-ane-swift chat EXPORT_FOLDER`: a conversation, a turn
+/// per line of stdin.
 @main
 enum LlamaANECLI {
     static func main() async {
@@ -16,13 +17,17 @@ enum LlamaANECLI {
             }
             try await run(options)
         } catch {
-            FileHandle.standardError.write(Data("error: \(error)\n".utf8))
+            FileHandle.standardError.write(Data("Error: \(error)\n".utf8))
             exit(1)
         }
     }
 
     static func run(_ options: Options) async throws {
         let model = try ExportedModel(folder: URL(fileURLWithPath: options.folder), verifyHashes: options.verifyHashes)
+        if options.interactive {
+            try await chat(model, options: options)
+            return
+        }
         let prompt = options.chat
             ? try model.chatPromptTokens([ChatMessage(role: "user", content: options.prompt)])
             : model.promptTokens(options.prompt)
@@ -34,11 +39,19 @@ enum LlamaANECLI {
         }
         let predictor = try await makePredictor(model, computeUnits: options.computeUnits)
         let generator = model.generator(predictor: predictor)
+        var text = StopStrings(options.stops)
+        var generated = 0
         for try await event in generator.generate(prompt: prompt, maxNewTokens: options.maxNewTokens, sampling: options.sampling,
                                                   speculative: options.speculativeDecoding) {
             switch event {
-            case let .token(_, text):
-                FileHandle.standardOutput.write(Data(text.utf8))
+            case let .token(id, piece):
+                write(text.push(piece))
+                if !model.eosTokenIds.contains(id) { generated += 1 }
+                if text.stopped {  // leaving the stream ends the generation after the running model call
+                    print("")
+                    log("\(generated) tokens (stop)")
+                    return
+                }
             case let .finished(stats):
                 print("")
                 log(String(format: "prefill: %d tokens, %.1f tokens/s; decode: %d tokens, %.1f tokens/s",
@@ -75,6 +88,21 @@ enum LlamaANECLI {
         #endif
     }
 
+    /// `chat EXPORT_FOLDER`: turns read from stdin on one conversation; past the context it shifts,
+    /// keeping the system message, as Python's chat does.
+    static func chat(_ model: ExportedModel, options: Options) async throws {
+        let system = options.system.map { [ChatMessage(role: "system", content: $0)] } ?? []
+        let keep = system.isEmpty ? 0 : try model.tokenizer.applyChatTemplate(system, addGenerationPrompt: false).count
+        let predictor = try await makePredictor(model, computeUnits: options.computeUnits)
+        let conversation = try Conversation(generator: model.generator(predictor: predictor), tokenizer: model.tokenizer,
+                                            system: options.system, overflow: .shift(keep: keep))
+        log("\(model.manifest.name): context \(model.manifest.contextLength); /help for commands")
+        await ChatLoop(conversation: conversation, maxNewTokens: options.maxNewTokens, sampling: options.sampling,
+                       speculative: options.speculativeDecoding, stops: options.stops,
+                       readLine: { Swift.readLine(strippingNewline: true) }, write: write,
+                       log: { FileHandle.standardError.write(Data($0.utf8)) }).run()
+    }
+
     static func makePredictor(_ model: ExportedModel, computeUnits name: String) async throws -> TokenPredictor {
         #if canImport(CoreML)
         return try await model.makeCoreMLPredictor(computeUnits: computeUnits(name))
@@ -93,6 +121,10 @@ enum LlamaANECLI {
         }
     }
     #endif
+
+    static func write(_ text: String) {
+        FileHandle.standardOutput.write(Data(text.utf8))
+    }
 
     static func log(_ message: String) {
         FileHandle.standardError.write(Data((message + "\n").utf8))

@@ -33,7 +33,39 @@ final class CommandLineTests: XCTestCase {
                     ["f", "p", "--speculative", "draft:out"], ["f", "p", "--draft-tokens", "4"],
                     ["f", "p", "--speculative", "lookup", "--draft-tokens", "0"], ["f", "p", "--speculative", "lookup", "--branches", "2"]] {
             XCTAssertThrowsError(try Options.parse(bad), "\(bad)") { error in
-                XCTAssertTrue("\(error)".contains("usage:"), "errors end with the usage text")
+                XCTAssertFalse("\(error)".contains("\n"), "one line: \(error)")
+                XCTAssertTrue("\(error)".hasSuffix("(llama-ane-swift --help lists the options)"))
+            }
+        }
+    }
+
+    func testParsesSamplingFiltersAndStops() throws {
+        let o = try XCTUnwrap(try Options.parse(["f", "p", "--min-p", "0.05", "--repetition-penalty", "1.3",
+                                                 "--stop", "\n\n", "--stop", "User:"]))
+        XCTAssertEqual(o.sampling, SamplingParameters(minP: 0.05, repetitionPenalty: 1.3))
+        XCTAssertEqual(o.stops, ["\n\n", "User:"])
+        XCTAssertFalse(o.interactive)
+    }
+
+    func testParsesChat() throws {
+        let o = try XCTUnwrap(try Options.parse(["chat", "out/tiny", "--system", "You are terse.", "--stop", "###", "-t", "0.5"]))
+        XCTAssertTrue(o.interactive)
+        XCTAssertEqual(o.folder, "out/tiny")
+        XCTAssertEqual(o.system, "You are terse.")
+        XCTAssertEqual(o.stops, ["###"])
+        XCTAssertEqual(o.sampling.temperature, 0.5)
+        XCTAssertEqual(try Options.parse(["./chat", "p"])?.folder, "./chat", "a folder named chat, as a path")
+        XCTAssertFalse(try XCTUnwrap(try Options.parse(["./chat", "p"])).interactive)
+    }
+
+    func testRefusesBadSamplingStopAndChatArguments() {
+        for bad in [["f", "p", "--min-p", "1.5"], ["f", "p", "--min-p", "-0.1"], ["f", "p", "--repetition-penalty", "0"],
+                    ["f", "p", "--repetition-penalty", "inf"], ["f", "p", "--temperature", "nan"], ["f", "p", "--temperature", "inf"],
+                    ["f", "p", "--repetition-penalty", "1.2", "--speculative", "lookup"], ["f", "p", "--stop", ""],
+                    ["f", "p", "--stop", "x", "--branches", "2"], ["f", "p", "--system", "s"], ["chat"], ["chat", "f", "p"],
+                    ["chat", "f", "--branches", "2"], ["chat", "f", "--chat"], ["f", "p", "--top-k", "-1"]] {
+            XCTAssertThrowsError(try Options.parse(bad), "\(bad)") { error in
+                XCTAssertFalse("\(error)".contains("\n"), "one line: \(error)")
             }
         }
     }

@@ -2,9 +2,10 @@ import Foundation
 import XCTest
 @testable import LlamaANE
 
-/// The Swift generator and cascade scheduler against what Python's generation loop and sampler gave
-/// on the same bigram model, prompt and seed (`generation.json`, written by tests/swift_fixtures.py):
-/// one finish-reason vocabulary, one generator, one per-branch seeding rule.
+/// The Swift generator, sampler (min-p and the repetition penalty included), stop strings and cascade
+/// scheduler against what Python's generation loop and sampler gave on the same bigram model, prompt
+/// and seed (`generation.json`, written by tests/swift_fixtures.py): one finish-reason vocabulary, one
+/// generator, one per-branch seeding rule.
 ///
 /// Python's token ids stop before an end-of-sequence token; the Swift stream includes it, so it is
 /// dropped here before comparing.
@@ -12,6 +13,7 @@ final class GenerationFixtureTests: XCTestCase {
     private struct Run {
         let tokens: [Int]
         let finishReason: String
+        let text: String
     }
 
     private struct Case {
@@ -20,6 +22,7 @@ final class GenerationFixtureTests: XCTestCase {
         let contextLength: Int
         let prefillLength: Int
         let sampling: SamplingParameters
+        let stop: [String]
         let single: Run
         let branches: [Run]
     }
@@ -36,7 +39,7 @@ final class GenerationFixtureTests: XCTestCase {
         let root = try JSONValue.parse(Data(contentsOf: try Fixtures.url("generation.json")))
         func run(_ v: JSONValue) -> Run {
             Run(tokens: v["tokens"]?.arrayValue?.compactMap(\.intValue) ?? [],
-                finishReason: v["finish_reason"]?.stringValue ?? "")
+                finishReason: v["finish_reason"]?.stringValue ?? "", text: v["text"]?.stringValue ?? "")
         }
         let cases = (root["cases"]?.arrayValue ?? []).map { c in
             Case(prompt: c["prompt"]?.arrayValue?.compactMap(\.intValue) ?? [],
@@ -46,7 +49,10 @@ final class GenerationFixtureTests: XCTestCase {
                  sampling: SamplingParameters(temperature: Float(c["temperature"]?.doubleValue ?? 0),
                                               topK: c["top_k"]?.intValue ?? 0,
                                               topP: Float(c["top_p"]?.doubleValue ?? 1),
+                                              minP: Float(c["min_p"]?.doubleValue ?? 0),
+                                              repetitionPenalty: Float(c["repetition_penalty"]?.doubleValue ?? 1),
                                               seed: UInt64(c["seed"]?.stringValue ?? "") ?? 0),
+                 stop: c["stop"]?.arrayValue?.compactMap(\.stringValue) ?? [],
                  single: run(c),
                  branches: (c["branches"]?.arrayValue ?? []).map(run))
         }
@@ -82,7 +88,8 @@ final class GenerationFixtureTests: XCTestCase {
     func testGeneratorGivesPythonsTokensAndFinishReasons() async throws {
         let f = try load()
         let table = f.table
-        for c in f.cases {
+        XCTAssertTrue(f.cases.contains { $0.sampling.minP > 0 } && f.cases.contains { $0.sampling.repetitionPenalty != 1 })
+        for c in f.cases where c.stop.isEmpty {  // stop strings: below
             let model = ClosurePredictor(contextLength: c.contextLength, prefillLength: c.prefillLength) { window in
                 table[Int(window.tokens[window.count - 1])]
             }
@@ -94,11 +101,46 @@ final class GenerationFixtureTests: XCTestCase {
         }
     }
 
+    /// The text streamed through `StopStrings` (as the CLI streams it), cut where Python's
+    /// `TextStream` cut it, and the generation left at the token that completed the stop string.
+    func testStopStringsCutWherePythonCuts() async throws {
+        let f = try load()
+        let table = f.table
+        XCTAssertTrue(f.cases.contains { $0.single.finishReason == "stop" })
+        for c in f.cases where c.single.finishReason != "eos" {
+            let model = ClosurePredictor(contextLength: c.contextLength, prefillLength: c.prefillLength) { window in
+                table[Int(window.tokens[window.count - 1])]
+            }
+            let generator = Generator(predictor: model, eosTokenIds: [f.eos]) { $0.map(String.init).joined(separator: " ") }
+            var stops = StopStrings(c.stop)
+            var tokens: [Int] = []
+            var shown = ""
+            var reason = ""
+            for try await event in generator.generate(prompt: c.prompt, maxNewTokens: c.maxNewTokens, sampling: c.sampling) {
+                switch event {
+                case let .token(id, text):
+                    tokens.append(id)
+                    shown += stops.push(text)
+                case let .finished(stats):
+                    reason = stats.stopReason.rawValue
+                }
+                if stops.stopped {
+                    reason = FinishReason.stop.rawValue
+                    break
+                }
+            }
+            XCTAssertEqual(tokens, c.single.tokens, "prompt \(c.prompt)")
+            XCTAssertEqual(reason, c.single.finishReason, "prompt \(c.prompt)")
+            XCTAssertEqual(stops.text, c.single.text, "prompt \(c.prompt)")
+            XCTAssertTrue(shown.hasPrefix(stops.text), "prompt \(c.prompt)")
+        }
+    }
+
     func testCascadeBranchesArePythonsSeedPlusIndex() async throws {
         let f = try load()
         let table = f.table
         let width = 3
-        for c in f.cases {
+        for c in f.cases where !c.branches.isEmpty {
             let scheduler = CascadeScheduler(branchWidth: width, prefixLength: c.prompt.count,
                                              suffixCapacity: c.maxNewTokens + 1, eosTokenIds: [f.eos])
             let requests = c.branches.indices.map {

@@ -62,4 +62,36 @@ final class SamplerTests: XCTestCase {
         XCTAssertEqual(Set(draws(SamplingParameters(temperature: 1, topP: 0.81, seed: 1), 5000)), [0, 1, 2])
         XCTAssertEqual(Set(draws(SamplingParameters(temperature: 1, topP: 0.01, seed: 1), 500)), [0])
     }
+
+    func testRepetitionPenaltyDividesPositiveAndMultipliesNegativeLogitsOfRecentTokensOnce() {
+        let penalized = Sampler.penalize([2, -2, 1, 0.5], recent: [0, 1, 1, 9, -1], penalty: 2)
+        XCTAssertEqual(penalized, [1, -4, 1, 0.5], "ids 0 and 1 once each; ids outside the vocabulary are ignored")
+        XCTAssertEqual(Sampler.penalize([2, -2], recent: [0, 1], penalty: 1), [2, -2])
+        // Only the last `repetitionWindow` tokens count: id 0 has left the window.
+        let window = [0] + Array(repeating: 1, count: SamplingParameters.repetitionWindow)
+        XCTAssertEqual(Sampler.penalize([2, 2], recent: window, penalty: 2), [2, 1])
+    }
+
+    func testGreedyWithAPenaltyAvoidsTheContextAndWhatItSampled() {
+        var s = Sampler(SamplingParameters(repetitionPenalty: 2), context: [2])
+        XCTAssertEqual(s.recent, [2])
+        let logits: [Float] = [3, 2.9, 5.9]
+        // 2 is in the context (5.9 -> 2.95 < 3): 0; then 0 is penalized too (1.5): 2, and each id only once.
+        XCTAssertEqual((0..<3).map { _ in s.sample(logits) }, [0, 2, 2])
+        XCTAssertEqual(s.recent, [2, 0, 2, 2])
+        var plain = Sampler(.greedy, context: [2])
+        XCTAssertEqual((0..<3).map { _ in plain.sample(logits) }, [2, 2, 2])
+        XCTAssertEqual(plain.recent, [], "without a penalty nothing is kept")
+    }
+
+    func testMinPKeepsTokensAtLeastPTimesAsLikelyAsTheMostLikely() {
+        let c = Sampler.candidates(logits, SamplingParameters(temperature: 1, minP: 0.5))
+        XCTAssertEqual(c.map(\.id), [0, 1], "0.3 / 0.5 >= 0.5 > 0.15 / 0.5")
+        XCTAssertEqual(c[0].probability, 0.5 / 0.8, accuracy: 1e-6)
+        XCTAssertEqual(Sampler.candidates(logits, SamplingParameters(temperature: 1, minP: 1)).map(\.id), [0])
+        XCTAssertEqual(Sampler.candidates(logits, SamplingParameters(temperature: 1, minP: 0.05)).count, 4)
+        // After top-p: top-p 0.81 keeps 0, 1 and 2; min-p 0.35 then drops 2 (0.15 / 0.5 = 0.3).
+        XCTAssertEqual(Sampler.candidates(logits, SamplingParameters(temperature: 1, topP: 0.81, minP: 0.35)).map(\.id), [0, 1])
+        XCTAssertEqual(Set(draws(SamplingParameters(temperature: 1, minP: 0.5, seed: 4), 3000)), [0, 1])
+    }
 }

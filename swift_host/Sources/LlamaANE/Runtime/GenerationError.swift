@@ -12,6 +12,8 @@ public enum GenerationError: Error, CustomStringConvertible, Equatable {
     case noVerifyWindow
     /// The most drafted tokens asked for do not fit the export's verify window.
     case draftTokensOutOfRange(Int, verifyWindow: Int)
+    /// A repetition penalty was asked of speculative decoding, which does not take one (as in Python).
+    case repetitionPenaltyWithSpeculative
 
     public var description: String {
         switch self {
@@ -29,6 +31,8 @@ public enum GenerationError: Error, CustomStringConvertible, Equatable {
                 + "Core ML states); re-export it with --verify-window W (e.g. 16) and --kv-cache inputs."
         case let .draftTokensOutOfRange(tokens, window):
             return "draft tokens must be 1...\(window - 1) (the export's verify window is \(window)), got \(tokens)."
+        case .repetitionPenaltyWithSpeculative:
+            return "a repetition penalty cannot be combined with speculative decoding; drop one."
         }
     }
 }

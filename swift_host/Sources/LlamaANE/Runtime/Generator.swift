@@ -181,7 +181,7 @@ public final class Generator: @unchecked Sendable {
             try await decodeSpeculatively(verifier, decoder, prompt: prompt, logits: logits, overflow: overflow,
                                           cache: &cache, stats: &stats, events: &events, emit: emit)
         } else {
-            var sampler = Sampler(sampling)
+            var sampler = Sampler(sampling, context: prompt)  // the repetition penalty reads the prompt
             while true {
                 let token = sampler.sample(logits)
                 let (event, done) = events.next(token, stats: &stats)

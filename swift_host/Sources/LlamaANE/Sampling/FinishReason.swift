@@ -4,7 +4,7 @@
 public enum FinishReason: String, CaseIterable, Equatable, Sendable {
     /// An end-of-sequence token was sampled.
     case eos
-    /// A stop string appeared in the text (Python's `stop=`; this package takes no stop strings yet).
+    /// A stop string appeared in the text (Python's `stop=`; here `StopStrings`).
     case stop
     /// `maxNewTokens` tokens were generated.
     case length

@@ -19,6 +19,7 @@ struct SpeculativeDecoder {
     /// Throws when the export has no verify window or `draftTokens` does not fit in it.
     init(_ options: SpeculativeDecoding, sampling: SamplingParameters, verifyWindow: Int) throws {
         guard verifyWindow > 0 else { throw GenerationError.noVerifyWindow }
+        guard sampling.repetitionPenalty == 1 else { throw GenerationError.repetitionPenaltyWithSpeculative }
         if let d = options.draftTokens, d < 1 || d > verifyWindow - 1 {
             throw GenerationError.draftTokensOutOfRange(d, verifyWindow: verifyWindow)
         }
