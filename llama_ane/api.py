@@ -361,6 +361,15 @@ def choose_recipe_options(quantize: str, budget: float | None, recipe_file: str 
     return Recipe.load(recipe_file)
 
 
+def _write_coreai(plan, ckpt, folder: Path, progress: Callable) -> None:
+    """The plan's packages as Core AI assets, built from the reference modules the parity gate runs."""
+    from .export.coreai import write_assets
+    from .verify import reference_modules
+
+    write_assets(plan, plan.manifest(ckpt.name, ckpt.source, {}), folder, functools.partial(reference_modules, ckpt),
+                 progress)
+
+
 def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,
            say: Callable[[str], None], t0: float, force: bool = False) -> Path:
     """Convert every package of `plan` into a hidden folder next to `out`, write the manifest,
@@ -373,6 +382,7 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
     from .export.memory import PeakMemory
     from .export.out_folder import OutLock, finish, make_partial, remove_stale_partials
     from .export.validate import validate_export
+    from .contract.plan import COREAI
 
     calibration = None
     if any(c.weighted for part in PARTS if (c := opts.quantize.compression(part, target))):
@@ -390,19 +400,28 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
             with PeakMemory() as meter:
                 bar = _Progress(plan, progress)
                 try:
-                    convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built,
-                                calibration=calibration, compressed=bar.compressed)
+                    if opts.target == COREAI:
+                        _write_coreai(plan, ckpt, tmp, bar.built)
+                    else:
+                        convert_all(plan, ckpt, tmp, workers=memory.workers, progress=bar.built,
+                                    calibration=calibration, compressed=bar.compressed)
                 finally:
                     bar.close()
                 tok_files = copy_tokenizer(ckpt, tmp)
                 write_manifest(tmp, plan.manifest(ckpt.name, ckpt.source,
                                                   tokenizer_info(tmp, ckpt.config, tok_files)))
-                validate_export(tmp)
+                if opts.target == COREAI:
+                    from .export.coreai import validate_assets
+
+                    validate_assets(tmp)
+                else:
+                    validate_export(tmp)
                 say(f"converted in {time.perf_counter() - t0:.1f} s")
                 if verify:  # the parity gate runs before the rename: a failing export is never left in place
                     from .verify import verify_export
 
-                    report = verify_export(tmp, checkpoint=ckpt, progress=progress)
+                    report = verify_export(tmp, "coreai" if opts.target == COREAI else "mil", checkpoint=ckpt,
+                                           progress=progress)
                     report.export_dir = str(out)
                     say(str(report))
                     if not report.passed:

@@ -223,6 +223,20 @@ def load_source_checkpoint(manifest: dict):
     return load_checkpoint(source_path(source) if source.get("kind") != "default" else None)
 
 
+def reference_modules(ckpt, manifest: dict, model: str) -> dict:
+    """The torch modules of manifest `model` ({function: module}) on `ckpt`'s weights in the export's
+    precision: the reference this gate compares with, and what `--target coreai` converts."""
+    import torch
+
+    from .runtime.backends.torch_modules import CheckpointWeights, build_model
+
+    dtype = torch.float16 if manifest["precision"] == "fp16" else torch.float32
+    modules = build_model(CheckpointWeights(ckpt), manifest, model, dtype)
+    for module in {id(m): m for m in modules.values()}.values():
+        module.to(dtype)  # the RoPE tables are made in float32; index buffers stay int32
+    return modules
+
+
 def streamed_method(n_chunks: int, with_transformers: bool) -> str:
     """The report line that says how the logits were computed."""
     line = (f"streamed: one model in memory at a time (embeddings, {n_chunks} chunk{'s' * (n_chunks != 1)}, "
@@ -273,10 +287,10 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
         for chunk in pipe.chunks:
             zeros = pipe._zeros(len(chunk["layers"]))
             pool = {**emb, "hidden_states": hidden, "k_cache": zeros, "v_cache": zeros}
-            hidden = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))[
-                "hidden_states_out"]
+            out = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))
+            hidden = out.get("hidden_states_out")  # none from a last chunk carrying the LM head
             model.backend.release(chunk["model"])
-        return pipe.logits("verify", hidden)
+        return pipe.logits_of("verify", out)
     finally:
         model.close()
 
@@ -292,7 +306,7 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     Parameters
     ----------
     out_dir : the export folder.
-    backend : "mil" or "coreml".
+    backend : "mil", "coreml" or "coreai" (an --target coreai export, run by coreai-core's runtime).
     text : the text to score; its first `max_tokens` tokens (at most the context length) are used.
     precision : for the mil backend, "fp16" (default for fp16 exports, as the ANE computes) or "fp32".
     checkpoint : the source `Checkpoint`, when the caller has it loaded already (the exporter);
@@ -330,8 +344,8 @@ def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, prec
     from .runtime.model import load
 
     report = VerifyReport(str(out_dir), backend, precision or "export precision")
-    if backend not in ("mil", "coreml"):
-        report.error = f"--backend must be mil or coreml, not {backend!r}"
+    if backend not in ("mil", "coreml", "coreai"):
+        report.error = f"--backend must be mil, coreml or coreai, not {backend!r}"
         return report
     try:
         manifest = read_manifest(out_dir)  # checks format_version and every file's sha256
@@ -384,6 +398,12 @@ def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, prec
                         f"loaded, and the references are built from it: {type(exc).__name__}: {exc}")
         return report
     compressed = compressed_schemes(manifest)
+    # Core AI assets keep their palettized weights in the program, which the torch modules cannot
+    # read: they compare with the dense checkpoint, at the scheme's thresholds
+    dense_reference = backend == "coreai" and bool(compressed)
+    if dense_reference:
+        torch_thresholds = transformers_thresholds_for(manifest)
+        compressed = []
     try:
         # the modules the programs are written from, on the checkpoint's weights (the export's own
         # when they are compressed)

@@ -19,8 +19,10 @@ from .manifest import new_manifest
 from .specs import KV_CACHE_KINDS, chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
 from ..checkpoint.loader import Checkpoint, load_checkpoint
 
-TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15")
+TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15", "coreai")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
+COREAI = "coreai"  # Core AI .aimodel assets (export/coreai.py) instead of Core ML packages
+COREAI_SUFFIX = ".aimodel"
 FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
 MAX_BUCKETS = 6  # 512 .. 16384
 
@@ -86,7 +88,10 @@ class ExportOptions:
             raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
         if self.quantize.active and self.precision != "fp16":
             raise ExportOptionsError("--quantize compresses fp16 weights: drop --precision fp32")
-        self.quantize.check(self.target)
+        if self.target == COREAI:
+            check_coreai(self)
+        else:
+            self.quantize.check(self.target)
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
         if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
@@ -122,7 +127,26 @@ class ExportOptions:
 
     @property
     def multifunction(self) -> bool:
-        return self.target in MULTIFUNCTION_TARGETS
+        return self.target in MULTIFUNCTION_TARGETS or self.target == COREAI  # an asset holds several functions
+
+
+def check_coreai(opts: ExportOptions) -> None:
+    """Refuse what --target coreai does not build: compression other than one LUT scheme for every
+    part (coreai-opt palettization), scaled or blockwise forms, and caches in states."""
+    q = opts.quantize
+    if q.recipe is not None:
+        raise ExportOptionsError("--target coreai compresses every part with one LUT scheme: drop --quantize auto "
+                                 "and --quantize-recipe, use --quantize lut8, lut6 or lut4")
+    schemes = set(q.schemes.values()) if q.active else set()
+    if schemes and (len(schemes) > 1 or not next(iter(schemes)).startswith("lut")):
+        raise ExportOptionsError(f"--target coreai compresses weights with coreai-opt palettization only, one scheme "
+                                 f"for every part; got {', '.join(sorted(schemes))}: use --quantize lut8, lut6 or lut4 "
+                                 "without per-part overrides, or an iOS/macOS target for integer weights")
+    if q.block_size or q.lut_block_size is not None:
+        raise ExportOptionsError("--target coreai has plain LUTs (one per tensor, or per --group-size channels): "
+                                 "drop --block-size and --lut-block-size")
+    if opts.kv_cache == "state":
+        raise ExportOptionsError("--target coreai passes the caches as inputs: use --kv-cache inputs (or auto)")
 
 
 def auto_buckets(context_length: int, prefill_length: int, multifunction: bool = True) -> tuple[int, ...]:
@@ -293,7 +317,8 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
         layers, rows, size, dense, read = contents[model]
         groups = [tuple(functions)] if opts.multifunction else [(fn,) for fn in functions]
         for fns in groups:
-            file = f"{model}.mlpackage" if opts.multifunction else f"{model}_{fns[0]}.mlpackage"
+            suffix = COREAI_SUFFIX if opts.target == COREAI else ".mlpackage"
+            file = f"{model}{suffix}" if opts.multifunction else f"{model}_{fns[0]}{suffix}"
             packages.append(PackageSpec(file, model, fns, layers, size, rows, dense, read))
     return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages)
 

@@ -24,7 +24,7 @@ from .sampling import SamplingParams, SeededRandom
 if TYPE_CHECKING:
     from .drafters import Drafter
 
-BACKENDS = ("auto", "coreml", "torch", "mil")
+BACKENDS = ("auto", "coreml", "torch", "mil", "coreai")
 
 
 class TokenizerError(LlamaANEError, OSError):
@@ -63,6 +63,9 @@ def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> 
     if backend == "coreml":
         from .backends.coreml_backend import CoreMLBackend
         return CoreMLBackend(path, manifest, **options)
+    if backend == "coreai":  # Core AI assets (--target coreai) through coreai-core's runtime
+        from .backends.coreai_backend import CoreAIBackend
+        return CoreAIBackend(path, manifest, **options)
     from .backends.mil_backend import MilBackend
     return MilBackend(path, manifest, **options)
 

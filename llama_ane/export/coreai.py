@@ -1,0 +1,211 @@
+"""Core AI (`.aimodel`) assets from the export plan: `llama-ane export --target coreai`.
+
+The same `ExportPlan` that lays out the Core ML packages lays out the assets: one `.aimodel` per
+manifest model (embeddings, block chunks, LM head, cache update), each with the functions the
+manifest names (a prefill and a decode function per context bucket, and the cascade ones where
+asked), their inputs and outputs named and shaped as the manifest declares them. Each function is
+the project's torch reference module of that model (the modules the parity gate compares against),
+exported with `torch.export` and converted by coreai-torch; LUT compression is coreai-opt's
+k-means palettization of the converted program. Caches are function inputs and outputs, written
+back by the cache-update model, as with `--kv-cache inputs`.
+
+The modules come from the caller (`modules_of`): they are built by the runtime's reference code,
+which this layer does not import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..contract.plan import ExportPlan, PackageSpec
+from ..errors import LlamaANEError
+from ..quantize import Compression
+
+INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
+# A weight smaller than this many elements stays dense (norm scales; coreai-opt's own default).
+MIN_PALETTIZED_WEIGHTS = 1024
+
+
+class CoreAIError(LlamaANEError, RuntimeError):
+    """The Core AI packages are missing, or coreai-torch could not convert a model."""
+
+
+def coreai_torch() -> Any:
+    """The coreai-torch module; CoreAIError naming the extra where it is not installed."""
+    try:
+        import coreai_torch as ct
+        import coreai.authoring.asset  # noqa: F401 (the asset writer the converter uses)
+    except ImportError as e:
+        raise CoreAIError(f"--target coreai needs the Python package {e.name or e}: {INSTALL_HINT}") from None
+    return ct
+
+
+def example_inputs(io: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zeros of each input's manifest shape: int32 for token ids and positions, `dtype` otherwise.
+    The programs have static shapes, so any values trace the same graph."""
+    return {t["name"]: torch.zeros(t["shape"], dtype=torch.int32 if t["dtype"] == "int32" else dtype)
+            for t in io["inputs"]}
+
+
+def _argument_order(module: torch.nn.Module, io: dict) -> list[str]:
+    """The manifest's input names in the order the module's forward takes them."""
+    names = list(inspect.signature(module.forward).parameters)
+    declared = {t["name"] for t in io["inputs"]}
+    if set(names) != declared:
+        raise CoreAIError(f"{type(module).__name__}.forward takes {names}, the manifest declares {sorted(declared)}")
+    return names
+
+
+def palettize(program: Any, compression: Compression) -> Any:
+    """`program` with every weight of at least MIN_PALETTIZED_WEIGHTS elements palettized by coreai-opt's
+    k-means: 2**bits fp values, one table per tensor (group_size 0) or per group of output channels."""
+    from coreai_opt.coreai_utils import CompressionGranularity, palettize_weights
+
+    grouped = bool(compression.group_size)
+    return palettize_weights(program, lut_dtype=None, n_bits=compression.bits,
+                             granularity=(CompressionGranularity.PER_GROUPED_CHANNEL if grouped
+                                          else CompressionGranularity.PER_TENSOR),
+                             group_size=compression.group_size or 32, weight_num_threshold=MIN_PALETTIZED_WEIGHTS,
+                             num_kmeans_workers=1)
+
+
+def write_asset(modules: dict[str, torch.nn.Module], functions: dict[str, dict], dtype: torch.dtype, path: Path,
+                compression: Compression | None = None) -> None:
+    """One `.aimodel` at `path` with a function per entry of `modules` ({function: module}), each
+    exported on inputs of the shapes in `functions` (the manifest's {function: io}) and named as there."""
+    ct = coreai_torch()
+    converter = ct.TorchConverter(mode=ct.TorchConverter.Mode.RELEASE)
+    for fn, module in modules.items():
+        io = functions[fn]
+        feed = example_inputs(io, dtype)
+        order = _argument_order(module, io)
+        try:
+            program = torch.export.export(module, tuple(feed[n] for n in order))
+            converter.add_exported_program(program.run_decompositions(ct.get_decomp_table()), input_names=order,
+                                           output_names=[t["name"] for t in io["outputs"]], entrypoint_name=fn)
+        except Exception as exc:  # torch.export and the converter raise many kinds; name the function
+            raise CoreAIError(f"coreai-torch could not convert {path.stem}/{fn}: {type(exc).__name__}: {exc}") from exc
+    program = converter.to_coreai()
+    if compression is not None:
+        program = palettize(program, compression)
+    program.save_asset(path)
+
+
+def package_compression(plan: ExportPlan) -> Compression | None:
+    """The compression of every weight of the export (check_coreai allows one scheme for all parts)."""
+    return plan.compression("embed_tokens.weight")
+
+
+def write_assets(plan: ExportPlan, manifest: dict, folder: Path,
+                 modules_of: Callable[[dict, str], dict[str, torch.nn.Module]],
+                 progress: Callable[[PackageSpec], None] | None = None) -> None:
+    """Write every package of `plan` as a `.aimodel` into `folder`.
+
+    `modules_of(manifest, model)` returns the eval-mode modules {function: module} of one manifest
+    model with its weights in the export precision; one model's weights are in memory at a time.
+    """
+    dtype = torch.float16 if plan.options.precision == "fp16" else torch.float32
+    for spec in plan.packages:
+        modules = modules_of(manifest, spec.model)
+        functions = manifest["models"][spec.model]["functions"]
+        write_asset({fn: modules[fn] for fn in spec.functions}, functions, dtype, folder / spec.file,
+                    package_compression(plan) if spec.model != "cache_update" else None)
+        del modules
+        if progress is not None:
+            progress(spec)
+
+
+__all__ = ["structure", "validate_assets", "CoreAIError", "INSTALL_HINT", "coreai_torch", "write_asset", "write_assets"]
+
+
+_IO_TYPE = re.compile(r"\((\w+), ([\d ×]+)\)")
+_DTYPES = {"Float16": "float16", "Float32": "float32", "Int32": "int32"}
+# control flow and dynamic shapes, which the exported graphs (static, straight-line) never hold
+_DYNAMIC_OPS = ("while", "cond", "if", "case", "dynamic")
+
+
+def function_io(asset: Any, function: str) -> dict[str, dict[str, tuple[str, list[int]]]]:
+    """{"inputs"|"outputs": {name: (dtype, shape)}} of one function, as coreai-core reads the asset."""
+    summary = asset.summary()
+
+    def parse(pairs: list[tuple[str, str]]) -> dict[str, tuple[str, list[int]]]:
+        found = {}
+        for name, described in pairs:
+            m = _IO_TYPE.search(described)
+            found[name] = ((_DTYPES.get(m.group(1), m.group(1)), [int(d) for d in m.group(2).split("×")])
+                           if m else (described, []))
+        return found
+    return {"inputs": parse(summary.function_inputs(function)), "outputs": parse(summary.function_outputs(function))}
+
+
+def structure(path: Path, precision: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """What coreai-core's bindings read back from the saved program at `path`, without running it,
+    and the rules it breaks: a tensor dimension over limits.MAX_DIM, float I/O not in `precision`
+    ("fp16": float16, as the Neural Engine takes it), control flow or dynamic-shape ops.
+
+    Returns ({"functions": {name: io}, "operations": {op: count}, "largest_dim": (dim, op)}, violations).
+    """
+    coreai_torch()
+    from coreai._compiler import ir
+    from coreai.authoring.asset import AIModelAsset
+
+    from ..limits import MAX_DIM, PRECISION_DTYPES
+
+    asset = AIModelAsset.load(path)
+    dims: list[tuple[int, str]] = [(0, "")]
+    ops: dict[str, int] = {}
+
+    def visit(op: Any) -> Any:
+        name = op.operation.name
+        ops[name] = ops.get(name, 0) + 1
+        for result in op.operation.results:
+            if isinstance(result.type, ir.ShapedType) and result.type.has_rank:
+                dims.extend((d, name) for d in result.type.shape)
+        return ir.WalkResult.ADVANCE
+
+    asset.program._module._mlir_module.operation.walk(visit)  # noqa: SLF001 (the MLIR module itself)
+    functions = {fn: function_io(asset, fn) for fn in asset.summary().function_names}
+    violations = []
+    largest = max(dims)
+    if largest[0] > MAX_DIM:
+        violations.append(f"{path.name}: {largest[1]} has a dimension of {largest[0]}, over {MAX_DIM}")
+    if any(d < 0 for d, _ in dims):
+        violations.append(f"{path.name}: a tensor has a dynamic dimension")
+    violations += [f"{path.name}: op {name} (control flow or dynamic shapes)" for name in ops
+                   if any(word in name.rpartition(".")[2] for word in _DYNAMIC_OPS)]
+    want = PRECISION_DTYPES.get(precision or "")
+    for fn, io in functions.items():
+        for kind, tensors in io.items():
+            violations += [f"{path.name}: {fn} {kind[:-1]} {name} is {dtype}, not {want}"
+                           for name, (dtype, _) in tensors.items() if want and dtype.startswith("float")
+                           and dtype != want]
+    return {"functions": functions, "operations": ops, "largest_dim": largest}, violations
+
+
+def validate_assets(out: Path) -> dict:
+    """Check a Core AI export folder: hashes, and each asset's functions, their inputs and outputs
+    (names, dtypes, shapes) against the manifest. Raises ManifestError naming the first problem."""
+    from ..contract.manifest import ManifestError, read_manifest
+    from coreai.authoring.asset import AIModelAsset
+
+    manifest = read_manifest(out, check_hashes=True)
+    assets: dict[str, Any] = {}
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            asset = assets.setdefault(f["file"], AIModelAsset.load(out / f["file"]))
+            if f["function_name"] not in asset.summary().function_names:
+                raise ManifestError(f"{f['file']} has no function {f['function_name']!r} ({model}/{fn})")
+            io = function_io(asset, f["function_name"])
+            for kind in ("inputs", "outputs"):
+                for t in f[kind]:
+                    got = io[kind].get(t["name"])
+                    if got != (t["dtype"], t["shape"]):
+                        raise ManifestError(f"{f['file']} ({fn}) {kind[:-1]} {t['name']!r} is "
+                                            f"{'missing' if got is None else f'{got[0]}{got[1]}'}, the manifest "
+                                            f"says {t['dtype']}{t['shape']}")
+    return manifest

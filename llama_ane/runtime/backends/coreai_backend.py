@@ -1,0 +1,131 @@
+"""The coreai backend: runs an export's Core AI assets (`--target coreai`) through Apple's runtime.
+
+coreai-core ships a runtime that executes `.aimodel` programs on Linux as well as macOS. Off macOS
+it runs on the CPU only, after lowering each program (`AIModelAsset.executable()`), which is what
+this backend uses everywhere: it checks that the saved programs compute what the torch modules
+do, not how fast or where a device would run them. Assets load on first use, once each, until
+released; the functions of one asset share its loaded program.
+
+The runtime's API is asynchronous: one event loop on a thread of its own serves every call, so
+the pipeline may call from several threads (cache updates run in the background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ...contract.manifest import function_entry
+from .base import Backend, BackendError
+
+INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
+
+
+class CoreAIBackend(Backend):
+    """Execute the `.aimodel` assets of an export with coreai-core's runtime.
+
+    Parameters
+    ----------
+    export_dir : Path
+        The export folder (manifest.json and the .aimodel assets).
+    manifest : dict
+        Its parsed manifest (an export made with --target coreai).
+    """
+
+    name = "coreai"
+
+    def __init__(self, export_dir: Path, manifest: dict):
+        try:
+            from coreai.authoring.asset import AIModelAsset
+            from coreai.runtime import NDArray
+        except ImportError as e:
+            raise BackendError(f"the coreai backend needs the Python package {e.name or e}: {INSTALL_HINT}") from None
+        if manifest.get("deployment_target") != "coreai":
+            raise BackendError(f"{export_dir} holds Core ML packages (target {manifest.get('deployment_target')}), "
+                               "not Core AI assets: use --backend mil or coreml, or export with --target coreai")
+        self._asset_class, self._ndarray = AIModelAsset, NDArray
+        self.export_dir, self.manifest = Path(export_dir), manifest
+        self.dtype = np.dtype(np.float16 if manifest.get("precision") == "fp16" else np.float32)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="coreai-runtime", daemon=True)
+        self._thread.start()
+        self._models: dict[str, tuple[AsyncExitStack, Any]] = {}  # file -> (its context, the loaded model)
+        self._functions: dict[tuple[str, str], Any] = {}
+        self._closed = False
+
+    def _run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _function(self, file: str, name: str) -> Any:
+        """Function `name` of asset `file`, the asset lowered and loaded on first use. Runs on the
+        loop's thread only, so nothing here needs a lock."""
+        if (file, name) not in self._functions:
+            if file not in self._models:
+                path = self.export_dir / file
+                if not path.is_dir():
+                    raise BackendError(f"{path} is missing; the export is incomplete, re-run `llama-ane export`")
+                stack = AsyncExitStack()
+                model = await stack.enter_async_context(self._asset_class.load(path).executable())
+                self._models[file] = (stack, model)
+            model = self._models[file][1]
+            if name not in model.function_names:
+                raise BackendError(f"{file} has no function {name!r} (it has {', '.join(model.function_names)}); "
+                                   "the asset and manifest.json disagree: re-export")
+            self._functions[file, name] = model.load_function(name)
+        return self._functions[file, name]
+
+    async def _predict(self, file: str, name: str, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        function = await self._function(file, name)
+        out = await function({k: self._ndarray(v) for k, v in feed.items()})
+        return {k: v.numpy() for k, v in out.items()}
+
+    def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run manifest function `function` of `model`; returns every output the manifest names."""
+        entry = function_entry(self.manifest, model, function)
+        feed = {}
+        for spec in entry["inputs"]:
+            if spec["name"] not in inputs:
+                raise BackendError(f"{model}/{function} needs input {spec['name']!r}; got {sorted(inputs)}")
+            dtype = np.int32 if spec["dtype"] == "int32" else self.dtype
+            feed[spec["name"]] = np.ascontiguousarray(inputs[spec["name"]], dtype=dtype)
+            if list(feed[spec["name"]].shape) != spec["shape"]:
+                raise BackendError(f"{model}/{function} input {spec['name']!r} has shape "
+                                   f"{list(feed[spec['name']].shape)}, the manifest says {spec['shape']}")
+        try:
+            out = self._run(self._predict(entry["file"], entry.get("function_name") or function, feed))
+        except BackendError:
+            raise
+        except RuntimeError as exc:  # the runtime reports its failures as RuntimeError
+            raise BackendError(f"coreai backend, {model}/{function}: {exc}") from exc
+        missing = [s["name"] for s in entry["outputs"] if s["name"] not in out]
+        if missing:
+            raise BackendError(f"{entry['file']} ({model}/{function}) has no outputs {missing} that the manifest "
+                               "names; the asset and manifest.json disagree: re-export")
+        return {s["name"]: out[s["name"]] for s in entry["outputs"]}
+
+    async def _release(self, files: set[str]) -> None:
+        for file in files:
+            self._functions = {k: v for k, v in self._functions.items() if k[0] != file}
+            held = self._models.pop(file, None)
+            if held is not None:
+                await held[0].aclose()
+
+    def release(self, model: str) -> None:
+        """Unload the assets `model`'s functions live in; they load again on next use."""
+        files = {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}
+        if not self._closed:
+            self._run(self._release(files))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._run(self._release(set(self._models)))
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
