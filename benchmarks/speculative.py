@@ -175,7 +175,7 @@ def main() -> None:
     device_manifest = (model.manifest if exported  # else an fp16 export of it
                        else describe_checkpoint(src, precision="fp16", verify_window=args.verify_window)[0])
     tasks = [t for t in TASKS if args.tasks is None or t[0] in args.tasks.split(",")]
-    # the first verify window prepares its weights (torch backend, see TorchBackend's prepack): not timed
+    # one speculative generation first, not timed: the first call of each function runs slower
     model.generate(model.encode(TASKS[0][2][:400], chat=True), max_new_tokens=8, speculative="lookup")
     load_before = os.getloadavg()
     sizes = [2, 3, 4, 6, 8, 12, model.manifest["verify_window"]]
