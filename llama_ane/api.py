@@ -232,7 +232,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                  quantize: str = "none", quantize_embeddings: str | None = None,
                  quantize_attention: str | None = None, quantize_mlp: str | None = None,
                  quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
-                 lut_block_size: int | None = None, kv_cache: str = "inputs",
+                 lut_block_size: int | None = None, kv_cache: str = "auto", fold_lm_head: str = "auto",
                  context_buckets: str | int | Sequence[int] = "auto", progress: bool = True,
                  log: Callable[[str], None] | None = None,
                  quantize_budget: float | None = None, quantize_recipe: str | Path | None = None,
@@ -245,8 +245,10 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
 
     `verify_window` is W of the speculative "verify" functions (default 0: none; state caches have
     none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
-    themselves (iOS18/macOS15, fp16); the default "inputs" passes them in and out, written back by
-    the asynchronous cache-update model.
+    themselves (iOS18/macOS15, fp16); "inputs" passes them in and out, written back by the
+    asynchronous cache-update model; the default "auto" is "state" where it works, else "inputs".
+    `fold_lm_head` ("auto", "yes", "no"): the last chunk carries the LM head, one Core ML call per
+    step fewer; auto where its weights fit beside the chunk's in one package.
 
     `quantize` compresses every part's weights ("int8", "int4", "lut8", "lut6", "lut4"; default
     "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
@@ -282,7 +284,8 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
                                                block_size=block_size, lut_block_size=lut_block_size)
     opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
                          suffix_length, compression, kv_cache, verify_window,
-                         context_buckets if isinstance(context_buckets, (str, int)) else tuple(context_buckets))
+                         context_buckets if isinstance(context_buckets, (str, int)) else tuple(context_buckets),
+                         fold_lm_head=fold_lm_head)
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
@@ -317,7 +320,7 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
         + (f" in buckets {list(opts.context_buckets)}" if len(opts.context_buckets) > 1 else "")
         + f", prefill window {prefill_length}, "
         f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
-        + (", KV caches in Core ML states" if kv_cache == "state" else "")
+        + (", KV caches in Core ML states" if opts.kv_cache == "state" else "")
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if compression.active:
         def granularity(d: dict) -> str:

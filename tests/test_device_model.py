@@ -25,8 +25,9 @@ KV_COLUMN = 5 * 64 * 2  # bytes of one position of every layer's K (or V) cache:
 
 
 def tiny_manifest(**options) -> dict:
-    """The planned export of TINY; with a verify window of 16 where the caches allow one."""
-    options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2,
+    """The planned export of TINY; with a verify window of 16 where the caches allow one, the LM head
+    a file of its own unless asked."""
+    options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2, "fold_lm_head": "no",
                "verify_window": 0 if options.get("kv_cache") == "state" else 16, **options}
     return dm.manifest_from_config(TINY, **options)
 
@@ -74,6 +75,9 @@ def test_calls_per_step_by_hand():
     assert dm.calls_per_step(s, "decode") == 5  # the chunks write their own states
     assert dm.calls_per_step(s, "decode_branches") == 8  # the suffix caches still go through the update model
     assert dm.decode_step(s, 10).calls == 5
+    folded = tiny_manifest(kv_cache="state", fold_lm_head="auto")
+    assert dm.calls_per_step(folded, "decode") == 4  # the last chunk computes the logits
+    assert dm.calls_per_step(folded, "decode_branches") == 7
 
 
 def test_bucket_for():

@@ -66,9 +66,13 @@ from .options import FiniteFloat, LazyChoice
               help="Scale and shift LUT values per row and block of this many input channels (iOS18/macOS15; "
                    "0 = per output channel, which the Neural Engine decompresses just in time; a block is the GPU's "
                    "form, decompressed at load on the Neural Engine) [default: 0 for lut4, plain LUTs otherwise].")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(["inputs", "state"]), default="inputs", show_default=True,
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["auto", "inputs", "state"]), default="auto", show_default=True,
               help="Where the KV caches live: passed in and written back by the asynchronous cache-update model "
-                   "(inputs), or Core ML states the chunks update in place (state; iOS18/macOS15, fp16).")
+                   "(inputs), or Core ML states the chunks update in place (state; iOS18/macOS15, fp16, no "
+                   "--verify-window). auto: state where it works, else inputs.")
+@click.option("--fold-lm-head", "fold_lm_head", type=click.Choice(["auto", "yes", "no"]), default="auto",
+              show_default=True, help="Compute the LM head in the last chunk: one Core ML call per token fewer. "
+                                      "auto: where its weights fit beside the chunk's in one package.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs (and the perplexity "
                                                 "check of 4-bit schemes).")
@@ -78,7 +82,7 @@ def command(model, out, revision, context_length, prefill_length, layers_per_chu
             verify_window, context_buckets, target,
             precision, workers, max_memory, quantize, quantize_budget, quantize_recipe, quantize_embeddings,
             quantize_attention, quantize_mlp,
-            quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, force, no_verify, quiet, as_json):
+            quantize_lm_head, group_size, block_size, lut_block_size, kv_cache, fold_lm_head, force, no_verify, quiet, as_json):
     """Export MODEL (a Hugging Face folder or repo id, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..api import export_model
@@ -97,7 +101,7 @@ def command(model, out, revision, context_length, prefill_length, layers_per_chu
                      quantize_budget=quantize_budget, quantize_recipe=quantize_recipe,
                      quantize_embeddings=quantize_embeddings, quantize_attention=quantize_attention,
                      quantize_mlp=quantize_mlp, quantize_lm_head=quantize_lm_head, group_size=group_size,
-                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, context_buckets=buckets, progress=not quiet,
+                     block_size=block_size, lut_block_size=lut_block_size, kv_cache=kv_cache, fold_lm_head=fold_lm_head, context_buckets=buckets, progress=not quiet,
                      log=_log_to_stderr if as_json else _log)
     if as_json:
         import json

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import click
 
-from ..contract.plan import TARGETS
-from ..contract.specs import KV_CACHE_KINDS
+from ..contract.plan import FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat
 
 # options that describe the export a --config is modelled as (an export folder records its own)
-CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache")
+CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head")
 
 
 @click.command("info")
@@ -28,8 +27,10 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache")
               help="With --config: the weights' scheme (none, int8, int4, lut8, lut6, lut4) [default: none].")
 @click.option("--target", type=click.Choice(TARGETS), default=None, help="With --config: the deployment target "
               "[default: iOS18].")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_CACHE_KINDS), default=None,
-              help="With --config: where the K/V caches live [default: inputs].")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_CACHE_CHOICES), default=None,
+              help="With --config: where the K/V caches live (auto: state where it works) [default: auto].")
+@click.option("--fold-lm-head", "fold_lm_head", type=click.Choice(FOLD_CHOICES), default=None,
+              help="With --config: the last chunk computes the LM head (auto: where it fits) [default: auto].")
 @click.option("--filled", type=int, default=None,
               help="Positions already cached at the modelled decode step (and the prefix of --branches) "
                    "[default: the context length less one].")
@@ -44,7 +45,7 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache")
                    "bound, not a measurement).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the manifest, with the decode step's traffic and the modelled costs, as JSON.")
-def command(out, config_path, context_length, quantize, target, kv_cache, filled, chip, prompt_length, branches,
+def command(out, config_path, context_length, quantize, target, kv_cache, fold_lm_head, filled, chip, prompt_length, branches,
             bandwidth, as_json):
     """Describe the export in OUT (the hashes are checked), or the export a --config would make: its
     models, weights, the bytes and Core ML calls of one decode step, and its modelled tokens/s per
@@ -53,7 +54,8 @@ def command(out, config_path, context_length, quantize, target, kv_cache, filled
     from ..contract.manifest import kv_cache_kind, read_manifest
     from ..contract.traffic import decode_step_traffic
 
-    given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache}
+    given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache,
+             "fold_lm_head": fold_lm_head}
     with user_errors():
         if (out is None) == (config_path is None):
             raise InvalidArgumentError("give an export folder OUT or --config CONFIG.json (one of them)")
@@ -124,6 +126,9 @@ def _describe(m: dict, config_path: Path | None) -> None:
     for model in m["lm_head"]["models"]:
         splits = [o["shape"][1] for o in m["models"][model]["functions"]["decode"]["outputs"]]
         click.echo(f"  {model:<12} vocab splits {splits}{mb(model)}")
+    if m["lm_head"].get("folded_into"):
+        click.echo(f"  {'lm_head':<12} computed in {m['lm_head']['folded_into']} (vocab splits "
+                   f"{m['lm_head']['vocab_splits']}): no call of its own")
     from ..quantize.auto import device_paths
 
     quantization = m.get("quantization", {})

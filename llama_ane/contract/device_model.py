@@ -128,9 +128,9 @@ class StepCost:
 
 def calls_per_step(manifest: dict, function: str = "decode") -> int:
     """Core ML calls of one step of `function`, as the runtime's pipeline makes them: every
-    embeddings file, every chunk, every LM head file, and the cache-update call of each chunk
-    whose K/V it writes (none for a single-sequence step of an export with state caches; a verify
-    step's are made when its accepted path is written)."""
+    embeddings file, every chunk, every LM head file (none when the last chunk carries the head),
+    and the cache-update call of each chunk whose K/V it writes (none for a single-sequence step of
+    an export with state caches; a verify step's are made when its accepted path is written)."""
     return (len(manifest["embeddings"]["models"]) + len(manifest["chunks"]) + len(manifest["lm_head"]["models"])
             + sum(1 for c in manifest["chunks"] if c["cache_update"].get(function)))
 

@@ -147,6 +147,13 @@ def _check_references(manifest: dict[str, Any]) -> None:
     if layers != list(range(manifest["config"]["num_hidden_layers"])):
         raise ManifestError(f"{MANIFEST}: chunks hold layers {layers}, not each of 0..{manifest['config']['num_hidden_layers'] - 1} "
                             f"(config.num_hidden_layers) once; {REEXPORT}")
+    folded = manifest["lm_head"].get("folded_into")
+    if folded is not None and folded != manifest["chunks"][-1]["model"]:
+        raise ManifestError(f"{MANIFEST}: lm_head.folded_into names {folded!r}, not the last chunk "
+                            f"{manifest['chunks'][-1]['model']!r}; {REEXPORT}")
+    if (folded is None) == (not manifest["lm_head"]["models"]):
+        raise ManifestError(f"{MANIFEST}: lm_head has " + ("both models and folded_into" if folded else
+                            "neither models nor folded_into") + f"; {REEXPORT}")
     if sum(manifest["lm_head"]["vocab_splits"]) != manifest["config"]["vocab_size"]:
         raise ManifestError(f"{MANIFEST}: lm_head.vocab_splits {manifest['lm_head']['vocab_splits']} do not add up to "
                             f"config.vocab_size {manifest['config']['vocab_size']}; {REEXPORT}")
@@ -297,7 +304,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
                  tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
                  kv_cache: str = "inputs", verify_window: int = 0,
-                 context_buckets: list[int] | None = None) -> dict[str, Any]:
+                 context_buckets: list[int] | None = None, head_folded_into: str | None = None) -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
@@ -306,6 +313,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     `files` maps (model, function) -> (file name, function name inside that file). `kv_cache` is
     how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
     each of its functions to the cache-update function that writes its K/V, where there is one.
+    `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
     """
     from .specs import cache_update_function, chunk_model_name, embeddings_model_name, lm_head_model_name
 
@@ -320,7 +328,9 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in specs[chunk_model_name(i)]
                                 if cache_update_function(fn, len(layers)) in updates}}
               for i, layers in enumerate(plan)]
-    lm_outputs = [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]]
+    lm_outputs = ([o for o in specs[head_folded_into]["decode"]["outputs"] if o["name"].startswith("logits_")]
+                  if head_folded_into else
+                  [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]])
     return {
         "format_version": FORMAT_VERSION,
         "name": name,
@@ -343,8 +353,9 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                   "dtype": PRECISIONS[precision].dtype},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
-        "lm_head": {"models": [lm_head_model_name(k) for k in range(len(head_groups))],
-                    "vocab_splits": [o["shape"][1] for o in lm_outputs]},
+        "lm_head": {"models": [] if head_folded_into else [lm_head_model_name(k) for k in range(len(head_groups))],
+                    "vocab_splits": [o["shape"][1] for o in lm_outputs],
+                    **({"folded_into": head_folded_into} if head_folded_into else {})},
         "chunks": chunks,
         "models": models,
         "tokenizer": tokenizer,

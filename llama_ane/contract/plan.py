@@ -25,6 +25,8 @@ COREAI = "coreai"  # Core AI .aimodel assets (export/coreai.py) instead of Core 
 COREAI_SUFFIX = ".aimodel"
 FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
 MAX_BUCKETS = 6  # 512 .. 16384
+KV_CACHE_CHOICES = ("auto", *KV_CACHE_KINDS)  # what --kv-cache accepts; auto resolves to one of the kinds
+FOLD_CHOICES = ("auto", "yes", "no")  # --fold-lm-head
 
 
 class ExportOptionsError(LlamaANEError, ValueError):
@@ -41,7 +43,8 @@ class ExportOptions:
     branch_width: int = 8
     suffix_length: int = 256
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
-    kv_cache: str = "inputs"
+    # "auto" (the default) resolves to "state" where states work (auto_kv_cache), else "inputs"
+    kv_cache: str = "auto"
     # W of the "verify" functions (speculative decoding); 0 = none, the default: every function is
     # compiled and loaded on the device, so an app that decodes speculatively asks for one. Never
     # with state caches (the accepted path is written by the cache-update model, which cannot
@@ -51,8 +54,13 @@ class ExportOptions:
     # (or None): powers of two from FIRST_BUCKET (or the prefill window) up to the context length,
     # on targets whose packages hold several functions; one size: one bucket, the whole context
     context_buckets: tuple[int, ...] | str | int | None = "auto"
+    # the last chunk carries the LM head, saving a Core ML call per step: "auto" where the head's
+    # weights fit beside the chunk's in one package, "yes" (refused where they do not), "no"
+    fold_lm_head: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache == "auto":
+            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window))
         buckets = self.context_buckets
         if buckets is None or buckets == "auto":
             buckets = auto_buckets(self.context_length, self.prefill_length, self.multifunction)
@@ -92,8 +100,11 @@ class ExportOptions:
             check_coreai(self)
         else:
             self.quantize.check(self.target)
+        if self.fold_lm_head not in FOLD_CHOICES:
+            raise ExportOptionsError(f"--fold-lm-head must be one of {', '.join(FOLD_CHOICES)}, "
+                                     f"got {self.fold_lm_head!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
-            raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, got {self.kv_cache!r}")
+            raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
         if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
             raise ExportOptionsError(f"--kv-cache state needs Core ML states, which --target {self.target} does not "
                                      f"have: use --target {' or '.join(MULTIFUNCTION_TARGETS)}, or --kv-cache inputs")
@@ -128,6 +139,14 @@ class ExportOptions:
     @property
     def multifunction(self) -> bool:
         return self.target in MULTIFUNCTION_TARGETS or self.target == COREAI  # an asset holds several functions
+
+
+def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
+    """What --kv-cache auto becomes: "state" where Core ML states work (an iOS18/macOS15 target,
+    fp16, no verify function: see `ExportOptions.check`), else "inputs". States save a Core ML
+    call per chunk and decode step: each chunk writes its own K/V, with no cache-update call."""
+    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window
+    return "state" if states else "inputs"
 
 
 def check_coreai(opts: ExportOptions) -> None:
@@ -199,6 +218,7 @@ class ExportPlan:
     head_groups: list[list[int]]  # the vocabulary splits (logits_j) each LM head file computes
     specs: dict[str, dict[str, dict]]
     packages: list[PackageSpec]
+    head_folded: bool = False  # the last chunk carries the LM head (no "lm_head" model)
 
     @property
     def float_dtype(self) -> str:
@@ -241,7 +261,8 @@ class ExportPlan:
                                                "read_bytes": p.weight_bytes if p.read_bytes is None else p.read_bytes}
                                      for p in self.packages},
                             tokenizer=tokenizer, files=self.files if files is None else files,
-                            created_by=created_by(), kv_cache=o.kv_cache)
+                            created_by=created_by(), kv_cache=o.kv_cache,
+                            head_folded_into=chunk_model_name(len(self.chunks) - 1) if self.head_folded else None)
 
 
 def rope_positions(opts: ExportOptions) -> int:
@@ -291,9 +312,6 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     splits = vocab_splits(cfg.vocab_size)
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
-    specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
-                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
-                        verify_window=opts.verify_window, buckets=opts.context_buckets)
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes, bytes the Neural Engine reads)
     for k, (a, b) in enumerate(embedding_rows):
@@ -312,6 +330,14 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
                                            + norm, (b - a) * row * per_weight + norm,
                                            sum(stored_rows(f"heads.{j}.weight", splits[j], True) for j in heads) + norm)
     contents["cache_update"] = ((), None, 0, 0, 0)
+    fold = fold_head(opts, contents, chunk_model_name(len(chunks) - 1), len(head_groups), budget)
+    if fold:  # the last chunk's package holds the head's weights too
+        last, head = chunk_model_name(len(chunks) - 1), contents.pop(lm_head_model_name(0))
+        layers, _, *sizes = contents[last]
+        contents[last] = (layers, head[1], *(a + b for a, b in zip(sizes, head[2:])))
+    specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
+                        opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
+                        verify_window=opts.verify_window, buckets=opts.context_buckets, fold_head=fold)
     packages = []
     for model, functions in specs.items():
         layers, rows, size, dense, read = contents[model]
@@ -320,7 +346,26 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             suffix = COREAI_SUFFIX if opts.target == COREAI else ".mlpackage"
             file = f"{model}{suffix}" if opts.multifunction else f"{model}_{fns[0]}{suffix}"
             packages.append(PackageSpec(file, model, fns, layers, size, rows, dense, read))
-    return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages)
+    return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages, fold)
+
+
+def fold_head(opts: ExportOptions, contents: dict, last: str, head_files: int, budget: int) -> bool:
+    """Whether the last chunk carries the LM head (--fold-lm-head): auto when the head is one file
+    and its weights fit beside the last chunk's in one package (`budget` bytes), yes when it must
+    (refused when they do not fit), no never. `contents` maps a model to (layers, rows, stored bytes, ...)."""
+    if opts.fold_lm_head == "no":
+        return False
+    chunk_bytes = contents[last][2]
+    head_bytes = sum(contents[lm_head_model_name(k)][2] for k in range(head_files))
+    fits = head_files == 1 and chunk_bytes + head_bytes <= budget
+    if opts.fold_lm_head == "yes" and not fits:
+        raise ExportOptionsError(
+            f"--fold-lm-head yes: the LM head ({head_bytes / 1e6:.0f} MB"
+            + (f" in {head_files} files" if head_files > 1 else "")
+            + f") does not fit beside {last} ({chunk_bytes / 1e6:.0f} MB) in one {opts.target} package "
+            f"({budget / 1e6:.0f} MB of weights): use --fold-lm-head auto or no, fewer --layers-per-chunk, "
+            "or --quantize-lm-head")
+    return fits
 
 
 def describe(ckpt: Checkpoint, opts: ExportOptions, tokenizer: dict,

@@ -84,7 +84,7 @@ SCHEMA: dict[str, Any] = {
                            "type": "array", "items": {"type": "array", "items": _COUNT,
                                                       "minItems": 2, "maxItems": 2}}}},
         "lm_head": {"type": "object", "required": ["models", "vocab_splits"],
-                    "properties": {"models": _MODEL_LIST,
+                    "properties": {"models": {"type": "array", "items": _NAME}, "folded_into": _NAME,
                                    "vocab_splits": {"type": "array", "minItems": 1, "items": _SIZE}}},
         "chunks": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["model", "layers"],

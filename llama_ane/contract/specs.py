@@ -52,7 +52,7 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
                 embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
                 kv_cache: str = "inputs", verify_window: int = 0,
-                buckets: tuple[int, ...] = ()) -> dict[str, dict[str, dict]]:
+                buckets: tuple[int, ...] = (), fold_head: bool = False) -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export, each model's
     as its kind declares them (llama_ane.model).
 
@@ -71,14 +71,20 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     chunks and the cache updates get prefill and decode functions per bucket (`bucket_function`),
     whose masks and caches hold that many positions. State caches keep one state of the full
     context, which every bucket's function reads the first positions of.
+
+    With `fold_head` the last chunk carries the LM head (one group of every split): its functions
+    output the logits_j in place of hidden_states_out, and there is no "lm_head" model.
     """
     layout = Layout(context_length, prefill_length, float_dtype, tuple(buckets), branch_width, suffix_length,
                     verify_window, kv_cache)
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
     specs = {"embeddings": embeddings.functions(cfg, layout)}
     specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})
-    specs.update({chunk_model_name(i): chunk.functions(cfg, layout, len(layers)) for i, layers in enumerate(plan)})
-    specs.update({lm_head_model_name(k): lm_head.functions(cfg, layout, heads) for k, heads in enumerate(groups)})
+    folded = [j for heads in groups for j in heads] if fold_head else None
+    specs.update({chunk_model_name(i): chunk.functions(cfg, layout, len(layers), folded if i == len(plan) - 1 else None)
+                  for i, layers in enumerate(plan)})
+    if not fold_head:
+        specs.update({lm_head_model_name(k): lm_head.functions(cfg, layout, heads) for k, heads in enumerate(groups)})
     updates = cache_update.functions(cfg, layout, [len(layers) for layers in plan])
     if updates:
         specs["cache_update"] = updates

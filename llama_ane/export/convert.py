@@ -155,6 +155,8 @@ def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[i
     if kind == "chunk":
         found = {f"layers.{j}.{name}": shape for j in range(len(spec.layers))
                  for name, shape in layer_shapes(cfg).items()}
+        if spec.rows is not None:  # the last chunk carrying the LM head
+            found.update((f"heads.{j}.weight", (n, cfg.hidden_size)) for j, n in enumerate(vocab_splits(cfg.vocab_size)))
     elif kind in ("embeddings", "embeddings_part"):
         found = {"embed_tokens.weight": (spec.rows[1] - spec.rows[0], cfg.hidden_size)}
     elif kind == "lm_head":

@@ -53,15 +53,16 @@ def _not_finite(block: np.ndarray, dtype: type, name: str) -> CheckpointError:
                            f"range ({float(np.finfo(dtype).max):.0f}); export it with --precision fp32")
 
 
-def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int]) -> set[str]:
-    """The checkpoint tensors a package of `model` reads (what lazy loading may touch)."""
+def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int], rows: tuple[int, int] | None = None) -> set[str]:
+    """The checkpoint tensors a package of `model` reads (what lazy loading may touch); a chunk with
+    vocabulary `rows` carries the LM head."""
     kind = model_kind(model)
+    head = {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", "model.norm.weight"}
     if kind in ("embeddings", "embeddings_part"):
         return {"model.embed_tokens.weight"}
     if kind == "lm_head":
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        return {head, "model.norm.weight"}
-    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg).values()}
+        return head
+    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg).values()} | (head if rows else set())
 
 
 class PackageWeights:

@@ -85,9 +85,9 @@ def function_body(model: str, function: str, g: Graph, cfg: LlamaConfig, io: dic
     if kind == "cache_update":
         return (cache_update.build_suffix_update(g, cfg, io) if function.startswith(BRANCHES)
                 else cache_update.build_cache_update(g, io))
-    if function == BRANCHES:
-        return chunk.build_branch_chunk(g, cfg, io, layers, context_length, suffix_length)
-    return chunk.build_chunk(g, cfg, io, layers)
+    if function == BRANCHES:  # the last chunk may carry the LM head (chunk.with_head)
+        return chunk.with_head(g, cfg, io, chunk.build_branch_chunk(g, cfg, io, layers, context_length, suffix_length))
+    return chunk.with_head(g, cfg, io, chunk.build_chunk(g, cfg, io, layers))
 
 
 def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weights: Weights, *, dtype: type,

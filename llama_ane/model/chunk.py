@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
+from . import lm_head
 from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
 from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
@@ -301,9 +302,73 @@ def _cache_io(io: dict, layout: Layout) -> dict:
     return {"inputs": inputs, "states": caches, "outputs": outputs}
 
 
-def functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]:
+def functions(cfg: LlamaConfig, layout: Layout, layers: int, heads: list[int] | None = None) -> dict[str, dict]:
     """{function: io} of a chunk of `layers` layers: a window function per bucket, then the
-    cascade's and verify's (state exports have no verify function)."""
+    cascade's and verify's (state exports have no verify function). The last chunk may carry the
+    LM head (`heads`: the vocabulary splits it computes, see `carry_head`)."""
+    out = _functions(cfg, layout, layers)
+    return carry_head(cfg, layout, out, heads) if heads else out
+
+
+def carry_head(cfg: LlamaConfig, layout: Layout, functions: dict[str, dict], heads: list[int]) -> dict[str, dict]:
+    """The functions of a chunk carrying the LM head (--fold-lm-head): each outputs the logits_j of
+    vocabulary splits `heads` (its hidden states through the final norm and the heads) in place of
+    hidden_states_out, first, then what else it outputs. One Core ML call per step fewer."""
+    out = {}
+    for fn, io in functions.items():
+        s = shape_of(io, "hidden_states_out", "outputs")[3]
+        rest = [t for t in io["outputs"] if t["name"] != "hidden_states_out"]
+        out[fn] = {**io, "outputs": lm_head.logits_outputs(cfg, layout, heads, s) + rest}
+    return out
+
+
+def carries_head(io: dict) -> bool:
+    """Whether a chunk function outputs logits (the last chunk carrying the LM head)."""
+    return any(t["name"].startswith("logits_") for t in io["outputs"])
+
+
+def with_head(g: Graph, cfg: LlamaConfig, io: dict, body):
+    """`body` (a chunk function's builder) followed, when the function carries the LM head, by the
+    head on its hidden states (lm_head.build_lm_head): the logits_j in place of hidden_states_out."""
+    if not carries_head(io):
+        return body
+    head = lm_head.build_lm_head(g, cfg, io)
+
+    def headed(inputs):
+        out = dict(body(inputs))
+        out.update(head({"hidden_states": out.pop("hidden_states_out")}))
+        return out
+    return headed
+
+
+class HeadedChunk(nn.Module):
+    """A BlockChunk carrying the LM head: the chunk's window, then `head` on its hidden states.
+    Returns the logits_j, then the window's k_new, v_new."""
+
+    def __init__(self, chunk: BlockChunk, head: nn.Module):
+        super().__init__()
+        self.chunk, self.head = chunk, head
+
+    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
+        hidden_states, k, v = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache)
+        return (*self.head(hidden_states), k, v)
+
+
+class HeadedBranchChunk(nn.Module):
+    """A BranchChunk carrying the LM head (the cascade function of a HeadedChunk's chunk)."""
+
+    def __init__(self, branches: BranchChunk, head: nn.Module):
+        super().__init__()
+        self.branches, self.head = branches, head
+
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix):
+        hidden_states, k, v = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
+                                            k_suffix, v_suffix)
+        return (*self.head(hidden_states), k, v)
+
+
+def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]:
+    """chunk.functions without the LM head."""
     c, d, kv, f, n = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, layout.dtype, layers
     out = {}
     for fn, _, s, t in layout.windows():

@@ -12,7 +12,7 @@ from torch import nn
 from ..config import LlamaConfig
 from ..limits import MAX_DIM
 from .functions import Layout, tensor
-from .layers import Graph, RMSNorm, conv1x1, conv_mil, rms_norm_mil
+from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil
 
 ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
 
@@ -50,24 +50,36 @@ class LMHead(nn.Module):
         splits = vocab_splits(cfg.vocab_size)
         self.splits = [splits[j] for j in (heads if heads is not None else range(len(splits)))]
         self.heads = nn.ModuleList(conv1x1(cfg.hidden_size, n) for n in self.splits)
+        self.logits_scale = 1.0 / cfg.logits_scaling
 
     def forward(self, hidden_states):
         h = self.norm(hidden_states)
+        if self.logits_scale != 1.0:  # Granite divides the logits: the same as scaling their input
+            h = h * self.logits_scale
         return tuple(head(h) for head in self.heads)
 
 
 def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
-    """LMHead of the splits the function's outputs name (logits_j)."""
+    """LMHead of the splits the function's outputs name (logits_j; a chunk carrying the head has
+    other outputs too)."""
     def body(inputs):
         h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.rms_norm_eps, cfg.hidden_size)
-        return {t["name"]: conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight") for t in io["outputs"]}
+        if cfg.logits_scaling != 1.0:
+            h = mb.mul(x=h, y=g.scalar(1.0 / cfg.logits_scaling))
+        return {t["name"]: conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight")
+                for t in io["outputs"] if t["name"].startswith("logits_")}
     return body
+
+
+def logits_outputs(cfg: LlamaConfig, layout: Layout, heads: list[int], s: int) -> list[dict]:
+    """The logits_j (1,V_j,1,S) outputs of vocabulary splits `heads` for a window of S tokens."""
+    splits = vocab_splits(cfg.vocab_size)
+    return [tensor(f"logits_{j}", [1, splits[j], 1, s], layout.dtype) for j in heads]
 
 
 def functions(cfg: LlamaConfig, layout: Layout, heads: list[int]) -> dict[str, dict]:
     """{function: io} of an LM head file computing vocabulary splits `heads`: hidden_states
     (1,C,1,S) -> its logits_j (1,V_j,1,S), one function for every bucket (it reads no cache)."""
-    splits = vocab_splits(cfg.vocab_size)
     return {fn: {"inputs": [tensor("hidden_states", [1, cfg.hidden_size, 1, s], layout.dtype)],
-                 "outputs": [tensor(f"logits_{j}", [1, splits[j], 1, s], layout.dtype) for j in heads]}
+                 "outputs": logits_outputs(cfg, layout, heads, s)}
             for fn, s in (*layout.full_windows(), *layout.extra_windows())}

@@ -75,8 +75,11 @@ class Pipeline:
         self.chunks: list[dict] = manifest["chunks"]
         self.embedding_models: list[str] = manifest["embeddings"]["models"]
         self.head_models: list[str] = manifest["lm_head"]["models"]
-        self.lm_outputs = [o["name"] for model in self.head_models
-                           for o in manifest["models"][model]["functions"]["decode"]["outputs"]]
+        # the chunk that carries the LM head (--fold-lm-head): its outputs are the logits, with no head call
+        self.folded: str | None = manifest["lm_head"].get("folded_into")
+        self.lm_outputs = [o["name"] for model in (self.head_models or [self.folded])
+                           for o in manifest["models"][model]["functions"]["decode"]["outputs"]
+                           if o["name"].startswith("logits_")]
         self.direct = bool(getattr(backend, "direct_cache", False))
         self.stateful = kv_cache_kind(manifest) == "state"
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
@@ -231,9 +234,14 @@ class Pipeline:
             pool = {**embed_inputs, **emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
-            hidden = out["hidden_states_out"]
+            hidden = out.get("hidden_states_out")
             write(i, chunk["cache_update"].get(fn), out)
-        return self.logits(fn, hidden)
+        return self.logits_of(fn, out)
+
+    def logits_of(self, fn: str, out: dict[str, np.ndarray]) -> np.ndarray:
+        """The logits after the last chunk's outputs `out` of function `fn`: its own logits_j when
+        it carries the LM head, else every LM head file on its hidden states. float32 [S, vocab]."""
+        return self._join(out) if self.folded else self.logits(fn, out["hidden_states_out"])
 
     def _inputs(self, model: str, fn: str, pool: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The inputs and states of `fn` of `model`, by the manifest's names, from `pool`."""
@@ -405,7 +413,7 @@ class Pipeline:
                 pool = {**embs[w], "hidden_states": hidden[w], "position": position,
                         "k_cache": read["k"], "v_cache": read["v"]}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
-                hidden[w] = out["hidden_states_out"]
+                hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once
                 if self.direct or self.stateful:
                     self.write_window(i, None, out, start, len(parts[w]))
@@ -413,7 +421,8 @@ class Pipeline:
                     self.update(chunk["cache_update"][fn], caches, out, {"position": position})
             self.cache.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
-        outputs: list[dict[str, np.ndarray]] = [{} for _ in windows]
+        # the LM head files, unless the last chunk carried the head (then `hidden` holds its outputs)
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in windows] if not self.folded else hidden
         for model in self.head_models:
             for out, (fn, _), h in zip(outputs, windows, hidden):
                 out.update(self.backend.predict(model, base_function(fn), {"hidden_states": h}))

@@ -22,7 +22,7 @@ from pathlib import Path
 from ...checkpoint.loader import Checkpoint
 from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
 from ...model.cache_update import CacheUpdate, SuffixUpdate, VerifyUpdate
-from ...model.chunk import BlockChunk, BranchChunk
+from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
 from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, VerifyEmbeddings
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
@@ -173,6 +173,12 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         modules = {fn: chunk for fn in functions}  # the verify window too: the tree is in its mask
         if BRANCHES in functions:
             modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
+        if m["lm_head"].get("folded_into") == model:  # the last chunk carries the LM head
+            heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]
+                     if o["name"].startswith("logits_")]
+            head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
+            modules = {fn: HeadedBranchChunk(module, head) if fn == BRANCHES else HeadedChunk(module, head)
+                       for fn, module in modules.items()}
     for module in modules.values():
         module.eval()
     return modules
