@@ -15,18 +15,22 @@ from typing import Any
 from .errors import LlamaANEError
 
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
-FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                       "smollm3": "SmolLM3", "granite": "Granite"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_DESCRIPTION = (
-    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5) "
-    "and 'qwen3' (dense Qwen3) with RoPE type default, linear or llama3, silu MLP, no MLP bias"
+    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
+    "'qwen3' (dense Qwen3), 'smollm3' and 'granite' (dense Granite 3.x) with RoPE type default, linear "
+    "or llama3, silu MLP, no MLP bias"
 )
 # What each family adds to the Llama block (transformers' own classes decide the same way):
 # qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
-# (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm).
+# (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm);
+# smollm3 leaves RoPE out of some layers (NoPE: `no_rope_layers`, 0 where a layer has none);
+# granite scales the embeddings, each residual branch, the attention scores and the logits.
 QKV_BIAS_ALWAYS = ("qwen2",)
-ATTENTION_BIAS_FLAG = ("llama", "qwen3")
+ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite")
 QK_NORM = ("qwen3",)
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
 
@@ -56,6 +60,13 @@ class LlamaConfig:
     o_proj_bias: bool = False  # a bias on o_proj
     qk_norm: bool = False  # per-head RMSNorm of q and k (weights (head_dim,)) before RoPE
     sliding_window: int | None = None  # the attention window when a layer uses one, else None
+    nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
+    # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
+    # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], origin: str = "config.json") -> "LlamaConfig":
@@ -115,6 +126,8 @@ class LlamaConfig:
             o_proj_bias=biased,
             qk_norm=model_type in QK_NORM,
             sliding_window=_sliding_window(f, model_type),
+            nope_layers=_nope_layers(f, model_type),
+            **_multipliers(f, model_type),
         )
         cfg.validate()
         return cfg
@@ -125,7 +138,8 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("rms_norm_eps", "rope_theta"):
+        for name in ("rms_norm_eps", "rope_theta", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+                     "query_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
@@ -140,6 +154,10 @@ class LlamaConfig:
             outside = [i for i in ids if not 0 <= i < self.vocab_size]
             if outside:  # the sampler would stop on (or the runtime feed) a token the model has no row for
                 raise ConfigError(f"{name} {outside[0]} is outside the vocabulary (vocab_size {self.vocab_size})")
+
+    def rotary(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based, in the whole model) rotates q and k."""
+        return layer not in self.nope_layers
 
     def check_context_length(self, context_length: int) -> None:
         """Refuse a context longer than the model's attention window: the exported graphs attend to
@@ -157,6 +175,11 @@ class LlamaConfig:
         extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
         return extras + (("q_norm.weight", "k_norm.weight") if self.qk_norm else ())
+
+    @property
+    def query_scale(self) -> float:
+        """The factor of the attention scores (folded into q): Granite's attention_multiplier, else 1/sqrt(head_dim)."""
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
     @property
     def kv_channels(self) -> int:
@@ -181,7 +204,8 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers config dictionary of this family (`AutoConfig.for_model(**d)`, or the
         family's config class), for building the reference model."""
-        ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "sliding_window")
+        ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "sliding_window", "nope_layers",
+                "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = "silu"
@@ -191,6 +215,12 @@ class LlamaConfig:
         if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = self.sliding_window is not None
             d["max_window_layers"] = 0
+        if self.model_type == "smollm3":
+            d["no_rope_layers"] = [int(self.rotary(n)) for n in range(self.num_hidden_layers)]
+            d["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == "granite":
+            d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
+                     attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
         return d
 
 
@@ -201,7 +231,7 @@ def _sliding_window(f: "_Fields", model_type: str) -> int | None:
     window = f.integer("sliding_window", None)
     if window is None or model_type == "llama":
         return None
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "smollm3"):
         if not f.boolean("use_sliding_window"):
             return None
         types = f.d.get("layer_types")
@@ -209,9 +239,39 @@ def _sliding_window(f: "_Fields", model_type: str) -> int | None:
             raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must be a list of strings")
         if types is not None and "sliding_attention" not in types:
             return None
-        if types is None and f.integer("max_window_layers", 28, minimum=0) >= f.integer("num_hidden_layers"):
+        if types is None and model_type != "smollm3" and (
+                f.integer("max_window_layers", 28, minimum=0) >= f.integer("num_hidden_layers")):
             return None
     return window
+
+
+def _multipliers(f: "_Fields", model_type: str) -> dict[str, float]:
+    """Granite's scale factors (transformers' GraniteConfig defaults when absent: 1.0 each, the
+    attention scale too, not 1/sqrt(head_dim)); none for the other families."""
+    if model_type != "granite":
+        return {}
+    return {"embedding_multiplier": f.number("embedding_multiplier", 1.0),
+            "residual_multiplier": f.number("residual_multiplier", 1.0),
+            "attention_scale": f.number("attention_multiplier", 1.0),
+            "logits_scaling": f.number("logits_scaling", 1.0)}
+
+
+def _nope_layers(f: "_Fields", model_type: str) -> list[int]:
+    """The layers without RoPE: SmolLM3's `no_rope_layers` holds 1 for each layer that rotates q and
+    k and 0 for one that does not; without it, every `no_rope_layer_interval`-th layer has none (as
+    transformers' SmolLM3Config fills it in)."""
+    if model_type != "smollm3":
+        return []
+    layers = f.integer("num_hidden_layers")
+    flags = f.d.get("no_rope_layers")
+    if flags is None:
+        interval = f.integer("no_rope_layer_interval", 4)
+        return [n for n in range(layers) if (n + 1) % interval == 0]
+    if not (isinstance(flags, list) and len(flags) == layers
+            and all(type(v) is int and v in (0, 1) for v in flags)):
+        raise ConfigError(f"{f.origin}: no_rope_layers is {_json_type(flags)}; it must be a list of "
+                          f"num_hidden_layers ({layers}) entries, each 1 (the layer uses RoPE) or 0 (it does not)")
+    return [n for n, v in enumerate(flags) if not v]
 
 
 _MISSING = object()

@@ -1,4 +1,4 @@
-"""transformers' own model of the checkpoint's family (Llama, Mistral, Qwen2, Qwen3) run one decoder
+"""transformers' own model of the checkpoint's family (Llama, Mistral, Qwen2, Qwen3, ...) run one decoder
 layer at a time: the reference logits the parity gate compares with, and the activations
 compression is calibrated on.
 
@@ -64,6 +64,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     with torch.no_grad():
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
+        x = x * getattr(hf, "embedding_multiplier", 1.0)  # Granite's, in its model's forward
         positions = torch.arange(len(token_ids))[None]  # (1, T)
         rope = RotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
         for n in range(hf.num_hidden_layers):
@@ -95,6 +96,7 @@ def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarra
         head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)
         out = torch.cat([h @ head[s:s + HEAD_BLOCK].to(torch.float32).T for s in range(0, head.shape[0], HEAD_BLOCK)],
                         dim=1)  # (T, V)
+        out = out / getattr(hf, "logits_scaling", 1.0)  # Granite's, in its ForCausalLM's forward
     return out.numpy()
 
 

@@ -57,7 +57,8 @@ GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
     "lm_head.weight": ("vocab_size", "hidden_size"),
 }
 DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim"}
-SCALED = ("q_proj.weight", "q_proj.bias")  # what the 1/sqrt(head_dim) scale is folded into (no q_norm)
+SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
+RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 
 
 def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
@@ -112,14 +113,18 @@ def as_conv(w: torch.Tensor) -> torch.Tensor:
 def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
     """One DecoderLayer parameter (our name, e.g. "q_proj.weight") from HF `model.layers.{layer}.*`, in fp32.
 
-    The attention scale 1/sqrt(head_dim) is folded into q: into q_proj (weight and bias), or, where
-    each q head is RMS-normalized after the projection (Qwen3), into q_norm's weight.
+    The attention scale (LlamaConfig.query_scale) is folded into q: into q_proj (weight and bias),
+    or, where q is RMS-normalized after the projection (Qwen3), into q_norm's weight; Granite's
+    residual_multiplier into the last projection of each residual branch (o_proj, down_proj).
     """
+    cfg = ckpt.config
     w = ckpt.tensor(f"model.layers.{layer}.{HF_LAYER_NAMES[ours]}").to(torch.float32)
     if ours.endswith("proj.weight"):
         w = as_conv(w)
-    if ours == "q_norm.weight" or (ours in SCALED and not ckpt.config.qk_norm):
-        w = w * ckpt.config.head_dim ** -0.5
+    if ours == "q_norm.weight" or (ours in SCALED and not cfg.qk_norm):
+        w = w * cfg.query_scale
+    if ours in RESIDUAL_SCALED and cfg.residual_multiplier != 1.0:
+        w = w * cfg.residual_multiplier
     return w
 
 

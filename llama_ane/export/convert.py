@@ -289,7 +289,7 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
     functions = {fn: plan.specs[spec.model][fn] for fn in spec.functions}
     with quiet_coremltools(), fast_sub_byte_packing():
         prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
-                             opset=getattr(ct.target, o.target), layers=len(spec.layers),
+                             opset=getattr(ct.target, o.target), layers=list(spec.layers),
                              context_length=o.context_length, suffix_length=o.suffix_length, rows=spec.rows,
                              compressions=lambda name: plan.compression(name, spec), importance=importance_of(spec, importance),
                              multifunction=o.multifunction)

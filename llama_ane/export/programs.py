@@ -67,7 +67,7 @@ def _named(var, name: str):
     return var
 
 
-def function_body(model: str, function: str, g: Graph, cfg: LlamaConfig, io: dict, *, layers: int,
+def function_body(model: str, function: str, g: Graph, cfg: LlamaConfig, io: dict, *, layers: list[int],
                   context_length: int, suffix_length: int, rows: tuple[int, int] | None = None):
     """The builder of one (model, function) of the export, from its kind's file; `rows` are the
     vocabulary rows of an embeddings file."""
@@ -91,7 +91,7 @@ def function_body(model: str, function: str, g: Graph, cfg: LlamaConfig, io: dic
 
 
 def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weights: Weights, *, dtype: type,
-                  opset, layers: int, context_length: int, suffix_length: int,
+                  opset, layers: list[int], context_length: int, suffix_length: int,
                   rows: tuple[int, int] | None = None, compressions=lambda name: None,
                   importance=lambda name: None, multifunction: bool = True) -> Program:
     """A Program with one function per entry of `functions` ({function: io spec}) of `model`

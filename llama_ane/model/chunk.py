@@ -42,14 +42,15 @@ from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, c
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
-    per-head q/k norms). The 1/sqrt(head_dim) scale is folded into q_proj's weights (into q_norm's
-    where there is one)."""
+    """Decoder layer `layer` of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
+    per-head q/k norms, SmolLM3 with layers without RoPE). The 1/sqrt(head_dim) scale is folded into
+    q_proj's weights (into q_norm's where there is one)."""
 
-    def __init__(self, cfg: LlamaConfig, context_length: int):
+    def __init__(self, cfg: LlamaConfig, context_length: int, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.context_length = context_length
+        self.rotary = cfg.rotary(layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
         self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
@@ -75,10 +76,10 @@ class DecoderLayer(nn.Module):
         q, k = self.q_proj(h).reshape(g * r, d, -1), self.k_proj(h).reshape(g, d, -1)  # (H,D,S), (G,D,S)
         if c.qk_norm:
             q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-        q = apply_rope(q, cos, sin, d // 2).reshape(g, r, d, -1)
-        k = apply_rope(k, cos, sin, d // 2)
+        if self.rotary:
+            q, k = apply_rope(q, cos, sin, d // 2), apply_rope(k, cos, sin, d // 2)
         v = self.v_proj(h).reshape(g, d, -1)
-        return q, k, v
+        return q.reshape(g, r, d, -1), k, v
 
     def finish(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
@@ -110,8 +111,8 @@ def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
     return conv_mil(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
 
 
-def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int):
-    """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0.").
+def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int, layer: int):
+    """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
     x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
@@ -121,7 +122,8 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
     if cfg.qk_norm:
         q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
         k = head_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
-    q, k = apply_rope_mil(g, q, cos3, sin3, h, d, s), apply_rope_mil(g, k, cos3, sin3, gk, d, s)
+    if cfg.rotary(layer):
+        q, k = apply_rope_mil(g, q, cos3, sin3, h, d, s), apply_rope_mil(g, k, cos3, sin3, gk, d, s)
     v = mb.reshape(x=_projection_mil(g, cfg, prefix, "v_proj", hn), shape=[gk, d, s])
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 
@@ -140,14 +142,14 @@ def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
 
 
 def decoder_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_cache, v_cache, i: int,
-                      t: int, s: int):
-    """DecoderLayer.forward over a window of S tokens.
+                      t: int, s: int, layer: int):
+    """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
 
     x: (1,C,1,S); k_cache, v_cache: the chunk's (L,KV,1,T), of which layer i is read
     -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
     """
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s)
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer)
     heads = grouped_attention_mil(g, q, _layer_cache_mil(g, cfg, k_cache, i, t),
                                   _layer_cache_mil(g, cfg, v_cache, i, t),
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
@@ -162,7 +164,7 @@ class BlockChunk(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int):
         super().__init__()
         self.layer_indices = list(layer_indices)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, context_length) for _ in layer_indices)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, context_length, n) for n in layer_indices)
 
     def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
         k_out, v_out = [], []
@@ -193,9 +195,9 @@ def write_window_mil(states: dict, values: dict, new: dict, position, window: in
                                                                    begin=begin, end=end))
 
 
-def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: int):
-    """BlockChunk of `layers` layers over a window, attending to the cache positions of its context
-    bucket; when the caches are states (of the whole context: a bucket reads their first positions
+def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
+    """BlockChunk of decoder layers `layers` (their indices in the model) over a window, attending to
+    the cache positions of its context bucket; when the caches are states (of the whole context: a bucket reads their first positions
     through static slices), the window's K/V is written into them at `position` instead of being
     returned."""
     def body(inputs):
@@ -203,9 +205,9 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: int):
         s, context_length = shape_of(io, "hidden_states")[3], mask[3] - mask[2]
         values = read_states_mil(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
-        for i in range(layers):
+        for i, n in enumerate(layers):
             x, k, v = decoder_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["mask"],
-                                        values["k_cache"], values["v_cache"], i, context_length, s)
+                                        values["k_cache"], values["v_cache"], i, context_length, s, n)
             ks.append(k)
             vs.append(v)
         if io.get("states"):
@@ -233,12 +235,12 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
 
 
 def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_cache,
-                     v_cache, k_suffix, v_suffix, i: int, t: int, b: int, u: int):
-    """branch_layer. x: (1,C,1,B); k_cache, v_cache: (L,KV,1,T); k_suffix, v_suffix: (L*G,B,D,U), rows
-    of layer i read -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
+                     v_cache, k_suffix, v_suffix, i: int, t: int, b: int, u: int, layer: int):
+    """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_cache, v_cache: (L,KV,1,T); k_suffix,
+    v_suffix: (L*G,B,D,U), rows of chunk layer i read -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b)
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer)
     v_p, s_p = prefix_state_mil(q, _layer_cache_mil(g, cfg, k_cache, i, t), _layer_cache_mil(g, cfg, v_cache, i, t),
                                 prefix_mask)
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
@@ -268,16 +270,17 @@ class BranchChunk(nn.Module):
         return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
 
 
-def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: int, context_length: int, suffix_length: int):
-    """BranchChunk of `layers` layers (the prefix caches, states or inputs, are only read)."""
+def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], context_length: int,
+                       suffix_length: int):
+    """BranchChunk of decoder layers `layers` (the prefix caches, states or inputs, are only read)."""
     def body(inputs):
         b = shape_of(io, "hidden_states")[3]
         inputs = read_states_mil(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
-        for i in range(layers):
+        for i, n in enumerate(layers):
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["prefix_mask"],
                                        inputs["suffix_mask"], inputs["k_cache"], inputs["v_cache"],
-                                       inputs["k_suffix"], inputs["v_suffix"], i, context_length, b, suffix_length)
+                                       inputs["k_suffix"], inputs["v_suffix"], i, context_length, b, suffix_length, n)
             ks.append(k)
             vs.append(v)
         return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}

@@ -45,11 +45,14 @@ def rope_weights(cfg: LlamaConfig, positions: int, dtype: type) -> dict[str, np.
     return {"cos_table": cos.numpy().astype(dtype), "sin_table": sin.numpy().astype(dtype)}
 
 
-def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
+def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size: int,
+           scale: float = 1.0) -> torch.Tensor:
     """Channels-first embeddings of `input_ids` (1,S) -> (1,C,1,S) from `table`, rows start..start+n-1
     of the vocabulary. A table of the whole vocabulary is a plain lookup; a part of it gives zeros
     for ids outside its rows (their lookup is clamped into range and multiplied by 0), so the parts'
-    lookups add up to the whole one exactly."""
+    lookups add up to the whole one exactly. `scale` multiplies the rows (Granite's embedding_multiplier)."""
+    if scale != 1.0:
+        return lookup(table, input_ids, start, vocab_size) * scale
     n = table.num_embeddings
     if start == 0 and n == vocab_size:
         return table(input_ids).transpose(1, 2).unsqueeze(2)
@@ -59,8 +62,10 @@ def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size:
     return (found * hit.to(found.dtype)).transpose(1, 2).unsqueeze(2)
 
 
-def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int):
+def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int, scale: float = 1.0):
     """lookup of input_ids (1,S) in vocabulary rows [start, end) -> (1,C,1,S)."""
+    if scale != 1.0:
+        return mb.mul(x=lookup_mil(g, input_ids, rows, vocab_size), y=g.scalar(scale))
     table = g.weight("embed_tokens.weight")
     start, end = rows
     if start == 0 and end == vocab_size:
@@ -103,7 +108,7 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None):
         super().__init__()
         self.window = window
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
         self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
         cos, sin = rope_tables(cfg, context_length + window)
         self.register_buffer("cos_table", cos)
@@ -114,7 +119,7 @@ class Embeddings(nn.Module):
         self.register_buffer("window_mask", causal.view(1, 1, window, window))
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,S)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,S)
         pos = position + self.offsets  # (S,)
         cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (S,D) -> (1,D,1,S)
         sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
@@ -130,7 +135,7 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
         s = shape_of(io, "input_ids")[1]
         mask = shape_of(io, "mask", "outputs")
         t = mask[3] - mask[2]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
         pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
         cos, sin = _rope_rows_mil(g, cfg, pos, s)
         cache_mask = _cache_mask_mil(g, inputs["position"], t)
@@ -151,18 +156,20 @@ class EmbeddingsPart(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, start: int, rows: int):
         super().__init__()
-        self.start, self.vocab_size = start, cfg.vocab_size
+        self.start, self.vocab_size, self.embedding_multiplier = start, cfg.vocab_size, cfg.embedding_multiplier
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size)
+        return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size,
+                                      self.embedding_multiplier)
 
 
 def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
     """EmbeddingsPart of vocabulary rows `rows`."""
     def body(inputs):
         return {"hidden_states_out": mb.add(x=inputs["hidden_states"],
-                                            y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size))}
+                                            y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size,
+                                                         cfg.embedding_multiplier))}
     return body
 
 
@@ -174,7 +181,7 @@ class BranchEmbeddings(nn.Module):
                  suffix_length: int):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
         cos, sin = rope_tables(cfg, context_length + suffix_length + 1)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -183,7 +190,7 @@ class BranchEmbeddings(nn.Module):
         self.register_buffer("self_column", torch.zeros(1, branches, 1, 1))
 
     def forward(self, input_ids, positions, prefix_length):
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,B)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,B)
         cos = self.cos_table[positions].t().unsqueeze(0).unsqueeze(2)  # (1,D,1,B)
         sin = self.sin_table[positions].t().unsqueeze(0).unsqueeze(2)
         in_prefix = (self.prefix_slots < prefix_length.view(1, 1, 1, 1)).to(hidden.dtype)
@@ -200,7 +207,7 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
     def body(inputs):
         b = shape_of(io, "input_ids")[1]
         t, u = context_length, suffix_length
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
         cos, sin = _rope_rows_mil(g, cfg, inputs["positions"], b)
         plen = mb.reshape(x=inputs["prefix_length"], shape=[1, 1, 1, 1])
         prefix_mask = mask_from_mil(g, mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t), y=plen))
@@ -220,7 +227,7 @@ class VerifyEmbeddings(nn.Module):
     def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, window: int):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
         cos, sin = rope_tables(cfg, context_length + window)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -229,7 +236,7 @@ class VerifyEmbeddings(nn.Module):
     def forward(self, input_ids, position, depths, tree_mask):
         """The window may hold fewer than W tokens when run eagerly (the torch backend): every
         size is read from the inputs."""
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size)  # (1,C,1,W)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,W)
         pos = position + depths  # (W,)
         cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (W,D) -> (1,D,1,W)
         sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
@@ -243,7 +250,7 @@ def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
     """VerifyEmbeddings."""
     def body(inputs):
         w = shape_of(io, "input_ids")[1]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
         pos = mb.add(x=inputs["position"], y=inputs["depths"])  # (W,)
         cos, sin = _rope_rows_mil(g, cfg, pos, w)
         cache_mask = mb.tile(x=_cache_mask_mil(g, inputs["position"], context_length), reps=[1, 1, w, 1])
