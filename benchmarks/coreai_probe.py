@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from llama_ane.config import LlamaConfig
+from llama_ane.export.coreai import structure, write_asset
 from llama_ane.limits import MAX_DIM
 from llama_ane.model import chunk, embeddings
 from llama_ane.model.functions import Layout, shape_of
@@ -47,13 +48,12 @@ CACHED = 5  # positions already in the cache when the window runs
 def coreai_modules() -> dict[str, Any]:
     """The coreai entry points used here; one `Error:` line and a non-zero exit where they are missing."""
     try:
-        import coreai_torch
         from coreai.authoring.asset import AIModelAsset
         from coreai.runtime import NDArray
     except ImportError as e:
         sys.exit(f"Error: {e.name or e} is not importable; install the pinned Core AI packages with "
                  f"pip install -e \".[coreai]\" (Python >= 3.11)")
-    return {"coreai_torch": coreai_torch, "AIModelAsset": AIModelAsset, "NDArray": NDArray}
+    return {"AIModelAsset": AIModelAsset, "NDArray": NDArray}
 
 
 def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -66,42 +66,19 @@ def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
-def convert(ct: Any, modules: dict[str, torch.nn.Module], feeds: dict[str, dict[str, torch.Tensor]],
-            output_names: list[str], path: Path) -> None:
-    """One .aimodel with a function per entry of `modules`, each exported on its example inputs."""
-    converter = ct.TorchConverter(mode=ct.TorchConverter.Mode.RELEASE)
-    for fn, module in modules.items():
-        program = torch.export.export(module, tuple(feeds[fn].values()))
-        converter.add_exported_program(program.run_decompositions(ct.get_decomp_table()),
-                                       input_names=list(feeds[fn]), output_names=output_names,
-                                       entrypoint_name=fn)
-    converter.to_coreai().save_asset(path)
-
-
-def structure(asset: Any) -> list[str]:
-    """What coreai-core's own bindings read back from the saved program, without running it."""
-    from coreai._compiler import ir
-
-    summary = asset.summary(include_statistics=True)
+def describe(path: Path, dtype: str) -> list[str]:
+    """What coreai-core's own bindings read back from the saved program, without running it
+    (llama_ane.export.coreai.structure, as `llama-ane inspect` reads an export's assets)."""
+    found, violations = structure(path, dtype)
     lines = []
-    for fn in summary.function_names:
-        ins = ", ".join(f"{n}: {t}" for n, t in summary.function_inputs(fn))
-        outs = ", ".join(f"{n}: {t}" for n, t in summary.function_outputs(fn))
+    for fn, io in found["functions"].items():
+        ins, outs = (", ".join(f"{n}: {d}{s}" for n, (d, s) in io[k].items()) for k in ("inputs", "outputs"))
         lines.append(f"  function {fn}({ins}) -> {outs}")
-    ops = ", ".join(f"{name} x{count}" for name, count in summary.operation_distribution)
-    lines.append(f"  operations: {ops}")
-    dims: list[tuple[int, str]] = []
-
-    def visit(op: Any) -> Any:
-        for result in op.operation.results:
-            if isinstance(result.type, ir.ShapedType) and result.type.has_rank:
-                dims.extend((d, op.operation.name) for d in result.type.shape)
-        return ir.WalkResult.ADVANCE
-
-    asset.program._module._mlir_module.operation.walk(visit)  # noqa: SLF001 (the MLIR module itself)
-    largest, where = max(dims)
-    verdict = "within" if largest <= MAX_DIM else "ABOVE"
-    lines.append(f"  largest tensor dimension: {largest} ({where}), {verdict} the Neural Engine limit {MAX_DIM}")
+    ops = sorted(found["operations"].items(), key=lambda kv: (-kv[1], kv[0]))
+    lines.append("  operations: " + ", ".join(f"{name} x{count}" for name, count in ops))
+    largest, where = found["largest_dim"]
+    lines.append(f"  largest tensor dimension: {largest} ({where}), limit {MAX_DIM}")
+    lines += [f"  rule broken: {rule}: {fn or ''} {message}" for rule, fn, message in violations]
     return lines
 
 
@@ -176,15 +153,15 @@ def main() -> int:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         ok = True
-        for name, modules, feeds, wants in (
-                ("embeddings", emb, emb_in, emb_out),
-                ("chunk_0", {fn: block for fn in chunk_io}, chunk_in, chunk_out)):
+        for name, modules, feeds, wants, io in (
+                ("embeddings", emb, emb_in, emb_out, emb_io),
+                ("chunk_0", {fn: block for fn in chunk_io}, chunk_in, chunk_out, chunk_io)):
             path = out / f"{name}.aimodel"
-            convert(lib["coreai_torch"], modules, feeds, list(next(iter(wants.values()))), path)
+            write_asset(modules, io, torch_dtype, path)
             asset = lib["AIModelAsset"].load(path)
             print(f"{path.name} ({dtype}, T={t}, prefill S={args.window}): "
                   f"{', '.join(sorted(p.name for p in path.iterdir()))}")
-            print("\n".join(structure(asset)))
+            print("\n".join(describe(path, dtype)))
             got = asyncio.run(execute(asset, lib["NDArray"], feeds))
             ok &= compare(name, got, wants, TOLERANCE[dtype])
     print("Core AI matches torch" if ok else "Core AI differs from torch beyond the tolerance")
