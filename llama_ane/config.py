@@ -16,22 +16,26 @@ from .errors import LlamaANEError
 
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                       "smollm3": "SmolLM3", "granite": "Granite"}
+                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
-    "'qwen3' (dense Qwen3), 'smollm3' and 'granite' (dense Granite 3.x) with RoPE type default, linear "
-    "or llama3, silu MLP, no MLP bias"
+    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x) and 'olmo2' (OLMo 2) with RoPE type "
+    "default, linear or llama3, silu MLP, no MLP bias"
 )
 # What each family adds to the Llama block (transformers' own classes decide the same way):
 # qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
 # (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm);
 # smollm3 leaves RoPE out of some layers (NoPE: `no_rope_layers`, 0 where a layer has none);
-# granite scales the embeddings, each residual branch, the attention scores and the logits.
+# granite scales the embeddings, each residual branch, the attention scores and the logits;
+# olmo2 normalizes the outputs of attention and MLP instead of their inputs (post_attention_layernorm,
+# post_feedforward_layernorm) and q and k over the whole projection, all heads at once.
 QKV_BIAS_ALWAYS = ("qwen2",)
-ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite")
-QK_NORM = ("qwen3",)
+ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2")
+QK_NORM = ("qwen3", "olmo2")
+QK_NORM_ACROSS_HEADS = ("olmo2",)
+POST_NORMS = ("olmo2",)
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
 
 
@@ -58,7 +62,9 @@ class LlamaConfig:
     model_type: str = "llama"
     qkv_bias: bool = False  # a bias on q_proj, k_proj and v_proj
     o_proj_bias: bool = False  # a bias on o_proj
-    qk_norm: bool = False  # per-head RMSNorm of q and k (weights (head_dim,)) before RoPE
+    qk_norm: bool = False  # RMSNorm of q and k before RoPE: per head (weights (head_dim,)), or
+    qk_norm_across_heads: bool = False  # over the whole projection (weights (q_channels,), (kv_channels,))
+    post_norms: bool = False  # the attention and MLP outputs normalized before their residual add, not their inputs
     sliding_window: int | None = None  # the attention window when a layer uses one, else None
     nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
@@ -125,6 +131,8 @@ class LlamaConfig:
             qkv_bias=biased or model_type in QKV_BIAS_ALWAYS,
             o_proj_bias=biased,
             qk_norm=model_type in QK_NORM,
+            qk_norm_across_heads=model_type in QK_NORM_ACROSS_HEADS,
+            post_norms=model_type in POST_NORMS,
             sliding_window=_sliding_window(f, model_type),
             nope_layers=_nope_layers(f, model_type),
             **_multipliers(f, model_type),
@@ -171,10 +179,25 @@ class LlamaConfig:
     @property
     def layer_extras(self) -> tuple[str, ...]:
         """The decoder-layer parameters this family has beyond the Llama block's (names as in
-        model.chunk.DecoderLayer): projection biases and the per-head q/k norms."""
+        model.chunk.DecoderLayer): projection biases, the q/k norms and the norm after the MLP (whose
+        block has no input_layernorm: `input_norm`)."""
         extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
-        return extras + (("q_norm.weight", "k_norm.weight") if self.qk_norm else ())
+        extras += ("q_norm.weight", "k_norm.weight") if self.qk_norm else ()
+        return extras + (("post_feedforward_layernorm.weight",) if self.post_norms else ())
+
+    @property
+    def input_norm(self) -> bool:
+        """Whether the layer normalizes its input (input_layernorm), the Llama block's pre-norm."""
+        return not self.post_norms
+
+    @property
+    def q_norm_channels(self) -> int:
+        return self.q_channels if self.qk_norm_across_heads else self.head_dim
+
+    @property
+    def k_norm_channels(self) -> int:
+        return self.kv_channels if self.qk_norm_across_heads else self.head_dim
 
     @property
     def query_scale(self) -> float:
@@ -204,7 +227,8 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers config dictionary of this family (`AutoConfig.for_model(**d)`, or the
         family's config class), for building the reference model."""
-        ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "sliding_window", "nope_layers",
+        ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
+                "sliding_window", "nope_layers",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import llama_ane
 from llama_ane.checkpoint.loader import TOKENIZER_FILES
 from llama_ane.cli import main
-from llama_ane.config import ConfigError, LlamaConfig
+from llama_ane.config import FAMILY_CLASS_PREFIX, ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
 
 import swift_fixtures as sf
@@ -47,7 +47,6 @@ EXPORTED = ["qwen2_tied", "qwen3_untied", "mistral_untied"]  # one export each, 
 # them stays within about 0.03 of the fp32 logits on these models, so together they can swap a
 # pair closer than twice that
 NEAR_TIE = 0.06
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def make_family_checkpoint(path, **overrides):
@@ -62,23 +61,29 @@ def make_family_checkpoint(path, **overrides):
     return folder
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Factory: name of CASES -> its checkpoint folder (made once per module)."""
+def made_once(tmp_path_factory, cases: dict, make):
+    """Factory: name of `cases` -> its checkpoint folder, written by `make(folder, **overrides)` once."""
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = make_family_checkpoint(tmp_path_factory.mktemp(name), **CASES[name])
+            made[name] = make(tmp_path_factory.mktemp(name), **cases[name])
         return made[name]
     return get
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return made_once(tmp_path_factory, CASES, make_family_checkpoint)
+
+
 def reference(folder, model_type):
+    """transformers' own ForCausalLM class of the family (Qwen2ForCausalLM, ...) in fp32."""
     import transformers
 
-    ref = getattr(transformers, CLASSES[model_type]).from_pretrained(str(folder), dtype=torch.float32).eval()
-    assert type(ref).__name__ == CLASSES[model_type]
+    cls = f"{FAMILY_CLASS_PREFIX[model_type]}ForCausalLM"
+    ref = getattr(transformers, cls).from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert type(ref).__name__ == cls
     return ref
 
 
@@ -150,11 +155,61 @@ def test_a_sliding_window_shorter_than_the_context_is_a_clear_error(tmp_path):
 
 # --- torch fp32 against transformers' own class -------------------------------------------------
 
+def load_fp32(folder, **options):
+    """The torch backend in fp32 over a 256-token context, the model every family check runs."""
+    return llama_ane.load(folder, backend="torch", precision="fp32", context_length=256, prefill_length=32,
+                          layers_per_chunk=2, **options)
+
+
+def export_tiny(folder, out):
+    """One fp16 export of a tiny checkpoint, the one every family's export checks run on."""
+    from llama_ane.api import export_model
+
+    return export_model(folder, out, context_length=256, prefill_length=64, layers_per_chunk=2, progress=False)
+
+
+def check_logits(name, model, ref, model_type: str, vocab: int, length: int = SEQ_LEN) -> None:
+    """torch fp32 logits of `length` random ids below `vocab` within MAX_LOGIT_DIFF of transformers' class."""
+    cfg = model.manifest["config"]
+    assert cfg["model_type"] == model_type
+    ids = random_ids(vocab, length, seed=1)
+    got, want = model.score(ids), reference_logits(ref, ids)
+    assert got.shape == want.shape == (length, cfg["vocab_size"])
+    diff = float(np.abs(got - want).max())
+    print(f"{name}: max |logit diff| = {diff:.2e} (logits up to {np.abs(want).max():.1f})")
+    assert diff <= MAX_LOGIT_DIFF
+    assert np.abs(want).max() > 1.0
+
+
+def check_greedy(model, ref, vocab: int, prompt_length: int) -> None:
+    """GREEDY_TOKENS greedy tokens after a random prompt, the same as transformers' class."""
+    prompt = random_ids(vocab, prompt_length, seed=2)
+    want = reference_greedy(ref, prompt, GREEDY_TOKENS)
+    got = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
+    assert_same_greedy(got, want, model.eos_token_ids)
+
+
+def check_cascade(name, folder) -> None:
+    """Cascade branches (torch fp32) decode the same tokens as each branch alone."""
+    model = load_fp32(folder, branch_width=4, suffix_length=64)
+    prefix, conts = _inputs(seed=3)
+    out = model.generate_branches(prefix, conts, max_new_tokens=10)
+    for r, cont in zip(out.branches, conts):
+        alone = model.generate(prefix + cont, max_new_tokens=10)
+        assert r.token_ids == alone.token_ids, f"{name}: branch {r.index} differs from decoding it alone"
+    model.close()
+
+
+def check_inspect_strict(out) -> None:
+    r = CliRunner().invoke(main, ["inspect", str(out), "--strict"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "no ANE rule violations" in r.output
+
+
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, checkpoints):
     folder = checkpoints(request.param)
-    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=256, prefill_length=32,
-                           layers_per_chunk=2)
+    model = load_fp32(folder)
     yield request.param, model, reference(folder, CASES[request.param]["model_type"])
     model.close()
 
@@ -166,46 +221,24 @@ def token_range(model) -> int:
 
 def test_logits_match_the_family_class(case):
     name, model, ref = case
-    cfg = model.manifest["config"]
-    assert cfg["model_type"] == CASES[name]["model_type"]
-    ids = random_ids(token_range(model), SEQ_LEN, seed=1)
-    got, want = model.score(ids), reference_logits(ref, ids)
-    assert got.shape == want.shape == (SEQ_LEN, cfg["vocab_size"])
-    diff = float(np.abs(got - want).max())
-    print(f"{name}: max |logit diff| = {diff:.2e} (logits up to {np.abs(want).max():.1f})")
-    assert diff <= MAX_LOGIT_DIFF
-    assert np.abs(want).max() > 1.0
+    check_logits(name, model, ref, CASES[name]["model_type"], token_range(model))
 
 
 def test_greedy_tokens_match_the_family_class(case):
     name, model, ref = case
-    prompt = random_ids(token_range(model), 40, seed=2)
-    want = reference_greedy(ref, prompt, GREEDY_TOKENS)
-    got = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
-    assert_same_greedy(got, want, model.eos_token_ids)
+    check_greedy(model, ref, token_range(model), 40)
 
 
 def test_cascade_branches_equal_decoding_alone(checkpoints):
     for name in ("qwen2_tied", "qwen3_tied_attention_bias", "mistral_untied"):
-        model = llama_ane.load(checkpoints(name), backend="torch", precision="fp32", context_length=256,
-                               prefill_length=32, layers_per_chunk=2, branch_width=4, suffix_length=64)
-        prefix, conts = _inputs(seed=3)
-        out = model.generate_branches(prefix, conts, max_new_tokens=10)
-        for r, cont in zip(out.branches, conts):
-            alone = model.generate(prefix + cont, max_new_tokens=10)
-            assert r.token_ids == alone.token_ids, f"{name}: branch {r.index} differs from decoding it alone"
-        model.close()
+        check_cascade(name, checkpoints(name))
 
 
 # --- one fp16 export per family -----------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=EXPORTED, ids=EXPORTED)
 def export(request, checkpoints, tmp_path_factory):
-    from llama_ane.api import export_model
-
-    out = export_model(checkpoints(request.param), tmp_path_factory.mktemp("export") / request.param,
-                       context_length=256, prefill_length=64, layers_per_chunk=2, progress=False)
-    return request.param, out
+    return request.param, export_tiny(checkpoints(request.param), tmp_path_factory.mktemp("export") / request.param)
 
 
 def test_the_manifest_records_the_family_and_its_weights(export):
@@ -227,25 +260,29 @@ def test_the_manifest_records_the_family_and_its_weights(export):
 
 
 def test_inspect_strict_passes(export):
-    name, out = export
-    r = CliRunner().invoke(main, ["inspect", str(out), "--strict"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    assert "no ANE rule violations" in r.output
+    check_inspect_strict(export[1])
 
 
-def test_mil_fp16_matches_torch_fp16(export):
-    name, out = export
+def check_mil_fp16(name, out, top1: float) -> None:
+    """The mil backend (fp16) against torch fp16 on real text: top-1 agreement at least `top1`."""
     c = mil_vs_torch_fp16_on_text(out, name)
-    assert c.top1_agreement >= 0.99
+    assert c.top1_agreement >= top1
     assert c.mean_cosine > 0.999
 
 
+def test_mil_fp16_matches_torch_fp16(export):
+    check_mil_fp16(*export, top1=0.99)
+
+
 def test_mil_decode_branches_match_decoding_alone(export):
+    check_mil_branches(*export)
+
+
+def check_mil_branches(name, out) -> None:
     """The exported decode_branches programs (mil, fp16) against the prefill/decode programs, teacher
     forced. Both are fp16 and round differently: where the fp32 reference's top-2 margin is below
     NEAR_TIE, either token is right, so those positions are left out of the top-1 count (and
     counted, so that the test still covers most positions)."""
-    name, out = export
     mil = llama_ane.load(out, backend="mil")
     exact = llama_ane.load(out, backend="torch", precision="fp32")
     prefix, conts = _inputs(seed=6, lengths=(30, 20, 25))

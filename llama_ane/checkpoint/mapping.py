@@ -32,6 +32,7 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "o_proj.bias": "self_attn.o_proj.bias",
     "q_norm.weight": "self_attn.q_norm.weight",
     "k_norm.weight": "self_attn.k_norm.weight",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
 }
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
@@ -48,22 +49,26 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "k_proj.bias": ("kv_channels",),
     "v_proj.bias": ("kv_channels",),
     "o_proj.bias": ("hidden_size",),
-    "q_norm.weight": ("head_dim",),
-    "k_norm.weight": ("head_dim",),
+    "q_norm.weight": ("q_norm_channels",),
+    "k_norm.weight": ("k_norm_channels",),
+    "post_feedforward_layernorm.weight": ("hidden_size",),
 }
 GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
     "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
     "model.norm.weight": ("hidden_size",),
     "lm_head.weight": ("vocab_size", "hidden_size"),
 }
-DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim"}
+DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim",
+           "q_norm_channels": "head_dim, or num_attention_heads*head_dim across heads",
+           "k_norm_channels": "head_dim, or num_key_value_heads*head_dim across heads"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 
 
 def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
     """Our DecoderLayer parameter names -> HF names inside model.layers.N, for `cfg`'s family."""
-    return {**LAYER_TENSORS, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
+    block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
+    return {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
 
 
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:

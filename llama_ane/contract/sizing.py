@@ -20,9 +20,10 @@ def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
               "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
               "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
     extra = {"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (c,),
-             "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)}  # q/k norms: one per head dim
+             "q_norm.weight": (cfg.q_norm_channels,), "k_norm.weight": (cfg.k_norm_channels,),
+             "post_feedforward_layernorm.weight": (c,)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
-    return shapes
+    return shapes if cfg.input_norm else {k: v for k, v in shapes.items() if k != "input_layernorm.weight"}
 
 
 def weight_part(name: str) -> str | None:

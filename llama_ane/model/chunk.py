@@ -43,24 +43,28 @@ from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, c
 
 class DecoderLayer(nn.Module):
     """Decoder layer `layer` of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
-    per-head q/k norms, SmolLM3 with layers without RoPE). The 1/sqrt(head_dim) scale is folded into
-    q_proj's weights (into q_norm's where there is one)."""
+    per-head q/k norms, SmolLM3 with layers without RoPE, OLMo 2 with norms after attention and MLP
+    and q/k norms across heads). The attention scale is folded into q_proj's weights (into q_norm's
+    where there is one)."""
 
     def __init__(self, cfg: LlamaConfig, context_length: int, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.context_length = context_length
         self.rotary = cfg.rotary(layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.input_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
         self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.q_norm_channels, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.k_norm_channels, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
@@ -71,10 +75,13 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         g, d = c.num_key_value_heads, c.head_dim
         r = c.num_attention_heads // g
-        h = self.input_layernorm(x)
+        h = self.input_layernorm(x) if c.input_norm else x
         cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
-        q, k = self.q_proj(h).reshape(g * r, d, -1), self.k_proj(h).reshape(g, d, -1)  # (H,D,S), (G,D,S)
-        if c.qk_norm:
+        q, k = self.q_proj(h), self.k_proj(h)  # (1,H*D,1,S), (1,G*D,1,S)
+        if c.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(g * r, d, -1), k.reshape(g, d, -1)  # (H,D,S), (G,D,S)
+        if c.qk_norm and not c.qk_norm_across_heads:
             q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
         if self.rotary:
             q, k = apply_rope(q, cos, sin, d // 2), apply_rope(k, cos, sin, d // 2)
@@ -83,7 +90,11 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
-        x = x + self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
+        attention = self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
+        if self.cfg.post_norms:
+            x = x + self.post_attention_layernorm(attention)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + attention
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache):
@@ -115,11 +126,15 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
     """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
     x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size) \
+        if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
-    q = mb.reshape(x=_projection_mil(g, cfg, prefix, "q_proj", hn), shape=[h, d, s])
-    k = mb.reshape(x=_projection_mil(g, cfg, prefix, "k_proj", hn), shape=[gk, d, s])
-    if cfg.qk_norm:
+    q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
+    if cfg.qk_norm_across_heads:
+        q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
+        k = rms_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, cfg.kv_channels)
+    q, k = mb.reshape(x=q, shape=[h, d, s]), mb.reshape(x=k, shape=[gk, d, s])
+    if cfg.qk_norm and not cfg.qk_norm_across_heads:
         q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
         k = head_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
     if cfg.rotary(layer):
@@ -130,8 +145,14 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
 
 def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int):
     """DecoderLayer.finish. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
-    x = mb.add(x=x, y=_projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s])))
-    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+    attention = _projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]))
+    c, eps = cfg.hidden_size, cfg.rms_norm_eps
+    if cfg.post_norms:
+        x = mb.add(x=x, y=rms_norm_mil(g, attention, f"{prefix}post_attention_layernorm.weight", eps, c))
+        return mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, x, f"{prefix}mlp."),
+                                          f"{prefix}post_feedforward_layernorm.weight", eps, c))
+    x = mb.add(x=x, y=attention)
+    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, c)
     return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp."))
 
 

@@ -1,0 +1,199 @@
+"""SmolLM3, Granite 3.x, OLMo 2 and Phi-3/3.5/4-mini checkpoints, end to end on tiny random models.
+
+Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
+with the tiny test tokenizer and a small chat template in the family's style, written here. The
+torch backend (fp32) is compared with that class on logits and greedy tokens; one fp16 export per
+family is executed by the mil backend against torch fp16 and passes `inspect --strict`; cascade
+branches decode as each branch alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llama_ane.config import ConfigError, LlamaConfig
+from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
+
+from test_architectures import (check_cascade, check_greedy, check_inspect_strict, check_logits, check_mil_branches,
+                                check_mil_fp16, export_tiny, load_fp32, made_once, reference)
+
+pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
+
+# name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
+CASES = {
+    "smollm3_tied": {"model_type": "smollm3", "tie_word_embeddings": True, "head_dim": 32,
+                     "no_rope_layers": [1, 0, 1]},
+    "smollm3_untied_mha": {"model_type": "smollm3", "num_key_value_heads": 4, "head_dim": 32,
+                           "no_rope_layer_interval": 2, "attention_bias": True},
+    # Granite 3.x's multipliers, in the range of the published ones (embedding 12, residual 0.22,
+    # attention 1/64 or 1/128 for head_dim 128, logits 8 or 16), scaled to these sizes
+    "granite_tied": {"model_type": "granite", "tie_word_embeddings": True, "head_dim": 32,
+                     "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.05,
+                     "logits_scaling": 8.0},
+    "granite_untied_mha": {"model_type": "granite", "num_key_value_heads": 4, "embedding_multiplier": 6.0,
+                           "residual_multiplier": 0.5, "attention_multiplier": 0.125, "logits_scaling": 2.0,
+                           "attention_bias": True},
+    "olmo2_untied": {"model_type": "olmo2", "head_dim": 32},
+    "olmo2_tied_mha_attention_bias": {"model_type": "olmo2", "num_key_value_heads": 4, "tie_word_embeddings": True,
+                                      "attention_bias": True},
+}
+EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied"]  # one fp16 export per family, shared by the module
+CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias"]
+
+# A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
+# for the family's role markers): what the export must carry and apply as transformers does.
+TEMPLATES = {
+    "smollm3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "granite": ("{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{{ m['content'] }}<|endoftext|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
+    "olmo2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+
+
+def make_family_checkpoint(path, **overrides):
+    """A tiny checkpoint of `overrides["model_type"]` with the family's chat template."""
+    folder = make_tiny_checkpoint(path, **overrides)
+    config = folder / "tokenizer_config.json"
+    tok = json.loads(config.read_text())
+    tok["chat_template"] = TEMPLATES[overrides["model_type"]]
+    config.write_text(json.dumps(tok, indent=2))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return made_once(tmp_path_factory, CASES, make_family_checkpoint)
+
+
+# --- the config --------------------------------------------------------------------------------
+
+BASE = dict(TINY_CONFIG, vocab_size=320)
+
+
+def test_smollm3_layers_without_rope_as_transformers_reads_them():
+    import transformers
+
+    for extra in ({"no_rope_layers": [1, 0, 0]}, {"no_rope_layer_interval": 2}, {}):
+        d = dict(BASE, model_type="smollm3", num_hidden_layers=3, **extra)
+        cfg = LlamaConfig.from_hf_dict(d)
+        hf = transformers.AutoConfig.for_model(**d)
+        assert [cfg.rotary(n) for n in range(3)] == [bool(v) for v in hf.no_rope_layers], extra
+        assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # the manifest's copy
+        assert transformers.AutoConfig.for_model(**cfg.to_hf_dict()).no_rope_layers == hf.no_rope_layers
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "smollm3", "no_rope_layers": [1, 0]}, ["no_rope_layers", "num_hidden_layers (3)"]),
+    ({"model_type": "smollm3", "no_rope_layers": [1, 2, 1]}, ["no_rope_layers", "1 (the layer uses RoPE)"]),
+    ({"model_type": "smollm3", "no_rope_layers": "1,0,1"}, ["no_rope_layers", "the string"]),
+    ({"model_type": "smollm3", "no_rope_layer_interval": 0}, ["no_rope_layer_interval", "positive"]),
+    ({"model_type": "granite", "embedding_multiplier": 0}, ["embedding_multiplier", "positive"]),
+    ({"model_type": "granite", "logits_scaling": "8"}, ["logits_scaling", "the string"]),
+    ({"model_type": "granite", "attention_multiplier": -1.0}, ["attention_multiplier", "positive"]),
+    ({"model_type": "granitemoe"}, ["'granitemoe'", "'granite'"]),
+    ({"model_type": "gemma3_text"}, ["'gemma3_text'", "'smollm3'"]),
+    ({"model_type": "lfm2"}, ["'lfm2'", "unsupported"]),
+])
+def test_family_fields_are_checked(change, words):
+    with pytest.raises(ConfigError) as e:
+        LlamaConfig.from_hf_dict(dict(BASE, **change))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_granite_multipliers_as_transformers_reads_them():
+    import transformers
+
+    d = dict(BASE, model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+             attention_multiplier=0.0078125, logits_scaling=16.0)
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.query_scale, cfg.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 16.0)
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    hf = transformers.AutoConfig.for_model(**cfg.to_hf_dict())
+    assert (hf.embedding_multiplier, hf.residual_multiplier, hf.attention_multiplier, hf.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 16.0)
+    plain = LlamaConfig.from_hf_dict(dict(BASE, model_type="granite"))  # GraniteConfig's defaults: all 1.0
+    assert plain.query_scale == transformers.GraniteConfig().attention_multiplier == 1.0
+    assert LlamaConfig.from_hf_dict(dict(BASE, model_type="llama")).query_scale == 16 ** -0.5
+
+
+def test_olmo2_block_as_transformers_builds_it():
+    """OLMo 2's layer has no input norm, a norm after its MLP, and q/k norms across all heads: the
+    parameters and shapes an export reads are those of transformers' Olmo2DecoderLayer."""
+    import transformers
+
+    from llama_ane.checkpoint.mapping import expected_tensors
+
+    d = dict(BASE, model_type="olmo2", num_hidden_layers=1, attention_bias=True)
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert (cfg.post_norms, cfg.qk_norm, cfg.qk_norm_across_heads, cfg.input_norm) == (True, True, True, False)
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf_dict()))
+    theirs = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    ours = {name: tuple(getattr(cfg, dim) for dim in dims) for name, dims in expected_tensors(cfg).items()}
+    assert ours == theirs
+    qwen3 = LlamaConfig.from_hf_dict(dict(BASE, model_type="qwen3"))
+    assert (qwen3.post_norms, qwen3.qk_norm_across_heads, qwen3.q_norm_channels) == (False, False, 16)
+
+
+# --- torch fp32 against transformers' own class -------------------------------------------------
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, checkpoints):
+    folder = checkpoints(request.param)
+    model = load_fp32(folder)
+    yield request.param, model, reference(folder, CASES[request.param]["model_type"])
+    model.close()
+
+
+def test_logits_match_the_family_class(case):
+    name, model, ref = case
+    check_logits(name, model, ref, CASES[name]["model_type"], model.manifest["config"]["vocab_size"])
+
+
+def test_greedy_tokens_match_the_family_class(case):
+    name, model, ref = case
+    check_greedy(model, ref, model.manifest["config"]["vocab_size"], 160)  # past 150 tokens of context
+
+
+def test_chat_template_applies_as_transformers(case, checkpoints):
+    from transformers import AutoTokenizer
+
+    name, model, _ = case
+    hf = AutoTokenizer.from_pretrained(str(checkpoints(name)))
+    messages = [{"role": "user", "content": "Caches hold keys and values?"}]
+    assert model.manifest["tokenizer"]["chat_template"] == TEMPLATES[CASES[name]["model_type"]]
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = model.encode(messages[0]["content"], chat=True)
+    assert hf.decode(ids) == want
+    assert ids == hf(want, add_special_tokens=False).input_ids
+
+
+def test_cascade_branches_equal_decoding_alone(checkpoints):
+    for name in CASCADE:
+        check_cascade(name, checkpoints(name))
+
+
+# --- one fp16 export per family -----------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=EXPORTED, ids=EXPORTED)
+def export(request, checkpoints, tmp_path_factory):
+    return request.param, export_tiny(checkpoints(request.param), tmp_path_factory.mktemp("export") / request.param)
+
+
+def test_inspect_strict_passes(export):
+    check_inspect_strict(export[1])
+
+
+def test_mil_fp16_matches_torch_fp16(export):
+    check_mil_fp16(*export, top1=0.98)
+
+
+def test_mil_decode_branches_match_decoding_alone(export):
+    check_mil_branches(*export)
