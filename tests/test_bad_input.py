@@ -113,11 +113,11 @@ CASES: dict[str, tuple[Callable[[Inputs], list], list[str], int]] = {
     # generate
     "generate: empty prompt": (lambda i: ["generate", i.export, "--prompt", ""], ["empty"], 1),
     "generate: zero new tokens": (lambda i: ["generate", i.export, "--prompt", "Hi", "--max-new-tokens", 0],
-                                  ["max_new_tokens", "at least 1"], 1),
+                                  ["--max-new-tokens", "at least 1"], 1),
     "generate: negative temperature": (lambda i: ["generate", i.export, "--prompt", "Hi", "--temperature", -1],
                                        ["temperature"], 1),
     "generate: top-p above 1": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-p", 1.5], ["--top-p"], 1),
-    "generate: negative top-k": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-k", -3], ["top_k"], 1),
+    "generate: negative top-k": (lambda i: ["generate", i.export, "--prompt", "Hi", "--top-k", -3], ["--top-k"], 2),
     "generate: zero samples": (lambda i: ["generate", i.export, "--prompt", "Hi", "--samples", 0],
                                ["--samples", "at least 1"], 1),
     "generate: prompt over the context": (lambda i: ["generate", i.export, "--prompt", "fox " * 400],

@@ -86,6 +86,9 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop=list(stop), min_p=min_p)
     with user_errors():
+        if not text.strip():  # before any template wraps it into something that is not empty
+            raise InvalidArgumentError(f"the prompt is empty; give some text with "
+                                       f"{'--prompt' if prompt is not None else '--prompt-file'}")
         if prompt_cache is not None and not prompt_cache.parent.is_dir():
             raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
         from ..runtime.chat import has_template
