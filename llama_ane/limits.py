@@ -8,6 +8,11 @@ manifest checks all read them from here.
   macOS; `inspect --strict` rejects a package over it. The planner fills each package with at most
   `weight_budget(target)` bytes of weights: the limit less PROGRAM_BYTES, the room a package needs
   for its program and the weight blob's headers (a 3-function, 8-layer chunk's program is 0.7 MB).
+- MAX_FUNCTIONS_PER_PACKAGE: the functions one package of weights may hold. Each function is
+  compiled and loaded on the device (its own program, specialized for the Neural Engine, even where
+  the weights are shared), so load time and memory grow with them; 13 holds the default export of
+  the longest context (six context buckets' prefill and decode functions and a cascade function).
+  --context-buckets, --branches and --verify-window add functions.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ MAX_DIM = 16384
 CACHE_MULTIPLE = 32
 FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
 PROGRAM_BYTES = 4_000_000
+MAX_FUNCTIONS_PER_PACKAGE = 13
 
 # Core ML ArrayFeatureType codes and MIL dtype names -> the names the manifest uses
 COREML_ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}

@@ -135,3 +135,42 @@ def test_a_folded_head_that_is_not_the_last_chunk_is_refused(exports, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="lm_head.folded_into names 'chunk_0', not the last chunk"):
         read_manifest(copy)
+
+
+# ---- functions per package ---------------------------------------------------------------------------------------
+
+def test_an_export_past_the_functions_per_package_is_refused_naming_the_options():
+    from llama_ane.limits import MAX_FUNCTIONS_PER_PACKAGE
+
+    cfg = LlamaConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=320, max_position_embeddings=16384))
+    widest = plan_export(cfg, ExportOptions(context_length=16384))  # the default options at the longest context
+    assert max(len(fns) for model, fns in widest.specs.items() if model != "cache_update") == MAX_FUNCTIONS_PER_PACKAGE
+    with pytest.raises(ExportOptionsError, match=r"\w+.mlpackage would hold 14 functions .* at most 13.*"
+                                                 r"--context-buckets.*--branches 0.*--verify-window 0"):
+        plan_export(cfg, ExportOptions(context_length=16384, verify_window=16))
+
+
+def test_info_lists_the_functions_of_each_package(tmp_path):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY_CONFIG, vocab_size=320)))
+    result = CliRunner().invoke(main, ["info", "--config", str(tmp_path), "--context-length", "1024"])
+    assert result.exit_code == 0, result.output
+    assert "functions per package (at most 13" in result.output
+    assert "chunk_0.mlpackage             5: prefill_512, decode_512, prefill, decode, decode_branches" in result.output
+    assert "lm_head      computed in chunk_0" in result.output
+
+
+@pytest.mark.export
+def test_bytes_each_function_adds_beyond_the_shared_weights(exports):
+    from llama_ane.commands.info import function_bytes
+
+    m = read_manifest(exports["yes"])
+    own = function_bytes(exports["yes"] / "chunk_1.mlpackage")
+    assert set(own) == set(m["models"]["chunk_1"]["functions"])
+    # the weights (and the head's) are shared by every function: what each adds is small beside them
+    assert 0 <= sum(own.values()) < m["weights"]["chunk_1"]["bytes"] / 10
+    embeddings = function_bytes(exports["yes"] / "embeddings.mlpackage")
+    assert embeddings["prefill"] > embeddings["decode"]  # its masks and positions grow with the window

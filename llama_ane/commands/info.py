@@ -87,6 +87,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
         click.echo(json.dumps({**m, **extra}, indent=2))
         return
     _describe(m, config_path)
+    _functions(m, out)
     _traffic(m, traffic, n, bandwidth)
     _modelled(model, prompt_length, branches)
     if config_path is None:
@@ -194,3 +195,47 @@ def _modelled(model: dict, prompt_length: int | None, branches: int | None) -> N
 
 def _span(lo: float, hi: float, fmt: str) -> str:
     return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def _functions(m: dict, out: Path | None) -> None:
+    """Per package, the functions it holds and, for an export folder, the bytes each adds: its own
+    constants in the weight blob (those no other function of the package shares). A modelled
+    export (--config) has no packages to read: it shows the functions only."""
+    from ..limits import MAX_FUNCTIONS_PER_PACKAGE
+
+    files: dict[str, list[str]] = {}
+    for model, entry in m["models"].items():
+        for fn, spec in entry["functions"].items():
+            files.setdefault(spec.get("file") or f"{model}.mlpackage", []).append(spec.get("function_name") or fn)
+    click.echo(f"  functions per package (at most {MAX_FUNCTIONS_PER_PACKAGE} in a package of weights)"
+               + ("; bytes each adds beyond the shared weights" if out is not None else ""))
+    for file, functions in files.items():
+        own = function_bytes(out / file) if out is not None else {}
+        listed = ", ".join(f"{fn} +{own[fn] / 1e3:.1f} kB" if fn in own else fn for fn in functions)
+        click.echo(f"    {file:<28} {len(functions):>2}: {listed}")
+
+
+def function_bytes(package: Path) -> dict[str, int]:
+    """{function: bytes of the weight-blob constants only it uses} of a saved package: what a
+    function adds beyond the weights its package's functions share (a multifunction package keeps
+    one copy of a shared weight). Each blob entry's size is read from its header."""
+    import struct
+
+    from ..mil.package import MilPackage
+
+    pkg = MilPackage(package)
+    users: dict[tuple[str, int], set[str]] = {}
+    for fn in pkg.function_names:
+        for location in pkg.blob_locations(fn).values():
+            users.setdefault(location, set()).add(fn)
+        for _, sources in pkg.constexpr_sources(fn).values():
+            for source in sources:
+                if len(source) == 3:  # (input, blob file, offset); chained sources are counted where they are
+                    users.setdefault((source[1], source[2]), set()).add(fn)
+    own = dict.fromkeys(pkg.function_names, 0)
+    for (blob, offset), fns in users.items():
+        if len(fns) == 1:
+            with open(pkg.weights_dir / blob, "rb") as f:
+                f.seek(offset + 8)  # the entry's header: sentinel, dtype, then its size in bytes
+                own[next(iter(fns))] += struct.unpack("<Q", f.read(8))[0]
+    return own

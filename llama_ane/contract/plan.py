@@ -11,7 +11,7 @@ from ..model.lm_head import ROW_UNIT, vocab_splits
 from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
 from ..errors import LlamaANEError
-from ..limits import BYTES_PER_WEIGHT, PRECISION_DTYPES, weight_budget
+from ..limits import BYTES_PER_WEIGHT, MAX_FUNCTIONS_PER_PACKAGE, PRECISION_DTYPES, weight_budget
 from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
 from ..quantize.auto import unit_of
 from ..quantize.schemes import AT_LOAD
@@ -338,6 +338,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
                         opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
                         verify_window=opts.verify_window, buckets=opts.context_buckets, fold_head=fold)
+    check_function_count(opts, specs)
     packages = []
     for model, functions in specs.items():
         layers, rows, size, dense, read = contents[model]
@@ -347,6 +348,20 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             file = f"{model}{suffix}" if opts.multifunction else f"{model}_{fns[0]}{suffix}"
             packages.append(PackageSpec(file, model, fns, layers, size, rows, dense, read))
     return ExportPlan(cfg, opts, chunks, embedding_rows, head_groups, specs, packages, fold)
+
+
+def check_function_count(opts: ExportOptions, specs: dict[str, dict]) -> None:
+    """Refuse an export whose packages of weights would hold more than MAX_FUNCTIONS_PER_PACKAGE
+    functions each (the cache-update package holds no weights, only small one-hot updates)."""
+    if not opts.multifunction:
+        return
+    for model, functions in specs.items():
+        if model != "cache_update" and len(functions) > MAX_FUNCTIONS_PER_PACKAGE:
+            raise ExportOptionsError(
+                f"{model}.mlpackage would hold {len(functions)} functions ({', '.join(functions)}); at most "
+                f"{MAX_FUNCTIONS_PER_PACKAGE}, since the device compiles and loads each one: fewer "
+                f"--context-buckets (each adds a prefill and a decode function), --branches 0 or "
+                f"--verify-window 0 (each adds one)")
 
 
 def fold_head(opts: ExportOptions, contents: dict, last: str, head_files: int, budget: int) -> bool:
