@@ -43,9 +43,11 @@ def coreml_can_predict() -> bool:
 
 
 def make_backend(path: Path | None, manifest: dict, backend: str, **options) -> Backend:
-    """Instantiate a backend by name ("auto" = coreml on macOS, else torch)."""
+    """Instantiate a backend by name ("auto" = coreai for a Core AI export, coreml on macOS, else torch)."""
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto" and path is not None and manifest.get("deployment_target") == "coreai":
+        backend = "coreai"  # its assets run on Apple's runtime everywhere; the other backends read .mlpackage files
     if backend == "auto":
         backend = "coreml" if coreml_can_predict() and path is not None else "torch"
     if backend == "coreml" and options.get("precision") is not None:
