@@ -16,13 +16,15 @@ from .errors import LlamaANEError
 
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2"}
+                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
+ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config reads as longrope
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
-    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x) and 'olmo2' (OLMo 2) with RoPE type "
-    "default, linear or llama3, silu MLP, no MLP bias"
+    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2) and 'phi3' "
+    "(Phi-3, Phi-3.5, Phi-4-mini) with RoPE type default, linear or llama3 (phi3: default or longrope), silu "
+    "MLP, no MLP bias"
 )
 # What each family adds to the Llama block (transformers' own classes decide the same way):
 # qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
@@ -30,7 +32,10 @@ SUPPORTED_DESCRIPTION = (
 # smollm3 leaves RoPE out of some layers (NoPE: `no_rope_layers`, 0 where a layer has none);
 # granite scales the embeddings, each residual branch, the attention scores and the logits;
 # olmo2 normalizes the outputs of attention and MLP instead of their inputs (post_attention_layernorm,
-# post_feedforward_layernorm) and q and k over the whole projection, all heads at once.
+# post_feedforward_layernorm) and q and k over the whole projection, all heads at once; phi3 stores
+# q/k/v as one qkv_proj and gate/up as one gate_up_proj, and may rotate only the first
+# partial_rotary_factor of each head.
+FUSED_PROJECTIONS = ("phi3",)
 QKV_BIAS_ALWAYS = ("qwen2",)
 ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2")
 QK_NORM = ("qwen3", "olmo2")
@@ -65,6 +70,8 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm of q and k before RoPE: per head (weights (head_dim,)), or
     qk_norm_across_heads: bool = False  # over the whole projection (weights (q_channels,), (kv_channels,))
     post_norms: bool = False  # the attention and MLP outputs normalized before their residual add, not their inputs
+    fused_projections: bool = False  # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj (Phi-3)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim channels of each head, the rest pass
     sliding_window: int | None = None  # the attention window when a layer uses one, else None
     nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
@@ -100,7 +107,9 @@ class LlamaConfig:
         rope_theta = f.number("rope_theta", None) or _Fields(rope, f"{origin} rope_parameters").number(
             "rope_theta", 10000.0)
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-        scaling = _rope_scaling(scaling, origin) if scaling else None
+        scaling = _rope_scaling(scaling, origin, d, model_type) if scaling else None
+        rotary = f.number("partial_rotary_factor", None) or _Fields(rope, f"{origin} rope_parameters").number(
+            "partial_rotary_factor", 1.0)
 
         eos_list = f.token_ids("eos_token_id")
         hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
@@ -133,6 +142,8 @@ class LlamaConfig:
             qk_norm=model_type in QK_NORM,
             qk_norm_across_heads=model_type in QK_NORM_ACROSS_HEADS,
             post_norms=model_type in POST_NORMS,
+            fused_projections=model_type in FUSED_PROJECTIONS,
+            partial_rotary_factor=rotary,
             sliding_window=_sliding_window(f, model_type),
             nope_layers=_nope_layers(f, model_type),
             **_multipliers(f, model_type),
@@ -157,6 +168,15 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of "
+                              f"head_dim {self.head_dim} channels; it must be in (0, 1] and rotate an even, "
+                              "nonzero number of them")
+        s = self.rope_scaling or {}
+        for name in ("short_factor", "long_factor") if s.get("rope_type") == "longrope" else ():
+            if len(s[name]) != self.rotary_dim // 2:
+                raise ConfigError(f"rope_scaling {name} has {len(s[name])} entries; it must have one for each "
+                                  f"rotated channel pair, rotary_dim / 2 = {self.rotary_dim // 2}")
         for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
                           ("eos_token_id", self.eos_token_id)):
             outside = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -200,6 +220,21 @@ class LlamaConfig:
         return self.kv_channels if self.qk_norm_across_heads else self.head_dim
 
     @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE rotates (as transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qkv_channels(self) -> int:
+        """Rows of a fused qkv_proj: q's, then k's, then v's."""
+        return self.q_channels + 2 * self.kv_channels
+
+    @property
+    def gate_up_channels(self) -> int:
+        """Rows of a fused gate_up_proj: gate's, then up's."""
+        return 2 * self.intermediate_size
+
+    @property
     def query_scale(self) -> float:
         """The factor of the attention scores (folded into q): Granite's attention_multiplier, else 1/sqrt(head_dim)."""
         return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
@@ -212,6 +247,13 @@ class LlamaConfig:
     @property
     def q_channels(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    def transformers_config(self):
+        """transformers' config object of this family (LlamaConfig, Qwen2Config, ...)."""
+        from transformers import AutoConfig
+
+        d = {k: v for k, v in self.to_hf_dict().items() if v is not None or k in ("rope_scaling", "sliding_window")}
+        return AutoConfig.for_model(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -228,7 +270,7 @@ class LlamaConfig:
         """A transformers config dictionary of this family (`AutoConfig.for_model(**d)`, or the
         family's config class), for building the reference model."""
         ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
-                "sliding_window", "nope_layers",
+                "fused_projections", "sliding_window", "nope_layers",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
@@ -242,6 +284,11 @@ class LlamaConfig:
         if self.model_type == "smollm3":
             d["no_rope_layers"] = [int(self.rotary(n)) for n in range(self.num_hidden_layers)]
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == "phi3":  # its config reads these at the top level
+            d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
+                "original_max_position_embeddings", self.max_position_embeddings)
+        else:
+            del d["partial_rotary_factor"]
         if self.model_type == "granite":
             d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                      attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
@@ -370,18 +417,33 @@ class _Fields:
         return list(ids)
 
 
-def _rope_scaling(scaling: dict[str, Any], origin: str) -> dict[str, Any] | None:
+def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model_type: str) -> dict[str, Any] | None:
     """The checked `rope_scaling` (None for the default RoPE): its type supported and the numbers
     that type uses present and in range (a llama3 band with high_freq_factor <= low_freq_factor
-    would divide by zero)."""
+    would divide by zero; longrope's factor lists numbers, its original context an integer)."""
     f = _Fields(scaling, f"{origin} rope_scaling")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"unsupported RoPE scaling {rope_type!r}; {SUPPORTED_DESCRIPTION}")
+    longrope = model_type in LONGROPE_FAMILIES
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type) if longrope else rope_type
+    if rope_type not in (("default", "longrope") if longrope else ("default", "llama3", "linear")):
+        raise ConfigError(f"unsupported RoPE scaling {rope_type!r} for model_type {model_type!r}; "
+                          f"{SUPPORTED_DESCRIPTION}")
     if rope_type == "default":
         return None
-    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     out["rope_type"] = rope_type
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = scaling.get(name)
+            if not (isinstance(factors, list) and factors and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in factors)):
+                raise f._refuse(name, factors, "a list of positive numbers, one for each rotated channel pair")
+        out["original_max_position_embeddings"] = f.integer(  # Phi3Config's default where neither has it
+            "original_max_position_embeddings", _Fields(d, origin).integer("original_max_position_embeddings", 4096))
+        for name in ("factor", "attention_factor"):
+            if f.number(name, None) is None:
+                out.pop(name, None)
+        return out
     out["factor"] = f.number("factor")
     if rope_type == "llama3":
         low, high = f.number("low_freq_factor", 1.0), f.number("high_freq_factor", 4.0)
@@ -392,9 +454,17 @@ def _rope_scaling(scaling: dict[str, Any], origin: str) -> dict[str, Any] | None
     return out
 
 
+def transformers_class(model_type: str, part: str):
+    """transformers' class `part` ("DecoderLayer", "RMSNorm", "RotaryEmbedding", ...) of a family, e.g. Qwen2DecoderLayer."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return getattr(modeling, FAMILY_CLASS_PREFIX[model_type] + part)
+
+
 def inv_freq(cfg: LlamaConfig) -> "list[float]":
-    """RoPE inverse frequencies [head_dim/2], with llama3 or linear scaling applied as transformers does."""
-    d = cfg.head_dim
+    """RoPE inverse frequencies [rotary_dim/2], with llama3 or linear scaling applied as transformers does."""
+    d = cfg.rotary_dim
     base = [1.0 / (cfg.rope_theta ** (2 * i / d)) for i in range(d // 2)]
     s = cfg.rope_scaling
     if not s:

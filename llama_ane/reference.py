@@ -17,26 +17,20 @@ from typing import Callable
 import numpy as np
 
 from .checkpoint.loader import Checkpoint
-from .config import FAMILY_CLASS_PREFIX
+from .checkpoint.mapping import layer_tensors
+from .config import transformers_class
 
 HEAD_BLOCK = 16384  # rows of the LM head multiplied at once: (block, C) in float32
 
 
 def family_classes(model_type: str):
     """transformers' (DecoderLayer, RMSNorm, RotaryEmbedding) classes of a family, e.g. Qwen2DecoderLayer."""
-    import importlib
-
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = FAMILY_CLASS_PREFIX[model_type]
-    return tuple(getattr(modeling, prefix + part) for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
+    return tuple(transformers_class(model_type, part) for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
 
 
 def hf_config(cfg):
     """transformers' config object of `cfg`'s family (LlamaConfig, Qwen2Config, ...)."""
-    from transformers import AutoConfig
-
-    d = {k: v for k, v in cfg.to_hf_dict().items() if v is not None or k in ("rope_scaling", "sliding_window")}
-    return AutoConfig.for_model(**d)
+    return cfg.transformers_config()
 
 
 def _with_weights(ckpt: Checkpoint, module, prefix: str):
@@ -128,8 +122,8 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
 
     def on_layer(n: int, layer) -> Callable[[], None]:
         handles = []
-        for name in PROJECTIONS:
-            module = layer.get_submodule(name if name.startswith("mlp.") else f"self_attn.{name}")
+        for name in PROJECTIONS:  # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
+            module = layer.get_submodule(layer_tensors(ckpt.config)[f"{name}.weight"].removesuffix(".weight"))
 
             def hook(_module, inputs, _output, key=f"layers.{n}.{name}.weight"):
                 x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)

@@ -21,6 +21,12 @@ from test_architectures import (check_cascade, check_greedy, check_inspect_stric
 
 pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
 
+def longrope(pairs: int) -> dict:
+    """A longrope rope_scaling with distinct short and long factors for `pairs` rotated channel pairs."""
+    return {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+            "long_factor": [1.5 + 2.0 * i for i in range(pairs)]}
+
+
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
     "smollm3_tied": {"model_type": "smollm3", "tie_word_embeddings": True, "head_dim": 32,
@@ -38,9 +44,19 @@ CASES = {
     "olmo2_untied": {"model_type": "olmo2", "head_dim": 32},
     "olmo2_tied_mha_attention_bias": {"model_type": "olmo2", "num_key_value_heads": 4, "tie_word_embeddings": True,
                                       "attention_bias": True},
+    # Phi-3.5/Phi-4-mini style: fused projections, partial rotary, longrope; a 256-token context is
+    # within an original context of 4096 (short factors) and past one of 64 (long factors)
+    "phi3_untied_longrope_short": {"model_type": "phi3", "hidden_size": 128, "head_dim": 32,
+                                   "partial_rotary_factor": 0.75,
+                                   "max_position_embeddings": 8192, "original_max_position_embeddings": 4096,
+                                   "rope_scaling": longrope(12)},
+    "phi3_tied_mha_longrope_long": {"model_type": "phi3", "num_key_value_heads": 4, "tie_word_embeddings": True,
+                                    "partial_rotary_factor": 0.5, "max_position_embeddings": 4096,
+                                    "original_max_position_embeddings": 64, "rope_scaling": longrope(4)},
+    "phi3_plain": {"model_type": "phi3", "head_dim": 32},  # Phi-3-mini-4k style: full rotary, no scaling
 }
-EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied"]  # one fp16 export per family, shared by the module
-CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias"]
+EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short"]  # one fp16 export each
+CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -51,6 +67,8 @@ TEMPLATES = {
                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
 }
 
 
@@ -96,6 +114,16 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "granite", "logits_scaling": "8"}, ["logits_scaling", "the string"]),
     ({"model_type": "granite", "attention_multiplier": -1.0}, ["attention_multiplier", "positive"]),
     ({"model_type": "granitemoe"}, ["'granitemoe'", "'granite'"]),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.7}, ["partial_rotary_factor", "even"]),
+    ({"model_type": "phi3", "partial_rotary_factor": 1.5}, ["partial_rotary_factor", "(0, 1]"]),
+    ({"model_type": "phi3", "rope_scaling": dict(longrope(8), long_factor=[1.0, "2"])}, ["long_factor", "numbers"]),
+    ({"model_type": "phi3", "rope_scaling": longrope(3)}, ["short_factor", "rotary_dim / 2 = 8"]),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}}, ["long_factor"]),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["'llama3'", "'phi3'"]),
+    ({"model_type": "llama", "rope_scaling": longrope(8)}, ["'longrope'", "'llama'"]),
+    ({"model_type": "phimoe"}, ["'phimoe'", "'phi3'"]),
+    ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported"]),
+    ({"model_type": "gemma3"}, ["'gemma3'", "unsupported"]),
     ({"model_type": "gemma3_text"}, ["'gemma3_text'", "'smollm3'"]),
     ({"model_type": "lfm2"}, ["'lfm2'", "unsupported"]),
 ])
@@ -140,6 +168,31 @@ def test_olmo2_block_as_transformers_builds_it():
     assert ours == theirs
     qwen3 = LlamaConfig.from_hf_dict(dict(BASE, model_type="qwen3"))
     assert (qwen3.post_norms, qwen3.qk_norm_across_heads, qwen3.q_norm_channels) == (False, False, 16)
+
+
+def test_phi3_fields_as_transformers_reads_them():
+    """Phi-3's fused tensors, partial rotary and longrope as transformers' Phi3Config and model have them;
+    the old rope type name "su" and the transformers 5 form (rope_parameters) read the same."""
+    import transformers
+
+    from llama_ane.checkpoint.mapping import expected_tensors
+
+    d = dict(BASE, model_type="phi3", num_hidden_layers=1, partial_rotary_factor=0.75, max_position_embeddings=8192,
+             original_max_position_embeddings=4096, rope_scaling=longrope(6))
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert (cfg.fused_projections, cfg.rotary_dim, cfg.rope_scaling["rope_type"]) == (True, 12, "longrope")
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    assert LlamaConfig.from_hf_dict(dict(d, rope_scaling=dict(longrope(6), type="su"))) == cfg
+    v5 = {k: v for k, v in d.items() if k not in ("rope_scaling", "partial_rotary_factor", "rope_theta")}
+    v5["rope_parameters"] = dict(longrope(6), rope_theta=10000.0, partial_rotary_factor=0.75)
+    assert LlamaConfig.from_hf_dict(v5) == cfg
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    hf = cfg.transformers_config()
+    hf.pad_token_id = None  # Phi3Config's default (32000) is outside this vocabulary
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    theirs = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    ours = {name: tuple(getattr(cfg, dim) for dim in dims) for name, dims in expected_tensors(cfg).items()}
+    assert ours == theirs
 
 
 # --- torch fp32 against transformers' own class -------------------------------------------------

@@ -34,6 +34,14 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "k_norm.weight": "self_attn.k_norm.weight",
     "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
 }
+FUSED_TENSORS = {  # where a family stores several projections as one (Phi-3): our name -> (HF name, the
+    # LlamaConfig sizes of the rows before ours, the size of ours): its rows are ours
+    "q_proj.weight": ("self_attn.qkv_proj.weight", (), "q_channels"),
+    "k_proj.weight": ("self_attn.qkv_proj.weight", ("q_channels",), "kv_channels"),
+    "v_proj.weight": ("self_attn.qkv_proj.weight", ("q_channels", "kv_channels"), "kv_channels"),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (), "intermediate_size"),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", ("intermediate_size",), "intermediate_size"),
+}
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),
@@ -53,6 +61,8 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "k_norm.weight": ("k_norm_channels",),
     "post_feedforward_layernorm.weight": ("hidden_size",),
 }
+FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
+                "mlp.gate_up_proj.weight": ("gate_up_channels", "hidden_size")}
 GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
     "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
     "model.norm.weight": ("hidden_size",),
@@ -60,7 +70,9 @@ GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
 }
 DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim",
            "q_norm_channels": "head_dim, or num_attention_heads*head_dim across heads",
-           "k_norm_channels": "head_dim, or num_key_value_heads*head_dim across heads"}
+           "k_norm_channels": "head_dim, or num_key_value_heads*head_dim across heads",
+           "qkv_channels": "(num_attention_heads+2*num_key_value_heads)*head_dim",
+           "gate_up_channels": "2*intermediate_size"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 
@@ -68,6 +80,8 @@ RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # th
 def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
     """Our DecoderLayer parameter names -> HF names inside model.layers.N, for `cfg`'s family."""
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
+    if cfg.fused_projections:
+        block.update({ours: fused[0] for ours, fused in FUSED_TENSORS.items()})
     return {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
 
 
@@ -76,7 +90,7 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
     names = ["model.embed_tokens.weight"]
     names += [f"model.layers.{n}.{hf}" for n in range(cfg.num_hidden_layers) for hf in layer_tensors(cfg).values()]
     names += ["model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
-    by_hf = {hf: SHAPES[ours] for ours, hf in layer_tensors(cfg).items()}
+    by_hf = {hf: FUSED_SHAPES.get(hf) or SHAPES[ours] for ours, hf in layer_tensors(cfg).items()}
     return {name: GLOBAL_SHAPES.get(name) or by_hf[name.split(".", 3)[3]] for name in names}
 
 
@@ -123,7 +137,13 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
     residual_multiplier into the last projection of each residual branch (o_proj, down_proj).
     """
     cfg = ckpt.config
-    w = ckpt.tensor(f"model.layers.{layer}.{HF_LAYER_NAMES[ours]}").to(torch.float32)
+    hf = f"model.layers.{layer}.{layer_tensors(cfg)[ours]}"
+    if cfg.fused_projections and ours in FUSED_TENSORS:  # our rows of the fused projection, read alone
+        _, before, size = FUSED_TENSORS[ours]
+        start = sum(getattr(cfg, b) for b in before)
+        w = ckpt.rows(hf, start, start + getattr(cfg, size)).to(torch.float32)
+    else:
+        w = ckpt.tensor(hf).to(torch.float32)
     if ours.endswith("proj.weight"):
         w = as_conv(w)
     if ours == "q_norm.weight" or (ours in SCALED and not cfg.qk_norm):

@@ -19,7 +19,7 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from ..model.embeddings import rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
-from ..checkpoint.mapping import HF_LAYER_NAMES, as_conv, layer_tensor, layer_tensors
+from ..checkpoint.mapping import as_conv, layer_tensor, layer_tensors
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -98,7 +98,7 @@ class PackageWeights:
             _, j, ours = name.split(".", 2)
             layer = self.layers[int(j)]
             return to_array(layer_tensor(self.ckpt, layer, ours), self.dtype,
-                            f"model.layers.{layer}.{HF_LAYER_NAMES[ours]}")
+                            f"model.layers.{layer}.{layer_tensors(self.cfg)[ours]}")
         if name == "embed_tokens.weight":
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")

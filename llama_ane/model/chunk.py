@@ -84,7 +84,8 @@ class DecoderLayer(nn.Module):
         if c.qk_norm and not c.qk_norm_across_heads:
             q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
         if self.rotary:
-            q, k = apply_rope(q, cos, sin, d // 2), apply_rope(k, cos, sin, d // 2)
+            half, rest = c.rotary_dim // 2, d - c.rotary_dim
+            q, k = apply_rope(q, cos, sin, half, rest), apply_rope(k, cos, sin, half, rest)
         v = self.v_proj(h).reshape(g, d, -1)
         return q.reshape(g, r, d, -1), k, v
 
@@ -138,7 +139,8 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
         q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
         k = head_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
     if cfg.rotary(layer):
-        q, k = apply_rope_mil(g, q, cos3, sin3, h, d, s), apply_rope_mil(g, k, cos3, sin3, gk, d, s)
+        q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
+        k = apply_rope_mil(g, k, cos3, sin3, gk, d, s, cfg.rotary_dim)
     v = mb.reshape(x=_projection_mil(g, cfg, prefix, "v_proj", hn), shape=[gk, d, s])
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 

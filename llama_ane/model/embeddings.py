@@ -26,17 +26,34 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import LlamaConfig, inv_freq
+from ..config import LlamaConfig, inv_freq, transformers_class
 from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
 from .layers import MASK_VALUE, Graph, mb
 
 
 def rope_tables(cfg: LlamaConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (positions, D) in fp32, as transformers computes them (incl. llama3 scaling)."""
-    freqs = torch.tensor(inv_freq(cfg), dtype=torch.float32)
-    angles = torch.arange(positions, dtype=torch.float32)[:, None] * freqs[None, :]
-    emb = torch.cat([angles, angles], dim=1)
-    return emb.cos(), emb.sin()
+    """cos, sin tables (positions, D) in fp32, as transformers computes them (incl. llama3 scaling).
+
+    Longrope (Phi-3) comes from the family's own rotary embedding class, called once for the whole
+    table: like transformers on a sequence of `positions` tokens, it takes the long factors when
+    that passes original_max_position_embeddings and the short ones otherwise, and scales cos and
+    sin by its attention factor. With partial rotary the channels past rotary_dim pass unrotated
+    (cos 1, sin 0)."""
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+        rope = transformers_class(cfg.model_type, "RotaryEmbedding")(config=cfg.transformers_config())
+        with torch.no_grad():
+            cos, sin = (t[0].to(torch.float32) for t in rope(torch.zeros(1, dtype=torch.float32),
+                                                             torch.arange(positions)[None]))
+    else:
+        freqs = torch.tensor(inv_freq(cfg), dtype=torch.float32)
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * freqs[None, :]
+        emb = torch.cat([angles, angles], dim=1)
+        cos, sin = emb.cos(), emb.sin()
+    rest = cfg.head_dim - cfg.rotary_dim
+    if rest:
+        cos = torch.cat([cos, torch.ones(positions, rest)], dim=1)
+        sin = torch.cat([sin, torch.zeros(positions, rest)], dim=1)
+    return cos, sin
 
 
 def rope_weights(cfg: LlamaConfig, positions: int, dtype: type) -> dict[str, np.ndarray]:

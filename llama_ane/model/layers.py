@@ -165,22 +165,26 @@ def head_norm_mil(g: Graph, x, weight: str, eps: float, heads: int, d: int, s: i
     return mb.reshape(x=y, shape=[heads, d, s])
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
-    """Rotary embedding of all heads at once, `x*cos + rotate_half(x)*sin`; `half` = head_dim // 2.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int, rest: int = 0) -> torch.Tensor:
+    """Rotary embedding of all heads at once, `x*cos + rotate_half(x)*sin`; `half` = rotary_dim // 2.
 
-    x: (H, D, S); cos, sin: (1, D, S) -> (H, D, S). Sizes are Python ints, never read off tensors,
-    so the traced graph holds no shape arithmetic.
+    x: (H, D, S); cos, sin: (1, D, S) -> (H, D, S). With partial rotary (Phi-3), the last `rest`
+    channels of a head pass unrotated: their cos is 1 and their sin 0 in the tables, so they stay
+    as they are. Sizes are Python ints, never read off tensors, so the traced graph holds no shape
+    arithmetic.
     """
-    rotated = torch.cat([-x[:, half:], x[:, :half]], dim=1)
+    rotated = torch.cat([-x[:, half:2 * half], x[:, :half]] + ([x[:, 2 * half:]] if rest else []), dim=1)
     return x * cos + rotated * sin
 
 
-def apply_rope_mil(g: Graph, x, cos, sin, heads: int, d: int, s: int):
-    """apply_rope. x: (H, D, S); cos, sin: (1, D, S) -> (H, D, S)"""
-    half = d // 2
-    upper = g.slice(x, [0, half, 0], [heads, d, s])
+def apply_rope_mil(g: Graph, x, cos, sin, heads: int, d: int, s: int, rotary_dim: int | None = None):
+    """apply_rope of the first `rotary_dim` channels (default: all). x: (H, D, S); cos, sin: (1, D, S) -> (H, D, S)"""
+    rot = d if rotary_dim is None else rotary_dim
+    half = rot // 2
+    upper = g.slice(x, [0, half, 0], [heads, rot, s])
     lower = g.slice(x, [0, 0, 0], [heads, half, s])
-    rotated = mb.concat(values=[mb.mul(x=upper, y=g.scalar(-1.0)), lower], axis=1)
+    rest = [g.slice(x, [0, rot, 0], [heads, d, s])] if rot < d else []
+    rotated = mb.concat(values=[mb.mul(x=upper, y=g.scalar(-1.0)), lower] + rest, axis=1)
     return mb.add(x=mb.mul(x=x, y=cos), y=mb.mul(x=rotated, y=sin))
 
 
