@@ -41,7 +41,10 @@ Nothing in those fixtures is written by hand:
 * ``export/``: a real export of a tiny random Llama checkpoint (``manifest.json`` and every file it
   names), made with :func:`llama_ane.api.export_model`; ``export_state/``: the same export with its
   KV caches in Core ML states (``kv_cache="state"``); ``export_buckets/``: the same checkpoint with
-  context buckets (context 1024, buckets [512, 1024], prefill 64; no cascade or verify functions).
+  context buckets (context 1024, buckets [512, 1024], prefill 64; no cascade or verify functions);
+  these three keep the LM head in its own model (``fold_lm_head="no"``). ``export_folded/``: the
+  LM head folded into the last chunk (``fold_lm_head="yes"``), with a cascade, a verify window and
+  context buckets [32, 64], so that every kind of function of that chunk outputs the logits.
 
 Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
 ``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
@@ -649,8 +652,9 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
 
 def write_manifest_fixture(fixtures_dir: Path) -> Path:
     """Export a tiny random Llama checkpoint with the real exporter into ``fixtures_dir/export``, the
-    same with state caches into ``fixtures_dir/export_state`` and with context buckets into
-    ``fixtures_dir/export_buckets``."""
+    same with state caches into ``fixtures_dir/export_state``, with context buckets into
+    ``fixtures_dir/export_buckets`` and with the LM head folded into the last chunk into
+    ``fixtures_dir/export_folded``."""
     from llama_ane.api import export_model
     from llama_ane.testing import make_tiny_checkpoint
 
@@ -658,11 +662,16 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     common = dict(layers_per_chunk=1, target="iOS18", precision="fp16", force=True, verify=False, progress=False)
     exports = {
         out: dict(context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=16,
-                  kv_cache="inputs"),
+                  kv_cache="inputs", fold_lm_head="no"),
         Path(fixtures_dir) / "export_state": dict(context_length=64, prefill_length=8, branch_width=2,
-                                                  suffix_length=32, verify_window=0, kv_cache="state"),
+                                                  suffix_length=32, verify_window=0, kv_cache="state",
+                                                  fold_lm_head="no"),
         Path(fixtures_dir) / "export_buckets": dict(context_length=1024, prefill_length=64, context_buckets=[512, 1024],
-                                                    branch_width=0, verify_window=0, kv_cache="inputs"),
+                                                    branch_width=0, verify_window=0, kv_cache="inputs",
+                                                    fold_lm_head="no"),
+        Path(fixtures_dir) / "export_folded": dict(context_length=64, prefill_length=8, context_buckets=[32, 64],
+                                                   branch_width=2, suffix_length=32, verify_window=16,
+                                                   kv_cache="inputs", fold_lm_head="yes"),
     }
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny_checkpoint(Path(tmp) / "tiny")

@@ -27,12 +27,19 @@ import Foundation
 /// runs in its bucket's stage, whose functions are given views of the first T positions of the
 /// prefix caches (see `CacheBuffers`). The LM head is the same in every bucket.
 ///
+/// An export whose LM head is folded into the last chunk (`lm_head.folded_into`) loads no head
+/// model: the last chunk's function of each phase and bucket writes the logits into that stage's
+/// logits arrays, which the step's `Activations` then point to.
+///
 /// Tensors are wired by name as `PipelineWiring` resolves them from the manifest.
 public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Sendable {
     /// The activations between stages: which hidden-state buffer holds the current values.
     public struct Activations {
         let hidden: MLMultiArray
         let slot: Int
+        /// With a folded head, after the last chunk: its logits outputs in vocabulary order (the
+        /// stage's own arrays, so the right ones for the window's context bucket); empty otherwise.
+        var logits: [(name: String, array: MLMultiArray)] = []
     }
 
     /// The functions and buffers of one phase.
@@ -42,6 +49,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         /// The later embeddings parts in manifest order; each adds its rows' lookup to the hidden states.
         let embeddingParts: [(name: String, model: MLModel)]
         let chunks: [MLModel]
+        let chunkFunctions: [Manifest.Function]
         let updates: [MLModel]
         /// The LM head models in manifest order, each with its own logits output arrays by name
         /// (the same arrays as `logits`).
@@ -57,7 +65,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let shared: [String: MLMultiArray]
         /// Per chunk, its outputs other than the hidden states (k_new, v_new), by name.
         let chunkOutputs: [[String: MLMultiArray]]
-        /// The logits outputs of all LM head models in vocabulary order (logits_0, logits_1, ...).
+        /// The logits outputs of all LM head models (with a folded head: of the last chunk) in
+        /// vocabulary order (logits_0, logits_1, ...).
         let logits: [(name: String, array: MLMultiArray)]
     }
 
@@ -235,7 +244,10 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 .map { ($0.name, try CoreMLArrays.make($0)) }))
         }
         func splitIndex(_ name: String) -> Int { Int(name.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
-        let logits = headOutputs.flatMap { $0.map { (name: $0.key, array: $0.value) } }
+        // A folded head's logits are the last chunk's own outputs, written where its k_new and v_new are.
+        let logitsSources = manifest.lmHead.foldedInto == nil ? headOutputs
+            : [(chunkOutputs.last ?? [:]).filter { $0.key.hasPrefix(TensorNames.logitsPrefix) }]
+        let logits = logitsSources.flatMap { $0.map { (name: $0.key, array: $0.value) } }
             .sorted { splitIndex($0.name) < splitIndex($1.name) }
         let hostInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
 
@@ -250,7 +262,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             heads.append((model: try await store.model(for: f), outputs: headOutputs[k]))
         }
         return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
-                     updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
+                     chunkFunctions: chunkFunctions, updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
                      updateFunctions: updateFunctions, hostInputs: hostInputs,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
@@ -353,10 +365,14 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             }
             state = held
         }
-        let out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot)
+        var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot)
         var backings = s.chunkOutputs[index]
-        backings[TensorNames.hiddenStatesOut] = out.hidden
+        // the chunk carrying a folded head outputs logits in place of hidden_states_out
+        if s.chunkFunctions[index].output(TensorNames.hiddenStatesOut) != nil {
+            backings[TensorNames.hiddenStatesOut] = out.hidden
+        }
         try await predict(s.chunks[index], inputs: inputs, backings: backings, state: state)
+        if wiring.headFolded, index == manifest.chunks.count - 1 { out.logits = s.logits }
         return out
     }
 
@@ -402,17 +418,20 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         cache.swap()
     }
 
-    /// The LM head models of `phase`: the logits of each requested window column, all vocabulary
-    /// splits of all models concatenated in split order.
+    /// The LM head models of `phase` (none with a folded head: the last chunk has written the
+    /// logits): the logits of each requested window column, all vocabulary splits of all models
+    /// concatenated in split order.
     private func logits(_ input: Activations, _ phase: Phase, columns: [Int]) async throws -> [[Float]] {
         let s = try stage(phase)
         for head in s.lmHeads {
             try await predict(head.model, inputs: [TensorNames.hiddenStates: input.hidden], backings: head.outputs)
         }
+        let arrays = wiring.headFolded ? input.logits : s.logits
+        guard !arrays.isEmpty else { throw GenerationError.badLogits(expected: manifest.config.vocabSize, got: 0) }
         return try columns.map { column in
             var out: [Float] = []
             out.reserveCapacity(manifest.config.vocabSize)
-            for (_, array) in s.logits { CoreMLArrays.appendColumn(array, column: column, to: &out) }
+            for (_, array) in arrays { CoreMLArrays.appendColumn(array, column: column, to: &out) }
             guard out.count == manifest.config.vocabSize else {
                 throw GenerationError.badLogits(expected: manifest.config.vocabSize, got: out.count)
             }

@@ -150,11 +150,20 @@ public struct Manifest: Codable, Equatable, Sendable {
     /// The LM head, cut into one or more models that all take `hidden_states`: each outputs a
     /// consecutive group of the vocabulary splits, named globally `logits_j`. `logits_j` has
     /// `vocabSplits[j]` entries; all of them in `j` order, concatenated, are the full vocabulary.
+    ///
+    /// With `foldedInto` there is no head model: the last chunk carries the head, and every one of
+    /// its functions outputs the `logits_j` in place of `hidden_states_out`.
     public struct LMHead: Codable, Equatable, Sendable {
-        /// Model names ("lm_head", "lm_head_1", ...); `["lm_head"]` when the head fits one file.
+        /// Model names ("lm_head", "lm_head_1", ...); `["lm_head"]` when the head fits one file,
+        /// empty when the head is folded into the last chunk.
         public var models: [String]
         public var vocabSplits: [Int]
-        enum CodingKeys: String, CodingKey { case models, vocabSplits = "vocab_splits" }
+        /// The last chunk's model, when it carries the head (`export --fold-lm-head`).
+        public var foldedInto: String?
+        enum CodingKeys: String, CodingKey { case models, vocabSplits = "vocab_splits", foldedInto = "folded_into" }
+
+        /// The models whose outputs are the logits: the head models, or the chunk that carries the head.
+        public var logitsModels: [String] { foldedInto.map { [$0] } ?? models }
     }
 
     /// One block chunk: its model name, its layers, and its cache-update functions per phase

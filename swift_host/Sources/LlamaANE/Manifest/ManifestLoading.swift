@@ -125,8 +125,8 @@ extension Manifest {
     }
 
     /// Cross-checks that do not need the files: the chunk plan, the functions of every embeddings,
-    /// chunk and LM head model, the cache-update functions, the embeddings' vocabulary ranges and
-    /// the LM head's vocabulary split.
+    /// chunk and LM head model (or the chunk the head is folded into), the cache-update functions,
+    /// the embeddings' vocabulary ranges and the LM head's vocabulary split.
     func checkStructure() throws {
         guard contextLength > 0, prefillLength > 0, prefillLength <= contextLength else {
             throw ManifestError.inconsistent("context_length \(contextLength) and prefill_length \(prefillLength) must satisfy 0 < prefill <= context")
@@ -138,7 +138,7 @@ extension Manifest {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
         }
         try Self.checkModelList("embeddings", embeddings.models)
-        try Self.checkModelList("lm_head", lmHead.models)
+        try checkHead()
         for name in embeddings.models + lmHead.models {
             for phase in ["prefill", "decode"] { _ = try function(name, phase) }
         }
@@ -171,6 +171,27 @@ extension Manifest {
             throw ManifestError.inconsistent("lm_head vocab_splits \(lmHead.vocabSplits) do not add up to vocab_size \(config.vocabSize)")
         }
         for phase in phases { try checkLogits(phase) }
+        if lmHead.foldedInto != nil {
+            // the folded chunk's bucket copies output the logits too (head models have no bucket copies)
+            let buckets = self.buckets
+            for bucket in buckets.sizes.dropLast() {
+                for phase in [Phase.prefill, .decode] { try checkLogits(buckets.functionName(phase, bucket: bucket)) }
+            }
+        }
+    }
+
+    /// The head's models, or (`lm_head.folded_into`) no model and the last chunk carrying the head.
+    private func checkHead() throws {
+        guard let folded = lmHead.foldedInto else {
+            return try Self.checkModelList("lm_head", lmHead.models)
+        }
+        let last = chunks.last?.model ?? ""
+        guard folded == last else {
+            throw ManifestError.inconsistent("lm_head folded_into names \"\(folded)\", not the last chunk \"\(last)\"")
+        }
+        guard lmHead.models.isEmpty else {
+            throw ManifestError.inconsistent("lm_head has both models \(lmHead.models) and folded_into \"\(folded)\"")
+        }
     }
 
     /// `context_buckets` ascend strictly from a positive size to `context_length`, and each bucket
@@ -272,30 +293,37 @@ extension Manifest {
         }
     }
 
-    /// The logits outputs of all lm_head models of `phase` are logits_0..logits_{n-1}, each once,
-    /// with n = vocab_splits.count and `vocab_splits[j]` rows in `logits_j`.
+    /// The logits outputs of function `phase` of all lm_head models (or of the chunk the head is
+    /// folded into) are logits_0..logits_{n-1}, each once, with n = vocab_splits.count and
+    /// `vocab_splits[j]` rows in `logits_j`.
     private func checkLogits(_ phase: String) throws {
         let prefix = TensorNames.logitsPrefix
         let n = lmHead.vocabSplits.count
+        let role = lmHead.foldedInto == nil ? "lm_head model" : "chunk"
         var producer: [Int: String] = [:]
-        for model in lmHead.models {
+        for model in lmHead.logitsModels {
             for spec in try function(model, phase).outputs where spec.name.hasPrefix(prefix) {
                 let suffix = spec.name.dropFirst(prefix.count)
                 guard let j = Int(suffix), String(j) == suffix, (0..<n).contains(j) else {
-                    throw ManifestError.inconsistent("lm_head model \(model) (\(phase)) outputs \(spec.name), which is not one of "
+                    throw ManifestError.inconsistent("\(role) \(model) (\(phase)) outputs \(spec.name), which is not one of "
                         + "\(prefix)0..\(prefix)\(n - 1) (vocab_splits has \(n) entries)")
                 }
                 if let other = producer[j] {
-                    throw ManifestError.inconsistent("lm_head models \(other) and \(model) (\(phase)) both output \(spec.name)")
+                    throw ManifestError.inconsistent(other == model ? "\(role) \(model) (\(phase)) outputs \(spec.name) twice"
+                        : "lm_head models \(other) and \(model) (\(phase)) both output \(spec.name)")
                 }
                 guard spec.shape.count > 1, spec.shape[1] == lmHead.vocabSplits[j] else {
-                    throw ManifestError.inconsistent("lm_head model \(model) (\(phase)) outputs \(spec.name) of shape \(spec.shape), "
+                    throw ManifestError.inconsistent("\(role) \(model) (\(phase)) outputs \(spec.name) of shape \(spec.shape), "
                         + "but vocab_splits[\(j)] is \(lmHead.vocabSplits[j])")
                 }
                 producer[j] = model
             }
         }
         let missing = (0..<n).filter { producer[$0] == nil }.map { "\(prefix)\($0)" }
+        if let folded = lmHead.foldedInto, !missing.isEmpty {
+            throw ManifestError.inconsistent("\(folded), which carries the LM head (lm_head folded_into), does not output "
+                + "\(missing.joined(separator: ", ")) in \(phase), but vocab_splits has \(n) entries")
+        }
         guard missing.isEmpty else {
             throw ManifestError.inconsistent("no lm_head model (\(lmHead.models.joined(separator: ", "))) outputs "
                 + "\(missing.joined(separator: ", ")) in \(phase), but vocab_splits has \(n) entries")

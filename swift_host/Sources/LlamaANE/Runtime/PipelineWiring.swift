@@ -32,6 +32,15 @@ public struct PipelineWiring: Equatable, Sendable {
     /// Per phase and chunk: the Core ML states the chunk function reads (and, for prefill and
     /// decode, writes): k_cache and v_cache in a state export, none otherwise.
     public let chunkStates: [Phase: [[Manifest.TensorSpec]]]
+    /// The LM head models run on the last chunk's hidden states after every step, in manifest
+    /// order; empty when the head is folded into the last chunk (`headFolded`).
+    public let headModels: [String]
+    /// The last chunk outputs the logits itself in every function, bucket copies included
+    /// (`lm_head.folded_into`): a step reads them from that chunk's outputs and calls no head model.
+    public let headFolded: Bool
+    /// Per phase, the logits outputs in vocabulary order (logits_0, logits_1, ...), of the head
+    /// models or of the last chunk.
+    public let logitsOutputs: [Phase: [String]]
 
     /// The phases the export has: prefill and decode, plus decode_branches with a branch width and
     /// verify with a verify window.
@@ -51,7 +60,9 @@ public struct PipelineWiring: Equatable, Sendable {
         var updateInputs: [Phase: [[String: TensorSource]]] = [:]
         var updatedState: [Phase: [[Manifest.TensorSpec]]] = [:]
         var chunkStates: [Phase: [[Manifest.TensorSpec]]] = [:]
+        var logitsOutputs: [Phase: [String]] = [:]
         for phase in Self.phases(of: manifest) {
+            logitsOutputs[phase] = try Self.logitsOutputs(phase.rawValue, manifest: manifest)
             embeddingInputs[phase] = try Self.embeddingWiring(phase.rawValue, manifest: manifest)
             let chunks = try Self.chunkWiring(phase, function: phase.rawValue, manifest: manifest)
             chunkInputs[phase] = chunks.map(\.inputs)
@@ -70,6 +81,10 @@ public struct PipelineWiring: Equatable, Sendable {
                     throw ManifestError.inconsistent("\(manifest.chunks[i].model) (\(name)) and its cache update take other "
                         + "inputs than \(phase.rawValue): a context bucket's functions must differ only in their cache length")
                 }
+                if manifest.lmHead.foldedInto != nil, try Self.logitsOutputs(name, manifest: manifest) != logitsOutputs[phase] {
+                    throw ManifestError.inconsistent("\(manifest.lmHead.foldedInto ?? "") (\(name)) outputs other logits than "
+                        + "\(phase.rawValue): a context bucket's functions must differ only in their cache length")
+                }
             }
         }
         self.embeddingInputs = embeddingInputs
@@ -77,6 +92,18 @@ public struct PipelineWiring: Equatable, Sendable {
         self.updateInputs = updateInputs
         self.updatedState = updatedState
         self.chunkStates = chunkStates
+        self.headModels = manifest.lmHead.foldedInto == nil ? manifest.lmHead.models : []
+        self.headFolded = manifest.lmHead.foldedInto != nil
+        self.logitsOutputs = logitsOutputs
+    }
+
+    /// The logits outputs of function `p` of the head models (or of the chunk carrying the head),
+    /// in vocabulary order; `Manifest.decode` has checked that they are logits_0..logits_{n-1}.
+    private static func logitsOutputs(_ p: String, manifest: Manifest) throws -> [String] {
+        let names = try manifest.lmHead.logitsModels.flatMap { model in
+            try manifest.function(model, p).outputs.map(\.name).filter { $0.hasPrefix(TensorNames.logitsPrefix) }
+        }
+        return names.sorted { Int($0.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 < Int($1.dropFirst(TensorNames.logitsPrefix.count)) ?? 0 }
     }
 
     /// Where the inputs of each later embeddings part come from in function `p`.
