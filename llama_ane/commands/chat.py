@@ -154,9 +154,11 @@ def _reader():
         session = PromptSession(history=FileHistory(str(history_file())))
         return lambda: session.prompt("> ")
     _keep_undecodable_bytes(sys.stdin)
+    prompt = sys.stdin.isatty()  # piped input gets no prompt: each message stays a line of its own
 
     def plain() -> str:
-        click.echo("> ", nl=False, err=True)
+        if prompt:
+            click.echo("> ", nl=False, err=True)
         line = sys.stdin.readline()
         if not line:
             raise EOFError
