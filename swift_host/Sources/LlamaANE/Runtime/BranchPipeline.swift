@@ -12,7 +12,7 @@ public protocol BranchBackend: PipelineBackend {
     func runBranchChunk(_ index: Int, _ input: Activations) async throws -> Activations
     /// cache_update(decode_branches of chunk i): writes each slot's new K/V at its suffix position.
     func updateSuffix(_ index: Int, suffixPositions: [Int32]) async throws
-    /// lm_head(decode_branches): one logits vector per slot.
+    /// lm_head(decode_branches): one logits vector per slot (a folded head: the last chunk's).
     func branchLogits(_ input: Activations) async throws -> [[Float]]
     /// Empties every suffix cache (a new group of branches).
     func resetSuffixes() async throws

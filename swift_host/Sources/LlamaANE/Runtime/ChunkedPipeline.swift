@@ -15,6 +15,8 @@ public protocol PipelineBackend: AnyObject, Sendable {
     /// `position` into the first `bucket` positions of the cache (the rest stay as they are).
     func updateCache(_ index: Int, phase: Phase, bucket: Int, position: Int) async throws
     /// lm_head(phase): the logits (all vocabulary splits, concatenated) of window column `column`.
+    /// With the head folded into the last chunk (`PipelineWiring.headFolded`) no head model runs:
+    /// the logits are the ones the last `runChunk` of this step output.
     func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float]
     /// Empties every cache.
     func resetCaches() async throws

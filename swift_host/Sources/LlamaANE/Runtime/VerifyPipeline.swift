@@ -11,7 +11,8 @@ public protocol VerifyBackend: PipelineBackend {
     /// cache_update(verify of chunk i): writes the k_new, v_new (L, KV, 1, W) that chunk i's last
     /// verify run kept, column j at cache position `slots[j]` (W,), none where it is -1.
     func acceptTree(_ index: Int, slots: [Int32]) async throws
-    /// lm_head(verify): the logits of window columns 0 ..< count, all vocabulary splits concatenated.
+    /// lm_head(verify): the logits of window columns 0 ..< count, all vocabulary splits concatenated
+    /// (a folded head: the last chunk's).
     func treeLogits(_ input: Activations, count: Int) async throws -> [[Float]]
 }
 
