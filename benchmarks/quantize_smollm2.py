@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if r.returncode != 0:
                 entry["output_tail"] = lines[-20:]
                 results[name] = entry
+                save({name: entry})
                 failed = True
                 continue
             entry["package_bytes"] = package_bytes(out)
@@ -144,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                       + (f" ({entry['perplexity_change_pct']:+.2f}%)" if "perplexity_change_pct" in entry else ""),
                       flush=True)
             results[name] = entry
+            save({name: entry})  # row by row: an interrupted run keeps what it measured
             if out != fp16:
                 shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save(results)
     return 1 if failed else 0
 
 
