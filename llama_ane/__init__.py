@@ -11,13 +11,19 @@ from ._version import __version__
 
 def load(path, backend="auto", **options):
     """Load an export folder; see `llama_ane.runtime.model.load`."""
+    from ._quiet import quiet_coremltools
     from .runtime.model import load as _load
+
+    quiet_coremltools()
     return _load(path, backend, **options)
 
 
 def export_model(source, out, **options):
     """Export a checkpoint; see `llama_ane.api.export_model`."""
+    from ._quiet import quiet_coremltools
     from .api import export_model as _export
+
+    quiet_coremltools()
     return _export(source, out, **options)
 
 

@@ -60,7 +60,7 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
     def main(self, args=None, *rest, **kwargs):
-        from .commands.quiet import quiet_coremltools
+        from ._quiet import quiet_coremltools
 
         # before any command module can import coremltools; -v (an option of the group, so before
         # the command's name) keeps its messages

@@ -191,7 +191,7 @@ def test_min_p_and_repetition_penalty_options(tiny_export, model, no_eos):
 # ---- quiet and fast ------------------------------------------------------------------------------------------------
 
 def test_only_the_known_harmless_coremltools_messages_are_dropped():
-    from llama_ane.commands.quiet import quiet_coremltools
+    from llama_ane._quiet import quiet_coremltools
 
     records = []
 

@@ -19,6 +19,7 @@ ALLOWED = {
     "config": set(),
     "errors": set(),
     "_version": set(),
+    "_quiet": set(),
     "limits": set(),
     "precision": set(),
     "hub": set(),
