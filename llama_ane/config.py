@@ -157,8 +157,9 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("rms_norm_eps", "rope_theta", "embedding_multiplier", "residual_multiplier", "logits_scaling",
-                     "query_scale"):
+        scales = ("embedding_multiplier", "residual_multiplier", "logits_scaling") + (
+            ("attention_scale",) if self.attention_scale is not None else ())
+        for name in ("rms_norm_eps", "rope_theta") + scales:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
@@ -168,15 +169,28 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        layers = self.num_hidden_layers
+        if not (isinstance(self.nope_layers, list)
+                and all(type(n) is int and 0 <= n < layers for n in self.nope_layers)):
+            raise ConfigError(f"nope_layers must be a list of layer indices below num_hidden_layers ({layers}), "
+                              f"got {self.nope_layers!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"rope_scaling must be an object or null, got {self.rope_scaling!r}")
+        if isinstance(self.partial_rotary_factor, bool) or not isinstance(self.partial_rotary_factor, (int, float)):
+            raise ConfigError(f"partial_rotary_factor must be a number, got {self.partial_rotary_factor!r}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of "
                               f"head_dim {self.head_dim} channels; it must be in (0, 1] and rotate an even, "
                               "nonzero number of them")
         s = self.rope_scaling or {}
         for name in ("short_factor", "long_factor") if s.get("rope_type") == "longrope" else ():
-            if len(s[name]) != self.rotary_dim // 2:
-                raise ConfigError(f"rope_scaling {name} has {len(s[name])} entries; it must have one for each "
-                                  f"rotated channel pair, rotary_dim / 2 = {self.rotary_dim // 2}")
+            factors = s.get(name)
+            if not isinstance(factors, list) or len(factors) != self.rotary_dim // 2:
+                raise ConfigError(f"rope_scaling {name} is {_json_type(factors)}; it must list one number for "
+                                  f"each rotated channel pair, rotary_dim / 2 = {self.rotary_dim // 2}")
         for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
                           ("eos_token_id", self.eos_token_id)):
             outside = [i for i in ids if not 0 <= i < self.vocab_size]

@@ -195,6 +195,18 @@ def test_phi3_fields_as_transformers_reads_them():
     assert ours == theirs
 
 
+@pytest.mark.parametrize("field, value", [
+    ("nope_layers", "1,2"), ("nope_layers", [5]), ("post_norms", "yes"), ("fused_projections", 1),
+    ("partial_rotary_factor", "0.5"), ("embedding_multiplier", -2.0), ("attention_scale", "x"),
+    ("rope_scaling", "longrope"), ("rope_scaling", {"rope_type": "longrope", "short_factor": 3, "long_factor": []}),
+])
+def test_a_manifest_config_with_a_bad_family_field_is_refused(field, value):
+    """The manifest's copy of the config is untrusted too: each new field is checked when read back."""
+    good = LlamaConfig.from_hf_dict(dict(BASE, model_type="phi3")).to_dict()
+    with pytest.raises(ConfigError, match=field.split("_")[0]):
+        LlamaConfig.from_dict(dict(good, **{field: value}))
+
+
 # --- torch fp32 against transformers' own class -------------------------------------------------
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
