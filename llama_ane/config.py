@@ -26,6 +26,26 @@ SUPPORTED_DESCRIPTION = (
     "(Phi-3, Phi-3.5, Phi-4-mini) with RoPE type default, linear or llama3 (phi3: default or longrope), silu "
     "MLP, no MLP bias"
 )
+# Families transformers has that the export does not build, with what they need that it lacks
+# (other model_types get the plain "unsupported" line).
+_MOE = "a mixture-of-experts MLP (routed experts)"
+REFUSED_FAMILIES = {
+    "gemma3": "Gemma 3's local sliding-window layers between global ones, (1 + weight) RMSNorm, norms before and "
+              "after each block, a scaled embedding and a GeLU MLP",
+    "gemma3_text": "Gemma 3's local sliding-window layers between global ones, (1 + weight) RMSNorm, norms before "
+                   "and after each block, a scaled embedding and a GeLU MLP",
+    "gemma4": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
+    "gemma4_text": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
+    "qwen3_5": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
+    "qwen3_5_text": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
+    "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
+    "lfm2": "LFM2's short-convolution layers",
+    "qwen2_moe": _MOE, "qwen3_moe": _MOE, "mixtral": _MOE, "granitemoe": _MOE, "granitemoehybrid": _MOE,
+    "phimoe": _MOE, "olmoe": _MOE,
+    "olmo": "OLMo 1's layer norm without weights",
+    "phi": "Phi-1/Phi-2's parallel attention and MLP with LayerNorm and a GeLU MLP",
+}
+
 # What each family adds to the Llama block (transformers' own classes decide the same way):
 # qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
 # (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm);
@@ -90,6 +110,9 @@ class LlamaConfig:
             raise ConfigError(f"{origin} holds {_json_type(d)}, not a JSON object of config fields")
         f = _Fields(d, origin)
         model_type = d.get("model_type")
+        if model_type in REFUSED_FAMILIES:
+            raise ConfigError(f"unsupported model_type {model_type!r}: the export has no "
+                              f"{REFUSED_FAMILIES[model_type]}; {SUPPORTED_DESCRIPTION}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
         if d.get("hidden_act", "silu") != "silu":
@@ -469,7 +492,8 @@ def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model
 
 
 def transformers_class(model_type: str, part: str):
-    """transformers' class `part` ("DecoderLayer", "RMSNorm", "RotaryEmbedding", ...) of a family, e.g. Qwen2DecoderLayer."""
+    """transformers' class `part` ("DecoderLayer", "RMSNorm", "RotaryEmbedding", ...) of a family, e.g.
+    Qwen2DecoderLayer."""
     import importlib
 
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

@@ -121,11 +121,12 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}}, ["long_factor"]),
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["'llama3'", "'phi3'"]),
     ({"model_type": "llama", "rope_scaling": longrope(8)}, ["'longrope'", "'llama'"]),
-    ({"model_type": "phimoe"}, ["'phimoe'", "'phi3'"]),
-    ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported"]),
-    ({"model_type": "gemma3"}, ["'gemma3'", "unsupported"]),
+    ({"model_type": "phimoe"}, ["'phimoe'", "mixture-of-experts", "'phi3'"]),
+    ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported", "Gated DeltaNet"]),
+    ({"model_type": "gemma3"}, ["'gemma3'", "unsupported", "sliding-window"]),
+    ({"model_type": "gemma4_text"}, ["'gemma4_text'", "Gemma 4"]),
+    ({"model_type": "lfm2"}, ["'lfm2'", "short-convolution"]),
     ({"model_type": "gemma3_text"}, ["'gemma3_text'", "'smollm3'"]),
-    ({"model_type": "lfm2"}, ["'lfm2'", "unsupported"]),
 ])
 def test_family_fields_are_checked(change, words):
     with pytest.raises(ConfigError) as e:
