@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from llama_ane.config import ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
@@ -45,10 +46,11 @@ CASES = {
     "olmo2_tied_mha_attention_bias": {"model_type": "olmo2", "num_key_value_heads": 4, "tie_word_embeddings": True,
                                       "attention_bias": True},
     # Phi-3.5/Phi-4-mini style: fused projections, partial rotary, longrope; a 256-token context is
-    # within an original context of 4096 (short factors) and past one of 64 (long factors)
+    # just within an original context of 256 (short factors, though the tables run past it) and past
+    # one of 64 (long factors)
     "phi3_untied_longrope_short": {"model_type": "phi3", "hidden_size": 128, "head_dim": 32,
                                    "partial_rotary_factor": 0.75,
-                                   "max_position_embeddings": 8192, "original_max_position_embeddings": 4096,
+                                   "max_position_embeddings": 8192, "original_max_position_embeddings": 256,
                                    "rope_scaling": longrope(12)},
     "phi3_tied_mha_longrope_long": {"model_type": "phi3", "num_key_value_heads": 4, "tie_word_embeddings": True,
                                     "partial_rotary_factor": 0.5, "max_position_embeddings": 4096,
@@ -206,6 +208,26 @@ def test_a_manifest_config_with_a_bad_family_field_is_refused(field, value):
     good = LlamaConfig.from_hf_dict(dict(BASE, model_type="phi3")).to_dict()
     with pytest.raises(ConfigError, match=field.split("_")[0]):
         LlamaConfig.from_dict(dict(good, **{field: value}))
+
+
+@pytest.mark.parametrize("tokens", [100, 4096, 5000])
+def test_longrope_tables_are_transformers_rotary_embedding(tokens):
+    """The tables equal Phi3RotaryEmbedding's cos/sin on a sequence of `tokens` (short factors up to
+    original_max_position_embeddings 4096, long past it), the unrotated channels at cos 1, sin 0; an
+    export of `tokens` whose tables run longer (the prefill window past the context) keeps its factors."""
+    import transformers
+
+    from llama_ane.model.embeddings import rope_tables
+
+    cfg = LlamaConfig.from_hf_dict(dict(BASE, model_type="phi3", partial_rotary_factor=0.75,
+                                        max_position_embeddings=16384, rope_scaling=longrope(6)))
+    rope = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config=cfg.transformers_config())
+    want_cos, want_sin = (t[0] for t in rope(torch.zeros(1), torch.arange(tokens)[None]))
+    cos, sin = rope_tables(cfg, tokens)
+    assert torch.equal(cos[:, :12], want_cos) and torch.equal(sin[:, :12], want_sin)
+    assert (cos[:, 12:] == 1).all() and (sin[:, 12:] == 0).all()
+    longer_cos, _ = rope_tables(cfg, tokens + 64, context_length=tokens)
+    assert torch.equal(longer_cos[:tokens], cos)
 
 
 # --- torch fp32 against transformers' own class -------------------------------------------------

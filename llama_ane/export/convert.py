@@ -283,7 +283,7 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
 
     o = plan.options
     dtype = np.float16 if o.precision == "fp16" else np.float32
-    weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions, spec.rows)
+    weights = PackageWeights(ckpt, dtype, list(spec.layers), plan.rope_positions, spec.rows, o.context_length)
     if payloads is not None:
         weights = _WithPayloads(weights, load_payloads(plan, spec, payloads))
     functions = {fn: plan.specs[spec.model][fn] for fn in spec.functions}

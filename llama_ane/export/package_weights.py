@@ -74,17 +74,18 @@ class PackageWeights:
     layers : HF layer indices of a block chunk, in order ("layers.j.*" is HF layer `layers[j]`).
     dtype : np.float16 or np.float32.
     rope_positions : rows of the RoPE tables the embeddings functions may read.
+    context_length : the tokens the export holds (longrope picks its factors for a sequence that long).
     rows : [start, end) vocabulary rows of an embeddings or LM head file: "embed_tokens.weight" is
         those rows of the table, and only the rows of the heads inside them are read.
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: type, layers: list[int] | None = None, rope_positions: int = 0,
-                 rows: tuple[int, int] | None = None):
+                 rows: tuple[int, int] | None = None, context_length: int | None = None):
         self.ckpt = ckpt
         self.cfg = ckpt.config
         self.dtype = dtype
         self.layers = list(layers or [])
-        self.rope_positions = rope_positions
+        self.rope_positions, self.context_length = rope_positions, context_length
         self.rows = rows or (0, self.cfg.vocab_size)
         self._arrays: dict[str, np.ndarray] = {}
 
@@ -103,7 +104,7 @@ class PackageWeights:
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")
         if name in ("cos_table", "sin_table"):
-            tables = rope_weights(self.cfg, self.rope_positions, self.dtype)
+            tables = rope_weights(self.cfg, self.rope_positions, self.dtype, self.context_length)
             self._arrays.update(tables)  # made together, read one at a time
             return tables[name]
         if name == "norm.weight":

@@ -26,29 +26,35 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import LlamaConfig, inv_freq, transformers_class
+from ..config import LlamaConfig, inv_freq
 from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
 from .layers import MASK_VALUE, Graph, mb
 
 
-def rope_tables(cfg: LlamaConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: LlamaConfig, positions: int,
+                context_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables (positions, D) in fp32, as transformers computes them (incl. llama3 scaling).
 
-    Longrope (Phi-3) comes from the family's own rotary embedding class, called once for the whole
-    table: like transformers on a sequence of `positions` tokens, it takes the long factors when
-    that passes original_max_position_embeddings and the short ones otherwise, and scales cos and
-    sin by its attention factor. With partial rotary the channels past rotary_dim pass unrotated
-    (cos 1, sin 0)."""
+    Longrope (Phi-3) takes its frequencies and attention factor from transformers' own longrope
+    function, the one its rotary embedding class calls: the long factors when a sequence of
+    `context_length` tokens (the most the export holds; default `positions`) passes
+    original_max_position_embeddings, as transformers decides for a sequence that long, else the
+    short ones; cos and sin are scaled by the attention factor. With partial rotary the channels
+    past rotary_dim pass unrotated (cos 1, sin 0)."""
+    scale = 1.0
     if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
-        rope = transformers_class(cfg.model_type, "RotaryEmbedding")(config=cfg.transformers_config())
-        with torch.no_grad():
-            cos, sin = (t[0].to(torch.float32) for t in rope(torch.zeros(1, dtype=torch.float32),
-                                                             torch.arange(positions)[None]))
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        freqs, scale = ROPE_INIT_FUNCTIONS["longrope"](cfg.transformers_config(), None,
+                                                       seq_len=context_length or positions)
+        freqs = freqs.to(torch.float32)
     else:
         freqs = torch.tensor(inv_freq(cfg), dtype=torch.float32)
-        angles = torch.arange(positions, dtype=torch.float32)[:, None] * freqs[None, :]
-        emb = torch.cat([angles, angles], dim=1)
-        cos, sin = emb.cos(), emb.sin()
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * freqs[None, :]
+    emb = torch.cat([angles, angles], dim=1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     rest = cfg.head_dim - cfg.rotary_dim
     if rest:
         cos = torch.cat([cos, torch.ones(positions, rest)], dim=1)
@@ -56,9 +62,10 @@ def rope_tables(cfg: LlamaConfig, positions: int) -> tuple[torch.Tensor, torch.T
     return cos, sin
 
 
-def rope_weights(cfg: LlamaConfig, positions: int, dtype: type) -> dict[str, np.ndarray]:
+def rope_weights(cfg: LlamaConfig, positions: int, dtype: type,
+                 context_length: int | None = None) -> dict[str, np.ndarray]:
     """The programs' cos/sin tables (positions, D): computed in fp32, stored in the export dtype."""
-    cos, sin = rope_tables(cfg, positions)
+    cos, sin = rope_tables(cfg, positions, context_length)
     return {"cos_table": cos.numpy().astype(dtype), "sin_table": sin.numpy().astype(dtype)}
 
 
@@ -127,7 +134,7 @@ class Embeddings(nn.Module):
         self.window = window
         self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
         self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
-        cos, sin = rope_tables(cfg, context_length + window)
+        cos, sin = rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
@@ -199,7 +206,7 @@ class BranchEmbeddings(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
         self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
-        cos, sin = rope_tables(cfg, context_length + suffix_length + 1)
+        cos, sin = rope_tables(cfg, context_length + suffix_length + 1, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("prefix_slots", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
@@ -245,7 +252,7 @@ class VerifyEmbeddings(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
         self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
-        cos, sin = rope_tables(cfg, context_length + window)
+        cos, sin = rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
