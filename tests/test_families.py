@@ -230,6 +230,21 @@ def test_longrope_tables_are_transformers_rotary_embedding(tokens):
     assert torch.equal(longer_cos[:tokens], cos)
 
 
+def test_a_fused_tensor_of_the_wrong_shape_is_named(tmp_path):
+    """A Phi-3 checkpoint whose config disagrees with its fused qkv_proj: one line naming the tensor,
+    its shape, the shape the config gives it and how."""
+    from llama_ane.checkpoint.loader import CheckpointError, load_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "phi3", model_type="phi3", num_hidden_layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, num_key_value_heads=4)))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    for words in ("'model.layers.0.self_attn.qkv_proj.weight'", "[128, 64]", "[192, 64]",
+                  "(num_attention_heads+2*num_key_value_heads)*head_dim"):
+        assert words in str(e.value)
+
+
 # --- torch fp32 against transformers' own class -------------------------------------------------
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
