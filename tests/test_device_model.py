@@ -34,11 +34,13 @@ def tiny_manifest(**options) -> dict:
 
 @pytest.fixture(scope="module")
 def verify_export(tiny_checkpoint, tmp_path_factory):
-    """tiny_export's shapes with a verify function of 16 tokens (input caches, as a device runs them)."""
+    """tiny_export's shapes with a verify function of 16 tokens (input caches, as a device runs them)
+    and the LM head in a file of its own, as tiny_manifest plans it."""
     from llama_ane.api import export_model
 
     return export_model(tiny_checkpoint(num_hidden_layers=5, head_dim=32), tmp_path_factory.mktemp("export") / "v",
-                        context_length=CTX, prefill_length=64, layers_per_chunk=2, verify_window=16, progress=False)
+                        context_length=CTX, prefill_length=64, layers_per_chunk=2, verify_window=16,
+                        fold_lm_head="no", progress=False)
 
 
 def run_cli(*args):
