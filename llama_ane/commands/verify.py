@@ -15,8 +15,9 @@ from .options import Utf8File
 
 @click.command("verify")
 @click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
-@click.option("--backend", type=click.Choice(["mil", "coreml"]), default="mil", show_default=True,
-              help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS).")
+@click.option("--backend", type=click.Choice(["mil", "coreml", "coreai"]), default="mil", show_default=True,
+              help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS); coreai runs a Core AI "
+                   "export through Apple's runtime (CPU on Linux).")
 @click.option("--text", "text_file", type=Utf8File(), default=None,
               help="Text file to score instead of the shipped prose.")
 @click.option("--max-tokens", default=128, show_default=True,
