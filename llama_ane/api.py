@@ -153,6 +153,11 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
     return [i for i in ids if i < ckpt.config.vocab_size]
 
 
+# families whose quality model (transformers' decoder layers on the checkpoint's weights) is not
+# yet that family's whole network: Phi-3's projections are fused, Granite scales its embeddings and logits
+UNMEASURED_FAMILIES = ("phi3", "granite")
+
+
 def quality_model(ckpt):
     """The checkpoint as a float32 quantize.sensitivity.Float32Model, every layer in memory (own
     copies: the measurements swap weights in place)."""
@@ -182,6 +187,11 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
     """`--quantize auto`: the recipe of fewest bytes within `budget_pct` (quantize.auto), measured
     on the calibration text and checked on the eval text."""
     from .quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
+    from .quantize.schemes import QuantizeError
+
+    if ckpt.config.model_type in UNMEASURED_FAMILIES:
+        raise QuantizeError(f"--quantize auto cannot measure a {ckpt.config.model_type} checkpoint yet; choose a "
+                            "scheme (e.g. --quantize lut6) and check it with llama-ane eval")
     from .quantize.sensitivity import choose_recipe
 
     importance = calibrate(ckpt, say)
@@ -193,6 +203,9 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
 def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[str], None]) -> float:
     """Measure a fixed scheme of 4 bits or fewer on the eval text and say the perplexity change;
     beyond WARN_PCT, say so plainly and what to use instead."""
+    if ckpt.config.model_type in UNMEASURED_FAMILIES:
+        say(f"quality: not measured for {ckpt.config.model_type} checkpoints; check it with llama-ane eval")
+        return float("nan")
     from .quantize.auto import CHECK_TOKENS, WARN_PCT, part_of_unit, units
     from .quantize.sensitivity import perplexity_change
 
