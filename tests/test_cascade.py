@@ -201,11 +201,11 @@ def test_smollm2_document_qa_equals_alone(smollm2_torch):
 
 @pytest.mark.slow
 def test_smollm2_fp16_branches_top1(smollm2_torch):
-    m16 = smollm2_torch["fp16"]
+    m16 = smollm2_torch["fp16"]  # fp16 on a CPU is emulated: two questions keep the test within a few minutes
     prefix, own = split_shared_prefix(
-        [m16.encode(f"{DOCUMENT}\n\nQuestion: {q}", chat=True) for q in QUESTIONS])
+        [m16.encode(f"{DOCUMENT}\n\nQuestion: {q}", chat=True) for q in QUESTIONS[:2]])
     # teacher-force each question plus the fp32 model's own answer
-    forced = [cont + smollm2_torch["fp32"].generate(prefix + cont, max_new_tokens=16).token_ids for cont in own]
+    forced = [cont + smollm2_torch["fp32"].generate(prefix + cont, max_new_tokens=12).token_ids for cont in own]
     assert _top1(m16, m16, prefix, forced) >= 0.99
 
 
