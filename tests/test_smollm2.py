@@ -176,8 +176,9 @@ def test_cli_export_of_the_default_model(tmp_path):
     as_json = CliRunner().invoke(main, ["info", str(out), "--json"])
     printed = json.loads(as_json.stdout)
     traffic = printed.pop("decode_step_bytes")
-    assert printed.pop("decode_step_bytes_other_kv_cache")["kv_cache"] == "state"
+    other = printed.pop("decode_step_bytes_other_kv_cache")["kv_cache"]
     manifest = printed
+    assert manifest["cache"]["kind"] == "state" and other == "inputs"  # the default: states where they work
     assert validate_export(out) == manifest
     assert traffic["total"] == traffic["weights"] + traffic["cache_read"] + traffic["cache_update"]
     one_embedding_row = manifest["config"]["hidden_size"] * 2
