@@ -93,5 +93,5 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise InvalidArgumentError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose "
-                                   "another --port, or an address of this machine for --host") from None
+                                   "another --port, or an address this host has for --host") from None
     return sock

@@ -40,7 +40,7 @@ from .backends.base import Backend
 from .model import LlamaANEModel, make_backend
 
 BENCH_FORMAT = 1  # the version of the JSON `run_bench` returns
-NOT_DEVICE = ("Not device numbers: the {backend} backend ran the export on this machine's CPU, not on an Apple "
+NOT_DEVICE = ("Not device numbers: the {backend} backend ran the export on the host's CPU, not on an Apple "
               "Neural Engine; run `llama-ane bench` on a Mac (backend coreml) for device numbers")
 DEVICE = "Device numbers: Core ML ran the export with compute units {units}"
 DECODE_TOKENS = 8  # decode tokens per timed sample (fewer where the context bucket ends sooner)
