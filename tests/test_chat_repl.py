@@ -1,5 +1,5 @@
 """`llama-ane chat` at a real terminal (a pseudo-terminal driven by pexpect): typing a turn, recalling
-it with the up arrow, Ctrl-C during a reply, /help, /save and /load, and leaving with Ctrl-C then
+it with the up arrow, /set, Ctrl-C during a reply, /help, /save and /load, and leaving with Ctrl-C then
 Ctrl-D.
 
 With LLAMA_ANE_CHAT_TRANSCRIPT=PATH the session's screen output is written to PATH as Markdown
@@ -71,9 +71,12 @@ def test_the_chat_repl_at_a_terminal(tiny_export, tmp_path):
         child.send("\r")
         child.expect_exact("[prefill")
         child.expect(PROMPT)
+        child.send("/set max-new-tokens 100000\r")  # a reply that cannot end before the Ctrl-C below
+        child.expect_exact("[max-new-tokens = 100000]")
+        child.expect(PROMPT)
         child.send("tell me a long story\r")
         child.expect_exact("tell me a long story")
-        time.sleep(0.3)
+        time.sleep(0.5)
         child.send(CTRL_C)  # stops the reply, not the chat
         child.expect_exact("[reply stopped")
         child.expect(PROMPT)
@@ -98,8 +101,8 @@ def test_the_chat_repl_at_a_terminal(tiny_export, tmp_path):
             Path(transcript).write_text(
                 "# A chat session at a terminal\n\n"
                 "What `llama-ane chat` shows at a terminal, recorded by `tests/test_chat_repl.py` on the tiny random "
-                "test model (so the replies are noise): a turn, the same line recalled with the up arrow, Ctrl-C "
-                "during a reply, `/help`, `/save`, `/load`, then Ctrl-C and Ctrl-D at the prompt to leave.\n\n"
+                "test model (so the replies are noise): a turn, the same line recalled with the up arrow, `/set`, "
+                "Ctrl-C during a reply, `/help`, `/save`, `/load`, then Ctrl-C and Ctrl-D at the prompt to leave.\n\n"
                 "```text\n" + screen_text(log.getvalue(), {str(saved): "talk.npz", str(tiny_export): "out/tiny"})
                 + "```\n", encoding="utf-8")
     assert child.exitstatus == 0, log.getvalue()[-2000:]

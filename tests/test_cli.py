@@ -258,6 +258,25 @@ def test_generate_bad_sampling_option(tmp_path):
     assert_one_error_line(r, "--top-p", "(0, 1]")
 
 
+def test_chat_set_checks_values_as_the_options_do(capsys):
+    """The REPL's /set changes a sampling setting with the same checks as its command-line option,
+    and a bad value is one message that leaves the setting as it was."""
+    from llama_ane.commands.chat import _command
+
+    class FakeChat:
+        sampling = {"max_new_tokens": 40, "temperature": 0.0, "top_p": 1.0, "seed": None}
+
+    chat = FakeChat()
+    for line in ("/set temperature 0.7", "/set max-new-tokens 100000", "/set top-p 2", "/set seed x",
+                 "/set temperature nan", "/set colour blue", "/set"):
+        assert _command(chat, line)
+    err = capsys.readouterr().err
+    assert chat.sampling == {"max_new_tokens": 100000, "temperature": 0.7, "top_p": 1.0, "seed": None}
+    assert "--top-p must be in (0, 1], got 2" in err and "'x' is not a valid integer" in err
+    assert "--temperature must be a finite number" in err and "/set takes one of max-new-tokens" in err
+    assert "max-new-tokens=100000  temperature=0.7" in err
+
+
 def test_help_lists_the_commands():
     r = run_cli("--help")
     assert r.exit_code == 0

@@ -24,8 +24,10 @@ COMMANDS_HELP = {
     "/reset": "a new conversation (the system prompt stays)",
     "/save FILE": "save the conversation (its messages and cache) to FILE",
     "/load FILE": "resume a conversation saved with /save (or a prompt cache made with generate)",
+    "/set [NAME VALUE]": "show the sampling settings, or change one (e.g. /set temperature 0.7)",
     "/quit": "leave (also Ctrl-D, or Ctrl-C twice at the prompt)",
 }
+SETTABLE = ("max-new-tokens", "temperature", "top-k", "top-p", "min-p", "repetition-penalty", "seed")
 HINT = "/help for commands"
 
 
@@ -210,6 +212,33 @@ def _command(chat, line: str) -> bool:
         click.echo(f"[saved {len(chat.messages)} messages, {chat.cache.position} tokens to {arg}]", err=True)
     elif name == "/load":
         _load(chat, arg)
+    elif name == "/set":
+        _set(chat, arg)
     else:
         click.echo(f"[unknown command {name}; {HINT}]", err=True)
     return True
+
+
+def _set(chat, arg: str) -> None:
+    """`/set`: the sampling settings; `/set NAME VALUE`: one changed, checked as its command-line
+    option --NAME is."""
+    if not arg:
+        click.echo("  " + "  ".join(f"{n}={chat.sampling.get(n.replace('-', '_'))}" for n in SETTABLE), err=True)
+        return
+    name, _, value = arg.partition(" ")
+    name = name.lstrip("-")
+    if name not in SETTABLE or not value.strip():
+        click.echo(f"[/set takes one of {', '.join(SETTABLE)} and a value, e.g. /set temperature 0.7]", err=True)
+        return
+    key = name.replace("-", "_")
+    param = next(p for p in command.params if p.name == key)
+    try:
+        converted = param.type_cast_value(click.Context(command), value.strip())
+    except click.ClickException as e:  # the option's own message, naming --NAME
+        click.echo(f"[/set {name}: {e.format_message()}]", err=True)
+        return
+    if key == "repetition_penalty" and converted != 1.0 and chat.sampling.get("speculative") is not None:
+        click.echo("[/set repetition-penalty: not with --speculative (the replies would differ)]", err=True)
+        return
+    chat.sampling[key] = converted
+    click.echo(f"[{name} = {converted}]", err=True)
