@@ -311,7 +311,20 @@ def test_disconnect_mid_stream_frees_the_request(model):
 
 @pytest.mark.export
 def test_burst_is_served_or_refused_cleanly(model):
+    """100 requests at once: each is answered or refused with 429, the server then stands idle and
+    healthy, and its memory (PSS, the server runs in this process) is within 20% of before."""
+    import gc
+
+    import psutil
+
+    def pss() -> int:
+        gc.collect()
+        return psutil.Process().memory_full_info().pss
+
     with serving(model, max_queue=8) as url:
+        for i in range(2):  # warm: the first requests build what every later one reuses
+            httpx.post(url + "/v1/completions", json={"prompt": f"Warm {i}", "max_tokens": 2}, timeout=120)
+        before = pss()
         results: list = []
 
         def ask(i):
@@ -333,6 +346,8 @@ def test_burst_is_served_or_refused_cleanly(model):
         assert statuses.count(200) >= 8
         assert all(body["error"]["code"] == "queue_full" for s, body in results if s == 429)
         assert httpx.get(url + "/health").json() == {"status": "ok", "waiting": 0, "running": 0}
+        after = pss()
+        assert after <= 1.2 * before, f"PSS {before / 2**20:.0f} MiB before the burst, {after / 2**20:.0f} MiB after"
 
 
 @pytest.mark.export
