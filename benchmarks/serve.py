@@ -58,7 +58,7 @@ def tiny_export(folder: Path) -> Path:
 
     ckpt = make_tiny_checkpoint(folder / "ckpt", num_hidden_layers=3, head_dim=32)
     return export_model(ckpt, folder / "export", context_length=512, prefill_length=64, layers_per_chunk=2,
-                        branch_width=8, suffix_length=64, progress=False)
+                        branch_width=8, suffix_length=64, progress=False, verify=False)
 
 
 def ask_all(client, prompts: list[str], new_tokens: int, concurrent: bool) -> tuple[list[str], float]:
@@ -117,7 +117,7 @@ def main() -> None:
         if args.smollm2:
             from llama_ane.api import export_model
 
-            folder = export_model(None, Path(tmp) / "smollm2", branch_width=8, progress=False)
+            folder = export_model(None, Path(tmp) / "smollm2", branch_width=8, progress=False, verify=False)
         else:
             folder = Path(args.model) if args.model else tiny_export(Path(tmp))
         model = llama_ane.load(folder, backend="torch", precision="fp32")

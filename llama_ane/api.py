@@ -12,16 +12,17 @@ import contextlib
 import dataclasses
 import functools
 import getpass
+import inspect
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .errors import LlamaANEError
 from .contract.manifest import write_manifest
-from .contract.plan import ExportOptions, ExportOptionsError
+from .contract.options import EXPORT_OPTIONS, ExportOptions, ExportOptionsError, Option, export_settings
 from .quantize import PARTS, QuantizeOptions
 
 
@@ -237,44 +238,23 @@ def calibration_tokens(config) -> int:
 
 
 @no_inductor_leftover()
-def export_model(source: str | Path | None, out: str | Path, *, context_length: int = 1024,
-                 prefill_length: int = 64, layers_per_chunk: int | None = None, branch_width: int = 8,
-                 suffix_length: int = 256, target: str = "iOS18", verify_window: int = 0,
-                 precision: str = "fp16", force: bool = False, verify: bool = False,
-                 workers: int | None = None, max_memory_gb: float | None = None,
-                 quantize: str = "none", quantize_embeddings: str | None = None,
-                 quantize_attention: str | None = None, quantize_mlp: str | None = None,
-                 quantize_lm_head: str | None = None, group_size: int | None = None, block_size: int | None = None,
-                 lut_block_size: int | None = None, kv_cache: str = "auto", fold_lm_head: str = "auto",
-                 context_buckets: str | int | Sequence[int] = "auto", progress: bool = True,
-                 log: Callable[[str], None] | None = None,
-                 quantize_budget: float | None = None, quantize_recipe: str | Path | None = None,
-                 revision: str | None = None) -> Path:
+def export_model(source: str | Path | None, out: str | Path, *, force: bool = False, verify: bool = True,
+                 workers: int | None = None, max_memory_gb: float | None = None, progress: bool = True,
+                 log: Callable[[str], None] | None = None, revision: str | None = None, **options: Any) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
-    `context_buckets` ("auto", one size, or ascending sizes ending at `context_length`) are the
-    cache lengths with prefill and decode functions of their own: a step runs the smallest that
-    holds its positions (see `ExportOptions`).
-
-    `verify_window` is W of the speculative "verify" functions (default 0: none; state caches have
-    none; see `ExportOptions`). `kv_cache="state"` keeps the KV caches in Core ML states that the chunk functions update
-    themselves (iOS18/macOS15, fp16); "inputs" passes them in and out, written back by the
-    asynchronous cache-update model; the default "auto" is "state" where it works, else "inputs".
-    `fold_lm_head` ("auto", "yes", "no"): the last chunk carries the LM head, one Core ML call per
-    step fewer; auto where its weights fit beside the chunk's in one package.
-
-    `quantize` compresses every part's weights ("int8", "int4", "lut8", "lut6", "lut4"; default
-    "none"); `quantize_<part>` overrides one part; `group_size` (output channels per LUT) and
-    `block_size` (input channels per scale) replace the defaults; `lut_block_size` scales and
-    shifts LUT values per row and block of that many input channels (see `llama_ane.quantize`).
+    `options` are the export options of `llama-ane export`, by the names and with the defaults of
+    `llama_ane.contract.options.EXPORT_OPTIONS` (`context_length`, `quantize`, `kv_cache`, ...; the
+    help of each is its flag's in `llama-ane export --help`); `context_buckets` also takes one size
+    or a sequence of sizes, `quantize_recipe` a path. A name that is no option raises TypeError.
     `source` may also be a Hugging Face repo id (`revision`: a branch, tag or commit), fetched into
-    the Hub's cache. `quantize="auto"` chooses a form per part and layer, the fewest bytes whose perplexity increase
-    stays within `quantize_budget` percent (default 5; quantize.auto), and records the recipe in
-    the manifest; `quantize_recipe` (a JSON file: a recipe or an export's manifest.json) reuses one.
+    the Hub's cache.
 
-    Packages are built one per worker process with only their own weights in memory; the number
-    of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb` sets
-    the memory budget). Returns the export folder. Raises ConfigError/CheckpointError/
+    `verify` (default True, as on the command line) runs the parity gate on the exported programs
+    before the folder is renamed into place, and measures fixed schemes of 4 bits or fewer on the
+    eval text. Packages are built one per worker process with only their own weights in memory; the
+    number of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb`
+    sets the memory budget). Returns the export folder. Raises ConfigError/CheckpointError/
     ExportOptionsError/MemoryBudgetError for bad input or an export that would not fit (before
     anything is written), and ExportError for an existing OUT without `force` or an export that
     fails `verify` (then nothing is written; an existing OUT is kept).
@@ -287,18 +267,10 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     from .export.memory import available_bytes
 
     say = log or _silent
-    recipe = choose_recipe_options(quantize, quantize_budget, quantize_recipe, quantize_embeddings, quantize_attention,
-                                   quantize_mlp, quantize_lm_head, group_size, block_size, lut_block_size)
-    if recipe is not None or quantize == "auto":
-        compression = QuantizeOptions.from_recipe(recipe) if recipe is not None else QuantizeOptions()
-    else:
-        compression = QuantizeOptions.from_cli(quantize, embeddings=quantize_embeddings, attention=quantize_attention,
-                                               mlp=quantize_mlp, lm_head=quantize_lm_head, group_size=group_size,
-                                               block_size=block_size, lut_block_size=lut_block_size)
-    opts = ExportOptions(context_length, prefill_length, layers_per_chunk, target, precision, branch_width,
-                         suffix_length, compression, kv_cache, verify_window,
-                         context_buckets if isinstance(context_buckets, (str, int)) else tuple(context_buckets),
-                         fold_lm_head=fold_lm_head)
+    settings, request = export_settings(options, other_keywords=("force", "verify", "workers", "max_memory_gb",
+                                                                 "progress", "log", "revision"))
+    recipe = request.recipe()
+    opts = ExportOptions(**settings, quantize=request.options(recipe))
     opts.check()
     if workers is not None and workers < 1:
         raise ExportOptionsError(f"--workers must be at least 1, got {workers}")
@@ -316,26 +288,29 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     check_tokenizer(ckpt.tokenizer_dir, ckpt.config)  # a bad tokenizer is refused before anything is converted
     if recipe is not None:
         recipe.check(ckpt.config.num_hidden_layers)
-    if quantize == "auto" and recipe is None:
+    automatic = request.quantize == "auto" and recipe is None
+    if automatic:
         from .quantize.auto import DEFAULT_BUDGET_PCT
 
-        chosen = auto_recipe(ckpt, DEFAULT_BUDGET_PCT if quantize_budget is None else quantize_budget, say)
+        budget = request.quantize_budget
+        chosen = auto_recipe(ckpt, DEFAULT_BUDGET_PCT if budget is None else budget, say)
         opts = dataclasses.replace(opts, quantize=QuantizeOptions.from_recipe(chosen))
         opts.check()
     plan = plan_export(ckpt.config, opts)
-    if verify and recipe is None and quantize != "auto" and any(c.bits <= 4 for part in PARTS
-                                                                if (c := opts.quantize.compression(part, target))):
+    target = opts.target
+    if verify and recipe is None and not automatic and any(c.bits <= 4 for part in PARTS
+                                                           if (c := opts.quantize.compression(part, target))):
         check_quality(ckpt, opts.quantize, target, say)
     memory = plan_memory(plan, available=available_bytes(), workers=workers, verify=verify,
                          max_memory=None if max_memory_gb is None else int(max_memory_gb * GIB), method=start_method())
     say(f"{ckpt.name}: {ckpt.config.num_hidden_layers} layers in {len(plan.chunks)} chunk(s) "
-        f"{[len(c) for c in plan.chunks]}, context {context_length}"
+        f"{[len(c) for c in plan.chunks]}, context {opts.context_length}"
         + (f" in buckets {list(opts.context_buckets)}" if len(opts.context_buckets) > 1 else "")
-        + f", prefill window {prefill_length}, "
-        f"{precision}, target {target}" + (f", {branch_width} cascade branches" if branch_width else "")
+        + f", prefill window {opts.prefill_length}, "
+        f"{opts.precision}, target {target}" + (f", {opts.branch_width} cascade branches" if opts.branch_width else "")
         + (", KV caches in Core ML states" if opts.kv_cache == "state" else "")
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
-    if compression.active:
+    if opts.quantize.active:
         def granularity(d: dict) -> str:
             sizes = []  # the LUT's group, then the block of its scales or of the integers' scales
             if "group_size" in d:
@@ -354,27 +329,19 @@ def export_model(source: str | Path | None, out: str | Path, *, context_length: 
     return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0, force)
 
 
-def choose_recipe_options(quantize: str, budget: float | None, recipe_file: str | Path | None, *others):
-    """The recipe of `--quantize-recipe` (None without one), after refusing options that cannot go
-    with `--quantize auto` or a recipe: these give every unit its form themselves."""
-    from .quantize.auto import Recipe
-    from .quantize.schemes import QuantizeError
+def signature_with_options(f: Callable, table: Sequence[Option] = EXPORT_OPTIONS) -> Callable:
+    """`f`, its signature showing the options of `table` as keywords with their defaults in place of
+    its **options (for help(), IDEs and inspect.signature)."""
+    sig = inspect.signature(f)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                                 annotation=o.type if o.default is not None else o.type | None)
+               for o in table]
+    f.__signature__ = sig.replace(parameters=params)
+    return f
 
-    if budget is not None and quantize != "auto":
-        raise QuantizeError("--quantize-budget is the budget of --quantize auto; add --quantize auto or drop it")
-    if budget is not None and budget <= 0:
-        raise QuantizeError(f"--quantize-budget must be a positive percentage, got {budget:g}")
-    if quantize != "auto" and recipe_file is None:
-        return None
-    if any(o is not None for o in others):
-        what = "--quantize-recipe" if recipe_file is not None else "--quantize auto"
-        raise QuantizeError(f"{what} gives every part and layer its form; drop --quantize-embeddings/-attention/"
-                            "-mlp/-lm-head, --group-size, --block-size and --lut-block-size")
-    if recipe_file is None:
-        return None
-    if quantize not in ("none", "auto"):
-        raise QuantizeError(f"--quantize-recipe gives every part and layer its form; drop --quantize {quantize}")
-    return Recipe.load(recipe_file)
+
+export_model = signature_with_options(export_model)
 
 
 def _write_coreai(plan, ckpt, folder: Path, progress: Callable) -> None:

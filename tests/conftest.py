@@ -84,7 +84,7 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 
     ckpt = tiny_checkpoint(num_hidden_layers=5, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny", context_length=256, prefill_length=64,
-                        layers_per_chunk=2, verify_window=16, progress=False)
+                        layers_per_chunk=2, verify_window=16, progress=False, verify=False)
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +92,7 @@ def smollm2_export(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct) exported once per session with default options."""
     from llama_ane.api import export_model
 
-    return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False)
+    return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False, verify=False)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ def bucket_export(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("bench") / "tiny", context_length=256, prefill_length=32,
                         layers_per_chunk=1, branch_width=WIDTH, suffix_length=32, context_buckets=BUCKETS,
-                        progress=False)
+                        progress=False, verify=False)
 
 
 # ---- options (no export) --------------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def test_existing_out_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists; pass --force"):
-        export_model(tiny_checkpoint(), out, context_length=64, prefill_length=32, progress=False)
+        export_model(tiny_checkpoint(), out, context_length=64, prefill_length=32, progress=False, verify=False)
     assert (out / "keep.txt").read_text() == "mine"
 
 
@@ -294,7 +294,7 @@ def test_failed_export_leaves_nothing_that_looks_complete(tiny_checkpoint, tmp_p
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="simulated failure"):
         api.export_model(tiny_checkpoint(num_hidden_layers=1), out, context_length=64, prefill_length=32,
-                         progress=False)
+                         progress=False, verify=False)
     assert not out.exists()
     assert leftovers(tmp_path, "out") == []
     if stage == "validate_export":
@@ -314,7 +314,7 @@ def test_failed_forced_export_keeps_the_previous_one(tiny_export, tmp_path, monk
     monkeypatch.setattr(convert, "convert_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         api.export_model(read_manifest(out)["source"]["path"], out, context_length=256, prefill_length=64,
-                         layers_per_chunk=2, force=True, progress=False)
+                         layers_per_chunk=2, force=True, progress=False, verify=False)
     validate_export(out)
     assert leftovers(tmp_path, "prev") == []
 
@@ -335,7 +335,7 @@ def test_bad_options_are_refused_before_anything_is_written(tiny_checkpoint, tmp
     out = tmp_path / "out"
     with pytest.raises(ExportOptionsError) as e:
         export_model(tiny_checkpoint(), out, **{"context_length": 256, "prefill_length": 64, **options},
-                     progress=False)
+                     progress=False, verify=False)
     for w in words:
         assert w in str(e.value)
     assert list(tmp_path.iterdir()) == []

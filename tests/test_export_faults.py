@@ -66,7 +66,7 @@ def checkpoint(tiny_checkpoint) -> Path:
 def good_export(checkpoint, tmp_path_factory) -> Path:
     """An export to copy to OUT before a --force export that is then killed."""
     return export_model(checkpoint, tmp_path_factory.mktemp("good") / "out", layers_per_chunk=1, context_length=64,
-                        prefill_length=32, progress=False)
+                        prefill_length=32, progress=False, verify=False)
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -212,7 +212,7 @@ def test_workers_of_a_killed_export_end_and_its_partial_folder_goes_with_the_nex
     if method != convert.start_method() or pdeathsig != ("1" if method == "fork" else "0"):
         return  # the next export runs once: after the kill of an export started the default way
     files = json.loads((out / "manifest.json").read_text())["files"]
-    export_model(checkpoint, out, force=True, layers_per_chunk=1, context_length=64, prefill_length=32, progress=False)
+    export_model(checkpoint, out, force=True, layers_per_chunk=1, context_length=64, prefill_length=32, progress=False, verify=False)
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # the partial folder and the lock gone
     assert json.loads((out / "manifest.json").read_text())["files"] == files
     assert not (out / OWNER_FILE).exists()

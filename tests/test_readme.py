@@ -46,7 +46,7 @@ def clone(tiny_checkpoint, tmp_path_factory) -> Path:
     (root / "benchmarks").mkdir()
     shutil.copyfile(ROOT / "benchmarks" / "document.txt", root / "benchmarks" / "document.txt")
     export_model(tiny_checkpoint(), root / "out" / "smollm2", context_length=2048, context_buckets=2048,
-                 prefill_length=64, progress=False)
+                 prefill_length=64, progress=False, verify=False)
     return root
 
 

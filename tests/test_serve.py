@@ -55,7 +55,7 @@ def export(tiny_checkpoint, tmp_path_factory):
 
     return export_model(tiny_checkpoint(num_hidden_layers=3, head_dim=32), tmp_path_factory.mktemp("serve") / "tiny",
                         context_length=512, prefill_length=64, layers_per_chunk=2, branch_width=8, suffix_length=64,
-                        progress=False)
+                        progress=False, verify=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from .errors import user_errors
-from .options import BACKEND, MIN_P, REPETITION_PENALTY, TEMPERATURE, TEXT, TOP_P, not_utf8
+from .options import BACKEND, TEXT, not_utf8, sampling_options
 
 COMMANDS_HELP = {
     "/help": "this list",
@@ -34,21 +34,12 @@ HINT = "/help for commands"
 @click.command("chat")
 @click.argument("out", type=click.Path(path_type=str))  # as typed: "./x" stays a path
 @click.option("--system", type=TEXT, default=None, help="A system prompt, kept through context shifts.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Longest reply.")
 @click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
 @click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
-@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
-@click.option("--min-p", type=MIN_P, default=0.0, show_default=True,
-              help="Keep tokens at least this fraction as likely as the most likely one (0 = off).")
-@click.option("--repetition-penalty", type=REPETITION_PENALTY, default=1.0, show_default=True,
-              help="Lower the logits of the last 64 context tokens (1 = off).")
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", type=TEXT, multiple=True, help="End a reply at this string (repeatable).")
+@sampling_options(max_new_tokens=256)
 @click.option("--prompt-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Resume the conversation saved in this file if it exists, and save it there on leaving.")
 @click.option("--speculative", default=None, metavar="lookup|draft:OUT",

@@ -21,8 +21,7 @@ import click
 
 from ..errors import InvalidArgumentError
 from .errors import user_errors
-from .options import (BACKEND, MIN_P, REPETITION_PENALTY, TEMPERATURE, TEXT, TOP_P, OptionError, Utf8File,
-                      read_text_arg)
+from .options import BACKEND, TEXT, OptionError, Utf8File, read_text_arg, sampling_options
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 # Where a raw (untemplated) answer to a document question ends unless --stop says otherwise: a
@@ -38,28 +37,18 @@ RAW_ANSWER_STOP = "\n\n"
               help="Read the prompt (e.g. a document) from this UTF-8 file; - reads standard input.")
 @click.option("--question", "questions", type=TEXT, multiple=True,
               help="A question about the prompt (repeatable): each is a branch over the shared prompt. "
-                   f"Without the chat template an answer stops at a blank line unless --stop is given.")
+                   "Without the chat template an answer stops at a blank line unless --stop is given.")
 @click.option("--samples", type=int, default=None, help="Decode N samples of the prompt as branches.")
 @click.option("--raw", is_flag=True, help="Give the prompt as it is, without the model's chat template "
                                           "(which is applied by default when the export records one).")
 @click.option("--chat", is_flag=True, hidden=True, help="Wrap the prompt in the chat template (the default).")
 @click.option("--system", type=TEXT, default=None, help="A system prompt (with the chat template).")
-@click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
 @click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")
-@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
-@click.option("--min-p", type=MIN_P, default=0.0, show_default=True,
-              help="Keep tokens at least this fraction as likely as the most likely one (after top-p; 0 = off).")
-@click.option("--repetition-penalty", type=REPETITION_PENALTY, default=1.0, show_default=True,
-              help="Lower the logits of the last 64 context tokens: divided by it if positive, multiplied if "
-                   "negative (1 = off).")
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", type=TEXT, multiple=True, help="Stop at this string (repeatable).")
+@sampling_options(max_new_tokens=128)
 @click.option("--overflow", type=click.Choice(["stop", "shift"]), default="stop", show_default=True,
               help="At a full context: stop, or shift (keep the first --keep tokens and the most recent ones, "
                    "go on); a prompt longer than the context is shifted too.")
@@ -80,7 +69,7 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
             prompt_cache, speculative, draft_tokens, as_json):
     """Generate text from the export in OUT (a folder or a Hugging Face repo id)."""
     started = time.perf_counter()
-    _check_options(prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, speculative,
+    _check_options(prompt, prompt_file, questions, samples, raw, chat, system, speculative,
                    draft_tokens, repetition_penalty, overflow, keep)
     text = prompt if prompt is not None else read_text_arg(prompt_file, "--prompt-file")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -122,7 +111,7 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
             model.close()
 
 
-def _check_options(prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, speculative,
+def _check_options(prompt, prompt_file, questions, samples, raw, chat, system, speculative,
                    draft_tokens, repetition_penalty, overflow, keep) -> None:
     """Refuse options that cannot go together, by flag, before any model loads."""
     if (prompt is None) == (prompt_file is None):
@@ -139,8 +128,6 @@ def _check_options(prompt, prompt_file, questions, samples, raw, chat, system, m
         raise click.UsageError("--system needs the chat template: drop --raw")
     if samples is not None and samples < 1:
         raise OptionError(f"--samples must be at least 1, got {samples}")
-    if max_new_tokens < 1:
-        raise OptionError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if repetition_penalty != 1.0 and (questions or samples is not None or speculative is not None):
         raise click.UsageError("--repetition-penalty decodes one plain continuation: drop --question/--samples/"
                                "--speculative")

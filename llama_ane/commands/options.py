@@ -1,5 +1,6 @@
-"""Option types shared by the commands: numbers that must be finite (and in range), and text that
-must be UTF-8.
+"""Options shared by the commands: types for numbers that must be finite (and in range) and text
+that must be UTF-8, the click options built from the export option table, and the sampling options
+of `generate` and `chat`.
 
 A value that fails here is refused while click parses the command line, before any model is
 loaded, with one `Error:` line that names the flag and exit code 1 (as every bad value the commands
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import click
+
+if TYPE_CHECKING:
+    from ..contract.options import Option
 
 
 class OptionError(click.ClickException):
@@ -78,10 +82,80 @@ class FiniteFloat(click.ParamType):
         return x
 
 
+class AtLeast(click.ParamType):
+    """An integer of at least `minimum`, refused (as FiniteFloat refuses) with one line naming the flag."""
+
+    name = "integer"
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise OptionError(f"{flag_of(param)} must be an integer, got {value!r}") from None
+        if n < self.minimum:
+            raise OptionError(f"{flag_of(param)} must be at least {self.minimum}, got {n}")
+        return n
+
+
 TEMPERATURE = FiniteFloat(minimum=0)
 TOP_P = FiniteFloat(minimum=0, maximum=1, min_open=True)
 MIN_P = FiniteFloat(minimum=0, maximum=1)
 REPETITION_PENALTY = FiniteFloat(minimum=0, min_open=True)
+
+Decorator = Callable[[Callable], Callable]
+
+
+def _stack(options: Iterable[Decorator]) -> Decorator:
+    """One decorator applying `options` so that --help lists them in the order given."""
+    options = list(options)
+
+    def decorate(f: Callable) -> Callable:
+        for add in reversed(options):
+            f = add(f)
+        return f
+    return decorate
+
+
+def click_type(opt: "Option") -> Any:
+    """The click type of an export option (see contract.options.Option)."""
+    if opt.choices:
+        return click.Choice(opt.choices)
+    if opt.type is float:
+        return FiniteFloat(minimum=opt.minimum, min_open=opt.min_open, unit=opt.unit)
+    if opt.type is Path:
+        return click.Path(path_type=Path)
+    return opt.type
+
+
+def options_from(table: Iterable["Option"]) -> Decorator:
+    """The click options of `table` (contract.options.EXPORT_OPTIONS): each option's flag, type,
+    default, help and metavar, its parameter named as the API's keyword."""
+    return _stack(click.option(opt.flag, opt.name, type=click_type(opt), default=opt.default, show_default=True,
+                               metavar=opt.metavar, help=opt.help or None) for opt in table)
+
+
+def sampling_options(max_new_tokens: int) -> Decorator:
+    """The sampling options of `generate` and `chat` (what `/set` in chat changes, checked by these
+    same click types): --max-new-tokens (its default the command's), --temperature, --top-k,
+    --top-p, --min-p, --repetition-penalty, --seed and --stop."""
+    return _stack([
+        click.option("--max-new-tokens", type=AtLeast(1), default=max_new_tokens, show_default=True,
+                     help="Longest reply, in tokens."),
+        click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", type=TOP_P, default=1.0, show_default=True),
+        click.option("--min-p", type=MIN_P, default=0.0, show_default=True,
+                     help="Keep tokens at least this fraction as likely as the most likely one (after top-p; "
+                          "0 = off)."),
+        click.option("--repetition-penalty", type=REPETITION_PENALTY, default=1.0, show_default=True,
+                     help="Lower the logits of the last 64 context tokens: divided by it if positive, multiplied "
+                          "if negative (1 = off)."),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", type=TEXT, multiple=True, help="End a reply at this string (repeatable)."),
+    ])
 
 
 class LazyChoice(click.Choice):

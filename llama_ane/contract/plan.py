@@ -3,179 +3,25 @@ and the manifest that records them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
 from ..model.lm_head import ROW_UNIT, vocab_splits
 from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
-from ..errors import LlamaANEError
 from ..limits import BYTES_PER_WEIGHT, MAX_FUNCTIONS_PER_PACKAGE, PRECISION_DTYPES, weight_budget
-from ..quantize import Compression, QuantizeOptions, check_divides, stored_bytes
+from ..quantize import Compression, check_divides, stored_bytes
 from ..quantize.auto import unit_of
 from ..quantize.schemes import AT_LOAD
 from .manifest import new_manifest
-from .specs import KV_CACHE_KINDS, chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
+# the options live in .options, which the command line reads without importing the network; the
+# names stay importable from here, where the plan that uses them lives
+from .options import (COREAI, COREAI_SUFFIX, FIRST_BUCKET, FOLD_CHOICES, KV_CACHE_CHOICES, MAX_BUCKETS,
+                      MULTIFUNCTION_TARGETS, TARGETS, ExportOptions, ExportOptionsError, auto_buckets, auto_kv_cache,
+                      check_coreai)
+from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
 from ..checkpoint.loader import Checkpoint, load_checkpoint
-
-TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15", "coreai")
-MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
-COREAI = "coreai"  # Core AI .aimodel assets (export/coreai.py) instead of Core ML packages
-COREAI_SUFFIX = ".aimodel"
-FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
-MAX_BUCKETS = 6  # 512 .. 16384
-KV_CACHE_CHOICES = ("auto", *KV_CACHE_KINDS)  # what --kv-cache accepts; auto resolves to one of the kinds
-FOLD_CHOICES = ("auto", "yes", "no")  # --fold-lm-head
-
-
-class ExportOptionsError(LlamaANEError, ValueError):
-    """Export options that cannot work together; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    context_length: int = 1024
-    prefill_length: int = 64
-    layers_per_chunk: int | None = None
-    target: str = "iOS18"
-    precision: str = "fp16"
-    branch_width: int = 8
-    suffix_length: int = 256
-    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
-    # "auto" (the default) resolves to "state" where states work (auto_kv_cache), else "inputs"
-    kv_cache: str = "auto"
-    # W of the "verify" functions (speculative decoding); 0 = none, the default: every function is
-    # compiled and loaded on the device, so an app that decodes speculatively asks for one. Never
-    # with state caches (the accepted path is written by the cache-update model, which cannot
-    # write a chunk's states)
-    verify_window: int = 0
-    # the context buckets: the cache lengths with prefill and decode functions of their own. "auto"
-    # (or None): powers of two from FIRST_BUCKET (or the prefill window) up to the context length,
-    # on targets whose packages hold several functions; one size: one bucket, the whole context
-    context_buckets: tuple[int, ...] | str | int | None = "auto"
-    # the last chunk carries the LM head, saving a Core ML call per step: "auto" where the head's
-    # weights fit beside the chunk's in one package, "yes" (refused where they do not), "no"
-    fold_lm_head: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.kv_cache == "auto":
-            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window))
-        buckets = self.context_buckets
-        if buckets is None or buckets == "auto":
-            buckets = auto_buckets(self.context_length, self.prefill_length, self.multifunction)
-        elif isinstance(buckets, int):
-            buckets = (buckets,)
-        elif isinstance(buckets, str):
-            raise ExportOptionsError(f"--context-buckets must be 'auto' or sizes, got {buckets!r}")
-        object.__setattr__(self, "context_buckets", tuple(int(b) for b in buckets))
-
-    def check(self) -> None:
-        if self.prefill_length < 1:
-            raise ExportOptionsError(f"--prefill-length must be at least 1, got {self.prefill_length}")
-        if self.context_length < 1 or self.context_length % self.prefill_length:
-            raise ExportOptionsError(
-                f"--context-length {self.context_length} must be a positive multiple of the prefill window "
-                f"{self.prefill_length}; try {max(1, round(self.context_length / self.prefill_length)) * self.prefill_length}")
-        if self.context_length % 32:
-            raise ExportOptionsError(f"--context-length {self.context_length} must be a multiple of 32 (ANE cache rule)")
-        if self.layers_per_chunk is not None and self.layers_per_chunk < 1:
-            raise ExportOptionsError(f"--layers-per-chunk must be at least 1, got {self.layers_per_chunk}")
-        if self.target not in TARGETS:
-            raise ExportOptionsError(f"--target {self.target!r} is not one of {', '.join(TARGETS)}")
-        if self.branch_width < 0:
-            raise ExportOptionsError(f"--branches must be >= 0 (0 = no cascade function), got {self.branch_width}")
-        if self.branch_width and (self.suffix_length < 32 or self.suffix_length % 32):
-            raise ExportOptionsError(f"--suffix-length must be a positive multiple of 32 (ANE cache rule), "
-                                     f"got {self.suffix_length}")
-        if self.verify_window < 0 or self.verify_window == 1 or self.verify_window > self.context_length:
-            raise ExportOptionsError(f"--verify-window must be 0 (no speculative decoding) or 2..{self.context_length}, "
-                                     f"got {self.verify_window}")
-        self._check_buckets()
-        if self.precision not in ("fp16", "fp32"):
-            raise ExportOptionsError(f"--precision must be fp16 or fp32, got {self.precision!r}")
-        if self.quantize.active and self.precision != "fp16":
-            raise ExportOptionsError("--quantize compresses fp16 weights: drop --precision fp32")
-        if self.target == COREAI:
-            check_coreai(self)
-        else:
-            self.quantize.check(self.target)
-        if self.fold_lm_head not in FOLD_CHOICES:
-            raise ExportOptionsError(f"--fold-lm-head must be one of {', '.join(FOLD_CHOICES)}, "
-                                     f"got {self.fold_lm_head!r}")
-        if self.kv_cache not in KV_CACHE_KINDS:
-            raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
-        if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
-            raise ExportOptionsError(f"--kv-cache state needs Core ML states, which --target {self.target} does not "
-                                     f"have: use --target {' or '.join(MULTIFUNCTION_TARGETS)}, or --kv-cache inputs")
-        if self.kv_cache == "state" and self.verify_window:
-            raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
-                                     "written by the cache-update model, which cannot write the chunks' states; "
-                                     "drop --verify-window, or use --kv-cache inputs")
-        if self.kv_cache == "state" and self.precision != "fp16":
-            raise ExportOptionsError("--kv-cache state keeps the caches in Core ML states, which are float16: "
-                                     "drop --precision fp32, or use --kv-cache inputs")
-
-    def _check_buckets(self) -> None:
-        b = self.context_buckets
-        if list(b) != sorted(set(b)) or not b:
-            raise ExportOptionsError(f"--context-buckets must be distinct sizes in ascending order, got "
-                                     f"{','.join(map(str, b))}")
-        if b[-1] != self.context_length:
-            raise ExportOptionsError(f"the largest of --context-buckets ({b[-1]}) must be --context-length "
-                                     f"({self.context_length}): it is the context the export holds")
-        for size in b:
-            if size % 32 or size < self.prefill_length:
-                raise ExportOptionsError(f"context bucket {size} must be a multiple of 32 (ANE cache rule) and hold "
-                                         f"a prefill window ({self.prefill_length})")
-        if len(b) > 1 and not self.multifunction:
-            raise ExportOptionsError(f"--context-buckets with several sizes needs packages that share weights between "
-                                     f"functions, which --target {self.target} does not have: use --target "
-                                     f"{' or '.join(MULTIFUNCTION_TARGETS)}, or --context-buckets {self.context_length}")
-        if len(b) > MAX_BUCKETS:
-            raise ExportOptionsError(f"--context-buckets has {len(b)} sizes; at most {MAX_BUCKETS} (each adds a "
-                                     "prefill and a decode function that the device compiles and loads)")
-
-    @property
-    def multifunction(self) -> bool:
-        return self.target in MULTIFUNCTION_TARGETS or self.target == COREAI  # an asset holds several functions
-
-
-def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
-    """What --kv-cache auto becomes: "state" where Core ML states work (an iOS18/macOS15 target,
-    fp16, no verify function: see `ExportOptions.check`), else "inputs". States save a Core ML
-    call per chunk and decode step: each chunk writes its own K/V, with no cache-update call."""
-    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window
-    return "state" if states else "inputs"
-
-
-def check_coreai(opts: ExportOptions) -> None:
-    """Refuse what --target coreai does not build: compression other than one LUT scheme for every
-    part (coreai-opt palettization), scaled or blockwise forms, and caches in states."""
-    q = opts.quantize
-    if q.recipe is not None:
-        raise ExportOptionsError("--target coreai compresses every part with one LUT scheme: drop --quantize auto "
-                                 "and --quantize-recipe, use --quantize lut8, lut6 or lut4")
-    schemes = set(q.schemes.values()) if q.active else set()
-    if schemes and (len(schemes) > 1 or not next(iter(schemes)).startswith("lut")):
-        raise ExportOptionsError(f"--target coreai compresses weights with coreai-opt palettization only, one scheme "
-                                 f"for every part; got {', '.join(sorted(schemes))}: use --quantize lut8, lut6 or lut4 "
-                                 "without per-part overrides, or an iOS/macOS target for integer weights")
-    if q.block_size or q.lut_block_size is not None:
-        raise ExportOptionsError("--target coreai has plain LUTs (one per tensor, or per --group-size channels): "
-                                 "drop --block-size and --lut-block-size")
-    if opts.kv_cache == "state":
-        raise ExportOptionsError("--target coreai passes the caches as inputs: use --kv-cache inputs (or auto)")
-
-
-def auto_buckets(context_length: int, prefill_length: int, multifunction: bool = True) -> tuple[int, ...]:
-    """The default context buckets: FIRST_BUCKET (or the prefill window, when longer), doubling, up to
-    `context_length`; one bucket where functions cannot share weights."""
-    sizes, size = [], max(FIRST_BUCKET, prefill_length)
-    while multifunction and size < context_length:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, context_length)
 
 
 def created_by() -> dict:
