@@ -68,8 +68,6 @@ def traffic(prefix, batch, suffix, hq, hkv, path, n_states=0):
 def run_grid(timer, fi, log):
     import torch
 
-    from llama_ane.cuda.cascade import SharedPrefixBatch
-
     ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     points = []
     for hq, hkv in HEADS:
@@ -78,10 +76,8 @@ def run_grid(timer, fi, log):
                 for batch in BATCHES:
                     t = make_batch(prefix, batch, suffix, hkv, torch.float16)
                     q = torch.randn(batch, hq, D, device="cuda", dtype=torch.float16)
-                    plans = {p: SharedPrefixBatch(
-                        t["prefix_indices"], prefix, t["suffix_indptr"], t["suffix_indices"],
-                        t["suffix_last"], num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
-                        page_size=PAGE, path=p) for p in ("cascade", "decode", "auto")}
+                    plans = {p: planned(t, prefix, hq, hkv, p)
+                             for p in ("cascade", "decode", "auto")}
                     cache = t["cache"]
                     rec = dict(prefix=prefix, batch=batch, suffix=suffix, hq=hq, hkv=hkv,
                                auto_path=plans["auto"].path)
@@ -190,12 +186,15 @@ def run_decode_bandwidth(timer, fi, log):
     return out
 
 
-def _plan(t, prefix, hq, hkv, path, **kw):
+def planned(t, prefix, hq, hkv, path, **kw):
+    """A SharedPrefixBatch (``path``, launch overrides ``kw``) planned for the batch ``t`` of
+    :func:`make_batch`."""
     from llama_ane.cuda.cascade import SharedPrefixBatch
 
-    return SharedPrefixBatch(t["prefix_indices"], prefix, t["suffix_indptr"], t["suffix_indices"],
-                             t["suffix_last"], num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
-                             page_size=PAGE, path=path, **kw)
+    attention = SharedPrefixBatch(hq, hkv, D, PAGE, path=path, **kw)
+    attention.plan(t["prefix_indices"], prefix, t["suffix_indptr"], t["suffix_indices"],
+                   t["suffix_last"])
+    return attention
 
 
 def run_sweeps(timer, log):
@@ -211,7 +210,7 @@ def run_sweeps(timer, log):
             for name, cfg in (("sequential", dict(overlap=False)),
                               ("overlap", dict(overlap=True))):
                 for splits in (4, 8):
-                    plan = _plan(t, prefix, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
+                    plan = planned(t, prefix, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
                     ms = timer.median_ms(lambda: plan.run(q, t["cache"]))
                     rows.append(dict(kind="cascade", hq=hq, hkv=hkv, prefix=prefix, batch=batch,
                                      suffix=suffix, schedule=name, splits=splits, ms=ms))

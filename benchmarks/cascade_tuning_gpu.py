@@ -232,10 +232,9 @@ DECODE_CONFIGS = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 4, 2), (16, 32, 4, 
 
 def suffix_section(timer, log) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    from cascade_gpu import make_batch
+    from cascade_gpu import make_batch, planned
 
     from llama_ane.cuda import ops
-    from llama_ane.cuda.cascade import SharedPrefixBatch
 
     for hq, hkv in ((32, 32), (32, 8)):
         t = make_batch(PREFIX, BATCH, SUFFIX, hkv, torch.float16)
@@ -291,9 +290,7 @@ def suffix_section(timer, log) -> None:
                 f"{100 * nbytes / (ms * 1e-3) / HBM_PEAK:.1f}% of HBM, max |o diff| {err:.1e}")
         if multi:
             # the overlap schedule with the best of them as the suffix decode
-            plan = SharedPrefixBatch(t["prefix_indices"], PREFIX, *suffix, num_qo_heads=hq,
-                                     num_kv_heads=hkv, head_dim=D, page_size=PAGE,
-                                     path="cascade", config=dict(overlap=True))
+            plan = planned(t, PREFIX, hq, hkv, "cascade", config=dict(overlap=True))
             best = multi[min(multi)]
             o_ref, _ = plan.run(q, cache)
             side = torch.cuda.Stream(priority=-1)
@@ -319,9 +316,7 @@ def suffix_section(timer, log) -> None:
             for bn in (64, 128):
                 cfg = dict(overlap=True, decode=dict(BLOCK_G=max(16, group), BLOCK_N=bn,
                                                      num_warps=4, num_stages=3))
-                plan = SharedPrefixBatch(t["prefix_indices"], PREFIX, *suffix, num_qo_heads=hq,
-                                         num_kv_heads=hkv, head_dim=D, page_size=PAGE,
-                                         path="cascade", config=cfg, prefix_splits=splits)
+                plan = planned(t, PREFIX, hq, hkv, "cascade", config=cfg, prefix_splits=splits)
                 ms = timer.median_ms(lambda plan=plan: plan.run(q, cache))
                 log(f"cascade {hq}/{hkv} overlap prefix splits={splits} decode BN={bn}: "
                     f"{ms:.4f} ms")
@@ -330,9 +325,7 @@ def suffix_section(timer, log) -> None:
             for g, bn, warps, stages in configs[:3] + [c for c in configs if c[0] == 1][:2]:
                 cfg = dict(overlap=overlap, decode=dict(BLOCK_G=g, BLOCK_N=bn, num_warps=warps,
                                                         num_stages=stages))
-                plan = SharedPrefixBatch(
-                    t["prefix_indices"], PREFIX, *suffix, num_qo_heads=hq, num_kv_heads=hkv,
-                    head_dim=D, page_size=PAGE, path="cascade", config=cfg)
+                plan = planned(t, PREFIX, hq, hkv, "cascade", config=cfg)
                 o, _ = plan.run(q, cache)
                 base = o if base is None else base
                 ms = timer.median_ms(lambda plan=plan: plan.run(q, cache))

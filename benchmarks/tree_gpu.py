@@ -117,9 +117,8 @@ def main() -> int:
             s_indptr, s_indices, s_last = csr(suffixes)
             max_len = max(len(p) for p in paths)
             prompt_pages = torch.tensor(node_slots[0], dtype=torch.int32, device="cuda")
-            cascade = SharedPrefixBatch(prompt_pages, PROMPT, s_indptr, s_indices, s_last,
-                                        num_qo_heads=hq, num_kv_heads=hkv, head_dim=D,
-                                        page_size=1, path="cascade")
+            cascade = SharedPrefixBatch(hq, hkv, D, 1, path="cascade")
+            cascade.plan(prompt_pages, PROMPT, s_indptr, s_indices, s_last)
             t0 = time.perf_counter()
             plan = build_tree_plan(parents, node_slots, query_nodes, group=hq // hkv,
                                    num_kv_heads=hkv, num_sms=ops.num_sms(q.device), device="cuda")

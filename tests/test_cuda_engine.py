@@ -125,3 +125,21 @@ def test_cuda_graph_replays_the_eager_step(tiny_llama, path, page_size):
     assert graph.paths_used == eager.paths_used == {path: eager.steps}
     print(f"{path} page {page_size}: eager {eager.tokens_per_second:.0f} tokens/s, "
           f"graph {graph.tokens_per_second:.0f} tokens/s")
+
+
+@pytest.mark.parametrize("path", ["cascade", "decode"])
+def test_engine_replans_its_attention_for_each_generation(tiny_llama, path):
+    """One engine keeps its attention object across generations of other sizes and plans it again
+    for each: its tokens are a fresh engine's."""
+    from llama_ane.cuda.engine import GPUEngine, load_hf_model
+
+    model, _ = load_hf_model(tiny_llama)
+    prompt = _branches(6, 1, 200, 200)[0]
+    branches = _branches(7, 5, 1, 20)
+    fresh = GPUEngine(model, dtype=torch.float16).generate(prompt, branches, 16, path=path)
+    engine = GPUEngine(model, dtype=torch.float16)
+    engine.generate(_branches(8, 1, 600, 600)[0], _branches(9, 12, 1, 40), 24, path=path)
+    attention = engine._attention[path]
+    again = engine.generate(prompt, branches, 16, path=path)
+    assert engine._attention[path] is attention
+    assert again.tokens == fresh.tokens

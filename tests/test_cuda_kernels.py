@@ -96,31 +96,131 @@ CASCADE_CASES = [  # (batch, prefix, max suffix, page size)
 ]
 
 
+def _cascade_batch(batch, prefix_len, max_suffix, page_size, hq, hkv, d, dtype):
+    """A random cache, one shared prefix and random suffixes on it, and queries:
+    ``(cache, tables, q)`` with ``tables`` in :meth:`SharedPrefixBatch.plan`'s order."""
+    gen = torch.Generator().manual_seed(batch + prefix_len + max_suffix)
+    suffix = torch.randint(1, max_suffix + 1, (batch,), generator=gen).tolist()
+    cache, indptr, indices, last, g = _make_cache([prefix_len] + suffix, page_size, hkv, d,
+                                                  dtype, prefix_len + max_suffix)
+    tables = (indices[: int(indptr[1])], prefix_len, (indptr[1:] - indptr[1]).contiguous(),
+              indices[int(indptr[1]):].contiguous(), last[1:].contiguous())
+    return cache, tables, torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
+
+
+def _attention(hq, hkv, d, page_size, path):
+    """A SharedPrefixBatch for ``path``: cascade, overlap (the cascade on two streams), decode
+    or auto."""
+    from llama_ane.cuda.cascade import SharedPrefixBatch
+
+    return SharedPrefixBatch(hq, hkv, d, page_size, device="cuda",
+                             path="cascade" if path == "overlap" else path,
+                             config={"overlap": True} if path == "overlap" else None)
+
+
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
 def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
     from llama_ane.cuda import reference as ref
-    from llama_ane.cuda.cascade import SharedPrefixBatch
 
     d = 128
-    gen = torch.Generator().manual_seed(batch + prefix_len + max_suffix)
-    suffix = torch.randint(1, max_suffix + 1, (batch,), generator=gen).tolist()
-    cache, indptr, indices, last, g = _make_cache([prefix_len] + suffix, page_size, hkv, d,
-                                                  dtype, prefix_len + max_suffix)
-    prefix_pages = indices[: int(indptr[1])]
-    s_indptr = (indptr[1:] - indptr[1]).contiguous()
-    s_indices = indices[int(indptr[1]):].contiguous()
-    s_last = last[1:].contiguous()
-    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
-    plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, s_last,
-                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-                             path="cascade" if path == "overlap" else path,
-                             config={"overlap": True} if path == "overlap" else None)
-    o, lse = plan.run(q, cache)
-    want = ref.cascade_ref(q, cache, prefix_pages, prefix_len, s_indptr, s_indices, s_last)
-    _assert_state(o, lse, *want, dtype)
+    cache, tables, q = _cascade_batch(batch, prefix_len, max_suffix, page_size, hq, hkv, d, dtype)
+    attention = _attention(hq, hkv, d, page_size, path)
+    attention.plan(*tables)
+    o, lse = attention.run(q, cache)
+    _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
+
+
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode"])
+def test_plan_once_run_twice(path):
+    """Runs read the plan, never change it: a second run gives the first one's exact output."""
+    from llama_ane.cuda import reference as ref
+
+    hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.float16
+    cache, tables, q = _cascade_batch(16, 1024, 128, page_size, hq, hkv, d, dtype)
+    attention = _attention(hq, hkv, d, page_size, path)
+    attention.plan(*tables)
+    o1, lse1 = attention.run(q, cache)
+    o2, lse2 = attention.run(q, cache)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    _assert_state(o1, lse1, *ref.cascade_ref(q, cache, *tables), dtype)
+
+
+@pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
+@pytest.mark.parametrize("grow", [False, True])
+def test_replan_equals_a_fresh_object(path, grow):
+    """Planning one object for a second batch (another size, another prefix) gives exactly what a
+    new object planned for that batch gives, whether its buffers shrink or grow."""
+    from llama_ane.cuda import reference as ref
+
+    hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.float16
+    small, large = (8, 1024, 200, page_size), (64, 4096, 64, page_size)
+    first, second = (small, large) if grow else (large, small)
+    attention = _attention(hq, hkv, d, page_size, path)
+    cache, tables, q = _cascade_batch(*first, hq, hkv, d, dtype)
+    attention.plan(*tables)
+    attention.run(q, cache)
+    cache, tables, q = _cascade_batch(*second, hq, hkv, d, dtype)
+    attention.plan(*tables)
+    o, lse = attention.run(q, cache)
+    fresh = _attention(hq, hkv, d, page_size, path)
+    fresh.plan(*tables)
+    o_fresh, lse_fresh = fresh.run(q, cache)
+    assert attention.path == fresh.path
+    assert torch.equal(o, o_fresh) and torch.equal(lse, lse_fresh)
+    _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
+
+
+@pytest.mark.parametrize("path", ["overlap", "decode"])
+def test_replan_reuses_buffers_that_fit(path):
+    """A plan that fits the buffers of an earlier, larger one takes them (and the side stream)
+    instead of allocating new ones."""
+    from llama_ane.cuda import reference as ref
+
+    hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.float16
+    attention = _attention(hq, hkv, d, page_size, path)
+    cache, tables, q = _cascade_batch(16, 4096, 128, page_size, hq, hkv, d, dtype)
+    attention.plan(*tables)
+    attention.run(q, cache)
+    held = [attention.o_buf.data_ptr(), attention.lse_buf.data_ptr()]
+    if path == "decode":
+        held += [attention.full_indptr.data_ptr(), attention.full_indices.data_ptr()]
+    stream = attention.side_stream
+    cache, tables, q = _cascade_batch(2, 1024, 64, page_size, hq, hkv, d, dtype)
+    attention.plan(*tables)
+    now = [attention.o_buf.data_ptr(), attention.lse_buf.data_ptr()]
+    if path == "decode":
+        now += [attention.full_indptr.data_ptr(), attention.full_indices.data_ptr()]
+    assert now == held
+    assert attention.side_stream is stream and (stream is not None) == (path == "overlap")
+    o, lse = attention.run(q, cache)
+    _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
+
+
+def test_run_needs_a_matching_plan():
+    """run and set_suffix_lengths refuse before any plan, after a plan that raised, and for a
+    batch of another shape than planned."""
+    from llama_ane.errors import LlamaANEError
+
+    hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.float16
+    attention = _attention(hq, hkv, d, page_size, "decode")
+    cache, tables, q = _cascade_batch(4, 1024, 32, page_size, hq, hkv, d, dtype)
+    with pytest.raises(LlamaANEError, match="no plan"):
+        attention.run(q, cache)
+    with pytest.raises(LlamaANEError, match="no plan"):
+        attention.set_suffix_lengths(torch.ones(4, dtype=torch.int32, device="cuda"))
+    attention.plan(*tables)
+    with pytest.raises(ValueError, match="plan again"):
+        attention.run(q[:2], cache)
+    _, unaligned, _ = _cascade_batch(4, 1000, 32, page_size, hq, hkv, d, dtype)
+    with pytest.raises(ValueError, match="page-aligned"):
+        attention.plan(*unaligned)
+    with pytest.raises(LlamaANEError, match="no plan"):
+        attention.run(q, cache)
+    with pytest.raises(ValueError, match="int32"):
+        attention.plan(tables[0].long(), *tables[1:])
 
 
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size",
@@ -140,13 +240,13 @@ def test_plan_with_reserved_pages_follows_set_suffix_lengths(batch, prefix_len, 
     s_indptr = (indptr[1:] - indptr[1]).contiguous()
     s_indices = indices[int(indptr[1]):].contiguous()
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
-    plan = SharedPrefixBatch(prefix_pages, prefix_len, s_indptr, s_indices, last[1:].clone(),
-                             num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
-                             path="decode" if path == "decode" else "cascade",
-                             config={"overlap": path == "overlap"})
+    attention = SharedPrefixBatch(hq, hkv, d, page_size, device="cuda",
+                                  path="decode" if path == "decode" else "cascade",
+                                  config={"overlap": path == "overlap"})
+    attention.plan(prefix_pages, prefix_len, s_indptr, s_indices, last[1:].clone())
     lengths = torch.randint(1, max_suffix + 1, (batch,), generator=torch.Generator().manual_seed(7))
-    plan.set_suffix_lengths(lengths.to(torch.int32).cuda())
-    o, lse = plan.run(q, cache)
+    attention.set_suffix_lengths(lengths.to(torch.int32).cuda())
+    o, lse = attention.run(q, cache)
     # the tables of exactly the pages in use
     pages = (lengths + page_size - 1) // page_size
     starts = s_indptr[:-1].cpu()

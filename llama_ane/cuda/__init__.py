@@ -6,7 +6,8 @@ triton; only launching a kernel does):
 * ``kernels``    pure ``@triton.jit`` kernels
 * ``ops``        checked wrappers: batch_decode, shared_prefix_attention (paged or ordered
                  pages), merge_state(s), merge_state_in_place, tree_attention
-* ``cascade``    SharedPrefixBatch (two-level cascade with auto-dispatch), cascade_attention
+* ``cascade``    SharedPrefixBatch (two-level cascade with auto-dispatch: built once, then
+                 plan per batch and run per layer), cascade_attention (one shot)
 * ``cost_model`` the cascade-or-decode model; ``splits`` the split-KV heuristics
 * ``tree``       DeFT-style tree plans; ``tree_batch`` TreeBatch (tree kernel or cascade per tree)
 * ``reference``  torch references; ``lse`` LSE conventions

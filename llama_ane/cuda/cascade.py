@@ -1,13 +1,19 @@
 """Two-level cascade for shared-prefix batch decoding, with per-call auto-dispatch.
 
-Like FlashInfer's wrappers this is split into ``plan`` (host work once per decode step: page tables,
-split counts, the cascade-or-decode decision) and ``run`` (launches only, once per layer).
+As FlashInfer's wrappers, :class:`SharedPrefixBatch` is built once for an attention shape and
+then used in two steps: ``plan`` (host work once per decode step: page tables, split counts, the
+cascade-or-decode decision) and ``run`` (launches only, once per layer). The partial-state
+buffers, the plain-decode page lists and the side stream live on the object and are reused by
+later plans, grown only when a plan needs more.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..errors import InvalidArgumentError, LlamaANEError
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
 from .splits import (choose_decode_splits, choose_overlap_prefix_splits, choose_prefix_splits,
@@ -23,16 +29,18 @@ OVERLAP_MIN_FLOPS = 2e10
 class SharedPrefixBatch:
     """A batch of requests that share one prefix and each own a suffix, in one paged KV cache.
 
+    Build it once per attention shape; call :meth:`plan` whenever the batch's page tables change
+    (once per decode step, or once per generation over pages reserved ahead with
+    :meth:`set_suffix_lengths` moving the lengths) and :meth:`run` once per layer.
+
     Parameters
     ----------
-    prefix_indices : int32 [n_prefix_pages], CUDA: the shared prefix's pages
-    prefix_len : tokens in the prefix
-    suffix_indptr, suffix_indices, suffix_last_page_len : int32 CSR page table of the suffixes
-        ([batch + 1], [nnz], [batch]); every request's query attends to prefix + its suffix
     num_qo_heads, num_kv_heads, head_dim, page_size : attention shape
-    path : ``"auto"`` (cost model), ``"cascade"`` or ``"decode"``
+    device : the CUDA device of the page tables, the cache and the queries
+    path : ``"auto"`` (cost model, per plan), ``"cascade"`` or ``"decode"``
     cost_model : constants of the auto decision
     sm_scale : default ``1 / sqrt(head_dim)``
+    elem_bytes : bytes per cache element, for the cost model
     config, prefix_splits, decode_splits : launch overrides for tuning runs (default: the tuned
         choices; ``decode_splits`` applies to the suffix of the cascade and to plain decode):
         ``{"prefix": {...}, "decode": {...}, "overlap": bool}``
@@ -41,34 +49,75 @@ class SharedPrefixBatch:
     ends on a page boundary. Otherwise ``auto`` uses the cascade and ``decode`` is refused.
     """
 
-    def __init__(self, prefix_indices: torch.Tensor, prefix_len: int, suffix_indptr: torch.Tensor,
-                 suffix_indices: torch.Tensor, suffix_last_page_len: torch.Tensor, *,
-                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 path: str = "auto", cost_model: CostModel = DEFAULT_COST_MODEL,
-                 sm_scale: float | None = None, elem_bytes: int = 2,
-                 config: dict | None = None, prefix_splits: int | None = None,
-                 decode_splits: int | None = None) -> None:
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+                 device: torch.device | str = "cuda", path: str = "auto",
+                 cost_model: CostModel = DEFAULT_COST_MODEL, sm_scale: float | None = None,
+                 elem_bytes: int = 2, config: dict | None = None,
+                 prefix_splits: int | None = None, decode_splits: int | None = None) -> None:
         if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+            raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
         if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of {num_kv_heads}")
-        device = prefix_indices.device
+            raise InvalidArgumentError(f"num_qo_heads {num_qo_heads} is not a multiple of "
+                                       f"num_kv_heads {num_kv_heads}")
+        device = torch.device(device)
         if device.type != "cuda":
-            raise ValueError(f"the page tables must be CUDA tensors, got them on {device}")
+            raise InvalidArgumentError(f"SharedPrefixBatch runs on a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.sm_scale = ops.default_scale(head_dim) if sm_scale is None else sm_scale
+        self.elem_bytes = elem_bytes
+        self.cost_model = cost_model
+        self.config = config
+        self.requested_path = path
+        self._prefix_splits, self._decode_splits = prefix_splits, decode_splits
+        self._num_sms = ops.num_sms(device)
+        self._stores: dict[str, torch.Tensor] = {}  # flat buffers that plans take views of
+        self.side_stream: torch.cuda.Stream | None = None  # made by the first overlapped plan
+        self.path: str | None = None  # the planned path; None until a plan succeeds
+        self.batch = 0
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape`` view of the flat buffer ``name``, made larger only when a plan
+        needs more than it holds (a fresh tensor of that shape has the same strides)."""
+        n = math.prod(shape)
+        store = self._stores.get(name)
+        if store is None or store.numel() < n or store.dtype != dtype:
+            store = torch.empty(n, dtype=dtype, device=self.device)
+            self._stores[name] = store
+        return store[:n].view(shape)
+
+    def plan(self, prefix_indices: torch.Tensor, prefix_len: int, suffix_indptr: torch.Tensor,
+             suffix_indices: torch.Tensor, suffix_last_page_len: torch.Tensor) -> None:
+        """Plan the next :meth:`run` calls for one batch (host work: reads the tables back).
+
+        Parameters
+        ----------
+        prefix_indices : int32 [n_prefix_pages]: the shared prefix's pages
+        prefix_len : tokens in the prefix
+        suffix_indptr, suffix_indices, suffix_last_page_len : int32 CSR page table of the
+            suffixes ([batch + 1], [nnz], [batch]); every request's query attends to prefix + its
+            suffix. The plan keeps these tensors: :meth:`run` reads them on the GPU, and
+            :meth:`set_suffix_lengths` writes ``suffix_last_page_len``.
+        """
+        self.path = None  # a plan that fails part-way leaves nothing to run
+        device = self.device
         for name, t in (("prefix_indices", prefix_indices), ("suffix_indptr", suffix_indptr),
                         ("suffix_indices", suffix_indices),
                         ("suffix_last_page_len", suffix_last_page_len)):
             if t.dtype != torch.int32 or t.device != device or t.dim() != 1:
-                raise ValueError(f"{name} must be a 1-D int32 tensor on {device}")
+                raise InvalidArgumentError(f"{name} must be a 1-D int32 tensor on {device}, got "
+                                           f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        num_qo_heads, num_kv_heads, head_dim = self.num_qo_heads, self.num_kv_heads, self.head_dim
+        page_size, elem_bytes, sms = self.page_size, self.elem_bytes, self._num_sms
+        cost_model, config = self.cost_model, self.config
         self.batch = suffix_indptr.numel() - 1
         self.prefix_len = int(prefix_len)
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.page_size = page_size
-        self.sm_scale = ops.default_scale(head_dim) if sm_scale is None else sm_scale
         self.prefix_indices = prefix_indices
         self.suffix = (suffix_indptr, suffix_indices, suffix_last_page_len)
         self._listed_before_last = None  # set_suffix_lengths' per-request offsets, made once
-        self.config = config
 
         indptr_h = suffix_indptr.cpu()
         last_h = suffix_last_page_len.cpu()
@@ -77,25 +126,27 @@ class SharedPrefixBatch:
         self.max_suffix = int(lengths.max()) if self.batch else 0
         mean_suffix = float(lengths.float().mean()) if self.batch else 0.0
         aligned = self.prefix_len % page_size == 0
-        sms = ops.num_sms(device)
 
+        path = self.requested_path
         if path == "auto":
             path = "cascade" if not aligned else cost_model.choose(
                 self.batch, self.prefix_len, mean_suffix, num_qo_heads, num_kv_heads, head_dim,
                 elem_bytes, num_sms=sms)
         if path == "decode" and not aligned:
-            raise ValueError(f"plain decode needs a page-aligned prefix; prefix_len "
-                             f"{self.prefix_len} is not a multiple of page_size {page_size}")
-        self.path = path
+            raise InvalidArgumentError(
+                f"plain decode needs a page-aligned prefix; prefix_len {self.prefix_len} is not a "
+                f"multiple of page_size {page_size} (use path 'cascade' or 'auto')")
 
+        self.overlap = False
+        self.o_buf = self.lse_buf = None
         if path == "cascade":
             rows = self.batch * (num_qo_heads // num_kv_heads)
             flops = 4.0 * rows * num_kv_heads * self.prefix_len * head_dim
             self.overlap = bool((config or {}).get("overlap", flops >= OVERLAP_MIN_FLOPS))
-            if self.overlap:
+            if self.overlap and self.side_stream is None:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
             block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or prefix_block_m(rows)
-            if self.overlap and prefix_splits is None:
+            if self.overlap and self._prefix_splits is None:
                 # as many prefix programs as leave the suffix decode room to run beside them
                 self.prefix_splits, self.prefix_chunk = choose_overlap_prefix_splits(
                     rows, block_m, num_kv_heads, self.prefix_len, sms,
@@ -105,34 +156,45 @@ class SharedPrefixBatch:
                                            elem_bytes))
             else:
                 self.prefix_splits, self.prefix_chunk = choose_prefix_splits(
-                    rows, block_m, num_kv_heads, self.prefix_len, sms, prefix_splits)
+                    rows, block_m, num_kv_heads, self.prefix_len, sms, self._prefix_splits)
             self.suffix_splits, self.suffix_chunk = choose_decode_splits(
-                self.batch, num_kv_heads, self.max_suffix, sms, decode_splits)
-            n_states = self.prefix_splits + self.suffix_splits
-            self.o_buf = torch.empty(self.batch, n_states, num_qo_heads, head_dim,
-                                     dtype=torch.float32, device=device)
-            self.lse_buf = torch.empty(self.batch, n_states, num_qo_heads, dtype=torch.float32,
-                                       device=device)
+                self.batch, num_kv_heads, self.max_suffix, sms, self._decode_splits)
+            self._state_buffers(self.prefix_splits + self.suffix_splits)
         else:
             # one page list per request: the shared prefix pages, then its own suffix pages
             n_prefix_pages = self.prefix_len // page_size
             prefix_h = prefix_indices[:n_prefix_pages].cpu()
             suffix_idx_h = suffix_indices.cpu()
-            rows = [torch.cat([prefix_h, suffix_idx_h[indptr_h[b]:indptr_h[b + 1]]])
-                    for b in range(self.batch)]
-            full_counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
-            self.full_indptr = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                          full_counts.cumsum(0)]).to(torch.int32).to(device)
-            self.full_indices = (torch.cat(rows) if rows else torch.zeros(0)).to(
-                torch.int32).to(device)
-            self.full_last = torch.where(counts > 0, last_h, page_size).to(torch.int32).to(device)
+            lists = [torch.cat([prefix_h, suffix_idx_h[indptr_h[b]:indptr_h[b + 1]]])
+                     for b in range(self.batch)]
+            full_counts = torch.tensor([r.numel() for r in lists], dtype=torch.int64)
+            full_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), full_counts.cumsum(0)])
+            full_indices = torch.cat(lists) if lists else torch.zeros(0)
+            self.full_indptr = self._table("full_indptr", full_indptr)
+            self.full_indices = self._table("full_indices", full_indices)
+            self.full_last = self._table("full_last", torch.where(counts > 0, last_h, page_size))
             self.decode_splits, self.decode_chunk = choose_decode_splits(
-                self.batch, num_kv_heads, self.prefix_len + self.max_suffix, sms, decode_splits)
+                self.batch, num_kv_heads, self.prefix_len + self.max_suffix, sms,
+                self._decode_splits)
             if self.decode_splits > 1:
-                self.o_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads, head_dim,
-                                         dtype=torch.float32, device=device)
-                self.lse_buf = torch.empty(self.batch, self.decode_splits, num_qo_heads,
-                                           dtype=torch.float32, device=device)
+                self._state_buffers(self.decode_splits)
+        self.path = path
+
+    def _table(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (host) as int32 in the reused device buffer ``name``."""
+        return self._buffer(name, tuple(values.shape), torch.int32).copy_(values.to(torch.int32))
+
+    def _state_buffers(self, n_states: int) -> None:
+        # fp32 partial states: merging splits in fp16 would lose the precision the split saved
+        self.o_buf = self._buffer("o", (self.batch, n_states, self.num_qo_heads, self.head_dim),
+                                  torch.float32)
+        self.lse_buf = self._buffer("lse", (self.batch, n_states, self.num_qo_heads),
+                                    torch.float32)
+
+    def _require_plan(self) -> None:
+        if self.path is None:
+            raise LlamaANEError("SharedPrefixBatch has no plan: call plan(...) with the batch's "
+                                "page tables first (a plan that raised leaves none)")
 
     def set_suffix_lengths(self, lengths: torch.Tensor) -> None:
         """Give every suffix a new length on its listed pages, without planning again.
@@ -146,6 +208,7 @@ class SharedPrefixBatch:
         The kernels take a request's length as ``(pages - 1) * page_size + last_page_len``, so
         pages listed past the length give a ``last_page_len`` of 0 or below.
         """
+        self._require_plan()
         if self._listed_before_last is None:  # tokens on the listed pages before the last one
             indptr = self.suffix[0]
             self._listed_before_last = (indptr[1:] - indptr[:-1] - 1) * self.page_size
@@ -189,7 +252,7 @@ class SharedPrefixBatch:
             ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of every request's query over prefix + its suffix.
+        """Attention of every request's query over prefix + its suffix, as last planned.
 
         Parameters
         ----------
@@ -201,12 +264,16 @@ class SharedPrefixBatch:
         o : [batch, num_qo_heads, head_dim], dtype of q
         lse : [batch, num_qo_heads] float32 (natural log)
         """
+        self._require_plan()
         batch, hq, hkv, d, page_size = ops._check_q_kv(q, kv_cache)
-        if (batch, hq, hkv, d, page_size) != (self.batch, self.num_qo_heads, self.num_kv_heads,
-                                              self.head_dim, self.page_size):
-            raise ValueError(f"q/kv_cache shape (batch, Hq, Hkv, D, page) = "
-                             f"{(batch, hq, hkv, d, page_size)} does not match the plan's "
-                             f"{(self.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)}")
+        planned = (self.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                   self.page_size)
+        if (batch, hq, hkv, d, page_size) != planned:
+            raise InvalidArgumentError(
+                f"q/kv_cache shape (batch, Hq, Hkv, D, page) = {(batch, hq, hkv, d, page_size)} "
+                f"does not match the plan's {planned}; plan again for this batch")
+        if q.device != self.device:
+            raise InvalidArgumentError(f"q is on {q.device}, the plan on {self.device}")
         out = torch.empty_like(q)
         lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
         if batch == 0:
@@ -234,8 +301,7 @@ def cascade_attention(q: torch.Tensor, kv_cache: torch.Tensor, prefix_indices: t
     Returns ``o`` [batch, num_qo_heads, head_dim] and natural-log ``lse`` [batch, num_qo_heads].
     """
     _, _, page_size, hkv, d = kv_cache.shape
-    plan = SharedPrefixBatch(prefix_indices, prefix_len, suffix_indptr, suffix_indices,
-                             suffix_last_page_len, num_qo_heads=q.shape[1], num_kv_heads=hkv,
-                             head_dim=d, page_size=page_size, path=path, sm_scale=sm_scale,
-                             elem_bytes=q.element_size())
-    return plan.run(q, kv_cache)
+    batch = SharedPrefixBatch(q.shape[1], hkv, d, page_size, device=q.device, path=path,
+                              sm_scale=sm_scale, elem_bytes=q.element_size())
+    batch.plan(prefix_indices, prefix_len, suffix_indptr, suffix_indices, suffix_last_page_len)
+    return batch.run(q, kv_cache)

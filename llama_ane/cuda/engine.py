@@ -122,6 +122,7 @@ class GPUEngine:
             self.layers.append(layer)
         # HF's rotary module knows every rope_scaling variant; it runs in float32
         self.rotary = model.model.rotary_emb.to(self.device)
+        self._attention: dict = {}  # requested path -> SharedPrefixBatch, made on first use
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -232,14 +233,18 @@ class GPUEngine:
         # launches that a CUDA graph replays
         prefix_pages = torch.arange(n_prefix_pages, device=dev, dtype=torch.int32)
         branch_base = n_prefix_pages + torch.arange(n_branches, device=dev) * pages_per_branch
-        plan = SharedPrefixBatch(
+        # one attention object per path, kept: later generations reuse its buffers and stream
+        attention = self._attention.get(path)
+        if attention is None:
+            attention = self._attention[path] = SharedPrefixBatch(
+                self.n_heads, self.n_kv, self.head_dim, ps, device=dev, path=path,
+                elem_bytes=self.embed.element_size())
+        attention.plan(
             prefix_pages, shared,
             torch.arange(n_branches + 1, device=dev, dtype=torch.int32) * pages_per_branch,
             (branch_base[:, None] + torch.arange(pages_per_branch, device=dev)[None]).reshape(-1)
             .to(torch.int32).contiguous(),
-            torch.full((n_branches,), ps, device=dev, dtype=torch.int32),
-            num_qo_heads=self.n_heads, num_kv_heads=self.n_kv, head_dim=self.head_dim,
-            page_size=ps, path=path, elem_bytes=self.embed.element_size())
+            torch.full((n_branches,), ps, device=dev, dtype=torch.int32))
         ids_buf = torch.zeros(n_branches, device=dev, dtype=torch.long)
         pos_buf = torch.zeros(1, device=dev, dtype=torch.long)
         page_buf = torch.zeros(n_branches, device=dev, dtype=torch.long)
@@ -253,7 +258,7 @@ class GPUEngine:
                 q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
                 cache[li, page_buf, 0, slot_buf] = k
                 cache[li, page_buf, 1, slot_buf] = v
-                o, _ = plan.run(q.contiguous(), cache[li])
+                o, _ = attention.run(q.contiguous(), cache[li])
                 x = x + F.linear(o.reshape(n_branches, -1), layer["o"])
                 x = self._mlp(layer, x)
             return self._logits(x).argmax(-1)
@@ -268,8 +273,8 @@ class GPUEngine:
             pos_buf.fill_(shared + step)
             page_buf.copy_(branch_base + step // ps)
             slot_buf.fill_(step % ps)
-            plan.set_suffix_lengths(torch.full((n_branches,), step + 1, device=dev,
-                                               dtype=torch.int32))
+            attention.set_suffix_lengths(torch.full((n_branches,), step + 1, device=dev,
+                                                    dtype=torch.int32))
             if not cuda_graph or step == 0:
                 # eager (and, for the graph, the warm-up that compiles every kernel once)
                 nxt = step_argmax().tolist()
@@ -287,8 +292,8 @@ class GPUEngine:
                     if len(generated[b]) < max_new_tokens:
                         generated[b].append(nxt[b])
                     current[b] = nxt[b]
-        paths_used = {plan.path: steps}
+        paths_used = {attention.path: steps}
         self._sync()
-        return GenerationResult(tokens=generated, path=plan.path,
+        return GenerationResult(tokens=generated, path=attention.path,
                                 decode_seconds=time.perf_counter() - started, steps=steps,
                                 paths_used=paths_used)

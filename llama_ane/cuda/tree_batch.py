@@ -60,10 +60,9 @@ class TreeBatch:
             def i32(values):
                 return torch.tensor(values, dtype=torch.int32, device=device)
 
-            self.plan = SharedPrefixBatch(
-                i32(prefix_pages), prefix_len, i32(indptr), i32(indices), i32(last),
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                page_size=page_size, path="cascade")
+            self.plan = SharedPrefixBatch(num_qo_heads, num_kv_heads, head_dim, page_size,
+                                          device=device, path="cascade")
+            self.plan.plan(i32(prefix_pages), prefix_len, i32(indptr), i32(indices), i32(last))
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` [n_queries, num_qo_heads, head_dim] -> ``o`` (same shape) and natural-log
