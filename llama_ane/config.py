@@ -16,24 +16,24 @@ from .errors import LlamaANEError
 
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3"}
+                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3",
+                       "gemma3_text": "Gemma3"}
+FAMILY_MODULE = {"gemma3_text": "gemma3"}  # transformers' module of a family, where it is not the model_type
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
 ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config reads as longrope
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
-    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2) and 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini) with RoPE type default, linear or llama3 (phi3: default or longrope), silu "
-    "MLP, no MLP bias"
+    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
+    "(Phi-3, Phi-3.5, Phi-4-mini) and 'gemma3_text' (Gemma 3's text model) with RoPE type default, linear or "
+    "llama3 (phi3: default or longrope), silu MLP (gemma3_text: gelu_pytorch_tanh), no MLP bias"
 )
 # Families transformers has that the export does not build, with what they need that it lacks
 # (other model_types get the plain "unsupported" line).
 _MOE = "a mixture-of-experts MLP (routed experts)"
 REFUSED_FAMILIES = {
-    "gemma3": "Gemma 3's local sliding-window layers between global ones, (1 + weight) RMSNorm, norms before and "
-              "after each block, a scaled embedding and a GeLU MLP",
-    "gemma3_text": "Gemma 3's local sliding-window layers between global ones, (1 + weight) RMSNorm, norms before "
-                   "and after each block, a scaled embedding and a GeLU MLP",
+    "gemma3": "Gemma 3's vision tower and the multimodal checkpoint's weight names (language_model.*); export "
+              "the text model's checkpoint (model_type 'gemma3_text', e.g. google/gemma-3-1b-it)",
     "gemma4": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
     "gemma4_text": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
     "qwen3_5": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
@@ -57,11 +57,30 @@ REFUSED_FAMILIES = {
 # partial_rotary_factor of each head.
 FUSED_PROJECTIONS = ("phi3",)
 QKV_BIAS_ALWAYS = ("qwen2",)
-ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2")
-QK_NORM = ("qwen3", "olmo2")
+ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2", "gemma3_text")
+QK_NORM = ("qwen3", "olmo2", "gemma3_text")
 QK_NORM_ACROSS_HEADS = ("olmo2",)
 POST_NORMS = ("olmo2",)
+# gemma3_text (Gemma 3) normalizes both the input and the output of attention and of the MLP (four
+# norms a layer), stores every norm weight as w for a scale of (1 + w), scales the embeddings by
+# sqrt(hidden_size), uses a GeLU (tanh) MLP, an attention scale of query_pre_attn_scalar ** -0.5,
+# and local RoPE (its own base, no scaling) on its sliding-window layers.
+SANDWICH_NORMS = ("gemma3_text",)
+UNIT_OFFSET_NORMS = ("gemma3_text",)
+LOCAL_ROPE = ("gemma3_text",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
+# Gemma 3's residual stream grows past fp16's 65504 in the published checkpoints (activations near
+# 8e5), and its MLP's gate * up product overflows before down_proj. Every norm of a Gemma layer is
+# scale invariant, so the stream (the embeddings and what the post-norms add to it) and the two
+# branches' outputs before their post-norms (o_proj, up_proj) are carried times this power of two,
+# with each norm's eps times its square: the same numbers in any precision (a power of two scales
+# exactly), and finite in fp16.
+STREAM_SCALE = {"gemma3_text": 2.0 ** -6}
+# transformers' Gemma3TextConfig defaults, where config.json leaves a field out
+GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "sliding_window_pattern": 6, "rms_norm_eps": 1e-6}
+GEMMA3_ROPE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # its default bases
 
 
 class ConfigError(LlamaANEError, ValueError):
@@ -93,6 +112,10 @@ class LlamaConfig:
     fused_projections: bool = False  # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj (Phi-3)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim channels of each head, the rest pass
     sliding_window: int | None = None  # the attention window when a layer uses one, else None
+    sliding_layers: list[int] = field(default_factory=list)  # the layers that attend within sliding_window
+    rope_local_theta: float | None = None  # the RoPE base of the sliding layers (None: rope_theta, as every layer)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    sandwich_norms: bool = False  # attention and MLP both have a norm before and after (Gemma 3)
     nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
     # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
@@ -115,8 +138,15 @@ class LlamaConfig:
                               f"{REFUSED_FAMILIES[model_type]}; {SUPPORTED_DESCRIPTION}")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"unsupported hidden_act {d.get('hidden_act')!r}; {SUPPORTED_DESCRIPTION}")
+        gemma = model_type in SANDWICH_NORMS
+        if gemma:
+            _refuse_gemma3_fields(f)
+            d = {**GEMMA3_DEFAULTS, "tie_word_embeddings": True, **{k: v for k, v in d.items() if v is not None}}
+            f = _Fields(d, origin)
+        act_field = "hidden_activation" if gemma else "hidden_act"
+        act = d.get(act_field, "gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ConfigError(f"unsupported {act_field} {act!r}; {SUPPORTED_DESCRIPTION}")
         if f.boolean("mlp_bias"):
             raise ConfigError(f"mlp_bias is not supported; {SUPPORTED_DESCRIPTION}")
         biased = f.boolean("attention_bias") and model_type in ATTENTION_BIAS_FLAG
@@ -127,6 +157,9 @@ class LlamaConfig:
             raise ConfigError(f"{origin} lacks {', '.join(missing)}")
 
         rope = f.mapping("rope_parameters")
+        local_theta = None
+        if gemma:
+            rope, local_theta = _gemma3_rope(f, rope)
         rope_theta = f.number("rope_theta", None) or _Fields(rope, f"{origin} rope_parameters").number(
             "rope_theta", 10000.0)
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -135,6 +168,7 @@ class LlamaConfig:
             "partial_rotary_factor", 1.0)
 
         eos_list = f.token_ids("eos_token_id")
+        window, sliding = _sliding_window(f, model_type)
         hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
         head_dim = f.integer("head_dim", None)
         if head_dim is None and model_type == "qwen3":
@@ -167,7 +201,11 @@ class LlamaConfig:
             post_norms=model_type in POST_NORMS,
             fused_projections=model_type in FUSED_PROJECTIONS,
             partial_rotary_factor=rotary,
-            sliding_window=_sliding_window(f, model_type),
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=local_theta,
+            hidden_act=act,
+            sandwich_norms=gemma,
             nope_layers=_nope_layers(f, model_type),
             **_multipliers(f, model_type),
         )
@@ -192,7 +230,8 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings"):
+        for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings",
+                     "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         layers = self.num_hidden_layers
@@ -200,6 +239,18 @@ class LlamaConfig:
                 and all(type(n) is int and 0 <= n < layers for n in self.nope_layers)):
             raise ConfigError(f"nope_layers must be a list of layer indices below num_hidden_layers ({layers}), "
                               f"got {self.nope_layers!r}")
+        if not (isinstance(self.sliding_layers, list)
+                and all(type(n) is int and 0 <= n < layers for n in self.sliding_layers)):
+            raise ConfigError(f"sliding_layers must be a list of layer indices below num_hidden_layers ({layers}), "
+                              f"got {self.sliding_layers!r}")
+        if self.sliding_layers and (type(self.sliding_window) is not int or self.sliding_window <= 0):
+            raise ConfigError(f"sliding_window must be a positive integer where sliding_layers are given, "
+                              f"got {self.sliding_window!r}")
+        if self.rope_local_theta is not None and (isinstance(self.rope_local_theta, bool) or not isinstance(
+                self.rope_local_theta, (int, float)) or not 0 < self.rope_local_theta < math.inf):
+            raise ConfigError(f"rope_local_theta must be a positive number or null, got {self.rope_local_theta!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ConfigError(f"rope_scaling must be an object or null, got {self.rope_scaling!r}")
         if isinstance(self.partial_rotary_factor, bool) or not isinstance(self.partial_rotary_factor, (int, float)):
@@ -224,14 +275,39 @@ class LlamaConfig:
         """Whether decoder layer `layer` (0-based, in the whole model) rotates q and k."""
         return layer not in self.nope_layers
 
+    def slides(self, layer: int) -> bool:
+        """Whether decoder layer `layer` attends within `sliding_window` only (a query at position p
+        to the keys in (p - window, p])."""
+        return layer in self.sliding_layers
+
+    def windowed(self, context_length: int) -> bool:
+        """Whether an export of `context_length` positions needs the sliding layers' own masks: only
+        where a query can be `sliding_window` or more past a key."""
+        return bool(self.sliding_layers) and self.sliding_window < context_length
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether decoder layer `layer` rotates with the local RoPE tables (Gemma 3's sliding layers)."""
+        return self.rope_local_theta is not None and self.slides(layer)
+
     def check_context_length(self, context_length: int) -> None:
-        """Refuse a context longer than the model's attention window: the exported graphs attend to
-        every cached position, which equals the model only while no query is `sliding_window` past a key."""
-        if self.sliding_window is not None and self.sliding_window < context_length:
-            raise ConfigError(
-                f"the model's sliding_window {self.sliding_window} is shorter than --context-length "
-                f"{context_length}, and the export does not do windowed attention; use --context-length "
-                f"{self.sliding_window // 32 * 32} or less")
+        """Every context length is exported as the model computes it: the sliding layers read their
+        own mask (see `windowed`), so no length is refused for the window's sake."""
+
+    @property
+    def stream_scale(self) -> float:
+        """The power of two the residual stream is carried at (STREAM_SCALE; 1 for most families)."""
+        return STREAM_SCALE.get(self.model_type, 1.0)
+
+    @property
+    def stream_eps(self) -> float:
+        """The eps of a norm that reads the scaled stream or a scaled branch output: rms_norm_eps times
+        the scale's square, so the norm gives what the unscaled model does."""
+        return self.rms_norm_eps * self.stream_scale ** 2
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the embedding rows are multiplied by: the family's multiplier, at the stream's scale."""
+        return self.embedding_multiplier * self.stream_scale
 
     @property
     def layer_extras(self) -> tuple[str, ...]:
@@ -241,7 +317,8 @@ class LlamaConfig:
         extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
         extras += ("q_norm.weight", "k_norm.weight") if self.qk_norm else ()
-        return extras + (("post_feedforward_layernorm.weight",) if self.post_norms else ())
+        extras += ("pre_feedforward_layernorm.weight",) if self.sandwich_norms else ()
+        return extras + (("post_feedforward_layernorm.weight",) if self.post_norms or self.sandwich_norms else ())
 
     @property
     def input_norm(self) -> bool:
@@ -307,20 +384,31 @@ class LlamaConfig:
         """A transformers config dictionary of this family (`AutoConfig.for_model(**d)`, or the
         family's config class), for building the reference model."""
         ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
-                "fused_projections", "sliding_window", "nope_layers",
+                "fused_projections", "sliding_window", "nope_layers", "sliding_layers", "rope_local_theta",
+                "hidden_act", "sandwich_norms",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
-        d["hidden_act"] = "silu"
+        d["hidden_act"] = self.hidden_act
         d["attention_bias"] = self.o_proj_bias
         d["mlp_bias"] = False
         d["sliding_window"] = self.sliding_window
+        if self.sliding_layers and self.model_type != "mistral":
+            d["layer_types"] = ["sliding_attention" if self.slides(n) else "full_attention"
+                                for n in range(self.num_hidden_layers)]
         if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = self.sliding_window is not None
             d["max_window_layers"] = 0
         if self.model_type == "smollm3":
             d["no_rope_layers"] = [int(self.rotary(n)) for n in range(self.num_hidden_layers)]
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.sandwich_norms:  # Gemma 3's own names, its scales as the fields they come from
+            del d["hidden_act"]
+            d.update(hidden_activation=self.hidden_act, rope_local_base_freq=self.rope_local_theta,
+                     query_pre_attn_scalar=_whole(self.query_scale ** -2), final_logit_softcapping=None,
+                     attn_logit_softcapping=None, sliding_window=self.sliding_window or self.max_position_embeddings)
+            if not self.sliding_layers:
+                d["layer_types"] = ["full_attention"] * self.num_hidden_layers
         if self.model_type == "phi3":  # its config reads these at the top level
             d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
                 "original_max_position_embeddings", self.max_position_embeddings)
@@ -332,30 +420,74 @@ class LlamaConfig:
         return d
 
 
-def _sliding_window(f: "_Fields", model_type: str) -> int | None:
-    """The attention window of the layers that use one (None: every layer attends to everything),
-    as transformers reads it: Mistral's `sliding_window` applies to every layer; Qwen's only with
-    `use_sliding_window`, to the layers `layer_types` (or `max_window_layers`) names."""
+def _sliding_window(f: "_Fields", model_type: str) -> tuple[int | None, list[int]]:
+    """The attention window and the layers that use it (None, []: every layer attends to everything),
+    as transformers reads them: Mistral's `sliding_window` applies to every layer; Qwen's only with
+    `use_sliding_window`, to the layers `layer_types` (or from `max_window_layers` on) names;
+    SmolLM3's to its layers without RoPE; Gemma 3's to those `layer_types` (or all but every
+    `sliding_window_pattern`-th layer) names."""
     window = f.integer("sliding_window", None)
+    layers = f.integer("num_hidden_layers")
     if window is None or model_type == "llama":
-        return None
-    if model_type in ("qwen2", "qwen3", "smollm3"):
-        if not f.boolean("use_sliding_window"):
-            return None
-        types = f.d.get("layer_types")
-        if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
-            raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must be a list of strings")
-        if types is not None and "sliding_attention" not in types:
-            return None
-        if types is None and model_type != "smollm3" and (
-                f.integer("max_window_layers", 28, minimum=0) >= f.integer("num_hidden_layers")):
-            return None
-    return window
+        return None, []
+    if model_type in ("qwen2", "qwen3", "smollm3") and not f.boolean("use_sliding_window"):
+        return None, []
+    types = f.d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and len(types) == layers and all(
+            t in ("sliding_attention", "full_attention") for t in types)):
+        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
+                          f"({layers}) entries, each \"sliding_attention\" or \"full_attention\"")
+    if types is not None and model_type != "mistral":
+        sliding = [n for n, t in enumerate(types) if t == "sliding_attention"]
+    elif model_type in ("qwen2", "qwen3"):
+        sliding = list(range(f.integer("max_window_layers", 28, minimum=0), layers))
+    elif model_type == "smollm3":
+        sliding = _nope_layers(f, model_type)
+    elif model_type in SANDWICH_NORMS:
+        pattern = f.integer("sliding_window_pattern")
+        sliding = [n for n in range(layers) if (n + 1) % pattern]
+    else:
+        sliding = list(range(layers))
+    return (window, sliding) if sliding else (None, [])
+
+
+def _refuse_gemma3_fields(f: "_Fields") -> None:
+    """Gemma 3 options the export does not build, refused by name (Gemma 2's softcapping is off in
+    every Gemma 3 checkpoint; the embedding models attend both ways)."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f.d.get(name) is not None:
+            raise ConfigError(f"{f.origin}: {name} is {_json_type(f.d[name])}; the export does not do logit "
+                              "softcapping (Gemma 3 leaves it null)")
+    if f.boolean("use_bidirectional_attention"):
+        raise ConfigError(f"{f.origin}: use_bidirectional_attention is true; the export builds causal language "
+                          "models only")
+
+
+def _gemma3_rope(f: "_Fields", rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's global RoPE parameters (rope_theta and its scaling, in the form the other families
+    use) and the local base of its sliding layers, from transformers 5's `rope_parameters` per
+    layer type or transformers 4's rope_theta / rope_scaling / rope_local_base_freq."""
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local = _Fields(rope, f"{f.origin} rope_parameters").mapping("sliding_attention")
+        lf = _Fields(local, f"{f.origin} rope_parameters.sliding_attention")
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ConfigError(f"{f.origin}: rope_parameters.sliding_attention has rope_type "
+                              f"{local.get('rope_type')!r}; the sliding layers' RoPE must be the default one")
+        full = _Fields(rope, f"{f.origin} rope_parameters").mapping("full_attention")
+        full.setdefault("rope_theta", GEMMA3_ROPE["full_attention"])
+        return full, lf.number("rope_theta", GEMMA3_ROPE["sliding_attention"])
+    if f.number("rope_theta", None) is None:
+        rope = {**rope, "rope_theta": GEMMA3_ROPE["full_attention"]}
+    return rope, f.number("rope_local_base_freq", GEMMA3_ROPE["sliding_attention"])
 
 
 def _multipliers(f: "_Fields", model_type: str) -> dict[str, float]:
     """Granite's scale factors (transformers' GraniteConfig defaults when absent: 1.0 each, the
-    attention scale too, not 1/sqrt(head_dim)); none for the other families."""
+    attention scale too, not 1/sqrt(head_dim)); Gemma 3's embedding scale sqrt(hidden_size) and
+    attention scale query_pre_attn_scalar ** -0.5; none for the other families."""
+    if model_type in SANDWICH_NORMS:
+        return {"embedding_multiplier": f.integer("hidden_size") ** 0.5,
+                "attention_scale": f.number("query_pre_attn_scalar") ** -0.5}
     if model_type != "granite":
         return {}
     return {"embedding_multiplier": f.number("embedding_multiplier", 1.0),
@@ -491,12 +623,18 @@ def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model
     return out
 
 
+def _whole(x: float) -> float | int:
+    """`x` as an int where it is one (a config field transformers types as int), else as it is."""
+    return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
+
+
 def transformers_class(model_type: str, part: str):
     """transformers' class `part` ("DecoderLayer", "RMSNorm", "RotaryEmbedding", ...) of a family, e.g.
     Qwen2DecoderLayer."""
     import importlib
 
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    module = FAMILY_MODULE.get(model_type, model_type)
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     return getattr(modeling, FAMILY_CLASS_PREFIX[model_type] + part)
 
 

@@ -5,13 +5,15 @@ compression is calibrated on.
 The arithmetic of `LlamaForCausalLM(input_ids)` (`Qwen2ForCausalLM`, ...) without holding the
 model: the embedding lookup, then each of the family's decoder layers built with only its own
 weights in float32 (attention "sdpa" with attention_mask=None, which is causal over the whole
-sequence; cos/sin from the model's rotary embedding), then the final norm and the (tied or
+sequence, or a sliding layer's windowed mask; cos/sin from the model's rotary embedding, per layer
+type where the family has a local one), then the final norm and the (tied or
 untied) LM head in blocks of the vocabulary. Memory: one layer's weights, one head block,
 activations (T, C).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -58,20 +60,38 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     with torch.no_grad():
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
-        x = x * getattr(hf, "embedding_multiplier", 1.0)  # Granite's, in its model's forward
+        x = x * ckpt.config.embedding_multiplier  # Granite's and Gemma's, in their models' forward
         positions = torch.arange(len(token_ids))[None]  # (1, T)
-        rope = RotaryEmbedding(config=hf)(x, positions)  # cos, sin (1, T, D)
+        rotary = RotaryEmbedding(config=hf)
+        per_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3's local RoPE
+        ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types)} if per_type
+                 else {None: rotary(x, positions)})  # cos, sin (1, T, D)
+        sliding = _sliding_mask(ckpt.config, len(token_ids))
         for n in range(hf.num_hidden_layers):
+            rope = ropes[hf.layer_types[n] if per_type else None]
+            mask = sliding if ckpt.config.slides(n) else None
             with torch.device("meta"):
                 layer = DecoderLayer(hf, n)
             layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
             after = on_layer(n, layer) if on_layer is not None else None
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
             x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
             if after is not None:
                 after()
             del layer  # before the next layer's weights are read
     return final_outputs(ckpt, x[0], logits=logits)
+
+
+def _sliding_mask(cfg, length: int):
+    """The attention mask of a sliding layer over `length` tokens, bool (1, 1, T, T), True where a
+    query sees a key: causal and less than sliding_window back; None where the window holds them all
+    (the layers' own causal attention is the same)."""
+    import torch
+
+    if cfg.sliding_window is None or length <= cfg.sliding_window:
+        return None
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    return ((j <= i) & (i - j < cfg.sliding_window))[None, None]
 
 
 def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarray:

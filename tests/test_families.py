@@ -1,4 +1,5 @@
-"""SmolLM3, Granite 3.x, OLMo 2 and Phi-3/3.5/4-mini checkpoints, end to end on tiny random models.
+"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini and Gemma 3 (text) checkpoints, and a Mistral
+window shorter than the context, end to end on tiny random models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
 with the tiny test tokenizer and a small chat template in the family's style, written here. The
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +29,10 @@ def longrope(pairs: int) -> dict:
     return {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
             "long_factor": [1.5 + 2.0 * i for i in range(pairs)]}
 
+
+GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "head_dim": 32,
+         "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+         "rms_norm_eps": 1e-6}
 
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
@@ -56,9 +62,19 @@ CASES = {
                                     "partial_rotary_factor": 0.5, "max_position_embeddings": 4096,
                                     "original_max_position_embeddings": 64, "rope_scaling": longrope(4)},
     "phi3_plain": {"model_type": "phi3", "head_dim": 32},  # Phi-3-mini-4k style: full rotary, no scaling
+    # Gemma 3: sliding layers (local RoPE base) between global ones (linear scaling, as the 4B's), windows
+    # shorter than the 150 tokens compared so they matter; a Mistral window shorter than the context
+    "gemma3_tied_gqa": dict(GEMMA, tie_word_embeddings=True, sliding_window=40,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma3_untied_mha": dict(GEMMA, tie_word_embeddings=False, num_key_value_heads=4, sliding_window=24,
+                              sliding_window_pattern=2),
+    "mistral_window": {"model_type": "mistral", "head_dim": 32, "sliding_window": 48},
 }
-EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short"]  # one fp16 export each
-CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long"]
+EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
+            "mistral_window"]  # one fp16 export each
+CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
+           "gemma3_untied_mha", "mistral_window"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -71,6 +87,11 @@ TEMPLATES = {
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "gemma3_text": ("{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
+                    "else m['role'] %}<|im_start|>{{ role }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
+    "mistral": ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|> {{ m['content'] }} "
+                "<|im_end|>{% else %}{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"),
 }
 
 
@@ -125,10 +146,10 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "llama", "rope_scaling": longrope(8)}, ["'longrope'", "'llama'"]),
     ({"model_type": "phimoe"}, ["'phimoe'", "mixture-of-experts", "'phi3'"]),
     ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported", "Gated DeltaNet"]),
-    ({"model_type": "gemma3"}, ["'gemma3'", "unsupported", "sliding-window"]),
+    ({"model_type": "gemma3"}, ["'gemma3'", "unsupported", "language_model", "'gemma3_text'"]),
     ({"model_type": "gemma4_text"}, ["'gemma4_text'", "Gemma 4"]),
     ({"model_type": "lfm2"}, ["'lfm2'", "short-convolution"]),
-    ({"model_type": "gemma3_text"}, ["'gemma3_text'", "'smollm3'"]),
+    ({"model_type": "qwen3_5_text"}, ["'qwen3_5_text'", "'gemma3_text'"]),
 ])
 def test_family_fields_are_checked(change, words):
     with pytest.raises(ConfigError) as e:
@@ -300,3 +321,25 @@ def test_mil_fp16_matches_torch_fp16(export):
 
 def test_mil_decode_branches_match_decoding_alone(export):
     check_mil_branches(*export)
+
+
+def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export):
+    """The exported embeddings (mil) give the sliding layers a mask that sees exactly the keys in
+    (p - window, p] of each query p, and the full layers one that sees every earlier key."""
+    import llama_ane
+
+    name, out = export
+    if not name.endswith("window") and not name.startswith("gemma3"):
+        pytest.skip("the windowed exports")
+    model = llama_ane.load(out, backend="mil")
+    window = model.manifest["config"]["sliding_window"]
+    position = 100
+    emb = model.pipeline.embed("decode", {"input_ids": np.array([[5]], np.int32),
+                                          "position": np.array([position], np.int32)})
+    t = model.manifest["context_length"]
+    sees = emb["sliding_mask"][0, 0, 0] == 0  # (T + 1,)
+    keys = np.r_[np.arange(t), position]
+    cached = np.r_[np.arange(t) < position, True]  # the cache below the query, then the query itself
+    assert (sees == (cached & (keys > position - window))).all()
+    assert ((emb["mask"][0, 0, 0] == 0) == cached).all()
+    model.close()

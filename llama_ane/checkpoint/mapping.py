@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import LlamaConfig
+from ..config import UNIT_OFFSET_NORMS, LlamaConfig
 from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
@@ -32,6 +32,7 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "o_proj.bias": "self_attn.o_proj.bias",
     "q_norm.weight": "self_attn.q_norm.weight",
     "k_norm.weight": "self_attn.k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
     "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
 }
 FUSED_TENSORS = {  # where a family stores several projections as one (Phi-3): our name -> (HF name, the
@@ -59,6 +60,7 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "o_proj.bias": ("hidden_size",),
     "q_norm.weight": ("q_norm_channels",),
     "k_norm.weight": ("k_norm_channels",),
+    "pre_feedforward_layernorm.weight": ("hidden_size",),
     "post_feedforward_layernorm.weight": ("hidden_size",),
 }
 FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
@@ -75,6 +77,11 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "gate_up_channels": "2*intermediate_size"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
+# Where the stream scale (LlamaConfig.stream_scale) goes in a block with norms before and after its
+# branches: into what the post-norms add to the stream, and into each branch's output before its
+# post-norm (o_proj's, and the MLP's through up_proj: gelu(gate) * up is where fp16 overflows)
+STREAM_SCALED = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "o_proj.weight",
+                 "o_proj.bias", "mlp.up_proj.weight")
 
 
 def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
@@ -134,7 +141,9 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
 
     The attention scale (LlamaConfig.query_scale) is folded into q: into q_proj (weight and bias),
     or, where q is RMS-normalized after the projection (Qwen3), into q_norm's weight; Granite's
-    residual_multiplier into the last projection of each residual branch (o_proj, down_proj).
+    residual_multiplier into the last projection of each residual branch (o_proj, down_proj);
+    Gemma's norm weights w become the (1 + w) they scale by, and its stream scale goes where
+    STREAM_SCALED says.
     """
     cfg = ckpt.config
     hf = f"model.layers.{layer}.{layer_tensors(cfg)[ours]}"
@@ -146,11 +155,25 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = ckpt.tensor(hf).to(torch.float32)
     if ours.endswith("proj.weight"):
         w = as_conv(w)
+    if ours.endswith("norm.weight"):
+        w = norm_weight(cfg, w)
+    if cfg.sandwich_norms and ours in STREAM_SCALED:
+        w = w * cfg.stream_scale
     if ours == "q_norm.weight" or (ours in SCALED and not cfg.qk_norm):
         w = w * cfg.query_scale
     if ours in RESIDUAL_SCALED and cfg.residual_multiplier != 1.0:
         w = w * cfg.residual_multiplier
     return w
+
+
+def norm_weight(cfg: LlamaConfig, w: torch.Tensor) -> torch.Tensor:
+    """A norm's weight as the norm multiplies by it: Gemma stores w for a scale of (1 + w)."""
+    return w + 1.0 if cfg.model_type in UNIT_OFFSET_NORMS else w
+
+
+def final_norm(ckpt: Checkpoint) -> torch.Tensor:
+    """The final norm's weight (model.norm) as the LM head multiplies by it, in fp32."""
+    return norm_weight(ckpt.config, ckpt.tensor("model.norm.weight").to(torch.float32))
 
 
 def layer_state_dict(ckpt: Checkpoint, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -181,7 +204,7 @@ def lm_head_state_dict(ckpt: Checkpoint, splits: list[int], dtype: torch.dtype =
     starts = [sum(splits[:j]) for j in range(len(splits) + 1)]
     first = starts[heads[0]]
     w = ckpt.rows(name, first, starts[heads[-1] + 1]).to(dtype)
-    out = {"norm.weight": ckpt.tensor("model.norm.weight").to(dtype)}
+    out = {"norm.weight": final_norm(ckpt).to(dtype)}
     for i, j in enumerate(heads):
         out[f"heads.{i}.weight"] = as_conv(w[starts[j] - first:starts[j + 1] - first])
     return out

@@ -21,7 +21,7 @@ def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
               "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
     extra = {"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (c,),
              "q_norm.weight": (cfg.q_norm_channels,), "k_norm.weight": (cfg.k_norm_channels,),
-             "post_feedforward_layernorm.weight": (c,)}
+             "pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
     return shapes if cfg.input_norm else {k: v for k, v in shapes.items() if k != "input_layernorm.weight"}
 

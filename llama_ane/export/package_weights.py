@@ -19,7 +19,7 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from ..model.embeddings import rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
-from ..checkpoint.mapping import as_conv, layer_tensor, layer_tensors
+from ..checkpoint.mapping import as_conv, final_norm, layer_tensor, layer_tensors
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -108,7 +108,7 @@ class PackageWeights:
             self._arrays.update(tables)  # made together, read one at a time
             return tables[name]
         if name == "norm.weight":
-            return to_array(self.ckpt.tensor("model.norm.weight"), self.dtype, "model.norm.weight")
+            return to_array(final_norm(self.ckpt), self.dtype, "model.norm.weight")
         if name.startswith("heads."):  # heads.j: vocabulary split j, inside this file's rows
             if "lm_head_matrix" not in self._arrays:  # read once, cut into every head
                 self._arrays["lm_head_matrix"] = self._read("lm_head_matrix")

@@ -24,6 +24,13 @@ DeFT's tree attention over one shared prefix). It is the window function at S = 
 BlockChunk with the same weights: only the mask the embeddings build differs (each token attends
 to the cache and to its ancestors in the tree). The cache is read once for all W queries; once
 the runtime knows which path was accepted, the cache update writes only those tokens' K/V.
+
+Sliding-window layers (Mistral, Qwen2 and Gemma 3's local layers) read the full-size cache with a
+mask of their own that also hides the keys `sliding_window` or more positions before each query:
+"sliding_mask" beside "mask" ("sliding_prefix_mask" and "sliding_suffix_mask" in the cascade),
+made by the embeddings with the others, and an input only where the window is shorter than the
+context (LlamaConfig.windowed). Families with a local RoPE base (Gemma 3) also read the local
+tables "cos_local" and "sin_local" in their sliding layers.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from torch import nn
 
 from ..config import LlamaConfig
 from . import lm_head
-from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
+from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor
 from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
@@ -44,16 +51,19 @@ from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, c
 class DecoderLayer(nn.Module):
     """Decoder layer `layer` of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
     per-head q/k norms, SmolLM3 with layers without RoPE, OLMo 2 with norms after attention and MLP
-    and q/k norms across heads). The attention scale is folded into q_proj's weights (into q_norm's
-    where there is one)."""
+    and q/k norms across heads, Gemma 3 with norms before and after both and a GeGLU MLP). The
+    attention scale is folded into q_proj's weights (into q_norm's where there is one). The norms
+    over the hidden size use `stream_eps` (see LlamaConfig.stream_scale)."""
 
     def __init__(self, cfg: LlamaConfig, context_length: int, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.context_length = context_length
         self.rotary = cfg.rotary(layer)
+        self.slides, self.local_rope = cfg.slides(layer), cfg.local_rope(layer)
+        eps = cfg.stream_eps
         if cfg.input_norm:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
         self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
@@ -61,10 +71,20 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.q_norm_channels, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.k_norm_channels, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        if cfg.post_norms or cfg.sandwich_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def rope(self, cos, sin, cos_local, sin_local):
+        """The RoPE tables this layer rotates with: the local ones on a local layer (Gemma 3's sliding layers)."""
+        return (cos_local, sin_local) if self.local_rope else (cos, sin)
+
+    def attention_mask(self, mask, sliding_mask):
+        """The mask this layer attends with: the sliding one on a sliding layer, where the export has one."""
+        return sliding_mask if self.slides and sliding_mask is not None else mask
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
@@ -92,6 +112,9 @@ class DecoderLayer(nn.Module):
     def finish(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
         attention = self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
+        if self.cfg.sandwich_norms:
+            x = x + self.post_attention_layernorm(attention)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.cfg.post_norms:
             x = x + self.post_attention_layernorm(attention)
             return x + self.post_feedforward_layernorm(self.mlp(x))
@@ -127,7 +150,7 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
     """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
     x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.rms_norm_eps, cfg.hidden_size) \
+    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
         if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
     q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
@@ -148,14 +171,15 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
 def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int):
     """DecoderLayer.finish. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
     attention = _projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]))
-    c, eps = cfg.hidden_size, cfg.rms_norm_eps
-    if cfg.post_norms:
+    c, eps, act = cfg.hidden_size, cfg.stream_eps, cfg.hidden_act
+    if cfg.post_norms or cfg.sandwich_norms:
         x = mb.add(x=x, y=rms_norm_mil(g, attention, f"{prefix}post_attention_layernorm.weight", eps, c))
-        return mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, x, f"{prefix}mlp."),
+        h = rms_norm_mil(g, x, f"{prefix}pre_feedforward_layernorm.weight", eps, c) if cfg.sandwich_norms else x
+        return mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, h, f"{prefix}mlp.", act),
                                           f"{prefix}post_feedforward_layernorm.weight", eps, c))
     x = mb.add(x=x, y=attention)
     h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, c)
-    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp."))
+    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.", act))
 
 
 def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
@@ -189,13 +213,27 @@ class BlockChunk(nn.Module):
         self.layer_indices = list(layer_indices)
         self.layers = nn.ModuleList(DecoderLayer(cfg, context_length, n) for n in layer_indices)
 
-    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
+    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask=None, cos_local=None,
+                sin_local=None):
         k_out, v_out = [], []
         for i, layer in enumerate(self.layers):
-            hidden_states, k, v = layer(hidden_states, cos, sin, mask, k_cache[i:i + 1], v_cache[i:i + 1])
+            hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
+                                        layer.attention_mask(mask, sliding_mask), k_cache[i:i + 1], v_cache[i:i + 1])
             k_out.append(k)
             v_out.append(v)
         return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
+
+
+def layer_rope_mil(cfg: LlamaConfig, inputs: dict, layer: int):
+    """DecoderLayer.rope: the cos and sin inputs decoder layer `layer` rotates with."""
+    return (inputs["cos_local"], inputs["sin_local"]) if cfg.local_rope(layer) else (inputs["cos"], inputs["sin"])
+
+
+def layer_mask_mil(cfg: LlamaConfig, inputs: dict, layer: int, name: str):
+    """DecoderLayer.attention_mask: mask input `name` ("mask", "prefix_mask", "suffix_mask"), or its
+    sliding twin ("sliding_" + name) on a sliding layer of an export that has one."""
+    sliding = f"sliding_{name}"
+    return inputs[sliding] if cfg.slides(layer) and sliding in inputs else inputs[name]
 
 
 def read_states_mil(inputs: dict, io: dict) -> dict:
@@ -229,7 +267,8 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
         values = read_states_mil(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
-            x, k, v = decoder_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["mask"],
+            cos, sin = layer_rope_mil(cfg, inputs, n)
+            x, k, v = decoder_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "mask"),
                                         values["k_cache"], values["v_cache"], i, context_length, s, n)
             ks.append(k)
             vs.append(v)
@@ -281,12 +320,15 @@ class BranchChunk(nn.Module):
         self.chunk = chunk
         self.suffix_length = suffix_length
 
-    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix):
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix,
+                sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None):
         g = self.chunk.layers[0].cfg.num_key_value_heads
         k_out, v_out = [], []
         for i, layer in enumerate(self.chunk.layers):
             hidden_states, k, v = branch_layer(
-                layer, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache[i:i + 1], v_cache[i:i + 1],
+                layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
+                layer.attention_mask(prefix_mask, sliding_prefix_mask),
+                layer.attention_mask(suffix_mask, sliding_suffix_mask), k_cache[i:i + 1], v_cache[i:i + 1],
                 k_suffix[i * g:(i + 1) * g], v_suffix[i * g:(i + 1) * g], self.suffix_length)
             k_out.append(k)
             v_out.append(v)
@@ -301,9 +343,11 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         inputs = read_states_mil(inputs, io)
         x, ks, vs = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
-            x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, inputs["cos"], inputs["sin"], inputs["prefix_mask"],
-                                       inputs["suffix_mask"], inputs["k_cache"], inputs["v_cache"],
-                                       inputs["k_suffix"], inputs["v_suffix"], i, context_length, b, suffix_length, n)
+            cos, sin = layer_rope_mil(cfg, inputs, n)
+            x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
+                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), inputs["k_cache"],
+                                       inputs["v_cache"], inputs["k_suffix"], inputs["v_suffix"], i, context_length,
+                                       b, suffix_length, n)
             ks.append(k)
             vs.append(v)
         return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
@@ -375,8 +419,10 @@ class HeadedChunk(nn.Module):
         super().__init__()
         self.chunk, self.head = chunk, head
 
-    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache):
-        hidden_states, k, v = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache)
+    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask=None, cos_local=None,
+                sin_local=None):
+        hidden_states, k, v = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
+                                         sin_local)
         return (*self.head(hidden_states), k, v)
 
 
@@ -387,9 +433,11 @@ class HeadedBranchChunk(nn.Module):
         super().__init__()
         self.branches, self.head = branches, head
 
-    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix):
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix,
+                sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None):
         hidden_states, k, v = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
-                                            k_suffix, v_suffix)
+                                            k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
+                                            cos_local, sin_local)
         return (*self.head(hidden_states), k, v)
 
 
@@ -401,7 +449,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]
         out[fn] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f),
-                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)],
+                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)]
+            + layer_inputs(cfg, layout, {"mask": [1, 1, s, t + s]}, s),
             "outputs": [tensor("hidden_states_out", [1, c, 1, s], f),
                         tensor("k_new", [n, kv, 1, s], f), tensor("v_new", [n, kv, 1, s], f)],
         }, layout)
@@ -413,7 +462,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]
                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
                        tensor("suffix_mask", [1, b, 1, u + 1], f),
                        tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f),
-                       tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)],
+                       tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)]
+            + layer_inputs(cfg, layout, branch_masks(layout), b),
             "outputs": [tensor("hidden_states_out", [1, c, 1, b], f),
                         tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)],
         }, layout)
@@ -421,7 +471,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]
         out[VERIFY] = {
             "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f),
-                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)],
+                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)]
+            + layer_inputs(cfg, layout, {"mask": [1, 1, w, t + w]}, w),
             "outputs": [tensor("hidden_states_out", [1, c, 1, w], f),
                         tensor("k_new", [n, kv, 1, w], f), tensor("v_new", [n, kv, 1, w], f)],
         }

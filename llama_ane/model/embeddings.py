@@ -18,6 +18,12 @@ tables are constants read with a gather (fp16 cannot compute cos(position * freq
 positions); gathers are fine here, block chunks have none. `position` is the number of cached
 tokens; a branch's `positions[b]` its absolute position; a tree token i sits at position +
 depths[i], and `tree_mask[0,0,i,j]` is 0 where token j is token i or one of its ancestors.
+
+Where the model's sliding window is shorter than the context (LlamaConfig.windowed), each also
+outputs the sliding twin of its masks ("sliding_mask", or "sliding_prefix_mask" (1,1,B,T) and
+"sliding_suffix_mask" (1,B,1,U+1)): the same mask that also hides every key `sliding_window` or
+more positions before its query. A family with local RoPE (Gemma 3) also gets "cos_local" and
+"sin_local" (1,D,1,S); its tables hold the global columns, then the local ones.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
+import dataclasses
+
 from ..config import LlamaConfig, inv_freq
-from .functions import BRANCHES, VERIFY, Layout, shape_of, tensor
+from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor
 from .layers import MASK_VALUE, Graph, mb
 
 
@@ -62,10 +70,22 @@ def rope_tables(cfg: LlamaConfig, positions: int,
     return cos, sin
 
 
+def stored_rope_tables(cfg: LlamaConfig, positions: int,
+                       context_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos, sin tables the embeddings read: rope_tables, with the local RoPE's columns after
+    them for a family with a local base ((positions, 2D): one gather reads both)."""
+    cos, sin = rope_tables(cfg, positions, context_length)
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+    cos_local, sin_local = rope_tables(local, positions, context_length)
+    return torch.cat([cos, cos_local], dim=1), torch.cat([sin, sin_local], dim=1)
+
+
 def rope_weights(cfg: LlamaConfig, positions: int, dtype: type,
                  context_length: int | None = None) -> dict[str, np.ndarray]:
-    """The programs' cos/sin tables (positions, D): computed in fp32, stored in the export dtype."""
-    cos, sin = rope_tables(cfg, positions, context_length)
+    """The programs' cos/sin tables (stored_rope_tables): computed in fp32, stored in the export dtype."""
+    cos, sin = stored_rope_tables(cfg, positions, context_length)
     return {"cos_table": cos.numpy().astype(dtype), "sin_table": sin.numpy().astype(dtype)}
 
 
@@ -74,7 +94,7 @@ def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size:
     """Channels-first embeddings of `input_ids` (1,S) -> (1,C,1,S) from `table`, rows start..start+n-1
     of the vocabulary. A table of the whole vocabulary is a plain lookup; a part of it gives zeros
     for ids outside its rows (their lookup is clamped into range and multiplied by 0), so the parts'
-    lookups add up to the whole one exactly. `scale` multiplies the rows (Granite's embedding_multiplier)."""
+    lookups add up to the whole one exactly. `scale` multiplies the rows (LlamaConfig.embedding_scale)."""
     if scale != 1.0:
         return lookup(table, input_ids, start, vocab_size) * scale
     n = table.num_embeddings
@@ -108,17 +128,76 @@ def mask_from_mil(g: Graph, keep):
     return mb.mul(x=mb.sub(x=g.scalar(1.0), y=g.cast(keep)), y=g.scalar(MASK_VALUE))
 
 
-def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int):
-    """The cos and sin rows of `positions` (S,) int32 -> two (1,D,1,S)."""
-    return (mb.reshape(x=mb.transpose(x=mb.gather(x=g.weight(name), indices=positions, axis=0), perm=[1, 0]),
-                       shape=[1, cfg.head_dim, 1, s]) for name in ("cos_table", "sin_table"))
+def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int) -> dict:
+    """The RoPE rows of `positions` (S,) int32: {"cos", "sin"} (1,D,1,S), and "cos_local",
+    "sin_local" where the tables hold local columns too."""
+    d, local = cfg.head_dim, cfg.rope_local_theta is not None
+    out = {}
+    for name in ("cos", "sin"):
+        rows = mb.transpose(x=mb.gather(x=g.weight(f"{name}_table"), indices=positions, axis=0), perm=[1, 0])
+        if local:  # (2D,S): the global rows, then the local ones
+            out[f"{name}_local"] = mb.reshape(x=g.slice(rows, [d, 0], [2 * d, s]), shape=[1, d, 1, s])
+            rows = g.slice(rows, [0, 0], [d, s])
+        out[name] = mb.reshape(x=rows, shape=[1, d, 1, s])
+    return out
+
+
+def _rope_rows(cfg: LlamaConfig, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """_rope_rows_mil in torch: positions (S,) -> {"cos", "sin"[, "cos_local", "sin_local"]} (1,D,1,S)."""
+    d, out = cfg.head_dim, {}
+    for name, table in (("cos", cos_table), ("sin", sin_table)):
+        rows = table[positions].t().unsqueeze(0).unsqueeze(2).to(dtype)  # (S,D) -> (1,D,1,S), or 2D
+        out[name] = rows[:, :d]
+        if cfg.rope_local_theta is not None:
+            out[f"{name}_local"] = rows[:, d:]
+    return out
+
+
+def _extras(cfg: LlamaConfig, rope: dict, sliding: dict) -> tuple:
+    """The outputs after the Llama ones, in layer_inputs' order: the sliding masks, the local tables."""
+    return tuple(sliding.values()) + ((rope["cos_local"], rope["sin_local"]) if "cos_local" in rope else ())
+
+
+def _outputs(io: dict, name: str) -> bool:
+    """Whether a function outputs tensor `name`."""
+    return any(t["name"] == name for t in io["outputs"])
+
+
+def near(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Where a key is inside its query's sliding window: query - key < window (bool, broadcast)."""
+    return (query_pos - key_pos) < window
+
+
+def near_mil(query_pos, key_pos, window: int):
+    """near."""
+    return mb.less(x=mb.sub(x=query_pos, y=key_pos), y=np.int32(window))
+
+
+def window_mask(s: int, window: int | None = None) -> np.ndarray:
+    """The additive mask (1,1,S,S) of a window of S consecutive queries over themselves: causal,
+    and with `window`, also hiding keys `window` or more positions before the query."""
+    i, k = np.arange(s)[:, None], np.arange(s)[None, :]
+    keep = (k <= i) & ((i - k < window) if window else True)
+    return np.where(keep, 0.0, MASK_VALUE).astype(np.float32).reshape(1, 1, s, s)
+
+
+def _cached_mil(position, t: int):
+    """(1,1,1,T) bool: the cache positions below `position`."""
+    return mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t), y=mb.reshape(x=position, shape=[1, 1, 1, 1]))
 
 
 def _cache_mask_mil(g: Graph, position, t: int):
     """(1,1,1,T): 0 at the cache positions below `position`, MASK_VALUE from it on."""
-    cached = mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t),
-                     y=mb.reshape(x=position, shape=[1, 1, 1, 1]))  # (1,1,1,T)
-    return mask_from_mil(g, cached)
+    return mask_from_mil(g, _cached_mil(position, t))
+
+
+def _sliding_cache_mask_mil(g: Graph, cfg: LlamaConfig, position, queries, t: int, n: int):
+    """(1,1,N,T): the cache mask of N queries at positions `queries` (N,) int32, also hiding the
+    keys outside each query's sliding window."""
+    keys = np.arange(t, dtype=np.int32).reshape(1, 1, 1, t)
+    near = near_mil(mb.reshape(x=queries, shape=[1, 1, n, 1]), keys, cfg.sliding_window)
+    return mask_from_mil(g, mb.logical_and(x=_cached_mil(position, t), y=near))
 
 
 class Embeddings(nn.Module):
@@ -132,25 +211,31 @@ class Embeddings(nn.Module):
     def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None):
         super().__init__()
         self.window = window
-        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
+        self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
         self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
-        cos, sin = rope_tables(cfg, context_length + window, context_length)
+        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        cos, sin = stored_rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
         self.register_buffer("offsets", torch.arange(window, dtype=torch.int32))
-        causal = torch.full((window, window), MASK_VALUE).triu(1)  # [query, key], built here, not in-graph
-        self.register_buffer("window_mask", causal.view(1, 1, window, window))
+        # [query, key], built here, not in-graph
+        self.register_buffer("window_mask", torch.from_numpy(window_mask(window)))
+        self.register_buffer("sliding_window_mask", torch.from_numpy(window_mask(window, cfg.sliding_window)))
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,S)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,S)
         pos = position + self.offsets  # (S,)
-        cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (S,D) -> (1,D,1,S)
-        sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
-        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,1,1,T)
-        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, 1, self.window, -1)
+        rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, pos, hidden.dtype)
+        cached = self.cache_positions < position.view(1, 1, 1, 1)  # (1,1,1,T)
+        cache_mask = ((1.0 - cached.to(hidden.dtype)) * MASK_VALUE).expand(1, 1, self.window, -1)
         mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
-        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
+        sliding = {}
+        if self.windowed:
+            keep = cached & near(pos.view(1, 1, -1, 1), self.cache_positions, self.cfg.sliding_window)  # (1,1,S,T)
+            sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
+                                                 self.sliding_window_mask.to(hidden.dtype)], dim=3)
+        return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
 
 
 def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]):
@@ -159,15 +244,19 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
         s = shape_of(io, "input_ids")[1]
         mask = shape_of(io, "mask", "outputs")
         t = mask[3] - mask[2]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
         pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
-        cos, sin = _rope_rows_mil(g, cfg, pos, s)
+        rope = _rope_rows_mil(g, cfg, pos, s)
         cache_mask = _cache_mask_mil(g, inputs["position"], t)
         if s > 1:
             cache_mask = mb.tile(x=cache_mask, reps=[1, 1, s, 1])
-        window = g.const(np.triu(np.full((s, s), MASK_VALUE, np.float32), 1).reshape(1, 1, s, s), "window_mask")
-        mask = mb.concat(values=[cache_mask, window], axis=3)
-        return {"hidden_states": hidden, "cos": cos, "sin": sin, "mask": mask}
+        mask = mb.concat(values=[cache_mask, g.const(window_mask(s), "window_mask")], axis=3)
+        out = {"hidden_states": hidden, **rope, "mask": mask}
+        if _outputs(io, "sliding_mask"):
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, t, s)
+            out["sliding_mask"] = mb.concat(
+                values=[sliding, g.const(window_mask(s, cfg.sliding_window), "sliding_window_mask")], axis=3)
+        return out
     return body
 
 
@@ -180,12 +269,12 @@ class EmbeddingsPart(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, start: int, rows: int):
         super().__init__()
-        self.start, self.vocab_size, self.embedding_multiplier = start, cfg.vocab_size, cfg.embedding_multiplier
+        self.start, self.vocab_size, self.embedding_scale = start, cfg.vocab_size, cfg.embedding_scale
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size,
-                                      self.embedding_multiplier)
+                                      self.embedding_scale)
 
 
 def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
@@ -193,7 +282,7 @@ def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
     def body(inputs):
         return {"hidden_states_out": mb.add(x=inputs["hidden_states"],
                                             y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size,
-                                                         cfg.embedding_multiplier))}
+                                                         cfg.embedding_scale))}
     return body
 
 
@@ -205,8 +294,9 @@ class BranchEmbeddings(nn.Module):
                  suffix_length: int):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
-        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
-        cos, sin = rope_tables(cfg, context_length + suffix_length + 1, context_length)
+        self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
+        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        cos, sin = stored_rope_tables(cfg, context_length + suffix_length + 1, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("prefix_slots", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
@@ -214,15 +304,22 @@ class BranchEmbeddings(nn.Module):
         self.register_buffer("self_column", torch.zeros(1, branches, 1, 1))
 
     def forward(self, input_ids, positions, prefix_length):
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,B)
-        cos = self.cos_table[positions].t().unsqueeze(0).unsqueeze(2)  # (1,D,1,B)
-        sin = self.sin_table[positions].t().unsqueeze(0).unsqueeze(2)
-        in_prefix = (self.prefix_slots < prefix_length.view(1, 1, 1, 1)).to(hidden.dtype)
-        prefix_mask = (1.0 - in_prefix) * MASK_VALUE  # (1,1,1,T)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,B)
+        rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, positions, hidden.dtype)  # (1,D,1,B)
+        in_prefix = self.prefix_slots < prefix_length.view(1, 1, 1, 1)
+        prefix_mask = (1.0 - in_prefix.to(hidden.dtype)) * MASK_VALUE  # (1,1,1,T)
         filled = (positions - prefix_length).view(1, -1, 1, 1)  # suffix tokens each branch has cached
-        in_suffix = (self.suffix_slots < filled).to(hidden.dtype)  # (1,B,1,U)
-        suffix_mask = torch.cat([(1.0 - in_suffix) * MASK_VALUE, self.self_column.to(hidden.dtype)], dim=3)
-        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), prefix_mask, suffix_mask
+        in_suffix = self.suffix_slots < filled  # (1,B,1,U)
+        own = self.self_column.to(hidden.dtype)
+        suffix_mask = torch.cat([(1.0 - in_suffix.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
+        sliding = {}
+        if self.windowed:  # each branch's query at positions[b]; suffix slot u at prefix_length + u
+            w = self.cfg.sliding_window
+            keep = in_prefix & near(positions.view(1, 1, -1, 1), self.prefix_slots, w)  # (1,1,B,T)
+            sliding["sliding_prefix_mask"] = (1.0 - keep.to(hidden.dtype)) * MASK_VALUE
+            keep = in_suffix & near(filled, self.suffix_slots, w)  # (1,B,1,U)
+            sliding["sliding_suffix_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
+        return (hidden, rope["cos"], rope["sin"], prefix_mask, suffix_mask) + _extras(self.cfg, rope, sliding)
 
 
 def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, suffix_length: int,
@@ -231,16 +328,24 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
     def body(inputs):
         b = shape_of(io, "input_ids")[1]
         t, u = context_length, suffix_length
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
-        cos, sin = _rope_rows_mil(g, cfg, inputs["positions"], b)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
+        rope = _rope_rows_mil(g, cfg, inputs["positions"], b)
         plen = mb.reshape(x=inputs["prefix_length"], shape=[1, 1, 1, 1])
-        prefix_mask = mask_from_mil(g, mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t), y=plen))
+        prefix_slots, suffix_slots = (np.arange(n, dtype=np.int32).reshape(1, 1, 1, n) for n in (t, u))
+        in_prefix = mb.less(x=prefix_slots, y=plen)  # (1,1,1,T)
         filled = mb.reshape(x=mb.sub(x=inputs["positions"], y=inputs["prefix_length"]), shape=[1, b, 1, 1])
-        in_suffix = mb.less(x=np.arange(u, dtype=np.int32).reshape(1, 1, 1, u), y=filled)  # (1,B,1,U)
-        suffix_mask = mb.concat(values=[mask_from_mil(g, in_suffix), g.const(np.zeros((1, b, 1, 1)), "self_column")],
-                                axis=3)
-        return {"hidden_states": hidden, "cos": cos, "sin": sin, "prefix_mask": prefix_mask,
-                "suffix_mask": suffix_mask}
+        in_suffix = mb.less(x=suffix_slots, y=filled)  # (1,B,1,U)
+        own = g.const(np.zeros((1, b, 1, 1)), "self_column")
+        out = {"hidden_states": hidden, **rope, "prefix_mask": mask_from_mil(g, in_prefix),
+               "suffix_mask": mb.concat(values=[mask_from_mil(g, in_suffix), own], axis=3)}
+        if _outputs(io, "sliding_prefix_mask"):
+            w = cfg.sliding_window
+            query = mb.reshape(x=inputs["positions"], shape=[1, 1, b, 1])
+            out["sliding_prefix_mask"] = mask_from_mil(g, mb.logical_and(
+                x=in_prefix, y=near_mil(query, prefix_slots, w)))  # (1,1,B,T)
+            keep = mb.logical_and(x=in_suffix, y=near_mil(filled, suffix_slots, w))  # (1,B,1,U)
+            out["sliding_suffix_mask"] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
+        return out
     return body
 
 
@@ -251,8 +356,9 @@ class VerifyEmbeddings(nn.Module):
     def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, window: int):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
-        self.vocab_size, self.embedding_multiplier = cfg.vocab_size, cfg.embedding_multiplier
-        cos, sin = rope_tables(cfg, context_length + window, context_length)
+        self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
+        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        cos, sin = stored_rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
@@ -260,26 +366,39 @@ class VerifyEmbeddings(nn.Module):
     def forward(self, input_ids, position, depths, tree_mask):
         """The window may hold fewer than W tokens when run eagerly (the torch backend): every
         size is read from the inputs."""
-        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_multiplier)  # (1,C,1,W)
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,W)
         pos = position + depths  # (W,)
-        cos = self.cos_table[pos].t().unsqueeze(0).unsqueeze(2)  # (W,D) -> (1,D,1,W)
-        sin = self.sin_table[pos].t().unsqueeze(0).unsqueeze(2)
-        cached = (self.cache_positions < position.view(1, 1, 1, 1)).to(hidden.dtype)  # (1,1,1,T)
-        cache_mask = ((1.0 - cached) * MASK_VALUE).expand(1, 1, tree_mask.shape[2], -1)
-        mask = torch.cat([cache_mask, tree_mask.to(hidden.dtype)], dim=3)  # (1,1,W,T+W)
-        return hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), mask
+        rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, pos, hidden.dtype)  # (1,D,1,W)
+        cached = self.cache_positions < position.view(1, 1, 1, 1)  # (1,1,1,T)
+        cache_mask = ((1.0 - cached.to(hidden.dtype)) * MASK_VALUE).expand(1, 1, tree_mask.shape[2], -1)
+        tree = tree_mask.to(hidden.dtype)
+        mask = torch.cat([cache_mask, tree], dim=3)  # (1,1,W,T+W)
+        sliding = {}
+        if self.windowed:  # a tree token at depth d sits at position + d
+            w = self.cfg.sliding_window
+            keep = cached & near(pos.view(1, 1, -1, 1), self.cache_positions, w)  # (1,1,W,T)
+            far = (1.0 - near(depths.view(1, 1, -1, 1), depths.view(1, 1, 1, -1), w).to(hidden.dtype)) * MASK_VALUE
+            sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, tree + far], dim=3)
+        return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
 
 
 def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
     """VerifyEmbeddings."""
     def body(inputs):
         w = shape_of(io, "input_ids")[1]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_multiplier)
+        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
         pos = mb.add(x=inputs["position"], y=inputs["depths"])  # (W,)
-        cos, sin = _rope_rows_mil(g, cfg, pos, w)
+        rope = _rope_rows_mil(g, cfg, pos, w)
         cache_mask = mb.tile(x=_cache_mask_mil(g, inputs["position"], context_length), reps=[1, 1, w, 1])
-        mask = mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)
-        return {"hidden_states": hidden, "cos": cos, "sin": sin, "mask": mask}
+        out = {"hidden_states": hidden, **rope, "mask": mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)}
+        if _outputs(io, "sliding_mask"):
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, context_length, w)
+            depths = inputs["depths"]
+            near_tree = near_mil(mb.reshape(x=depths, shape=[1, 1, w, 1]), mb.reshape(x=depths, shape=[1, 1, 1, w]),
+                                 cfg.sliding_window)
+            tree = mb.add(x=inputs["tree_mask"], y=mask_from_mil(g, near_tree))
+            out["sliding_mask"] = mb.concat(values=[sliding, tree], axis=3)
+        return out
     return body
 
 
@@ -292,7 +411,8 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
         out[fn] = {
             "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
-                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)],
+                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)]
+            + layer_inputs(cfg, layout, {"mask": [1, 1, s, t + s]}, s),
         }
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
@@ -301,14 +421,15 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
                        tensor("prefix_length", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
                         tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                        tensor("suffix_mask", [1, b, 1, u + 1], f)],
+                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + layer_inputs(cfg, layout, branch_masks(layout), b),
         }
     if w:
         out[VERIFY] = {
             "inputs": [tensor("input_ids", [1, w], "int32"), tensor("position", [1], "int32"),
                        tensor("depths", [w], "int32"), tensor("tree_mask", [1, 1, w, w], f)],
             "outputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
-                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)],
+                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)]
+            + layer_inputs(cfg, layout, {"mask": [1, 1, w, t + w]}, w),
         }
     return out
 

@@ -8,7 +8,10 @@ manifest, which every consumer reads them back from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from ..config import LlamaConfig
 
 # "prefill" runs the prefill window, "decode" one token, "decode_branches" one token for each of B
 # branches over a shared prefix (cascade). Cache-update functions are named after these.
@@ -104,3 +107,22 @@ class Layout:
             yield BRANCHES, self.branch_width
         if self.verify_window:
             yield VERIFY, self.verify_window
+
+
+def layer_inputs(cfg: "LlamaConfig", layout: Layout, masks: dict[str, list[int]], s: int) -> list[dict]:
+    """The inputs some layers read beyond the Llama block's, after the others, for a query of S: the
+    sliding twin of each mask in `masks` (name -> shape) where the export needs one, and the local
+    RoPE tables where the family has them. The embeddings output the same tensors, in this order."""
+    f, d = layout.dtype, cfg.head_dim
+    out = [tensor(f"sliding_{name}", shape, f) for name, shape in masks.items()] \
+        if cfg.windowed(layout.context_length) else []
+    if cfg.rope_local_theta is not None:
+        out += [tensor("cos_local", [1, d, 1, s], f), tensor("sin_local", [1, d, 1, s], f)]
+    return out
+
+
+def branch_masks(layout: Layout) -> dict[str, list[int]]:
+    """The cascade's masks whose sliding twins its sliding layers read: the prefix's per branch
+    (1,1,B,T), as each branch's query sits at its own position, and the suffixes' (1,B,1,U+1)."""
+    b, t, u = layout.branch_width, layout.context_length, layout.suffix_length
+    return {"prefix_mask": [1, 1, b, t], "suffix_mask": [1, b, 1, u + 1]}

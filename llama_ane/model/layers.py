@@ -121,7 +121,9 @@ class RMSNorm(nn.Module):
     `x * rsqrt(mean(x^2) + eps)` squares activations that reach thousands in real checkpoints, past
     fp16's 65504. Dividing by `m = max|x|` first keeps every square <= 1, and the identity
     `x * rsqrt(mean(x^2) + eps) = y * rsqrt(mean(y^2) + eps / m^2)` with `y = x / m` leaves the
-    result unchanged.
+    result unchanged. The eps term is computed as `(sqrt(eps) / m)^2`: an eps scaled down with its
+    stream (LlamaConfig.stream_eps) is below fp16's range, its square root is not, so an all-zero
+    input still gets a positive variance rather than 0 * inf.
 
     x: (B, C, 1, S) -> (B, C, 1, S)
     """
@@ -134,7 +136,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inv_m = 1.0 / x.abs().amax(dim=1, keepdim=True).clamp_min(1e-4)
         y = x * inv_m
-        var = (y * y).mean(dim=1, keepdim=True) + (self.eps * inv_m) * inv_m
+        root = inv_m * self.eps ** 0.5
+        var = (y * y).mean(dim=1, keepdim=True) + root * root
         return y * torch.rsqrt(var) * self.weight.view(1, -1, 1, 1)
 
 
@@ -143,8 +146,8 @@ def rms_norm_mil(g: Graph, x, weight: str, eps: float, channels: int):
     m = mb.maximum(x=mb.reduce_max(x=mb.abs(x=x), axes=[1], keep_dims=True), y=g.scalar(1e-4))
     inv_m = mb.inverse(x=m)
     y = mb.mul(x=x, y=inv_m)
-    var = mb.add(x=mb.reduce_mean(x=mb.mul(x=y, y=y), axes=[1], keep_dims=True),
-                 y=mb.mul(x=mb.mul(x=inv_m, y=g.scalar(eps)), y=inv_m))
+    root = mb.mul(x=inv_m, y=g.scalar(eps ** 0.5))
+    var = mb.add(x=mb.reduce_mean(x=mb.mul(x=y, y=y), axes=[1], keep_dims=True), y=mb.mul(x=root, y=root))
     w = mb.reshape(x=g.weight(weight), shape=[1, channels, 1, 1])
     return mb.mul(x=mb.mul(x=y, y=mb.rsqrt(x=var)), y=w)
 
@@ -188,22 +191,33 @@ def apply_rope_mil(g: Graph, x, cos, sin, heads: int, d: int, s: int, rotary_dim
     return mb.add(x=mb.mul(x=x, y=cos), y=mb.mul(x=rotated, y=sin))
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP. x: (B, C, 1, S) -> (B, C, 1, S)"""
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    return nn.functional.silu(x) if act == "silu" else nn.functional.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, intermediate: int):
+
+def activation_mil(x, act: str):
+    """activation."""
+    return mb.silu(x=x) if act == "silu" else mb.gelu(x=x, mode="TANH_APPROXIMATION")
+
+
+class MLP(nn.Module):
+    """Gated MLP, SwiGLU or GeGLU (`act`). x: (B, C, 1, S) -> (B, C, 1, S)"""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
+        self.act = act
         self.gate_proj = conv1x1(hidden, intermediate)
         self.up_proj = conv1x1(hidden, intermediate)
         self.down_proj = conv1x1(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.gate_proj(x), self.act) * self.up_proj(x))
 
 
-def mlp_mil(g: Graph, x, prefix: str):
+def mlp_mil(g: Graph, x, prefix: str, act: str = "silu"):
     """MLP of the parameters under `prefix` ("layers.0.mlp."). x: (1, C, 1, S) -> (1, C, 1, S)"""
-    gate = mb.silu(x=conv_mil(g, x, f"{prefix}gate_proj.weight"))
+    gate = activation_mil(conv_mil(g, x, f"{prefix}gate_proj.weight"), act)
     up = conv_mil(g, x, f"{prefix}up_proj.weight")
     return conv_mil(g, mb.mul(x=gate, y=up), f"{prefix}down_proj.weight")
 

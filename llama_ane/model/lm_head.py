@@ -46,7 +46,7 @@ class LMHead(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, heads: list[int] | None = None):
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.stream_eps)
         splits = vocab_splits(cfg.vocab_size)
         self.splits = [splits[j] for j in (heads if heads is not None else range(len(splits)))]
         self.heads = nn.ModuleList(conv1x1(cfg.hidden_size, n) for n in self.splits)
@@ -63,7 +63,7 @@ def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
     """LMHead of the splits the function's outputs name (logits_j; a chunk carrying the head has
     other outputs too)."""
     def body(inputs):
-        h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.rms_norm_eps, cfg.hidden_size)
+        h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.stream_eps, cfg.hidden_size)
         if cfg.logits_scaling != 1.0:
             h = mb.mul(x=h, y=g.scalar(1.0 / cfg.logits_scaling))
         return {t["name"]: conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight")

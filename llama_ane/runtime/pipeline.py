@@ -41,8 +41,9 @@ from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exp
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
 
-#: embeddings outputs that mask cache positions, and where their cache columns are
-CACHE_MASKS = {"mask": "leading", "prefix_mask": "all"}
+#: embeddings outputs that mask cache positions, and where their cache columns are (a sliding
+#: layer's mask like the mask it is the twin of)
+CACHE_MASKS = {"mask": "leading", "prefix_mask": "all", "sliding_mask": "leading", "sliding_prefix_mask": "all"}
 
 
 class ContextFullError(LlamaANEError, RuntimeError):
@@ -190,7 +191,7 @@ class Pipeline:
         """`emb` with its cache masks cut to the first `length` cache positions (direct caches only).
 
         "mask" (1,1,S,T+S) keeps its cache columns [0, length) and its S window columns;
-        "prefix_mask" (1,1,1,T) its first `length` columns.
+        "prefix_mask" (1,1,1,T) its first `length` columns; their sliding twins the same.
         """
         out = dict(emb)
         for name, where in CACHE_MASKS.items():

@@ -36,10 +36,12 @@ DTYPES = {name: p.torch for name, p in PRECISIONS.items()}
 
 
 @functools.lru_cache(maxsize=None)
-def _argument_names(module_class: type) -> tuple[str, ...]:
-    """The parameters of a module class's forward (the manifest names of its inputs), read once per
-    class rather than on every step."""
-    return tuple(inspect.signature(module_class.forward).parameters)[1:]  # without self
+def _argument_names(module_class: type) -> tuple[tuple[str, bool], ...]:
+    """The parameters of a module class's forward (the manifest names of its inputs), each with
+    whether it has a default (an input some exports leave out), read once per class rather than on
+    every step."""
+    params = list(inspect.signature(module_class.forward).parameters.values())[1:]  # without self
+    return tuple((p.name, p.default is not inspect.Parameter.empty) for p in params)
 
 
 class TorchBackend(Backend):
@@ -109,11 +111,13 @@ class TorchBackend(Backend):
         the program would write into its states and the pipeline writes into the caches."""
         entry = function_entry(self.manifest, model, function)
         module = self.module(model, function)
-        args = []
-        for name in _argument_names(type(module)):
+        args = {}
+        for name, optional in _argument_names(type(module)):
+            if optional and name not in inputs:  # an input only some exports have (a sliding mask)
+                continue
             a = torch.from_numpy(inputs[name])  # views (a cache cut to its filled positions) as they are
-            args.append(a.to(self.device, self.torch_dtype if a.is_floating_point() else torch.int32))
-        outs = module(*args)
+            args[name] = a.to(self.device, self.torch_dtype if a.is_floating_point() else torch.int32)
+        outs = module(**args)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         names = [spec["name"] for spec in entry["outputs"]]
