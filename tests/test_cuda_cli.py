@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_gpu_generate_without_gpu_says_so():
     from llama_ane.cli import main
 

@@ -19,9 +19,9 @@ import torch
 import triton
 
 from . import kernels
+from .lse import LOG2E
 from .splits import choose_decode_splits, choose_prefix_splits, prefix_block_m
 
-from .lse import LOG2E
 _DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (64, 128)
 

@@ -43,7 +43,7 @@ def spawn(fn, world: int, backend: str, args: tuple = ()) -> None:
         import torch
 
         if torch.cuda.device_count() < world:
-            raise RuntimeError(f"{world} NCCL ranks need {world} GPUs, this machine has "
+            raise RuntimeError(f"{world} NCCL ranks need {world} GPUs, the host has "
                                f"{torch.cuda.device_count()}")
     mp.spawn(_worker, args=(fn, world, backend, free_port(), args), nprocs=world, join=True)
 
