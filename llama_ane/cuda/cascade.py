@@ -101,6 +101,10 @@ class SharedPrefixBatch:
             suffixes ([batch + 1], [nnz], [batch]); every request's query attends to prefix + its
             suffix. The plan keeps these tensors: :meth:`run` reads them on the GPU, and
             :meth:`set_suffix_lengths` writes ``suffix_last_page_len``.
+
+        A CUDA graph captured over :meth:`run` replays the plan it was captured with: it follows
+        :meth:`set_suffix_lengths`, but another ``plan`` (other split counts, grids and tables)
+        needs a new capture.
         """
         self.path = None  # a plan that fails part-way leaves nothing to run
         device = self.device
