@@ -361,6 +361,7 @@ def quantized(tiny_checkpoint, tmp_path_factory):
     return made
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("name", list(EXPORTS))
 def test_mil_and_torch_run_the_same_decompressed_weights(quantized, name):
     """The conversion check of verify: the programs (mil, fp32) against the torch modules on the
@@ -374,6 +375,7 @@ def test_mil_and_torch_run_the_same_decompressed_weights(quantized, name):
     assert conversion.top1_agreement >= 0.99 and conversion.max_abs_diff < 1e-3
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("name", list(EXPORTS))
 def test_manifest_records_the_schemes_and_the_bytes(quantized, name):
     from llama_ane.contract.manifest import read_manifest
@@ -392,6 +394,7 @@ def test_manifest_records_the_schemes_and_the_bytes(quantized, name):
     assert m["weights"]["chunk_0"]["dense_bytes"] == dense["chunk_0"]["dense_bytes"]
 
 
+@pytest.mark.export
 def test_inspect_reports_compressed_and_dense_bytes(quantized):
     from llama_ane.export.inspect import inspect_path
 
@@ -410,6 +413,7 @@ def test_inspect_reports_compressed_and_dense_bytes(quantized):
     assert scaled.dense_weight_bytes == fn.dense_weight_bytes and fn.weight_bytes < scaled.weight_bytes
 
 
+@pytest.mark.export
 def test_a_scaled_table_read_by_gather_is_not_held_to_the_ane_limits(quantized, monkeypatch):
     """The embedding table's LUT values feed its scale op, whose output only gather reads: neither
     reaches the ANE. With the dimension limit below the vocabulary, only the LM head breaks it."""
@@ -423,6 +427,7 @@ def test_a_scaled_table_read_by_gather_is_not_held_to_the_ane_limits(quantized, 
     assert any("heads_" in v.message for v in violations), violations
 
 
+@pytest.mark.export
 def test_inspect_flags_compression_the_target_cannot_run(quantized):
     from llama_ane.export.inspect import inspect_path
 
@@ -435,6 +440,7 @@ def test_inspect_flags_compression_the_target_cannot_run(quantized):
     assert any("blockwise or 4-bit" in v.message and "macOS15" in v.message for v in report.violations)
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("name", ["lut", "scaled"])
 def test_mil_decompresses_each_weight_once_per_package(quantized, name):
     from llama_ane.mil import PackageExecutor
@@ -447,6 +453,7 @@ def test_mil_decompresses_each_weight_once_per_package(quantized, name):
     assert stored.held_weight_bytes() == pytest.approx(dense, rel=0.01)  # one fp16 copy, not four
 
 
+@pytest.mark.export
 def test_a_quantized_export_generates_on_both_backends(quantized):
     import llama_ane
 
@@ -460,6 +467,7 @@ def test_a_quantized_export_generates_on_both_backends(quantized):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.export
 def test_info_prints_schemes_and_bytes_per_token(quantized):
     from llama_ane.cli import main
 
@@ -471,6 +479,7 @@ def test_info_prints_schemes_and_bytes_per_token(quantized):
 
 # ---- eval --------------------------------------------------------------------------------------------------------
 
+@pytest.mark.export
 def test_eval_against_a_reference_export(quantized):
     from llama_ane.cli import main
 
@@ -486,6 +495,7 @@ def test_eval_against_a_reference_export(quantized):
     assert report["quantization"]["mlp"]["scheme"] == "lut4"
 
 
+@pytest.mark.export
 def test_eval_of_an_export_against_itself(quantized):
     from llama_ane.evaluate import evaluate
 
@@ -495,6 +505,7 @@ def test_eval_of_an_export_against_itself(quantized):
     assert "+0.00%" in str(report)
 
 
+@pytest.mark.export
 def test_eval_perplexity_is_the_mean_negative_log_likelihood(quantized):
     """Against a direct computation from the logits `score` gives."""
     import llama_ane
@@ -516,6 +527,7 @@ def test_eval_perplexity_is_the_mean_negative_log_likelihood(quantized):
     assert report.perplexity == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-9)
 
 
+@pytest.mark.export
 def test_eval_errors(quantized, tiny_checkpoint, tmp_path):
     from llama_ane.cli import main
 
@@ -607,6 +619,7 @@ def test_a_package_built_from_compressed_units_is_the_one_built_alone(tiny_check
         assert blobs[0].read_bytes() == blobs[1].read_bytes(), spec.file
 
 
+@pytest.mark.export
 def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_path):
     """The calibration as the first worker job, its statistics saved layer by layer for the units
     waiting on them, gives the packages that statistics known beforehand give."""
@@ -636,6 +649,7 @@ def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_p
     assert not (tmp_path / "job" / ".scratch").exists()
 
 
+@pytest.mark.export
 def test_a_unit_whose_statistics_never_come_is_a_clear_error(tiny_checkpoint, tmp_path):
     from llama_ane.contract.plan import ExportOptions, plan_export
     from llama_ane.checkpoint.loader import load_checkpoint
@@ -660,6 +674,7 @@ def _small_units_plan(tiny_checkpoint, monkeypatch):
     return ckpt, plan
 
 
+@pytest.mark.export
 def test_compression_units_run_in_kept_workers(tiny_checkpoint, tmp_path, monkeypatch):
     """Units go to workers kept for them (one per slot, reused from unit to unit); builds still get a
     process each, which an idle kept worker makes room for."""
@@ -691,6 +706,7 @@ def test_compression_units_run_in_kept_workers(tiny_checkpoint, tmp_path, monkey
     assert all((tmp_path / "out" / spec.file).exists() for spec in plan.packages)
 
 
+@pytest.mark.export
 def test_a_kept_worker_that_grew_past_its_share_leaves(tiny_checkpoint, tmp_path, monkeypatch):
     """A kept worker whose memory grew by more than a compression worker's share of the memory
     plan goes after its unit (here every unit: a share of nothing), and the export goes on."""
@@ -714,6 +730,7 @@ def test_a_kept_worker_that_grew_past_its_share_leaves(tiny_checkpoint, tmp_path
 
 @pytest.mark.parametrize("how, words", [("raises", r"compressing .* failed: ValueError: bad unit"),
                                         ("is killed", r"compressing .* killed by signal 9")])
+@pytest.mark.export
 def test_a_failing_unit_in_a_kept_worker_is_a_clear_error(tiny_checkpoint, tmp_path, monkeypatch, how, words):
     from llama_ane.export import convert
 
