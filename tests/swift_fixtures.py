@@ -684,6 +684,86 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     return out
 
 
+# Windowed families exported for the Swift tests: name -> (the test_families case it starts from,
+# its checkpoint overrides, its export options). Both windows are shorter than the prompt plus the
+# generated tokens, so the sliding layers' own masks decide what the steps attend to.
+FAMILY_EXPORTS = {
+    # Gemma 3: sliding (local RoPE) and global layers, every phase: the cascade's and the verify
+    # window's sliding masks too.
+    "export_gemma3": ("gemma3_tied_gqa", dict(sliding_window=16), dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=8, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2)),
+    # Mistral: a window on every layer, caches in states, the head folded into the one chunk.
+    "export_mistral_window": ("mistral_window", dict(sliding_window=16), dict(
+        context_length=64, prefill_length=8, branch_width=0, verify_window=0, kv_cache="state",
+        fold_lm_head="yes", layers_per_chunk=3)),
+}
+FAMILY_PROMPT = "Caches hold keys and values for every layer of the model."
+FAMILY_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "  What do caches hold?  "},
+               {"role": "assistant", "content": "Keys and values."}, {"role": "user", "content": "For how long?"}]
+FAMILY_NEW_TOKENS = 20
+
+
+def _recorded_generation(out: Path, prompt: list[int]) -> dict[str, Any]:
+    """Greedy generation on the export's own programs (the mil backend): the tokens, and every step's
+    embeddings inputs (the window's ids, its position, its real tokens) with the logits of its last
+    real token, as a host must feed and will get them."""
+    import numpy as np
+
+    import llama_ane
+
+    model = llama_ane.load(out, backend="mil")
+    pipeline, steps = model.pipeline, []
+    forward = pipeline.forward
+
+    def recording(fn, embed_inputs, write, visible, state=None):
+        logits = forward(fn, embed_inputs, write, visible, state)
+        ids = [int(t) for t in embed_inputs["input_ids"].reshape(-1)]
+        position = int(embed_inputs["position"].reshape(-1)[0])
+        count = min(len(ids), len(prompt) - position) if position < len(prompt) else 1
+        steps.append({"function": fn, "input_ids": ids, "position": position, "count": count,
+                      "logits": [float(v) for v in logits[count - 1]]})
+        return logits
+
+    pipeline.forward = recording
+    try:
+        result = model.generate(prompt, max_new_tokens=FAMILY_NEW_TOKENS, temperature=0.0)
+    finally:
+        model.close()
+    return {"tokens": [int(t) for t in result.token_ids], "finish_reason": result.finish_reason, "steps": steps}
+
+
+def write_family_exports(fixtures_dir: Path) -> dict[str, Any]:
+    """Export the windowed family checkpoints of FAMILY_EXPORTS into ``fixtures_dir/<name>`` and write
+    ``families.json``: per export, the prompt's ids and the chat prompt (rendered by transformers'
+    `apply_chat_template` with the export's template, and its ids), and a greedy generation on the
+    export's programs (see `_recorded_generation`)."""
+    from transformers import AutoTokenizer
+
+    from llama_ane.api import export_model
+    from test_families import CASES, make_family_checkpoint
+
+    common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+    data = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (case, overrides, options) in FAMILY_EXPORTS.items():
+            checkpoint = make_family_checkpoint(Path(tmp) / name, **{**CASES[case], **overrides})
+            folder = Path(fixtures_dir) / name
+            if folder.exists():
+                shutil.rmtree(folder)
+            export_model(checkpoint, folder, **common, **options)
+            if not (folder / "manifest.json").is_file():
+                raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
+            hf = AutoTokenizer.from_pretrained(str(checkpoint))
+            rendered = hf.apply_chat_template(FAMILY_CHAT, add_generation_prompt=True, tokenize=False)
+            prompt = hf(FAMILY_PROMPT).input_ids
+            data[name] = {"prompt": FAMILY_PROMPT, "prompt_ids": prompt, "messages": FAMILY_CHAT,
+                          "chat_rendered": rendered, "chat_ids": hf(rendered, add_special_tokens=False).input_ids,
+                          **_recorded_generation(folder, prompt)}
+    (Path(fixtures_dir) / "families.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
 class _BigramPipeline:
     """The part of runtime.pipeline.Pipeline that `LlamaANEModel.stream` drives, over a bigram table:
     the logits after a window are the table's row of its last token."""
@@ -1065,12 +1145,13 @@ def write_swift_fixtures(fixtures_dir: Path) -> None:
     write_generation_fixture(fixtures_dir / "generation.json")
     export = write_manifest_fixture(fixtures_dir)
     write_speculative_fixture(fixtures_dir / "speculative.json", export / "manifest.json")
+    write_family_exports(fixtures_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative"],
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families"],
                         help="write one part only (speculative reads the export's manifest)")
     args = parser.parse_args(argv)
     args.fixtures_dir.mkdir(parents=True, exist_ok=True)
@@ -1088,6 +1169,9 @@ def main(argv: list[str] | None = None) -> None:
         print("speculative:", len(data["drafts"]), "drafts,", sum(map(len, data["sessions"])), "session calls,",
               len(data["ranked"]), "ranked trees,", len(data["windows"]), "windows,",
               len(data["choices"]), "choices,", len(data["generations"]), "generations")
+    if args.only in (None, "families"):
+        data = write_family_exports(args.fixtures_dir)
+        print("families:", ", ".join(f"{k}: {len(v['tokens'])} tokens" for k, v in data.items()))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,14 @@ public struct Manifest: Codable, Equatable, Sendable {
         /// Hugging Face writes one id or a list; both decode to a list.
         public var eosTokenId: [Int]
         public var modelType: String?
+        /// The sliding layers' attention window (a query at p sees the keys in (p - window, p]), when
+        /// the model has one; the programs apply it (see `slidingLayers`).
+        public var slidingWindow: Int?
+        /// The layers that attend within `slidingWindow`; where the window is shorter than the
+        /// context they read the embeddings' sliding masks, whose names the wiring resolves.
+        public var slidingLayers: [Int]
+        /// The sliding layers' own RoPE base (Gemma 3), whose tables the embeddings output.
+        public var ropeLocalTheta: Double?
 
         enum CodingKeys: String, CodingKey {
             case vocabSize = "vocab_size", hiddenSize = "hidden_size", intermediateSize = "intermediate_size"
@@ -93,7 +101,8 @@ public struct Manifest: Codable, Equatable, Sendable {
             case numKeyValueHeads = "num_key_value_heads", headDim = "head_dim", rmsNormEps = "rms_norm_eps"
             case ropeTheta = "rope_theta", maxPositionEmbeddings = "max_position_embeddings"
             case tieWordEmbeddings = "tie_word_embeddings", bosTokenId = "bos_token_id", eosTokenId = "eos_token_id"
-            case modelType = "model_type"
+            case modelType = "model_type", slidingWindow = "sliding_window", slidingLayers = "sliding_layers"
+            case ropeLocalTheta = "rope_local_theta"
         }
 
         public init(from decoder: Decoder) throws {
@@ -116,6 +125,9 @@ public struct Manifest: Codable, Equatable, Sendable {
                 eosTokenId = try c.decodeIfPresent(Int.self, forKey: .eosTokenId).map { [$0] } ?? []
             }
             modelType = try c.decodeIfPresent(String.self, forKey: .modelType)
+            slidingWindow = try c.decodeIfPresent(Int.self, forKey: .slidingWindow)
+            slidingLayers = try c.decodeIfPresent([Int].self, forKey: .slidingLayers) ?? []
+            ropeLocalTheta = try c.decodeIfPresent(Double.self, forKey: .ropeLocalTheta)
         }
     }
 

@@ -12,6 +12,7 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case missingFile(String)
     case hashMismatch(String)
     case inconsistent(String)
+    case unknownConfigField(String)
 
     public var description: String {
         switch self {
@@ -53,6 +54,10 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
             return "\(name) is named in manifest.json but missing from the export folder. Copy the whole folder, or re-export."
         case let .hashMismatch(name):
             return "\(name) does not match its sha256 in manifest.json: it was modified or corrupted. Re-export or copy it again."
+        case let .unknownConfigField(name):
+            return "manifest.json: config.\(name) is a model setting this LlamaANE does not know, so it cannot tell "
+                + "whether it would run the export right. Update the Swift package, or re-export with the llama-ane "
+                + "release that matches it."
         case let .inconsistent(reason):
             return "manifest.json is inconsistent: \(reason). Re-export the model with `llama-ane export`."
         }

@@ -18,7 +18,7 @@ extension Manifest {
         do { top = try JSONSerialization.jsonObject(with: data, options: .fragmentsAllowed) } catch {
             throw ManifestError.invalidJSON(path: path, reason: "\(error.localizedDescription)")
         }
-        guard top is [String: Any] else { throw ManifestError.notAnObject(kind: describeKind(top)) }
+        guard let object = top as? [String: Any] else { throw ManifestError.notAnObject(kind: describeKind(top)) }
         struct VersionProbe: Decodable {
             let formatVersion: Int?
             enum CodingKeys: String, CodingKey { case formatVersion = "format_version" }
@@ -29,6 +29,10 @@ extension Manifest {
         }
         guard let version = probe.formatVersion, supportedFormatVersions.contains(version) else {
             throw ManifestError.unsupportedFormatVersion(found: probe.formatVersion, supported: supportedFormatVersions)
+        }
+        if let config = object["config"] as? [String: Any],
+           let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
+            throw ManifestError.unknownConfigField(unknown)
         }
         let manifest: Manifest
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {

@@ -1,0 +1,41 @@
+extension Manifest.ModelConfig {
+    /// Every `config` field of the manifests this package runs (docs/manifest.md). Each one is
+    /// carried out inside the exported programs (norms, RoPE tables, masks, multipliers), so the
+    /// host needs only the sizes; a field outside this list is a setting of a newer exporter whose
+    /// effect on the host is unknown, and `Manifest.decode` refuses it by name rather than run the
+    /// export wrong. One name a line: tests/test_swift_fixtures.py reads this list.
+    public static let knownFields: Set<String> = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "model_type",
+        "qkv_bias",
+        "o_proj_bias",
+        "qk_norm",
+        "qk_norm_across_heads",
+        "post_norms",
+        "fused_projections",
+        "partial_rotary_factor",
+        "sliding_window",
+        "sliding_layers",
+        "rope_local_theta",
+        "hidden_act",
+        "sandwich_norms",
+        "nope_layers",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_scale",
+        "logits_scaling",
+    ]
+}
