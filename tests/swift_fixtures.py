@@ -508,6 +508,9 @@ CHAT_CONVERSATIONS = [
      {"role": "user", "content": "Tell me a joke.\nA short one."}],
     [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>\nBecause.\n</think>\n\nIt is so."},
      {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "<think>Yes.</think>Quite sure."}],
+    [{"role": "system", "content": "Be brief. /no_think"}, {"role": "user", "content": "  Trim me, please.  \n"},
+     {"role": "assistant", "content": " Done. "}, {"role": "user", "content": "Thanks!"}],
+    [{"role": "user", "content": "One."}, {"role": "user", "content": "Two."}],  # turns that do not alternate
 ]
 # Extra template variables some cases are rendered with (Qwen3's switch for its thinking block).
 CHAT_EXTRAS = [{}, {"enable_thinking": False}]
@@ -572,6 +575,120 @@ MULTILINE_TEMPLATE = """{%- set ns = namespace(system='') -%}
 {% endif %}"""
 
 
+# Chat templates in the style of the families exported since Llama and Qwen, written here (each
+# family's markers and the Jinja features its published template relies on); see also
+# test_families.TEMPLATES, the small ones the family exports carry, added to the fixture too.
+#
+# Gemma 3: BOS first, the system message folded into the first user turn, roles that must
+# alternate (raise_exception), "assistant" spoken as "model", trimmed contents.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] | trim + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+# SmolLM3: a metadata system block, reasoning on unless `enable_thinking` is false or the system
+# message says /no_think (the flag is removed from it), empty think blocks in non-reasoning turns.
+SMOLLM3_TEMPLATE = """{%- set reasoning = 'think' if enable_thinking is not defined or enable_thinking else 'no_think' -%}
+{%- set ns = namespace(system='', reasoning=reasoning) -%}
+{%- if messages[0].role == 'system' -%}
+    {%- set ns.system = messages[0].content -%}
+    {%- if '/no_think' in ns.system -%}{%- set ns.reasoning = 'no_think' -%}{%- endif -%}
+    {%- if '/think' in ns.system.replace('/no_think', '') -%}{%- set ns.reasoning = 'think' -%}{%- endif -%}
+    {%- set ns.system = ns.system.replace('/no_think', '').replace('/think', '') | trim -%}
+{%- endif -%}
+<|im_start|>system
+## Metadata
+
+Reasoning Mode: /{{ ns.reasoning }}
+
+## Custom Instructions
+
+{{ ns.system if ns.system else 'You are a helpful assistant.' }}<|im_end|>
+{% for message in messages if message.role != 'system' -%}
+<|im_start|>{{ message.role }}
+{% if message.role == 'assistant' and ns.reasoning == 'no_think' and '<think>' not in message.content -%}
+<think>
+
+</think>
+{% endif -%}
+{{ message.content }}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if ns.reasoning == 'no_think' %}<think>
+
+</think>
+{% endif -%}
+{%- endif -%}"""
+
+# Phi-3 / Phi-4-mini: <|role|> markers, each turn closed by <|end|>.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# Granite 3.x: role markers, a default system message where none is given, turns closed by EOS.
+GRANITE_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}"
+    "{%- set system_message = 'You are a helpful assistant built for the Neural Engine.' %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system_message + eos_token + '\\n' }}"
+    "{%- for message in loop_messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + eos_token }}"
+    "{%- if not loop.last or add_generation_prompt %}{{- '\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+)
+
+# OLMo 2: BOS, <|role|> lines, assistant turns closed by EOS.
+OLMO2_TEMPLATE = """{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>
+' + message['content'] + '
+' }}{% elif message['role'] == 'user' %}{{ '<|user|>
+' + message['content'] + '
+' }}{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>
+'  + message['content'] + eos_token + '
+' }}{% else %}{{ '<|assistant|>
+'  + message['content'] + eos_token }}{% endif %}{% endif %}{% if loop.last and add_generation_prompt %}{{ '<|assistant|>
+' }}{% endif %}{% endfor %}"""
+
+# name -> (template, BOS, EOS) of the family-style templates above
+FAMILY_TEMPLATES = {
+    "gemma3": (GEMMA3_TEMPLATE, "<bos>", "<eos>"),
+    "smollm3": (SMOLLM3_TEMPLATE, "", "<|im_end|>"),
+    "phi3": (PHI3_TEMPLATE, "<s>", "<|endoftext|>"),
+    "granite": (GRANITE_TEMPLATE, "", "<|end_of_text|>"),
+    "olmo2": (OLMO2_TEMPLATE, "<|endoftext|>", "<|endoftext|>"),
+}
+
+
+def family_templates() -> dict[str, tuple[str, str, str]]:
+    """Every family chat template the fixture renders: FAMILY_TEMPLATES, and the templates the family
+    exports carry (test_families.TEMPLATES, with the tiny tokenizer's BOS and EOS), as
+    ``family_<model_type>``."""
+    from test_families import TEMPLATES
+
+    out = {f"{name}_style": value for name, value in FAMILY_TEMPLATES.items()}
+    out.update({f"family_{name}": (template, "<|im_start|>", "<|im_end|>") for name, template in TEMPLATES.items()})
+    return out
+
+
 def _render_chat(template: str, messages: list[dict[str, str]], add_generation_prompt: bool,
                  bos: str, eos: str, extra: dict[str, Any] | None = None) -> str:
     """Render like transformers' `apply_chat_template` (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
@@ -600,6 +717,7 @@ def write_chat_template_cases(path: Path, smol_template: str) -> None:
         "mistral": (MISTRAL_TEMPLATE, "<s>", "</s>"),
         "qwen2_chatml": (QWEN2_CHATML_TEMPLATE, "", "<|im_end|>"),
         "qwen3_chatml": (QWEN3_CHATML_TEMPLATE, "", "<|im_end|>"),
+        **family_templates(),
     }
     out = []
     for name, (template, bos, eos) in templates.items():

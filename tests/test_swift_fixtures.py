@@ -250,3 +250,53 @@ def test_committed_swift_fixtures_are_what_the_generator_writes(tmp_path):
     problems += [d for rel in _files(FIXTURES) if rel.parent not in trained
                  for d in _file_differences(tmp_path / rel, FIXTURES / rel, rel)]
     assert not problems, "\n".join(problems[:20]) + f"\n{REGENERATE}"
+
+
+def test_family_chat_templates_render_as_transformers(tmp_path):
+    """The family templates' renderings in chat_templates.json (jinja2, as the Swift tests compare
+    with) are what transformers' apply_chat_template gives with each template's BOS and EOS."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path / "chat.json"
+    sf.write_chat_template_cases(path, "")
+    templates = {t["name"]: t for t in json.loads(path.read_text("utf-8"))["templates"]}
+    names = set(sf.family_templates())
+    assert names >= {"gemma3_style", "smollm3_style", "phi3_style", "granite_style", "olmo2_style",
+                     "family_gemma3_text", "family_smollm3", "family_granite", "family_olmo2", "family_phi3",
+                     "family_mistral"}
+    checked = raised = 0
+    for name in sorted(names):
+        t = templates[name]
+        hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(sf.qwen2_tokenizer_json())),
+                                     bos_token=t["bos_token"] or None, eos_token=t["eos_token"])
+        for case in t["cases"]:
+            if "error" in case:
+                with pytest.raises(Exception, match="alternate"):
+                    hf.apply_chat_template(case["messages"], chat_template=t["template"], tokenize=False,
+                                           add_generation_prompt=case["add_generation_prompt"], **case["extra"])
+                raised += 1
+                continue
+            want = hf.apply_chat_template(case["messages"], chat_template=t["template"], tokenize=False,
+                                          add_generation_prompt=case["add_generation_prompt"], **case["extra"])
+            assert case["rendered"] == want, name
+            checked += 1
+    assert checked >= len(names) * len(sf.CHAT_CONVERSATIONS) and raised > 0
+    smol = templates["smollm3_style"]["cases"]
+    assert any("Reasoning Mode: /no_think" in c["rendered"] for c in smol)
+    assert any("Reasoning Mode: /think" in c["rendered"] for c in smol)
+
+
+def test_swift_knows_every_config_field_the_exporter_writes():
+    """The manifest's config holds LlamaConfig's fields; Swift refuses a field it does not know, so
+    its list (ModelConfigFields.swift) must name each of them."""
+    import dataclasses
+    import re
+
+    from llama_ane.config import LlamaConfig
+
+    source = (Path(__file__).resolve().parent.parent / "swift_host" / "Sources" / "LlamaANE" / "Manifest"
+              / "ModelConfigFields.swift").read_text("utf-8")
+    known = set(re.findall(r'^\s+"([a-z_0-9]+)",$', source, re.M))
+    assert known == {f.name for f in dataclasses.fields(LlamaConfig)}, \
+        "teach the Swift host the new config fields (or that they are gone) in ModelConfigFields.swift"

@@ -10,6 +10,11 @@ final class ChatTemplateTests: XCTestCase {
         XCTAssertGreaterThanOrEqual(templates.count, 7)
         XCTAssertTrue(templates.contains { $0["name"]?.stringValue == "qwen2_chatml" })
         XCTAssertTrue(templates.contains { $0["name"]?.stringValue == "qwen3_chatml" })
+        // the families' templates: in their own style, and those the family exports carry
+        for family in ["gemma3_style", "smollm3_style", "phi3_style", "granite_style", "olmo2_style", "family_gemma3_text",
+                       "family_smollm3", "family_granite", "family_olmo2", "family_phi3", "family_mistral"] {
+            XCTAssertTrue(templates.contains { $0["name"]?.stringValue == family }, family)
+        }
         var checked = 0, errors = 0
         for t in templates {
             let name = t["name"]?.stringValue ?? "?"
