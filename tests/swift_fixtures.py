@@ -9,6 +9,8 @@ Nothing in those fixtures is written by hand:
   - ``smollm2``: the embedded SmolLM2-135M-Instruct tokenizer (byte-level BPE);
   - ``llama2_sentencepiece``: a Llama-2-style SentencePiece BPE with byte fallback, trained here;
   - ``metaspace_bpe``: the same vocabulary behind a ``Metaspace`` pre-tokenizer (newer exports);
+  - ``gemma_sentencepiece``: the same vocabulary laid out as Gemma's (no dummy prefix, <bos>, turn
+    markers as special tokens);
   - ``byte_level_split``: the SmolLM2 vocabulary behind a Llama-3-style ``Split`` regex;
   - ``byte_level_digits_nfc``: the SmolLM2 vocabulary behind NFC, single-digit splits and ByteLevel;
   - ``qwen2_byte_level``: a Qwen2-style tokenizer trained here (NFC, Qwen's split regex, byte-level
@@ -383,6 +385,36 @@ def _metaspace_variant(llama2: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def _gemma_variant(llama2: dict[str, Any]) -> dict[str, Any]:
+    """The Llama-2 vocabulary as Gemma's tokenizers lay theirs out: SentencePiece BPE with byte
+    fallback but no dummy prefix (spaces become ▁ and nothing is prepended, so nothing is stripped
+    when decoding), a Split on spaces merged with the previous piece, <pad> <eos> <bos> <unk> first,
+    then the turn markers as special tokens, and BOS added in front."""
+    out = json.loads(json.dumps(llama2))
+    pieces = [t for t, _ in sorted(out["model"]["vocab"].items(), key=lambda kv: kv[1]) if t not in ("<unk>", "<s>", "</s>")]
+    out["model"]["vocab"] = {t: i for i, t in enumerate(GEMMA_SPECIALS + pieces)}
+    out["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for i, t in enumerate(GEMMA_SPECIALS)]
+    out["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    out["pre_tokenizer"] = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+    bos = {"SpecialToken": {"id": "<bos>", "type_id": 0}}
+    out["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, bos, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}},
+    }
+    out["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]}
+    return out
+
+
 def _byte_level_split_variant(smol: dict[str, Any]) -> dict[str, Any]:
     """The SmolLM2 vocabulary behind Llama 3's Split regex + ByteLevel (no regex) and a BOS template."""
     out = json.loads(json.dumps(smol))
@@ -752,6 +784,7 @@ def write_tokenizer_fixtures(fixtures_dir: Path) -> dict[str, int]:
     llama2 = _llama2_tokenizer()
     counts["llama2_sentencepiece"] = _write_cases(root / "llama2_sentencepiece", llama2, ["<s>", "</s>", "<unk>"], 2)
     counts["metaspace_bpe"] = _write_cases(root / "metaspace_bpe", _metaspace_variant(llama2), ["<s>", "</s>"], 3)
+    counts["gemma_sentencepiece"] = _write_cases(root / "gemma_sentencepiece", _gemma_variant(llama2), GEMMA_SPECIALS, 7)
     counts["byte_level_split"] = _write_cases(root / "byte_level_split", _byte_level_split_variant(smol),
                                               smol_specials, 4)
     counts["byte_level_digits_nfc"] = _write_cases(root / "byte_level_digits_nfc", _digits_nfc_variant(smol),

@@ -96,7 +96,7 @@ def test_qwen_chatml_fixtures_render_as_transformers(tmp_path):
 def test_all_tokenizer_fixtures(tmp_path):
     counts = sf.write_tokenizer_fixtures(tmp_path)
     assert set(counts) == {"smollm2", "llama2_sentencepiece", "metaspace_bpe", "byte_level_split",
-                           "byte_level_digits_nfc", "qwen2_byte_level"}
+                           "byte_level_digits_nfc", "qwen2_byte_level", "gemma_sentencepiece"}
     assert min(counts.values()) >= 200
     tok, cases = _load(tmp_path / "tokenizers" / "smollm2")
     for case in cases:  # byte-level BPE is lossless too
@@ -213,7 +213,7 @@ def test_manifest_comparison_ignores_versions_and_hashes(tmp_path):
 # Tokenizers whose BPE the generator trains: `tokenizers`' trainer breaks ties between equally
 # frequent pairs in no fixed order, so a new training may merge differently. Their committed cases
 # are checked against their committed tokenizer.json instead, and the rest of the file compared.
-TRAINED_HERE = ("llama2_sentencepiece", "metaspace_bpe")
+TRAINED_HERE = ("llama2_sentencepiece", "metaspace_bpe", "gemma_sentencepiece")
 
 
 def _trained_tokenizer_differences(generated: Path, committed: Path, rel: Path) -> list[str]:
@@ -300,3 +300,26 @@ def test_swift_knows_every_config_field_the_exporter_writes():
     known = set(re.findall(r'^\s+"([a-z_0-9]+)",$', source, re.M))
     assert known == {f.name for f in dataclasses.fields(LlamaConfig)}, \
         "teach the Swift host the new config fields (or that they are gone) in ModelConfigFields.swift"
+
+
+def test_gemma_style_tokenizer_cases_match_transformers(tmp_path):
+    """The Gemma-style fixture: transformers' tokenizer of it and `tokenizers` agree on >= 200 strings;
+    <bos> in front, no dummy prefix (a leading space is its own ▁), turn markers one special id each,
+    byte fallback lossless."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    gemma = sf._gemma_variant(sf._llama2_tokenizer())
+    count = sf._write_cases(tmp_path, gemma, sf.GEMMA_SPECIALS, 7)
+    tok, cases = _load(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(gemma)), bos_token="<bos>",
+                                 eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+    assert count == len(cases) >= 200
+    for case in cases:
+        assert hf(case["text"]).input_ids == case["ids"] == tok.encode(case["text"]).ids, case["text"]
+        assert case["ids"][:1] == [2]
+        if not any(s in case["text"] for s in sf.GEMMA_SPECIALS):
+            assert tok.decode(case["ids_without_special"]) == case["text"]
+    assert tok.encode("hi", add_special_tokens=False).ids != tok.encode(" hi", add_special_tokens=False).ids
+    turn = hf("<start_of_turn>user\nHi<end_of_turn>", add_special_tokens=False).input_ids
+    assert turn[0] == 4 and turn[-1] == 5

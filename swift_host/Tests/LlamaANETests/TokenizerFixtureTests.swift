@@ -53,6 +53,7 @@ final class TokenizerFixtureTests: XCTestCase {
     func testSmolLM2ByteLevelBPE() throws { try check("smollm2") }
     func testLlama2SentencePieceByteFallback() throws { try check("llama2_sentencepiece") }
     func testMetaspacePreTokenizer() throws { try check("metaspace_bpe") }
+    func testGemmaStyleSentencePieceWithoutDummyPrefix() throws { try check("gemma_sentencepiece") }
     func testLlama3StyleSplitRegex() throws { try check("byte_level_split") }
     func testNFCAndSingleDigitSplits() throws { try check("byte_level_digits_nfc") }
     func testQwen2ByteLevelBPE() throws { try check("qwen2_byte_level") }
