@@ -284,9 +284,8 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
         for name in pipe.embedding_models:
             model.backend.release(name)
         hidden = emb["hidden_states"]
-        for chunk in pipe.chunks:
-            zeros = pipe._zeros(len(chunk["layers"]))
-            pool = {**emb, "hidden_states": hidden, "k_cache": zeros, "v_cache": zeros}
+        for i, chunk in enumerate(pipe.chunks):
+            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i)}
             out = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))
             hidden = out.get("hidden_states_out")  # none from a last chunk carrying the LM head
             model.backend.release(chunk["model"])

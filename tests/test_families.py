@@ -323,23 +323,26 @@ def test_mil_decode_branches_match_decoding_alone(export):
     check_mil_branches(*export)
 
 
-def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export):
-    """The exported embeddings (mil) give the sliding layers a mask that sees exactly the keys in
-    (p - window, p] of each query p, and the full layers one that sees every earlier key."""
+@pytest.mark.parametrize("position", [0, 30, 100, 200])
+def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export, position):
+    """The exported embeddings (mil) give the sliding layers a mask over their ring's slots that sees
+    exactly the slots holding keys in (p - window, p] of each query p (slot j holds the latest
+    position below p that is j modulo the ring's length), and the full layers one that sees every
+    earlier key."""
     import llama_ane
 
     name, out = export
     if not name.endswith("window") and not name.startswith("gemma3"):
         pytest.skip("the windowed exports")
     model = llama_ane.load(out, backend="mil")
-    window = model.manifest["config"]["sliding_window"]
-    position = 100
+    window, ring = model.manifest["config"]["sliding_window"], model.manifest["cache"]["sliding"]["length"]
+    assert window < ring < model.manifest["context_length"] and ring % 32 == 0
     emb = model.pipeline.embed("decode", {"input_ids": np.array([[5]], np.int32),
                                           "position": np.array([position], np.int32)})
     t = model.manifest["context_length"]
-    sees = emb["sliding_mask"][0, 0, 0] == 0  # (T + 1,)
-    keys = np.r_[np.arange(t), position]
+    held = np.array([max([q for q in range(position) if q % ring == j], default=-1) for j in range(ring)])
+    sees = emb["sliding_mask"][0, 0, 0] == 0  # (R + 1,): the ring's slots, then the query itself
+    assert (sees == np.r_[(held >= 0) & (held > position - window), True]).all()
     cached = np.r_[np.arange(t) < position, True]  # the cache below the query, then the query itself
-    assert (sees == (cached & (keys > position - window))).all()
     assert ((emb["mask"][0, 0, 0] == 0) == cached).all()
     model.close()

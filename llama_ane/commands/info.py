@@ -112,6 +112,12 @@ def _describe(m: dict, config_path: Path | None) -> None:
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
     if m.get("verify_window"):
         click.echo(f"  verify    token trees of {m['verify_window']} tokens per step (speculative decoding)")
+    if m["cache"].get("sliding"):
+        from ..contract.traffic import ring_bytes
+
+        ring = m["cache"]["sliding"]
+        click.echo(f"  sliding   layers {ring['layers']} keep a ring of {ring['length']} positions (window "
+                   f"{c['sliding_window']}): {ring_bytes(m) / 1e6:.2f} MB of K/V, whatever the context")
     weights = m.get("weights", {})
 
     def mb(model: str) -> str:

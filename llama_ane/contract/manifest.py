@@ -160,6 +160,12 @@ def _check_references(manifest: dict[str, Any]) -> None:
 
 
 CACHE_TENSORS = ("k_cache", "v_cache", "k_cache_out", "v_cache_out")
+RING_TENSORS = ("k_ring", "v_ring", "k_ring_out", "v_ring_out")
+
+
+def ring_of(manifest: dict[str, Any]) -> int:
+    """Slots of the sliding layers' ring buffer (manifest cache.sliding.length), 0 where there is none."""
+    return manifest["cache"].get("sliding", {}).get("length", 0)
 
 
 def _check_cache_shapes(manifest: dict[str, Any]) -> None:
@@ -168,20 +174,29 @@ def _check_cache_shapes(manifest: dict[str, Any]) -> None:
     they are opened); the buckets ascend to context_length."""
     from .specs import bucket_of
 
-    context, channels = manifest["context_length"], manifest["cache"]["channels"]
+    context, channels, ring = manifest["context_length"], manifest["cache"]["channels"], ring_of(manifest)
     for model, entry in manifest["models"].items():
         for fn, f in entry["functions"].items():
             bucket = bucket_of(fn, context)
             for kind in ("inputs", "outputs", "states"):
                 for i, t in enumerate(f.get(kind, [])):
-                    if t["name"] not in CACHE_TENSORS or len(t["shape"]) != 4:
+                    if t["name"] not in CACHE_TENSORS + RING_TENSORS or len(t["shape"]) != 4:
                         continue
-                    want = [t["shape"][0], channels, 1, context if kind == "states" else bucket]
-                    if t["shape"] != want:
+                    if t["name"] in RING_TENSORS:
+                        want, given = [t["shape"][0], channels, 1, ring], f"cache.sliding.length {ring}"
+                    else:
+                        want = [t["shape"][0], channels, 1, context if kind == "states" else bucket]
+                        given = f"context_length {context}"
+                    if t["shape"] != want or not want[-1]:
                         raise ManifestError(
                             f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] {t['name']!r} of {f['file']} "
-                            f"has shape {t['shape']}, but context_length {context} and cache.channels {channels} give "
+                            f"has shape {t['shape']}, but {given} and cache.channels {channels} give "
                             f"{want}; {REEXPORT}")
+    reads_ring = any(t["name"] in RING_TENSORS for entry in manifest["models"].values()
+                     for f in entry["functions"].values() for kind in ("inputs", "states") for t in f.get(kind, []))
+    if ring and not reads_ring:
+        raise ManifestError(f"{MANIFEST}: cache.sliding names a ring buffer of {ring} positions, but no chunk "
+                            f"function reads one (k_ring); {REEXPORT}")
     buckets = context_buckets(manifest)
     if buckets != sorted(set(buckets)) or buckets[-1] != context:
         raise ManifestError(f"{MANIFEST}: context_buckets {buckets} must ascend to context_length {context}; "
@@ -315,7 +330,12 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     each of its functions to the cache-update function that writes its K/V, where there is one.
     `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
     """
-    from .specs import cache_update_function, chunk_model_name, embeddings_model_name, lm_head_model_name
+    from ..config import LlamaConfig
+    from .specs import (BRANCHES, cache_update_function, chunk_model_name, chunk_rows, embeddings_model_name,
+                        lm_head_model_name, ring_length)
+
+    cfg = LlamaConfig.from_dict(config)
+    ring = ring_length(cfg, context_length, prefill_length)
 
     models: dict[str, Any] = {}
     for model, functions in specs.items():
@@ -324,10 +344,13 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
             file, inner = files.get((model, fn), (None, None))
             models[model]["functions"][fn] = {"file": file, "function_name": inner, **io}
     updates = specs.get("cache_update", {})
-    chunks = [{"model": chunk_model_name(i), "layers": layers,
-               "cache_update": {fn: cache_update_function(fn, len(layers)) for fn in specs[chunk_model_name(i)]
-                                if cache_update_function(fn, len(layers)) in updates}}
-              for i, layers in enumerate(plan)]
+    chunks = []
+    for i, layers in enumerate(plan):
+        counts = [len(rows) for rows in chunk_rows(cfg, layers, ring)]  # in the full cache, in the ring
+        names = {fn: cache_update_function(fn, len(layers) if fn == BRANCHES else counts[0],
+                                           0 if fn == BRANCHES else counts[1]) for fn in specs[chunk_model_name(i)]}
+        chunks.append({"model": chunk_model_name(i), "layers": layers,
+                       "cache_update": {fn: name for fn, name in names.items() if name in updates}})
     lm_outputs = ([o for o in specs[head_folded_into]["decode"]["outputs"] if o["name"].startswith("logits_")]
                   if head_folded_into else
                   [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]])
@@ -350,7 +373,9 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "weights": weights,
         "cache": {"kind": kv_cache, "layout": "(layers, kv_heads*head_dim, 1, context)",
                   "channels": config["num_key_value_heads"] * config["head_dim"],
-                  "dtype": PRECISIONS[precision].dtype},
+                  "dtype": PRECISIONS[precision].dtype,
+                  # the sliding layers' ring buffer: (their layers in a chunk, channels, 1, length)
+                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers)}} if ring else {})},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
         "lm_head": {"models": [] if head_folded_into else [lm_head_model_name(k) for k in range(len(head_groups))],

@@ -78,7 +78,10 @@ SCHEMA: dict[str, Any] = {
             "type": "object", "properties": {"bytes": _COUNT, "dense_bytes": _COUNT}}},
         "cache": {"type": "object", "required": ["layout", "channels", "dtype"],
                   "properties": {"kind": {"enum": ["inputs", "state"]}, "layout": {"type": "string"},
-                                 "channels": _SIZE, "dtype": {"enum": ["float16", "float32"]}}},
+                                 "channels": _SIZE, "dtype": {"enum": ["float16", "float32"]},
+                                 "sliding": {"type": "object", "required": ["length", "layers"],
+                                             "properties": {"length": _SIZE, "layers": {
+                                                 "type": "array", "minItems": 1, "items": _COUNT}}}}},
         "embeddings": {"type": "object", "required": ["models", "vocab_ranges"],
                        "properties": {"models": _MODEL_LIST, "vocab_ranges": {
                            "type": "array", "items": {"type": "array", "items": _COUNT,

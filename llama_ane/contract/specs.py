@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from ..config import LlamaConfig
 from ..model import cache_update, chunk, embeddings, lm_head
-from ..model.functions import (BRANCHES, FUNCTIONS, KV_CACHE_KINDS, VERIFY, Layout, base_function, bucket_function,
-                               bucket_of, cache_update_function, window_of)
+from ..model.functions import (BRANCHES, CACHES, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, Layout, base_function, bucket_function,
+                               bucket_of, cache_update_function, chunk_rows, ring_length, ring_rewind_limit,
+                               window_of)
 from ..model.lm_head import vocab_splits
 
-__all__ = ["BRANCHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "base_function", "bucket_function", "bucket_of",
-           "cache_update_function", "window_of", "chunk_model_name", "embeddings_model_name", "lm_head_model_name",
+__all__ = ["BRANCHES", "CACHES", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "base_function", "bucket_function", "bucket_of",
+           "cache_update_function", "chunk_rows", "ring_length", "ring_rewind_limit", "window_of", "chunk_model_name",
+           "embeddings_model_name", "lm_head_model_name",
            "model_kind", "model_specs"]
 
 
@@ -74,18 +76,21 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
 
     With `fold_head` the last chunk carries the LM head (one group of every split): its functions
     output the logits_j in place of hidden_states_out, and there is no "lm_head" model.
+
+    Where the sliding window is shorter than the context, the sliding layers keep a ring buffer of
+    `ring_length` slots instead (model/chunk.py), in every bucket.
     """
     layout = Layout(context_length, prefill_length, float_dtype, tuple(buckets), branch_width, suffix_length,
-                    verify_window, kv_cache)
+                    verify_window, kv_cache, ring_length(cfg, context_length, prefill_length))
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
     specs = {"embeddings": embeddings.functions(cfg, layout)}
     specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})
     folded = [j for heads in groups for j in heads] if fold_head else None
-    specs.update({chunk_model_name(i): chunk.functions(cfg, layout, len(layers), folded if i == len(plan) - 1 else None)
+    specs.update({chunk_model_name(i): chunk.functions(cfg, layout, layers, folded if i == len(plan) - 1 else None)
                   for i, layers in enumerate(plan)})
     if not fold_head:
         specs.update({lm_head_model_name(k): lm_head.functions(cfg, layout, heads) for k, heads in enumerate(groups)})
-    updates = cache_update.functions(cfg, layout, [len(layers) for layers in plan])
+    updates = cache_update.functions(cfg, layout, plan)
     if updates:
         specs["cache_update"] = updates
     return specs

@@ -11,6 +11,10 @@ window's columns of each state (a slice update). A cascade step ("decode_branche
 prefix cache once for all branches plus every branch's whole suffix cache, and its cache update
 rewrites the suffix caches. The embeddings model reads one row of its table per token.
 
+Sliding layers with a ring buffer (manifest cache.sliding) read their whole ring of R slots in
+every step and bucket, whatever the context; writing it reads and rewrites the ring (a one-hot
+write: the cache-update model's, or with states the chunk's own, as a window may wrap around it).
+
 `device_model` turns these bytes, with the calls of a step, into modelled time per chip.
 """
 
@@ -23,6 +27,7 @@ from .manifest import function_states, kv_cache_kind
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
 SUFFIX_CACHES = ("k_suffix", "v_suffix")  # a cascade's per-branch caches: read whole
+RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots): read whole
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ def _cache_bytes(spec: dict, attended: int) -> int:
 
 def _chunk_caches(manifest: dict, chunk: dict, function: str) -> list[dict]:
     fn = manifest["models"][chunk["model"]]["functions"][function]
-    return [t for t in fn["inputs"] + function_states(fn) if t["name"] in MAIN_CACHES + SUFFIX_CACHES]
+    return [t for t in fn["inputs"] + function_states(fn) if t["name"] in MAIN_CACHES + SUFFIX_CACHES + RING_CACHES]
 
 
 def bucket_for(manifest: dict, filled: int) -> int:
@@ -83,6 +88,16 @@ def window_tokens(manifest: dict, function: str) -> int:
     """Tokens one step of `function` computes (its query length S, padding included)."""
     fn = manifest["models"][manifest["chunks"][0]["model"]]["functions"][function]
     return next(t["shape"][-1] for t in fn["inputs"] if t["name"] == "hidden_states")
+
+
+def ring_bytes(manifest: dict) -> int:
+    """Bytes of the sliding layers' ring buffers, K and V of every such layer (0 without a ring):
+    what they hold and read per step, whatever the context length."""
+    sliding = manifest["cache"].get("sliding")
+    if not sliding:
+        return 0
+    return (2 * len(sliding["layers"]) * manifest["cache"]["channels"] * sliding["length"]
+            * DTYPE_BYTES[manifest["cache"]["dtype"]])
 
 
 def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
@@ -121,7 +136,8 @@ def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_c
         if suffix:
             total += sum(2 * _nbytes(t) for t in suffix)
         elif kind == "state":
-            total += sum(_nbytes(t) // t["shape"][-1] * window_tokens(manifest, function) for t in caches)
+            total += sum(2 * _nbytes(t) if t["name"] in RING_CACHES else
+                         _nbytes(t) // t["shape"][-1] * window_tokens(manifest, function) for t in caches)
         else:
             total += sum(2 * _cache_bytes(t, attended) for t in caches)
     return total
@@ -150,5 +166,6 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     total = 0
     for model in models:
         fn = manifest["models"][model]["functions"][function]
-        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if t["name"] not in MAIN_CACHES + SUFFIX_CACHES)
+        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"]
+                     if t["name"] not in MAIN_CACHES + SUFFIX_CACHES + RING_CACHES)
     return total

@@ -13,6 +13,12 @@ Sizes as in chunk.py. `suffix_positions[b] = positions[b] - prefix_length` is th
 new K/V goes to; `slots[i]` the cache position of verify token i's K/V, or -1 to drop it (rejected
 drafts, padding). One model holds the update of every chunk size ("decode_l3": a decode window of
 a 3-layer chunk).
+
+Where the export has a ring (chunk.py), a chunk's update also writes its ring layers' K/V,
+k_ring/v_ring (L_s,KV,1,R) from k_ring_new/v_ring_new, position p to slot p mod R (a window may
+wrap around the ring's end; the one-hot needs no split), or verify token i to `ring_slots[i]`
+(its slot, or -1). The function is named after both counts ("decode_l1_r2"; "_l0" where every
+layer of the chunk is in the ring): one call per chunk and step, as without a ring.
 """
 
 from __future__ import annotations
@@ -22,58 +28,81 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
-from .functions import BRANCHES, VERIFY, Layout, cache_update_function, shape_of, tensor
+from .functions import BRANCHES, CACHES, VERIFY, Layout, cache_update_function, chunk_rows, shape_of, tensor
 from .layers import Graph, mb
 
 
-class CacheUpdate(nn.Module):
-    """Write a window's new K/V into a chunk's cache at `position .. position+S-1`.
+def onehot_write(cache: torch.Tensor, new: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Write column s of new (L,KV,1,S) at column where[s] of cache (L,KV,1,T); where[s] matching no
+    column (past T, or -1) drops it. `onehot[s, t] = (t == where[s])`,
+    `cache_out = cache * (1 - sum_s onehot[s]) + new @ onehot`."""
+    slots = torch.arange(cache.shape[-1], dtype=torch.int32, device=cache.device).view(1, -1)
+    onehot = (slots == where.view(-1, 1)).to(cache.dtype)  # (S, T)
+    return cache * (1.0 - onehot.sum(dim=0)) + torch.matmul(new, onehot)
 
-    `onehot[s, t] = (t == position + s)`, `cache_out = cache * (1 - sum_s onehot[s]) + new @ onehot`.
-    Positions >= T match no slot and are dropped (a last, padded prefill window may run past the end).
-    """
 
-    def __init__(self, context_length: int, window: int):
+def onehot_write_mil(g: Graph, cache, new, where, t: int):
+    """onehot_write. cache: (L,KV,1,T); new: (L,KV,1,S); where: (S,1) int32 -> (L,KV,1,T)"""
+    onehot = g.cast(mb.equal(x=np.arange(t, dtype=np.int32).reshape(1, t), y=where))  # (S,T)
+    keep = mb.sub(x=g.scalar(1.0), y=mb.reduce_sum(x=onehot, axes=[0], keep_dims=False))  # (T,)
+    return mb.add(x=mb.mul(x=cache, y=keep), y=mb.matmul(x=new, y=onehot))
+
+
+def window_slots(position: torch.Tensor, s: int, ring: int = 0) -> torch.Tensor:
+    """(S,1) int32: where a window of S at `position` goes, position + s, or its ring slot mod R."""
+    where = position.view(1, 1).to(torch.int32) + torch.arange(s, dtype=torch.int32, device=position.device).view(-1, 1)
+    return torch.remainder(where, ring) if ring else where
+
+
+def window_slots_mil(position, s: int, ring: int = 0):
+    """window_slots."""
+    where = mb.add(x=position, y=np.arange(s, dtype=np.int32).reshape(s, 1))  # (S,1)
+    return mb.mod(x=where, y=np.int32(ring)) if ring else where
+
+
+class ChunkUpdate(nn.Module):
+    """Write a window's new K/V into a chunk's caches: the full cache at `position .. position+S-1`
+    (positions >= T are dropped: a last, padded prefill window may run past the end) and the
+    ring, where the chunk has one, at those positions' slots mod R; or, given `slots` (the
+    "verify" update), the accepted tokens' K/V, token i at `slots[i]` and `ring_slots[i]`, none
+    where it is -1. Returns the caches it was given, written, in the order k_cache, v_cache,
+    k_ring, v_ring."""
+
+    def __init__(self, ring: int = 0):
         super().__init__()
-        self.register_buffer("slots", torch.arange(context_length, dtype=torch.int32).view(1, -1))
-        self.register_buffer("offsets", torch.arange(window, dtype=torch.int32).view(-1, 1))
+        self.ring = ring
 
-    def forward(self, k_cache, v_cache, k_new, v_new, position):
-        onehot = (self.slots == (position + self.offsets)).to(k_cache.dtype)  # (S, T)
-        keep = 1.0 - onehot.sum(dim=0)  # (T,)
-        return k_cache * keep + torch.matmul(k_new, onehot), v_cache * keep + torch.matmul(v_new, onehot)
-
-
-class VerifyUpdate(nn.Module):
-    """Write the accepted tokens' K/V into a chunk's cache: token i at `slots[i]`, none where it is -1.
-
-    The same one-hot matmul as CacheUpdate with the slots given instead of position + offsets:
-    `onehot[i, t] = (t == slots[i])`, `cache_out = cache * (1 - sum_i onehot[i]) + new @ onehot`.
-    """
-
-    def __init__(self, context_length: int):
-        super().__init__()
-        self.register_buffer("positions", torch.arange(context_length, dtype=torch.int32).view(1, -1))
-
-    def forward(self, k_cache, v_cache, k_new, v_new, slots):
-        onehot = (self.positions == slots.view(-1, 1)).to(k_cache.dtype)  # (W, T)
-        keep = 1.0 - onehot.sum(dim=0)  # (T,)
-        return k_cache * keep + torch.matmul(k_new, onehot), v_cache * keep + torch.matmul(v_new, onehot)
+    def forward(self, k_cache=None, v_cache=None, k_new=None, v_new=None, position=None, k_ring=None, v_ring=None,
+                k_ring_new=None, v_ring_new=None, slots=None, ring_slots=None):
+        out = ()
+        for cache, new, ring in ((k_cache, k_new, 0), (v_cache, v_new, 0), (k_ring, k_ring_new, self.ring),
+                                 (v_ring, v_ring_new, self.ring)):
+            if cache is None:
+                continue
+            if position is not None:
+                where = window_slots(position, new.shape[-1], ring)
+            else:
+                where = ring_slots if ring else slots
+            out += (onehot_write(cache, new, where),)
+        return out
 
 
 def build_cache_update(g: Graph, io: dict):
-    """CacheUpdate, or, given `slots` (the "verify" update), VerifyUpdate."""
+    """ChunkUpdate of the caches the function names (k_cache/v_cache, k_ring/v_ring)."""
     def body(inputs):
-        t = shape_of(io, "k_cache")[3]
-        s = shape_of(io, "k_new")[3]
-        if "slots" in inputs:
-            where = mb.reshape(x=inputs["slots"], shape=[s, 1])  # (S,1)
-        else:
-            where = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32).reshape(s, 1))  # (S,1)
-        onehot = g.cast(mb.equal(x=np.arange(t, dtype=np.int32).reshape(1, t), y=where))  # (S,T)
-        keep = mb.sub(x=g.scalar(1.0), y=mb.reduce_sum(x=onehot, axes=[0], keep_dims=False))  # (T,)
-        return {f"{n}_cache_out": mb.add(x=mb.mul(x=inputs[f"{n}_cache"], y=keep),
-                                         y=mb.matmul(x=inputs[f"{n}_new"], y=onehot)) for n in ("k", "v")}
+        out = {}
+        for cache in ("k_cache", "v_cache", "k_ring", "v_ring"):
+            if cache not in inputs:
+                continue
+            new = CACHES[cache]
+            t, s = shape_of(io, cache)[3], shape_of(io, new)[3]
+            ring = t if cache.endswith("_ring") else 0
+            if "slots" in inputs:
+                where = mb.reshape(x=inputs["ring_slots" if ring else "slots"], shape=[s, 1])  # (S,1)
+            else:
+                where = window_slots_mil(inputs["position"], s, ring)
+            out[f"{cache}_out"] = onehot_write_mil(g, inputs[cache], inputs[new], where, t)
+        return out
     return body
 
 
@@ -112,33 +141,44 @@ def build_suffix_update(g: Graph, cfg: LlamaConfig, io: dict):
     return body
 
 
-def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[int]) -> dict[str, dict]:
-    """{function: io} of the cache-update model for chunks of `chunk_layers` layers each: per
-    bucket the windows' updates (none with state caches, which the chunks write themselves), then
-    the cascade's suffix updates and verify's."""
+def _window_io(cfg: LlamaConfig, layout: Layout, rows: tuple[list[int], list[int]], s: int, t: int,
+               where: list[dict]) -> dict:
+    """The io of a chunk's update of a window of S: its caches (full over T positions, ring over R
+    slots) and new K/V in, the caches out; `where` the int32 inputs saying where they go."""
+    kv, f = cfg.kv_channels, layout.dtype
+    caches, new, out = [], [], []
+    for n, names, width in ((len(rows[0]), ("k_cache", "v_cache"), t), (len(rows[1]), ("k_ring", "v_ring"), layout.ring)):
+        for name in names if n else ():
+            caches.append(tensor(name, [n, kv, 1, width], f))
+            new.append(tensor(CACHES[name], [n, kv, 1, s], f))
+            out.append(tensor(f"{name}_out", [n, kv, 1, width], f))
+    return {"inputs": caches + new + where, "outputs": out}
+
+
+def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -> dict[str, dict]:
+    """{function: io} of the cache-update model for the chunks of decoder layers `chunk_layers`
+    (their indices in the model): per bucket the windows' updates (none with state caches, which
+    the chunks write themselves), then the cascade's suffix updates and verify's. Chunks with as
+    many layers in the full cache and in the ring share their functions."""
     d, kv, f, g = cfg.head_dim, cfg.kv_channels, layout.dtype, cfg.num_key_value_heads
+    rows = {}  # (full, ring) counts -> the rows of one such chunk
+    for layers in chunk_layers:
+        full, ring = chunk_rows(cfg, layers, layout.ring)
+        rows.setdefault((len(full), len(ring)), (full, ring))
     out = {}
     for fn, _, s, t in layout.windows():
-        for n in chunk_layers if layout.kv_cache == "inputs" else ():
-            out[cache_update_function(fn, n)] = {
-                "inputs": [tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f),
-                           tensor("k_new", [n, kv, 1, s], f), tensor("v_new", [n, kv, 1, s], f),
-                           tensor("position", [1], "int32")],
-                "outputs": [tensor("k_cache_out", [n, kv, 1, t], f), tensor("v_cache_out", [n, kv, 1, t], f)],
-            }
+        for (nf, nr), r in rows.items() if layout.kv_cache == "inputs" else ():
+            out[cache_update_function(fn, nf, nr)] = _window_io(cfg, layout, r, s, t,
+                                                               [tensor("position", [1], "int32")])
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    for n in chunk_layers if b else ():
+    for n in dict.fromkeys(len(layers) for layers in chunk_layers) if b else ():
         out[cache_update_function(BRANCHES, n)] = {
             "inputs": [tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f),
                        tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f),
                        tensor("suffix_positions", [b], "int32")],
             "outputs": [tensor("k_suffix_out", [n * g, b, d, u], f), tensor("v_suffix_out", [n * g, b, d, u], f)],
         }
-    for n in chunk_layers if w else ():
-        out[cache_update_function(VERIFY, n)] = {
-            "inputs": [tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f),
-                       tensor("k_new", [n, kv, 1, w], f), tensor("v_new", [n, kv, 1, w], f),
-                       tensor("slots", [w], "int32")],
-            "outputs": [tensor("k_cache_out", [n, kv, 1, t], f), tensor("v_cache_out", [n, kv, 1, t], f)],
-        }
+    for (nf, nr), r in rows.items() if w else ():
+        where = [tensor("slots", [w], "int32")] + ([tensor("ring_slots", [w], "int32")] if nr else [])
+        out[cache_update_function(VERIFY, nf, nr)] = _window_io(cfg, layout, r, w, t, where)
     return out

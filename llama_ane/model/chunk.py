@@ -25,12 +25,20 @@ BlockChunk with the same weights: only the mask the embeddings build differs (ea
 to the cache and to its ancestors in the tree). The cache is read once for all W queries; once
 the runtime knows which path was accepted, the cache update writes only those tokens' K/V.
 
-Sliding-window layers (Mistral, Qwen2 and Gemma 3's local layers) read the full-size cache with a
-mask of their own that also hides the keys `sliding_window` or more positions before each query:
-"sliding_mask" beside "mask" ("sliding_prefix_mask" and "sliding_suffix_mask" in the cascade),
-made by the embeddings with the others, and an input only where the window is shorter than the
-context (LlamaConfig.windowed). Families with a local RoPE base (Gemma 3) also read the local
-tables "cos_local" and "sin_local" in their sliding layers.
+Sliding-window layers (Mistral, Qwen2 and Gemma 3's local layers) read a mask of their own that
+also hides the keys `sliding_window` or more positions before each query: "sliding_mask" beside
+"mask" ("sliding_prefix_mask" and "sliding_suffix_mask" in the cascade), made by the embeddings
+with the others, and an input only where the window is shorter than the context
+(LlamaConfig.windowed). Families with a local RoPE base (Gemma 3) also read the local tables
+"cos_local" and "sin_local" in their sliding layers.
+
+Where the export has a ring (functions.ring_length: R slots, the window and a prefill window
+rounded up to 32), the sliding layers keep their K/V there instead of in the context-long cache,
+so it does not grow with the context: k_ring/v_ring (L_s,KV,1,R) beside k_cache/v_cache
+(L_f,KV,1,T), L_f + L_s = L (either may be absent), and the window functions return the ring
+layers' new K/V as k_ring_new/v_ring_new (position p goes to slot p mod R). Their sliding masks
+cover the ring's slots (see embeddings.py). The cascade reads the prefix's ring like its cache and
+returns every layer's new K/V for the suffix caches, as without a ring.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ from torch import nn
 
 from ..config import LlamaConfig
 from . import lm_head
-from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor
+from .cache_update import onehot_write_mil, window_slots_mil
+from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, Layout, branch_masks, chunk_rows, layer_inputs,
+                        shape_of, tensor, window_masks)
 from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
@@ -188,17 +198,16 @@ def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
     return mb.reshape(x=one, shape=[cfg.num_key_value_heads, 1, cfg.head_dim, t])
 
 
-def decoder_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_cache, v_cache, i: int,
-                      t: int, s: int, layer: int):
+def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_rows, v_rows, t: int,
+                           s: int, layer: int):
     """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
 
-    x: (1,C,1,S); k_cache, v_cache: the chunk's (L,KV,1,T), of which layer i is read
-    -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
+    x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
+    ring's slots) -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
     """
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer)
-    heads = grouped_attention_mil(g, q, _layer_cache_mil(g, cfg, k_cache, i, t),
-                                  _layer_cache_mil(g, cfg, v_cache, i, t),
+    heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r))
     x = finish_mil(g, cfg, prefix, x, heads, s)
@@ -206,22 +215,48 @@ def decoder_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask
 
 
 class BlockChunk(nn.Module):
-    """Decoder layers `first .. first+len(layers)-1` of the model, run in sequence."""
+    """Decoder layers `first .. first+len(layers)-1` of the model, run in sequence; with `ring` > 0
+    its sliding layers read and return their K/V in the ring (see the module docstring)."""
 
-    def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int):
+    def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int, ring: int = 0):
         super().__init__()
         self.layer_indices = list(layer_indices)
         self.layers = nn.ModuleList(DecoderLayer(cfg, context_length, n) for n in layer_indices)
+        full, sliding = chunk_rows(cfg, self.layer_indices, ring)
+        # per layer: which cache it reads ("cache" or "ring") and its row there
+        self.rows = {**{i: ("cache", j) for j, i in enumerate(full)}, **{i: ("ring", j) for j, i in enumerate(sliding)}}
+        self.full, self.sliding = full, sliding
 
-    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask=None, cos_local=None,
-                sin_local=None):
-        k_out, v_out = [], []
+    def layer_caches(self, i: int, caches: dict):
+        """Layer i's (k, v) rows (1,KV,1,*) of `caches` {"cache": (k, v), "ring": (k, v)}."""
+        where, j = self.rows[i]
+        k, v = caches[where]
+        return k[j:j + 1], v[j:j + 1]
+
+    def split(self, ks: list, vs: list) -> tuple:
+        """Per-layer new K/V as the window functions return them: k_new, v_new of the full layers,
+        then k_ring_new, v_ring_new of the ring's, each pair only where the chunk has such layers."""
+        out = ()
+        for rows in (self.full, self.sliding):
+            if rows:
+                out += (torch.cat([ks[i] for i in rows], dim=0), torch.cat([vs[i] for i in rows], dim=0))
+        return out
+
+    def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches):
+        """The layers over a window; returns the hidden states and each layer's new k, v."""
+        ks, vs = [], []
         for i, layer in enumerate(self.layers):
             hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
-                                        layer.attention_mask(mask, sliding_mask), k_cache[i:i + 1], v_cache[i:i + 1])
-            k_out.append(k)
-            v_out.append(v)
-        return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
+                                        layer.attention_mask(mask, sliding_mask), *self.layer_caches(i, caches))
+            ks.append(k)
+            vs.append(v)
+        return hidden_states, ks, vs
+
+    def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
+                sin_local=None, k_ring=None, v_ring=None):
+        hidden_states, ks, vs = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local,
+                                         {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)})
+        return (hidden_states, *self.split(ks, vs))
 
 
 def layer_rope_mil(cfg: LlamaConfig, inputs: dict, layer: int):
@@ -256,27 +291,55 @@ def write_window_mil(states: dict, values: dict, new: dict, position, window: in
                                                                    begin=begin, end=end))
 
 
+def _ring_of(io: dict) -> int:
+    """The ring's slots a chunk function reads (0: no ring)."""
+    ring = [t["shape"][3] for t in io["inputs"] + io.get("states", []) if t["name"] == "k_ring"]
+    return ring[0] if ring else 0
+
+
+def _layer_reads_mil(g: Graph, cfg: LlamaConfig, values: dict, layers: list[int], ring: int, t: int):
+    """Per chunk layer: its (k, v) cache rows as (G,1,D,T) or, in the ring, (G,1,D,R)."""
+    full, sliding = chunk_rows(cfg, layers, ring)
+    reads = {}
+    for rows, (k, v), width in ((full, ("k_cache", "v_cache"), t), (sliding, RING_CACHES, ring)):
+        for j, i in enumerate(rows):
+            reads[i] = (_layer_cache_mil(g, cfg, values[k], j, width), _layer_cache_mil(g, cfg, values[v], j, width))
+    return reads, full, sliding
+
+
 def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
     """BlockChunk of decoder layers `layers` (their indices in the model) over a window, attending to
-    the cache positions of its context bucket; when the caches are states (of the whole context: a bucket reads their first positions
-    through static slices), the window's K/V is written into them at `position` instead of being
-    returned."""
+    the cache positions of its context bucket (and the ring's slots); when the caches are states
+    (of the whole context: a bucket reads their first positions through static slices), the
+    window's K/V is written into them at `position` instead of being returned: a slice update in
+    the full cache, a one-hot write at the slots (position + s) mod R in the ring (a window may
+    wrap around its end)."""
     def body(inputs):
         mask = shape_of(io, "mask")
         s, context_length = shape_of(io, "hidden_states")[3], mask[3] - mask[2]
+        ring = _ring_of(io)
         values = read_states_mil(inputs, io)
+        reads, full, sliding = _layer_reads_mil(g, cfg, values, layers, ring, context_length)
         x, ks, vs = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
             cos, sin = layer_rope_mil(cfg, inputs, n)
-            x, k, v = decoder_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "mask"),
-                                        values["k_cache"], values["v_cache"], i, context_length, s, n)
+            x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
+                                             layer_mask_mil(cfg, inputs, n, "mask"), *reads[i],
+                                             context_length if i in full else ring, s, n)
             ks.append(k)
             vs.append(v)
+        new = {}
+        for rows, (k, v) in ((full, ("k_cache", "v_cache")), (sliding, RING_CACHES)):
+            if rows:
+                new[k], new[v] = stack_mil([ks[i] for i in rows]), stack_mil([vs[i] for i in rows])
         if io.get("states"):
-            write_window_mil({n: inputs[n] for n in ("k_cache", "v_cache")}, values,
-                             {"k_cache": stack_mil(ks), "v_cache": stack_mil(vs)}, inputs["position"], s)
+            full_new = {n: new[n] for n in ("k_cache", "v_cache") if n in new}
+            write_window_mil({n: inputs[n] for n in full_new}, values, full_new, inputs["position"], s)
+            where = window_slots_mil(inputs["position"], s, ring) if sliding else None
+            for n in RING_CACHES if sliding else ():
+                mb.coreml_update_state(state=inputs[n], value=onehot_write_mil(g, values[n], new[n], where, ring))
             return {"hidden_states_out": x}
-        return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
+        return {"hidden_states_out": x, **{CACHES[n]: value for n, value in new.items()}}
     return body
 
 
@@ -288,7 +351,7 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
     c = layer.cfg
-    g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, or the filled prefix (torch backend)
+    g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, the filled prefix (torch backend), or R
     q, k, v = layer.project_qkv(x, cos, sin)
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
@@ -296,15 +359,15 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
-def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_cache,
-                     v_cache, k_suffix, v_suffix, i: int, t: int, b: int, u: int, layer: int):
-    """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_cache, v_cache: (L,KV,1,T); k_suffix,
-    v_suffix: (L*G,B,D,U), rows of chunk layer i read -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
+def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_rows,
+                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int):
+    """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_rows, v_rows: the layer's prefix cache
+    (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
+    -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer)
-    v_p, s_p = prefix_state_mil(q, _layer_cache_mil(g, cfg, k_cache, i, t), _layer_cache_mil(g, cfg, v_cache, i, t),
-                                prefix_mask)
+    v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
     v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
                                 (gk, r), b, u)
@@ -320,15 +383,17 @@ class BranchChunk(nn.Module):
         self.chunk = chunk
         self.suffix_length = suffix_length
 
-    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix,
-                sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None):
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
+                v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
+                k_ring=None, v_ring=None):
         g = self.chunk.layers[0].cfg.num_key_value_heads
+        caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
         k_out, v_out = [], []
         for i, layer in enumerate(self.chunk.layers):
             hidden_states, k, v = branch_layer(
                 layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
-                layer.attention_mask(suffix_mask, sliding_suffix_mask), k_cache[i:i + 1], v_cache[i:i + 1],
+                layer.attention_mask(suffix_mask, sliding_suffix_mask), *self.chunk.layer_caches(i, caches),
                 k_suffix[i * g:(i + 1) * g], v_suffix[i * g:(i + 1) * g], self.suffix_length)
             k_out.append(k)
             v_out.append(v)
@@ -341,13 +406,13 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
     def body(inputs):
         b = shape_of(io, "hidden_states")[3]
         inputs = read_states_mil(inputs, io)
+        reads, _, _ = _layer_reads_mil(g, cfg, inputs, layers, _ring_of(io), context_length)
         x, ks, vs = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
             cos, sin = layer_rope_mil(cfg, inputs, n)
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
-                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), inputs["k_cache"],
-                                       inputs["v_cache"], inputs["k_suffix"], inputs["v_suffix"], i, context_length,
-                                       b, suffix_length, n)
+                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), *reads[i],
+                                       inputs["k_suffix"], inputs["v_suffix"], i, b, suffix_length, n)
             ks.append(k)
             vs.append(v)
         return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
@@ -361,21 +426,24 @@ def _cache_io(io: dict, layout: Layout) -> dict:
     longer outputs k_new/v_new)."""
     if layout.kv_cache == "inputs":
         return io
-    caches = [t for t in io["inputs"] if t["name"] in ("k_cache", "v_cache")]
+    caches = [t for t in io["inputs"] if t["name"] in CACHES]
     inputs = [t for t in io["inputs"] if t not in caches]
     outputs = io["outputs"]
     if not any(t["name"] == "k_suffix" for t in inputs):  # single-sequence windows write their K/V
         inputs.append(tensor("position", [1], "int32"))
-        outputs = [t for t in outputs if t["name"] not in ("k_new", "v_new")]
+        outputs = [t for t in outputs if t["name"] not in CACHES.values()]
     for state in caches:
-        state["shape"][3] = layout.context_length
+        if state["name"] not in RING_CACHES:  # the ring is R slots in every bucket
+            state["shape"][3] = layout.context_length
     return {"inputs": inputs, "states": caches, "outputs": outputs}
 
 
-def functions(cfg: LlamaConfig, layout: Layout, layers: int, heads: list[int] | None = None) -> dict[str, dict]:
-    """{function: io} of a chunk of `layers` layers: a window function per bucket, then the
-    cascade's and verify's (state exports have no verify function). The last chunk may carry the
-    LM head (`heads`: the vocabulary splits it computes, see `carry_head`)."""
+def functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int,
+              heads: list[int] | None = None) -> dict[str, dict]:
+    """{function: io} of a chunk of decoder layers `layers` (their indices in the model; a count n:
+    layers 0..n-1): a window function per bucket, then the cascade's and verify's (state exports
+    have no verify function). The last chunk may carry the LM head (`heads`: the vocabulary splits
+    it computes, see `carry_head`)."""
     out = _functions(cfg, layout, layers)
     return carry_head(cfg, layout, out, heads) if heads else out
 
@@ -419,11 +487,11 @@ class HeadedChunk(nn.Module):
         super().__init__()
         self.chunk, self.head = chunk, head
 
-    def forward(self, hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask=None, cos_local=None,
-                sin_local=None):
-        hidden_states, k, v = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
-                                         sin_local)
-        return (*self.head(hidden_states), k, v)
+    def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
+                sin_local=None, k_ring=None, v_ring=None):
+        hidden_states, *new = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
+                                         sin_local, k_ring, v_ring)
+        return (*self.head(hidden_states), *new)
 
 
 class HeadedBranchChunk(nn.Module):
@@ -433,26 +501,40 @@ class HeadedBranchChunk(nn.Module):
         super().__init__()
         self.branches, self.head = branches, head
 
-    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache, k_suffix, v_suffix,
-                sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None):
+    def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
+                v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
+                k_ring=None, v_ring=None):
         hidden_states, k, v = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
-                                            cos_local, sin_local)
+                                            cos_local, sin_local, k_ring, v_ring)
         return (*self.head(hidden_states), k, v)
 
 
-def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]:
+def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int) -> tuple[list[dict], list[dict]]:
+    """A window function's cache inputs (full layers over T positions, ring layers over its R
+    slots) and its new K/V outputs (S columns each), each pair only where the chunk has such layers."""
+    kv, f = cfg.kv_channels, layout.dtype
+    full, sliding = chunk_rows(cfg, layers, layout.ring)
+    inputs, outputs = [], []
+    for rows, names, width in ((full, ("k_cache", "v_cache"), t), (sliding, RING_CACHES, layout.ring)):
+        for name in names if rows else ():
+            inputs.append(tensor(name, [len(rows), kv, 1, width], f))
+            outputs.append(tensor(CACHES[name], [len(rows), kv, 1, s], f))
+    return inputs, outputs
+
+
+def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dict[str, dict]:
     """chunk.functions without the LM head."""
-    c, d, kv, f, n = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, layout.dtype, layers
+    layers = list(range(layers)) if isinstance(layers, int) else list(layers)
+    c, d, kv, f, n = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, layout.dtype, len(layers)
     out = {}
     for fn, _, s, t in layout.windows():
+        caches, new = _caches(cfg, layout, layers, t, s)
         out[fn] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
-                       tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f),
-                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)]
-            + layer_inputs(cfg, layout, {"mask": [1, 1, s, t + s]}, s),
-            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f),
-                        tensor("k_new", [n, kv, 1, s], f), tensor("v_new", [n, kv, 1, s], f)],
+                       tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
+            + layer_inputs(cfg, layout, window_masks(layout, s, t), s),
+            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new,
         }, layout)
     t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
                      cfg.num_key_value_heads)
@@ -460,20 +542,19 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: int) -> dict[str, dict]
         out[BRANCHES] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                       tensor("suffix_mask", [1, b, 1, u + 1], f),
-                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f),
-                       tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)]
+                       tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0]
+            + [tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)]
             + layer_inputs(cfg, layout, branch_masks(layout), b),
+            # every layer's new K/V: the suffix caches hold them all
             "outputs": [tensor("hidden_states_out", [1, c, 1, b], f),
                         tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)],
         }, layout)
     if w:
+        caches, new = _caches(cfg, layout, layers, t, w)
         out[VERIFY] = {
             "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
-                       tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f),
-                       tensor("k_cache", [n, kv, 1, t], f), tensor("v_cache", [n, kv, 1, t], f)]
-            + layer_inputs(cfg, layout, {"mask": [1, 1, w, t + w]}, w),
-            "outputs": [tensor("hidden_states_out", [1, c, 1, w], f),
-                        tensor("k_new", [n, kv, 1, w], f), tensor("v_new", [n, kv, 1, w], f)],
+                       tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)] + caches
+            + layer_inputs(cfg, layout, window_masks(layout, w, t), w),
+            "outputs": [tensor("hidden_states_out", [1, c, 1, w], f)] + new,
         }
     return out

@@ -24,6 +24,12 @@ outputs the sliding twin of its masks ("sliding_mask", or "sliding_prefix_mask" 
 "sliding_suffix_mask" (1,B,1,U+1)): the same mask that also hides every key `sliding_window` or
 more positions before its query. A family with local RoPE (Gemma 3) also gets "cos_local" and
 "sin_local" (1,D,1,S); its tables hold the global columns, then the local ones.
+
+Where the sliding layers keep a ring buffer of R slots (functions.ring_length), the sliding masks'
+cache columns are the ring's slots, not positions: (1,1,S,R+S), (1,1,B,R). Slot j holds the latest
+position h < `position` with h = j (mod R), h_j = position - 1 - ((position + R - 1 - j) mod R)
+(negative: never written), and is visible to a query at q where h_j >= 0 and q - h_j < window.
+Keys keep the rotation they were written with, so the slots' order does not matter.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch import nn
 import dataclasses
 
 from ..config import LlamaConfig, inv_freq
-from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor
+from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor, window_masks
 from .layers import MASK_VALUE, Graph, mb
 
 
@@ -182,6 +188,49 @@ def window_mask(s: int, window: int | None = None) -> np.ndarray:
     return np.where(keep, 0.0, MASK_VALUE).astype(np.float32).reshape(1, 1, s, s)
 
 
+def held_positions(position: torch.Tensor, ring: int) -> torch.Tensor:
+    """(1,1,1,R) int32: the position each of R ring slots holds with `position` tokens cached (see
+    the module docstring); negative where the slot was never written."""
+    slots = torch.arange(ring, dtype=torch.int32, device=position.device).view(1, 1, 1, -1)
+    p = position.view(1, 1, 1, 1).to(torch.int32)
+    return p - 1 - torch.remainder(p + (ring - 1) - slots, ring)
+
+
+def held_positions_mil(position, ring: int):
+    """held_positions. position: (1,) int32 -> (1,1,1,R) int32"""
+    p = mb.reshape(x=position, shape=[1, 1, 1, 1])
+    back = np.arange(ring - 1, -1, -1, dtype=np.int32).reshape(1, 1, 1, ring)  # R - 1 - j
+    return mb.sub(x=mb.sub(x=p, y=np.int32(1)), y=mb.mod(x=mb.add(x=p, y=back), y=np.int32(ring)))
+
+
+def sliding_keep(cfg: LlamaConfig, position: torch.Tensor, queries: torch.Tensor, cache_positions: torch.Tensor,
+                 ring: int) -> torch.Tensor:
+    """(1,1,N,T) or (1,1,N,R) bool: the cache columns queries at `queries` (1,1,N,1) see in a sliding
+    layer: the cached positions (or the ring's slots' held positions) inside their windows."""
+    if ring:
+        held = held_positions(position, ring)
+        return (held >= 0) & near(queries, held, cfg.sliding_window)
+    cached = cache_positions < position.view(1, 1, 1, 1)
+    return cached & near(queries, cache_positions, cfg.sliding_window)
+
+
+def sliding_keep_mil(cfg: LlamaConfig, position, queries, t: int, ring: int):
+    """sliding_keep. queries: (1,1,N,1) int32 -> (1,1,N,T) or (1,1,N,R) bool"""
+    if ring:
+        held = held_positions_mil(position, ring)
+        return mb.logical_and(x=mb.greater_equal(x=held, y=np.int32(0)),
+                              y=near_mil(queries, held, cfg.sliding_window))
+    keys = np.arange(t, dtype=np.int32).reshape(1, 1, 1, t)
+    return mb.logical_and(x=_cached_mil(position, t), y=near_mil(queries, keys, cfg.sliding_window))
+
+
+def _ring_of(io: dict, name: str, t: int) -> int:
+    """The ring's slots a function's sliding mask `name` covers (0: the cache positions, T)."""
+    shape = shape_of(io, name, "outputs")
+    cols = shape[3] - (shape[2] if name == "sliding_mask" else 0)
+    return 0 if cols == t else cols
+
+
 def _cached_mil(position, t: int):
     """(1,1,1,T) bool: the cache positions below `position`."""
     return mb.less(x=np.arange(t, dtype=np.int32).reshape(1, 1, 1, t), y=mb.reshape(x=position, shape=[1, 1, 1, 1]))
@@ -192,12 +241,10 @@ def _cache_mask_mil(g: Graph, position, t: int):
     return mask_from_mil(g, _cached_mil(position, t))
 
 
-def _sliding_cache_mask_mil(g: Graph, cfg: LlamaConfig, position, queries, t: int, n: int):
-    """(1,1,N,T): the cache mask of N queries at positions `queries` (N,) int32, also hiding the
-    keys outside each query's sliding window."""
-    keys = np.arange(t, dtype=np.int32).reshape(1, 1, 1, t)
-    near = near_mil(mb.reshape(x=queries, shape=[1, 1, n, 1]), keys, cfg.sliding_window)
-    return mask_from_mil(g, mb.logical_and(x=_cached_mil(position, t), y=near))
+def _sliding_cache_mask_mil(g: Graph, cfg: LlamaConfig, position, queries, t: int, n: int, ring: int):
+    """(1,1,N,T), or (1,1,N,R) over a ring: the cache mask of N queries at positions `queries` (N,)
+    int32, also hiding the keys outside each query's sliding window."""
+    return mask_from_mil(g, sliding_keep_mil(cfg, position, mb.reshape(x=queries, shape=[1, 1, n, 1]), t, ring))
 
 
 class Embeddings(nn.Module):
@@ -208,12 +255,16 @@ class Embeddings(nn.Module):
     EmbeddingsPart files add the others.
     """
 
-    def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None):
+    def __init__(self, cfg: LlamaConfig, context_length: int, window: int, rows: int | None = None,
+                 windowed: bool | None = None, ring: int = 0):
+        """`windowed`: whether to output the sliding mask (default: cfg.windowed(context_length));
+        `ring`: the sliding layers' ring slots (0: they read the cache's positions)."""
         super().__init__()
         self.window = window
         self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
         self.embed_tokens = nn.Embedding(rows or cfg.vocab_size, cfg.hidden_size)
-        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        self.cfg, self.ring = cfg, ring
+        self.windowed = cfg.windowed(context_length) if windowed is None else windowed
         cos, sin = stored_rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -232,7 +283,7 @@ class Embeddings(nn.Module):
         mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
         sliding = {}
         if self.windowed:
-            keep = cached & near(pos.view(1, 1, -1, 1), self.cache_positions, self.cfg.sliding_window)  # (1,1,S,T)
+            keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,S,T|R)
             sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
                                                  self.sliding_window_mask.to(hidden.dtype)], dim=3)
         return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
@@ -253,7 +304,7 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
         mask = mb.concat(values=[cache_mask, g.const(window_mask(s), "window_mask")], axis=3)
         out = {"hidden_states": hidden, **rope, "mask": mask}
         if _outputs(io, "sliding_mask"):
-            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, t, s)
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, t, s, _ring_of(io, "sliding_mask", t))
             out["sliding_mask"] = mb.concat(
                 values=[sliding, g.const(window_mask(s, cfg.sliding_window), "sliding_window_mask")], axis=3)
         return out
@@ -291,11 +342,11 @@ class BranchEmbeddings(nn.Module):
     cascade's "decode_branches"); `positions[b] - prefix_length` suffix tokens of branch b are cached."""
 
     def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, branches: int,
-                 suffix_length: int):
+                 suffix_length: int, ring: int = 0):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
         self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
-        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        self.cfg, self.windowed, self.ring = cfg, cfg.windowed(context_length), ring
         cos, sin = stored_rope_tables(cfg, context_length + suffix_length + 1, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -315,7 +366,9 @@ class BranchEmbeddings(nn.Module):
         sliding = {}
         if self.windowed:  # each branch's query at positions[b]; suffix slot u at prefix_length + u
             w = self.cfg.sliding_window
-            keep = in_prefix & near(positions.view(1, 1, -1, 1), self.prefix_slots, w)  # (1,1,B,T)
+            # (1,1,B,T), or over the ring (1,1,B,R): a suffix long enough pushes prefix positions out
+            # of a branch's window, and its query's position hides them like any other
+            keep = sliding_keep(self.cfg, prefix_length, positions.view(1, 1, -1, 1), self.prefix_slots, self.ring)
             sliding["sliding_prefix_mask"] = (1.0 - keep.to(hidden.dtype)) * MASK_VALUE
             keep = in_suffix & near(filled, self.suffix_slots, w)  # (1,B,1,U)
             sliding["sliding_suffix_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
@@ -341,8 +394,9 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
         if _outputs(io, "sliding_prefix_mask"):
             w = cfg.sliding_window
             query = mb.reshape(x=inputs["positions"], shape=[1, 1, b, 1])
-            out["sliding_prefix_mask"] = mask_from_mil(g, mb.logical_and(
-                x=in_prefix, y=near_mil(query, prefix_slots, w)))  # (1,1,B,T)
+            ring = _ring_of(io, "sliding_prefix_mask", t)
+            out["sliding_prefix_mask"] = mask_from_mil(g, sliding_keep_mil(
+                cfg, inputs["prefix_length"], query, t, ring))  # (1,1,B,T) or (1,1,B,R)
             keep = mb.logical_and(x=in_suffix, y=near_mil(filled, suffix_slots, w))  # (1,B,1,U)
             out["sliding_suffix_mask"] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
         return out
@@ -353,11 +407,12 @@ class VerifyEmbeddings(nn.Module):
     """Token lookup, RoPE rows at each token's tree position, and the cache + tree mask (the
     "verify" function of speculative decoding; see chunk.py)."""
 
-    def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, window: int):
+    def __init__(self, cfg: LlamaConfig, embed_tokens: nn.Embedding, context_length: int, window: int,
+                 ring: int = 0):
         super().__init__()
         self.embed_tokens = embed_tokens  # all of the vocabulary, or its first rows (see Embeddings)
         self.vocab_size, self.embedding_scale = cfg.vocab_size, cfg.embedding_scale
-        self.cfg, self.windowed = cfg, cfg.windowed(context_length)
+        self.cfg, self.windowed, self.ring = cfg, cfg.windowed(context_length), ring
         cos, sin = stored_rope_tables(cfg, context_length + window, context_length)
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
@@ -376,7 +431,7 @@ class VerifyEmbeddings(nn.Module):
         sliding = {}
         if self.windowed:  # a tree token at depth d sits at position + d
             w = self.cfg.sliding_window
-            keep = cached & near(pos.view(1, 1, -1, 1), self.cache_positions, w)  # (1,1,W,T)
+            keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,W,T|R)
             far = (1.0 - near(depths.view(1, 1, -1, 1), depths.view(1, 1, 1, -1), w).to(hidden.dtype)) * MASK_VALUE
             sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, tree + far], dim=3)
         return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
@@ -392,7 +447,8 @@ def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
         cache_mask = mb.tile(x=_cache_mask_mil(g, inputs["position"], context_length), reps=[1, 1, w, 1])
         out = {"hidden_states": hidden, **rope, "mask": mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)}
         if _outputs(io, "sliding_mask"):
-            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, context_length, w)
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, context_length, w,
+                                              _ring_of(io, "sliding_mask", context_length))
             depths = inputs["depths"]
             near_tree = near_mil(mb.reshape(x=depths, shape=[1, 1, w, 1]), mb.reshape(x=depths, shape=[1, 1, 1, w]),
                                  cfg.sliding_window)
@@ -412,7 +468,7 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
             "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                         tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)]
-            + layer_inputs(cfg, layout, {"mask": [1, 1, s, t + s]}, s),
+            + layer_inputs(cfg, layout, window_masks(layout, s, t), s),
         }
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
@@ -429,7 +485,7 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
                        tensor("depths", [w], "int32"), tensor("tree_mask", [1, 1, w, w], f)],
             "outputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
                         tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)]
-            + layer_inputs(cfg, layout, {"mask": [1, 1, w, t + w]}, w),
+            + layer_inputs(cfg, layout, window_masks(layout, w, t), w),
         }
     return out
 

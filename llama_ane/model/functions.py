@@ -25,6 +25,11 @@ VERIFY = "verify"
 # macOS15) that the chunk functions update themselves by a slice update at `position`.
 KV_CACHE_KINDS = ("inputs", "state")
 
+# A chunk's caches by name, each with the name of the window's new K/V it is written from: the
+# full layers' (context-long) and, where the export has a ring, the sliding layers' (ring-long).
+CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new"}
+RING_CACHES = ("k_ring", "v_ring")
+
 
 def bucket_function(function: str, bucket: int, context_length: int) -> str:
     """Name of "prefill" or "decode" at context bucket `bucket` (the cache positions it reads): the
@@ -36,7 +41,10 @@ def bucket_function(function: str, bucket: int, context_length: int) -> str:
 
 def bucket_of(function: str, context_length: int) -> int:
     """The context bucket of a prefill or decode function named by `bucket_function`, or of its
-    cache update (`cache_update_function`: "decode_512_l3")."""
+    cache update (`cache_update_function`: "decode_512_l3", "decode_512_l1_r2")."""
+    base, _, ring = function.rpartition("_r")
+    if ring.isdigit() and "_l" in base:
+        function = base
     base, _, layers = function.rpartition("_l")
     name = base if layers.isdigit() else function
     return int(name.rpartition("_")[2]) if base_function(name) != name else context_length
@@ -53,9 +61,43 @@ def window_of(function: str, prefill_length: int) -> int:
     return prefill_length if function.startswith("prefill") else 1
 
 
-def cache_update_function(function: str, layers: int) -> str:
-    """Name of the cache-update function for a chunk of `layers` layers, e.g. "decode_l3"."""
-    return f"{function}_l{layers}"
+def cache_update_function(function: str, layers: int, ring_layers: int = 0) -> str:
+    """Name of the cache-update function for a chunk of `layers` layers in the full cache and
+    `ring_layers` in the ring, e.g. "decode_l3", or "decode_l1_r2" where the chunk has a ring."""
+    return f"{function}_l{layers}" + (f"_r{ring_layers}" if ring_layers else "")
+
+
+def ring_length(cfg: "LlamaConfig", context_length: int, prefill_length: int) -> int:
+    """Slots of the sliding layers' ring buffer, or 0 where they keep the full cache.
+
+    Position p lives in slot p mod R. R holds the window plus a prefill window less one, so that
+    a padded window's writes past its real tokens (a program writes all S columns) land only on
+    slots whose positions no later query can see: a query at q >= p + n (n real tokens) sees
+    positions > q - window, and the padding at p + s (s < S) overwrites position p + s - R <=
+    q - window. Rounded up to CACHE_MULTIPLE. No ring where the window covers the context, or
+    where the ring would not be shorter than the context.
+    """
+    from ..limits import CACHE_MULTIPLE
+
+    if not cfg.windowed(context_length):
+        return 0
+    need = cfg.sliding_window + prefill_length - 1
+    r = -(-need // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    return r if r < context_length else 0
+
+
+def ring_rewind_limit(cfg: "LlamaConfig", ring: int, prefill_length: int) -> int:
+    """How many cached tokens a ring of `ring` slots can forget and still serve the ones it keeps:
+    the slots of forgotten positions (and of a window's padding after them) must lie outside the
+    window of every later query. Rewinding further must start again from an empty cache."""
+    return ring - cfg.sliding_window - prefill_length + 2
+
+
+def chunk_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[int], list[int]]:
+    """The chunk-local indices of decoder layers `layers` kept in the full cache and in the ring
+    (the sliding layers, where the export has a ring: `ring` > 0)."""
+    sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n)]
+    return [i for i in range(len(layers)) if i not in sliding], sliding
 
 
 def tensor(name: str, shape: list[int], dtype: str) -> dict:
@@ -86,6 +128,7 @@ class Layout:
     suffix_length: int = 0
     verify_window: int = 0
     kv_cache: str = "inputs"
+    ring: int = 0  # slots of the sliding layers' ring buffer (ring_length), 0: none
 
     def windows(self) -> Iterator[tuple[str, str, int, int]]:
         """(function, its base function, S, T) of every prefill and decode function: per bucket,
@@ -109,10 +152,17 @@ class Layout:
             yield VERIFY, self.verify_window
 
 
+def window_masks(layout: Layout, s: int, t: int) -> dict[str, list[int]]:
+    """The sliding twin's shape of the mask of a window of S queries over T cache positions: over
+    the ring's slots where the export has one."""
+    return {"mask": [1, 1, s, (layout.ring or t) + s]}
+
+
 def layer_inputs(cfg: "LlamaConfig", layout: Layout, masks: dict[str, list[int]], s: int) -> list[dict]:
     """The inputs some layers read beyond the Llama block's, after the others, for a query of S: the
-    sliding twin of each mask in `masks` (name -> shape) where the export needs one, and the local
-    RoPE tables where the family has them. The embeddings output the same tensors, in this order."""
+    sliding twin of each mask in `masks` (name -> the twin's shape) where the export needs one, and
+    the local RoPE tables where the family has them. The embeddings output the same tensors, in
+    this order."""
     f, d = layout.dtype, cfg.head_dim
     out = [tensor(f"sliding_{name}", shape, f) for name, shape in masks.items()] \
         if cfg.windowed(layout.context_length) else []
@@ -122,7 +172,8 @@ def layer_inputs(cfg: "LlamaConfig", layout: Layout, masks: dict[str, list[int]]
 
 
 def branch_masks(layout: Layout) -> dict[str, list[int]]:
-    """The cascade's masks whose sliding twins its sliding layers read: the prefix's per branch
-    (1,1,B,T), as each branch's query sits at its own position, and the suffixes' (1,B,1,U+1)."""
-    b, t, u = layout.branch_width, layout.context_length, layout.suffix_length
+    """The cascade's masks whose sliding twins its sliding layers read, with the twins' shapes: the
+    prefix's per branch (1,1,B,T), or over the ring (1,1,B,R), as each branch's query sits at its
+    own position, and the suffixes' (1,B,1,U+1)."""
+    b, t, u = layout.branch_width, layout.ring or layout.context_length, layout.suffix_length
     return {"prefix_mask": [1, 1, b, t], "suffix_mask": [1, b, 1, u + 1]}

@@ -1,11 +1,13 @@
 """A sequence's K/V cache as an object: reusable across generations, savable as a prompt-cache file.
 
 `KVCache.tokens` are the token ids whose K/V the caches hold, in order (position = their number);
-`KVCache.caches[i]` is chunk i's {"k", "v"}, each (layers, kv_channels, 1, context). Positions past
-`position` may hold stale K/V: every function masks them, and the next write overwrites them.
+`KVCache.caches[i]` is chunk i's {"k", "v"}, each (layers, kv_channels, 1, context), and where the
+export's sliding layers keep a ring buffer, {"k_ring", "v_ring"} (ring layers, kv_channels, 1, R),
+position p in slot p mod R. Positions past `position` may hold stale K/V: every function masks them,
+and the next write overwrites them.
 
 A prompt-cache file (`save_cache` / `load_cache`, numpy .npz) holds the tokens, the filled
-positions of every cache, and the sha256 of the manifest of the export that made it; optionally how
+positions of every cache (a ring whole, with its length), and the sha256 of the manifest of the export that made it; optionally how
 its text was wrapped ("chat": by the chat template, "raw": as given), so that a run that wraps
 its prompt otherwise can say so rather than silently reuse nothing, and a conversation's messages
 (chat's /save), so that /load resumes the conversation itself. It is
@@ -33,6 +35,7 @@ import numpy as np
 from ..errors import LlamaANEError
 
 CACHE_FILE_VERSION = 1
+RING_KEYS = ("k_ring", "v_ring")  # a chunk's ring buffer, saved whole: its slots hold the last R positions
 WRAPPINGS = ("chat", "raw")  # the prompt wrapped by the export's chat template, or given as it is
 
 
@@ -52,6 +55,11 @@ class KVCache:
     @property
     def position(self) -> int:
         return len(self.tokens)
+
+
+def _ring_length(cache: KVCache) -> int:
+    """Slots of the ring buffer `cache` holds, 0 where it has none."""
+    return next((c["k_ring"].shape[-1] for c in cache.caches if "k_ring" in c), 0)
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -80,9 +88,13 @@ def save_cache(cache: KVCache, manifest: dict, path: str | Path) -> Path:
         raise PromptCacheError(f"{path} exists and is not a llama-ane prompt-cache file; it was left as it is: "
                                "choose another file name for the prompt cache")
     n = cache.position
-    arrays = {f"{name}_{i}": c[name][..., :n] for i, c in enumerate(cache.caches) for name in ("k", "v")}
+    arrays = {f"{name}_{i}": c[name] if name in RING_KEYS else c[name][..., :n]
+              for i, c in enumerate(cache.caches) for name in ("k", "v", *RING_KEYS) if name in c}
     meta = {"version": CACHE_FILE_VERSION, "manifest_sha256": manifest_digest(manifest), "name": manifest["name"],
             "tokens": [int(t) for t in cache.tokens]}
+    ring = _ring_length(cache)
+    if ring:
+        meta["ring_length"] = ring
     if cache.wrapping is not None:
         meta["wrapping"] = cache.wrapping
     if cache.messages is not None:
@@ -234,17 +246,23 @@ def _messages(path: Path, data, context: int) -> list[dict[str, str]] | None:
 
 def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
     """`empty` given the tokens and K/V of the open prompt-cache file `data`, after checking it."""
-    context = empty.caches[0]["k"].shape[-1] if empty.caches else manifest["context_length"]
+    context = next((c["k"].shape[-1] for c in empty.caches if "k" in c), manifest["context_length"])
     meta = _meta(path, data, manifest, context)
     tokens = meta["tokens"]
+    ring = _ring_length(empty)
+    if meta.get("ring_length", 0) != ring:
+        raise _unusable(path, f"its sliding layers' ring buffer holds {meta.get('ring_length', 0)!r} positions, "
+                              f"this export's {ring}")
     messages = _messages(path, data, context)
     n = len(tokens)
     for i, c in enumerate(empty.caches):
-        for name in ("k", "v"):
-            key, want = f"{name}_{i}", c[name][..., :n].shape
+        for name in ("k", "v", *RING_KEYS):
+            if name not in c:
+                continue
+            key, want = f"{name}_{i}", c[name].shape if name in RING_KEYS else c[name][..., :n].shape
             array = _array(path, data, key, (np.float16, np.float32), lambda shape: shape == want,
                            f"float16 or float32 {want}")
-            c[name][..., :n] = array  # cast to the backend's dtype
+            c[name][..., :want[-1]] = array  # cast to the backend's dtype
     empty.tokens = list(tokens)
     empty.wrapping, empty.messages = meta.get("wrapping"), messages
     return empty

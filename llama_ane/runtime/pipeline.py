@@ -21,6 +21,12 @@ writes them in place, as Core ML updates an MLState), and a backend that runs th
 hands the new K/V back to be written directly. A prefill window must then fit in the context
 whole, padding included: the last tokens before the end run one at a time.
 
+Where the sliding layers keep a ring buffer (manifest cache.sliding), each chunk's cache dict also
+holds "k_ring"/"v_ring" (their layers, channels, 1, R) beside "k"/"v" (the other layers'; either
+pair is absent where the chunk has no such layers): position p is in slot p mod R, the ring is
+read whole in every bucket and by direct caches (its masks cover its slots, which the embeddings
+compute from `position`), and rewinding further than the ring can serve starts the sequence again.
+
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
 be loaded at a time.
@@ -33,10 +39,11 @@ from typing import Callable
 
 import numpy as np
 
+from ..config import LlamaConfig
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind
-from ..contract.specs import VERIFY, base_function, bucket_function, bucket_of
+from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_of
+from ..contract.specs import VERIFY, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -44,6 +51,9 @@ from .kv_cache import KVCache, common_prefix
 #: embeddings outputs that mask cache positions, and where their cache columns are (a sliding
 #: layer's mask like the mask it is the twin of)
 CACHE_MASKS = {"mask": "leading", "prefix_mask": "all", "sliding_mask": "leading", "sliding_prefix_mask": "all"}
+#: a chunk's cache tensors (manifest names) -> their keys in a KVCache's per-chunk dict
+CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring"}
+RING_MASKS = ("sliding_mask", "sliding_prefix_mask")  # over the ring's slots where there is one
 
 
 class ContextFullError(LlamaANEError, RuntimeError):
@@ -83,6 +93,11 @@ class Pipeline:
                            if o["name"].startswith("logits_")]
         self.direct = bool(getattr(backend, "direct_cache", False))
         self.stateful = kv_cache_kind(manifest) == "state"
+        self.ring = ring_of(manifest)  # the sliding layers' ring slots, 0: none
+        cfg = LlamaConfig.from_dict(manifest["config"])
+        # per chunk: its layers' rows in the full cache and in the ring
+        self.rows = [chunk_rows(cfg, c["layers"], self.ring) for c in self.chunks]
+        self.rewind_limit = ring_rewind_limit(cfg, self.ring, self.prefill_length) if self.ring else None
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.cache = self.new_cache()
         # the last `verify_tree` until `accept`: (start, window size, token ids, each chunk's pending write)
@@ -94,13 +109,28 @@ class Pipeline:
         return self.cache.position
 
     def new_cache(self) -> KVCache:
-        """An empty KVCache of this export: zeroed (layers, kv_channels, 1, context) arrays per chunk."""
-        return KVCache([], [{"k": self._zeros(len(c["layers"])), "v": self._zeros(len(c["layers"]))}
-                            for c in self.chunks])
+        """An empty KVCache of this export: zeroed (layers, kv_channels, 1, context) arrays per chunk,
+        and (ring layers, kv_channels, 1, R) ones where the chunk has ring layers."""
+        return KVCache([], [self._empty(i) for i in range(len(self.chunks))])
 
-    def _zeros(self, layers: int) -> np.ndarray:
-        return np.zeros((layers, self.manifest["cache"]["channels"], 1, self.context_length), self.backend.dtype)
+    def _empty(self, i: int) -> dict[str, np.ndarray]:
+        full, ring = self.rows[i]
+        out = {key: self._zeros(len(full)) for key in ("k", "v") if full}
+        out.update({key: self._zeros(len(ring), self.ring) for key in ("k_ring", "v_ring") if ring})
+        return out
 
+    def _zeros(self, layers: int, length: int | None = None) -> np.ndarray:
+        return np.zeros((layers, self.manifest["cache"]["channels"], 1, length or self.context_length),
+                        self.backend.dtype)
+
+    def empty_cache_inputs(self, i: int) -> dict[str, np.ndarray]:
+        """Chunk i's cache inputs by manifest name, empty (a window at position 0)."""
+        return self.cache_inputs(self._empty(i))
+
+    @staticmethod
+    def cache_inputs(caches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A chunk's caches {"k", "v", "k_ring", "v_ring"} by the names its functions read them."""
+        return {name: caches[key] for name, key in CACHE_KEYS.items() if key in caches}
     def reset(self) -> None:
         """Start a new, empty cache: the next window starts at position 0 (a failed update of the
         previous sequence is dropped with its caches)."""
@@ -119,10 +149,15 @@ class Pipeline:
         else:
             self.use(cache)
 
-    def rewind(self, keep: int) -> None:
-        """Forget all but the first `keep` cached tokens (their K/V stay where they are)."""
+    def rewind(self, keep: int) -> int:
+        """Forget all but the first `keep` cached tokens (their K/V stay where they are); returns the
+        tokens kept. A ring whose slots of the tokens kept were overwritten since (more than
+        `rewind_limit` tokens back) cannot serve them: then nothing is kept."""
         self.updates.wait_all()
+        if self.rewind_limit is not None and self.position - keep > self.rewind_limit:
+            keep = 0
         del self.cache.tokens[keep:]
+        return keep
 
     def wait(self) -> None:
         """Block until every pending cache update has landed."""
@@ -195,7 +230,7 @@ class Pipeline:
         """
         out = dict(emb)
         for name, where in CACHE_MASKS.items():
-            if name in out:
+            if name in out and not (self.ring and name in RING_MASKS):  # a ring is read whole
                 m = out[name]
                 out[name] = (m[..., :length] if where == "all" else
                              np.concatenate([m[..., :length], m[..., m.shape[-1] - m.shape[-2]:]], axis=-1))
@@ -205,13 +240,16 @@ class Pipeline:
         """Chunk i's caches {"k", "v"} as the chunk reads them: with direct caches, views of their
         first `length` positions (those holding tokens); as inputs, views of the first `bucket`
         positions (the function's context bucket); as states, the whole arrays (every bucket's
-        function reads its part of one state of the whole context)."""
+        function reads its part of one state of the whole context). A ring ("k_ring", "v_ring")
+        is read whole."""
         caches = self.cache.caches[i]
         if self.direct:
-            return {key: cache[..., :length] for key, cache in caches.items()}
-        if self.stateful or bucket is None or bucket == self.context_length:
+            cut = length
+        elif self.stateful or bucket is None or bucket == self.context_length:
             return caches
-        return {key: cache[..., :bucket] for key, cache in caches.items()}
+        else:
+            cut = bucket
+        return {key: cache if key.endswith("_ring") else cache[..., :cut] for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
                 visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
@@ -232,7 +270,7 @@ class Pipeline:
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
             caches = self.chunk_caches(i, visible, bucket)
-            pool = {**embed_inputs, **emb, "hidden_states": hidden, "k_cache": caches["k"], "v_cache": caches["v"],
+            pool = {**embed_inputs, **emb, "hidden_states": hidden, **self.cache_inputs(caches),
                     **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
             hidden = out.get("hidden_states_out")
@@ -276,9 +314,15 @@ class Pipeline:
     @staticmethod
     def _state_keys(entry: dict) -> dict[str, str]:
         """The tensors a cache update rewrites (outputs X_out of inputs X), each with the key of
-        its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v"."""
+        its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v", "k_ring" -> "k_ring"."""
         outputs = {t["name"] for t in entry["outputs"]}
-        return {t["name"]: t["name"][0] for t in entry["inputs"] if t["name"] + "_out" in outputs}
+        return {t["name"]: CACHE_KEYS.get(t["name"], t["name"][0]) for t in entry["inputs"]
+                if t["name"] + "_out" in outputs}
+
+    def ring_slots(self, positions: np.ndarray) -> np.ndarray:
+        """The ring slots of cache positions (int32), -1 (dropped) staying -1."""
+        positions = np.asarray(positions, np.int32)
+        return np.where(positions >= 0, positions % max(self.ring, 1), -1).astype(np.int32)
 
     def write_window(self, i: int, function: str | None, out: dict[str, np.ndarray], position: int, n: int) -> None:
         """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens,
@@ -286,11 +330,15 @@ class Pipeline:
         the torch modules), not at all (the program updated its states), or by the cache-update
         model `function` in the background."""
         caches = self.cache.caches[i]
-        if self.stateful and "k_new" not in out:
+        if self.stateful and "k_new" not in out and "k_ring_new" not in out:
             return
         if self.direct or self.stateful:
-            caches["k"][..., position:position + n] = out["k_new"][..., :n]
-            caches["v"][..., position:position + n] = out["v_new"][..., :n]
+            for key in ("k", "v"):
+                if f"{key}_new" in out:
+                    caches[key][..., position:position + n] = out[f"{key}_new"][..., :n]
+                if f"{key}_ring_new" in out:  # n <= R: no slot written twice
+                    caches[f"{key}_ring"][..., self.ring_slots(position + np.arange(n))] = \
+                        out[f"{key}_ring_new"][..., :n]
             return
         self.updates.submit(i, functools.partial(
             self.update, function, caches, out, {"position": np.array([position], np.int32)}))
@@ -357,13 +405,17 @@ class Pipeline:
             raise ValueError(f"an accepted path starts at the root (index 0), got {path}")
         slots = np.full(size, -1, np.int32)
         slots[path] = start + np.arange(len(path), dtype=np.int32)
+        where = {"slots": slots, **({"ring_slots": self.ring_slots(slots)} if self.ring else {})}
         for i, function, out in pending:
             caches = self.cache.caches[i]
             if self.direct:
                 for key in ("k", "v"):
-                    caches[key][..., start:start + len(path)] = out[f"{key}_new"][..., path]
+                    if f"{key}_new" in out:
+                        caches[key][..., start:start + len(path)] = out[f"{key}_new"][..., path]
+                    if f"{key}_ring_new" in out:
+                        caches[f"{key}_ring"][..., where["ring_slots"][path]] = out[f"{key}_ring_new"][..., path]
             else:
-                self.updates.submit(i, functools.partial(self.update, function, caches, out, {"slots": slots}))
+                self.updates.submit(i, functools.partial(self.update, function, caches, out, where))
         self.cache.tokens.extend(int(t) for t in ids[path])
 
     def score_streamed(self, token_ids: list[int] | np.ndarray, every_bucket: bool = False) -> np.ndarray:
@@ -411,8 +463,7 @@ class Pipeline:
                 caches = self.cache.caches[i]
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
-                pool = {**embs[w], "hidden_states": hidden[w], "position": position,
-                        "k_cache": read["k"], "v_cache": read["v"]}
+                pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read)}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once
@@ -453,8 +504,7 @@ class Pipeline:
         ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
         if not ids:
             raise InvalidArgumentError("the prompt is empty (no tokens to prefill); give some text")
-        keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
-        self.rewind(keep)
+        keep = self.rewind(min(common_prefix(self.cache.tokens, ids), len(ids) - 1))
         return self.prefill(ids[keep:]), keep
 
     def close(self) -> None:

@@ -103,8 +103,8 @@ class PromptCache:
             return cache, 0
         n = len(best.tokens)
         for target, source in zip(cache.caches, best.caches):
-            for name in ("k", "v"):
-                target[name][..., :n] = source[name]
+            for name, held in source.items():  # a ring buffer is held whole
+                target[name][..., :held.shape[-1]] = held
         cache.tokens = list(best.tokens)
         return cache, shared
 
@@ -117,7 +117,8 @@ class PromptCache:
         if not tokens or self.max_bytes == 0 and self.folder is None:
             return
         n = len(tokens)
-        entry = _Entry(tokens, [{name: c[name][..., :n].copy() for name in ("k", "v")} for c in cache.caches])
+        entry = _Entry(tokens, [{name: (a if name.endswith("_ring") else a[..., :n]).copy() for name, a in c.items()}
+                                for c in cache.caches])
         spill: list[_Entry] = []
         with self._lock:
             for key in list(self._ram):

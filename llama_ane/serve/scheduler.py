@@ -449,7 +449,7 @@ class Scheduler:
         """Cache a finished branch's whole sequence (the prefix, its own tokens and its answer) as
         one entry, so its next turn prefills only what is new, as after a plain run: the prefix's
         K/V and the branch's suffix slot, (layers*G, B, D, U) -> (layers, G*D, 1, n)."""
-        if self.prompt_cache is None or job.failed:
+        if self.prompt_cache is None or job.failed or self.pipeline.ring:  # a branch's ring is not rebuilt
             return
         self.pipeline.wait()
         self.model.backend.sync_states()

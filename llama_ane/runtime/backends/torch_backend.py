@@ -30,6 +30,7 @@ from ...contract.manifest import check_package_io, function_entry, function_stat
 from ...mil.package import MilPackage
 from ...precision import PRECISIONS
 from .base import Backend, BackendError
+from ...contract.specs import CACHES
 from .torch_modules import CheckpointWeights, ExportWeights, build_model
 
 DTYPES = {name: p.torch for name, p in PRECISIONS.items()}
@@ -107,8 +108,9 @@ class TorchBackend(Backend):
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the module of `function` of `model` on `inputs`, taken by the names of its forward's
         parameters (the manifest's names). A function whose caches are states (--kv-cache state)
-        runs the same module: its outputs are returned with the window's K/V (k_new, v_new), which
-        the program would write into its states and the pipeline writes into the caches."""
+        runs the same module: its outputs are returned with the window's K/V (k_new, v_new, and
+        k_ring_new, v_ring_new where the chunk has a ring), which the program would write into its
+        states and the pipeline writes into the caches."""
         entry = function_entry(self.manifest, model, function)
         module = self.module(model, function)
         args = {}
@@ -121,6 +123,7 @@ class TorchBackend(Backend):
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         names = [spec["name"] for spec in entry["outputs"]]
-        if function_states(entry) and len(outs) == len(names) + 2:
-            names += ["k_new", "v_new"]
+        states = function_states(entry)
+        if states and len(outs) == len(names) + len(states):  # the new K/V the program writes into its states
+            names += [CACHES[spec["name"]] for spec in states]
         return {name: t.cpu().numpy() for name, t in zip(names, outs)}

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
 from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
-from ...model.cache_update import CacheUpdate, SuffixUpdate, VerifyUpdate
+from ...model.cache_update import ChunkUpdate, SuffixUpdate
 from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
 from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, VerifyEmbeddings
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
-from ...contract.manifest import model_names
+from ...contract.manifest import model_names, ring_of
 from ...contract.specs import BRANCHES, VERIFY, bucket_of, model_kind, window_of
 
 
@@ -127,7 +127,7 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         weights = CheckpointWeights(weights)
     cfg = LlamaConfig.from_dict(manifest["config"])
     m = manifest
-    context, prefill = m["context_length"], m["prefill_length"]
+    context, prefill, ring = m["context_length"], m["prefill_length"], ring_of(m)
     if model not in model_names(m):
         raise KeyError(f"no model {model!r} in this export")
     functions = m["models"][model]["functions"]  # each function's module follows its specs
@@ -142,11 +142,13 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         modules: dict[str, torch.nn.Module] = {}
         for fn in functions:
             if fn == BRANCHES:
-                modules[fn] = BranchEmbeddings(cfg, table, context, m["branch_width"], m["suffix_length"])
+                modules[fn] = BranchEmbeddings(cfg, table, context, m["branch_width"], m["suffix_length"], ring)
             elif fn == VERIFY:
-                modules[fn] = VerifyEmbeddings(cfg, table, context, m["verify_window"])
+                modules[fn] = VerifyEmbeddings(cfg, table, context, m["verify_window"], ring)
             else:  # a one-row placeholder table, replaced by the shared one
-                e = Embeddings(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1)
+                sliding = any(o["name"] == "sliding_mask" for o in functions[fn]["outputs"])
+                e = Embeddings(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1, windowed=sliding,
+                               ring=ring)
                 e.embed_tokens = table
                 modules[fn] = e
         stored = weights.rope(model)
@@ -161,15 +163,13 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         modules = {}
         for fn, io in functions.items():
             shape = {t["name"]: t["shape"] for t in io["inputs"]}
-            if "slots" in shape:
-                modules[fn] = VerifyUpdate(context)
-            elif "k_suffix" in shape:
+            if "k_suffix" in shape:
                 modules[fn] = SuffixUpdate(cfg, shape["k_new"][0], m["suffix_length"])
-            else:  # a window of S at the positions of its bucket
-                modules[fn] = CacheUpdate(shape["k_cache"][3], shape["k_new"][3])
+            else:  # a window of S at the positions of its bucket (and the ring's slots), or verify's
+                modules[fn] = ChunkUpdate(ring)
     else:
         layers = next(c["layers"] for c in m["chunks"] if c["model"] == model)
-        chunk = _with_state(lambda: BlockChunk(cfg, layers, context), weights.chunk(model, layers, dtype))
+        chunk = _with_state(lambda: BlockChunk(cfg, layers, context, ring), weights.chunk(model, layers, dtype))
         modules = {fn: chunk for fn in functions}  # the verify window too: the tree is in its mask
         if BRANCHES in functions:
             modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])

@@ -34,6 +34,9 @@ extension Manifest {
            let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
             throw ManifestError.unknownConfigField(unknown)
         }
+        if let cache = object["cache"] as? [String: Any], let sliding = cache["sliding"] {
+            throw ManifestError.unsupportedRingBuffer(length: (sliding as? [String: Any])?["length"] as? Int)
+        }
         let manifest: Manifest
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
