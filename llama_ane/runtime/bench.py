@@ -301,8 +301,8 @@ def fill_to(model: LlamaANEModel, filled: int, rng: np.random.Generator) -> None
     """Make the cache hold `filled` tokens: prefill the ones it lacks, or forget the extra ones."""
     pipeline = model.pipeline
     if pipeline.position > filled:
-        pipeline.rewind(filled)
-    elif pipeline.position < filled:
+        pipeline.rewind(filled)  # a ring buffer may keep nothing (Pipeline.rewind): then prefill again
+    if pipeline.position < filled:
         pipeline.prefill(_ids(rng, model.manifest["config"]["vocab_size"], filled - pipeline.position))
     pipeline.wait()
 
