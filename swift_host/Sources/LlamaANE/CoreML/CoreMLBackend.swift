@@ -27,6 +27,13 @@ import Foundation
 /// runs in its bucket's stage, whose functions are given views of the first T positions of the
 /// prefix caches (see `CacheBuffers`). The LM head is the same in every bucket.
 ///
+/// Where the sliding layers keep a ring buffer (`cache.sliding`), each chunk with such layers also
+/// holds `k_ring`/`v_ring` of R slots beside (or, where all its layers slide, instead of) its
+/// `k_cache`/`v_cache`: double-buffered inputs the cache update writes at the window's slots
+/// (position mod R, which it computes from `position`; for verify, the accepted tokens'
+/// `ring_slots`), or states of a state export that the chunk writes itself. Every phase and
+/// bucket reads the ring whole.
+///
 /// An export whose LM head is folded into the last chunk (`lm_head.folded_into`) loads no head
 /// model: the last chunk's function of each phase and bucket writes the logits into that stage's
 /// logits arrays, which the step's `Activations` then point to.
@@ -78,7 +85,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// at every step, or at every change of bucket plus a second set of caches, while a view costs
     /// nothing and lets the update write its T positions straight back into the whole cache. The
     /// positions past T are left as they were; they are past the window's position, which every
-    /// function masks, so no bucket ever reads them as history.
+    /// function masks, so no bucket ever reads them as history. A ring buffer (`k_ring`, `v_ring`)
+    /// is its R slots in every bucket: each bucket's functions read and write it whole.
     private final class CacheBuffers: @unchecked Sendable {
         private let lock = NSLock()
         private let buffers: [[String: MLMultiArray]]
@@ -92,7 +100,12 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             }
             var views: [Int: [[String: MLMultiArray]]] = [:]
             for bucket in buckets {
-                views[bucket] = try buffers.map { set in try set.mapValues { try CoreMLArrays.prefixView($0, positions: bucket) } }
+                views[bucket] = try buffers.map { set in
+                    try Dictionary(uniqueKeysWithValues: set.map { entry -> (String, MLMultiArray) in
+                        let whole = TensorNames.rings.contains(entry.key)
+                        return (entry.key, try whole ? entry.value : CoreMLArrays.prefixView(entry.value, positions: bucket))
+                    })
+                }
             }
             self.buffers = buffers
             self.views = views
@@ -171,7 +184,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
         var states: ChunkStates?
         if manifest.cache.inStates, let decode = stages[Phase.decode.rawValue] {
-            states = try ChunkStates { try decode.chunks.map { try Self.makeState($0, manifest: manifest) } }
+            states = try ChunkStates {
+                try zip(decode.chunks, decode.chunkFunctions).map { try Self.makeState($0, $1.states, manifest: manifest) }
+            }
         }
         return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix,
                              chunkStates: states)
@@ -187,15 +202,16 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         self.chunkStates = chunkStates
     }
 
-    /// A new state of `model` with every buffer zeroed (needs macOS 15 / iOS 18, as states do).
-    private static func makeState(_ model: MLModel, manifest: Manifest) throws -> AnyObject {
+    /// A new state of `model` with each of its buffers `specs` (k_cache, v_cache, k_ring, v_ring:
+    /// those the chunk holds) zeroed (needs macOS 15 / iOS 18, as states do).
+    private static func makeState(_ model: MLModel, _ specs: [Manifest.TensorSpec], manifest: Manifest) throws -> AnyObject {
         guard #available(macOS 15.0, iOS 18.0, *) else {
             throw ManifestError.inconsistent("this export keeps its KV caches in Core ML states, which need macOS 15 / "
                 + "iOS 18; re-export with --kv-cache inputs for \(manifest.deploymentTarget)")
         }
         let state = model.makeState()
-        for name in [TensorNames.kCache, TensorNames.vCache] {
-            state.withMultiArray(for: name) { CoreMLArrays.zero($0) }
+        for spec in specs {
+            state.withMultiArray(for: spec.name) { CoreMLArrays.zero($0) }
         }
         return state
     }
@@ -501,7 +517,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     public func acceptTree(_ index: Int, slots: [Int32]) async throws {
-        try await update(index, .verify, prefixCaches[index], [TensorNames.slots: slots])
+        try await update(index, .verify, prefixCaches[index],
+                         [TensorNames.slots: slots, TensorNames.ringSlots: RingSlots.of(slots, ring: manifest.cache.ringLength)])
     }
 
     public func treeLogits(_ input: Activations, count: Int) async throws -> [[Float]] {

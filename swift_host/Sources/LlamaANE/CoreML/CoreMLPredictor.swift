@@ -12,7 +12,8 @@ extension ExportedModel {
                                      cacheDirectory: cacheDirectory)
         let backend = try await CoreMLBackend.load(manifest: manifest, store: store)
         return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
-                               cacheInStates: manifest.cache.inStates, buckets: manifest.buckets)
+                               cacheInStates: manifest.cache.inStates, buckets: manifest.buckets,
+                               rewindLimit: manifest.ringRewindLimit)
     }
 }
 #endif

@@ -139,9 +139,23 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var layout: String
         public var channels: Int
         public var dtype: String
+        /// The sliding layers' ring buffer, where the sliding window is shorter than the context.
+        public var sliding: Sliding?
 
         /// The caches are Core ML states (`kind` "state").
         public var inStates: Bool { kind == "state" }
+
+        /// Slots of the sliding layers' ring buffer, 0 where the export has none.
+        public var ringLength: Int { sliding?.length ?? 0 }
+    }
+
+    /// The sliding layers' ring buffer (`cache.sliding`): instead of a context-long cache, those
+    /// layers keep `(their layers in a chunk, channels, 1, length)` tensors `k_ring`/`v_ring`,
+    /// position p in slot p mod `length`, read whole in every phase and context bucket.
+    public struct Sliding: Codable, Equatable, Sendable {
+        public var length: Int
+        /// The decoder layers that keep their K/V in the ring (the config's sliding layers).
+        public var layers: [Int]
     }
 
     /// The embedding table, cut by vocabulary rows into one or more models (one file each, so that no

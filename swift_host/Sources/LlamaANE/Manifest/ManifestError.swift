@@ -13,7 +13,6 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case hashMismatch(String)
     case inconsistent(String)
     case unknownConfigField(String)
-    case unsupportedRingBuffer(length: Int?)
 
     public var description: String {
         switch self {
@@ -55,11 +54,6 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
             return "\(name) is named in manifest.json but missing from the export folder. Copy the whole folder, or re-export."
         case let .hashMismatch(name):
             return "\(name) does not match its sha256 in manifest.json: it was modified or corrupted. Re-export or copy it again."
-        case let .unsupportedRingBuffer(length):
-            return "manifest.json: cache.sliding: the export's sliding-window layers keep a ring buffer"
-                + (length.map { " of \($0) positions" } ?? "") + ", which this LlamaANE does not run yet. "
-                + "Run the export with the Python runtime (`llama-ane generate`), or re-export with a --context-length "
-                + "no longer than the sliding window."
         case let .unknownConfigField(name):
             return "manifest.json: config.\(name) is a model setting this LlamaANE does not know, so it cannot tell "
                 + "whether it would run the export right. Update the Swift package, or re-export with the llama-ane "

@@ -34,9 +34,6 @@ extension Manifest {
            let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
             throw ManifestError.unknownConfigField(unknown)
         }
-        if let cache = object["cache"] as? [String: Any], let sliding = cache["sliding"] {
-            throw ManifestError.unsupportedRingBuffer(length: (sliding as? [String: Any])?["length"] as? Int)
-        }
         let manifest: Manifest
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
@@ -144,6 +141,8 @@ extension Manifest {
         guard layers == Array(0..<config.numHiddenLayers) else {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
         }
+        try checkRing()
+        try checkChunkCacheRows()
         try Self.checkModelList("embeddings", embeddings.models)
         try checkHead()
         for name in embeddings.models + lmHead.models {
@@ -247,21 +246,110 @@ extension Manifest {
         }
     }
 
+    /// The chunks' and cache updates' full-cache tensors and the sliding layers' ring tensors.
+    private static let fullCacheTensors: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
+    private static let ringTensors: Set<String> = ["k_ring", "v_ring", "k_ring_out", "v_ring_out"]
+
     /// Every K/V cache tensor holds its function's context bucket of positions (a state: the whole
-    /// context) of `cache.channels` channels, as the packages were built for.
+    /// context) of `cache.channels` channels, as the packages were built for; every ring tensor the
+    /// `cache.sliding.length` slots of the ring, in every bucket.
     private func checkCacheShapes() throws {
-        let names: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
+        let (full, ring) = (Self.fullCacheTensors, Self.ringTensors)
+        let slots = cache.ringLength
         for (model, entry) in models.sorted(by: { $0.key < $1.key }) {
             for (name, f) in entry.functions.sorted(by: { $0.key < $1.key }) {
                 let bucket = ContextBuckets.bucket(ofFunction: name, contextLength: contextLength)
                 for (kind, tensors) in [("inputs", f.inputs), ("outputs", f.outputs), ("states", f.states)] {
-                    for (i, t) in tensors.enumerated() where names.contains(t.name) && t.shape.count == 4 {
-                        let want = [t.shape[0], cache.channels, 1, kind == "states" ? contextLength : bucket]
+                    for (i, t) in tensors.enumerated() where full.union(ring).contains(t.name) && t.shape.count == 4 {
+                        let field = "models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file)"
+                        guard !ring.contains(t.name) || slots > 0 else {
+                            throw ManifestError.inconsistent("\(field) is a sliding layers' ring buffer, but cache.sliding "
+                                + "names none")
+                        }
+                        let want = [t.shape[0], cache.channels, 1,
+                                    ring.contains(t.name) ? slots : kind == "states" ? contextLength : bucket]
+                        let given = ring.contains(t.name) ? "cache.sliding.length \(slots)" : "context_length \(contextLength)"
                         guard t.shape == want else {
-                            throw ManifestError.inconsistent("models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file) "
-                                + "has shape \(t.shape), but context_length \(contextLength) and cache.channels \(cache.channels) give \(want)")
+                            throw ManifestError.inconsistent("\(field) has shape \(t.shape), but \(given) and cache.channels "
+                                + "\(cache.channels) give \(want)")
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Tokens a rewind may forget and still serve the ones kept, where the export has a ring buffer
+    /// (nil: any): the slots of forgotten positions, and of a window's padding after them, must lie
+    /// outside every later query's window. Rewinding further must start again from position 0.
+    public var ringRewindLimit: Int? {
+        guard let sliding = cache.sliding, let window = config.slidingWindow else { return nil }
+        return sliding.length - window - prefillLength + 2
+    }
+
+    /// `cache.sliding`: its layers are the config's sliding layers, it holds a window and a prefill
+    /// window's padding (fewer slots would let a padded window overwrite keys a later query sees),
+    /// and some chunk function reads it.
+    private func checkRing() throws {
+        guard let sliding = cache.sliding else { return }
+        guard sliding.length > 0, !sliding.layers.isEmpty else {
+            throw ManifestError.inconsistent("cache.sliding must name a positive length and at least one layer, not "
+                + "length \(sliding.length) and layers \(sliding.layers)")
+        }
+        guard Set(sliding.layers) == Set(config.slidingLayers), Set(sliding.layers).count == sliding.layers.count else {
+            throw ManifestError.inconsistent("cache.sliding.layers \(sliding.layers) are not config.sliding_layers "
+                + "\(config.slidingLayers), the layers that attend within the window")
+        }
+        guard let window = config.slidingWindow, window > 0 else {
+            throw ManifestError.inconsistent("cache.sliding names a ring buffer, but config.sliding_window is missing")
+        }
+        guard sliding.length >= window + prefillLength - 1 else {
+            throw ManifestError.inconsistent("cache.sliding.length \(sliding.length) is shorter than sliding_window \(window) "
+                + "plus prefill_length \(prefillLength) less one: a padded window would overwrite keys a later query sees")
+        }
+        let reads = chunks.contains { chunk in
+            models[chunk.model]?.functions.values.contains { f in
+                (f.inputs + f.states).contains { $0.name == TensorNames.kRing }
+            } ?? false
+        }
+        guard reads else {
+            throw ManifestError.inconsistent("cache.sliding names a ring buffer of \(sliding.length) positions, but no chunk "
+                + "function reads one (\(TensorNames.kRing))")
+        }
+    }
+
+    /// Per chunk, its layers in the full cache and in the ring (`cache.sliding.layers`), as counts.
+    func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int) {
+        let ring = chunk.layers.filter { cache.sliding?.layers.contains($0) ?? false }.count
+        return (chunk.layers.count - ring, ring)
+    }
+
+    /// Each chunk's functions and cache updates hold as many layers in `k_cache`/`v_cache` as the
+    /// chunk has layers outside the ring, and in `k_ring`/`v_ring` as it has in it; its decode
+    /// function reads each pair exactly where it has such layers.
+    private func checkChunkCacheRows() throws {
+        let (full, ring) = (Self.fullCacheTensors, Self.ringTensors)
+        for chunk in chunks {
+            let rows = cacheRows(of: chunk)
+            var functions = (models[chunk.model]?.functions ?? [:]).map { ("\(chunk.model) (\($0.key))", $0.value) }
+            functions += try chunk.cacheUpdate.map { ("cache_update \($0.value) of \(chunk.model)", try function("cache_update", $0.value)) }
+            for (label, f) in functions.sorted(by: { $0.0 < $1.0 }) {
+                for t in f.inputs + f.outputs + f.states where t.shape.count == 4 && full.union(ring).contains(t.name) {
+                    let want = ring.contains(t.name) ? rows.ring : rows.full
+                    guard t.shape[0] == want else {
+                        throw ManifestError.inconsistent("\(label) has \(t.name) of \(t.shape[0]) layers, but \(want) of the "
+                            + "chunk's layers \(chunk.layers) keep their K/V there (cache.sliding.layers "
+                            + "\(cache.sliding?.layers ?? []))")
+                    }
+                }
+            }
+            let decode = try function(chunk.model, Phase.decode.rawValue)
+            let held = Set((decode.inputs + decode.states).map(\.name))
+            for (pair, count) in [([TensorNames.kCache, TensorNames.vCache], rows.full), ([TensorNames.kRing, TensorNames.vRing], rows.ring)] {
+                for name in pair where held.contains(name) != (count > 0) {
+                    throw ManifestError.inconsistent("\(chunk.model) (decode) " + (count > 0 ? "does not read" : "reads")
+                        + " \(name), but \(count) of its layers \(chunk.layers) keep their K/V there (cache.sliding.layers "
+                        + "\(cache.sliding?.layers ?? []))")
                 }
             }
         }

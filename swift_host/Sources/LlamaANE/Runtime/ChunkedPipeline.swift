@@ -44,19 +44,22 @@ public final class ChunkedPipeline<Backend: PipelineBackend>: TokenPredictor, @u
     /// The caches are Core ML states that the chunks' prefill and decode functions write
     /// themselves (`--kv-cache state`): no cache update runs for those phases.
     public let cacheInStates: Bool
+    /// Tokens a rewind may forget where the sliding layers keep a ring buffer (see `KVCacheState`).
+    public let rewindLimit: Int?
     /// Cache updates of windows and of accepted verify trees, per chunk.
     let updates = CacheUpdateQueue()
     /// Suffix-cache updates of cascade steps (see `decodeBranches`).
     let branchUpdates = CacheUpdateQueue()
 
     public init(backend: Backend, contextLength: Int, prefillLength: Int, cacheInStates: Bool = false,
-                buckets: ContextBuckets? = nil) {
+                buckets: ContextBuckets? = nil, rewindLimit: Int? = nil) {
         precondition(buckets == nil || buckets?.contextLength == contextLength, "the last context bucket must be the context length")
         self.backend = backend
         self.contextLength = contextLength
         self.buckets = buckets ?? ContextBuckets(contextLength: contextLength)
         self.prefillLength = prefillLength
         self.cacheInStates = cacheInStates
+        self.rewindLimit = rewindLimit
     }
 
     public var paddedWindowsMustFit: Bool { cacheInStates }

@@ -5,20 +5,27 @@
 /// The cache can be rewound to keep only a prefix of its tokens (to reuse it for a prompt that
 /// starts the same way). The K/V past the position then stay where they are, stale: every exported
 /// function masks the positions at and past the one it is given, and the next windows overwrite them.
+///
+/// Where the sliding layers keep a ring buffer (`cache.sliding`), position p lives in slot p mod R,
+/// and the slots of forgotten tokens are taken for older positions by the masks: a rewind that
+/// forgets more than `rewindLimit` tokens cannot serve the ones it keeps, and keeps none.
 public struct KVCacheState: Equatable, Sendable {
     public let capacity: Int
     public let prefillLength: Int
     /// A prefill window must fit in the cache whole, padding included (the caches are Core ML
     /// states, written a whole window at a time): tokens too close to the end run one at a time.
     public let paddedWindowsMustFit: Bool
+    /// Tokens a rewind may forget and still keep the rest (`Manifest.ringRewindLimit`); nil: any.
+    public let rewindLimit: Int?
     /// The token ids whose K/V the cache holds, in position order.
     public private(set) var tokens: [Int] = []
 
-    public init(capacity: Int, prefillLength: Int, paddedWindowsMustFit: Bool = false) {
+    public init(capacity: Int, prefillLength: Int, paddedWindowsMustFit: Bool = false, rewindLimit: Int? = nil) {
         precondition(capacity > 0 && prefillLength > 0, "cache capacity and prefill length must be positive")
         self.capacity = capacity
         self.prefillLength = prefillLength
         self.paddedWindowsMustFit = paddedWindowsMustFit
+        self.rewindLimit = rewindLimit
     }
 
     /// Filled positions: where the next window starts.
@@ -28,16 +35,27 @@ public struct KVCacheState: Equatable, Sendable {
     public var remaining: Int { capacity - position }
 
     /// How many leading tokens of `prompt` the cache can keep: the longest common prefix of the two,
-    /// but never the whole prompt, since its last token must run to give the next-token logits.
+    /// but never the whole prompt, since its last token must run to give the next-token logits;
+    /// none where keeping them would forget more than `rewindLimit` tokens.
     public func reusablePrefix(of prompt: [Int]) -> Int {
         let common = zip(tokens, prompt).prefix { $0 == $1 }.count
-        return max(min(common, prompt.count - 1), 0)
+        return servable(max(min(common, prompt.count - 1), 0))
     }
 
-    /// Keeps the first `count` tokens and forgets the rest (their K/V become stale, see above).
-    public mutating func rewind(to count: Int) {
+    /// Keeps the first `count` tokens and forgets the rest (their K/V become stale, see above), or,
+    /// where that forgets more than `rewindLimit` tokens, keeps none. Returns the tokens kept.
+    @discardableResult
+    public mutating func rewind(to count: Int) -> Int {
         precondition(count >= 0 && count <= position, "cannot rewind a cache of \(position) tokens to \(count)")
-        tokens.removeLast(position - count)
+        let kept = servable(count)
+        tokens.removeLast(position - kept)
+        return kept
+    }
+
+    /// `count`, or 0 where keeping only `count` tokens would forget more than `rewindLimit`.
+    private func servable(_ count: Int) -> Int {
+        guard let limit = rewindLimit, position - count > limit else { return count }
+        return 0
     }
 
     /// The prefill windows for `tokens` at the current position: chunks of `prefillLength`, the last

@@ -5,13 +5,14 @@ public enum TensorSource: Equatable, Sendable {
     case hiddenStates
     /// An output of the embeddings function of the same phase (cos, sin, masks).
     case embeddingsOutput(String)
-    /// The chunk's prefix KV cache (k_cache, v_cache).
+    /// The chunk's prefix KV cache (k_cache, v_cache, and the sliding layers' ring k_ring, v_ring).
     case cache(String)
     /// The chunk's per-branch suffix cache (k_suffix, v_suffix).
     case suffixCache(String)
-    /// An output of the chunk that just ran (k_new, v_new).
+    /// An output of the chunk that just ran (k_new, v_new, k_ring_new, v_ring_new).
     case chunkOutput(String)
-    /// An int32 the host writes (position, suffix_positions, input_ids of a later embeddings part).
+    /// An int32 the host writes (position, suffix_positions, slots, ring_slots, input_ids of a later
+    /// embeddings part).
     case value(String)
 }
 
@@ -30,7 +31,8 @@ public struct PipelineWiring: Equatable, Sendable {
     /// prefill and decode of a state export, whose chunks write their caches themselves).
     public let updatedState: [Phase: [[Manifest.TensorSpec]]]
     /// Per phase and chunk: the Core ML states the chunk function reads (and, for prefill and
-    /// decode, writes): k_cache and v_cache in a state export, none otherwise.
+    /// decode, writes): k_cache and v_cache, and k_ring and v_ring where the chunk has sliding
+    /// layers with a ring buffer, in a state export; none otherwise.
     public let chunkStates: [Phase: [[Manifest.TensorSpec]]]
     /// The LM head models run on the last chunk's hidden states after every step, in manifest
     /// order; empty when the head is folded into the last chunk (`headFolded`).
@@ -169,13 +171,16 @@ public struct PipelineWiring: Equatable, Sendable {
                     throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
                 }
             }
-            for spec in run.states where spec.name != TensorNames.kCache && spec.name != TensorNames.vCache {
+            for spec in run.states where !TensorNames.caches.contains(spec.name) {
                 throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
             }
             let outputs = Set(run.outputs.map(\.name))
             var updateSources: [String: TensorSource] = [:]
             for spec in update?.inputs ?? [] {
                 if spec.dtype == "int32" {
+                    guard Self.updateValues[phase]?.contains(spec.name) ?? false else {
+                        throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
+                    }
                     updateSources[spec.name] = .value(spec.name)
                 } else if stateNames.contains(spec.name) {
                     updateSources[spec.name] = phase == .decodeBranches ? .suffixCache(spec.name) : .cache(spec.name)
@@ -214,6 +219,13 @@ public struct PipelineWiring: Equatable, Sendable {
         }
         return inputs
     }
+
+    /// The int32 inputs of each phase's cache updates that the host writes: where the window goes
+    /// (its position; the branches' suffix positions; the accepted tree tokens' cache and ring slots).
+    static let updateValues: [Phase: Set<String>] = [
+        .prefill: [TensorNames.position], .decode: [TensorNames.position],
+        .decodeBranches: [TensorNames.suffixPositions], .verify: [TensorNames.slots, TensorNames.ringSlots],
+    ]
 
     /// The inputs X of a cache update that has an output X_out.
     static func state(of update: Manifest.Function) throws -> [Manifest.TensorSpec] {

@@ -17,6 +17,14 @@ enum TensorNames {
     static let vCache = "v_cache"
     static let kCacheOut = "k_cache_out"
     static let vCacheOut = "v_cache_out"
+    /// The sliding layers' ring buffer (`cache.sliding`), read whole in every context bucket, and
+    /// the slots (W,) the verify cache update writes the accepted tokens to in it.
+    static let kRing = "k_ring"
+    static let vRing = "v_ring"
+    static let ringSlots = "ring_slots"
+    /// The chunk caches a host holds: the full caches and the rings.
+    static let caches: Set<String> = [kCache, vCache, kRing, vRing]
+    static let rings: Set<String> = [kRing, vRing]
     static let logitsPrefix = "logits_"
     /// A cache-update output `X_out` is the new value of its input `X`.
     static let updatedSuffix = "_out"

@@ -42,14 +42,19 @@ public protocol TokenPredictor: AnyObject {
     func reset() async throws
     /// A prefill window must fit in the cache whole, padding included (see `KVCacheState`).
     var paddedWindowsMustFit: Bool { get }
+    /// Tokens a rewind may forget and still keep the rest: a ring buffer's limit
+    /// (`Manifest.ringRewindLimit`), nil where any rewind keeps what it is asked to.
+    var rewindLimit: Int? { get }
 }
 
 extension TokenPredictor {
     public var paddedWindowsMustFit: Bool { false }
+    public var rewindLimit: Int? { nil }
 
     /// An empty cache's bookkeeping for this predictor.
     public func emptyCache() -> KVCacheState {
-        KVCacheState(capacity: contextLength, prefillLength: prefillLength, paddedWindowsMustFit: paddedWindowsMustFit)
+        KVCacheState(capacity: contextLength, prefillLength: prefillLength, paddedWindowsMustFit: paddedWindowsMustFit,
+                     rewindLimit: rewindLimit)
     }
 }
 
@@ -58,13 +63,15 @@ extension TokenPredictor {
 public final class ClosurePredictor: TokenPredictor, @unchecked Sendable {
     public let contextLength: Int
     public let prefillLength: Int
+    public let rewindLimit: Int?
     private let body: (TokenWindow) async throws -> [Float]
     private let onReset: () -> Void
 
-    public init(contextLength: Int, prefillLength: Int, onReset: @escaping () -> Void = {},
+    public init(contextLength: Int, prefillLength: Int, rewindLimit: Int? = nil, onReset: @escaping () -> Void = {},
                 _ body: @escaping (TokenWindow) async throws -> [Float]) {
         self.contextLength = contextLength
         self.prefillLength = prefillLength
+        self.rewindLimit = rewindLimit
         self.body = body
         self.onReset = onReset
     }
