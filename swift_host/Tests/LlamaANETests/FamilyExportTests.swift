@@ -119,7 +119,8 @@ final class FamilyExportTests: XCTestCase {
                                  "the generation must run well past the window")
             let replay = Replay(e.steps, vocab: model.manifest.config.vocabSize)
             let predictor = ClosurePredictor(contextLength: model.manifest.contextLength,
-                                             prefillLength: model.manifest.prefillLength) { replay.answer($0) }
+                                             prefillLength: model.manifest.prefillLength,
+                                             rewindLimit: model.manifest.ringRewindLimit) { replay.answer($0) }
             let generated = try await model.generator(predictor: predictor)
                 .generateAll(prompt: e.promptIds, maxNewTokens: e.tokens.count)
             XCTAssertEqual(replay.problems, [], name)

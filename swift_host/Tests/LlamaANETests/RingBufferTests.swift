@@ -1,0 +1,217 @@
+import Foundation
+import XCTest
+@testable import LlamaANE
+
+/// The sliding layers' ring buffer (`cache.sliding`) of the windowed family exports (a Gemma 3 with
+/// inputs caches and every phase; a Mistral whose every layer slides, caches in states): the ring
+/// tensors wired by name in every phase, the manifest's ring checked against the config and the
+/// chunks, and rewinds that forget more than the ring can serve starting again from position 0.
+final class RingBufferTests: XCTestCase {
+    static let exports = ["export_gemma3", "export_mistral_window"]
+
+    private func manifestObject(_ name: String) throws -> [String: Any] {
+        let url = try Fixtures.url(name).appendingPathComponent(Manifest.fileName)
+        return try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
+    }
+
+    private func decode(_ object: [String: Any]) throws -> Manifest {
+        try Manifest.decode(JSONSerialization.data(withJSONObject: object))
+    }
+
+    func testTheRingIsReadAndItsSizeDoesNotDependOnTheContext() throws {
+        for name in Self.exports {
+            let manifest = try Manifest.load(from: Fixtures.url(name))
+            let sliding = try XCTUnwrap(manifest.cache.sliding, name)
+            let window = try XCTUnwrap(manifest.config.slidingWindow)
+            XCTAssertEqual(Set(sliding.layers), Set(manifest.config.slidingLayers), name)
+            XCTAssertGreaterThanOrEqual(sliding.length, window + manifest.prefillLength - 1, name)
+            XCTAssertLessThan(sliding.length, manifest.contextLength, "\(name): the ring is shorter than the context")
+            XCTAssertEqual(manifest.ringRewindLimit, sliding.length - window - manifest.prefillLength + 2)
+            XCTAssertGreaterThan(try XCTUnwrap(manifest.ringRewindLimit), 0)
+        }
+    }
+
+    /// Every phase of every chunk with sliding layers reads k_ring/v_ring of (its sliding layers,
+    /// channels, 1, R): as inputs the cache update rewrites from k_ring_new/v_ring_new (verify's at
+    /// the host's ring_slots; the cascade's update writes the suffix caches only), or as the
+    /// chunk's own states; a chunk whose every layer slides has no k_cache at all.
+    func testTheRingIsWiredByNameInEveryPhase() throws {
+        for name in Self.exports {
+            let manifest = try Manifest.load(from: Fixtures.url(name))
+            let wiring = try PipelineWiring(manifest: manifest)
+            let ring = manifest.cache.ringLength
+            var ringChunks = 0
+            for phase in PipelineWiring.phases(of: manifest) {
+                for (i, chunk) in manifest.chunks.enumerated() {
+                    let rows = manifest.cacheRows(of: chunk)
+                    let label = "\(name) \(chunk.model) \(phase.rawValue)"
+                    let function = try manifest.function(chunk.model, phase.rawValue)
+                    let inputs = try XCTUnwrap(wiring.chunkInputs[phase]?[i], label)
+                    let update = try XCTUnwrap(wiring.updateInputs[phase]?[i], label)
+                    let rewritten = Set(try XCTUnwrap(wiring.updatedState[phase]?[i], label).map(\.name))
+                    let states = Set(try XCTUnwrap(wiring.chunkStates[phase]?[i], label).map(\.name))
+                    XCTAssertEqual(rows.full + rows.ring, chunk.layers.count)
+                    if rows.full == 0 {
+                        XCTAssertNil(inputs[TensorNames.kCache], label)
+                        XCTAssertFalse(states.contains(TensorNames.kCache), label)
+                    }
+                    guard rows.ring > 0 else {
+                        XCTAssertNil(inputs[TensorNames.kRing], label)
+                        continue
+                    }
+                    ringChunks += 1
+                    for tensor in [TensorNames.kRing, TensorNames.vRing] {
+                        let spec = try XCTUnwrap((function.inputs + function.states).first { $0.name == tensor }, label)
+                        XCTAssertEqual(spec.shape, [rows.ring, manifest.cache.channels, 1, ring], label)
+                        if manifest.cache.inStates {
+                            XCTAssertTrue(states.contains(tensor), label)
+                            XCTAssertNil(inputs[tensor], label)
+                            XCTAssertTrue(rewritten.isEmpty, "\(label): the chunk writes its states itself")
+                            continue
+                        }
+                        XCTAssertEqual(inputs[tensor], .cache(tensor), label)
+                        if phase == .decodeBranches {
+                            XCTAssertFalse(rewritten.contains(tensor), "\(label): branches never write the prefix's ring")
+                            XCTAssertEqual(rewritten, ["k_suffix", "v_suffix"], label)
+                        } else {
+                            XCTAssertTrue(rewritten.contains(tensor), label)
+                            XCTAssertEqual(update[tensor], .cache(tensor), label)
+                            XCTAssertEqual(update[tensor + "_new"], .chunkOutput(tensor + "_new"), label)
+                            XCTAssertEqual(function.output(tensor + "_new")?.shape[0], rows.ring, label)
+                        }
+                    }
+                    if phase == .verify {
+                        XCTAssertEqual(update[TensorNames.slots], .value(TensorNames.slots), label)
+                        XCTAssertEqual(update[TensorNames.ringSlots], .value(TensorNames.ringSlots), label)
+                    } else if phase != .decodeBranches && !manifest.cache.inStates {
+                        XCTAssertEqual(update[TensorNames.position], .value(TensorNames.position), label)
+                    }
+                }
+            }
+            XCTAssertGreaterThan(ringChunks, 0, name)
+        }
+    }
+
+    func testACacheUpdateInputTheHostDoesNotWriteIsRefused() throws {
+        var manifest = try Manifest.load(from: Fixtures.url("export_gemma3"))
+        let update = try XCTUnwrap(manifest.chunks[0].cacheUpdate["decode"])
+        manifest.models["cache_update"]?.functions[update]?.inputs.append(
+            Manifest.TensorSpec(name: TensorNames.ringSlots, shape: [1], dtype: "int32"))
+        XCTAssertThrowsError(try PipelineWiring(manifest: manifest)) { error in
+            XCTAssertEqual(error as? PipelineError, .unwiredInput(model: "cache_update (\(update))", input: TensorNames.ringSlots))
+        }
+    }
+
+    /// A manifest whose ring disagrees with its config or its chunks is refused, naming the field.
+    func testARingThatDisagreesWithTheExportIsRefusedByName() throws {
+        let object = try manifestObject("export_gemma3")
+        XCTAssertNoThrow(try decode(object))
+        func refused(_ edit: (inout [String: Any]) throws -> Void, mentioning words: [String],
+                     file: StaticString = #filePath, line: UInt = #line) throws {
+            var edited = object
+            try edit(&edited)
+            XCTAssertThrowsError(try decode(edited), file: file, line: line) { error in
+                guard let error = error as? ManifestError else { return XCTFail("not a ManifestError: \(error)", file: file, line: line) }
+                for word in words {
+                    XCTAssertTrue(error.description.contains(word), "\"\(word)\" not in: \(error)", file: file, line: line)
+                }
+            }
+        }
+        func setSliding(_ m: inout [String: Any], _ key: String, _ value: Any) throws {
+            var cache = try XCTUnwrap(m["cache"] as? [String: Any])
+            var sliding = try XCTUnwrap(cache["sliding"] as? [String: Any])
+            sliding[key] = value
+            cache["sliding"] = sliding
+            m["cache"] = cache
+        }
+        // other layers than the config's sliding ones
+        try refused({ try setSliding(&$0, "layers", [0, 1]) }, mentioning: ["cache.sliding.layers [0, 1]", "config.sliding_layers"])
+        // too few slots for a window and a prefill window's padding (and than the tensors hold)
+        try refused({ try setSliding(&$0, "length", 16) }, mentioning: ["cache.sliding.length 16"])
+        try refused({ try setSliding(&$0, "length", 48) }, mentioning: ["cache.sliding.length 48", "k_ring"])
+        // a ring the chunks hold, but no cache.sliding
+        try refused({ m in
+            var cache = try XCTUnwrap(m["cache"] as? [String: Any])
+            cache["sliding"] = nil
+            m["cache"] = cache
+        }, mentioning: ["k_ring", "cache.sliding names none"])
+        // chunk_1 holds layer 2 (sliding) alone: a chunk plan that puts layer 1 beside it disagrees with its ring
+        try refused({ m in
+            var chunks = try XCTUnwrap(m["chunks"] as? [[String: Any]])
+            chunks[0]["layers"] = [0]
+            chunks[1]["layers"] = [1, 2]
+            m["chunks"] = chunks
+        }, mentioning: ["chunk_0", "layers [0]", "cache.sliding.layers [0, 2]"])
+    }
+
+    func testACacheSlidingNoFunctionReadsIsRefused() throws {
+        let url = try Fixtures.url("export").appendingPathComponent(Manifest.fileName)
+        var object = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
+        var config = try XCTUnwrap(object["config"] as? [String: Any])
+        config["sliding_window"] = 16
+        config["sliding_layers"] = [0]
+        object["config"] = config
+        var cache = try XCTUnwrap(object["cache"] as? [String: Any])
+        cache["sliding"] = ["length": 32, "layers": [0]]
+        object["cache"] = cache
+        XCTAssertThrowsError(try decode(object)) { error in
+            XCTAssertEqual(error as? ManifestError, .inconsistent(
+                "cache.sliding names a ring buffer of 32 positions, but no chunk function reads one (k_ring)"))
+        }
+    }
+
+    func testRingSlotsArePositionsModuloTheRingAndDroppedTokensStayDropped() {
+        XCTAssertEqual(RingSlots.of([30, 31, 32, 33, -1, 65], ring: 32), [30, 31, 0, 1, -1, 1])
+        XCTAssertEqual(RingSlots.of([3, -1], ring: 0), [-1, -1])
+    }
+
+    /// Forgetting at most `rewindLimit` tokens keeps the rest; forgetting more keeps none.
+    func testARewindPastTheRingsReachKeepsNothing() throws {
+        var cache = KVCacheState(capacity: 64, prefillLength: 8, rewindLimit: 10)
+        let tokens = Array(100..<140)
+        for window in try cache.prefillWindows(tokens) { cache.commit(window) }
+        XCTAssertEqual(cache.reusablePrefix(of: Array(tokens[..<30]) + [7]), 30, "10 forgotten: within reach")
+        XCTAssertEqual(cache.reusablePrefix(of: Array(tokens[..<29]) + [7]), 0, "11 forgotten: past it")
+        var kept = cache
+        XCTAssertEqual(kept.rewind(to: 30), 30)
+        XCTAssertEqual(kept.tokens, Array(tokens[..<30]))
+        XCTAssertEqual(cache.rewind(to: 29), 0)
+        XCTAssertEqual(cache.position, 0)
+        var plain = KVCacheState(capacity: 64, prefillLength: 8)
+        for window in try plain.prefillWindows(tokens) { plain.commit(window) }
+        XCTAssertEqual(plain.reusablePrefix(of: Array(tokens[..<3]) + [7]), 3, "without a ring any prefix is kept")
+    }
+
+    /// A generator over a ring export's limit: a next prompt that shares a prefix the ring can still
+    /// serve prefills only the rest; one that would forget more prefills everything from position 0.
+    func testTheGeneratorStartsAgainWhereTheRingCannotServeTheCommonPrefix() async throws {
+        let manifest = try Manifest.load(from: Fixtures.url("export_gemma3"))
+        let limit = try XCTUnwrap(manifest.ringRewindLimit)
+        var windows: [TokenWindow] = []  // one generation runs at a time, one window after the other
+        let predictor = ClosurePredictor(contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
+                                         rewindLimit: limit) { window in
+            windows.append(window)
+            var logits = [Float](repeating: 0, count: 8)
+            logits[3] = 1
+            return logits
+        }
+        let generator = Generator(predictor: predictor, eosTokenIds: [])
+        let first = Array(10..<50)
+        _ = try await generator.generateAll(prompt: first, maxNewTokens: 1)
+        XCTAssertEqual(generator.cachedTokens, first)
+
+        windows = []
+        let near = Array(first[..<(first.count - limit)]) + [60, 61]
+        let (_, reused) = try await generator.generateAll(prompt: near, maxNewTokens: 1)
+        XCTAssertEqual(reused.reusedTokens, first.count - limit)
+        XCTAssertEqual(windows.first?.position, first.count - limit)
+
+        windows = []
+        let far = Array(near[..<(near.count - limit - 3)]) + [70]
+        let (_, fresh) = try await generator.generateAll(prompt: far, maxNewTokens: 1)
+        XCTAssertEqual(fresh.reusedTokens, 0, "the ring no longer holds what the common prefix needs")
+        XCTAssertEqual(fresh.prefilledTokens, far.count)
+        XCTAssertEqual(windows.first?.position, 0)
+        XCTAssertEqual(generator.cachedTokens, far)
+    }
+}
