@@ -1,6 +1,9 @@
 import Foundation
 import XCTest
 @testable import LlamaANE
+#if canImport(CoreML)
+import CoreML
+#endif
 
 /// The sliding layers' ring buffer (`cache.sliding`) of the windowed family exports (a Gemma 3 with
 /// inputs caches and every phase; a Mistral whose every layer slides, caches in states): the ring
@@ -214,4 +217,30 @@ final class RingBufferTests: XCTestCase {
         XCTAssertEqual(windows.first?.position, 0)
         XCTAssertEqual(generator.cachedTokens, far)
     }
+
+    #if canImport(CoreML)
+    /// The Gemma 3 export on Core ML (CPU): decoding speculatively (the verify update writes the
+    /// accepted tokens into the ring at their ring_slots) gives Python's greedy tokens; a next
+    /// prompt within the ring's reach reuses the cache, one past it prefills from position 0, and
+    /// both go on as Python's generation did.
+    func testCoreMLRunsTheRingThroughVerifyAndRewinds() async throws {
+        let model = try ExportedModel(folder: Fixtures.url("export_gemma3"))
+        let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("families.json")))
+        func ints(_ v: JSONValue?) -> [Int] { v?.arrayValue?.compactMap(\.intValue) ?? [] }
+        let prompt = ints(root["export_gemma3"]?["prompt_ids"]), tokens = ints(root["export_gemma3"]?["tokens"])
+        XCTAssertGreaterThanOrEqual(tokens.count, 16)
+        let predictor = try await model.makeCoreMLPredictor(computeUnits: .cpuOnly)
+        let generator = model.generator(predictor: predictor)
+        let drafted = try await generator.generateAll(prompt: prompt, maxNewTokens: tokens.count,
+                                                      speculative: .promptLookup(adaptive: false))
+        XCTAssertEqual(drafted.tokens, tokens)
+
+        let near = try await generator.generateAll(prompt: prompt + tokens.prefix(15), maxNewTokens: tokens.count - 15)
+        XCTAssertGreaterThan(near.stats.reusedTokens, 0)
+        XCTAssertEqual(near.tokens, Array(tokens[15...]))
+        let far = try await generator.generateAll(prompt: prompt + tokens.prefix(2), maxNewTokens: 4)
+        XCTAssertEqual(far.stats.reusedTokens, 0, "the ring no longer holds the common prefix's window")
+        XCTAssertEqual(far.tokens, Array(tokens[2..<6]))
+    }
+    #endif
 }
