@@ -837,7 +837,8 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
 
 # Windowed families exported for the Swift tests: name -> (the test_families case it starts from,
 # its checkpoint overrides, its export options). Both windows are shorter than the prompt plus the
-# generated tokens, so the sliding layers' own masks decide what the steps attend to.
+# generated tokens, so the sliding layers' own masks decide what the steps attend to, and than the
+# context, so the sliding layers keep a ring buffer (cache.sliding) that the generation wraps around.
 FAMILY_EXPORTS = {
     # Gemma 3: sliding (local RoPE) and global layers, every phase: the cascade's and the verify
     # window's sliding masks too.
@@ -905,6 +906,8 @@ def write_family_exports(fixtures_dir: Path) -> dict[str, Any]:
             export_model(checkpoint, folder, **common, **options)
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
+            if "sliding" not in json.loads((folder / "manifest.json").read_text("utf-8"))["cache"]:
+                raise ValueError(f"{name}: the export keeps no ring buffer (cache.sliding), which the Swift tests run")
             hf = AutoTokenizer.from_pretrained(str(checkpoint))
             rendered = hf.apply_chat_template(FAMILY_CHAT, add_generation_prompt=True, tokenize=False)
             prompt = hf(FAMILY_PROMPT).input_ids
