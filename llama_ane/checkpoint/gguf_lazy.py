@@ -1,41 +1,74 @@
-"""Read a Llama .gguf lazily: one tensor at a time, dequantized only when it is asked for.
+"""Read a .gguf lazily: one tensor at a time, dequantized only when it is asked for.
 
 Loading a .gguf through transformers dequantizes every tensor and builds the whole model in float32
 (about 4 bytes per parameter, several times the file's size) before the first layer can be exported.
 `open_gguf` instead memory-maps the file with gguf's `GGUFReader` (which reads the metadata and the
-tensor table, no tensor data), builds a Hugging Face `config.json`-style dict from the metadata, and
-`LazyGGUF.get(hf_name)` dequantizes just that one tensor, undoing llama.cpp's layout on the way:
-GGUF stores dims reversed, and llama.cpp's convert script interleaves the two RoPE halves of each
-q/k head's rows, which transformers' rotate-half RoPE needs back in their original order.
+tensor table, no tensor data), builds a Hugging Face `config.json`-style dict from the metadata of
+the file's architecture, and `LazyGGUF.get(hf_name)` dequantizes just that one tensor, undoing
+llama.cpp's layout on the way: GGUF stores dims reversed; llama.cpp's convert script interleaves
+the two RoPE halves of each q/k head's rows for the architectures it runs with the interleaved
+("normal") RoPE, which transformers' rotate-half RoPE needs back in their original order; and it
+stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w.
+
+Metadata llama.cpp does not store (Gemma 3's attention scale, local RoPE base and layer pattern
+in older files, SmolLM3's layers without RoPE) is what llama.cpp itself assumes for the
+architecture, so a file means here what it means to llama.cpp.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..config import LlamaConfig
 from ..errors import LlamaANEError
 from .loader import TensorInfo
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
-SUPPORTED = ("supported: general.architecture 'llama' (Llama 2/3.x, SmolLM2 and other LlamaForCausalLM "
-             "checkpoints) with RoPE scaling none, linear or llama3")
 
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER = {  # GGUF name inside blk.N -> HF name inside model.layers.N
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+@dataclass(frozen=True)
+class Arch:
+    """How llama.cpp stores one architecture: the Hugging Face family it comes from, whether its
+    convert script interleaves q/k rows (LlamaModel and the converters derived from it), and the
+    offset it adds to every norm weight (Gemma 3's (1 + w))."""
+
+    model_type: str
+    label: str
+    permuted: bool = False
+    norm_offset: float = 0.0
+
+
+# general.architecture -> how to read it; every family the exporter builds that llama.cpp has an
+# architecture for (Mistral's dense models are written as 'llama')
+ARCHES = {
+    "llama": Arch("llama", "Llama 2/3.x, Mistral, SmolLM2", permuted=True),
+    "qwen2": Arch("qwen2", "Qwen2, Qwen2.5"),
+    "qwen3": Arch("qwen3", "dense Qwen3"),
+    "smollm3": Arch("smollm3", "SmolLM3", permuted=True),
+    "granite": Arch("granite", "dense Granite 3.x", permuted=True),
+    "olmo2": Arch("olmo2", "OLMo 2"),
+    "phi3": Arch("phi3", "Phi-3, Phi-3.5, Phi-4-mini"),
+    "gemma3": Arch("gemma3_text", "Gemma 3's text model", norm_offset=1.0),
 }
-_ROPE_FREQS = "rope_freqs.weight"  # llama3 per-frequency divisors: becomes config_dict["rope_scaling"]
+SUPPORTED = ("supported: general.architecture " + ", ".join(f"'{a}' ({s.label})" for a, s in ARCHES.items())
+             + ", with RoPE scaling none, linear or llama3 ('phi3': none or longrope)")
+
+# tensors that are not weights: llama3's per-frequency divisors, Phi-3's longrope factors
+_ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _REQUIRED = object()
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # what transformers builds a tokenizer from
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's Gemma 3: every sixth layer global, the rest sliding, where the file says nothing
+GEMMA3_LOCAL_THETA = 10_000.0  # and the sliding layers' RoPE base
+GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose attention scale llama.cpp takes from hidden_size / heads
+SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's SmolLM3: every fourth layer without RoPE (no metadata key says so)
 
 
 def _dequantizable() -> tuple[str, ...]:
@@ -52,24 +85,11 @@ GGUF_FLOATS = _dequantizable()
 
 
 class GGUFError(LlamaANEError, ValueError):
-    """A .gguf we cannot read as a Llama checkpoint; the message says what and what is supported."""
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if Llama has no such weight."""
-    stem, _, kind = gguf_name.rpartition(".")
-    if kind != "weight":  # llama has no biases; a file with them is not one we can export faithfully
-        return None
-    if stem in _GLOBAL:
-        return f"{_GLOBAL[stem]}.weight"
-    blk, _, rest = stem.partition(".")[2].partition(".")
-    if stem.startswith("blk.") and blk.isdigit() and rest in _LAYER:
-        return f"model.layers.{blk}.{_LAYER[rest]}.weight"
-    return None
+    """A .gguf we cannot read as a checkpoint we export; the message says what and what is supported."""
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row interleave. w: (heads * head_dim, hidden) -> same shape.
+    """Undo llama.cpp's q/k row interleave. w: (heads * head_dim, ...) -> same shape.
 
     llama.cpp stores each head's rows as (head_dim/2, 2) pairs, HF as (2, head_dim/2) halves.
     """
@@ -103,37 +123,58 @@ def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[s
 
 
 class LazyGGUF:
-    """An open Llama .gguf. `config_dict` is built at open; tensors are read only by `get`."""
+    """An open .gguf of an architecture in ARCHES. `config_dict` is built at open; tensors are read only by `get`."""
 
     def __init__(self, path: Path, reader: GGUFReader):
         self.path = path
         self._reader = reader  # keeps the memory map open; its tensors' `data` are views into it
-        if (arch := self._meta("general.architecture")) != "llama":
-            raise GGUFError(f"{path} holds a {arch!r} model; {SUPPORTED}")
-        self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor (name, type, dims, data view)
-        self._rope_freqs, unknown = None, []
-        for t in reader.tensors:
-            if t.name == _ROPE_FREQS:
-                self._rope_freqs = t
-            elif (name := _hf_name(t.name)) is not None:
-                self._tensors[name] = t
-            else:
-                unknown.append(t.name)
-        if unknown:  # dropping them, as transformers does, would export a different model
-            raise GGUFError(f"{path} has tensors a Llama checkpoint does not: {unknown[:5]}; {SUPPORTED}")
-        if "model.embed_tokens.weight" not in self._tensors:
-            raise GGUFError(f"{path} has no token_embd.weight; is it a complete llama GGUF?")
+        self.arch_name = self._meta("general.architecture")
+        if self.arch_name not in ARCHES:
+            raise GGUFError(f"{path} holds a {self.arch_name!r} model, which llama-ane does not export; {SUPPORTED}")
+        self.arch = ARCHES[self.arch_name]
+        by_name = {t.name: t for t in reader.tensors}
+        self._aux = {name: by_name.pop(name) for name in (_ROPE_FREQS, *_LONGROPE) if name in by_name}
+        if "token_embd.weight" not in by_name:
+            raise GGUFError(f"{path} has no token_embd.weight; is it a complete {self.arch_name} GGUF?")
+        self._file_names = set(by_name)
         self.config_dict: dict[str, Any] = self._config()
+        hf_to_gguf = self._names(LlamaConfig.from_hf_dict(self.config_dict, origin=f"{path}'s metadata"))
+        self._tensors = {hf: by_name[g] for hf, g in hf_to_gguf.items() if g in by_name}  # in the map's order
+        unknown = sorted(set(by_name) - set(hf_to_gguf.values()))
+        if unknown:  # dropping them, as transformers does, would export a different model
+            raise GGUFError(f"{path} has tensors a {self.arch_name} checkpoint llama-ane exports does not: "
+                            f"{unknown[:5]}; {SUPPORTED}")
         self.has_tokenizer = all(key in reader.fields for key in TOKENIZER_KEYS)
+
+    def _names(self, cfg: LlamaConfig) -> dict[str, str]:
+        """Each HF tensor an export of `cfg` reads -> its GGUF name, from gguf's own table of the
+        architecture's names (the one llama.cpp's convert script writes them with)."""
+        import gguf
+
+        from .mapping import expected_tensors
+
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch_name)
+        table = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+        out = {}
+        for hf in expected_tensors(cfg):
+            stem, _, kind = hf.rpartition(".")
+            name = table.get_name(stem)
+            if name is None:  # the exporter reads a tensor llama.cpp's table has no name for
+                raise GGUFError(f"{self.path}: gguf has no {self.arch_name} tensor for {hf!r}; {SUPPORTED}")
+            out[hf] = f"{name}.{kind}"
+        return out
+
+    def _field(self, key: str) -> Any:
+        return self._reader.fields.get(key)
 
     def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
         """One scalar metadata value (int, float, bool or str), or `default` when the key is absent."""
-        field = self._reader.fields.get(key)
+        field = self._field(key)
         if field is None:
             if default is _REQUIRED:
-                raise GGUFError(f"{self.path} lacks the metadata key {key!r}; is it a complete llama GGUF?")
+                raise GGUFError(f"{self.path} lacks the metadata key {key!r}; is it a complete GGUF checkpoint?")
             return default
-        if field.types[0].name == "ARRAY":  # e.g. per-layer head counts: not a plain Llama
+        if field.types[0].name == "ARRAY":  # e.g. per-layer head counts: a layout we do not export
             raise GGUFError(f"{self.path} has a per-layer {key!r}; {SUPPORTED}")
         part = field.parts[field.data[0]]
         if field.types[0].name == "STRING":
@@ -142,55 +183,151 @@ class LazyGGUF:
         return float(value) if np.issubdtype(value.dtype, np.floating) else (
             bool(value) if value.dtype == np.bool_ else int(value))
 
+    def _meta_list(self, key: str) -> list[Any] | None:
+        """An array metadata value as a list (a scalar as a list of one), or None when the key is absent."""
+        field = self._field(key)
+        if field is None:
+            return None
+        if field.types[0].name != "ARRAY":
+            return [self._meta(key)]
+        return [field.parts[i].tolist()[0] for i in field.data]
+
     def _config(self) -> dict[str, Any]:
-        m = lambda key, default=_REQUIRED: self._meta(f"llama.{key}", default)  # noqa: E731
-        heads = m("attention.head_count")
+        arch = self.arch_name
+        m = lambda key, default=_REQUIRED: self._meta(f"{arch}.{key}", default)  # noqa: E731
+        heads, hidden = m("attention.head_count"), m("embedding_length")
         vocab = m("vocab_size", None)
         if vocab is None:  # as transformers does: the tokenizer's length (else the embedding's rows)
-            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else int(self._tensors["model.embed_tokens.weight"].shape[1])
+            tokens = self._field("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else int(self._reader_tensor("token_embd.weight").shape[1])
         cfg: dict[str, Any] = {
-            "model_type": "llama", "vocab_size": vocab, "hidden_size": m("embedding_length"),
+            "model_type": self.arch.model_type, "vocab_size": vocab, "hidden_size": hidden,
             "intermediate_size": m("feed_forward_length"), "num_hidden_layers": m("block_count"),
             "num_attention_heads": heads, "num_key_value_heads": m("attention.head_count_kv", heads),
             "rms_norm_eps": m("attention.layer_norm_rms_epsilon"), "rope_theta": m("rope.freq_base", 10000.0),
             "max_position_embeddings": m("context_length"),
-            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "tie_word_embeddings": "output.weight" not in self._file_names,
         }
-        # transformers reads head_dim from the rotary width; llama rotates the whole head, so the
-        # key/value widths, when written, must be the same number
-        dims = {d for d in (m("rope.dimension_count", None), m("attention.key_length", None),
-                            m("attention.value_length", None)) if d is not None}
-        if len(dims) > 1:
-            raise GGUFError(f"{self.path} has partial RoPE or unequal q/k/v head sizes {sorted(dims)}; {SUPPORTED}")
-        if dims:
-            cfg["head_dim"] = dims.pop()
+        if any(n.endswith(("attn_q.bias", "attn_output.bias")) for n in self._file_names):
+            cfg["attention_bias"] = True  # the families with the flag put a bias on q, k, v and o
+        # the head size: the key/value width where written, else hidden / heads as llama.cpp takes it;
+        # RoPE rotates all of it, but for Phi-3's partial rotary (rope.dimension_count < head size)
+        key, value, rope = m("attention.key_length", None), m("attention.value_length", None), m(
+            "rope.dimension_count", None)
+        if key is not None and value is not None and key != value:
+            raise GGUFError(f"{self.path} has unequal key and value head sizes ({key}, {value}); {SUPPORTED}")
+        head_dim = key or value or (rope if arch != "phi3" else None) or hidden // heads
+        cfg["head_dim"] = head_dim
+        if rope is not None and rope != head_dim:
+            if arch != "phi3":
+                raise GGUFError(f"{self.path} has partial RoPE (rope.dimension_count {rope} of head size "
+                                f"{head_dim}); {SUPPORTED}")
+            cfg["partial_rotary_factor"] = rope / head_dim
         for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
             if (value := self._meta(f"tokenizer.ggml.{key}", None)) is not None:
                 cfg[hf] = value
-        scaling = self._rope_scaling(cfg.get("head_dim", cfg["hidden_size"] // heads), cfg["rope_theta"])
+        scaling = self._rope_scaling(cfg)
         if scaling:
             cfg["rope_scaling"] = scaling
+        getattr(self, f"_config_{arch}", lambda c: None)(cfg)
         return cfg
 
-    def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
-        """HF `rope_scaling` from llama.rope.scaling.* (linear) or the rope_freqs tensor (llama3); None if plain."""
-        kind, factor = self._meta("llama.rope.scaling.type", None), self._meta("llama.rope.scaling.factor", None)
-        if kind is None and (old := self._meta("llama.rope.scale_linear", None)) is not None:
+    def _reader_tensor(self, name: str) -> Any:
+        return next(t for t in self._reader.tensors if t.name == name)
+
+    def _config_smollm3(self, cfg: dict[str, Any]) -> None:
+        cfg["no_rope_layer_interval"] = SMOLLM3_NOPE_INTERVAL
+
+    def _config_granite(self, cfg: dict[str, Any]) -> None:
+        """Granite's multipliers, written by llama.cpp's convert script as *_scale keys where set; an
+        absent attention scale is llama.cpp's default 1/sqrt(head_dim), the others 1."""
+        m = lambda key: self._meta(f"granite.{key}", None)  # noqa: E731
+        cfg["embedding_multiplier"] = m("embedding_scale") or 1.0
+        cfg["residual_multiplier"] = m("residual_scale") or 1.0
+        cfg["attention_multiplier"] = m("attention.scale") or cfg["head_dim"] ** -0.5
+        cfg["logits_scaling"] = m("logit_scale") or 1.0
+
+    def _config_olmo2(self, cfg: dict[str, Any]) -> None:
+        if self._meta("olmo2.attention.sliding_window", None) is not None:
+            raise GGUFError(f"{self.path} is an 'olmo2' file with sliding-window layers (OLMo 3), which "
+                            f"llama-ane does not export; {SUPPORTED}")
+
+    def _config_phi3(self, cfg: dict[str, Any]) -> None:
+        cfg["original_max_position_embeddings"] = self._meta("phi3.rope.scaling.original_context_length",
+                                                             cfg["max_position_embeddings"])
+        if window := self._meta("phi3.attention.sliding_window", 0):  # 0: none (Phi-4-mini)
+            cfg["sliding_window"] = window
+
+    def _config_gemma3(self, cfg: dict[str, Any]) -> None:
+        """Gemma 3's sliding layers (the file's pattern, else llama.cpp's every-sixth-global), their
+        RoPE base (rope.freq_base_swa, else llama.cpp's 10000), and its attention scale, which no key
+        holds: llama.cpp uses the head size but for the 27B model, whose scale is hidden / heads."""
+        m = lambda key, default=None: self._meta(f"gemma3.{key}", default)  # noqa: E731
+        layers = cfg["num_hidden_layers"]
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["rope_local_base_freq"] = m("rope.freq_base_swa", GEMMA3_LOCAL_THETA)
+        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"]
+                                        if layers == GEMMA3_27B_LAYERS else cfg["head_dim"])
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):  # the config refuses them by name
+            if (value := m(key)) is not None:
+                cfg[key] = value
+        window = m("attention.sliding_window")
+        pattern = self._meta_list("gemma3.attention.sliding_window_pattern")
+        if pattern is not None and len(pattern) == 1 and not isinstance(pattern[0], bool):
+            pattern = [(n + 1) % pattern[0] != 0 for n in range(layers)]
+        elif pattern is None:
+            pattern = [(n + 1) % GEMMA3_SWA_PATTERN != 0 for n in range(layers)]
+        if len(pattern) != layers:
+            raise GGUFError(f"{self.path}: gemma3.attention.sliding_window_pattern lists {len(pattern)} layers, "
+                            f"the model has {layers}; convert the model again")
+        if not window:
+            pattern = [False] * layers
+        cfg["sliding_window"] = window or cfg["max_position_embeddings"]
+        cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+
+    def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
+        """HF `rope_scaling` from {arch}.rope.scaling.* (linear), the rope_freqs tensor (llama3) or
+        Phi-3's rope_factors_long/short tensors (longrope); None if plain."""
+        arch = self.arch_name
+        kind = self._meta(f"{arch}.rope.scaling.type", None)
+        factor = self._meta(f"{arch}.rope.scaling.factor", None)
+        if kind is None and (old := self._meta(f"{arch}.rope.scale_linear", None)) is not None:
             kind, factor = "linear", old  # the key written before rope.scaling.* existed
         if kind == "linear" and factor in (None, 1.0):  # llama.cpp reads a missing factor as 1: no scaling
             kind = None
+        longrope = {hf: self._aux[name] for name, hf in _LONGROPE.items() if name in self._aux}
+        if arch == "phi3" and longrope:
+            return self._longrope(cfg, longrope)
         if kind not in (None, "none", "linear"):
             raise GGUFError(f"{self.path} uses RoPE scaling {kind!r}; {SUPPORTED}")
-        freqs = self._rope_freqs
-        if freqs is not None and kind == "linear":
-            raise GGUFError(f"{self.path} has both linear RoPE scaling and rope_freqs; {SUPPORTED}")
+        freqs = self._aux.get(_ROPE_FREQS)
+        if freqs is not None and (arch != "llama" or kind == "linear"):
+            raise GGUFError(f"{self.path} has rope_freqs{' and linear RoPE scaling' if kind else ''}; {SUPPORTED}")
         if freqs is not None:
-            import gguf
-
-            return _llama3_scaling(gguf.dequantize(freqs.data, freqs.tensor_type).reshape(-1), theta, head_dim)
+            return _llama3_scaling(self._aux_values(freqs), cfg["rope_theta"], cfg["head_dim"])
         return {"rope_type": "linear", "factor": float(factor)} if kind == "linear" else None
+
+    def _aux_values(self, t: Any) -> np.ndarray:
+        import gguf
+
+        return gguf.dequantize(t.data, t.tensor_type).reshape(-1)
+
+    def _longrope(self, cfg: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+        """Phi-3's longrope from its factor tensors; the attention factor only where the file's differs
+        from the one transformers derives from the two context lengths (as llama.cpp's convert does)."""
+        if len(tensors) != 2:
+            raise GGUFError(f"{self.path} has only one of rope_factors_long/rope_factors_short; convert the "
+                            "model again")
+        out: dict[str, Any] = {"rope_type": "longrope"}
+        out.update({hf: [float(x) for x in self._aux_values(t)] for hf, t in tensors.items()})
+        orig = self._meta("phi3.rope.scaling.original_context_length", cfg["max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / orig
+        derived = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        attn = self._meta("phi3.rope.scaling.attn_factor", None)
+        if attn is not None and not math.isclose(attn, derived, rel_tol=1e-6):
+            out["attention_factor"] = attn
+        return out
 
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Each tensor's HF shape and GGML type, from the tensor table (no data read)."""
@@ -198,7 +335,7 @@ class LazyGGUF:
                 for name, t in self._tensors.items()}
 
     def names(self) -> list[str]:
-        """The Hugging Face tensor names in the file, in file order (lm_head.weight only when untied)."""
+        """The Hugging Face tensor names in the file (lm_head.weight only when untied)."""
         return list(self._tensors)
 
     def get(self, hf_name: str) -> torch.Tensor:
@@ -215,15 +352,17 @@ class LazyGGUF:
             raise GGUFError(f"{self.path}: {t.name} is stored as {t.tensor_type.name}, which gguf cannot "
                             f"dequantize ({e}); upgrade gguf or re-quantize the file") from None
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.arch.permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             cfg = self.config_dict
             w = _unpermute(w, cfg["num_attention_heads"] if "q_proj" in hf_name else cfg["num_key_value_heads"])
+        if self.arch.norm_offset and hf_name.endswith("norm.weight"):
+            w = w - np.float32(self.arch.norm_offset)  # exact: the file's (1 + w) lies in [0.5, 2] wherever w is small
         # F32 comes back as a view of the read-only map: copy it so callers own a writable tensor
         return torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 def open_gguf(path: Path) -> LazyGGUF:
-    """Memory-map a Llama .gguf and parse its metadata; no tensor is read until `get`."""
+    """Memory-map a .gguf and parse its metadata; no tensor is read until `get`."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path} does not exist or is not a file")

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import LlamaANEError
-from ..config import ConfigError, LlamaConfig
+from ..config import LlamaConfig
 from ..hub import cached_repo, repo_id, resolve
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -297,10 +297,10 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     try:
         reader = open_gguf(file)
         config = LlamaConfig.from_hf_dict(reader.config_dict, origin=f"{file}'s metadata")
-    except ConfigError:
+    except LlamaANEError:  # GGUFError, ConfigError: already one line naming the problem
         raise
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"could not read {file} as a GGUF Llama checkpoint ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"could not read {file} as a GGUF checkpoint ({type(e).__name__}: {e})") from None
     if not reader.has_tokenizer:
         raise CheckpointError(f"{file} has no tokenizer (no tokenizer.ggml.model and tokenizer.ggml.tokens "
                               "metadata); convert the model again with llama.cpp's convert_hf_to_gguf.py, "

@@ -1,0 +1,296 @@
+"""GGUF input for every family the exporter builds that llama.cpp has an architecture for.
+
+Each tiny checkpoint is written by transformers' own class of its family, then converted to a GGUF
+here the way llama.cpp's convert_hf_to_gguf.py stores that architecture (its metadata keys, its
+tensor names, q/k rows interleaved for the architectures it runs with interleaved RoPE, Gemma's
+norms as 1 + w, Phi-3's longrope factors as tensors). The lazy reader must give back the
+checkpoint's config and every tensor; where transformers reads the architecture too, the same
+config and tensors as `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. One Qwen3 GGUF is
+exported and its torch backend compared with transformers' Qwen3 on the original checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from llama_ane.checkpoint.gguf_lazy import GGUFError, open_gguf  # noqa: E402
+from llama_ane.config import LlamaConfig  # noqa: E402
+from llama_ane.testing import make_tiny_checkpoint  # noqa: E402
+
+from test_families import longrope  # noqa: E402
+from test_gguf_lazy import llamacpp_permute  # noqa: E402
+
+
+GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+# name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads). Each is
+# a config llama.cpp's file can say: what its metadata has no key for takes llama.cpp's value
+# (SmolLM3's NoPE every fourth layer, Gemma 3's attention scale of head_dim, Granite's head size
+# of hidden / heads). The `TRANSFORMERS` cases are also within what transformers' GGUF reader reads
+# (Qwen3's and Gemma 3's default head sizes, no RoPE scaling, full rotary, no attention bias).
+CASES = {
+    "llama_untied_bias": {"model_type": "llama", "attention_bias": True},
+    "llama_tied_mha": {"model_type": "llama", "num_key_value_heads": 4, "tie_word_embeddings": True},
+    "qwen2_tied": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3_untied_head32": {"model_type": "qwen3", "head_dim": 32, "rope_scaling": {"rope_type": "linear",
+                                                                                  "factor": 2.0}},
+    "qwen3_tied_mha": {"model_type": "qwen3", "num_key_value_heads": 4, "tie_word_embeddings": True, "head_dim": 128},
+    "smollm3_untied_bias": {"model_type": "smollm3", "num_hidden_layers": 4, "no_rope_layer_interval": 4,
+                            "attention_bias": True},
+    "granite_tied": {"model_type": "granite", "tie_word_embeddings": True, "embedding_multiplier": 12.0,
+                     "residual_multiplier": 0.22, "attention_multiplier": 0.05, "logits_scaling": 8.0},
+    "olmo2_untied_mha": {"model_type": "olmo2", "num_key_value_heads": 4},
+    "phi3_partial_longrope": {"model_type": "phi3", "partial_rotary_factor": 0.75, "max_position_embeddings": 4096,
+                              "original_max_position_embeddings": 64, "rope_scaling": longrope(6)},
+    "phi3_plain_tied": {"model_type": "phi3", "tie_word_embeddings": True, "original_max_position_embeddings": 2048},
+    "gemma3_six_layers": dict(GEMMA, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=24,
+                              rope_theta=1e6, rope_local_base_freq=1e4,
+                              rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma3_local_base": dict(GEMMA, num_hidden_layers=2, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=40, rope_theta=1e6, rope_local_base_freq=1e4,
+                              tie_word_embeddings=True),
+}
+TRANSFORMERS = ["llama_tied_mha", "qwen2_tied", "qwen3_tied_mha", "phi3_plain_tied", "gemma3_local_base"]
+
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3", "granite": "granite",
+        "olmo2": "olmo2", "phi3": "phi3", "gemma3_text": "gemma3"}
+PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses interleave q/k rows
+LAYER = {  # HF name inside model.layers.N -> GGUF name inside blk.N (llama.cpp's tensor names)
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm"}  # OLMo 2 and Gemma 3
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str, model_type: str) -> str:
+    stem, _, kind = hf.rpartition(".")
+    if stem in GLOBAL:
+        return f"{GLOBAL[stem]}.{kind}"
+    _, _, n, rest = stem.split(".", 3)
+    table = {**LAYER, **SANDWICH} if model_type in ("olmo2", "gemma3_text") else LAYER
+    return f"blk.{n}.{table[rest]}.{kind}"
+
+
+def add_tokenizer(w, folder: Path) -> None:
+    """The byte-level BPE of the checkpoint as llama.cpp's convert script stores a GPT-2 style vocabulary."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    specials = {t["id"] for t in tok["added_tokens"] if t.get("special")}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([int(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
+                       for i in range(len(tokens))])
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)
+
+
+def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
+    """Convert the checkpoint in `folder` to `out`, F32, with the metadata llama.cpp's converter
+    writes for its architecture. Returns the checkpoint's tensors by HF name."""
+    from safetensors.numpy import load_file
+
+    hp = json.loads((folder / "config.json").read_text())
+    mt, arch = hp["model_type"], ARCH[hp["model_type"]]
+    state = load_file(str(folder / "model.safetensors"))
+    heads, kv, hidden = hp["num_attention_heads"], hp["num_key_value_heads"], hp["hidden_size"]
+    head_dim = hp.get("head_dim") or hidden // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    rope = hp.get("rope_parameters") or {}
+    theta = hp.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
+    w.add_rope_freq_base(theta)
+    scaling = hp.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    if mt in ("qwen3", "gemma3_text") or (mt != "granite" and "head_dim" in hp and mt != "phi3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if mt in PERMUTED:
+        w.add_rope_dimension_count(hidden // heads if mt == "granite" else head_dim)
+        w.add_vocab_size(hp["vocab_size"])
+    if mt == "granite":
+        w.add_attention_scale(hp["attention_multiplier"])
+        w.add_embedding_scale(hp["embedding_multiplier"])
+        w.add_residual_scale(hp["residual_multiplier"])
+        w.add_logit_scale(hp["logits_scaling"])
+    if mt == "phi3":
+        rotary = int(hp.get("partial_rotary_factor", 1.0) * hidden) // heads
+        w.add_rope_dimension_count(rotary)
+        w.add_rope_scaling_orig_ctx_len(hp["original_max_position_embeddings"])
+        w.add_sliding_window(hp.get("sliding_window") or 0)
+        if scaling:
+            scale = hp["max_position_embeddings"] / hp["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+                hp["original_max_position_embeddings"])))
+            w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+    if mt == "gemma3_text":
+        w.add_sliding_window(hp["sliding_window"])
+        local = hp.get("rope_local_base_freq") or rope.get("sliding_attention", {}).get("rope_theta")
+        if local != 10_000.0:  # a file from before rope.freq_base_swa leaves it out: llama.cpp's 10000
+            w.add_rope_freq_base_swa(local)
+    add_tokenizer(w, folder)
+    for name, t in state.items():
+        t = t.astype(np.float32)
+        if mt in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = llamacpp_permute(t, heads)
+        if mt in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = llamacpp_permute(t, kv)
+        if mt == "gemma3_text" and name.endswith("norm.weight"):
+            t = t + np.float32(1)
+        w.add_tensor(gguf_name(name, mt), t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return state
+
+
+def f32(v):
+    """`v` with every float in it rounded to float32."""
+    if isinstance(v, dict):
+        return {k: f32(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [f32(x) for x in v]
+    return float(np.float32(v)) if isinstance(v, float) else v
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    made: dict[str, tuple[Path, Path, dict]] = {}
+
+    def get(name: str) -> tuple[Path, Path, dict]:
+        if name not in made:
+            folder = make_tiny_checkpoint(tmp_path_factory.mktemp(name), **CASES[name])
+            file = folder / f"{name}.gguf"
+            made[name] = folder, file, write_gguf(folder, file)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_and_every_tensor_equal_the_checkpoint(converted, name):
+    folder, file, state = converted(name)
+    lazy = open_gguf(file)
+    assert lazy.config_dict["model_type"] == CASES[name]["model_type"]
+    ours = LlamaConfig.from_hf_dict(lazy.config_dict)
+    want = LlamaConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    assert f32(ours.to_dict()) == f32(want.to_dict())  # GGUF holds the config's numbers as float32
+    assert sorted(lazy.names()) == sorted(state)
+    for hf, t in state.items():
+        got = lazy.get(hf)
+        assert got.dtype == torch.float32 and tuple(got.shape) == t.shape, hf
+        if want.model_type == "gemma3_text" and hf.endswith("norm.weight"):
+            # the file holds 1 + w in fp32; taking 1 back off is exact, the sum was not
+            torch.testing.assert_close(got, torch.from_numpy(t), rtol=0, atol=2.0 ** -23)
+            assert torch.equal(got + 1, torch.from_numpy(t + np.float32(1))), hf
+        else:
+            assert torch.equal(got, torch.from_numpy(t)), hf
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_config_and_tensors_equal_transformers_gguf_load(converted, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, file, _ = converted(name)
+    lazy = open_gguf(file)
+    theirs = AutoConfig.from_pretrained(str(folder), gguf_file=file.name).to_dict()
+    assert LlamaConfig.from_hf_dict(lazy.config_dict) == LlamaConfig.from_hf_dict(theirs)
+    state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file.name, dtype=torch.float32).state_dict()
+    tied = lazy.config_dict["tie_word_embeddings"]
+    assert set(lazy.names()) == set(state) - ({"lm_head.weight"} if tied else set())
+    for hf in lazy.names():
+        assert torch.equal(lazy.get(hf), state[hf]), hf
+
+
+def test_a_family_we_do_not_export_is_refused_by_name(tmp_path, converted):
+    folder, _, _ = converted("qwen2_tied")
+    for arch, words in (("lfm2", "'lfm2' model, which llama-ane does not export"),
+                        ("gemma3n", "'gemma3n' model, which llama-ane does not export")):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(GGUFError) as e:
+            open_gguf(path)
+        for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
+                     "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'"):
+            assert what in str(e.value)
+
+
+def test_a_tensor_the_family_lacks_is_refused_by_name(tmp_path, converted):
+    """A Qwen3 file with a tensor no Qwen3 block has would be exported without it: refused, named."""
+    folder, file, state = converted("qwen3_tied_mha")
+    src = gguf.GGUFReader(str(file))
+    path = tmp_path / "extra.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for key, field in src.fields.items():
+        if key.startswith("qwen3."):
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.add_tensor("blk.0.attn_gate.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"tensors a qwen3 checkpoint llama-ane exports does not: \['blk.0.attn_gate"):
+        open_gguf(path)
+
+
+def test_gemma3_layer_pattern_and_attention_scale_as_llama_cpp_takes_them(converted):
+    """No key of the file holds Gemma 3's layer pattern (older files) or attention scale: every sixth
+    layer is global and the scale is the head size's, as llama.cpp runs them."""
+    _, file, _ = converted("gemma3_six_layers")
+    cfg = LlamaConfig.from_hf_dict(open_gguf(file).config_dict)
+    assert cfg.sliding_layers == [0, 1, 2, 3, 4] and cfg.sliding_window == 24
+    assert cfg.query_scale == 32 ** -0.5 and cfg.rope_local_theta == 1e4
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+
+
+@pytest.mark.export
+def test_a_qwen3_gguf_exports_and_matches_transformers(converted, tmp_path):
+    """The whole path from a .gguf: load_checkpoint (tokenizer included), export, and the torch
+    backend in fp32 against transformers' Qwen3 on the checkpoint the file was converted from."""
+    import llama_ane
+    from llama_ane.api import export_model
+    from transformers import AutoModelForCausalLM
+
+    folder, file, _ = converted("qwen3_untied_head32")
+    out = export_model(file, tmp_path / "out", context_length=128, prefill_length=32, layers_per_chunk=2,
+                       precision="fp32", progress=False, verify=False)
+    model = llama_ane.load(out, backend="torch", precision="fp32")
+    assert model.manifest["config"]["model_type"] == "qwen3" and model.manifest["source"]["kind"] == "gguf"
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = [int(i) for i in np.random.default_rng(1).integers(3, ref.config.vocab_size, 100)]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    got = model.score(ids)
+    model.close()
+    assert got.shape == want.shape and np.abs(want).max() > 1.0
+    assert float(np.abs(got - want).max()) <= 1e-3
