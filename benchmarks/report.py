@@ -129,16 +129,23 @@ def cuda_engine(d: dict) -> tuple[list[str], list[Row]]:
 
 
 def export_scale(d: dict) -> tuple[list[str], list[Row]]:
-    header = ["run", "command", "wall s", "peak memory GiB", "packages GB", "verify",
-              "temp leftovers"]
+    header = ["run", "command", "wall s", "cpu s", "load (1 min)", "peak memory GiB", "packages GB", "verify",
+              "inspect --strict", "new/reference wall, peak", "temp leftovers"]
     rows = []
     for label, e in d.items():
         new = e.get("new", {})
         left = new.get("tmp_leftovers", {}).get("names")
-        rows.append(([e], [label, f"`{e.get('command', '')}`", _num(new.get("wall_s"), 1),
+        load = new.get("load_average")
+        inspect = e.get("inspect")
+        ratios = e.get("ratios")
+        rows.append(([e], [label, f"`{e.get('command', '')}`", _num(new.get("wall_s"), 1), _num(new.get("cpu_s"), 1),
+                           "-" if not load else "{:.1f}-{:.1f}".format(*load),
                            _num(new.get("peak_pss_gib")),
                            _num(new["total_bytes"] / 1e9) if "total_bytes" in new else "-",
-                           new.get("verify", "-"), ", ".join(left) if left else "none"]))
+                           new.get("verify", "-"),
+                           "-" if not inspect else "clean" if inspect["exit_code"] == 0 else "violations",
+                           "-" if not ratios else f"{ratios['wall']:.2f}x, {ratios['peak']:.2f}x",
+                           ", ".join(left) if left else "none"]))
     return header, rows
 
 
