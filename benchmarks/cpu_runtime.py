@@ -1,10 +1,11 @@
 """The torch backend against transformers' own `generate`, on the same CPU threads, in one process.
 
 Both run SmolLM2-135M-Instruct in fp32 on the same prompt (real text, `--prompt-tokens` tokens) and
-decode `--new-tokens` greedy tokens; each side runs once to warm up, then `--repeat` times, and the
-median is kept. transformers runs the GGUF's weights; llama-ane runs an export of them (made here
-once, in `benchmarks/.scale/exports/cpu-runtime`, unless `--export` names one). The greedy tokens
-of both are printed side by side so a difference is seen, not hidden. Results go to
+decode `--new-tokens` greedy tokens; each side runs once to warm up, then the two run in turn
+`--repeat` times (so a change in the machine's load falls on both), and each side's median is
+kept. transformers runs the GGUF's weights; llama-ane runs an export of them (made here once,
+in `benchmarks/.scale/exports/cpu-runtime`, unless `--export` names one). The greedy tokens of
+both are printed side by side so a difference is seen, not hidden. Results go to
 benchmarks/results/cpu_runtime.{json,md}.
 
     python benchmarks/cpu_runtime.py [--threads 2] [--prompt-tokens 256] [--new-tokens 64]
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -52,11 +54,18 @@ def llama_ane_run(model, ids: list[int], new_tokens: int) -> dict:
     return {"prefill_tok_s": r.prefill_tokens_per_s, "decode_tok_s": r.decode_tokens_per_s, "tokens": r.token_ids}
 
 
-def median_run(run, repeat: int) -> dict:
-    run()  # warm-up
-    runs = [run() for _ in range(repeat)]
-    return {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "tokens": runs[-1]["tokens"]}
+def alternated(ours, ref, repeat: int) -> tuple[dict, dict, list[float]]:
+    """Each side warmed once, then run in turn `repeat` times (ours, ref, ours, ref, ...), so a
+    change in the machine's load falls on both; the median of each side, and each pair's decode
+    ratio."""
+    ours(), ref()
+    pairs = [(ours(), ref()) for _ in range(repeat)]
+
+    def median(runs: list[dict]) -> dict:
+        return {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "tokens": runs[-1]["tokens"]}
+    return (median([a for a, _ in pairs]), median([b for _, b in pairs]),
+            [a["decode_tok_s"] / b["decode_tok_s"] for a, b in pairs])
 
 
 def main() -> None:
@@ -84,21 +93,23 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
     ids = model.encode(DOCUMENT)[:args.prompt_tokens]
-    ours = median_run(lambda: llama_ane_run(model, ids, args.new_tokens), args.repeat)
-    ref = median_run(lambda: transformers_run(hf, ids, args.new_tokens), args.repeat)
+    ours, ref, pair_ratios = alternated(lambda: llama_ane_run(model, ids, args.new_tokens),
+                                        lambda: transformers_run(hf, ids, args.new_tokens), args.repeat)
     same = sum(a == b for a, b in zip(ours["tokens"], ref["tokens"]))
     row = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
            "llama_ane": {k: ours[k] for k in ("prefill_tok_s", "decode_tok_s")},
            "transformers": {k: ref[k] for k in ("prefill_tok_s", "decode_tok_s")},
            "prefill_ratio": ours["prefill_tok_s"] / ref["prefill_tok_s"],
            "decode_ratio": ours["decode_tok_s"] / ref["decode_tok_s"],
+           "decode_ratio_per_pair": [round(r, 3) for r in pair_ratios],
+           "load_average_1min": os.getloadavg()[0],
            "same_greedy_tokens": f"{same}/{len(ref['tokens'])}"}
     print(f"SmolLM2-135M fp32, {row['threads']} threads, {len(ids)}-token prompt, {args.new_tokens} new tokens "
-          f"(median of {args.repeat})")
+          f"(median of {args.repeat}, the two run in turn; 1-minute load {row['load_average_1min']:.1f})")
     print(f"  prefill  llama-ane {ours['prefill_tok_s']:8.1f} tok/s  transformers {ref['prefill_tok_s']:8.1f} tok/s"
           f"  ratio {row['prefill_ratio']:.2f}x")
     print(f"  decode   llama-ane {ours['decode_tok_s']:8.1f} tok/s  transformers {ref['decode_tok_s']:8.1f} tok/s"
-          f"  ratio {row['decode_ratio']:.2f}x")
+          f"  ratio {row['decode_ratio']:.2f}x (per pair: {', '.join(f'{r:.2f}' for r in pair_ratios)})")
     print(f"  greedy tokens equal at {row['same_greedy_tokens']} positions (the export's weights are fp16-rounded)")
     meta = {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
             "export": str(folder)}
