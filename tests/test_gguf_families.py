@@ -22,7 +22,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from llama_ane.checkpoint.gguf_lazy import GGUFError, open_gguf  # noqa: E402
+from llama_ane.checkpoint.loader import load_checkpoint  # noqa: E402
 from llama_ane.config import LlamaConfig  # noqa: E402
+from llama_ane.errors import LlamaANEError  # noqa: E402
 from llama_ane.testing import make_tiny_checkpoint  # noqa: E402
 
 from test_families import longrope  # noqa: E402
@@ -47,12 +49,16 @@ CASES = {
     "granite_tied": {"model_type": "granite", "tie_word_embeddings": True, "embedding_multiplier": 12.0,
                      "residual_multiplier": 0.22, "attention_multiplier": 0.05, "logits_scaling": 8.0},
     "olmo2_untied_mha": {"model_type": "olmo2", "num_key_value_heads": 4},
-    "phi3_partial_longrope": {"model_type": "phi3", "partial_rotary_factor": 0.75, "max_position_embeddings": 4096,
-                              "original_max_position_embeddings": 64, "rope_scaling": longrope(6)},
+    "phi3_partial_longrope_window": {"model_type": "phi3", "partial_rotary_factor": 0.75, "sliding_window": 48,
+                                     "max_position_embeddings": 4096, "original_max_position_embeddings": 64,
+                                     "rope_scaling": longrope(6)},
     "phi3_plain_tied": {"model_type": "phi3", "tie_word_embeddings": True, "original_max_position_embeddings": 2048},
     "gemma3_six_layers": dict(GEMMA, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=24,
                               rope_theta=1e6, rope_local_base_freq=1e4,
                               rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma3_pattern_key": dict(GEMMA, head_dim=32, query_pre_attn_scalar=32, sliding_window=16, rope_theta=1e5,
+                               rope_local_base_freq=5e3, tie_word_embeddings=False,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "gemma3_local_base": dict(GEMMA, num_hidden_layers=2, head_dim=256, query_pre_attn_scalar=256,
                               sliding_window=40, rope_theta=1e6, rope_local_base_freq=1e4,
                               tie_word_embeddings=True),
@@ -150,6 +156,9 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
         local = hp.get("rope_local_base_freq") or rope.get("sliding_attention", {}).get("rope_theta")
         if local != 10_000.0:  # a file from before rope.freq_base_swa leaves it out: llama.cpp's 10000
             w.add_rope_freq_base_swa(local)
+        sliding = [t == "sliding_attention" for t in hp["layer_types"]]
+        if sliding != [(n + 1) % 6 != 0 for n in range(len(sliding))]:  # as OLMo 3's converter writes one
+            w.add_sliding_window_pattern(sliding)
     add_tokenizer(w, folder)
     for name, t in state.items():
         t = t.astype(np.float32)
@@ -225,8 +234,7 @@ def test_config_and_tensors_equal_transformers_gguf_load(converted, name):
         assert torch.equal(lazy.get(hf), state[hf]), hf
 
 
-def test_a_family_we_do_not_export_is_refused_by_name(tmp_path, converted):
-    folder, _, _ = converted("qwen2_tied")
+def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
     for arch, words in (("lfm2", "'lfm2' model, which llama-ane does not export"),
                         ("gemma3n", "'gemma3n' model, which llama-ane does not export")):
         path = tmp_path / f"{arch}.gguf"
@@ -241,26 +249,46 @@ def test_a_family_we_do_not_export_is_refused_by_name(tmp_path, converted):
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
                      "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'"):
             assert what in str(e.value)
+        with pytest.raises(LlamaANEError, match=words):  # the one line the CLI prints
+            load_checkpoint(path)
 
 
-def test_a_tensor_the_family_lacks_is_refused_by_name(tmp_path, converted):
-    """A Qwen3 file with a tensor no Qwen3 block has would be exported without it: refused, named."""
-    folder, file, state = converted("qwen3_tied_mha")
-    src = gguf.GGUFReader(str(file))
-    path = tmp_path / "extra.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    for key, field in src.fields.items():
-        if key.startswith("qwen3."):
-            w.add_key_value(key, field.contents(), field.types[0])
-    for t in src.tensors:
+def copy_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None) -> Path:
+    """`src` rewritten to `dst` without the metadata keys `drop`, with the tensors `extra` added."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith((f"{arch}.", "tokenizer.")) and key not in drop:
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data))
-    w.add_tensor("blk.0.attn_gate.weight", np.zeros((64, 64), np.float32))
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return dst
+
+
+def test_a_tensor_the_family_lacks_is_refused_by_name(tmp_path, converted):
+    """A Qwen3 file with a tensor no Qwen3 block has would be exported without it: refused, named."""
+    _, file, _ = converted("qwen3_tied_mha")
+    path = copy_gguf(file, tmp_path / "extra.gguf", extra={"blk.0.attn_gate.weight": np.zeros((64, 64), np.float32)})
     with pytest.raises(GGUFError, match=r"tensors a qwen3 checkpoint llama-ane exports does not: \['blk.0.attn_gate"):
         open_gguf(path)
+
+
+def test_granite_scales_the_file_leaves_out_are_llama_cpps_defaults(tmp_path, converted):
+    """llama.cpp's converter writes a Granite multiplier only where it is set; without one llama.cpp
+    scales attention by 1/sqrt(head_dim) and leaves the rest alone."""
+    _, file, _ = converted("granite_tied")
+    keys = ("granite.attention.scale", "granite.embedding_scale", "granite.residual_scale", "granite.logit_scale")
+    cfg = LlamaConfig.from_hf_dict(open_gguf(copy_gguf(file, tmp_path / "plain.gguf", drop=keys)).config_dict)
+    assert (cfg.query_scale, cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (
+        cfg.head_dim ** -0.5, 1.0, 1.0, 1.0)
 
 
 def test_gemma3_layer_pattern_and_attention_scale_as_llama_cpp_takes_them(converted):
