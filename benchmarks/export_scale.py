@@ -1,7 +1,8 @@
-"""Wall time, peak memory, output size and /tmp leftovers of `llama-ane export` at real Llama scales.
+"""Wall time, peak memory, output size and /tmp leftovers of `llama-ane export` at real model scales.
 
-Writes random bf16 checkpoints shaped exactly like Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B
-(sharded safetensors, as the hub ships them) into --workdir, runs the real CLI on each as a
+Writes random bf16 checkpoints shaped exactly like Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B, or
+Gemma-3-1B, Gemma-3-4B, Qwen3-1.7B, Qwen3-4B, SmolLM3-3B and Phi-4-mini (their published configs;
+sharded safetensors, as the hub ships them) into --workdir, runs the real CLI on each as a
 subprocess and measures it: peak memory is the summed PSS of its process tree (forked workers count
 once). Optionally: `inspect --strict` (default for 8b), a second export compared hash for hash
 (--repeat), and the same export by the exporter of another git ref (--reference) for new/reference
@@ -15,15 +16,18 @@ ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
 Each run records its wall time, the CPU seconds of the export's process tree (the work done, which
 other load on the machine barely changes), the 1-minute load average before and after, and the peak.
 
-Presets: 1b, 3b, 8b, tiny (2 layers, seconds), smollm2 (the embedded default model). Arguments after
-`--` go to the new exporter only. Checkpoints are kept unless --clean, exports removed unless --keep.
+Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, qwen3-1.7b, qwen3-4b, smollm3-3b,
+phi4-mini, smollm2 (the embedded default model). Arguments after `--` go to the new exporter only.
+Checkpoints are kept unless --clean, exports removed unless --keep.
 Exit status 1 if any export (or inspect) failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -42,8 +46,10 @@ from llama_ane.export.memory import GIB, PeakMemory, wait_and_sample
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHARD_LIMIT = 2 * GIB
-PRESETS = ("1b", "3b", "8b", "tiny", "smollm2")
-NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama"}
+NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama",
+         "gemma3-1b": "Gemma-3-1B", "gemma3-4b": "Gemma-3-4B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B",
+         "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
+PRESETS = (*NAMES, "smollm2")
 MARKER = ".complete"
 TAIL = 40
 
@@ -52,10 +58,84 @@ class BenchError(RuntimeError):
     """A problem the user has to fix before the benchmark can run (disk space, unknown preset...)."""
 
 
+# Phi-4-mini's longrope factors, one per rotated channel pair (96 of its 128 head channels rotate)
+PHI4_MINI_LONG_FACTOR = [
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6,
+    32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+
+
+def _gemma3(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, window: int, max_pos: int,
+            rope_scaling: dict | None) -> dict:
+    """The text model of a Gemma 3 checkpoint: five sliding layers (local RoPE base 10k) to a global one
+    (base 1M), 256-channel heads scaled by query_pre_attn_scalar, q/k norms, (1 + w) norms."""
+    return {"model_type": "gemma3_text", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": rope_scaling,
+            "sliding_window": window, "sliding_window_pattern": 6, "max_position_embeddings": max_pos,
+            "attn_logit_softcapping": None, "final_logit_softcapping": None, "attention_bias": False,
+            "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def _qwen3(hidden: int, inter: int, layers: int, heads: int) -> dict:
+    """A dense Qwen3 checkpoint: 8 KV heads of 128 channels, q/k norms, tied embeddings, no window."""
+    return {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+            "max_position_embeddings": 40960, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": layers, "attention_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+# The published config.json fields of the other families' presets, each read by transformers' own
+# config class of the family (the first item), which fills the defaults and checks the values
+FAMILY_PRESETS: dict[str, tuple[str, dict]] = {
+    "gemma3-1b": ("Gemma3TextConfig", _gemma3(262144, 1152, 6912, 26, 4, 1, 512, 32768, None)),
+    # the language model of the multimodal checkpoint, as a text model's checkpoint holds it
+    "gemma3-4b": ("Gemma3TextConfig", _gemma3(262208, 2560, 10240, 34, 8, 4, 1024, 131072,
+                                              {"rope_type": "linear", "factor": 8.0})),
+    "qwen3-1.7b": ("Qwen3Config", _qwen3(2048, 6144, 28, 16)),
+    "qwen3-4b": ("Qwen3Config", _qwen3(2560, 9728, 36, 32)),
+    "smollm3-3b": ("SmolLM3Config", {
+        "model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "rope_scaling": None, "max_position_embeddings": 65536,
+        # every fourth layer applies no RoPE (0 in no_rope_layers)
+        "no_rope_layer_interval": 4, "no_rope_layers": [int((n + 1) % 4 != 0) for n in range(36)],
+        "use_sliding_window": False, "sliding_window": None, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 128012, "pad_token_id": 128004}),
+    "phi4-mini": ("Phi3Config", {
+        "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "long_factor": PHI4_MINI_LONG_FACTOR, "short_factor": [1.0] * 48},
+        "sliding_window": 262144, "attention_bias": False, "tie_word_embeddings": True,
+        "bos_token_id": 199999, "eos_token_id": 200020, "pad_token_id": 199999}),
+}
+
+
+def family_config(config_class: str, fields: dict) -> dict:
+    """A config.json as transformers writes it for `fields` (`config_class` filling the defaults and, in
+    transformers 5, the rope_parameters and layer_types forms), keeping the published fields it rewrites."""
+    import transformers
+
+    from llama_ane.config import FAMILY_CLASS_PREFIX
+
+    written = getattr(transformers, config_class)(**copy.deepcopy(fields)).to_diff_dict()
+    return {**fields, **written, "architectures": [f"{FAMILY_CLASS_PREFIX[fields['model_type']]}ForCausalLM"],
+            "torch_dtype": "bfloat16"}
+
+
 def preset_config(preset: str) -> dict | None:
     """The config.json of a preset (a fresh dict), or None for smollm2, which has nothing to write."""
     if preset == "smollm2":
         return None
+    if preset in FAMILY_PRESETS:
+        return family_config(*FAMILY_PRESETS[preset])
     shapes = {  # hidden, intermediate, layers, heads, kv heads, head_dim, tied, rope factor, vocab
         "1b": (2048, 8192, 16, 32, 8, 64, True, 32.0, 128256),
         "3b": (3072, 8192, 28, 24, 8, 128, True, 32.0, 128256),
@@ -81,25 +161,38 @@ def preset_config(preset: str) -> dict | None:
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a LlamaForCausalLM checkpoint with its HF name and shape, in file order."""
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer = {"input_layernorm": (h,), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-             "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
-             "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
-    return ([("model.embed_tokens.weight", (cfg["vocab_size"], h))]
-            + [(f"model.layers.{n}.{k}.weight", s) for n in range(cfg["num_hidden_layers"]) for k, s in layer.items()]
-            + [("model.norm.weight", (h,))]
-            + ([] if cfg["tie_word_embeddings"] else [("lm_head.weight", (cfg["vocab_size"], h))]))
+    """Every tensor a checkpoint of `cfg` stores, with its HF name and shape, in file order: the state
+    dict of the family's transformers class built on the meta device (no memory), a tied LM head left out."""
+    return [(name, shape) for name, shape in _tensor_shapes(json.dumps(cfg, sort_keys=True))]
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_shapes(cfg_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(cfg_json)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    shapes = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # a tied weight is the same parameter under a second name, stored once
+            seen.add(id(tensor))
+            shapes.append((name, tuple(tensor.shape)))
+    return tuple(shapes)
 
 
 def param_count(cfg: dict) -> int:
-    """Parameters of a Llama config, from the closed formula (one embedding matrix if tied)."""
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer = 2 * h * q + 2 * h * kv + 3 * h * cfg["intermediate_size"] + 2 * h
-    heads = 1 if cfg["tie_word_embeddings"] else 2
-    return heads * cfg["vocab_size"] * h + cfg["num_hidden_layers"] * layer + h
+    """Parameters a checkpoint of `cfg` stores (one embedding matrix if tied)."""
+    return sum(int(torch.Size(shape).numel()) for _, shape in tensor_shapes(cfg))
+
+
+def norm_value(cfg: dict) -> float:
+    """What a norm weight holds so that it scales by 1: 0 where the family multiplies by (1 + w)."""
+    from llama_ane.config import UNIT_OFFSET_NORMS
+
+    return 0.0 if cfg["model_type"] in UNIT_OFFSET_NORMS else 1.0
 
 
 def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -118,8 +211,10 @@ def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[l
     return shards
 
 
-def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator) -> dict[str, str]:
-    """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time."""
+def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator,
+                norm: float = 1.0) -> dict[str, str]:
+    """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time: matrices
+    random, in file order from `gen`; norm weights all `norm`, other vectors (biases) zeros."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shard:
@@ -131,7 +226,7 @@ def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch
     with open(file, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, shape in shard:
-            t = (torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1  # norm weights
+            t = (torch.full(shape, norm if "norm" in name else 0.0, dtype=torch.bfloat16) if len(shape) == 1
                  else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
             f.write(memoryview(t.view(torch.uint8).numpy()))
     return {name: file.name for name, _ in shard}
@@ -155,7 +250,8 @@ def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = 
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards, 1):
-        weight_map.update(write_shard(folder / f"model-{k:05d}-of-{len(shards):05d}.safetensors", shard, gen))
+        weight_map.update(write_shard(folder / f"model-{k:05d}-of-{len(shards):05d}.safetensors", shard, gen,
+                                      norm_value(cfg)))
     index = {"metadata": {"total_size": need}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
