@@ -1,0 +1,88 @@
+"""LFM2's short convolution, the operator of its conv layers, in the ANE layout: the torch module and,
+below it, its MIL builder, op for op.
+
+    ShortConv        x (1,C,1,S), conv_state (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S)
+    conv_state_after conv_state (1,C,1,K-1), gated (1,C,1,S), n -> the next conv_state (1,C,1,K-1)
+
+C = hidden size, K = the kernel (LFM2's `conv_L_cache`, 3), S = the window. `in_proj` splits into
+three gates B, C', x; the depthwise causal convolution runs over `B * x`, and `C' * conv` goes through
+`out_proj`. The conv state is what the convolution still needs of the past: the last K-1 values of
+`B * x`, zeros before the first token. A window reads the state in front of its own values, so the
+convolution is "valid" over K-1+S columns and needs no padding.
+
+A window holds n <= S real tokens (a last prefill window is padded at its end). The causal conv keeps
+the padding out of the real columns, but the next state must end at the last real one: column n-1 of
+the window, not S-1. `conv_state_after` takes those K-1 columns with a one-hot matmul on n (no
+dynamic index), so it runs in the graph (state caches) as well as on the host. The state does not
+depend on the context length, and it cannot be rewound: going back means running from the start.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from .layers import Graph, conv1x1, conv_mil, mb
+
+
+class ShortConv(nn.Module):
+    """LFM2's `Lfm2ShortConv` over (1, C, 1, S) with its conv state carried outside.
+
+    Parameter names and shapes follow the checkpoint's (`in_proj`, `conv`, `out_proj`), the Linear
+    weights as 1x1 convs and the depthwise Conv1d's (C, 1, K) weight as (C, 1, 1, K).
+    """
+
+    def __init__(self, channels: int, kernel: int, bias: bool = False):
+        super().__init__()
+        self.channels, self.kernel = channels, kernel
+        self.in_proj = conv1x1(channels, 3 * channels, bias)
+        self.conv = nn.Conv2d(channels, channels, kernel_size=(1, kernel), groups=channels, bias=bias)
+        self.out_proj = conv1x1(channels, channels, bias)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (1,C,1,S); conv_state: (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S), the window's `B * x`
+        from which `conv_state_after` takes the next state."""
+        c = self.channels
+        bcx = self.in_proj(x)
+        b, gate, v = bcx[:, :c], bcx[:, c:2 * c], bcx[:, 2 * c:]
+        gated = b * v
+        conv = self.conv(torch.cat([conv_state.to(gated.dtype), gated], dim=3))  # valid: (1,C,1,S)
+        return self.out_proj(gate * conv), gated
+
+
+def short_conv_mil(g: Graph, x, conv_state, prefix: str, channels: int, kernel: int, s: int, bias: bool = False):
+    """ShortConv of the parameters under `prefix` ("layers.0.conv."). x: (1,C,1,S); conv_state:
+    (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S)"""
+    c = channels
+    bcx = conv_mil(g, x, f"{prefix}in_proj.weight", f"{prefix}in_proj.bias" if bias else None)
+    b, gate, v = (g.slice(bcx, [0, i * c, 0, 0], [1, (i + 1) * c, 1, s]) for i in range(3))
+    gated = mb.mul(x=b, y=v)
+    window = mb.concat(values=[conv_state, gated], axis=3)  # (1,C,1,K-1+S)
+    extra = {"bias": g.weight(f"{prefix}conv.bias")} if bias else {}
+    conv = mb.conv(x=window, weight=g.weight(f"{prefix}conv.weight"), groups=c, pad_type="valid", **extra)
+    y = conv_mil(g, mb.mul(x=gate, y=conv), f"{prefix}out_proj.weight", f"{prefix}out_proj.bias" if bias else None)
+    return y, gated
+
+
+def conv_state_after(conv_state: torch.Tensor, gated: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
+    """The conv state after the window's first n (real) tokens: columns n .. n+K-2 of
+    [conv_state, gated], picked by a one-hot (K-1+S, K-1) matmul.
+
+    conv_state: (..., K-1); gated: (..., S); n: 0 <= n <= S -> (..., K-1)
+    """
+    keep, s = conv_state.shape[-1], gated.shape[-1]
+    n = torch.as_tensor(n, dtype=torch.int32, device=gated.device).view(1, 1)
+    columns = torch.arange(keep + s, dtype=torch.int32, device=gated.device).view(-1, 1)
+    onehot = (columns == n + torch.arange(keep, dtype=torch.int32, device=gated.device).view(1, -1))
+    window = torch.cat([conv_state.to(gated.dtype), gated], dim=-1)
+    return torch.matmul(window, onehot.to(gated.dtype))
+
+
+def conv_state_after_mil(g: Graph, conv_state, gated, n, kernel: int, s: int):
+    """conv_state_after. conv_state: (..., K-1); gated: (..., S); n: (1,) int32 -> (..., K-1)"""
+    keep = kernel - 1
+    columns = np.arange(keep + s, dtype=np.int32).reshape(-1, 1)
+    onehot = g.cast(mb.equal(x=columns, y=mb.add(x=mb.reshape(x=n, shape=[1, 1]),
+                                                 y=np.arange(keep, dtype=np.int32).reshape(1, -1))))
+    return mb.matmul(x=mb.concat(values=[conv_state, gated], axis=-1), y=onehot)
