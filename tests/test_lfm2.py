@@ -1,4 +1,4 @@
-"""LFM2's short convolution (llama_ane.model.short_conv) held to transformers' Lfm2ShortConv: a whole
+"""LFM2's conv layer (llama_ane.model.short_conv) held to transformers' Lfm2DecoderLayer: a whole
 sequence, padded prefill windows and token-by-token decoding carrying the conv state, and the MIL
 builder run by the MIL executor on a padded window."""
 
@@ -9,30 +9,39 @@ import pytest
 import torch
 
 from llama_ane.model.layers import Graph
-from llama_ane.model.short_conv import ShortConv, conv_state_after, conv_state_after_mil, short_conv_mil
+from llama_ane.model.short_conv import ConvLayer, conv_layer_mil, conv_state_after, conv_state_after_mil
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Lfm2Config  # noqa: E402
-from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv  # noqa: E402
+from transformers.models.lfm2.modeling_lfm2 import Lfm2DecoderLayer  # noqa: E402
 
-C, K, TOKENS = 16, 3, 11
+C, K, EPS, TOKENS = 16, 3, 1e-5, 11
+RENAMED = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
+           "feed_forward.w1.": "mlp.gate_proj.", "feed_forward.w3.": "mlp.up_proj.", "feed_forward.w2.": "mlp.down_proj."}
 
 
-def reference(bias: bool) -> tuple[Lfm2Config, Lfm2ShortConv]:
+def reference(bias: bool) -> tuple[Lfm2Config, Lfm2DecoderLayer]:
     cfg = Lfm2Config(hidden_size=C, num_hidden_layers=2, layer_types=["conv", "full_attention"], num_attention_heads=2,
-                     num_key_value_heads=1, vocab_size=32, intermediate_size=32, conv_L_cache=K, conv_bias=bias)
+                     num_key_value_heads=1, vocab_size=32, intermediate_size=48, conv_L_cache=K, conv_bias=bias,
+                     norm_eps=EPS, block_multiple_of=8)
     torch.manual_seed(0)
-    module = Lfm2ShortConv(cfg, 0).eval()
+    module = Lfm2DecoderLayer(cfg, 0).eval()
     with torch.no_grad():
         for p in module.parameters():
-            p.normal_(0.0, 0.3)
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
     return cfg, module
 
 
-def ours(hf: Lfm2ShortConv, bias: bool) -> ShortConv:
-    """ShortConv with hf's weights, reshaped as the checkpoint mapping does."""
-    module = ShortConv(C, K, bias).eval()
-    state = {name: t.reshape(module.state_dict()[name].shape) for name, t in hf.state_dict().items()}
+def ours(hf: Lfm2DecoderLayer, bias: bool) -> ConvLayer:
+    """ConvLayer with hf's weights, renamed and reshaped."""
+    intermediate = hf.feed_forward.w1.out_features
+    module = ConvLayer(C, intermediate, K, EPS, bias).eval()
+    shapes = {name: t.shape for name, t in module.state_dict().items()}
+    state = {}
+    for name, t in hf.state_dict().items():
+        for theirs, our in RENAMED.items():
+            name = name.replace(theirs, our)
+        state[name] = t.reshape(shapes[name])
     module.load_state_dict(state)
     return module
 
@@ -91,7 +100,7 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
     from llama_ane.mil import PackageExecutor
 
     hf, module, x, _, _ = pair
-    bias = module.conv.bias is not None
+    bias = module.conv.conv.bias is not None
     params = {name: t.numpy() for name, t in module.state_dict().items()}
     g = Graph(np.float32, lambda name: params[name])
     s, n = 4, 3
@@ -101,15 +110,15 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
                              mb.TensorSpec(shape=(1,), dtype=int32)],
                 opset_version=ct.target.iOS18)
     def prog(x, conv_state, n):
-        y, gated = short_conv_mil(g, x, conv_state, "", C, K, s, bias)
+        y, gated = conv_layer_mil(g, x, conv_state, "", C, K, EPS, s, bias)
         return y, conv_state_after_mil(g, conv_state, gated, n, K, s)
 
     model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32)
-    model.save(str(tmp_path / "short_conv.mlpackage"))
+    model.save(str(tmp_path / "conv_layer.mlpackage"))
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((1, C, 1, s)).astype(np.float32),
              "conv_state": rng.standard_normal((1, C, 1, K - 1)).astype(np.float32), "n": np.array([n], np.int32)}
-    got = list(PackageExecutor(tmp_path / "short_conv.mlpackage", precision="fp32").run("main", feeds).values())
+    got = list(PackageExecutor(tmp_path / "conv_layer.mlpackage", precision="fp32").run("main", feeds).values())
     with torch.no_grad():
         y, gated = module(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["conv_state"]))
         state = conv_state_after(torch.from_numpy(feeds["conv_state"]), gated, n)

@@ -2,6 +2,7 @@
 below it, its MIL builder, op for op.
 
     ShortConv        x (1,C,1,S), conv_state (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S)
+    ConvLayer        the whole decoder layer around it: x, conv_state -> x_out (1,C,1,S), gated
     conv_state_after conv_state (1,C,1,K-1), gated (1,C,1,S), n -> the next conv_state (1,C,1,K-1)
 
 C = hidden size, K = the kernel (LFM2's `conv_L_cache`, 3), S = the window. `in_proj` splits into
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .layers import Graph, conv1x1, conv_mil, mb
+from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
 
 
 class ShortConv(nn.Module):
@@ -86,3 +87,34 @@ def conv_state_after_mil(g: Graph, conv_state, gated, n, kernel: int, s: int):
     onehot = g.cast(mb.equal(x=columns, y=mb.add(x=mb.reshape(x=n, shape=[1, 1]),
                                                  y=np.arange(keep, dtype=np.int32).reshape(1, -1))))
     return mb.matmul(x=mb.concat(values=[conv_state, gated], axis=-1), y=onehot)
+
+
+class ConvLayer(nn.Module):
+    """An LFM2 conv layer: norm, ShortConv, residual, norm, SwiGLU MLP, residual. The norms and the
+    MLP take the names of the attention layers' (`input_layernorm`, `post_attention_layernorm`,
+    `mlp.*`), so one mapping renames LFM2's `operator_norm`, `ffn_norm` and `feed_forward.w1/w3/w2`
+    for both kinds of layer."""
+
+    def __init__(self, channels: int, intermediate: int, kernel: int, eps: float, bias: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(channels, eps)
+        self.conv = ShortConv(channels, kernel, bias)
+        self.post_attention_layernorm = RMSNorm(channels, eps)
+        self.mlp = MLP(channels, intermediate)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (1,C,1,S); conv_state: (1,C,1,K-1) -> x_out (1,C,1,S), gated (1,C,1,S)"""
+        y, gated = self.conv(self.input_layernorm(x), conv_state)
+        x = x + y
+        return x + self.mlp(self.post_attention_layernorm(x)), gated
+
+
+def conv_layer_mil(g: Graph, x, conv_state, prefix: str, channels: int, kernel: int, eps: float, s: int,
+                   bias: bool = False):
+    """ConvLayer of the parameters under `prefix` ("layers.0."). x: (1,C,1,S); conv_state: (1,C,1,K-1)
+    -> x_out (1,C,1,S), gated (1,C,1,S)"""
+    h = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", eps, channels)
+    y, gated = short_conv_mil(g, h, conv_state, f"{prefix}conv.", channels, kernel, s, bias)
+    x = mb.add(x=x, y=y)
+    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, channels)
+    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.")), gated
