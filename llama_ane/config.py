@@ -17,7 +17,7 @@ from .errors import LlamaANEError
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                        "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3",
-                       "gemma3_text": "Gemma3"}
+                       "gemma3_text": "Gemma3", "lfm2": "Lfm2"}
 FAMILY_MODULE = {"gemma3_text": "gemma3"}  # transformers' module of a family, where it is not the model_type
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
@@ -58,7 +58,7 @@ REFUSED_FAMILIES = {
 FUSED_PROJECTIONS = ("phi3",)
 QKV_BIAS_ALWAYS = ("qwen2",)
 ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2", "gemma3_text")
-QK_NORM = ("qwen3", "olmo2", "gemma3_text")
+QK_NORM = ("qwen3", "olmo2", "gemma3_text", "lfm2")
 QK_NORM_ACROSS_HEADS = ("olmo2",)
 POST_NORMS = ("olmo2",)
 # gemma3_text (Gemma 3) normalizes both the input and the output of attention and of the MLP (four
@@ -81,6 +81,12 @@ STREAM_SCALE = {"gemma3_text": 2.0 ** -6}
 GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                    "sliding_window_pattern": 6, "rms_norm_eps": 1e-6}
 GEMMA3_ROPE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # its default bases
+# lfm2 (LFM2) puts a short convolution (conv_layers) in place of attention in most layers; its
+# attention layers normalize each q and k head. Its config names some fields its own way, and
+# transformers' Lfm2Config fills in the rest: the aliases and defaults below.
+LFM2_ALIASES = {"norm_eps": "rms_norm_eps", "tie_embedding": "tie_word_embeddings",
+                "block_ff_dim": "intermediate_size"}
+LFM2_DEFAULTS = {"tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}
 
 
 class ConfigError(LlamaANEError, ValueError):
@@ -117,6 +123,9 @@ class LlamaConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
     sandwich_norms: bool = False  # attention and MLP both have a norm before and after (Gemma 3)
     nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
+    conv_layers: list[int] = field(default_factory=list)  # the layers with a short convolution, not attention
+    conv_kernel: int = 3  # the short convolution's kernel (LFM2's conv_L_cache)
+    conv_bias: bool = False  # biases on the short convolution's projections and kernel
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
     # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
     embedding_multiplier: float = 1.0
@@ -142,6 +151,9 @@ class LlamaConfig:
         if gemma:
             _refuse_gemma3_fields(f)
             d = {**GEMMA3_DEFAULTS, "tie_word_embeddings": True, **{k: v for k, v in d.items() if v is not None}}
+            f = _Fields(d, origin)
+        if model_type == "lfm2":
+            d = _lfm2_fields(f)
             f = _Fields(d, origin)
         act_field = "hidden_activation" if gemma else "hidden_act"
         act = d.get(act_field, "gelu_pytorch_tanh" if gemma else "silu")
@@ -207,6 +219,7 @@ class LlamaConfig:
             hidden_act=act,
             sandwich_norms=gemma,
             nope_layers=_nope_layers(f, model_type),
+            **_conv_fields(f, model_type),
             **_multipliers(f, model_type),
         )
         cfg.validate()
@@ -231,7 +244,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings",
-                     "sandwich_norms"):
+                     "sandwich_norms", "conv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         layers = self.num_hidden_layers
@@ -239,6 +252,12 @@ class LlamaConfig:
                 and all(type(n) is int and 0 <= n < layers for n in self.nope_layers)):
             raise ConfigError(f"nope_layers must be a list of layer indices below num_hidden_layers ({layers}), "
                               f"got {self.nope_layers!r}")
+        if not (isinstance(self.conv_layers, list)
+                and all(type(n) is int and 0 <= n < layers for n in self.conv_layers)):
+            raise ConfigError(f"conv_layers must be a list of layer indices below num_hidden_layers ({layers}), "
+                              f"got {self.conv_layers!r}")
+        if isinstance(self.conv_kernel, bool) or not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
+            raise ConfigError(f"conv_kernel must be an integer of at least 2, got {self.conv_kernel!r}")
         if not (isinstance(self.sliding_layers, list)
                 and all(type(n) is int and 0 <= n < layers for n in self.sliding_layers)):
             raise ConfigError(f"sliding_layers must be a list of layer indices below num_hidden_layers ({layers}), "
@@ -274,6 +293,10 @@ class LlamaConfig:
     def rotary(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based, in the whole model) rotates q and k."""
         return layer not in self.nope_layers
+
+    def convolves(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a short-convolution layer (LFM2's conv layers) rather than attention."""
+        return layer in self.conv_layers
 
     def slides(self, layer: int) -> bool:
         """Whether decoder layer `layer` attends within `sliding_window` only (a query at position p
@@ -344,6 +367,11 @@ class LlamaConfig:
         return self.q_channels + 2 * self.kv_channels
 
     @property
+    def conv_in_channels(self) -> int:
+        """Rows of a short convolution's in_proj: its gates B and C and its input x, hidden_size each."""
+        return 3 * self.hidden_size
+
+    @property
     def gate_up_channels(self) -> int:
         """Rows of a fused gate_up_proj: gate's, then up's."""
         return 2 * self.intermediate_size
@@ -385,7 +413,7 @@ class LlamaConfig:
         family's config class), for building the reference model."""
         ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
                 "fused_projections", "sliding_window", "nope_layers", "sliding_layers", "rope_local_theta",
-                "hidden_act", "sandwich_norms",
+                "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
@@ -414,6 +442,12 @@ class LlamaConfig:
                 "original_max_position_embeddings", self.max_position_embeddings)
         else:
             del d["partial_rotary_factor"]
+        if self.model_type == "lfm2":  # the MLP width as it is (already adjusted), LFM2's own names
+            d.update(layer_types=["conv" if self.convolves(n) else "full_attention"
+                                  for n in range(self.num_hidden_layers)],
+                     conv_L_cache=self.conv_kernel, conv_bias=self.conv_bias, block_auto_adjust_ff_dim=False,
+                     norm_eps=self.rms_norm_eps)
+            del d["hidden_act"], d["attention_bias"], d["mlp_bias"], d["sliding_window"], d["rms_norm_eps"]
         if self.model_type == "granite":
             d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                      attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
@@ -494,6 +528,45 @@ def _multipliers(f: "_Fields", model_type: str) -> dict[str, float]:
             "residual_multiplier": f.number("residual_multiplier", 1.0),
             "attention_scale": f.number("attention_multiplier", 1.0),
             "logits_scaling": f.number("logits_scaling", 1.0)}
+
+
+def _lfm2_fields(f: "_Fields") -> dict[str, Any]:
+    """LFM2's config.json in the other families' field names: its aliases renamed, Lfm2Config's
+    defaults filled in, and `intermediate_size` the MLP's real width, as transformers' Lfm2MLP
+    computes it (block_auto_adjust_ff_dim: two thirds of it, times block_ffn_dim_multiplier, rounded
+    up to a multiple of block_multiple_of)."""
+    d = {LFM2_ALIASES.get(k, k): v for k, v in f.d.items()}
+    d = {**LFM2_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k == "block_ffn_dim_multiplier"}}
+    if "rope_theta" in (d.get("rope_parameters") or {}):
+        del d["rope_theta"]  # the base rope_parameters gives, not Lfm2Config's default
+    g = _Fields(d, f.origin)
+    width = g.integer("intermediate_size", 12288)
+    if g.boolean("block_auto_adjust_ff_dim") if "block_auto_adjust_ff_dim" in d else True:
+        width = int(2 * width / 3)
+        if d.get("block_ffn_dim_multiplier", 1.0) is not None:
+            multiple = g.integer("block_multiple_of", 256)
+            width = multiple * ((int(g.number("block_ffn_dim_multiplier", 1.0) * width) + multiple - 1) // multiple)
+    return {**d, "intermediate_size": width}
+
+
+def _conv_fields(f: "_Fields", model_type: str) -> dict[str, Any]:
+    """LFM2's conv layers (those `layer_types` names "conv", or all but `full_attn_idxs`), their
+    kernel (conv_L_cache) and whether they have biases (conv_bias); none for the other families."""
+    if model_type != "lfm2":
+        return {}
+    layers = f.integer("num_hidden_layers")
+    types = f.d.get("layer_types")
+    if types is None:
+        full = f.d.get("full_attn_idxs")
+        if not (isinstance(full, list) and all(type(n) is int and 0 <= n < layers for n in full)):
+            raise ConfigError(f"{f.origin}: neither layer_types nor full_attn_idxs (the attention layers' "
+                              "indices) says which layers are conv layers; add layer_types")
+        types = ["full_attention" if n in full else "conv" for n in range(layers)]
+    if not (isinstance(types, list) and len(types) == layers and all(t in ("conv", "full_attention") for t in types)):
+        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
+                          f"({layers}) entries, each \"conv\" or \"full_attention\"")
+    return {"conv_layers": [n for n, t in enumerate(types) if t == "conv"],
+            "conv_kernel": f.integer("conv_L_cache", 3, minimum=2), "conv_bias": f.boolean("conv_bias")}
 
 
 def _nope_layers(f: "_Fields", model_type: str) -> list[int]:

@@ -124,3 +124,89 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
         state = conv_state_after(torch.from_numpy(feeds["conv_state"]), gated, n)
     np.testing.assert_allclose(got[0], y.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], state.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# The config and the checkpoint's tensors, read while LFM2 is still refused by name for export
+LFM2_CHECKPOINT = {"model_type": "lfm2", "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
+                   "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "conv_L_cache": K, "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def lfm2_readable(monkeypatch):
+    from llama_ane import config
+
+    monkeypatch.delitem(config.REFUSED_FAMILIES, "lfm2")
+
+
+@pytest.fixture(scope="module")
+def lfm2_folder(tmp_path_factory):
+    from llama_ane.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("lfm2"), **LFM2_CHECKPOINT)
+
+
+def test_lfm2_refused_for_export():
+    from llama_ane.config import ConfigError, LlamaConfig
+
+    with pytest.raises(ConfigError, match="'lfm2'.*short-convolution"):
+        LlamaConfig.from_hf_dict(dict(LFM2_CHECKPOINT, vocab_size=32, hidden_size=C, num_hidden_layers=3,
+                                      num_attention_heads=2))
+
+
+def test_lfm2_config_and_tensors_match_transformers(lfm2_readable, lfm2_folder):
+    """The config read as transformers' Lfm2Config reads it (conv layers, kernel, the MLP's adjusted
+    width, norm_eps, tied embeddings by default), and every tensor of the checkpoint renamed into
+    ConvLayer's and DecoderLayer's parameters."""
+    from transformers import AutoModelForCausalLM
+
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import expected_tensors, final_norm, layer_state_dict
+    from llama_ane.model.chunk import DecoderLayer
+
+    hf = AutoModelForCausalLM.from_pretrained(str(lfm2_folder)).eval()
+    ckpt = load_checkpoint(lfm2_folder)
+    cfg = ckpt.config
+    assert cfg.conv_layers == [0, 2] and cfg.conv_kernel == K and not cfg.conv_bias
+    assert cfg.tie_word_embeddings and cfg.qk_norm and not cfg.qk_norm_across_heads
+    assert cfg.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 96  # 64 * 1.5, to 16
+    assert cfg.rms_norm_eps == hf.config.norm_eps and cfg.rope_theta == hf.config.rope_parameters["rope_theta"]
+    hf_state = hf.state_dict()
+    assert set(expected_tensors(cfg)) == set(hf_state) - {"lm_head.weight"}
+    rebuilt = AutoModelForCausalLM.from_config(cfg.transformers_config())
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in hf_state.items()}
+    for n in range(cfg.num_hidden_layers):
+        state = layer_state_dict(ckpt, n)
+        if cfg.convolves(n):
+            module = ConvLayer(cfg.hidden_size, cfg.intermediate_size, K, cfg.rms_norm_eps)
+        else:
+            module = DecoderLayer(cfg, 64, n)
+            torch.testing.assert_close(state["o_proj.weight"][..., 0, 0], hf_state[f"model.layers.{n}.self_attn.out_proj.weight"])
+        module.load_state_dict(state)  # strict: every parameter, no other
+    torch.testing.assert_close(state["mlp.up_proj.weight"][..., 0, 0], hf_state["model.layers.2.feed_forward.w3.weight"])
+    torch.testing.assert_close(final_norm(ckpt), hf_state["model.embedding_norm.weight"])
+
+
+def test_lfm2_layers_from_full_attn_idxs(lfm2_readable):
+    from llama_ane.config import LlamaConfig
+
+    base = dict(vocab_size=32, hidden_size=C, num_hidden_layers=4, num_attention_heads=2, model_type="lfm2",
+                norm_eps=1e-6, block_auto_adjust_ff_dim=False, intermediate_size=40, tie_embedding=False)
+    cfg = LlamaConfig.from_hf_dict(dict(base, full_attn_idxs=[1, 3]))
+    assert cfg.conv_layers == [0, 2] and cfg.intermediate_size == 40 and cfg.rms_norm_eps == 1e-6
+    assert not cfg.tie_word_embeddings and cfg.rope_theta == 1_000_000.0
+    assert LlamaConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"layer_types": ["conv", "sliding_attention", "conv", "conv"]}, "layer_types"),
+    ({"layer_types": ["conv"]}, "layer_types"),
+    ({}, "full_attn_idxs"),
+    ({"layer_types": ["conv"] * 4, "conv_L_cache": 1}, "conv_L_cache"),
+])
+def test_lfm2_bad_layer_fields_refused_by_name(lfm2_readable, fields, words):
+    from llama_ane.config import ConfigError, LlamaConfig
+
+    base = dict(vocab_size=32, hidden_size=C, num_hidden_layers=4, num_attention_heads=2, model_type="lfm2",
+                intermediate_size=48)
+    with pytest.raises(ConfigError, match=words):
+        LlamaConfig.from_hf_dict(dict(base, **fields))

@@ -8,6 +8,8 @@ so building a model in fp16 never holds its float32 copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import UNIT_OFFSET_NORMS, LlamaConfig
@@ -43,6 +45,26 @@ FUSED_TENSORS = {  # where a family stores several projections as one (Phi-3): o
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (), "intermediate_size"),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", ("intermediate_size",), "intermediate_size"),
 }
+CONV_TENSORS = {  # our name in model.short_conv.ConvLayer -> LFM2's name inside model.layers.N (a conv layer)
+    "input_layernorm.weight": "operator_norm.weight",
+    "conv.in_proj.weight": "conv.in_proj.weight",
+    "conv.conv.weight": "conv.conv.weight",
+    "conv.out_proj.weight": "conv.out_proj.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+CONV_BIASES = {"conv.in_proj.bias": "conv.in_proj.bias", "conv.conv.bias": "conv.conv.bias",
+               "conv.out_proj.bias": "conv.out_proj.bias"}  # where conv_bias is set
+# LFM2's attention layers: the Llama block's names where LFM2 has its own (its norms and MLP as in its
+# conv layers, the output projection, the per-head q/k norms)
+LFM2_ATTENTION_NAMES = {ours: CONV_TENSORS[ours] for ours in
+                        ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                         "mlp.up_proj.weight", "mlp.down_proj.weight")}
+LFM2_ATTENTION_NAMES.update({"o_proj.weight": "self_attn.out_proj.weight",
+                             "q_norm.weight": "self_attn.q_layernorm.weight",
+                             "k_norm.weight": "self_attn.k_layernorm.weight"})
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),
@@ -62,6 +84,12 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "k_norm.weight": ("k_norm_channels",),
     "pre_feedforward_layernorm.weight": ("hidden_size",),
     "post_feedforward_layernorm.weight": ("hidden_size",),
+    "conv.in_proj.weight": ("conv_in_channels", "hidden_size"),
+    "conv.conv.weight": ("hidden_size", 1, "conv_kernel"),
+    "conv.out_proj.weight": ("hidden_size", "hidden_size"),
+    "conv.in_proj.bias": ("conv_in_channels",),
+    "conv.conv.bias": ("hidden_size",),
+    "conv.out_proj.bias": ("hidden_size",),
 }
 FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
                 "mlp.gate_up_proj.weight": ("gate_up_channels", "hidden_size")}
@@ -74,7 +102,8 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "q_norm_channels": "head_dim, or num_attention_heads*head_dim across heads",
            "k_norm_channels": "head_dim, or num_key_value_heads*head_dim across heads",
            "qkv_channels": "(num_attention_heads+2*num_key_value_heads)*head_dim",
-           "gate_up_channels": "2*intermediate_size"}
+           "gate_up_channels": "2*intermediate_size", "conv_in_channels": "3*hidden_size",
+           "conv_kernel": "conv_L_cache"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 # Where the stream scale (LlamaConfig.stream_scale) goes in a block with norms before and after its
@@ -84,8 +113,14 @@ STREAM_SCALED = ("post_attention_layernorm.weight", "post_feedforward_layernorm.
                  "o_proj.bias", "mlp.up_proj.weight")
 
 
-def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
-    """Our DecoderLayer parameter names -> HF names inside model.layers.N, for `cfg`'s family."""
+def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
+    """Our parameter names of decoder layer `layer` (a DecoderLayer, or a ConvLayer where the layer
+    convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
+    if cfg.convolves(layer):
+        return {**CONV_TENSORS, **(CONV_BIASES if cfg.conv_bias else {})}
+    if cfg.model_type == "lfm2":
+        return {ours: LFM2_ATTENTION_NAMES.get(ours, hf) for ours, hf in layer_tensors(
+            dataclasses.replace(cfg, model_type="llama")).items()}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
     if cfg.fused_projections:
         block.update({ours: fused[0] for ours, fused in FUSED_TENSORS.items()})
@@ -94,11 +129,17 @@ def layer_tensors(cfg: LlamaConfig) -> dict[str, str]:
 
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
     """Every HF tensor an export of `cfg` reads -> its shape as LlamaConfig attribute names."""
-    names = ["model.embed_tokens.weight"]
-    names += [f"model.layers.{n}.{hf}" for n in range(cfg.num_hidden_layers) for hf in layer_tensors(cfg).values()]
-    names += ["model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
-    by_hf = {hf: FUSED_SHAPES.get(hf) or SHAPES[ours] for ours, hf in layer_tensors(cfg).items()}
-    return {name: GLOBAL_SHAPES.get(name) or by_hf[name.split(".", 3)[3]] for name in names}
+    shapes = {"model.embed_tokens.weight": GLOBAL_SHAPES["model.embed_tokens.weight"]}
+    for n in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{n}.{hf}": FUSED_SHAPES.get(hf) or SHAPES[ours]
+                       for ours, hf in layer_tensors(cfg, n).items()})
+    shapes[final_norm_name(cfg)] = GLOBAL_SHAPES["model.norm.weight"]
+    return shapes | ({} if cfg.tie_word_embeddings else {"lm_head.weight": GLOBAL_SHAPES["lm_head.weight"]})
+
+
+def final_norm_name(cfg: LlamaConfig) -> str:
+    """The checkpoint's name of the final norm (LFM2 calls it the embedding norm)."""
+    return "model.embedding_norm.weight" if cfg.model_type == "lfm2" else "model.norm.weight"
 
 
 def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: str, dtypes: tuple[str, ...],
@@ -118,9 +159,9 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
         if info.dtype not in dtypes:
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} is stored as {info.dtype}; "
                                   f"only {allowed} weights can be exported (dequantize the checkpoint first)")
-        want = tuple(getattr(cfg, d) for d in dims)
+        want = tuple(d if isinstance(d, int) else getattr(cfg, d) for d in dims)
         if info.shape != want:
-            formula = ", ".join(DERIVED.get(d, d) for d in dims)
+            formula = ", ".join(str(DERIVED.get(d, d)) for d in dims)
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} has shape {list(info.shape)}, but the "
                                   f"config gives it {list(want)} ({formula}); the weights and the config do "
                                   "not belong together")
@@ -146,7 +187,7 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
     STREAM_SCALED says.
     """
     cfg = ckpt.config
-    hf = f"model.layers.{layer}.{layer_tensors(cfg)[ours]}"
+    hf = f"model.layers.{layer}.{layer_tensors(cfg, layer)[ours]}"
     if cfg.fused_projections and ours in FUSED_TENSORS:  # our rows of the fused projection, read alone
         _, before, size = FUSED_TENSORS[ours]
         start = sum(getattr(cfg, b) for b in before)
@@ -155,6 +196,8 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = ckpt.tensor(hf).to(torch.float32)
     if ours.endswith("proj.weight"):
         w = as_conv(w)
+    if ours == "conv.conv.weight":  # the depthwise Conv1d's (C, 1, K) as a Conv2d's (C, 1, 1, K)
+        w = w.reshape(w.shape[0], 1, 1, w.shape[-1])
     if ours.endswith("norm.weight"):
         w = norm_weight(cfg, w)
     if cfg.sandwich_norms and ours in STREAM_SCALED:
@@ -173,12 +216,12 @@ def norm_weight(cfg: LlamaConfig, w: torch.Tensor) -> torch.Tensor:
 
 def final_norm(ckpt: Checkpoint) -> torch.Tensor:
     """The final norm's weight (model.norm) as the LM head multiplies by it, in fp32."""
-    return norm_weight(ckpt.config, ckpt.tensor("model.norm.weight").to(torch.float32))
+    return norm_weight(ckpt.config, ckpt.tensor(final_norm_name(ckpt.config)).to(torch.float32))
 
 
 def layer_state_dict(ckpt: Checkpoint, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """One DecoderLayer's state dict from HF `model.layers.{layer}.*`, in `dtype`."""
-    return {ours: layer_tensor(ckpt, layer, ours).to(dtype) for ours in layer_tensors(ckpt.config)}
+    return {ours: layer_tensor(ckpt, layer, ours).to(dtype) for ours in layer_tensors(ckpt.config, layer)}
 
 
 def chunk_state_dict(ckpt: Checkpoint, layers: list[int], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
