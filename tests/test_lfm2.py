@@ -210,3 +210,85 @@ def test_lfm2_bad_layer_fields_refused_by_name(lfm2_readable, fields, words):
                 intermediate_size=48)
     with pytest.raises(ConfigError, match=words):
         LlamaConfig.from_hf_dict(dict(base, **fields))
+
+
+def test_chunk_windows_and_decode_match_transformers(lfm2_readable, lfm2_folder):
+    """A BlockChunk of every layer (conv and attention) between the embeddings and the LM head, run
+    as the runtime runs it: a full prefill window, a padded one, then decode, the K/V written at
+    each window's position and the conv state taken from conv_new at the window's real tokens. Its
+    logits are transformers' Lfm2ForCausalLM's."""
+    from transformers import AutoModelForCausalLM
+
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import chunk_state_dict, embeddings_state_dict, lm_head_state_dict
+    from llama_ane.model.chunk import BlockChunk, functions
+    from llama_ane.model.embeddings import Embeddings
+    from llama_ane.model.functions import Layout
+    from llama_ane.model.lm_head import LMHead, vocab_splits
+
+    ckpt = load_checkpoint(lfm2_folder)
+    cfg, t, s = ckpt.config, 32, 8
+    layers = list(range(cfg.num_hidden_layers))
+    io = functions(cfg, Layout(t, s, "float32"), layers)["prefill"]
+    assert [x["name"] for x in io["inputs"]][-3:] == ["k_cache", "v_cache", "conv_state"]
+    assert [x["shape"] for x in io["outputs"]] == [[1, 64, 1, s], [1, cfg.kv_channels, 1, s],
+                                                   [1, cfg.kv_channels, 1, s], [2, 64, 1, s]]
+    chunk = BlockChunk(cfg, layers, t).eval()
+    chunk.load_state_dict(chunk_state_dict(ckpt, layers))
+    head = LMHead(cfg).eval()
+    head.load_state_dict(lm_head_state_dict(ckpt, vocab_splits(cfg.vocab_size)))
+    embed = {w: Embeddings(cfg, t, w).eval() for w in (1, s)}
+    for module in embed.values():
+        module.load_state_dict(embeddings_state_dict(ckpt), strict=False)
+    tokens = torch.randint(3, cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(lfm2_folder)).eval()(tokens).logits[0]
+        k = torch.zeros(1, cfg.kv_channels, 1, t)
+        v = torch.zeros_like(k)
+        state = torch.zeros(2, 64, 1, K - 1)
+        position, got = 0, []
+        for n in (8, 5, 1):  # a full window, a padded one, decode
+            w = 1 if n == 1 else s
+            ids = torch.zeros(1, w, dtype=torch.int32)
+            ids[0, :n] = tokens[0, position:position + n]
+            hidden, cos, sin, mask = embed[w](ids, torch.tensor([position], dtype=torch.int32))
+            hidden, k_new, v_new, conv_new = chunk(hidden, cos, sin, mask, k, v, conv_state=state)
+            k[..., position:position + n], v[..., position:position + n] = k_new[..., :n], v_new[..., :n]
+            state = conv_state_after(state, conv_new, n)
+            got.append(torch.cat(head(hidden), dim=1)[0, :, 0, :n].T)
+            position += n
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.export
+def test_chunk_mil_matches_torch(lfm2_readable, lfm2_folder, tmp_path):
+    """The chunk's prefill function built in MIL (conv layers reading their rows of conv_state,
+    attention layers their K/V) and run by the MIL executor gives the torch chunk's outputs."""
+    ct = pytest.importorskip("coremltools")
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import chunk_state_dict
+    from llama_ane.export.programs import build_program, save_program
+    from llama_ane.mil import PackageExecutor
+    from llama_ane.model.chunk import BlockChunk, functions
+    from llama_ane.model.functions import Layout
+
+    ckpt = load_checkpoint(lfm2_folder)
+    cfg, t, s = ckpt.config, 32, 8
+    layers = list(range(cfg.num_hidden_layers))
+    io = functions(cfg, Layout(t, s, "float32"), layers)["prefill"]
+    state = chunk_state_dict(ckpt, layers)
+    chunk = BlockChunk(cfg, layers, t).eval()
+    chunk.load_state_dict(state)
+    params = {name: w.numpy() for name, w in state.items()}
+    prog = build_program("chunk_0", {"prefill": io}, cfg, lambda name: params[name], dtype=np.float32,
+                         opset=ct.target.iOS18, layers=layers, context_length=t, suffix_length=0)
+    save_program(prog, tmp_path / "chunk.mlpackage", ct.target.iOS18, multifunction=True)
+    rng = np.random.default_rng(3)
+    feeds = {x["name"]: rng.standard_normal(x["shape"]).astype(np.float32) for x in io["inputs"]}
+    feeds["mask"] = np.where(rng.random(feeds["mask"].shape) < 0.3, -1e4, 0.0).astype(np.float32)
+    got = PackageExecutor(tmp_path / "chunk.mlpackage", precision="fp32").run("prefill", feeds)
+    with torch.no_grad():
+        want = chunk(**{name: torch.from_numpy(a) for name, a in feeds.items()})
+    assert list(got) == [x["name"] for x in io["outputs"]]
+    for name, w in zip(got, want):
+        np.testing.assert_allclose(got[name], w.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)

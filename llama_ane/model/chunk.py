@@ -39,6 +39,11 @@ so it does not grow with the context: k_ring/v_ring (L_s,KV,1,R) beside k_cache/
 layers' new K/V as k_ring_new/v_ring_new (position p goes to slot p mod R). Their sliding masks
 cover the ring's slots (see embeddings.py). The cascade reads the prefix's ring like its cache and
 returns every layer's new K/V for the suffix caches, as without a ring.
+
+Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chunk with any reads
+their state conv_state (L_c,C,1,K-1) after its other inputs and returns the window's values
+conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
+(short_conv.conv_state_after). The state does not depend on the context bucket.
 """
 
 from __future__ import annotations
@@ -50,12 +55,13 @@ from torch import nn
 from ..config import LlamaConfig
 from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
-from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, Layout, branch_masks, chunk_rows, layer_inputs,
-                        shape_of, tensor, window_masks)
+from .functions import (BRANCHES, CACHES, CONV_STATE, RING_CACHES, VERIFY, Layout, branch_masks, chunk_rows,
+                        conv_rows, layer_inputs, shape_of, tensor, window_masks)
 from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
                      suffix_state_mil)
+from .short_conv import ConvLayer, conv_layer_mil
 
 
 class DecoderLayer(nn.Module):
@@ -221,7 +227,10 @@ class BlockChunk(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_indices: list[int], context_length: int, ring: int = 0):
         super().__init__()
         self.layer_indices = list(layer_indices)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, context_length, n) for n in layer_indices)
+        self.layers = nn.ModuleList(
+            ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias)
+            if cfg.convolves(n) else DecoderLayer(cfg, context_length, n) for n in layer_indices)
+        self.conv = conv_rows(cfg, self.layer_indices)
         full, sliding = chunk_rows(cfg, self.layer_indices, ring)
         # per layer: which cache it reads ("cache" or "ring") and its row there
         self.rows = {**{i: ("cache", j) for j, i in enumerate(full)}, **{i: ("ring", j) for j, i in enumerate(sliding)}}
@@ -242,21 +251,30 @@ class BlockChunk(nn.Module):
                 out += (torch.cat([ks[i] for i in rows], dim=0), torch.cat([vs[i] for i in rows], dim=0))
         return out
 
-    def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches):
-        """The layers over a window; returns the hidden states and each layer's new k, v."""
-        ks, vs = [], []
+    def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches, conv_state=None):
+        """The layers over a window; returns the hidden states, each layer's new k, v (None on a
+        conv layer) and the conv layers' window values (conv_new), or None where the chunk has none."""
+        ks, vs, gated = [], [], []
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, ConvLayer):
+                j = self.conv.index(i)
+                hidden_states, g = layer(hidden_states, conv_state[j:j + 1])
+                gated.append(g)
+                ks.append(None)
+                vs.append(None)
+                continue
             hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                                         layer.attention_mask(mask, sliding_mask), *self.layer_caches(i, caches))
             ks.append(k)
             vs.append(v)
-        return hidden_states, ks, vs
+        return hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None)
 
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None):
-        hidden_states, ks, vs = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local,
-                                         {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)})
-        return (hidden_states, *self.split(ks, vs))
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None):
+        hidden_states, ks, vs, conv_new = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local,
+                                                   sin_local, {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)},
+                                                   conv_state)
+        return (hidden_states, *self.split(ks, vs)) + (() if conv_new is None else (conv_new,))
 
 
 def layer_rope_mil(cfg: LlamaConfig, inputs: dict, layer: int):
@@ -320,15 +338,23 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
         ring = _ring_of(io)
         values = read_states_mil(inputs, io)
         reads, full, sliding = _layer_reads_mil(g, cfg, values, layers, ring, context_length)
-        x, ks, vs = inputs["hidden_states"], [], []
+        x, ks, vs, gated = inputs["hidden_states"], [], [], []
         for i, n in enumerate(layers):
+            if cfg.convolves(n):
+                x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, inputs["conv_state"], len(gated)),
+                                       f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
+                                       cfg.conv_bias)
+                gated.append(gx)
+                ks.append(None)
+                vs.append(None)
+                continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
             x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
                                              layer_mask_mil(cfg, inputs, n, "mask"), *reads[i],
                                              context_length if i in full else ring, s, n)
             ks.append(k)
             vs.append(v)
-        new = {}
+        new = {"conv_new": stack_mil(gated)} if gated else {}
         for rows, (k, v) in ((full, ("k_cache", "v_cache")), (sliding, RING_CACHES)):
             if rows:
                 new[k], new[v] = stack_mil([ks[i] for i in rows]), stack_mil([vs[i] for i in rows])
@@ -339,8 +365,13 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             for n in RING_CACHES if sliding else ():
                 mb.coreml_update_state(state=inputs[n], value=onehot_write_mil(g, values[n], new[n], where, ring))
             return {"hidden_states_out": x}
-        return {"hidden_states_out": x, **{CACHES[n]: value for n, value in new.items()}}
+        return {"hidden_states_out": x, **{{**CACHES, **CONV_STATE}.get(n, n): value for n, value in new.items()}}
     return body
+
+
+def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
+    """Row j of a chunk's conv state (L_c,C,1,K-1) as (1,C,1,K-1)."""
+    return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.hidden_size, 1, cfg.conv_kernel - 1])
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
@@ -523,6 +554,17 @@ def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int)
     return inputs, outputs
 
 
+def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tuple[list[dict], list[dict]]:
+    """A window function's conv state input and the window values it outputs (see the module
+    docstring), where the chunk has conv layers."""
+    rows = conv_rows(cfg, layers)
+    if not rows:
+        return [], []
+    c, f = cfg.hidden_size, layout.dtype
+    return ([tensor("conv_state", [len(rows), c, 1, cfg.conv_kernel - 1], f)],
+            [tensor("conv_new", [len(rows), c, 1, s], f)])
+
+
 def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dict[str, dict]:
     """chunk.functions without the LM head."""
     layers = list(range(layers)) if isinstance(layers, int) else list(layers)
@@ -530,11 +572,12 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
     out = {}
     for fn, _, s, t in layout.windows():
         caches, new = _caches(cfg, layout, layers, t, s)
+        conv_state, conv_new = _conv_io(cfg, layout, layers, s)
         out[fn] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
-            + layer_inputs(cfg, layout, window_masks(layout, s, t), s),
-            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new,
+            + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + conv_state,
+            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new,
         }, layout)
     t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
                      cfg.num_key_value_heads)

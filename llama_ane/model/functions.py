@@ -29,6 +29,9 @@ KV_CACHE_KINDS = ("inputs", "state")
 # full layers' (context-long) and, where the export has a ring, the sliding layers' (ring-long).
 CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new"}
 RING_CACHES = ("k_ring", "v_ring")
+# The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over), read
+# beside the caches, and the window's values it is taken from (short_conv.conv_state_after).
+CONV_STATE = {"conv_state": "conv_new"}
 
 
 def bucket_function(function: str, bucket: int, context_length: int) -> str:
@@ -95,9 +98,15 @@ def ring_rewind_limit(cfg: "LlamaConfig", ring: int, prefill_length: int) -> int
 
 def chunk_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[int], list[int]]:
     """The chunk-local indices of decoder layers `layers` kept in the full cache and in the ring
-    (the sliding layers, where the export has a ring: `ring` > 0)."""
+    (the sliding layers, where the export has a ring: `ring` > 0); conv layers keep no K/V."""
     sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n)]
-    return [i for i in range(len(layers)) if i not in sliding], sliding
+    return [i for i, n in enumerate(layers) if i not in sliding and not cfg.convolves(n)], sliding
+
+
+def conv_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
+    """The chunk-local indices of the conv layers among decoder layers `layers`: their rows in the
+    chunk's conv state."""
+    return [i for i, n in enumerate(layers) if cfg.convolves(n)]
 
 
 def tensor(name: str, shape: list[int], dtype: str) -> dict:
