@@ -14,10 +14,12 @@ benchmarks/results/cpu_runtime.{json,md}.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -111,8 +113,12 @@ def main() -> None:
     print(f"  decode   llama-ane {ours['decode_tok_s']:8.1f} tok/s  transformers {ref['decode_tok_s']:8.1f} tok/s"
           f"  ratio {row['decode_ratio']:.2f}x (per pair: {', '.join(f'{r:.2f}' for r in pair_ratios)})")
     print(f"  greedy tokens equal at {row['same_greedy_tokens']} positions (the export's weights are fp16-rounded)")
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True).stdout.strip()
     meta = {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
-            "export": str(folder)}
+            "export": str(folder), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "../llama_ane")
+                                                            else "")}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu_runtime.json").write_text(json.dumps({"meta": meta, **row}, indent=2) + "\n")
     (RESULTS / "cpu_runtime.md").write_text(
