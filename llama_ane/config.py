@@ -25,7 +25,8 @@ ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config re
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
     "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini) and 'gemma3_text' (Gemma 3's text model) with RoPE type default, linear or "
+    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model) and 'lfm2' (LFM2) with RoPE type "
+    "default, linear or "
     "llama3 (phi3: default or longrope), silu MLP (gemma3_text: gelu_pytorch_tanh), no MLP bias"
 )
 # Families transformers has that the export does not build, with what they need that it lacks
@@ -39,7 +40,6 @@ REFUSED_FAMILIES = {
     "qwen3_5": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
     "qwen3_5_text": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
-    "lfm2": "LFM2's short-convolution layers",
     "qwen2_moe": _MOE, "qwen3_moe": _MOE, "mixtral": _MOE, "granitemoe": _MOE, "granitemoehybrid": _MOE,
     "phimoe": _MOE, "olmoe": _MOE,
     "olmo": "OLMo 1's layer norm without weights",

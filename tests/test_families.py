@@ -1,4 +1,4 @@
-"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini and Gemma 3 (text) checkpoints, and a Mistral
+"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 (text) and LFM2 checkpoints, and a Mistral
 window shorter than the context, end to end on tiny random models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
@@ -33,6 +33,9 @@ def longrope(pairs: int) -> dict:
 GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "head_dim": 32,
          "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
          "rms_norm_eps": 1e-6}
+
+LFM2 = {"model_type": "lfm2", "tie_word_embeddings": True, "intermediate_size": 96, "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.5, "conv_L_cache": 3, "rope_theta": 1_000_000.0}
 
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
@@ -70,11 +73,16 @@ CASES = {
     "gemma3_untied_mha": dict(GEMMA, tie_word_embeddings=False, num_key_value_heads=4, sliding_window=24,
                               sliding_window_pattern=2),
     "mistral_window": {"model_type": "mistral", "head_dim": 32, "sliding_window": 48},
+    # LFM2: short-convolution layers beside attention layers (chunks of conv layers only, too), the
+    # MLP's width adjusted as Lfm2MLP does
+    "lfm2_tied_gqa": dict(LFM2, head_dim=32, layer_types=["conv", "full_attention", "conv"]),
+    "lfm2_tied_mha_conv_bias": dict(LFM2, num_key_value_heads=4, num_hidden_layers=4, conv_bias=True,
+                                    layer_types=["conv", "conv", "full_attention", "conv"]),
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
-            "mistral_window"]  # one fp16 export each
+            "mistral_window", "lfm2_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
-           "gemma3_untied_mha", "mistral_window"]
+           "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -90,6 +98,8 @@ TEMPLATES = {
     "gemma3_text": ("{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
                     "else m['role'] %}<|im_start|>{{ role }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
                     "{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
+    "lfm2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "mistral": ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|> {{ m['content'] }} "
                 "<|im_end|>{% else %}{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"),
 }
@@ -148,7 +158,8 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported", "Gated DeltaNet"]),
     ({"model_type": "gemma3"}, ["'gemma3'", "unsupported", "language_model", "'gemma3_text'"]),
     ({"model_type": "gemma4_text"}, ["'gemma4_text'", "Gemma 4"]),
-    ({"model_type": "lfm2"}, ["'lfm2'", "short-convolution"]),
+    ({"model_type": "lfm2", "layer_types": ["conv", "sliding_attention", "conv"]}, ["layer_types", "\"conv\""]),
+    ({"model_type": "lfm2", "full_attn_idxs": [0], "conv_L_cache": 1}, ["conv_L_cache", ">= 2"]),
     ({"model_type": "qwen3_5_text"}, ["'qwen3_5_text'", "'gemma3_text'"]),
 ])
 def test_family_fields_are_checked(change, words):

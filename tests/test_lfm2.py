@@ -126,16 +126,9 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
     np.testing.assert_allclose(got[1], state.numpy(), rtol=1e-5, atol=1e-6)
 
 
-# The config and the checkpoint's tensors, read while LFM2 is still refused by name for export
+# The config and the checkpoint's tensors, the chunks and the pipeline
 LFM2_CHECKPOINT = {"model_type": "lfm2", "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                    "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "conv_L_cache": K, "tie_word_embeddings": True}
-
-
-@pytest.fixture
-def lfm2_readable(monkeypatch):
-    from llama_ane import config
-
-    monkeypatch.delitem(config.REFUSED_FAMILIES, "lfm2")
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +138,7 @@ def lfm2_folder(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("lfm2"), **LFM2_CHECKPOINT)
 
 
-def test_lfm2_refused_for_export():
-    from llama_ane.config import ConfigError, LlamaConfig
-
-    with pytest.raises(ConfigError, match="'lfm2'.*short-convolution"):
-        LlamaConfig.from_hf_dict(dict(LFM2_CHECKPOINT, vocab_size=32, hidden_size=C, num_hidden_layers=3,
-                                      num_attention_heads=2))
-
-
-def test_lfm2_config_and_tensors_match_transformers(lfm2_readable, lfm2_folder):
+def test_lfm2_config_and_tensors_match_transformers(lfm2_folder):
     """The config read as transformers' Lfm2Config reads it (conv layers, kernel, the MLP's adjusted
     width, norm_eps, tied embeddings by default), and every tensor of the checkpoint renamed into
     ConvLayer's and DecoderLayer's parameters."""
@@ -186,7 +171,7 @@ def test_lfm2_config_and_tensors_match_transformers(lfm2_readable, lfm2_folder):
     torch.testing.assert_close(final_norm(ckpt), hf_state["model.embedding_norm.weight"])
 
 
-def test_lfm2_layers_from_full_attn_idxs(lfm2_readable):
+def test_lfm2_layers_from_full_attn_idxs():
     from llama_ane.config import LlamaConfig
 
     base = dict(vocab_size=32, hidden_size=C, num_hidden_layers=4, num_attention_heads=2, model_type="lfm2",
@@ -203,7 +188,7 @@ def test_lfm2_layers_from_full_attn_idxs(lfm2_readable):
     ({}, "full_attn_idxs"),
     ({"layer_types": ["conv"] * 4, "conv_L_cache": 1}, "conv_L_cache"),
 ])
-def test_lfm2_bad_layer_fields_refused_by_name(lfm2_readable, fields, words):
+def test_lfm2_bad_layer_fields_refused_by_name(fields, words):
     from llama_ane.config import ConfigError, LlamaConfig
 
     base = dict(vocab_size=32, hidden_size=C, num_hidden_layers=4, num_attention_heads=2, model_type="lfm2",
@@ -212,7 +197,7 @@ def test_lfm2_bad_layer_fields_refused_by_name(lfm2_readable, fields, words):
         LlamaConfig.from_hf_dict(dict(base, **fields))
 
 
-def test_chunk_windows_and_decode_match_transformers(lfm2_readable, lfm2_folder):
+def test_chunk_windows_and_decode_match_transformers(lfm2_folder):
     """A BlockChunk of every layer (conv and attention) between the embeddings and the LM head, run
     as the runtime runs it: a full prefill window, a padded one, then decode, the K/V written at
     each window's position and the conv state taken from conv_new at the window's real tokens. Its
@@ -230,7 +215,8 @@ def test_chunk_windows_and_decode_match_transformers(lfm2_readable, lfm2_folder)
     cfg, t, s = ckpt.config, 32, 8
     layers = list(range(cfg.num_hidden_layers))
     io = functions(cfg, Layout(t, s, "float32"), layers)["prefill"]
-    assert [x["name"] for x in io["inputs"]][-3:] == ["k_cache", "v_cache", "conv_state"]
+    assert [(x["name"], x["shape"][3]) for x in io["inputs"]][-3:] == [("k_cache", t), ("v_cache", t),
+                                                                          ("conv_state", 32)]  # K-1 kept in 32
     assert [x["shape"] for x in io["outputs"]] == [[1, 64, 1, s], [1, cfg.kv_channels, 1, s],
                                                    [1, cfg.kv_channels, 1, s], [2, 64, 1, s]]
     chunk = BlockChunk(cfg, layers, t).eval()
@@ -245,7 +231,7 @@ def test_chunk_windows_and_decode_match_transformers(lfm2_readable, lfm2_folder)
         expected = AutoModelForCausalLM.from_pretrained(str(lfm2_folder)).eval()(tokens).logits[0]
         k = torch.zeros(1, cfg.kv_channels, 1, t)
         v = torch.zeros_like(k)
-        state = torch.zeros(2, 64, 1, K - 1)
+        state = torch.zeros(2, 64, 1, 32)
         position, got = 0, []
         for n in (8, 5, 1):  # a full window, a padded one, decode
             w = 1 if n == 1 else s
@@ -261,7 +247,7 @@ def test_chunk_windows_and_decode_match_transformers(lfm2_readable, lfm2_folder)
 
 
 @pytest.mark.export
-def test_chunk_mil_matches_torch(lfm2_readable, lfm2_folder, tmp_path):
+def test_chunk_mil_matches_torch(lfm2_folder, tmp_path):
     """The chunk's prefill function built in MIL (conv layers reading their rows of conv_state,
     attention layers their K/V) and run by the MIL executor gives the torch chunk's outputs."""
     ct = pytest.importorskip("coremltools")
@@ -292,3 +278,43 @@ def test_chunk_mil_matches_torch(lfm2_readable, lfm2_folder, tmp_path):
     assert list(got) == [x["name"] for x in io["outputs"]]
     for name, w in zip(got, want):
         np.testing.assert_allclose(got[name], w.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.export
+def test_pipeline_carries_the_conv_state(lfm2_folder):
+    """The torch backend through the pipeline (a chunk of a conv and an attention layer, then a
+    chunk of a conv layer only, which keeps no K/V): transformers' logits over padded prefill
+    windows, token by token decoding after them, and a rewind, which the conv state cannot go back
+    in, prefilling again from the start."""
+    import llama_ane
+    from transformers import AutoModelForCausalLM
+
+    model = llama_ane.load(lfm2_folder, backend="torch", precision="fp32", context_length=64, prefill_length=8,
+                           layers_per_chunk=2)
+    assert [c["layers"] for c in model.manifest["chunks"]] == [[0, 1], [2]]
+    ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(lfm2_folder)).eval()(ids).logits[0].numpy()
+    ids = ids[0].tolist()
+    np.testing.assert_allclose(model.score(ids), want, atol=1e-4)
+    pipeline = model.pipeline
+    pipeline.reset()
+    got = [pipeline.run_window(ids[:5])]  # a padded window, then decoding
+    got += [pipeline.run_window(ids[n:n + 1]) for n in range(5, 12)]
+    np.testing.assert_allclose(np.concatenate(got), want[:12], atol=1e-4)
+    assert pipeline.rewind(10) == 0 and pipeline.position == 0
+    np.testing.assert_allclose(pipeline.run_window(ids[:8]), want[:8], atol=1e-4)
+    assert pipeline.rewind(8) == 8  # nothing forgotten: the state stands
+
+
+def test_a_verify_window_is_refused_by_name(lfm2_folder):
+    """A conv state cannot be rewound to the path a speculative tree accepts: no verify function."""
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.contract.options import ExportOptions
+    from llama_ane.contract.plan import plan_export
+    from llama_ane.errors import LlamaANEError
+
+    cfg = load_checkpoint(lfm2_folder).config
+    with pytest.raises(LlamaANEError, match="--verify-window 16.*conv layers.*--verify-window 0"):
+        plan_export(cfg, ExportOptions(context_length=256, prefill_length=64, verify_window=16, kv_cache="inputs"))
+    assert plan_export(cfg, ExportOptions(context_length=256, prefill_length=64)).chunks

@@ -197,10 +197,37 @@ def _check_cache_shapes(manifest: dict[str, Any]) -> None:
     if ring and not reads_ring:
         raise ManifestError(f"{MANIFEST}: cache.sliding names a ring buffer of {ring} positions, but no chunk "
                             f"function reads one (k_ring); {REEXPORT}")
+    _check_conv_shapes(manifest)
     buckets = context_buckets(manifest)
     if buckets != sorted(set(buckets)) or buckets[-1] != context:
         raise ManifestError(f"{MANIFEST}: context_buckets {buckets} must ascend to context_length {context}; "
                             f"{REEXPORT}")
+
+
+def _check_conv_shapes(manifest: dict[str, Any]) -> None:
+    """Every conv state tensor is (layers, cache.conv.channels, 1, cache.conv.width), and there
+    is one exactly where cache.conv says the export has conv layers."""
+    conv = manifest["cache"].get("conv")
+    read = False
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            for kind in ("inputs", "states"):
+                for i, t in enumerate(f.get(kind, [])):
+                    if t["name"] != "conv_state":
+                        continue
+                    read = True
+                    if conv is None:
+                        raise ManifestError(f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] reads a conv state "
+                                            f"(conv_state), but there is no cache.conv; {REEXPORT}")
+                    want = [t["shape"][0], conv["channels"], 1, conv["width"]]
+                    if t["shape"] != want or conv["width"] < conv["kernel"] - 1:
+                        raise ManifestError(
+                            f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] 'conv_state' has shape "
+                            f"{t['shape']}, but cache.conv (channels {conv['channels']}, width {conv['width']}, "
+                            f"at least kernel {conv['kernel']} - 1) gives {want}; {REEXPORT}")
+    if conv is not None and not read:
+        raise ManifestError(f"{MANIFEST}: cache.conv names conv layers {conv['layers']}, but no chunk function "
+                            f"reads their state (conv_state); {REEXPORT}")
 
 
 def check_manifest(manifest: Any, out: Path) -> dict[str, Any]:
@@ -331,8 +358,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
     """
     from ..config import LlamaConfig
-    from .specs import (BRANCHES, cache_update_function, chunk_model_name, chunk_rows, embeddings_model_name,
-                        lm_head_model_name, ring_length)
+    from .specs import (BRANCHES, attention_rows, cache_update_function, chunk_model_name, chunk_rows, conv_state_width,
+                        embeddings_model_name, lm_head_model_name, ring_length)
 
     cfg = LlamaConfig.from_dict(config)
     ring = ring_length(cfg, context_length, prefill_length)
@@ -347,7 +374,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     chunks = []
     for i, layers in enumerate(plan):
         counts = [len(rows) for rows in chunk_rows(cfg, layers, ring)]  # in the full cache, in the ring
-        names = {fn: cache_update_function(fn, len(layers) if fn == BRANCHES else counts[0],
+        names = {fn: cache_update_function(fn, len(attention_rows(cfg, layers)) if fn == BRANCHES else counts[0],
                                            0 if fn == BRANCHES else counts[1]) for fn in specs[chunk_model_name(i)]}
         chunks.append({"model": chunk_model_name(i), "layers": layers,
                        "cache_update": {fn: name for fn, name in names.items() if name in updates}})
@@ -375,7 +402,11 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                   "channels": config["num_key_value_heads"] * config["head_dim"],
                   "dtype": PRECISIONS[precision].dtype,
                   # the sliding layers' ring buffer: (their layers in a chunk, channels, 1, length)
-                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers)}} if ring else {})},
+                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers)}} if ring else {}),
+                  # the conv layers' state: (their layers in a chunk, channels, 1, width), any context; its
+                  # last kernel - 1 columns hold the values
+                  **({"conv": {"layers": list(cfg.conv_layers), "channels": cfg.hidden_size, "kernel": cfg.conv_kernel,
+                               "width": conv_state_width(cfg)}} if cfg.conv_layers else {})},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
         "lm_head": {"models": [] if head_folded_into else [lm_head_model_name(k) for k in range(len(head_groups))],

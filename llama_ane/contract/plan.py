@@ -132,6 +132,10 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             f"--context-length {opts.context_length} exceeds the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}")
     cfg.check_context_length(opts.context_length)  # a sliding window shorter than the context
+    if cfg.conv_layers and opts.verify_window:
+        raise ExportOptionsError(
+            f"--verify-window {opts.verify_window}: this {cfg.model_type} model's conv layers keep a state that "
+            "cannot go back to the tokens a speculative tree accepts; export it with --verify-window 0")
     per_weight = BYTES_PER_WEIGHT[opts.precision]
     budget, row = weight_budget(opts.target), cfg.hidden_size
     quantize, target = opts.quantize, opts.target

@@ -81,7 +81,11 @@ SCHEMA: dict[str, Any] = {
                                  "channels": _SIZE, "dtype": {"enum": ["float16", "float32"]},
                                  "sliding": {"type": "object", "required": ["length", "layers"],
                                              "properties": {"length": _SIZE, "layers": {
-                                                 "type": "array", "minItems": 1, "items": _COUNT}}}}},
+                                                 "type": "array", "minItems": 1, "items": _COUNT}}},
+                                 "conv": {"type": "object", "required": ["layers", "channels", "kernel", "width"],
+                                          "properties": {"layers": {"type": "array", "minItems": 1,
+                                                                    "items": _COUNT},
+                                                         "channels": _SIZE, "kernel": _SIZE, "width": _SIZE}}}},
         "embeddings": {"type": "object", "required": ["models", "vocab_ranges"],
                        "properties": {"models": _MODEL_LIST, "vocab_ranges": {
                            "type": "array", "items": {"type": "array", "items": _COUNT,

@@ -19,7 +19,7 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from ..model.embeddings import rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
-from ..checkpoint.mapping import as_conv, final_norm, layer_tensor, layer_tensors
+from ..checkpoint.mapping import as_conv, final_norm, final_norm_name, layer_tensor, layer_tensors
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -57,12 +57,12 @@ def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int], rows: tuple[
     """The checkpoint tensors a package of `model` reads (what lazy loading may touch); a chunk with
     vocabulary `rows` carries the LM head."""
     kind = model_kind(model)
-    head = {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", "model.norm.weight"}
+    head = {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", final_norm_name(cfg)}
     if kind in ("embeddings", "embeddings_part"):
         return {"model.embed_tokens.weight"}
     if kind == "lm_head":
         return head
-    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg).values()} | (head if rows else set())
+    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg, n).values()} | (head if rows else set())
 
 
 class PackageWeights:
@@ -99,7 +99,7 @@ class PackageWeights:
             _, j, ours = name.split(".", 2)
             layer = self.layers[int(j)]
             return to_array(layer_tensor(self.ckpt, layer, ours), self.dtype,
-                            f"model.layers.{layer}.{layer_tensors(self.cfg)[ours]}")
+                            f"model.layers.{layer}.{layer_tensors(self.cfg, layer)[ours]}")
         if name == "embed_tokens.weight":
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")
@@ -108,7 +108,7 @@ class PackageWeights:
             self._arrays.update(tables)  # made together, read one at a time
             return tables[name]
         if name == "norm.weight":
-            return to_array(final_norm(self.ckpt), self.dtype, "model.norm.weight")
+            return to_array(final_norm(self.ckpt), self.dtype, final_norm_name(self.cfg))
         if name.startswith("heads."):  # heads.j: vocabulary split j, inside this file's rows
             if "lm_head_matrix" not in self._arrays:  # read once, cut into every head
                 self._arrays["lm_head_matrix"] = self._read("lm_head_matrix")

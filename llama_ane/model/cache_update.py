@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
-from .functions import BRANCHES, CACHES, VERIFY, Layout, cache_update_function, chunk_rows, shape_of, tensor
+from .functions import (BRANCHES, CACHES, VERIFY, Layout, attention_rows, cache_update_function, chunk_rows, shape_of,
+                        tensor)
 from .layers import Graph, mb
 
 
@@ -168,10 +169,14 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
     out = {}
     for fn, _, s, t in layout.windows():
         for (nf, nr), r in rows.items() if layout.kv_cache == "inputs" else ():
+            if not nf + nr:  # a chunk of conv layers only keeps no K/V
+                continue
             out[cache_update_function(fn, nf, nr)] = _window_io(cfg, layout, r, s, t,
                                                                [tensor("position", [1], "int32")])
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    for n in dict.fromkeys(len(layers) for layers in chunk_layers) if b else ():
+    for n in dict.fromkeys(len(attention_rows(cfg, layers)) for layers in chunk_layers) if b else ():
+        if not n:  # a chunk of conv layers only has no suffix caches
+            continue
         out[cache_update_function(BRANCHES, n)] = {
             "inputs": [tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f),
                        tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f),
@@ -179,6 +184,8 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
             "outputs": [tensor("k_suffix_out", [n * g, b, d, u], f), tensor("v_suffix_out", [n * g, b, d, u], f)],
         }
     for (nf, nr), r in rows.items() if w else ():
+        if not nf + nr:
+            continue
         where = [tensor("slots", [w], "int32")] + ([tensor("ring_slots", [w], "int32")] if nr else [])
         out[cache_update_function(VERIFY, nf, nr)] = _window_io(cfg, layout, r, w, t, where)
     return out

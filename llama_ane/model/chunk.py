@@ -41,7 +41,7 @@ cover the ring's slots (see embeddings.py). The cascade reads the prefix's ring 
 returns every layer's new K/V for the suffix caches, as without a ring.
 
 Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chunk with any reads
-their state conv_state (L_c,C,1,K-1) after its other inputs and returns the window's values
+their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
 (short_conv.conv_state_after). The state does not depend on the context bucket.
 """
@@ -55,13 +55,13 @@ from torch import nn
 from ..config import LlamaConfig
 from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
-from .functions import (BRANCHES, CACHES, CONV_STATE, RING_CACHES, VERIFY, Layout, branch_masks, chunk_rows,
-                        conv_rows, layer_inputs, shape_of, tensor, window_masks)
+from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, attention_rows, branch_masks,
+                        chunk_rows, conv_rows, conv_state_width, layer_inputs, shape_of, tensor, window_masks)
 from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
                      suffix_state_mil)
-from .short_conv import ConvLayer, conv_layer_mil
+from .short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
 
 
 class DecoderLayer(nn.Module):
@@ -341,7 +341,7 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
         x, ks, vs, gated = inputs["hidden_states"], [], [], []
         for i, n in enumerate(layers):
             if cfg.convolves(n):
-                x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, inputs["conv_state"], len(gated)),
+                x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
                                        f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
                                        cfg.conv_bias)
                 gated.append(gx)
@@ -354,7 +354,7 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
                                              context_length if i in full else ring, s, n)
             ks.append(k)
             vs.append(v)
-        new = {"conv_new": stack_mil(gated)} if gated else {}
+        new = {"conv_state": stack_mil(gated)} if gated else {}
         for rows, (k, v) in ((full, ("k_cache", "v_cache")), (sliding, RING_CACHES)):
             if rows:
                 new[k], new[v] = stack_mil([ks[i] for i in rows]), stack_mil([vs[i] for i in rows])
@@ -364,14 +364,17 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             where = window_slots_mil(inputs["position"], s, ring) if sliding else None
             for n in RING_CACHES if sliding else ():
                 mb.coreml_update_state(state=inputs[n], value=onehot_write_mil(g, values[n], new[n], where, ring))
+            if gated:  # the state after the window's real tokens
+                mb.coreml_update_state(state=inputs["conv_state"], value=conv_state_after_mil(
+                    g, values["conv_state"], new["conv_state"], inputs[WINDOW_TOKENS], cfg.conv_kernel, s))
             return {"hidden_states_out": x}
-        return {"hidden_states_out": x, **{{**CACHES, **CONV_STATE}.get(n, n): value for n, value in new.items()}}
+        return {"hidden_states_out": x, **{CACHES[n]: value for n, value in new.items()}}
     return body
 
 
 def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
-    """Row j of a chunk's conv state (L_c,C,1,K-1) as (1,C,1,K-1)."""
-    return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.hidden_size, 1, cfg.conv_kernel - 1])
+    """Row j of a chunk's conv state (L_c,C,1,W) as (1,C,1,W)."""
+    return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.hidden_size, 1, conv_state_width(cfg)])
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
@@ -416,19 +419,25 @@ class BranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None):
-        g = self.chunk.layers[0].cfg.num_key_value_heads
+                k_ring=None, v_ring=None, conv_branches=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
-        k_out, v_out = [], []
+        k_out, v_out, gated = [], [], []
         for i, layer in enumerate(self.chunk.layers):
+            if isinstance(layer, ConvLayer):  # each branch from its own state (1,C,B,K-1)
+                j = len(gated)
+                hidden_states, g = layer(hidden_states, conv_branches[j:j + 1])
+                gated.append(g)
+                continue
+            g, a = layer.cfg.num_key_value_heads, len(k_out)  # its rows in the suffix caches
             hidden_states, k, v = branch_layer(
                 layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
                 layer.attention_mask(suffix_mask, sliding_suffix_mask), *self.chunk.layer_caches(i, caches),
-                k_suffix[i * g:(i + 1) * g], v_suffix[i * g:(i + 1) * g], self.suffix_length)
+                k_suffix[a * g:(a + 1) * g], v_suffix[a * g:(a + 1) * g], self.suffix_length)
             k_out.append(k)
             v_out.append(v)
-        return hidden_states, torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)
+        out = (torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)) if k_out else ()
+        return (hidden_states, *out) + ((torch.cat(gated, dim=0),) if gated else ())
 
 
 def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], context_length: int,
@@ -438,15 +447,23 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         b = shape_of(io, "hidden_states")[3]
         inputs = read_states_mil(inputs, io)
         reads, _, _ = _layer_reads_mil(g, cfg, inputs, layers, _ring_of(io), context_length)
-        x, ks, vs = inputs["hidden_states"], [], []
+        x, ks, vs, gated = inputs["hidden_states"], [], [], []
         for i, n in enumerate(layers):
+            if cfg.convolves(n):  # each branch from its own state (1,C,B,K-1)
+                state = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
+                                [len(gated) + 1, cfg.hidden_size, b, conv_state_width(cfg)])
+                x, gx = conv_layer_mil(g, x, state, f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps,
+                                       b, cfg.conv_bias)
+                gated.append(gx)
+                continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
                                        layer_mask_mil(cfg, inputs, n, "suffix_mask"), *reads[i],
-                                       inputs["k_suffix"], inputs["v_suffix"], i, b, suffix_length, n)
+                                       inputs["k_suffix"], inputs["v_suffix"], len(ks), b, suffix_length, n)
             ks.append(k)
             vs.append(v)
-        return {"hidden_states_out": x, "k_new": stack_mil(ks), "v_new": stack_mil(vs)}
+        out = {"hidden_states_out": x, **({"k_new": stack_mil(ks), "v_new": stack_mil(vs)} if ks else {})}
+        return {**out, **({"conv_new": stack_mil(gated)} if gated else {})}
     return body
 
 
@@ -460,11 +477,14 @@ def _cache_io(io: dict, layout: Layout) -> dict:
     caches = [t for t in io["inputs"] if t["name"] in CACHES]
     inputs = [t for t in io["inputs"] if t not in caches]
     outputs = io["outputs"]
-    if not any(t["name"] == "k_suffix" for t in inputs):  # single-sequence windows write their K/V
+    if not any(t["name"] == "suffix_mask" for t in inputs):  # single-sequence windows write their K/V
         inputs.append(tensor("position", [1], "int32"))
+        if any(t["name"] == "conv_state" for t in caches):  # and their conv state, after the real tokens
+            inputs.append(tensor(WINDOW_TOKENS, [1], "int32"))
         outputs = [t for t in outputs if t["name"] not in CACHES.values()]
     for state in caches:
-        if state["name"] not in RING_CACHES:  # the ring is R slots in every bucket
+        if state["name"] not in RING_CACHES + ("conv_state",):  # the ring is R slots in every bucket, the
+            # conv state K-1 values
             state["shape"][3] = layout.context_length
     return {"inputs": inputs, "states": caches, "outputs": outputs}
 
@@ -519,9 +539,9 @@ class HeadedChunk(nn.Module):
         self.chunk, self.head = chunk, head
 
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None):
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None):
         hidden_states, *new = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
-                                         sin_local, k_ring, v_ring)
+                                         sin_local, k_ring, v_ring, conv_state)
         return (*self.head(hidden_states), *new)
 
 
@@ -534,11 +554,11 @@ class HeadedBranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None):
-        hidden_states, k, v = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
+                k_ring=None, v_ring=None, conv_branches=None):
+        hidden_states, *new = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
-                                            cos_local, sin_local, k_ring, v_ring)
-        return (*self.head(hidden_states), k, v)
+                                            cos_local, sin_local, k_ring, v_ring, conv_branches)
+        return (*self.head(hidden_states), *new)
 
 
 def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int) -> tuple[list[dict], list[dict]]:
@@ -561,7 +581,7 @@ def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tup
     if not rows:
         return [], []
     c, f = cfg.hidden_size, layout.dtype
-    return ([tensor("conv_state", [len(rows), c, 1, cfg.conv_kernel - 1], f)],
+    return ([tensor("conv_state", [len(rows), c, 1, conv_state_width(cfg)], f)],
             [tensor("conv_new", [len(rows), c, 1, s], f)])
 
 
@@ -582,15 +602,19 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
     t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
                      cfg.num_key_value_heads)
     if b:
+        n, convs = len(attention_rows(cfg, layers)), len(conv_rows(cfg, layers))
         out[BRANCHES] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0]
-            + [tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)]
-            + layer_inputs(cfg, layout, branch_masks(layout), b),
-            # every layer's new K/V: the suffix caches hold them all
-            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f),
-                        tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)],
+            + ([tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)] if n else [])
+            + layer_inputs(cfg, layout, branch_masks(layout), b)
+            # each branch's own conv state, a copy of the prefix's at its first token
+            + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else []),
+            # every attention layer's new K/V: the suffix caches hold them all
+            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)]
+            + ([tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)] if n else [])
+            + ([tensor("conv_new", [convs, c, 1, b], f)] if convs else []),
         }, layout)
     if w:
         caches, new = _caches(cfg, layout, layers, t, w)

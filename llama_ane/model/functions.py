@@ -27,11 +27,14 @@ KV_CACHE_KINDS = ("inputs", "state")
 
 # A chunk's caches by name, each with the name of the window's new K/V it is written from: the
 # full layers' (context-long) and, where the export has a ring, the sliding layers' (ring-long).
-CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new"}
+# The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over) is
+# carried the same way, with the window's values it is taken from (short_conv.conv_state_after).
+CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new",
+          "conv_state": "conv_new"}
 RING_CACHES = ("k_ring", "v_ring")
-# The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over), read
-# beside the caches, and the window's values it is taken from (short_conv.conv_state_after).
-CONV_STATE = {"conv_state": "conv_new"}
+# The real tokens of a window (1,) int32, which a chunk writing its conv state itself (state caches)
+# takes the state at: a padded prefill window's last ones are not the window's end.
+WINDOW_TOKENS = "window_tokens"
 
 
 def bucket_function(function: str, bucket: int, context_length: int) -> str:
@@ -101,6 +104,20 @@ def chunk_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[i
     (the sliding layers, where the export has a ring: `ring` > 0); conv layers keep no K/V."""
     sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n)]
     return [i for i, n in enumerate(layers) if i not in sliding and not cfg.convolves(n)], sliding
+
+
+def conv_state_width(cfg: "LlamaConfig") -> int:
+    """Columns of a conv layer's state as exports keep it: its K-1 values, right-aligned in a multiple
+    of CACHE_MULTIPLE (see short_conv)."""
+    from ..limits import CACHE_MULTIPLE
+
+    return -(-(cfg.conv_kernel - 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
+def attention_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
+    """The chunk-local indices of the attention layers among decoder layers `layers` (all but the
+    conv layers): their rows in the cascade's suffix caches."""
+    return [i for i, n in enumerate(layers) if not cfg.convolves(n)]
 
 
 def conv_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:

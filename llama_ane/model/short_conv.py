@@ -1,9 +1,11 @@
 """LFM2's short convolution, the operator of its conv layers, in the ANE layout: the torch module and,
 below it, its MIL builder, op for op.
 
-    ShortConv        x (1,C,1,S), conv_state (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S)
+    ShortConv        x (1,C,1,S), conv_state (1,C,1,W) -> y (1,C,1,S), gated (1,C,1,S)
     ConvLayer        the whole decoder layer around it: x, conv_state -> x_out (1,C,1,S), gated
-    conv_state_after conv_state (1,C,1,K-1), gated (1,C,1,S), n -> the next conv_state (1,C,1,K-1)
+    ConvLayer.branches  B sequences of one token each (the cascade): x (1,C,1,B), their states
+                     (1,C,B,K-1) -> x_out (1,C,1,B), gated (1,C,1,B)
+    conv_state_after conv_state (1,C,1,W), gated (1,C,1,S), n -> the next conv_state (1,C,1,W)
 
 C = hidden size, K = the kernel (LFM2's `conv_L_cache`, 3), S = the window. `in_proj` splits into
 three gates B, C', x; the depthwise causal convolution runs over `B * x`, and `C' * conv` goes through
@@ -16,6 +18,10 @@ the padding out of the real columns, but the next state must end at the last rea
 the window, not S-1. `conv_state_after` takes those K-1 columns with a one-hot matmul on n (no
 dynamic index), so it runs in the graph (state caches) as well as on the host. The state does not
 depend on the context length, and it cannot be rewound: going back means running from the start.
+
+W is the state's width: K-1 values are all the convolution needs, but an export keeps W = K-1
+rounded up to the cache multiple (functions.conv_state_width), right-aligned, since the ANE lays
+out a state's last axis in such multiples; the modules read its last K-1 columns.
 """
 
 from __future__ import annotations
@@ -43,12 +49,19 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (1,C,1,S); conv_state: (1,C,1,K-1) -> y (1,C,1,S), gated (1,C,1,S), the window's `B * x`
-        from which `conv_state_after` takes the next state."""
+        from which `conv_state_after` takes the next state. With conv_state (1,C,S,K-1), each of
+        the S columns is the next token of its own sequence (cascade branches), with its own state."""
         c = self.channels
+        conv_state = conv_state[..., conv_state.shape[-1] - (self.kernel - 1):]  # a wider state: its last K-1
         bcx = self.in_proj(x)
         b, gate, v = bcx[:, :c], bcx[:, c:2 * c], bcx[:, 2 * c:]
         gated = b * v
-        conv = self.conv(torch.cat([conv_state.to(gated.dtype), gated], dim=3))  # valid: (1,C,1,S)
+        if conv_state.shape[2] > 1:  # one state per column, each column one token: the window is the row
+            b = gated.shape[3]
+            conv = self.conv(torch.cat([conv_state.to(gated.dtype), gated.reshape(1, c, b, 1)], dim=3))
+            conv = conv.reshape(1, c, 1, b)
+        else:
+            conv = self.conv(torch.cat([conv_state.to(gated.dtype), gated], dim=3))  # valid: (1,C,1,S)
         return self.out_proj(gate * conv), gated
 
 
@@ -59,18 +72,23 @@ def short_conv_mil(g: Graph, x, conv_state, prefix: str, channels: int, kernel: 
     bcx = conv_mil(g, x, f"{prefix}in_proj.weight", f"{prefix}in_proj.bias" if bias else None)
     b, gate, v = (g.slice(bcx, [0, i * c, 0, 0], [1, (i + 1) * c, 1, s]) for i in range(3))
     gated = mb.mul(x=b, y=v)
-    window = mb.concat(values=[conv_state, gated], axis=3)  # (1,C,1,K-1+S)
+    rows, width = conv_state.shape[2], conv_state.shape[3]  # rows 1, or S: one sequence per column (ShortConv.forward)
+    if width > kernel - 1:  # a wider state: its last K-1 columns
+        conv_state = g.slice(conv_state, [0, 0, 0, width - kernel + 1], [1, c, rows, width])
+    window = mb.concat(values=[conv_state, gated if rows == 1 else mb.reshape(x=gated, shape=[1, c, s, 1])], axis=3)
     extra = {"bias": g.weight(f"{prefix}conv.bias")} if bias else {}
     conv = mb.conv(x=window, weight=g.weight(f"{prefix}conv.weight"), groups=c, pad_type="valid", **extra)
+    conv = conv if rows == 1 else mb.reshape(x=conv, shape=[1, c, 1, s])
     y = conv_mil(g, mb.mul(x=gate, y=conv), f"{prefix}out_proj.weight", f"{prefix}out_proj.bias" if bias else None)
     return y, gated
 
 
 def conv_state_after(conv_state: torch.Tensor, gated: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
-    """The conv state after the window's first n (real) tokens: columns n .. n+K-2 of
-    [conv_state, gated], picked by a one-hot (K-1+S, K-1) matmul.
+    """The conv state after the window's first n (real) tokens: columns n .. n+W-1 of
+    [conv_state, gated], picked by a one-hot (W+S, W) matmul. W is the state's width: K-1, or more
+    (a state kept wider, its values right-aligned), the last W values either way.
 
-    conv_state: (..., K-1); gated: (..., S); n: 0 <= n <= S -> (..., K-1)
+    conv_state: (..., W); gated: (..., S); n: 0 <= n <= S -> (..., W)
     """
     keep, s = conv_state.shape[-1], gated.shape[-1]
     n = torch.as_tensor(n, dtype=torch.int32, device=gated.device).view(1, 1)
@@ -81,8 +99,8 @@ def conv_state_after(conv_state: torch.Tensor, gated: torch.Tensor, n: torch.Ten
 
 
 def conv_state_after_mil(g: Graph, conv_state, gated, n, kernel: int, s: int):
-    """conv_state_after. conv_state: (..., K-1); gated: (..., S); n: (1,) int32 -> (..., K-1)"""
-    keep = kernel - 1
+    """conv_state_after. conv_state: (..., W); gated: (..., S); n: (1,) int32 -> (..., W)"""
+    keep = conv_state.shape[-1]
     columns = np.arange(keep + s, dtype=np.int32).reshape(-1, 1)
     onehot = g.cast(mb.equal(x=columns, y=mb.add(x=mb.reshape(x=n, shape=[1, 1]),
                                                  y=np.arange(keep, dtype=np.int32).reshape(1, -1))))

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..contract.specs import BRANCHES
+from ..contract.specs import BRANCHES, attention_rows
 from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, SeededRandom, branch_seed, sample
@@ -153,12 +153,30 @@ class CascadeDecoder:
         return np.zeros((layers * cfg["num_key_value_heads"], self.width, cfg["head_dim"], self.suffix_length),
                         self.backend.dtype)
 
+    def new_suffixes(self, i: int) -> dict[str, np.ndarray]:
+        """Chunk i's suffix caches {"k", "v"} over its attention layers, and its conv layers' state
+        per branch {"conv"} (L_c, C, B, K-1), each branch's a copy of the prefix's."""
+        attention = len(attention_rows(self.pipeline.config, self.manifest["chunks"][i]["layers"]))
+        out = {"k": self.new_suffix(attention), "v": self.new_suffix(attention)} if attention else {}
+        prefix = self.pipeline.cache.caches[i]
+        if "conv" in prefix:
+            sync = getattr(self.backend, "sync_states", None)
+            if sync is not None:  # a program's states hold the prefix's conv state
+                sync()
+            out["conv"] = np.repeat(prefix["conv"], self.width, axis=2)
+        return out
+
     def _write(self, i: int, function: str, out: dict[str, np.ndarray], suffixes: list[dict],
                slots: np.ndarray) -> None:
         """Store chunk i's k_new/v_new (layers, kv, 1, B) at each branch's suffix slot: in place (direct
         caches; a slot past the suffix length is dropped, as the cache-update model drops it) or by
         the cache-update model in the background."""
         suffix = suffixes[i]
+        if "conv_new" in out:  # each branch's conv state moves on by its one token
+            conv = suffix["conv"]
+            suffix["conv"] = np.concatenate([conv[..., 1:], out["conv_new"].reshape(*conv.shape[:3], 1)], axis=-1)
+        if "k_new" not in out:  # a chunk of conv layers only has no suffix caches
+            return
         if self.pipeline.direct:
             d = self.manifest["config"]["head_dim"]
             for name in ("k", "v"):
@@ -178,7 +196,7 @@ class CascadeDecoder:
             BRANCHES, {"input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
                        "prefix_length": np.array([prefix_tokens], np.int32)},
             lambda i, function, out: self._write(i, function, out, suffixes, slots), visible=prefix_tokens,
-            state=lambda i: {"k_suffix": suffixes[i]["k"], "v_suffix": suffixes[i]["v"]})
+            state=lambda i: {f"{key}_suffix" if key in "kv" else "conv_branches": a for key, a in suffixes[i].items()})
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:
@@ -187,8 +205,7 @@ class CascadeDecoder:
         With `record_logits` and `max_new_tokens` 0, each branch only feeds its own tokens and keeps
         the logits after each one (teacher forcing).
         """
-        suffixes = [{"k": self.new_suffix(len(c["layers"])), "v": self.new_suffix(len(c["layers"]))}
-                    for c in self.manifest["chunks"]]
+        suffixes = [self.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
         for b in branches:  # a branch without text of its own starts from the prefix's next-token logits
             if not b.queue and max_new_tokens == 0:
                 b.done = True

@@ -38,12 +38,15 @@ import functools
 from typing import Callable
 
 import numpy as np
+import torch
 
 from ..config import LlamaConfig
+from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
+from ..model.short_conv import conv_state_after
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_of
-from ..contract.specs import VERIFY, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
+from ..contract.specs import VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -52,7 +55,7 @@ from .kv_cache import KVCache, common_prefix
 #: layer's mask like the mask it is the twin of)
 CACHE_MASKS = {"mask": "leading", "prefix_mask": "all", "sliding_mask": "leading", "sliding_prefix_mask": "all"}
 #: a chunk's cache tensors (manifest names) -> their keys in a KVCache's per-chunk dict
-CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring"}
+CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring", "conv_state": "conv"}
 RING_MASKS = ("sliding_mask", "sliding_prefix_mask")  # over the ring's slots where there is one
 
 
@@ -94,9 +97,12 @@ class Pipeline:
         self.direct = bool(getattr(backend, "direct_cache", False))
         self.stateful = kv_cache_kind(manifest) == "state"
         self.ring = ring_of(manifest)  # the sliding layers' ring slots, 0: none
-        cfg = LlamaConfig.from_dict(manifest["config"])
+        self.config = cfg = LlamaConfig.from_dict(manifest["config"])
         # per chunk: its layers' rows in the full cache and in the ring
         self.rows = [chunk_rows(cfg, c["layers"], self.ring) for c in self.chunks]
+        # per chunk: its conv layers' count (LFM2), and the conv state's shape per layer (C, 1, W)
+        self.conv_layers = [len(conv_rows(cfg, c["layers"])) for c in self.chunks]
+        self.conv_shape = (cfg.hidden_size, 1, conv_state_width(cfg))
         self.rewind_limit = ring_rewind_limit(cfg, self.ring, self.prefill_length) if self.ring else None
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.cache = self.new_cache()
@@ -117,6 +123,8 @@ class Pipeline:
         full, ring = self.rows[i]
         out = {key: self._zeros(len(full)) for key in ("k", "v") if full}
         out.update({key: self._zeros(len(ring), self.ring) for key in ("k_ring", "v_ring") if ring})
+        if self.conv_layers[i]:
+            out["conv"] = np.zeros((self.conv_layers[i], *self.conv_shape), self.backend.dtype)
         return out
 
     def _zeros(self, layers: int, length: int | None = None) -> np.ndarray:
@@ -152,10 +160,15 @@ class Pipeline:
     def rewind(self, keep: int) -> int:
         """Forget all but the first `keep` cached tokens (their K/V stay where they are); returns the
         tokens kept. A ring whose slots of the tokens kept were overwritten since (more than
-        `rewind_limit` tokens back) cannot serve them: then nothing is kept."""
+        `rewind_limit` tokens back) cannot serve them, nor can a conv state (it holds only the
+        last tokens' values) go back at all: then nothing is kept."""
         self.updates.wait_all()
         if self.rewind_limit is not None and self.position - keep > self.rewind_limit:
             keep = 0
+        if any(self.conv_layers) and keep < self.position:
+            keep = 0
+            # new arrays, not zeroed ones: a program's states are made afresh for them
+            self.cache.caches = [self._empty(i) for i in range(len(self.chunks))]
         del self.cache.tokens[keep:]
         return keep
 
@@ -249,7 +262,8 @@ class Pipeline:
             return caches
         else:
             cut = bucket
-        return {key: cache if key.endswith("_ring") else cache[..., :cut] for key, cache in caches.items()}
+        return {key: cache if key.endswith("_ring") or key == "conv" else cache[..., :cut]
+                for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
                 visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
@@ -330,7 +344,10 @@ class Pipeline:
         the torch modules), not at all (the program updated its states), or by the cache-update
         model `function` in the background."""
         caches = self.cache.caches[i]
+        self.carry_conv(caches, out, n)
         if self.stateful and "k_new" not in out and "k_ring_new" not in out:
+            return
+        if function is None and not (self.direct or self.stateful):  # a chunk of conv layers only keeps no K/V
             return
         if self.direct or self.stateful:
             for key in ("k", "v"):
@@ -342,6 +359,14 @@ class Pipeline:
             return
         self.updates.submit(i, functools.partial(
             self.update, function, caches, out, {"position": np.array([position], np.int32)}))
+
+    @staticmethod
+    def carry_conv(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
+        """The conv state after a window of n real tokens, taken on the host from the chunk's
+        conv_new (a program with state caches writes its own and returns none)."""
+        if "conv_new" in out:
+            caches["conv"] = conv_state_after(torch.from_numpy(caches["conv"]), torch.from_numpy(out["conv_new"]),
+                                              n).numpy()
 
     def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
@@ -361,7 +386,7 @@ class Pipeline:
         fn = bucket_function(fn, self.bucket(start + len(ids)), self.context_length)
         logits = self.forward(fn, self._window_inputs(window, start),
                               lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
-                              visible=start)[:len(ids)]
+                              visible=start, state=lambda i: {WINDOW_TOKENS: np.array([len(ids)], np.int32)})[:len(ids)]
         self.cache.tokens.extend(int(t) for t in ids)
         return logits
 
@@ -463,14 +488,17 @@ class Pipeline:
                 caches = self.cache.caches[i]
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
-                pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read)}
+                pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read),
+                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32)}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once
                 if self.direct or self.stateful:
                     self.write_window(i, None, out, start, len(parts[w]))
                 else:
-                    self.update(chunk["cache_update"][fn], caches, out, {"position": position})
+                    self.carry_conv(caches, out, len(parts[w]))
+                    if fn in chunk["cache_update"]:
+                        self.update(chunk["cache_update"][fn], caches, out, {"position": position})
             self.cache.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
         # the LM head files, unless the last chunk carried the head (then `hidden` holds its outputs)

@@ -93,8 +93,9 @@ class ExportWeights:
         return tables["cos_table"], tables["sin_table"]
 
     def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        names = layer_tensors(LlamaConfig.from_dict(self.manifest["config"]))
-        return self._read(model, [f"layers.{j}.{name}" for j in range(len(layers)) for name in names], dtype)
+        cfg = LlamaConfig.from_dict(self.manifest["config"])
+        return self._read(model, [f"layers.{j}.{name}" for j, n in enumerate(layers) for name in layer_tensors(cfg, n)],
+                          dtype)
 
     def head(self, model: str, heads: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         state = self._read(model, ["norm.weight", *(f"heads.{j}.weight" for j in heads)], dtype)

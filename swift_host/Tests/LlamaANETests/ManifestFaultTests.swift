@@ -103,6 +103,17 @@ final class ManifestFaultTests: XCTestCase {
         XCTAssertNoThrow(try Manifest.load(from: export, verifyHashes: true))
     }
 
+    /// An export with conv layers (LFM2's short convolutions: `cache.conv`) is refused by name, not run wrong.
+    func testAConvStateIsRefusedByName() throws {
+        let (export, outside) = try copyOfExport("conv")
+        try Self.apply(["set": ["cache.conv": ["layers": [0, 2], "channels": 64, "kernel": 3, "width": 32]]],
+                       to: export, outside: outside)
+        XCTAssertThrowsError(try Manifest.load(from: export, verifyHashes: true)) { error in
+            XCTAssertEqual(error as? ManifestError, .unsupportedConvState(layers: [0, 2]))
+            XCTAssertTrue("\(error)".contains("cache.conv"))
+        }
+    }
+
     func testEveryBadManifestIsRefusedNamingTheProblem() throws {
         for (name, body) in try Self.cases() {
             let (export, outside) = try copyOfExport(name)

@@ -34,6 +34,9 @@ extension Manifest {
            let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
             throw ManifestError.unknownConfigField(unknown)
         }
+        if let cache = object["cache"] as? [String: Any], let conv = cache["conv"] {
+            throw ManifestError.unsupportedConvState(layers: (conv as? [String: Any])?["layers"] as? [Int] ?? [])
+        }
         let manifest: Manifest
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
