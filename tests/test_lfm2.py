@@ -318,3 +318,18 @@ def test_a_verify_window_is_refused_by_name(lfm2_folder):
     with pytest.raises(LlamaANEError, match="--verify-window 16.*conv layers.*--verify-window 0"):
         plan_export(cfg, ExportOptions(context_length=256, prefill_length=64, verify_window=16, kv_cache="inputs"))
     assert plan_export(cfg, ExportOptions(context_length=256, prefill_length=64)).chunks
+
+
+def test_sizing_counts_each_kind_of_layer(lfm2_folder):
+    """The bytes the plan gives a conv layer and an attention layer are their parameters' (a conv
+    layer is the larger here), so chunks and the weight budget hold what the packages will."""
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import layer_state_dict
+    from llama_ane.contract.sizing import layer_shapes, layer_weight_bytes
+
+    ckpt = load_checkpoint(lfm2_folder)
+    cfg = ckpt.config
+    counts = {n: sum(t.numel() for t in layer_state_dict(ckpt, n).values()) for n in (0, 1)}
+    assert {n: layer_weight_bytes(cfg, 2, layer=n) for n in (0, 1)} == {n: 2 * counts[n] for n in (0, 1)}
+    assert layer_weight_bytes(cfg, 2) == 2 * max(counts.values()) == 2 * counts[0]
+    assert set(layer_shapes(cfg, 0)) == set(layer_state_dict(ckpt, 0))

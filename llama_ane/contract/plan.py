@@ -151,10 +151,10 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     def stored_rows(name: str, rows: int, read: bool = False) -> int:  # bytes of `rows` rows of a vocabulary matrix
         return stored(name, (rows, row), read)
 
-    layer_bytes = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape))
+    layer_bytes = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape), n)
                    for n in range(cfg.num_hidden_layers)]  # a recipe compresses layers apart
-    layer_read = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape, True))
-                  for n in range(cfg.num_hidden_layers)]
+    layer_read = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape, True),
+                                     n) for n in range(cfg.num_hidden_layers)]
     chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=max(layer_bytes))
     rope_bytes = 2 * rope_positions(opts) * cfg.head_dim * per_weight  # cos and sin tables
     table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
@@ -171,7 +171,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
                                               stored_rows("embed_tokens.weight", b - a, True) + fixed)
     for i, layers in enumerate(chunks):
         contents[chunk_model_name(i)] = (tuple(layers), None, sum(layer_bytes[n] for n in layers),
-                                         len(layers) * layer_weight_bytes(cfg, per_weight),
+                                         sum(layer_weight_bytes(cfg, per_weight, layer=n) for n in layers),
                                          sum(layer_read[n] for n in layers))
     for k, heads in enumerate(head_groups):
         a, b = heads_start[heads[0]], heads_start[heads[-1] + 1]

@@ -12,10 +12,19 @@ from ..limits import weight_budget
 from ..model.lm_head import ROW_UNIT, even_parts
 
 
-def layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of a decoder layer of `cfg`'s family (its name in model.chunk.DecoderLayer) and
-    its shape: (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for the norms."""
+def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]]:
+    """Every weight of decoder layer `layer` of `cfg`'s family (its name in model.chunk.DecoderLayer,
+    or model.short_conv.ConvLayer where the layer convolves; without `layer`, an attention layer's)
+    and its shape: (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for
+    the norms, (C, kernel) for a short convolution's kernel."""
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
+    if cfg.convolves(layer):
+        shapes = {"input_layernorm.weight": (c,), "conv.in_proj.weight": (3 * c, c),
+                  "conv.conv.weight": (c, cfg.conv_kernel), "conv.out_proj.weight": (c, c),
+                  "post_attention_layernorm.weight": (c,), "mlp.gate_proj.weight": (i, c),
+                  "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+        biases = {"conv.in_proj.bias": (3 * c,), "conv.conv.bias": (c,), "conv.out_proj.bias": (c,)}
+        return {**shapes, **(biases if cfg.conv_bias else {})}
     shapes = {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
               "v_proj.weight": (kv, c), "o_proj.weight": (c, q), "post_attention_layernorm.weight": (c,),
               "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
@@ -40,10 +49,14 @@ def weight_part(name: str) -> str | None:
 
 
 def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2,
-                       stored: Callable[[str, tuple[int, ...]], int] | None = None) -> int:
-    """Weight bytes of one decoder layer (projections, MLP, two norms): dense at `bytes_per_weight`,
-    or as `stored(name, shape)` says (compressed weights)."""
-    shapes = layer_shapes(cfg)
+                       stored: Callable[[str, tuple[int, ...]], int] | None = None, layer: int | None = None) -> int:
+    """Weight bytes of decoder layer `layer` (projections, MLP, two norms; without `layer`, the
+    largest kind of layer the model has): dense at `bytes_per_weight`, or as `stored(name, shape)`
+    says (compressed weights)."""
+    if layer is None:
+        return max(layer_weight_bytes(cfg, bytes_per_weight, stored, n)
+                   for n in {-1, *cfg.conv_layers[:1]})  # an attention layer's, a conv layer's
+    shapes = layer_shapes(cfg, layer)
     if stored is None:
         return sum(math.prod(shape) for shape in shapes.values()) * bytes_per_weight
     return sum(stored(name, shape) for name, shape in shapes.items())

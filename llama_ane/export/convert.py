@@ -153,8 +153,8 @@ def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[i
     uses them ("layers.j.*" for the j-th layer of a chunk, "heads.j.weight" for vocabulary split j)."""
     cfg, kind = plan.config, model_kind(spec.model)
     if kind == "chunk":
-        found = {f"layers.{j}.{name}": shape for j in range(len(spec.layers))
-                 for name, shape in layer_shapes(cfg).items()}
+        found = {f"layers.{j}.{name}": shape for j, n in enumerate(spec.layers)
+                 for name, shape in layer_shapes(cfg, n).items()}
         if spec.rows is not None:  # the last chunk carrying the LM head
             found.update((f"heads.{j}.weight", (n, cfg.hidden_size)) for j, n in enumerate(vocab_splits(cfg.vocab_size)))
     elif kind in ("embeddings", "embeddings_part"):
