@@ -333,3 +333,12 @@ def test_sizing_counts_each_kind_of_layer(lfm2_folder):
     assert {n: layer_weight_bytes(cfg, 2, layer=n) for n in (0, 1)} == {n: 2 * counts[n] for n in (0, 1)}
     assert layer_weight_bytes(cfg, 2) == 2 * max(counts.values()) == 2 * counts[0]
     assert set(layer_shapes(cfg, 0)) == set(layer_state_dict(ckpt, 0))
+
+
+def test_cascade_counts_the_prefix_bytes_of_attention_layers_only(lfm2_folder):
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.runtime.cascade import prefix_bytes_per_step
+
+    cfg = load_checkpoint(lfm2_folder).config
+    manifest = {"config": cfg.to_dict(), "cache": {"channels": cfg.kv_channels}}
+    assert prefix_bytes_per_step(manifest, 10, 2) == 2 * 1 * cfg.kv_channels * 10 * 2  # one attention layer of 3

@@ -81,8 +81,9 @@ class _Branch:
 
 def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
     """Bytes of prefix K and V that one decode step reads, over all layers: a model from the cache
-    shapes (layers x K/V channels x prefix tokens), not a measurement."""
-    return 2 * manifest["config"]["num_hidden_layers"] * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
+    shapes (attention layers x K/V channels x prefix tokens; conv layers keep no K/V), not a measurement."""
+    layers = manifest["config"]["num_hidden_layers"] - len(manifest["config"].get("conv_layers", []))
+    return 2 * layers * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
 
 
 class CascadeDecoder:
