@@ -342,3 +342,23 @@ def test_cascade_counts_the_prefix_bytes_of_attention_layers_only(lfm2_folder):
     cfg = load_checkpoint(lfm2_folder).config
     manifest = {"config": cfg.to_dict(), "cache": {"channels": cfg.kv_channels}}
     assert prefix_bytes_per_step(manifest, 10, 2) == 2 * 1 * cfg.kv_channels * 10 * 2  # one attention layer of 3
+
+
+@pytest.mark.export
+def test_a_prompt_cache_file_holds_the_conv_state(lfm2_folder, tmp_path):
+    """A prompt-cache file saves each chunk's conv state whole: decoding on from the loaded file
+    gives the logits of decoding on from the cache it was saved from."""
+    import llama_ane
+    from llama_ane.runtime.kv_cache import load_cache, save_cache
+
+    model = llama_ane.load(lfm2_folder, backend="torch", precision="fp32", context_length=64, prefill_length=8,
+                           layers_per_chunk=2)
+    pipeline, ids = model.pipeline, list(range(5, 19))
+    pipeline.reset()
+    pipeline.run_window(ids[:8])
+    pipeline.run_window(ids[8:13])
+    assert pipeline.cache.caches[1]["conv"].any()
+    save_cache(pipeline.cache, model.manifest, tmp_path / "prompt.npz")
+    want = pipeline.run_window(ids[13:14])
+    pipeline.use(load_cache(tmp_path / "prompt.npz", model.manifest, pipeline.new_cache()))
+    np.testing.assert_array_equal(pipeline.run_window(ids[13:14]), want)
