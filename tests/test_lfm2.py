@@ -362,3 +362,28 @@ def test_a_prompt_cache_file_holds_the_conv_state(lfm2_folder, tmp_path):
     want = pipeline.run_window(ids[13:14])
     pipeline.use(load_cache(tmp_path / "prompt.npz", model.manifest, pipeline.new_cache()))
     np.testing.assert_array_equal(pipeline.run_window(ids[13:14]), want)
+
+
+@pytest.mark.export
+def test_an_export_with_input_caches_runs_in_mil(lfm2_folder, tmp_path):
+    """--kv-cache inputs: the programs return conv_new, the host takes the state at each window's
+    real tokens, and a chunk of conv layers only has no cache update; the mil backend's padded
+    window and decoding give the torch backend's logits."""
+    import llama_ane
+    from llama_ane.api import export_model
+
+    out = export_model(lfm2_folder, tmp_path / "export", context_length=64, prefill_length=32, layers_per_chunk=2,
+                       kv_cache="inputs", branch_width=0, progress=False, verify=False)
+    manifest = llama_ane.load(out, backend="mil").manifest
+    assert [c["cache_update"] for c in manifest["chunks"]] == [{"prefill": "prefill_l1", "decode": "decode_l1"}, {}]
+    ids = list(range(7, 47))
+    got = {}
+    for backend, options in (("mil", {}), ("torch", {"precision": "fp16"})):
+        pipeline = llama_ane.load(out, backend=backend, **options).pipeline
+        pipeline.reset()
+        logits = [pipeline.run_window(ids[:20])] + [pipeline.run_window(ids[n:n + 1]) for n in range(20, 40)]
+        got[backend] = np.concatenate(logits)
+    # within fp16 noise (~0.03 here, logits up to ~5); test_pipeline_carries_the_conv_state holds the
+    # host's state to transformers
+    np.testing.assert_allclose(got["mil"], got["torch"], atol=0.1)
+    assert (got["mil"].argmax(axis=1) == got["torch"].argmax(axis=1)).mean() >= 0.95
