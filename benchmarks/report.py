@@ -161,6 +161,15 @@ def long_context(d: dict) -> tuple[list[str], list[Row]]:
                       _num(r["same_greedy_tokens"])]) for r in d["rows"]]
 
 
+def serve(d: dict) -> tuple[list[str], list[Row]]:
+    header = ["model", "clients", "same answers", "sequential tok/s", "concurrent tok/s", "speedup",
+              "model calls (sequential / concurrent)"]
+    return header, [([d], [d.get("model", "-"), r["clients"], _num(r["same_answers"]),
+                           _num(r["sequential_tok_per_s"], 1), _num(r["concurrent_tok_per_s"], 1),
+                           _num(r["speedup"]) + "x", f"{r['sequential_model_calls']} / {r['concurrent_model_calls']}"])
+                    for r in d["rows"]]
+
+
 def palettize_compare(d: dict) -> tuple[list[str], list[Row]]:
     header = ["bits", "method", "seconds", "relative error"]
     return header, [([r, d.get("meta", {})], [r["bits"], r["method"], _num(r["seconds"]),
@@ -263,6 +272,11 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
                          "Perplexity on the shipped held-out prose (mil backend) and agreement "
                          "with the fp16 export.", [quantize_smollm2]),
+    "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
+              "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
+              "once against one after another; greedy answers of equal length.", [serve]),
+    "serve_smollm2": ("Server: concurrent clients on SmolLM2", "python benchmarks/serve.py --smollm2",
+                      "As above, on the embedded SmolLM2-135M-Instruct.", [serve]),
     "palettize_compare": ("LUT fitting against coremltools",
                           "python benchmarks/palettize_compare.py --layers 1",
                           "Seconds and relative error of palettizing 8M of SmolLM2's weights.",
