@@ -19,9 +19,11 @@ PROMPT_IDS = [5, 17, 42, 99, 3, 250, 7, 64, 11, 128, 33, 200]
 
 
 def export_coreai(ckpt: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
-    """One `llama-ane export --target coreai` command on a tiny checkpoint."""
+    """One `llama-ane export --target coreai` command on a tiny checkpoint. The context holds the
+    128 tokens the parity gate scores: over fewer, one near-tie of a random model's flat logits
+    would weigh more than the gate's 1% allows."""
     return subprocess.run([sys.executable, "-m", "llama_ane", "export", str(ckpt), "-o", str(out), "--target", "coreai",
-                           "--context-length", "64", "--prefill-length", "16", "--branches", "0", *options],
+                           "--context-length", "128", "--prefill-length", "16", "--branches", "0", *options],
                           capture_output=True, text=True, timeout=900)
 
 

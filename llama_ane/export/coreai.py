@@ -53,12 +53,15 @@ def example_inputs(io: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _argument_order(module: torch.nn.Module, io: dict) -> list[str]:
-    """The manifest's input names in the order the module's forward takes them."""
-    names = list(inspect.signature(module.forward).parameters)
+    """The manifest's input names in the order the module's forward takes them. A parameter the
+    manifest does not declare must be optional (a family's extra input, e.g. a sliding mask)."""
+    params = inspect.signature(module.forward).parameters
     declared = {t["name"] for t in io["inputs"]}
-    if set(names) != declared:
-        raise CoreAIError(f"{type(module).__name__}.forward takes {names}, the manifest declares {sorted(declared)}")
-    return names
+    missing = [n for n, p in params.items() if n not in declared and p.default is inspect.Parameter.empty]
+    if declared - set(params) or missing:
+        raise CoreAIError(f"{type(module).__name__}.forward takes {list(params)}, the manifest declares "
+                          f"{sorted(declared)}")
+    return [n for n in params if n in declared]
 
 
 def palettize(program: Any, compression: Compression) -> Any:
@@ -85,7 +88,7 @@ def write_asset(modules: dict[str, torch.nn.Module], functions: dict[str, dict],
         feed = example_inputs(io, dtype)
         order = _argument_order(module, io)
         try:
-            program = torch.export.export(module, tuple(feed[n] for n in order))
+            program = torch.export.export(module, (), {n: feed[n] for n in order})
             converter.add_exported_program(program.run_decompositions(ct.get_decomp_table()), input_names=order,
                                            output_names=[t["name"] for t in io["outputs"]], entrypoint_name=fn)
         except Exception as exc:  # torch.export and the converter raise many kinds; name the function
