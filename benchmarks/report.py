@@ -266,7 +266,7 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                              "python benchmarks/speculative.py --threads 2 --name "
                              "speculative_2threads", "As above, on 2 torch threads.",
                              [speculative]),
-    "export_scale": ("Export at 1B-8B scale", "python benchmarks/export_scale.py --models ...",
+    "export_scale": ("Export at real scales", "python benchmarks/export_scale.py --models ...",
                      "Wall time and peak memory (PSS of the process tree) of `llama-ane export` "
                      "on random checkpoints with real models' shapes.", [export_scale]),
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
