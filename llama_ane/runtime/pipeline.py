@@ -38,12 +38,10 @@ import functools
 from typing import Callable
 
 import numpy as np
-import torch
 
 from ..config import LlamaConfig
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
-from ..model.short_conv import conv_state_after
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_of
 from ..contract.specs import VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
@@ -363,10 +361,13 @@ class Pipeline:
     @staticmethod
     def carry_conv(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
         """The conv state after a window of n real tokens, taken on the host from the chunk's
-        conv_new (a program with state caches writes its own and returns none)."""
+        conv_new (a program with state caches writes its own and returns none): the last W values
+        up to the n-th real one, a slice here (the programs pick them with short_conv's one-hot)."""
         if "conv_new" in out:
-            caches["conv"] = conv_state_after(torch.from_numpy(caches["conv"]), torch.from_numpy(out["conv_new"]),
-                                              n).numpy()
+            gated = out["conv_new"]
+            state = caches["conv"]
+            caches["conv"] = np.concatenate([state.astype(gated.dtype, copy=False), gated],
+                                            axis=-1)[..., n:n + state.shape[-1]].copy()
 
     def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
