@@ -3,10 +3,11 @@
 Each tiny checkpoint is written by transformers' own class of its family, then converted to a GGUF
 here the way llama.cpp's convert_hf_to_gguf.py stores that architecture (its metadata keys, its
 tensor names, q/k rows interleaved for the architectures it runs with interleaved RoPE, Gemma's
-norms as 1 + w, Phi-3's longrope factors as tensors). The lazy reader must give back the
+norms as 1 + w, Phi-3's longrope factors as tensors, LFM2's per-layer kv head counts and squeezed
+conv kernels). The lazy reader must give back the
 checkpoint's config and every tensor; where transformers reads the architecture too, the same
-config and tensors as `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. One Qwen3 GGUF is
-exported and its torch backend compared with transformers' Qwen3 on the original checkpoint.
+config and tensors as `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. One Qwen3 and one
+LFM2 GGUF are exported and their torch backend compared with transformers on the original checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from test_gguf_lazy import llamacpp_permute  # noqa: E402
 
 
 GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+LFM2 = {"model_type": "lfm2", "intermediate_size": 96, "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5,
+        "rope_theta": 1_000_000.0}
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads). Each is
 # a config llama.cpp's file can say: what its metadata has no key for takes llama.cpp's value
 # (SmolLM3's NoPE every fourth layer, Gemma 3's attention scale of head_dim, Granite's head size
@@ -62,11 +65,18 @@ CASES = {
     "gemma3_local_base": dict(GEMMA, num_hidden_layers=2, head_dim=256, query_pre_attn_scalar=256,
                               sliding_window=40, rope_theta=1e6, rope_local_base_freq=1e4,
                               tie_word_embeddings=True),
+    "lfm2_tied_mha": dict(LFM2, num_key_value_heads=4, num_hidden_layers=4, conv_L_cache=4, tie_word_embeddings=True,
+                          layer_types=["conv", "conv", "full_attention", "conv"]),
+    "lfm2_untied_gqa_head32": dict(LFM2, head_dim=32, conv_L_cache=3, tie_word_embeddings=False,
+                                   layer_types=["full_attention", "conv", "full_attention"]),
+    # llama.cpp's converter writes no conv biases (its LFM2 has none); a file that holds them is read whole
+    "lfm2_conv_bias": dict(LFM2, conv_bias=True, tie_word_embeddings=True, layer_types=["conv", "full_attention", "conv"]),
 }
-TRANSFORMERS = ["llama_tied_mha", "qwen2_tied", "qwen3_tied_mha", "phi3_plain_tied", "gemma3_local_base"]
+TRANSFORMERS = ["llama_tied_mha", "qwen2_tied", "qwen3_tied_mha", "phi3_plain_tied", "gemma3_local_base",
+                "lfm2_tied_mha"]
 
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3", "granite": "granite",
-        "olmo2": "olmo2", "phi3": "phi3", "gemma3_text": "gemma3"}
+        "olmo2": "olmo2", "phi3": "phi3", "gemma3_text": "gemma3", "lfm2": "lfm2"}
 PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses interleave q/k rows
 LAYER = {  # HF name inside model.layers.N -> GGUF name inside blk.N (llama.cpp's tensor names)
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -77,7 +87,15 @@ LAYER = {  # HF name inside model.layers.N -> GGUF name inside blk.N (llama.cpp'
 }
 SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm"}  # OLMo 2 and Gemma 3
-GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+LFM2_LAYER = {  # LFM2's own names (its final norm is model.embedding_norm, llama.cpp's token_embd_norm)
+    "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+    "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
+}
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+          "model.embedding_norm": "token_embd_norm"}
 
 
 def gguf_name(hf: str, model_type: str) -> str:
@@ -86,6 +104,7 @@ def gguf_name(hf: str, model_type: str) -> str:
         return f"{GLOBAL[stem]}.{kind}"
     _, _, n, rest = stem.split(".", 3)
     table = {**LAYER, **SANDWICH} if model_type in ("olmo2", "gemma3_text") else LAYER
+    table = LFM2_LAYER if model_type == "lfm2" else table
     return f"blk.{n}.{table[rest]}.{kind}"
 
 
@@ -117,10 +136,13 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
     w.add_name("tiny")
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(hp["intermediate_size"])
+    # LFM2: the width Lfm2MLP adjusts intermediate_size to, as llama.cpp's converter computes it
+    w.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0] if mt == "lfm2"
+                              else hp["intermediate_size"])
     w.add_block_count(hp["num_hidden_layers"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    # LFM2: per layer, 0 for a conv layer (how llama.cpp tells them from attention layers)
+    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in hp["layer_types"]] if mt == "lfm2" else kv)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     rope = hp.get("rope_parameters") or {}
     theta = hp.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
@@ -129,6 +151,9 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
     if scaling.get("rope_type", scaling.get("type")) == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling["factor"])
+    if mt == "lfm2":
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_shortconv_l_cache(hp["conv_L_cache"])
     if mt in ("qwen3", "gemma3_text") or (mt != "granite" and "head_dim" in hp and mt != "phi3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -168,6 +193,8 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
             t = llamacpp_permute(t, kv)
         if mt == "gemma3_text" and name.endswith("norm.weight"):
             t = t + np.float32(1)
+        if mt == "lfm2" and name.endswith("conv.conv.weight"):
+            t = t.squeeze(1)  # llama.cpp's conv op takes the depthwise kernel 2-D
         w.add_tensor(gguf_name(name, mt), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -235,7 +262,7 @@ def test_config_and_tensors_equal_transformers_gguf_load(converted, name):
 
 
 def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
-    for arch, words in (("lfm2", "'lfm2' model, which llama-ane does not export"),
+    for arch, words in (("lfm2moe", "'lfm2moe' model, which llama-ane does not export"),
                         ("gemma3n", "'gemma3n' model, which llama-ane does not export")):
         path = tmp_path / f"{arch}.gguf"
         w = gguf.GGUFWriter(str(path), arch)
@@ -247,19 +274,24 @@ def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
         with pytest.raises(GGUFError) as e:
             open_gguf(path)
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
-                     "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'"):
+                     "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'",
+                     "'lfm2' (LFM2, LFM2.5)"):
             assert what in str(e.value)
         with pytest.raises(LlamaANEError, match=words):  # the one line the CLI prints
             load_checkpoint(path)
 
 
-def copy_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None) -> Path:
-    """`src` rewritten to `dst` without the metadata keys `drop`, with the tensors `extra` added."""
+def copy_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None,
+              values: dict[str, list[int]] | None = None) -> Path:
+    """`src` rewritten to `dst` without the metadata keys `drop`, with the tensors `extra` added and the
+    integer-list keys `values` written as given."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
-        if key.startswith((f"{arch}.", "tokenizer.")) and key not in drop:
+        if key in (values or {}):
+            w.add_array(key, values[key])
+        elif key.startswith((f"{arch}.", "tokenizer.")) and key not in drop:
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     for t in reader.tensors:
@@ -278,6 +310,22 @@ def test_a_tensor_the_family_lacks_is_refused_by_name(tmp_path, converted):
     _, file, _ = converted("qwen3_tied_mha")
     path = copy_gguf(file, tmp_path / "extra.gguf", extra={"blk.0.attn_gate.weight": np.zeros((64, 64), np.float32)})
     with pytest.raises(GGUFError, match=r"tensors a qwen3 checkpoint llama-ane exports does not: \['blk.0.attn_gate"):
+        open_gguf(path)
+
+
+def test_lfm2_conv_layers_are_those_without_kv_heads(tmp_path, converted):
+    """llama.cpp tells LFM2's conv layers by a head_count_kv of 0; a list of the wrong length, attention
+    layers with different head counts, or a per-layer list in another family is refused, naming the key."""
+    _, file, _ = converted("lfm2_tied_mha")
+    cfg = LlamaConfig.from_hf_dict(open_gguf(file).config_dict)
+    assert (cfg.conv_layers, cfg.conv_kernel, cfg.num_key_value_heads) == ([0, 1, 3], 4, 4)
+    for kv in ([0, 0, 4], [0, 2, 4, 0]):
+        path = copy_gguf(file, tmp_path / "kv.gguf", values={"lfm2.attention.head_count_kv": kv})
+        with pytest.raises(GGUFError, match=r"lfm2.attention.head_count_kv must list block_count \(4\) entries"):
+            open_gguf(path)
+    _, qwen, _ = converted("qwen2_tied")
+    path = copy_gguf(qwen, tmp_path / "qwen.gguf", values={"qwen2.attention.head_count_kv": [2, 2, 2]})
+    with pytest.raises(GGUFError, match="per-layer qwen2.attention.head_count_kv"):
         open_gguf(path)
 
 
@@ -302,18 +350,19 @@ def test_gemma3_layer_pattern_and_attention_scale_as_llama_cpp_takes_them(conver
 
 
 @pytest.mark.export
-def test_a_qwen3_gguf_exports_and_matches_transformers(converted, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_untied_head32", "lfm2_untied_gqa_head32"])
+def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
     """The whole path from a .gguf: load_checkpoint (tokenizer included), export, and the torch
-    backend in fp32 against transformers' Qwen3 on the checkpoint the file was converted from."""
+    backend in fp32 against transformers' model of the checkpoint the file was converted from."""
     import llama_ane
     from llama_ane.api import export_model
     from transformers import AutoModelForCausalLM
 
-    folder, file, _ = converted("qwen3_untied_head32")
+    folder, file, _ = converted(name)
     out = export_model(file, tmp_path / "out", context_length=128, prefill_length=32, layers_per_chunk=2,
                        precision="fp32", progress=False, verify=False)
     model = llama_ane.load(out, backend="torch", precision="fp32")
-    assert model.manifest["config"]["model_type"] == "qwen3" and model.manifest["source"]["kind"] == "gguf"
+    assert model.manifest["config"]["model_type"] == CASES[name]["model_type"] and model.manifest["source"]["kind"] == "gguf"
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = [int(i) for i in np.random.default_rng(1).integers(3, ref.config.vocab_size, 100)]
     with torch.no_grad():

@@ -232,11 +232,11 @@ def test_unreadable_or_unsupported_files_say_what_is_supported(tmp_path):
         open_gguf(junk)
     with pytest.raises(GGUFError, match="does not exist"):
         open_gguf(tmp_path / "missing.gguf")
-    lfm2 = tmp_path / "lfm2.gguf"
-    write_tiny(lfm2, arch="lfm2")
-    with pytest.raises(GGUFError, match="holds a 'lfm2' model, which llama-ane does not export; supported: "
+    moe = tmp_path / "lfm2moe.gguf"
+    write_tiny(moe, arch="lfm2moe")
+    with pytest.raises(GGUFError, match="holds a 'lfm2moe' model, which llama-ane does not export; supported: "
                                         "general.architecture 'llama'.*'qwen3'.*'gemma3'"):
-        open_gguf(lfm2)
+        open_gguf(moe)
     yarn = tmp_path / "yarn.gguf"
     write_tiny(yarn, scaling=("yarn", 4.0))
     with pytest.raises(GGUFError, match="RoPE scaling 'yarn'; supported"):

@@ -8,11 +8,13 @@ the file's architecture, and `LazyGGUF.get(hf_name)` dequantizes just that one t
 llama.cpp's layout on the way: GGUF stores dims reversed; llama.cpp's convert script interleaves
 the two RoPE halves of each q/k head's rows for the architectures it runs with the interleaved
 ("normal") RoPE, which transformers' rotate-half RoPE needs back in their original order; and it
-stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w.
+stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w; and it
+squeezes LFM2's depthwise conv kernel (C, 1, K) to (C, K).
 
 Metadata llama.cpp does not store (Gemma 3's attention scale, local RoPE base and layer pattern
 in older files, SmolLM3's layers without RoPE) is what llama.cpp itself assumes for the
-architecture, so a file means here what it means to llama.cpp.
+architecture, so a file means here what it means to llama.cpp. LFM2's conv layers are, as llama.cpp
+reads them, the layers whose per-layer attention.head_count_kv is 0.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Arch:
     """How llama.cpp stores one architecture: the Hugging Face family it comes from, whether its
-    convert script interleaves q/k rows (LlamaModel and the converters derived from it), and the
-    offset it adds to every norm weight (Gemma 3's (1 + w))."""
+    convert script interleaves q/k rows (LlamaModel and the converters derived from it), the
+    offset it adds to every norm weight (Gemma 3's (1 + w)), and whether it squeezes the conv
+    kernel's middle dimension (LFM2's (C, 1, K) stored as (C, K))."""
 
     model_type: str
     label: str
     permuted: bool = False
     norm_offset: float = 0.0
+    squeezed_conv: bool = False
 
 
 # general.architecture -> how to read it; every family the exporter builds that llama.cpp has an
@@ -56,12 +60,14 @@ ARCHES = {
     "olmo2": Arch("olmo2", "OLMo 2"),
     "phi3": Arch("phi3", "Phi-3, Phi-3.5, Phi-4-mini"),
     "gemma3": Arch("gemma3_text", "Gemma 3's text model", norm_offset=1.0),
+    "lfm2": Arch("lfm2", "LFM2, LFM2.5", squeezed_conv=True),
 }
 SUPPORTED = ("supported: general.architecture " + ", ".join(f"'{a}' ({s.label})" for a, s in ARCHES.items())
              + ", with RoPE scaling none, linear or llama3 ('phi3': none or longrope)")
 
 # tensors that are not weights: llama3's per-frequency divisors, Phi-3's longrope factors
 _ROPE_FREQS = "rope_freqs.weight"
+_CONV_KERNEL = "conv.conv.weight"  # LFM2's depthwise kernel, (C, 1, K) in HF
 _LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _REQUIRED = object()
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # what transformers builds a tokenizer from
@@ -203,7 +209,7 @@ class LazyGGUF:
         cfg: dict[str, Any] = {
             "model_type": self.arch.model_type, "vocab_size": vocab, "hidden_size": hidden,
             "intermediate_size": m("feed_forward_length"), "num_hidden_layers": m("block_count"),
-            "num_attention_heads": heads, "num_key_value_heads": m("attention.head_count_kv", heads),
+            "num_attention_heads": heads, "num_key_value_heads": max(self._kv_heads(heads)),
             "rms_norm_eps": m("attention.layer_norm_rms_epsilon"), "rope_theta": m("rope.freq_base", 10000.0),
             "max_position_embeddings": m("context_length"),
             "tie_word_embeddings": "output.weight" not in self._file_names,
@@ -233,6 +239,20 @@ class LazyGGUF:
         getattr(self, f"_config_{arch}", lambda c: None)(cfg)
         return cfg
 
+    def _kv_heads(self, heads: int) -> list[int]:
+        """attention.head_count_kv per layer (a scalar, or `heads` where absent, for every layer). Only
+        LFM2's files list it per layer, 0 for each conv layer; its attention layers must agree."""
+        layers = self._meta(f"{self.arch_name}.block_count")
+        kv = self._meta_list(f"{self.arch_name}.attention.head_count_kv") or [heads]
+        if len(kv) == 1:
+            return kv * layers
+        if self.arch_name != "lfm2":
+            raise GGUFError(f"{self.path} has a per-layer {self.arch_name}.attention.head_count_kv; {SUPPORTED}")
+        if len(kv) != layers or len({n for n in kv if n}) != 1:
+            raise GGUFError(f"{self.path}: lfm2.attention.head_count_kv must list block_count ({layers}) entries, "
+                            f"0 for a conv layer and one head count for every attention layer, got {kv}")
+        return kv
+
     def _reader_tensor(self, name: str) -> Any:
         return next(t for t in self._reader.tensors if t.name == name)
 
@@ -258,6 +278,16 @@ class LazyGGUF:
                                                              cfg["max_position_embeddings"])
         if window := self._meta("phi3.attention.sliding_window", 0):  # 0: none (Phi-4-mini)
             cfg["sliding_window"] = window
+
+    def _config_lfm2(self, cfg: dict[str, Any]) -> None:
+        """LFM2's conv layers (head_count_kv 0, as llama.cpp reads them), their kernel
+        (shortconv.l_cache), biases where the file holds them, and the MLP width as written (already
+        adjusted: llama.cpp's converter writes the width Lfm2MLP computes)."""
+        kv = self._kv_heads(cfg["num_attention_heads"])
+        cfg["layer_types"] = ["full_attention" if n else "conv" for n in kv]
+        cfg["conv_L_cache"] = self._meta("lfm2.shortconv.l_cache")
+        cfg["conv_bias"] = any(n.endswith("shortconv.in_proj.bias") for n in self._file_names)
+        cfg["block_auto_adjust_ff_dim"] = False
 
     def _config_gemma3(self, cfg: dict[str, Any]) -> None:
         """Gemma 3's sliding layers (the file's pattern, else llama.cpp's every-sixth-global), their
@@ -329,10 +359,16 @@ class LazyGGUF:
             out["attention_factor"] = attn
         return out
 
+    def _shape(self, hf_name: str, t: Any) -> tuple[int, ...]:
+        """The HF shape of tensor `t`: GGUF's dims reversed, LFM2's conv kernel given back its middle 1."""
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if self.arch.squeezed_conv and hf_name.endswith(_CONV_KERNEL) and len(shape) == 2:
+            return (shape[0], 1, shape[1])
+        return shape
+
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Each tensor's HF shape and GGML type, from the tensor table (no data read)."""
-        return {name: TensorInfo(tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
-                for name, t in self._tensors.items()}
+        return {name: TensorInfo(self._shape(name, t), t.tensor_type.name) for name, t in self._tensors.items()}
 
     def names(self) -> list[str]:
         """The Hugging Face tensor names in the file (lm_head.weight only when untied)."""
@@ -351,7 +387,7 @@ class LazyGGUF:
         except NotImplementedError as e:
             raise GGUFError(f"{self.path}: {t.name} is stored as {t.tensor_type.name}, which gguf cannot "
                             f"dequantize ({e}); upgrade gguf or re-quantize the file") from None
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
+        w = w.reshape(self._shape(hf_name, t))  # GGUF lists dims innermost first
         if self.arch.permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             cfg = self.config_dict
             w = _unpermute(w, cfg["num_attention_heads"] if "q_proj" in hf_name else cfg["num_key_value_heads"])
