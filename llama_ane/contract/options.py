@@ -194,7 +194,8 @@ class ExportOptions:
     # "auto" resolves to "state" where states work (auto_kv_cache), else "inputs"
     kv_cache: str = option(
         "auto", "Where the KV caches live: passed in and written back by the asynchronous cache-update model "
-        "(inputs), or Core ML states the chunks update in place (state; iOS18/macOS15, fp16, no --verify-window). "
+        "(inputs), or states the chunks update in place (state; iOS18/macOS15 in fp16, or --target coreai; "
+        "no --verify-window). "
         "auto: state where it works, else inputs.", choices=KV_CACHE_CHOICES)
     fold_lm_head: str = option(
         "auto", "Compute the LM head in the last chunk: one Core ML call per token fewer. auto: where its weights "
@@ -247,14 +248,15 @@ class ExportOptions:
                                      f"got {self.fold_lm_head!r}")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ExportOptionsError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
-        if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS:
-            raise ExportOptionsError(f"--kv-cache state needs Core ML states, which --target {self.target} does not "
-                                     f"have: use --target {' or '.join(MULTIFUNCTION_TARGETS)}, or --kv-cache inputs")
+        if self.kv_cache == "state" and self.target not in MULTIFUNCTION_TARGETS + (COREAI,):
+            raise ExportOptionsError(f"--kv-cache state needs Core ML or Core AI states, which --target {self.target} does not "
+                                     f"have: use --target {', '.join(MULTIFUNCTION_TARGETS + (COREAI,))}, or "
+                                     "--kv-cache inputs")
         if self.kv_cache == "state" and self.verify_window:
             raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
                                      "written by the cache-update model, which cannot write the chunks' states; "
                                      "drop --verify-window, or use --kv-cache inputs")
-        if self.kv_cache == "state" and self.precision != "fp16":
+        if self.kv_cache == "state" and self.precision != "fp16" and self.target != COREAI:
             raise ExportOptionsError("--kv-cache state keeps the caches in Core ML states, which are float16: "
                                      "drop --precision fp32, or use --kv-cache inputs")
 
@@ -322,7 +324,7 @@ def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
 
 def check_coreai(opts: ExportOptions) -> None:
     """Refuse what --target coreai does not build: compression other than one LUT scheme for every
-    part (coreai-opt palettization), scaled or blockwise forms, and caches in states."""
+    part (coreai-opt palettization), and scaled or blockwise forms."""
     q = opts.quantize
     if q.recipe is not None:
         raise ExportOptionsError("--target coreai compresses every part with one LUT scheme: drop --quantize auto "
@@ -335,8 +337,6 @@ def check_coreai(opts: ExportOptions) -> None:
     if q.block_size or q.lut_block_size is not None:
         raise ExportOptionsError("--target coreai has plain LUTs (one per tensor, or per --group-size channels): "
                                  "drop --block-size and --lut-block-size")
-    if opts.kv_cache == "state":
-        raise ExportOptionsError("--target coreai passes the caches as inputs: use --kv-cache inputs (or auto)")
 
 
 def auto_buckets(context_length: int, prefill_length: int, multifunction: bool = True) -> tuple[int, ...]:

@@ -7,7 +7,9 @@ asked), their inputs and outputs named and shaped as the manifest declares them.
 the project's torch reference module of that model (the modules the parity gate compares against),
 exported with `torch.export` and converted by coreai-torch; LUT compression is coreai-opt's
 k-means palettization of the converted program. Caches are function inputs and outputs, written
-back by the cache-update model, as with `--kv-cache inputs`.
+back by the cache-update model (`--kv-cache inputs`), or Core AI states (`--kv-cache state`): each
+window function reads its chunk's states and writes the window into them (`StateFunction`), which
+coreai-torch turns into state handles (a torch input mutated in place becomes a state).
 
 The modules come from the caller (`modules_of`): they are built by the runtime's reference code,
 which this layer does not import.
@@ -24,6 +26,9 @@ import torch
 
 from ..contract.plan import ExportPlan, PackageSpec
 from ..errors import LlamaANEError
+from ..model.cache_update import onehot_write, window_slots
+from ..model.functions import RING_CACHES, WINDOW_TOKENS, shape_of
+from ..model.short_conv import conv_state_after
 from ..quantize import Compression
 
 INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
@@ -46,10 +51,62 @@ def coreai_torch() -> Any:
 
 
 def example_inputs(io: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zeros of each input's manifest shape: int32 for token ids and positions, `dtype` otherwise.
-    The programs have static shapes, so any values trace the same graph."""
+    """Zeros of each input's (and state's) manifest shape: int32 for token ids and positions, `dtype`
+    otherwise. The programs have static shapes, so any values trace the same graph."""
     return {t["name"]: torch.zeros(t["shape"], dtype=torch.int32 if t["dtype"] == "int32" else dtype)
-            for t in io["inputs"]}
+            for t in io["inputs"] + io.get("states", [])}
+
+
+class StateFunction(torch.nn.Module):
+    """A chunk function whose caches are states (`--kv-cache state`), as a torch module coreai-torch
+    converts into one with Core AI states: it takes the manifest's inputs, then its states,
+    positionally, and mutates the states in place (a mutated input becomes a state).
+
+    `module` (the function's reference module: BlockChunk, BranchChunk, or either carrying the LM
+    head) runs on the states as the cache inputs it reads: a window function reads the first
+    `bucket` positions of the full caches (one state of the whole context serves every bucket),
+    the ring and the conv state whole. A window function's module returns the manifest's outputs,
+    then each state's new values (`CACHES`, in the states' order), which are written back: the
+    window's K/V at `position` in a full cache (a slice update), at the slots (position + s) mod R
+    in the ring (a one-hot write), and the conv state after the window's `window_tokens` real
+    tokens. The cascade's function only reads the prefix's states; since coreai-torch makes a
+    state only of an input that is written, it writes each state's first column back unchanged.
+    Returns the manifest's outputs.
+    """
+
+    def __init__(self, module: torch.nn.Module, io: dict):
+        super().__init__()
+        self.module = module
+        self.inputs = [t["name"] for t in io["inputs"]]
+        self.states = [t["name"] for t in io["states"]]
+        self.outputs = len(io["outputs"])
+        self.writes = "position" in self.inputs  # the single-sequence windows; the cascade reads only
+        mask = shape_of(io, "mask") if self.writes else None
+        self.bucket = mask[3] - mask[2] if mask else None
+        self.window = shape_of(io, "hidden_states")[3]
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(self.inputs + self.states, args))
+        position, tokens = named.pop("position", None), named.pop(WINDOW_TOKENS, None)
+        states = {n: named.pop(n) for n in self.states}
+        whole = RING_CACHES + ("conv_state",)
+        reads = {n: s if n in whole or self.bucket is None else s[..., :self.bucket] for n, s in states.items()}
+        outs = tuple(self.module(**named, **reads))
+        if not self.writes:
+            for state in states.values():
+                state[..., :1] = state[..., :1].clone()
+            return outs
+        for (name, state), new in zip(states.items(), outs[self.outputs:], strict=True):
+            if name == "conv_state":
+                state.copy_(conv_state_after(state, new, tokens))
+            elif name in RING_CACHES:
+                state.copy_(onehot_write(state, new, window_slots(position, self.window, state.shape[-1])))
+            else:  # a slice update at `position`; the runtime's windows fit in the context
+                p = position[0].item()
+                torch._check(p >= 0)
+                torch._check(p + self.window <= state.shape[-1])
+                state[:, :, :, p:p + self.window] = new
+        return outs[:self.outputs]
 
 
 def _argument_order(module: torch.nn.Module, io: dict) -> list[str]:
@@ -86,11 +143,18 @@ def write_asset(modules: dict[str, torch.nn.Module], functions: dict[str, dict],
     for fn, module in modules.items():
         io = functions[fn]
         feed = example_inputs(io, dtype)
-        order = _argument_order(module, io)
+        states = [t["name"] for t in io.get("states", [])]
+        if states:  # positional: the inputs, then the states
+            module, order = StateFunction(module, io), [t["name"] for t in io["inputs"]]
+            args, kwargs = tuple(feed[n] for n in order + states), {}
+        else:
+            order = _argument_order(module, io)
+            args, kwargs = (), {n: feed[n] for n in order}
         try:
-            program = torch.export.export(module, (), {n: feed[n] for n in order})
+            program = torch.export.export(module, args, kwargs)
             converter.add_exported_program(program.run_decompositions(ct.get_decomp_table()), input_names=order,
-                                           output_names=[t["name"] for t in io["outputs"]], entrypoint_name=fn)
+                                           output_names=[t["name"] for t in io["outputs"]], state_names=states,
+                                           entrypoint_name=fn)
         except Exception as exc:  # torch.export and the converter raise many kinds; name the function
             raise CoreAIError(f"coreai-torch could not convert {path.stem}/{fn}: {type(exc).__name__}: {exc}") from exc
     program = converter.to_coreai()
@@ -133,7 +197,8 @@ _DYNAMIC_OPS = ("while", "cond", "if", "case", "dynamic")
 
 
 def function_io(asset: Any, function: str) -> dict[str, dict[str, tuple[str, list[int]]]]:
-    """{"inputs"|"outputs": {name: (dtype, shape)}} of one function, as coreai-core reads the asset."""
+    """{"inputs"|"states"|"outputs": {name: (dtype, shape)}} of one function, as coreai-core reads
+    the asset ("states" empty for a function without)."""
     summary = asset.summary()
 
     def parse(pairs: list[tuple[str, str]]) -> dict[str, tuple[str, list[int]]]:
@@ -143,7 +208,8 @@ def function_io(asset: Any, function: str) -> dict[str, dict[str, tuple[str, lis
             found[name] = ((_DTYPES.get(m.group(1), m.group(1)), [int(d) for d in m.group(2).split("×")])
                            if m else (described, []))
         return found
-    return {"inputs": parse(summary.function_inputs(function)), "outputs": parse(summary.function_outputs(function))}
+    return {"inputs": parse(summary.function_inputs(function)), "states": parse(summary.function_states(function)),
+            "outputs": parse(summary.function_outputs(function))}
 
 
 def structure(path: Path, precision: str | None = None) -> tuple[dict[str, Any], list[str]]:
@@ -205,8 +271,11 @@ def validate_assets(out: Path) -> dict:
             if f["function_name"] not in asset.summary().function_names:
                 raise ManifestError(f"{f['file']} has no function {f['function_name']!r} ({model}/{fn})")
             io = function_io(asset, f["function_name"])
-            for kind in ("inputs", "outputs"):
-                for t in f[kind]:
+            if set(io["states"]) != {t["name"] for t in f.get("states", [])}:
+                raise ManifestError(f"{f['file']} ({fn}) has states {sorted(io['states'])}, the manifest says "
+                                    f"{sorted(t['name'] for t in f.get('states', []))}")
+            for kind in ("inputs", "states", "outputs"):
+                for t in f.get(kind, []):
                     got = io[kind].get(t["name"])
                     if got != (t["dtype"], t["shape"]):
                         raise ManifestError(f"{f['file']} ({fn}) {kind[:-1]} {t['name']!r} is "

@@ -8,22 +8,31 @@ released; the functions of one asset share its loaded program.
 
 The runtime's API is asynchronous: one event loop on a thread of its own serves every call, so
 the pipeline may call from several threads (cache updates run in the background).
+
+A stateful export's caches (`--kv-cache state`) are Core AI states: arrays the runtime holds and
+each call reads and writes (`function(inputs, state={name: NDArray})`). As with Core ML's
+MLState, one set stands for each set of cache arrays the pipeline hands in (keyed by its arrays),
+filled from them when first seen and shared by every function of the asset; `sync_states`
+copies them back into the arrays, as does dropping the least recently used beyond `HELD_STATES`
+per asset, or releasing the asset.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import OrderedDict
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from ...contract.manifest import function_entry
+from ...contract.manifest import function_entry, function_states
 from .base import Backend, BackendError
 
 INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
+HELD_STATES = 4  # sets of states kept per asset (caches in use at once, e.g. a chat and a document)
 
 
 class CoreAIBackend(Backend):
@@ -56,6 +65,8 @@ class CoreAIBackend(Backend):
         self._thread.start()
         self._models: dict[str, tuple[AsyncExitStack, Any]] = {}  # file -> (its context, the loaded model)
         self._functions: dict[tuple[str, str], Any] = {}
+        # (asset file, id of the caller's first state array) -> ({name: NDArray}, the caller's arrays by name)
+        self._states: OrderedDict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = OrderedDict()
         self._closed = False
 
     def _run(self, coro) -> Any:
@@ -79,10 +90,39 @@ class CoreAIBackend(Backend):
             self._functions[file, name] = model.load_function(name)
         return self._functions[file, name]
 
-    async def _predict(self, file: str, name: str, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def _predict(self, file: str, name: str, feed: dict[str, np.ndarray],
+                       states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         function = await self._function(file, name)
-        out = await function({k: self._ndarray(v) for k, v in feed.items()})
+        held = self._state(file, states) if states else {}
+        out = await function({k: self._ndarray(v) for k, v in feed.items()}, state=held)
         return {k: v.numpy() for k, v in out.items()}
+
+    def _state(self, file: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The runtime's states standing for the caller's cache arrays in asset `file`, made from
+        them the first time they are seen. On the loop's thread only."""
+        key = (file, id(next(iter(arrays.values()))))
+        held = self._states.get(key)
+        if held is None or any(held[1].get(name) is not a for name, a in arrays.items()):
+            made = {name: self._ndarray(np.ascontiguousarray(a, dtype=self.dtype)) for name, a in arrays.items()}
+            held = self._states[key] = (made, dict(arrays))
+            for old in [k for k in self._states if k[0] == file][:-HELD_STATES]:
+                self._copy_back(*self._states.pop(old))
+        self._states.move_to_end(key)
+        return held[0]
+
+    @staticmethod
+    def _copy_back(states: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        for name, a in arrays.items():
+            a[...] = states[name].numpy()
+
+    async def _sync(self, files: set[str] | None = None, drop: bool = False) -> None:
+        for key in [k for k in self._states if files is None or k[0] in files]:
+            self._copy_back(*(self._states.pop(key) if drop else self._states[key]))
+
+    def sync_states(self) -> None:
+        """Copy every held state back into the cache arrays it stands for."""
+        if not self._closed:
+            self._run(self._sync())
 
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run manifest function `function` of `model`; returns every output the manifest names."""
@@ -96,8 +136,13 @@ class CoreAIBackend(Backend):
             if list(feed[spec["name"]].shape) != spec["shape"]:
                 raise BackendError(f"{model}/{function} input {spec['name']!r} has shape "
                                    f"{list(feed[spec['name']].shape)}, the manifest says {spec['shape']}")
+        states = {}
+        for spec in function_states(entry):  # the caller's cache arrays, which the held states stand for
+            if spec["name"] not in inputs:
+                raise BackendError(f"{model}/{function} needs state {spec['name']!r}; got {sorted(inputs)}")
+            states[spec["name"]] = inputs[spec["name"]]
         try:
-            out = self._run(self._predict(entry["file"], entry.get("function_name") or function, feed))
+            out = self._run(self._predict(entry["file"], entry.get("function_name") or function, feed, states))
         except BackendError:
             raise
         except RuntimeError as exc:  # the runtime reports its failures as RuntimeError
@@ -109,6 +154,7 @@ class CoreAIBackend(Backend):
         return {s["name"]: out[s["name"]] for s in entry["outputs"]}
 
     async def _release(self, files: set[str]) -> None:
+        await self._sync(files, drop=True)
         for file in files:
             self._functions = {k: v for k, v in self._functions.items() if k[0] != file}
             held = self._models.pop(file, None)
@@ -116,7 +162,8 @@ class CoreAIBackend(Backend):
                 await held[0].aclose()
 
     def release(self, model: str) -> None:
-        """Unload the assets `model`'s functions live in; they load again on next use."""
+        """Unload the assets `model`'s functions live in (their states copied back into the cache
+        arrays and dropped); they load again on next use."""
         files = {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}
         if not self._closed:
             self._run(self._release(files))
