@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .errors import LlamaANEError
 from .contract.manifest import write_manifest
-from .contract.options import EXPORT_OPTIONS, ExportOptions, ExportOptionsError, Option, export_settings
+from .contract.options import COREAI, EXPORT_OPTIONS, ExportOptions, ExportOptionsError, Option, export_settings
 from .quantize import PARTS, QuantizeOptions
 
 
@@ -308,7 +308,7 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
         + (f" in buckets {list(opts.context_buckets)}" if len(opts.context_buckets) > 1 else "")
         + f", prefill window {opts.prefill_length}, "
         f"{opts.precision}, target {target}" + (f", {opts.branch_width} cascade branches" if opts.branch_width else "")
-        + (", KV caches in Core ML states" if opts.kv_cache == "state" else "")
+        + (f", KV caches in {'Core AI' if target == COREAI else 'Core ML'} states" if opts.kv_cache == "state" else "")
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if opts.quantize.active:
         def granularity(d: dict) -> str:
