@@ -141,3 +141,148 @@ def test_smollm2_coreai_export_passes_its_parity_gate(tmp_path):
     assert "backend coreai" in report and "passed" in report
     assets = [p for p in out.iterdir() if p.is_dir()]
     assert assets and all(p.suffix == ".aimodel" for p in assets)
+
+
+# --- caches in Core AI states (--kv-cache state) -----------------------------------------------------
+
+BUCKETS = (64, 128)
+
+
+@pytest.fixture(scope="module")
+def state_export(tiny_checkpoint, tmp_path_factory):
+    """An fp32 export with its caches in Core AI states, two context buckets and a cascade of two
+    branches, made (and verified) by one command."""
+    ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32)
+    out = tmp_path_factory.mktemp("coreai_state") / "state"
+    done = export_coreai(ckpt, out, "--precision", "fp32", "--kv-cache", "state", "--branches", "2",
+                         "--suffix-length", "32", "--context-buckets", ",".join(map(str, BUCKETS)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "KV caches in Core AI states" in done.stdout + done.stderr
+    assert "backend coreai" in done.stdout + done.stderr and "passed" in done.stdout + done.stderr
+    return ckpt, out
+
+
+def test_state_export_keeps_the_caches_in_the_assets_states(state_export):
+    from coreai.authoring.asset import AIModelAsset
+
+    from llama_ane.export.coreai import function_io, structure
+
+    _, out = state_export
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cache"]["kind"] == "state"
+    # the windows write their own K/V: the cache-update model keeps only the cascade's suffix updates
+    assert all(fn.startswith("decode_branches") for fn in manifest["models"]["cache_update"]["functions"])
+    chunk = manifest["models"]["chunk_0"]["functions"]
+    asset = AIModelAsset.load(out / chunk["decode"]["file"])
+    for fn, entry in chunk.items():
+        io = function_io(asset, entry["function_name"])
+        assert {n: (d, s) for n, (d, s) in io["states"].items()} == {
+            t["name"]: (t["dtype"], t["shape"]) for t in entry["states"]}
+        # one state of the whole context in every bucket's function
+        assert sorted(io["states"]) == ["k_cache", "v_cache"]
+        assert all(shape[3] == manifest["context_length"] for _, shape in io["states"].values())
+        assert not {"k_cache", "v_cache"} & set(io["inputs"])
+        assert ("k_new" in io["outputs"]) == (fn == "decode_branches")  # the suffix caches take the cascade's
+    found, violations = structure(out / chunk["decode"]["file"])
+    assert violations == []
+    assert found["operations"]["coreai.write_handle"] == 2 * len(chunk)  # each function writes both states
+
+
+def test_state_export_greedy_tokens_equal_torch_across_buckets(state_export):
+    """A prompt of several windows, then decoding past the first bucket: every function reads and
+    writes the same states, which persist between calls."""
+    from llama_ane.runtime.model import load
+
+    ckpt, out = state_export
+    prompt = list(range(3, 3 + 50))
+    tokens, caches = {}, {}
+    for backend in ("coreai", "torch"):
+        model = load(out, backend=backend, **({"checkpoint": ckpt, "precision": "fp32"} if backend == "torch" else {}))
+        try:
+            cache = model.make_cache()
+            tokens[backend] = _greedy_from(model, prompt, 24, cache)
+            model.pipeline.wait()
+            model.backend.sync_states()  # the runtime's states copied back into the cache arrays
+            caches[backend] = cache
+        finally:
+            model.close()
+    assert tokens["coreai"] == tokens["torch"]
+    assert len(prompt) + 24 > BUCKETS[0]
+    held = caches["torch"].position
+    for mine, want in zip(caches["coreai"].caches, caches["torch"].caches):
+        for key in ("k", "v"):
+            np.testing.assert_allclose(mine[key][..., :held], want[key][..., :held], atol=1e-4)
+
+
+def _greedy_from(model, prompt: list[int], steps: int, cache) -> list[int]:
+    return [int(t) for t in model.generate(prompt, max_new_tokens=steps, temperature=0.0, cache=cache).token_ids]
+
+
+def test_state_export_cascade_equals_decoding_alone(state_export):
+    from llama_ane.runtime.model import load
+
+    _, out = state_export
+    prefix, conts = list(range(5, 5 + 20)), [[4, 6, 7], [90, 91, 92, 93, 94]]
+    model = load(out, backend="coreai")
+    try:
+        branches = model.generate_branches(prefix, conts, max_new_tokens=6).branches
+        for r, cont in zip(branches, conts):
+            assert r.token_ids == model.generate(prefix + cont, max_new_tokens=6, temperature=0.0).token_ids
+    finally:
+        model.close()
+
+
+def test_buckets_are_entry_points_per_context_and_query_length(state_export):
+    """What coreai-core reads back from each asset: exactly the functions the manifest names in it,
+    a prefill (the prefill window) and a decode (one token) per context bucket, whose masks cover
+    that bucket's positions."""
+    from coreai.authoring.asset import AIModelAsset
+
+    from llama_ane.export.coreai import function_io
+    from llama_ane.model.functions import bucket_function
+
+    _, out = state_export
+    manifest = json.loads((out / "manifest.json").read_text())
+    context, window = manifest["context_length"], manifest["prefill_length"]
+    assert manifest["context_buckets"] == list(BUCKETS)
+    files: dict[str, set[str]] = {}
+    for entry in manifest["models"].values():
+        for f in entry["functions"].values():
+            files.setdefault(f["file"], set()).add(f["function_name"])
+    for file, names in files.items():
+        assert set(AIModelAsset.load(out / file).summary().function_names) == names, file
+    for model in ("embeddings", "chunk_0"):
+        entry = manifest["models"][model]["functions"]
+        asset = AIModelAsset.load(out / entry["decode"]["file"])
+        for bucket in BUCKETS:
+            for fn, s in (("prefill", window), ("decode", 1)):
+                io = function_io(asset, entry[bucket_function(fn, bucket, context)]["function_name"])
+                mask = io["outputs" if model == "embeddings" else "inputs"]["mask"][1]
+                assert mask == [1, 1, s, bucket + s], (model, fn, bucket)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "gemma3"])
+def test_state_export_of_conv_state_and_ring(family, tmp_path):
+    """LFM2's conv state and Gemma 3's sliding ring (64 slots, wrapped by the gate's 128 tokens) as
+    states: the export passes its parity gate on the coreai backend and decodes torch's tokens."""
+    from test_families import CASES
+    from test_lfm2 import LFM2_CHECKPOINT
+
+    from llama_ane.runtime.model import load
+    from llama_ane.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", **(LFM2_CHECKPOINT if family == "lfm2" else CASES["gemma3_tied_gqa"]))
+    out = tmp_path / "out"
+    done = export_coreai(ckpt, out, "--precision", "fp32", "--kv-cache", "state")
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    states = {t["name"] for t in manifest["models"]["chunk_0"]["functions"]["decode"]["states"]}
+    assert states >= ({"conv_state"} if family == "lfm2" else {"k_ring", "v_ring"})
+    tokens = {}
+    for backend in ("coreai", "torch"):
+        model = load(out, backend=backend, **({"checkpoint": ckpt, "precision": "fp32"} if backend == "torch" else {}))
+        try:
+            tokens[backend] = _greedy_from(model, list(range(3, 3 + 70)), 12, None)
+        finally:
+            model.close()
+    assert tokens["coreai"] == tokens["torch"]

@@ -109,6 +109,17 @@ class StateFunction(torch.nn.Module):
         return outs[:self.outputs]
 
 
+def _remainder(x: torch.Tensor, y: Any) -> torch.Tensor:
+    """aten.remainder.Scalar, which coreai-torch does not lower, through fmod, which it does: the
+    remainder takes the divisor's sign, ((x fmod y) + y) fmod y (the ring's slots: p mod R)."""
+    return torch.ops.aten.fmod.Scalar(torch.ops.aten.add.Scalar(torch.ops.aten.fmod.Scalar(x, y), y), y)
+
+
+def decompositions(ct: Any) -> dict:
+    """coreai-torch's decomposition table, with `_remainder` for aten.remainder.Scalar."""
+    return {**ct.get_decomp_table(), torch.ops.aten.remainder.Scalar: _remainder}
+
+
 def _argument_order(module: torch.nn.Module, io: dict) -> list[str]:
     """The manifest's input names in the order the module's forward takes them. A parameter the
     manifest does not declare must be optional (a family's extra input, e.g. a sliding mask)."""
@@ -152,7 +163,7 @@ def write_asset(modules: dict[str, torch.nn.Module], functions: dict[str, dict],
             args, kwargs = (), {n: feed[n] for n in order}
         try:
             program = torch.export.export(module, args, kwargs)
-            converter.add_exported_program(program.run_decompositions(ct.get_decomp_table()), input_names=order,
+            converter.add_exported_program(program.run_decompositions(decompositions(ct)), input_names=order,
                                            output_names=[t["name"] for t in io["outputs"]], state_names=states,
                                            entrypoint_name=fn)
         except Exception as exc:  # torch.export and the converter raise many kinds; name the function
