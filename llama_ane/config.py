@@ -17,17 +17,21 @@ from .errors import LlamaANEError
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                        "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3",
-                       "gemma3_text": "Gemma3", "lfm2": "Lfm2"}
-FAMILY_MODULE = {"gemma3_text": "gemma3"}  # transformers' module of a family, where it is not the model_type
+                       "gemma3_text": "Gemma3", "gemma4_text": "Gemma4", "lfm2": "Lfm2"}
+FAMILY_MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+# transformers' class of a family's part, where it is not the prefix's: Gemma 4's text classes
+FAMILY_CLASS = {("gemma4_text", "DecoderLayer"): "Gemma4TextDecoderLayer",
+                ("gemma4_text", "RotaryEmbedding"): "Gemma4TextRotaryEmbedding"}  # transformers' module of a family, where it is not the model_type
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
 ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config reads as longrope
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
     "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model) and 'lfm2' (LFM2) with RoPE type "
+    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model) "
+    "and 'lfm2' (LFM2) with RoPE type "
     "default, linear or "
-    "llama3 (phi3: default or longrope), silu MLP (gemma3_text: gelu_pytorch_tanh), no MLP bias"
+    "llama3 (phi3: default or longrope), silu MLP (gemma3_text, gemma4_text: gelu_pytorch_tanh), no MLP bias"
 )
 # Families transformers has that the export does not build, with what they need that it lacks
 # (other model_types get the plain "unsupported" line).
@@ -35,8 +39,8 @@ _MOE = "a mixture-of-experts MLP (routed experts)"
 REFUSED_FAMILIES = {
     "gemma3": "Gemma 3's vision tower and the multimodal checkpoint's weight names (language_model.*); export "
               "the text model's checkpoint (model_type 'gemma3_text', e.g. google/gemma-3-1b-it)",
-    "gemma4": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
-    "gemma4_text": "Gemma 4's local sliding-window layers between global ones and its other Gemma blocks",
+    "gemma4": "Gemma 4's vision and audio towers and the multimodal checkpoint's weight names "
+              "(model.language_model.*); export the text model's checkpoint (model_type 'gemma4_text')",
     "qwen3_5": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
     "qwen3_5_text": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
@@ -58,14 +62,14 @@ REFUSED_FAMILIES = {
 FUSED_PROJECTIONS = ("phi3",)
 QKV_BIAS_ALWAYS = ("qwen2",)
 ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2", "gemma3_text")
-QK_NORM = ("qwen3", "olmo2", "gemma3_text", "lfm2")
+QK_NORM = ("qwen3", "olmo2", "gemma3_text", "gemma4_text", "lfm2")
 QK_NORM_ACROSS_HEADS = ("olmo2",)
 POST_NORMS = ("olmo2",)
 # gemma3_text (Gemma 3) normalizes both the input and the output of attention and of the MLP (four
 # norms a layer), stores every norm weight as w for a scale of (1 + w), scales the embeddings by
 # sqrt(hidden_size), uses a GeLU (tanh) MLP, an attention scale of query_pre_attn_scalar ** -0.5,
 # and local RoPE (its own base, no scaling) on its sliding-window layers.
-SANDWICH_NORMS = ("gemma3_text",)
+SANDWICH_NORMS = ("gemma3_text", "gemma4_text")
 UNIT_OFFSET_NORMS = ("gemma3_text",)
 LOCAL_ROPE = ("gemma3_text",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -76,11 +80,26 @@ QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has n
 # branches' outputs before their post-norms (o_proj, up_proj) are carried times this power of two,
 # with each norm's eps times its square: the same numbers in any precision (a power of two scales
 # exactly), and finite in fp16.
-STREAM_SCALE = {"gemma3_text": 2.0 ** -6}
+STREAM_SCALE = {"gemma3_text": 2.0 ** -6, "gemma4_text": 2.0 ** -6}
 # transformers' Gemma3TextConfig defaults, where config.json leaves a field out
 GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                    "sliding_window_pattern": 6, "rms_norm_eps": 1e-6}
 GEMMA3_ROPE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # its default bases
+# gemma4_text (Gemma 4) has Gemma 3's four norms a layer, stored as the weight itself (no 1 + w), and
+# adds: an attention scale of 1 (q and k are normalized per head), a weightless norm of each v head,
+# a per-layer input (PLE: a second, per-layer token embedding with a projection of the embeddings,
+# fed into each layer after its MLP through a gate and a projection, then the layer's scalar),
+# proportional partial RoPE on the global layers (only the first partial_rotary_factor of the
+# frequencies rotate, the rest are zero), global layers that may take V from the K projection
+# (attention_k_eq_v), and softcapped logits. Its transformers defaults where config.json leaves a
+# field out:
+GEMMA4 = "gemma4_text"
+GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                   "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+                   "global_head_dim": 512}
+GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                  "rope_theta": 1_000_000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
 # lfm2 (LFM2) puts a short convolution (conv_layers) in place of attention in most layers; its
 # attention layers normalize each q and k head. Its config names some fields its own way, and
 # transformers' Lfm2Config fills in the rest: the aliases and defaults below.
@@ -126,6 +145,17 @@ class LlamaConfig:
     conv_layers: list[int] = field(default_factory=list)  # the layers with a short convolution, not attention
     conv_kernel: int = 3  # the short convolution's kernel (LFM2's conv_L_cache)
     conv_bias: bool = False  # biases on the short convolution's projections and kernel
+    # Gemma 4: the weightless norm of each v head, V from the K projection on the global layers, the
+    # per-layer inputs' width (0: none) and vocabulary, each layer's stored scalar, the logits'
+    # softcap (None: none), and the global layers' RoPE: proportional, the first rope_proportion of
+    # its head_dim/2 frequencies rotating (1.0: all, as every other family)
+    value_norm: bool = False
+    k_eq_v: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    layer_scalar: bool = False
+    final_logit_softcapping: float | None = None
+    rope_proportion: float = 1.0
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
     # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
     embedding_multiplier: float = 1.0
@@ -148,7 +178,10 @@ class LlamaConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
         gemma = model_type in SANDWICH_NORMS
-        if gemma:
+        if model_type == GEMMA4:
+            d = _gemma4_fields(f)
+            f = _Fields(d, origin)
+        elif gemma:
             _refuse_gemma3_fields(f)
             d = {**GEMMA3_DEFAULTS, "tie_word_embeddings": True, **{k: v for k, v in d.items() if v is not None}}
             f = _Fields(d, origin)
@@ -170,7 +203,9 @@ class LlamaConfig:
 
         rope = f.mapping("rope_parameters")
         local_theta = None
-        if gemma:
+        if model_type == GEMMA4:
+            rope, local_theta = _gemma4_rope(f, rope)
+        elif gemma:
             rope, local_theta = _gemma3_rope(f, rope)
         rope_theta = f.number("rope_theta", None) or _Fields(rope, f"{origin} rope_parameters").number(
             "rope_theta", 10000.0)
@@ -221,6 +256,7 @@ class LlamaConfig:
             nope_layers=_nope_layers(f, model_type),
             **_conv_fields(f, model_type),
             **_multipliers(f, model_type),
+            **_gemma4_extras(f, model_type),
         )
         cfg.validate()
         return cfg
@@ -244,7 +280,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings",
-                     "sandwich_norms", "conv_bias"):
+                     "sandwich_norms", "conv_bias", "value_norm", "k_eq_v", "layer_scalar"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         layers = self.num_hidden_layers
@@ -268,6 +304,18 @@ class LlamaConfig:
         if self.rope_local_theta is not None and (isinstance(self.rope_local_theta, bool) or not isinstance(
                 self.rope_local_theta, (int, float)) or not 0 < self.rope_local_theta < math.inf):
             raise ConfigError(f"rope_local_theta must be a positive number or null, got {self.rope_local_theta!r}")
+        for name in ("per_layer_input_size", "per_layer_vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.per_layer_input_size and not self.per_layer_vocab_size:
+            raise ConfigError("per_layer_vocab_size must be positive where per_layer_input_size is")
+        cap = self.final_logit_softcapping
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+            raise ConfigError(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+        p = self.rope_proportion
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ConfigError(f"rope_proportion must be a number in [0, 1], got {p!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
@@ -341,7 +389,19 @@ class LlamaConfig:
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
         extras += ("q_norm.weight", "k_norm.weight") if self.qk_norm else ()
         extras += ("pre_feedforward_layernorm.weight",) if self.sandwich_norms else ()
-        return extras + (("post_feedforward_layernorm.weight",) if self.post_norms or self.sandwich_norms else ())
+        extras += ("post_feedforward_layernorm.weight",) if self.post_norms or self.sandwich_norms else ()
+        extras += ("per_layer_input_gate.weight", "per_layer_projection.weight",
+                   "post_per_layer_input_norm.weight") if self.per_layer_input_size else ()
+        return extras + (("layer_scalar",) if self.layer_scalar else ())
+
+    @property
+    def per_layer_channels(self) -> int:
+        """Channels of Gemma 4's per-layer inputs of all layers: num_hidden_layers * per_layer_input_size."""
+        return self.num_hidden_layers * self.per_layer_input_size
+
+    def value_from_key(self, layer: int) -> bool:
+        """Whether decoder layer `layer` takes V from its K projection (Gemma 4's global layers with attention_k_eq_v)."""
+        return self.k_eq_v and not self.slides(layer)
 
     @property
     def input_norm(self) -> bool:
@@ -414,7 +474,9 @@ class LlamaConfig:
         ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
                 "fused_projections", "sliding_window", "nope_layers", "sliding_layers", "rope_local_theta",
                 "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
-                "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling")
+                "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling", "value_norm",
+                "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar", "final_logit_softcapping",
+                "rope_proportion")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = self.hidden_act
@@ -430,6 +492,8 @@ class LlamaConfig:
         if self.model_type == "smollm3":
             d["no_rope_layers"] = [int(self.rotary(n)) for n in range(self.num_hidden_layers)]
             d["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == GEMMA4:
+            return self._gemma4_hf_dict(d)
         if self.sandwich_norms:  # Gemma 3's own names, its scales as the fields they come from
             del d["hidden_act"]
             d.update(hidden_activation=self.hidden_act, rope_local_base_freq=self.rope_local_theta,
@@ -451,6 +515,25 @@ class LlamaConfig:
         if self.model_type == "granite":
             d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                      attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
+        return d
+
+    def _gemma4_hf_dict(self, d: dict[str, Any]) -> dict[str, Any]:
+        """to_hf_dict of Gemma 4 (Gemma4TextConfig's names): the RoPE per layer type, the global
+        layers' head sizes as the sliding layers' (the only ones the export builds)."""
+        full = {"rope_type": "proportional", "rope_theta": self.rope_theta, "partial_rotary_factor": self.rope_proportion,
+                **({"factor": self.rope_scaling["factor"]} if self.rope_scaling else {})}
+        for name in ("hidden_act", "mlp_bias", "rope_scaling", "partial_rotary_factor", "attention_bias"):
+            d.pop(name, None)
+        d.update(hidden_activation=self.hidden_act, sliding_window=self.sliding_window or self.max_position_embeddings,
+                 layer_types=["sliding_attention" if self.slides(n) else "full_attention"
+                              for n in range(self.num_hidden_layers)],
+                 rope_parameters={"full_attention": full, "sliding_attention": {
+                     "rope_type": "default", "rope_theta": self.rope_local_theta}},
+                 global_head_dim=self.head_dim, num_global_key_value_heads=self.num_key_value_heads,
+                 attention_k_eq_v=self.k_eq_v, num_kv_shared_layers=0, enable_moe_block=False,
+                 hidden_size_per_layer_input=self.per_layer_input_size,
+                 vocab_size_per_layer_input=self.per_layer_vocab_size or self.vocab_size,
+                 final_logit_softcapping=self.final_logit_softcapping)
         return d
 
 
@@ -515,10 +598,118 @@ def _gemma3_rope(f: "_Fields", rope: dict[str, Any]) -> tuple[dict[str, Any], fl
     return rope, f.number("rope_local_base_freq", GEMMA3_ROPE["sliding_attention"])
 
 
+def _gemma4_fields(f: "_Fields") -> dict[str, Any]:
+    """Gemma 4's config.json with Gemma4TextConfig's defaults filled in (its layer types: every sixth
+    layer global, the last one always; its RoPE per layer type), checked for what the export does not
+    build, each refused by name."""
+    d = {**GEMMA4_DEFAULTS, **{k: v for k, v in f.d.items() if v is not None}}
+    g = _Fields(d, f.origin)
+    refuse = lambda what: ConfigError(f"{f.origin}: {what}")  # noqa: E731
+    if g.boolean("enable_moe_block"):
+        raise refuse(f"enable_moe_block is true; the export has no {_MOE} (Gemma 4's MoE block)")
+    if d.get("use_bidirectional_attention") is not None:
+        raise refuse(f"use_bidirectional_attention is {_json_type(d['use_bidirectional_attention'])}; the "
+                     "export builds causal language models only")
+    if g.boolean("attention_bias"):
+        raise refuse("attention_bias is true; the export builds Gemma 4's attention without biases")
+    if d.get("attn_logit_softcapping") is not None:
+        raise refuse("attn_logit_softcapping is set; the export does not softcap attention scores")
+    layers = g.integer("num_hidden_layers")
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (n + 1) % 6 else "full_attention" for n in range(layers)]
+    if isinstance(types, list) and types and types[-1] == "sliding_attention":
+        types = [*types[:-1], "full_attention"]  # as Gemma4TextConfig forces it
+    head_dim, kv_heads = g.integer("head_dim"), g.integer("num_key_value_heads", g.integer("num_attention_heads"))
+    glob = _gemma4_global_heads(g, types, layers)
+    if glob != (head_dim, kv_heads):
+        raise refuse(f"the global layers have head_dim {glob[0]} and {glob[1]} kv heads (global_head_dim, "
+                     f"num_global_key_value_heads or per_layer_config) where the sliding layers have {head_dim} and "
+                     f"{kv_heads}; the export keeps one K/V width for every layer, so it builds Gemma 4 checkpoints "
+                     "whose global and sliding layers have the same head_dim and kv heads only")
+    if g.integer("num_kv_shared_layers", 0, minimum=0):
+        raise refuse(f"num_kv_shared_layers is {d['num_kv_shared_layers']}; the export does not share K/V across "
+                     "layers (Gemma 4's KV-shared layers), so it builds checkpoints with num_kv_shared_layers 0 only")
+    rope = d.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or (rope and not {"full_attention", "sliding_attention"} <= set(rope)):
+        raise refuse(f"rope_parameters is {_json_type(rope)}; Gemma 4's has an object per layer type "
+                     "(full_attention, sliding_attention)")
+    rope = {kind: {**GEMMA4_ROPE[kind], **(rope.get(kind) or {})} for kind in GEMMA4_ROPE}
+    # Gemma4TextConfig reads its RoPE from rope_parameters only (a top-level rope_theta is ignored)
+    d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling", "partial_rotary_factor")}
+    return {**d, "layer_types": types, "rope_parameters": rope}
+
+
+def _gemma4_global_heads(g: "_Fields", types: Any, layers: int) -> tuple[int, int]:
+    """The head_dim and kv heads of Gemma 4's global layers: per_layer_config's overrides (every
+    global layer's the same, none for a sliding layer), else global_head_dim and, where
+    attention_k_eq_v is set, num_global_key_value_heads, as Gemma4TextConfig fills them in."""
+    head_dim, kv_heads = g.integer("head_dim"), g.integer("num_key_value_heads", g.integer("num_attention_heads"))
+    per_layer = g.d.get("per_layer_config")
+    if per_layer is None:
+        kv = g.integer("num_global_key_value_heads", None) if g.boolean("attention_k_eq_v") else None
+        return g.integer("global_head_dim"), kv or kv_heads
+    if not isinstance(per_layer, dict) or not isinstance(types, list):
+        raise ConfigError(f"{g.origin}: per_layer_config is {_json_type(per_layer)}; it must be an object of layer "
+                          "index -> head_dim / num_key_value_heads")
+    found = set()
+    for n in range(layers):
+        over = per_layer.get(str(n), per_layer.get(n)) or {}
+        if not isinstance(over, dict) or set(over) - {"head_dim", "num_key_value_heads"}:
+            raise ConfigError(f"{g.origin}: per_layer_config of layer {n} is {_json_type(over)}; the export reads "
+                              "head_dim and num_key_value_heads there only")
+        sizes = (over.get("head_dim", head_dim), over.get("num_key_value_heads", kv_heads))
+        if n < len(types) and types[n] == "full_attention":
+            found.add(sizes)
+        elif sizes != (head_dim, kv_heads):
+            raise ConfigError(f"{g.origin}: per_layer_config gives sliding layer {n} head_dim {sizes[0]} and "
+                              f"{sizes[1]} kv heads; the export builds them with the config's own")
+    if len(found) > 1:
+        raise ConfigError(f"{g.origin}: per_layer_config gives the global layers different head sizes "
+                          f"{sorted(found)}; the export builds one size for all of them")
+    return found.pop() if found else (head_dim, kv_heads)
+
+
+def _gemma4_rope(f: "_Fields", rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 4's global RoPE base (and a proportional RoPE's factor as linear scaling: it divides the
+    same frequencies) and the local base of its sliding layers; the proportion goes to
+    rope_proportion (_gemma4_extras)."""
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    where = f"{f.origin} rope_parameters"
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"{where}.sliding_attention has rope_type {local.get('rope_type')!r}; the sliding "
+                          "layers' RoPE must be the default one")
+    if full.get("rope_type", "default") not in ("default", "proportional"):
+        raise ConfigError(f"{where}.full_attention has rope_type {full.get('rope_type')!r}; the export builds "
+                          "Gemma 4's global layers with the proportional (or default) RoPE")
+    ff = _Fields(full, f"{where}.full_attention")
+    out = {"rope_theta": ff.number("rope_theta")}
+    factor = ff.number("factor", 1.0) if full.get("rope_type") == "proportional" else 1.0
+    if factor != 1.0:
+        out.update(rope_type="linear", factor=factor)
+    return out, _Fields(local, f"{where}.sliding_attention").number("rope_theta")
+
+
+def _gemma4_extras(f: "_Fields", model_type: str) -> dict[str, Any]:
+    """Gemma 4's own fields (see LlamaConfig); none for the other families."""
+    if model_type != GEMMA4:
+        return {}
+    full = f.d["rope_parameters"]["full_attention"]
+    proportion = 1.0
+    if full.get("rope_type") == "proportional":
+        proportion = _Fields(full, f"{f.origin} rope_parameters.full_attention").number("partial_rotary_factor", 1.0)
+    size = f.integer("hidden_size_per_layer_input", 0, minimum=0)
+    return {"value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
+            "per_layer_vocab_size": f.integer("vocab_size_per_layer_input") if size else 0, "layer_scalar": True,
+            "final_logit_softcapping": f.number("final_logit_softcapping", None), "rope_proportion": proportion}
+
+
 def _multipliers(f: "_Fields", model_type: str) -> dict[str, float]:
     """Granite's scale factors (transformers' GraniteConfig defaults when absent: 1.0 each, the
     attention scale too, not 1/sqrt(head_dim)); Gemma 3's embedding scale sqrt(hidden_size) and
     attention scale query_pre_attn_scalar ** -0.5; none for the other families."""
+    if model_type == GEMMA4:  # q and k are normalized: no scale
+        return {"embedding_multiplier": f.integer("hidden_size") ** 0.5, "attention_scale": 1.0}
     if model_type in SANDWICH_NORMS:
         return {"embedding_multiplier": f.integer("hidden_size") ** 0.5,
                 "attention_scale": f.number("query_pre_attn_scalar") ** -0.5}
@@ -708,13 +899,16 @@ def transformers_class(model_type: str, part: str):
 
     module = FAMILY_MODULE.get(model_type, model_type)
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    return getattr(modeling, FAMILY_CLASS_PREFIX[model_type] + part)
+    return getattr(modeling, FAMILY_CLASS.get((model_type, part), FAMILY_CLASS_PREFIX[model_type] + part))
 
 
 def inv_freq(cfg: LlamaConfig) -> "list[float]":
     """RoPE inverse frequencies [rotary_dim/2], with llama3 or linear scaling applied as transformers does."""
     d = cfg.rotary_dim
     base = [1.0 / (cfg.rope_theta ** (2 * i / d)) for i in range(d // 2)]
+    if cfg.rope_proportion != 1.0:  # proportional (Gemma 4): the first pairs rotate, the others have frequency 0
+        angles = int(cfg.rope_proportion * d // 2)
+        base = [f if i < angles else 0.0 for i, f in enumerate(base)]
     s = cfg.rope_scaling
     if not s:
         return base

@@ -67,6 +67,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types)} if per_type
                  else {None: rotary(x, positions)})  # cos, sin (1, T, D)
         sliding = _sliding_mask(ckpt.config, len(token_ids))
+        per_layer = _per_layer_inputs(ckpt, hf, ids, x)  # Gemma 4's, (1, T, L, P); None for the others
         for n in range(hf.num_hidden_layers):
             rope = ropes[hf.layer_types[n] if per_type else None]
             mask = sliding if ckpt.config.slides(n) else None
@@ -74,12 +75,31 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                 layer = DecoderLayer(hf, n)
             layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
             after = on_layer(n, layer) if on_layer is not None else None
-            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, n], "shared_kv_states": {}}
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope, **extra)
             x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
             if after is not None:
                 after()
             del layer  # before the next layer's weights are read
     return final_outputs(ckpt, x[0], logits=logits)
+
+
+def _per_layer_inputs(ckpt: Checkpoint, hf, ids, embeds):
+    """Gemma 4's per-layer inputs of token `ids` (T,) with embeddings `embeds` (1, T, C), as its
+    text model computes them (get_per_layer_inputs, project_per_layer_inputs): (1, T, L, P); None
+    for a model without them."""
+    import torch
+
+    cfg = ckpt.config
+    if not cfg.per_layer_input_size:
+        return None
+    layers, p = cfg.num_hidden_layers, cfg.per_layer_input_size
+    tokens = ckpt.tensor("model.embed_tokens_per_layer.weight")[ids].to(torch.float32) * p ** 0.5
+    projected = embeds @ ckpt.tensor("model.per_layer_model_projection.weight").to(torch.float32).T
+    projected = (projected * cfg.hidden_size ** -0.5).reshape(1, len(ids), layers, p)
+    norm = transformers_class(cfg.model_type, "RMSNorm")(p, eps=hf.rms_norm_eps)
+    norm = _with_weights(ckpt, norm, "model.per_layer_projection_norm.")
+    return (norm(projected) + tokens.reshape(1, len(ids), layers, p)) * 2 ** -0.5
 
 
 def _sliding_mask(cfg, length: int):
@@ -111,6 +131,9 @@ def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarra
         out = torch.cat([h @ head[s:s + HEAD_BLOCK].to(torch.float32).T for s in range(0, head.shape[0], HEAD_BLOCK)],
                         dim=1)  # (T, V)
         out = out / getattr(hf, "logits_scaling", 1.0)  # Granite's, in its ForCausalLM's forward
+        cap = getattr(hf, "final_logit_softcapping", None)  # Gemma 4's
+        if cap is not None:
+            out = torch.tanh(out / cap) * cap
     return out.numpy()
 
 

@@ -285,7 +285,7 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
             model.backend.release(name)
         hidden = emb["hidden_states"]
         for i, chunk in enumerate(pipe.chunks):
-            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i)}
+            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i), **pipe.per_layer_input(i, emb)}
             out = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))
             hidden = out.get("hidden_states_out")  # none from a last chunk carrying the LM head
             model.backend.release(chunk["model"])

@@ -1,4 +1,4 @@
-"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 (text) and LFM2 checkpoints, and a Mistral
+"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 and 4 (text) and LFM2 checkpoints, and a Mistral
 window shorter than the context, end to end on tiny random models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
@@ -33,6 +33,12 @@ def longrope(pairs: int) -> dict:
 GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "head_dim": 32,
          "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
          "rms_norm_eps": 1e-6}
+
+# Gemma 4's text model: per-layer inputs, proportional partial RoPE on the global layers, softcapped logits
+GEMMA4 = {"model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh", "head_dim": 32, "global_head_dim": 32,
+          "num_hidden_layers": 4, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320,
+          "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
 
 LFM2 = {"model_type": "lfm2", "tie_word_embeddings": True, "intermediate_size": 96, "block_multiple_of": 16,
         "block_ffn_dim_multiplier": 1.5, "conv_L_cache": 3, "rope_theta": 1_000_000.0}
@@ -73,6 +79,15 @@ CASES = {
     "gemma3_untied_mha": dict(GEMMA, tie_word_embeddings=False, num_key_value_heads=4, sliding_window=24,
                               sliding_window_pattern=2),
     "mistral_window": {"model_type": "mistral", "head_dim": 32, "sliding_window": 48},
+    # Gemma 4: GQA with the global layers' V from their K projection (attention_k_eq_v), tied; MHA with V
+    # of its own, untied, a RoPE factor on the global layers; both with windows shorter than the 150
+    # tokens compared
+    "gemma4_tied_gqa_k_eq_v": dict(GEMMA4, tie_word_embeddings=True, attention_k_eq_v=True, sliding_window=24),
+    "gemma4_untied_mha": dict(GEMMA4, tie_word_embeddings=False, num_key_value_heads=4, sliding_window=40,
+                              rope_parameters={
+                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                     "rope_theta": 1_000_000.0, "factor": 4.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
     # LFM2: short-convolution layers beside attention layers (chunks of conv layers only, too), the
     # MLP's width adjusted as Lfm2MLP does
     "lfm2_tied_gqa": dict(LFM2, head_dim=32, layer_types=["conv", "full_attention", "conv"]),
@@ -80,9 +95,9 @@ CASES = {
                                     layer_types=["conv", "conv", "full_attention", "conv"]),
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
-            "mistral_window", "lfm2_tied_gqa"]  # one fp16 export each
+            "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
-           "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias"]
+           "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -98,6 +113,11 @@ TEMPLATES = {
     "gemma3_text": ("{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
                     "else m['role'] %}<|im_start|>{{ role }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
                     "{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
+    # Gemma 4 style: a system turn of its own, the assistant as "model", contents trimmed, and a turn
+    # that closes with the end marker only when it is not the last (generation continues it)
+    "gemma4_text": ("{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+                    "<|im_start|>{{ role }}\n{{ m['content'] | trim }}{% if not loop.last or m['role'] != 'assistant' %}"
+                    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
     "lfm2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "mistral": ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|> {{ m['content'] }} "
@@ -157,7 +177,8 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "phimoe"}, ["'phimoe'", "mixture-of-experts", "'phi3'"]),
     ({"model_type": "qwen3_5"}, ["'qwen3_5'", "unsupported", "Gated DeltaNet"]),
     ({"model_type": "gemma3"}, ["'gemma3'", "unsupported", "language_model", "'gemma3_text'"]),
-    ({"model_type": "gemma4_text"}, ["'gemma4_text'", "Gemma 4"]),
+    ({"model_type": "gemma4"}, ["'gemma4'", "unsupported", "language_model", "'gemma4_text'"]),
+    ({"model_type": "gemma4_text", "global_head_dim": 16, "num_kv_shared_layers": 1}, ["num_kv_shared_layers"]),
     ({"model_type": "lfm2", "layer_types": ["conv", "sliding_attention", "conv"]}, ["layer_types", "\"conv\""]),
     ({"model_type": "lfm2", "full_attn_idxs": [0], "conv_L_cache": 1}, ["conv_L_cache", ">= 2"]),
     ({"model_type": "qwen3_5_text"}, ["'qwen3_5_text'", "'gemma3_text'"]),
@@ -343,7 +364,7 @@ def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export, posi
     import llama_ane
 
     name, out = export
-    if not name.endswith("window") and not name.startswith("gemma3"):
+    if not name.endswith("window") and not name.startswith("gemma"):
         pytest.skip("the windowed exports")
     model = llama_ane.load(out, backend="mil")
     window, ring = model.manifest["config"]["sliding_window"], model.manifest["cache"]["sliding"]["length"]

@@ -36,6 +36,10 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "k_norm.weight": "self_attn.k_norm.weight",
     "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
     "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "per_layer_input_gate.weight": "per_layer_input_gate.weight",  # Gemma 4's per-layer input
+    "per_layer_projection.weight": "per_layer_projection.weight",
+    "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
 }
 FUSED_TENSORS = {  # where a family stores several projections as one (Phi-3): our name -> (HF name, the
     # LlamaConfig sizes of the rows before ours, the size of ours): its rows are ours
@@ -90,6 +94,10 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "conv.in_proj.bias": ("conv_in_channels",),
     "conv.conv.bias": ("hidden_size",),
     "conv.out_proj.bias": ("hidden_size",),
+    "per_layer_input_gate.weight": ("per_layer_input_size", "hidden_size"),
+    "per_layer_projection.weight": ("hidden_size", "per_layer_input_size"),
+    "post_per_layer_input_norm.weight": ("hidden_size",),
+    "layer_scalar": (1,),
 }
 FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
                 "mlp.gate_up_proj.weight": ("gate_up_channels", "hidden_size")}
@@ -98,19 +106,32 @@ GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
     "model.norm.weight": ("hidden_size",),
     "lm_head.weight": ("vocab_size", "hidden_size"),
 }
+PER_LAYER_TENSORS = {  # Gemma 4's per-layer inputs, in the embeddings model: our name -> (HF name, its shape)
+    "embed_tokens_per_layer.weight": ("model.embed_tokens_per_layer.weight", ("per_layer_vocab_size",
+                                                                             "per_layer_channels")),
+    "per_layer_model_projection.weight": ("model.per_layer_model_projection.weight",
+                                          ("per_layer_channels", "hidden_size")),
+    "per_layer_projection_norm.weight": ("model.per_layer_projection_norm.weight", ("per_layer_input_size",)),
+}
 DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim",
            "q_norm_channels": "head_dim, or num_attention_heads*head_dim across heads",
            "k_norm_channels": "head_dim, or num_key_value_heads*head_dim across heads",
            "qkv_channels": "(num_attention_heads+2*num_key_value_heads)*head_dim",
            "gate_up_channels": "2*intermediate_size", "conv_in_channels": "3*hidden_size",
-           "conv_kernel": "conv_L_cache"}
+           "conv_kernel": "conv_L_cache", "per_layer_input_size": "hidden_size_per_layer_input",
+           "per_layer_vocab_size": "vocab_size_per_layer_input",
+           "per_layer_channels": "num_hidden_layers*hidden_size_per_layer_input"}
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 # Where the stream scale (LlamaConfig.stream_scale) goes in a block with norms before and after its
 # branches: into what the post-norms add to the stream, and into each branch's output before its
 # post-norm (o_proj's, and the MLP's through up_proj: gelu(gate) * up is where fp16 overflows)
 STREAM_SCALED = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "o_proj.weight",
-                 "o_proj.bias", "mlp.up_proj.weight")
+                 "o_proj.bias", "mlp.up_proj.weight", "post_per_layer_input_norm.weight")
+# What reads the stream into something not scale invariant (Gemma 4's per-layer input gate, before its
+# GeLU): the stream scale is undone in its weights
+STREAM_UNSCALED = ("per_layer_input_gate.weight",)
+CONV_WEIGHTS = ("per_layer_input_gate.weight", "per_layer_projection.weight")  # Linear weights not named *proj.weight
 
 
 def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
@@ -122,6 +143,8 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
         return {ours: LFM2_ATTENTION_NAMES.get(ours, hf) for ours, hf in layer_tensors(
             dataclasses.replace(cfg, model_type="llama")).items()}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
+    if cfg.value_from_key(layer):  # Gemma 4's global layers: V from the K projection
+        del block["v_proj.weight"]
     if cfg.fused_projections:
         block.update({ours: fused[0] for ours, fused in FUSED_TENSORS.items()})
     return {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
@@ -134,6 +157,8 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
         shapes.update({f"model.layers.{n}.{hf}": FUSED_SHAPES.get(hf) or SHAPES[ours]
                        for ours, hf in layer_tensors(cfg, n).items()})
     shapes[final_norm_name(cfg)] = GLOBAL_SHAPES["model.norm.weight"]
+    if cfg.per_layer_input_size:
+        shapes.update(dict(PER_LAYER_TENSORS.values()))
     return shapes | ({} if cfg.tie_word_embeddings else {"lm_head.weight": GLOBAL_SHAPES["lm_head.weight"]})
 
 
@@ -194,7 +219,7 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = ckpt.rows(hf, start, start + getattr(cfg, size)).to(torch.float32)
     else:
         w = ckpt.tensor(hf).to(torch.float32)
-    if ours.endswith("proj.weight"):
+    if ours.endswith("proj.weight") or ours in CONV_WEIGHTS:
         w = as_conv(w)
     if ours == "conv.conv.weight":  # the depthwise Conv1d's (C, 1, K) as a Conv2d's (C, 1, 1, K)
         w = w.reshape(w.shape[0], 1, 1, w.shape[-1])
@@ -202,6 +227,8 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = norm_weight(cfg, w)
     if cfg.sandwich_norms and ours in STREAM_SCALED:
         w = w * cfg.stream_scale
+    if ours in STREAM_UNSCALED:
+        w = w / cfg.stream_scale
     if ours == "q_norm.weight" or (ours in SCALED and not cfg.qk_norm):
         w = w * cfg.query_scale
     if ours in RESIDUAL_SCALED and cfg.residual_multiplier != 1.0:
@@ -236,6 +263,16 @@ def embeddings_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
     name = "model.embed_tokens.weight"
     table = ckpt.tensor(name) if rows is None else ckpt.rows(name, *rows)
     return {"embed_tokens.weight": table.to(dtype)}
+
+
+def per_layer_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Gemma 4's per-layer input weights (PER_LAYER_TENSORS) as model.embeddings.PerLayerInputs holds
+    them, in `dtype`; empty where the model has none."""
+    if not ckpt.config.per_layer_input_size:
+        return {}
+    out = {ours: ckpt.tensor(hf).to(torch.float32) for ours, (hf, _) in PER_LAYER_TENSORS.items()}
+    out["per_layer_model_projection.weight"] = as_conv(out["per_layer_model_projection.weight"])
+    return {ours: w.to(dtype) for ours, w in out.items()}
 
 
 def lm_head_state_dict(ckpt: Checkpoint, splits: list[int], dtype: torch.dtype = torch.float32,

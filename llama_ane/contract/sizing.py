@@ -30,8 +30,13 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
               "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
     extra = {"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (c,),
              "q_norm.weight": (cfg.q_norm_channels,), "k_norm.weight": (cfg.k_norm_channels,),
-             "pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,)}
+             "pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,),
+             "per_layer_input_gate.weight": (cfg.per_layer_input_size, c),
+             "per_layer_projection.weight": (c, cfg.per_layer_input_size),
+             "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
+    if cfg.value_from_key(layer):  # V from the K projection (Gemma 4's global layers)
+        del shapes["v_proj.weight"]
     return shapes if cfg.input_norm else {k: v for k, v in shapes.items() if k != "input_layernorm.weight"}
 
 

@@ -19,7 +19,8 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from ..model.embeddings import rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
-from ..checkpoint.mapping import as_conv, final_norm, final_norm_name, layer_tensor, layer_tensors
+from ..checkpoint.mapping import (PER_LAYER_TENSORS, as_conv, final_norm, final_norm_name, layer_tensor, layer_tensors,
+                                  per_layer_state_dict)
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -58,6 +59,8 @@ def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int], rows: tuple[
     vocabulary `rows` carries the LM head."""
     kind = model_kind(model)
     head = {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", final_norm_name(cfg)}
+    if kind == "embeddings" and cfg.per_layer_input_size:  # Gemma 4's per-layer inputs too
+        return {"model.embed_tokens.weight"} | {hf for hf, _ in PER_LAYER_TENSORS.values()}
     if kind in ("embeddings", "embeddings_part"):
         return {"model.embed_tokens.weight"}
     if kind == "lm_head":
@@ -103,6 +106,8 @@ class PackageWeights:
         if name == "embed_tokens.weight":
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")
+        if name in PER_LAYER_TENSORS:
+            return to_array(per_layer_state_dict(self.ckpt)[name], self.dtype, PER_LAYER_TENSORS[name][0])
         if name in ("cos_table", "sin_table"):
             tables = rope_weights(self.cfg, self.rope_positions, self.dtype, self.context_length)
             self._arrays.update(tables)  # made together, read one at a time

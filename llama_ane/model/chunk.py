@@ -44,6 +44,11 @@ Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chu
 their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
 (short_conv.conv_state_after). The state does not depend on the context bucket.
+Gemma 4's layers end with a per-layer input: every function of a chunk reads "per_layer_input"
+(1,L*P,1,S), its layers' rows of the embeddings' per_layer_inputs (layer i's P rows at i*P), after
+the inputs above; a layer gates it by its own output, projects it back to C channels, normalizes
+and adds it, then multiplies by the layer's scalar. Its global layers may take V from the K
+projection (before k's norm), and every V head is normalized without a weight.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
 from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, attention_rows, branch_masks,
                         chunk_rows, conv_rows, conv_state_width, layer_inputs, shape_of, tensor, window_masks)
-from .layers import (MLP, Graph, RMSNorm, apply_rope, apply_rope_mil, conv1x1, conv_mil, grouped_attention,
+from .layers import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope, apply_rope_mil, conv1x1, conv_mil,
+                     grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
                      suffix_state_mil)
@@ -82,17 +88,27 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
         self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
-        self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.value_from_key = cfg.value_from_key(layer)
+        if not self.value_from_key:
+            self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.q_norm_channels, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.k_norm_channels, cfg.rms_norm_eps)
+        if cfg.value_norm:
+            self.v_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, scale=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         if cfg.post_norms or cfg.sandwich_norms:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer input, after the MLP
+            self.per_layer_input_gate = conv1x1(cfg.hidden_size, cfg.per_layer_input_size)
+            self.per_layer_projection = conv1x1(cfg.per_layer_input_size, cfg.hidden_size)
+            self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of an unscaled value
+        if cfg.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1))
 
     def rope(self, cos, sin, cos_local, sin_local):
         """The RoPE tables this layer rotates with: the local ones on a local layer (Gemma 3's sliding layers)."""
@@ -114,6 +130,9 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x) if c.input_norm else x
         cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
         q, k = self.q_proj(h), self.k_proj(h)  # (1,H*D,1,S), (1,G*D,1,S)
+        v = (k if self.value_from_key else self.v_proj(h)).reshape(g, d, -1)
+        if c.value_norm:
+            v = head_norm(self.v_norm, v)
         if c.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.reshape(g * r, d, -1), k.reshape(g, d, -1)  # (H,D,S), (G,D,S)
@@ -122,22 +141,31 @@ class DecoderLayer(nn.Module):
         if self.rotary:
             half, rest = c.rotary_dim // 2, d - c.rotary_dim
             q, k = apply_rope(q, cos, sin, half, rest), apply_rope(k, cos, sin, half, rest)
-        v = self.v_proj(h).reshape(g, d, -1)
         return q.reshape(g, r, d, -1), k, v
 
-    def finish(self, x: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP and residual. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
+    def finish(self, x: torch.Tensor, heads: torch.Tensor, per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
+        """Output projection, residual, MLP and residual (then Gemma 4's per-layer input and layer
+        scalar). heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
         attention = self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
         if self.cfg.sandwich_norms:
             x = x + self.post_attention_layernorm(attention)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return self.per_layer(x, per_layer_input)
         if self.cfg.post_norms:
             x = x + self.post_attention_layernorm(attention)
             return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + attention
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache):
+    def per_layer(self, x: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        """Gemma 4's end of a layer: the per-layer input through its gate and projection, normalized
+        and added (where the model has per-layer inputs), then the layer's scalar. x: (1,C,1,S)"""
+        if self.cfg.per_layer_input_size:
+            gated = activation(self.per_layer_input_gate(x), self.cfg.hidden_act) * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar if self.cfg.layer_scalar else x
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None):
         """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
         T is the context bucket in the exported programs; the torch backend may pass fewer cache
@@ -151,7 +179,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
                                   c.num_attention_heads // g, t)
-        x = self.finish(x, heads)
+        x = self.finish(x, heads, per_layer_input)
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
@@ -170,6 +198,10 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
         if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
     q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
+    v = mb.reshape(x=k if cfg.value_from_key(layer) else _projection_mil(g, cfg, prefix, "v_proj", hn),
+                   shape=[gk, d, s])
+    if cfg.value_norm:
+        v = head_norm_mil(g, v, None, cfg.rms_norm_eps, gk, d, s)
     if cfg.qk_norm_across_heads:
         q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
         k = rms_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, cfg.kv_channels)
@@ -180,22 +212,38 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
     if cfg.rotary(layer):
         q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
         k = apply_rope_mil(g, k, cos3, sin3, gk, d, s, cfg.rotary_dim)
-    v = mb.reshape(x=_projection_mil(g, cfg, prefix, "v_proj", hn), shape=[gk, d, s])
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 
 
-def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int):
-    """DecoderLayer.finish. heads: (G,R,D,S) -> x_out (1,C,1,S)"""
+def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int, per_layer_input=None):
+    """DecoderLayer.finish. heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
     attention = _projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]))
     c, eps, act = cfg.hidden_size, cfg.stream_eps, cfg.hidden_act
     if cfg.post_norms or cfg.sandwich_norms:
         x = mb.add(x=x, y=rms_norm_mil(g, attention, f"{prefix}post_attention_layernorm.weight", eps, c))
         h = rms_norm_mil(g, x, f"{prefix}pre_feedforward_layernorm.weight", eps, c) if cfg.sandwich_norms else x
-        return mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, h, f"{prefix}mlp.", act),
-                                          f"{prefix}post_feedforward_layernorm.weight", eps, c))
+        x = mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, h, f"{prefix}mlp.", act),
+                                       f"{prefix}post_feedforward_layernorm.weight", eps, c))
+        return per_layer_mil(g, cfg, prefix, x, per_layer_input)
     x = mb.add(x=x, y=attention)
     h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, c)
     return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.", act))
+
+
+def per_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, per_layer_input):
+    """DecoderLayer.per_layer. x: (1,C,1,S); per_layer_input: (1,P,1,S) -> (1,C,1,S)"""
+    if cfg.per_layer_input_size:
+        gated = mb.mul(x=activation_mil(conv_mil(g, x, f"{prefix}per_layer_input_gate.weight"), cfg.hidden_act),
+                       y=per_layer_input)
+        x = mb.add(x=x, y=rms_norm_mil(g, conv_mil(g, gated, f"{prefix}per_layer_projection.weight"),
+                                       f"{prefix}post_per_layer_input_norm.weight", cfg.rms_norm_eps, cfg.hidden_size))
+    return mb.mul(x=x, y=g.weight(f"{prefix}layer_scalar")) if cfg.layer_scalar else x
+
+
+def per_layer_slice_mil(g: Graph, cfg: LlamaConfig, inputs: dict, i: int, s: int):
+    """Chunk layer i's per-layer input (1,P,1,S) of the chunk's (1,L*P,1,S), or None where the model has none."""
+    p = cfg.per_layer_input_size
+    return g.slice(inputs["per_layer_input"], [0, i * p, 0, 0], [1, (i + 1) * p, 1, s]) if p else None
 
 
 def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
@@ -205,7 +253,7 @@ def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
 
 
 def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_rows, v_rows, t: int,
-                           s: int, layer: int):
+                           s: int, layer: int, per_layer_input=None):
     """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
 
     x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
@@ -216,7 +264,7 @@ def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin,
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r))
-    x = finish_mil(g, cfg, prefix, x, heads, s)
+    x = finish_mil(g, cfg, prefix, x, heads, s, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
 
 
@@ -251,7 +299,8 @@ class BlockChunk(nn.Module):
                 out += (torch.cat([ks[i] for i in rows], dim=0), torch.cat([vs[i] for i in rows], dim=0))
         return out
 
-    def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches, conv_state=None):
+    def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches, conv_state=None,
+            per_layer_input=None):
         """The layers over a window; returns the hidden states, each layer's new k, v (None on a
         conv layer) and the conv layers' window values (conv_new), or None where the chunk has none."""
         ks, vs, gated = [], [], []
@@ -264,16 +313,24 @@ class BlockChunk(nn.Module):
                 vs.append(None)
                 continue
             hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
-                                        layer.attention_mask(mask, sliding_mask), *self.layer_caches(i, caches))
+                                        layer.attention_mask(mask, sliding_mask), *self.layer_caches(i, caches),
+                                        self.per_layer_slice(per_layer_input, i))
             ks.append(k)
             vs.append(v)
         return hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None)
 
+    def per_layer_slice(self, per_layer_input, i: int):
+        """Chunk layer i's (1,P,1,S) of the chunk's per-layer inputs (1,L*P,1,S), or None where there are none."""
+        if per_layer_input is None:
+            return None
+        p = per_layer_input.shape[1] // len(self.layers)
+        return per_layer_input[:, i * p:(i + 1) * p]
+
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None, conv_state=None):
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None):
         hidden_states, ks, vs, conv_new = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local,
                                                    sin_local, {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)},
-                                                   conv_state)
+                                                   conv_state, per_layer_input)
         return (hidden_states, *self.split(ks, vs)) + (() if conv_new is None else (conv_new,))
 
 
@@ -351,7 +408,8 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             cos, sin = layer_rope_mil(cfg, inputs, n)
             x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
                                              layer_mask_mil(cfg, inputs, n, "mask"), *reads[i],
-                                             context_length if i in full else ring, s, n)
+                                             context_length if i in full else ring, s, n,
+                                             per_layer_slice_mil(g, cfg, inputs, i, s))
             ks.append(k)
             vs.append(v)
         new = {"conv_state": stack_mil(gated)} if gated else {}
@@ -378,7 +436,7 @@ def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
-                 k_suffix, v_suffix, suffix_length: int):
+                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None):
     """One decoder layer for B branch queries (same weights as the layer's own forward).
 
     x: (1,C,1,B); k_cache, v_cache: (1,KV,1,T); k_suffix, v_suffix: (G,B,D,U)
@@ -389,12 +447,12 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     q, k, v = layer.project_qkv(x, cos, sin)
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
-    x = layer.finish(x, merge_states(v_p, s_p, v_s, s_s))  # heads (G,R,D,B)
+    x = layer.finish(x, merge_states(v_p, s_p, v_s, s_s), per_layer_input)  # heads (G,R,D,B)
     return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
 def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_rows,
-                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int):
+                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None):
     """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_rows, v_rows: the layer's prefix cache
     (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
@@ -405,7 +463,7 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
     v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
                                 (gk, r), b, u)
-    x = finish_mil(g, cfg, prefix, x, merge_states_mil(v_p, s_p, v_s, s_s), b)
+    x = finish_mil(g, cfg, prefix, x, merge_states_mil(v_p, s_p, v_s, s_s), b, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])
 
 
@@ -419,7 +477,7 @@ class BranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None, conv_branches=None):
+                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
         k_out, v_out, gated = [], [], []
         for i, layer in enumerate(self.chunk.layers):
@@ -433,7 +491,8 @@ class BranchChunk(nn.Module):
                 layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
                 layer.attention_mask(suffix_mask, sliding_suffix_mask), *self.chunk.layer_caches(i, caches),
-                k_suffix[a * g:(a + 1) * g], v_suffix[a * g:(a + 1) * g], self.suffix_length)
+                k_suffix[a * g:(a + 1) * g], v_suffix[a * g:(a + 1) * g], self.suffix_length,
+                self.chunk.per_layer_slice(per_layer_input, i))
             k_out.append(k)
             v_out.append(v)
         out = (torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)) if k_out else ()
@@ -459,7 +518,8 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
             cos, sin = layer_rope_mil(cfg, inputs, n)
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
                                        layer_mask_mil(cfg, inputs, n, "suffix_mask"), *reads[i],
-                                       inputs["k_suffix"], inputs["v_suffix"], len(ks), b, suffix_length, n)
+                                       inputs["k_suffix"], inputs["v_suffix"], len(ks), b, suffix_length, n,
+                                       per_layer_slice_mil(g, cfg, inputs, i, b))
             ks.append(k)
             vs.append(v)
         out = {"hidden_states_out": x, **({"k_new": stack_mil(ks), "v_new": stack_mil(vs)} if ks else {})}
@@ -539,9 +599,9 @@ class HeadedChunk(nn.Module):
         self.chunk, self.head = chunk, head
 
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None, conv_state=None):
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None):
         hidden_states, *new = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
-                                         sin_local, k_ring, v_ring, conv_state)
+                                         sin_local, k_ring, v_ring, conv_state, per_layer_input)
         return (*self.head(hidden_states), *new)
 
 
@@ -554,10 +614,10 @@ class HeadedBranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None, conv_branches=None):
+                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None):
         hidden_states, *new = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
-                                            cos_local, sin_local, k_ring, v_ring, conv_branches)
+                                            cos_local, sin_local, k_ring, v_ring, conv_branches, per_layer_input)
         return (*self.head(hidden_states), *new)
 
 
@@ -572,6 +632,13 @@ def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int)
             inputs.append(tensor(name, [len(rows), kv, 1, width], f))
             outputs.append(tensor(CACHES[name], [len(rows), kv, 1, s], f))
     return inputs, outputs
+
+
+def _per_layer_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> list[dict]:
+    """A chunk function's per-layer inputs (Gemma 4): its layers' slices of the embeddings'
+    per_layer_inputs, (1, L*P, 1, S), where the model has them."""
+    p = cfg.per_layer_input_size
+    return [tensor("per_layer_input", [1, len(layers) * p, 1, s], layout.dtype)] if p else []
 
 
 def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tuple[list[dict], list[dict]]:
@@ -596,7 +663,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
         out[fn] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
-            + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + conv_state,
+            + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_io(cfg, layout, layers, s)
+            + conv_state,
             "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new,
         }, layout)
     t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
@@ -608,7 +676,7 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0]
             + ([tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)] if n else [])
-            + layer_inputs(cfg, layout, branch_masks(layout), b)
+            + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
             + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else []),
             # every attention layer's new K/V: the suffix caches hold them all
@@ -621,7 +689,7 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
         out[VERIFY] = {
             "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)] + caches
-            + layer_inputs(cfg, layout, window_masks(layout, w, t), w),
+            + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_io(cfg, layout, layers, w),
             "outputs": [tensor("hidden_states_out", [1, c, 1, w], f)] + new,
         }
     return out

@@ -30,6 +30,11 @@ cache columns are the ring's slots, not positions: (1,1,S,R+S), (1,1,B,R). Slot 
 position h < `position` with h = j (mod R), h_j = position - 1 - ((position + R - 1 - j) mod R)
 (negative: never written), and is visible to a query at q where h_j >= 0 and q - h_j < window.
 Keys keep the rotation they were written with, so the slots' order does not matter.
+
+Gemma 4's per-layer inputs (PLE, LlamaConfig.per_layer_input_size P) are made here too, where the
+token is looked up: "per_layer_inputs" (1,L*P,1,S), the last output of every function, layer n's P
+channels at rows n*P..: the token's row of the per-layer table (times sqrt(P)) plus the normalized
+projection of its embedding (per layer), times 1/sqrt(2). Each chunk reads its layers' rows.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import dataclasses
 
 from ..config import LlamaConfig, inv_freq
 from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor, window_masks
-from .layers import MASK_VALUE, Graph, mb
+from .layers import MASK_VALUE, Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil
 
 
 def rope_tables(cfg: LlamaConfig, positions: int,
@@ -83,7 +88,7 @@ def stored_rope_tables(cfg: LlamaConfig, positions: int,
     cos, sin = rope_tables(cfg, positions, context_length)
     if cfg.rope_local_theta is None:
         return cos, sin
-    local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+    local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_proportion=1.0)
     cos_local, sin_local = rope_tables(local, positions, context_length)
     return torch.cat([cos, cos_local], dim=1), torch.cat([sin, sin_local], dim=1)
 
@@ -127,6 +132,64 @@ def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int, scal
         hit = mb.expand_dims(x=g.cast(hit), axes=[2])  # (1,S,1)
         found = mb.mul(x=mb.gather(x=table, indices=local, axis=0), y=hit)
     return mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2])  # (1,S,C) -> (1,C,1,S)
+
+
+class PerLayerInputs(nn.Module):
+    """Gemma 4's per-layer inputs of a window: input_ids (1,S), the (stream-scaled) embeddings
+    hidden (1,C,1,S) -> (1,L*P,1,S).
+
+    transformers normalizes the projection times 1/sqrt(C) of the unscaled embeddings; the norm is
+    scale invariant but for its eps, so the projection of the stream (times stream_scale * sqrt(C)
+    that) is normalized with eps times that factor's square instead.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.layers, self.size = cfg.num_hidden_layers, cfg.per_layer_input_size
+        self.vocab_size = cfg.vocab_size  # ids past the per-layer table's rows look up zeros
+        self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, cfg.per_layer_channels)
+        self.per_layer_model_projection = conv1x1(cfg.hidden_size, cfg.per_layer_channels)
+        self.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, per_layer_eps(cfg))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        tokens = lookup(self.embed_tokens_per_layer, input_ids, 0, self.vocab_size, self.size ** 0.5)
+        projected = self.per_layer_model_projection(hidden).reshape(self.layers, self.size, 1, s)
+        projected = self.per_layer_projection_norm(projected).reshape(1, self.layers * self.size, 1, s)
+        return (projected + tokens) * 2 ** -0.5
+
+
+def per_layer_eps(cfg: LlamaConfig) -> float:
+    """The eps of the per-layer projection's norm over the stream's projection (see PerLayerInputs)."""
+    return cfg.rms_norm_eps * (cfg.stream_scale * cfg.hidden_size ** 0.5) ** 2
+
+
+def per_layer_inputs_mil(g: Graph, cfg: LlamaConfig, input_ids, hidden, s: int):
+    """PerLayerInputs. input_ids (1,S), hidden (1,C,1,S) -> (1,L*P,1,S)"""
+    layers, p, vp = cfg.num_hidden_layers, cfg.per_layer_input_size, cfg.per_layer_vocab_size
+    table = g.weight("embed_tokens_per_layer.weight")
+    if vp == cfg.vocab_size:
+        found = mb.gather(x=table, indices=input_ids, axis=0)  # (1,S,L*P)
+    else:  # ids past the per-layer table's rows look up nothing (zeros)
+        local = mb.minimum(x=input_ids, y=np.int32(vp - 1))
+        hit = mb.expand_dims(x=g.cast(mb.less(x=input_ids, y=np.int32(vp))), axes=[2])
+        found = mb.mul(x=mb.gather(x=table, indices=local, axis=0), y=hit)
+    tokens = mb.mul(x=mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2]), y=g.scalar(p ** 0.5))
+    projected = mb.reshape(x=conv_mil(g, hidden, "per_layer_model_projection.weight"), shape=[layers, p, 1, s])
+    projected = rms_norm_mil(g, projected, "per_layer_projection_norm.weight", per_layer_eps(cfg), p)
+    projected = mb.reshape(x=projected, shape=[1, layers * p, 1, s])
+    return mb.mul(x=mb.add(x=projected, y=tokens), y=g.scalar(2 ** -0.5))
+
+
+def _per_layer(module: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple:
+    """The per-layer inputs output (one-tuple) of an embeddings module whose model has them, else ()."""
+    return () if module.per_layer is None else (module.per_layer(input_ids, hidden),)
+
+
+def _per_layer_output(cfg: LlamaConfig, layout: Layout, s: int) -> list[dict]:
+    """The embeddings functions' per_layer_inputs output (1,L*P,1,S), where the model has them."""
+    return [tensor("per_layer_inputs", [1, cfg.per_layer_channels, 1, s], layout.dtype)] \
+        if cfg.per_layer_input_size else []
 
 
 def mask_from_mil(g: Graph, keep):
@@ -273,6 +336,7 @@ class Embeddings(nn.Module):
         # [query, key], built here, not in-graph
         self.register_buffer("window_mask", torch.from_numpy(window_mask(window)))
         self.register_buffer("sliding_window_mask", torch.from_numpy(window_mask(window, cfg.sliding_window)))
+        self.per_layer = None  # PerLayerInputs where the model has them, given by whoever builds it with weights
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
         hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,S)
@@ -286,7 +350,8 @@ class Embeddings(nn.Module):
             keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,S,T|R)
             sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
                                                  self.sliding_window_mask.to(hidden.dtype)], dim=3)
-        return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+        return ((hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+                + _per_layer(self, input_ids, hidden))
 
 
 def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]):
@@ -307,6 +372,8 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
             sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, t, s, _ring_of(io, "sliding_mask", t))
             out["sliding_mask"] = mb.concat(
                 values=[sliding, g.const(window_mask(s, cfg.sliding_window), "sliding_window_mask")], axis=3)
+        if cfg.per_layer_input_size:
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s)
         return out
     return body
 
@@ -353,6 +420,7 @@ class BranchEmbeddings(nn.Module):
         self.register_buffer("prefix_slots", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
         self.register_buffer("suffix_slots", torch.arange(suffix_length, dtype=torch.int32).view(1, 1, 1, -1))
         self.register_buffer("self_column", torch.zeros(1, branches, 1, 1))
+        self.per_layer = None  # as Embeddings'
 
     def forward(self, input_ids, positions, prefix_length):
         hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,B)
@@ -372,7 +440,8 @@ class BranchEmbeddings(nn.Module):
             sliding["sliding_prefix_mask"] = (1.0 - keep.to(hidden.dtype)) * MASK_VALUE
             keep = in_suffix & near(filled, self.suffix_slots, w)  # (1,B,1,U)
             sliding["sliding_suffix_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
-        return (hidden, rope["cos"], rope["sin"], prefix_mask, suffix_mask) + _extras(self.cfg, rope, sliding)
+        return ((hidden, rope["cos"], rope["sin"], prefix_mask, suffix_mask) + _extras(self.cfg, rope, sliding)
+                + _per_layer(self, input_ids, hidden))
 
 
 def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, suffix_length: int,
@@ -399,6 +468,8 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
                 cfg, inputs["prefix_length"], query, t, ring))  # (1,1,B,T) or (1,1,B,R)
             keep = mb.logical_and(x=in_suffix, y=near_mil(filled, suffix_slots, w))  # (1,B,1,U)
             out["sliding_suffix_mask"] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
+        if cfg.per_layer_input_size:
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, b)
         return out
     return body
 
@@ -417,6 +488,7 @@ class VerifyEmbeddings(nn.Module):
         self.register_buffer("cos_table", cos)
         self.register_buffer("sin_table", sin)
         self.register_buffer("cache_positions", torch.arange(context_length, dtype=torch.int32).view(1, 1, 1, -1))
+        self.per_layer = None  # as Embeddings'
 
     def forward(self, input_ids, position, depths, tree_mask):
         """The window may hold fewer than W tokens when run eagerly (the torch backend): every
@@ -434,7 +506,8 @@ class VerifyEmbeddings(nn.Module):
             keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,W,T|R)
             far = (1.0 - near(depths.view(1, 1, -1, 1), depths.view(1, 1, 1, -1), w).to(hidden.dtype)) * MASK_VALUE
             sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, tree + far], dim=3)
-        return (hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+        return ((hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+                + _per_layer(self, input_ids, hidden))
 
 
 def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
@@ -454,6 +527,8 @@ def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
                                  cfg.sliding_window)
             tree = mb.add(x=inputs["tree_mask"], y=mask_from_mil(g, near_tree))
             out["sliding_mask"] = mb.concat(values=[sliding, tree], axis=3)
+        if cfg.per_layer_input_size:
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, w)
         return out
     return body
 
@@ -468,7 +543,7 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
             "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                         tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)]
-            + layer_inputs(cfg, layout, window_masks(layout, s, t), s),
+            + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_output(cfg, layout, s),
         }
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
@@ -477,7 +552,8 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
                        tensor("prefix_length", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
                         tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + layer_inputs(cfg, layout, branch_masks(layout), b),
+                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + layer_inputs(cfg, layout, branch_masks(layout), b)
+            + _per_layer_output(cfg, layout, b),
         }
     if w:
         out[VERIFY] = {
@@ -485,7 +561,7 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
                        tensor("depths", [w], "int32"), tensor("tree_mask", [1, 1, w, w], f)],
             "outputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
                         tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)]
-            + layer_inputs(cfg, layout, window_masks(layout, w, t), w),
+            + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_output(cfg, layout, w),
         }
     return out
 

@@ -125,12 +125,12 @@ class RMSNorm(nn.Module):
     stream (LlamaConfig.stream_eps) is below fp16's range, its square root is not, so an all-zero
     input still gets a positive variance rather than 0 * inf.
 
-    x: (B, C, 1, S) -> (B, C, 1, S)
+    x: (B, C, 1, S) -> (B, C, 1, S). Without `scale` it has no weight (Gemma 4's norm of v).
     """
 
-    def __init__(self, channels: int, eps: float):
+    def __init__(self, channels: int, eps: float, scale: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(channels))
+        self.weight = nn.Parameter(torch.ones(channels)) if scale else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,18 +138,20 @@ class RMSNorm(nn.Module):
         y = x * inv_m
         root = inv_m * self.eps ** 0.5
         var = (y * y).mean(dim=1, keepdim=True) + root * root
-        return y * torch.rsqrt(var) * self.weight.view(1, -1, 1, 1)
+        y = y * torch.rsqrt(var)
+        return y if self.weight is None else y * self.weight.view(1, -1, 1, 1)
 
 
-def rms_norm_mil(g: Graph, x, weight: str, eps: float, channels: int):
-    """RMSNorm, pre-scaled by 1/max|x| in the same way. x: (B, C, 1, S) -> (B, C, 1, S)"""
+def rms_norm_mil(g: Graph, x, weight: str | None, eps: float, channels: int):
+    """RMSNorm (with no weight where `weight` is None), pre-scaled by 1/max|x| in the same way.
+    x: (B, C, 1, S) -> (B, C, 1, S)"""
     m = mb.maximum(x=mb.reduce_max(x=mb.abs(x=x), axes=[1], keep_dims=True), y=g.scalar(1e-4))
     inv_m = mb.inverse(x=m)
     y = mb.mul(x=x, y=inv_m)
     root = mb.mul(x=inv_m, y=g.scalar(eps ** 0.5))
     var = mb.add(x=mb.reduce_mean(x=mb.mul(x=y, y=y), axes=[1], keep_dims=True), y=mb.mul(x=root, y=root))
-    w = mb.reshape(x=g.weight(weight), shape=[1, channels, 1, 1])
-    return mb.mul(x=mb.mul(x=y, y=mb.rsqrt(x=var)), y=w)
+    y = mb.mul(x=y, y=mb.rsqrt(x=var))
+    return y if weight is None else mb.mul(x=y, y=mb.reshape(x=g.weight(weight), shape=[1, channels, 1, 1]))
 
 
 def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +164,7 @@ def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm(x.reshape(h, d, 1, -1)).reshape(h, d, -1)
 
 
-def head_norm_mil(g: Graph, x, weight: str, eps: float, heads: int, d: int, s: int):
+def head_norm_mil(g: Graph, x, weight: str | None, eps: float, heads: int, d: int, s: int):
     """head_norm. x: (H, D, S) -> (H, D, S)"""
     y = rms_norm_mil(g, mb.reshape(x=x, shape=[heads, d, 1, s]), weight, eps, d)
     return mb.reshape(x=y, shape=[heads, d, s])
@@ -199,6 +201,16 @@ def activation(x: torch.Tensor, act: str) -> torch.Tensor:
 def activation_mil(x, act: str):
     """activation."""
     return mb.silu(x=x) if act == "silu" else mb.gelu(x=x, mode="TANH_APPROXIMATION")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 4's final logits), or x where `cap` is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def softcap_mil(g: Graph, x, cap: float | None):
+    """softcap."""
+    return x if cap is None else mb.mul(x=mb.tanh(x=mb.mul(x=x, y=g.scalar(1.0 / cap))), y=g.scalar(cap))
 
 
 class MLP(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 from ..config import LlamaConfig
 from ..limits import MAX_DIM
 from .functions import Layout, tensor
-from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil
+from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, softcap, softcap_mil
 
 ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
 
@@ -41,7 +41,8 @@ class LMHead(nn.Module):
     """Final norm and vocabulary projection for the splits j in `heads` (default: all; an LM head
     cut into files computes a group of them in each).
 
-    hidden_states (1,C,1,S) -> tuple of logits_j (1,V_j,1,S)
+    hidden_states (1,C,1,S) -> tuple of logits_j (1,V_j,1,S), softcapped where the family caps them
+    (Gemma 4: cap * tanh(logits / cap), one logit at a time, so each split on its own)
     """
 
     def __init__(self, cfg: LlamaConfig, heads: list[int] | None = None):
@@ -51,12 +52,13 @@ class LMHead(nn.Module):
         self.splits = [splits[j] for j in (heads if heads is not None else range(len(splits)))]
         self.heads = nn.ModuleList(conv1x1(cfg.hidden_size, n) for n in self.splits)
         self.logits_scale = 1.0 / cfg.logits_scaling
+        self.cap = cfg.final_logit_softcapping
 
     def forward(self, hidden_states):
         h = self.norm(hidden_states)
         if self.logits_scale != 1.0:  # Granite divides the logits: the same as scaling their input
             h = h * self.logits_scale
-        return tuple(head(h) for head in self.heads)
+        return tuple(softcap(head(h), self.cap) for head in self.heads)
 
 
 def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
@@ -66,7 +68,8 @@ def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
         h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.stream_eps, cfg.hidden_size)
         if cfg.logits_scaling != 1.0:
             h = mb.mul(x=h, y=g.scalar(1.0 / cfg.logits_scaling))
-        return {t["name"]: conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight")
+        return {t["name"]: softcap_mil(g, conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight"),
+                                       cfg.final_logit_softcapping)
                 for t in io["outputs"] if t["name"].startswith("logits_")}
     return body
 

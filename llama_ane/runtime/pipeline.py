@@ -27,6 +27,9 @@ pair is absent where the chunk has no such layers): position p is in slot p mod 
 read whole in every bucket and by direct caches (its masks cover its slots, which the embeddings
 compute from `position`), and rewinding further than the ring can serve starts the sequence again.
 
+Gemma 4's per-layer inputs come from the embeddings whole ("per_layer_inputs", every layer's rows);
+each chunk reads its own layers' rows as "per_layer_input".
+
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
 be loaded at a time.
@@ -101,6 +104,10 @@ class Pipeline:
         # per chunk: its conv layers' count (LFM2), and the conv state's shape per layer (C, 1, W)
         self.conv_layers = [len(conv_rows(cfg, c["layers"])) for c in self.chunks]
         self.conv_shape = (cfg.hidden_size, 1, conv_state_width(cfg))
+        # per chunk: its layers' rows of the embeddings' per-layer inputs (Gemma 4), None where there are none
+        p = cfg.per_layer_input_size
+        self.per_layer_rows = [np.array([n * p + j for n in c["layers"] for j in range(p)]) if p else None
+                               for c in self.chunks]
         self.rewind_limit = ring_rewind_limit(cfg, self.ring, self.prefill_length) if self.ring else None
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
         self.cache = self.new_cache()
@@ -283,11 +290,16 @@ class Pipeline:
             self.updates.wait(i)
             caches = self.chunk_caches(i, visible, bucket)
             pool = {**embed_inputs, **emb, "hidden_states": hidden, **self.cache_inputs(caches),
-                    **(state(i) if state else {})}
+                    **self.per_layer_input(i, emb), **(state(i) if state else {})}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
             hidden = out.get("hidden_states_out")
             write(i, chunk["cache_update"].get(fn), out)
         return self.logits_of(fn, out)
+
+    def per_layer_input(self, i: int, emb: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Chunk i's rows of the embeddings' per-layer inputs {"per_layer_input": (1, L*P, 1, S)}, or {}."""
+        rows = self.per_layer_rows[i]
+        return {} if rows is None else {"per_layer_input": emb["per_layer_inputs"][:, rows]}
 
     def logits_of(self, fn: str, out: dict[str, np.ndarray]) -> np.ndarray:
         """The logits after the last chunk's outputs `out` of function `fn`: its own logits_j when
@@ -490,7 +502,7 @@ class Pipeline:
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
                 pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read),
-                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32)}
+                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32), **self.per_layer_input(i, embs[w])}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
                 hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once

@@ -20,10 +20,11 @@ import torch
 from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
-from ...checkpoint.mapping import chunk_state_dict, embeddings_state_dict, layer_tensors, lm_head_state_dict
+from ...checkpoint.mapping import (PER_LAYER_TENSORS, chunk_state_dict, embeddings_state_dict, layer_tensors,
+                                   lm_head_state_dict, per_layer_state_dict)
 from ...model.cache_update import ChunkUpdate, SuffixUpdate
 from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
-from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, VerifyEmbeddings
+from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names, ring_of
@@ -57,6 +58,10 @@ class CheckpointWeights:
         """The RoPE tables (positions, D) to use instead of the modules' own float32 ones, if any."""
         return None
 
+    def per_layer(self, model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Gemma 4's per-layer input weights (PerLayerInputs' state dict) of the embeddings."""
+        return per_layer_state_dict(self.ckpt, dtype)
+
     def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A BlockChunk's state dict ("layers.j.q_proj.weight", ...) for HF layers `layers`."""
         return chunk_state_dict(self.ckpt, layers, dtype)
@@ -86,6 +91,9 @@ class ExportWeights:
 
     def table(self, model: str, rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return self._read(model, ["embed_tokens.weight"], dtype)["embed_tokens.weight"]
+
+    def per_layer(self, model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self._read(model, list(PER_LAYER_TENSORS), dtype)
 
     def rope(self, model: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables as the export stores them (computed in float32, kept in its precision)."""
@@ -156,6 +164,10 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         if stored is not None:  # the tables the export holds (one size for every function)
             for module in modules.values():
                 module.cos_table, module.sin_table = stored
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs, one module for every function
+            per_layer = _with_state(lambda: PerLayerInputs(cfg), weights.per_layer(model, dtype))
+            for module in modules.values():
+                module.per_layer = per_layer
     elif kind == "lm_head":
         heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]]
         head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))

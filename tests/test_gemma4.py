@@ -1,0 +1,192 @@
+"""Gemma 4 (text): the config as transformers reads it, what is refused by name, the checkpoint's
+tensors, the global layers' proportional RoPE, the per-layer inputs and the fp16 stream scale. The
+end-to-end checks (torch fp32 against Gemma4ForCausalLM, mil fp16, inspect, cascade, chat template)
+run on the Gemma 4 cases of tests/test_families.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from llama_ane.config import ConfigError, LlamaConfig
+from llama_ane.testing import TINY_CONFIG
+
+from test_families import CASES, GEMMA4
+
+BASE = dict(TINY_CONFIG, vocab_size=320)
+K_EQ_V = dict(BASE, **CASES["gemma4_untied_mha"], attention_k_eq_v=True)
+
+
+def test_gemma4_config_as_transformers_reads_it():
+    """Layer types, both RoPE bases, the proportion and factor of the global RoPE, the per-layer
+    inputs, V from K and the softcap read as Gemma4TextConfig reads them, from the checkpoint's
+    fields and from transformers' own dictionary alike; the manifest's copy and the config given back
+    to transformers read the same."""
+    import transformers
+
+    cfg = LlamaConfig.from_hf_dict(K_EQ_V)
+    hf = transformers.AutoConfig.for_model(**K_EQ_V)
+    assert [cfg.slides(n) for n in range(4)] == [t == "sliding_attention" for t in hf.layer_types]
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (full["rope_theta"], local["rope_theta"])
+    assert (cfg.rope_proportion, cfg.rope_scaling) == (0.5, {"rope_type": "linear", "factor": 4.0})
+    assert (cfg.per_layer_input_size, cfg.per_layer_vocab_size) == (8, 320)
+    assert (cfg.k_eq_v, cfg.final_logit_softcapping, cfg.query_scale, cfg.embedding_multiplier) == (
+        True, 30.0, 1.0, 64 ** 0.5)
+    assert [cfg.value_from_key(n) for n in range(4)] == [False, True, False, True]
+    filled = {"bos_token_id": hf.bos_token_id, "eos_token_id": [hf.eos_token_id],  # Gemma4TextConfig's defaults
+              "max_position_embeddings": hf.max_position_embeddings}
+    assert LlamaConfig.from_hf_dict(hf.to_dict()) == dataclasses.replace(cfg, **filled)
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    back = cfg.transformers_config()
+    assert (type(back).__name__, back.layer_types, back.rope_parameters) == (
+        "Gemma4TextConfig", hf.layer_types, hf.rope_parameters)
+    assert LlamaConfig.from_hf_dict(back.to_dict()) == dataclasses.replace(cfg, **filled)
+    plain = LlamaConfig.from_hf_dict(dict(BASE, model_type="gemma4_text", num_hidden_layers=7, global_head_dim=16))
+    assert plain.sliding_layers == [0, 1, 2, 3, 4]  # every sixth global and the last (Gemma4TextConfig's)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"enable_moe_block": True}, ["enable_moe_block", "mixture-of-experts"]),
+    ({"use_bidirectional_attention": "all"}, ["use_bidirectional_attention"]),
+    ({"num_kv_shared_layers": 2}, ["num_kv_shared_layers", "0 only"]),
+    ({"global_head_dim": 64}, ["head_dim 64", "one K/V width"]),
+    ({"num_global_key_value_heads": 1}, ["1 kv heads", "one K/V width"]),
+    ({"per_layer_config": {"0": {"head_dim": 64}}}, ["per_layer_config", "sliding layer 0"]),
+    ({"per_layer_config": {"1": {"sliding_window": 4}}}, ["per_layer_config", "layer 1"]),
+    ({"attention_bias": True}, ["attention_bias"]),
+    ({"hidden_activation": "silu"}, ["hidden_activation", "'silu'"]),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, ["yarn", "proportional"]),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, ["sliding_attention"]),
+    ({"rope_parameters": {"rope_theta": 1e6}}, ["rope_parameters", "per layer type"]),
+])
+def test_what_gemma4_export_does_not_do_is_named(change, words):
+    with pytest.raises(ConfigError) as e:
+        LlamaConfig.from_hf_dict(dict(K_EQ_V, **change))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_gemma4_tensors_are_transformers_parameters():
+    """The tensors an export reads and their shapes are Gemma4ForCausalLM's (no v_proj on the global
+    layers that take V from K; the per-layer inputs' table, projection and norm; each layer's scalar)."""
+    import transformers
+
+    from llama_ane.checkpoint.mapping import expected_tensors
+
+    cfg = LlamaConfig.from_hf_dict(K_EQ_V)
+    model = transformers.AutoModelForCausalLM.from_config(cfg.transformers_config())
+    theirs = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    ours = {name: tuple(d if isinstance(d, int) else getattr(cfg, d) for d in dims)
+            for name, dims in expected_tensors(cfg).items()}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("case", ["gemma4_tied_gqa_k_eq_v", "gemma4_untied_mha"])
+def test_rope_tables_are_transformers_rotary_embedding(case):
+    """The global tables are Gemma4TextRotaryEmbedding's proportional ones (frequency 0, so cos 1 and
+    sin 0, past the rotated pairs), the local tables its default ones."""
+    import transformers
+
+    from llama_ane.model.embeddings import stored_rope_tables
+
+    cfg = LlamaConfig.from_hf_dict(dict(BASE, **CASES[case]))
+    rope = transformers.models.gemma4.modeling_gemma4.Gemma4TextRotaryEmbedding(cfg.transformers_config())
+    cos, sin = stored_rope_tables(cfg, 300)
+    d = cfg.head_dim
+    for kind, columns in (("full_attention", slice(0, d)), ("sliding_attention", slice(d, 2 * d))):
+        want_cos, want_sin = (t[0] for t in rope(torch.zeros(1), torch.arange(300)[None], kind))
+        torch.testing.assert_close(cos[:, columns], want_cos, rtol=0, atol=1e-5)  # float32 angles of positions up to 300
+        torch.testing.assert_close(sin[:, columns], want_sin, rtol=0, atol=1e-5)  # float32 angles of positions up to 300
+    angles = int(cfg.rope_proportion * d // 2)  # the pairs that rotate (0.25 or 0.5 of them)
+    assert (cos[:, angles:d // 2] == 1).all() and not (cos[:, :angles] == 1).all()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from llama_ane.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4"), **dict(CASES["gemma4_untied_mha"], attention_k_eq_v=True))
+
+
+def test_per_layer_inputs_are_transformers(folder):
+    """The embeddings' per_layer_inputs (torch, and the MIL builder run by the MIL executor) are
+    Gemma4TextModel's per-layer inputs, each layer's P channels in its rows."""
+    import transformers
+
+    import llama_ane
+
+    ids = np.random.default_rng(0).integers(0, 300, 12)
+    ref = transformers.Gemma4ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        e = ref.model.embed_tokens(t)
+        want = ref.model.project_per_layer_inputs(e, ref.model.get_per_layer_inputs(t, e))[0].numpy()  # (S, L, P)
+    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=64, prefill_length=16)
+    window = np.zeros((1, 16), np.int32)
+    window[0, :12] = ids
+    got = model.pipeline.embed("prefill", {"input_ids": window, "position": np.array([0], np.int32)})
+    got = got["per_layer_inputs"][0, :, 0, :12].T.reshape(12, 4, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    chunks = model.manifest["chunks"]
+    assert [c["layers"] for c in chunks] and all(
+        t["shape"][1] == 8 * len(c["layers"]) for c in chunks
+        for t in model.manifest["models"][c["model"]]["functions"]["prefill"]["inputs"] if t["name"] == "per_layer_input")
+    model.close()
+
+
+def test_fp16_stream_scale_keeps_the_per_layer_input_finite():
+    """A Gemma 4 layer whose stream is past fp16's range unscaled stays finite in fp16 with the stream
+    scale, per-layer input included (its gate reads the stream with the scale undone in its weights),
+    and equals fp32."""
+    from llama_ane.model.chunk import DecoderLayer
+
+    cfg = LlamaConfig.from_hf_dict(dict(K_EQ_V, num_hidden_layers=1, layer_types=["full_attention"]))
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, 16, 0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.normal_(0, 0.5)
+        layer.mlp.up_proj.weight.mul_(cfg.stream_scale)  # as the mapping stores them
+        layer.o_proj.weight.mul_(cfg.stream_scale)
+        layer.per_layer_input_gate.weight.div_(cfg.stream_scale * 1e5)  # gate inputs of order 1 unscaled
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            getattr(layer, name).weight.mul_(cfg.stream_scale * 200)
+        layer.layer_scalar.fill_(0.7)
+    x = torch.randn(1, 64, 1, 4) * 1e5 * cfg.stream_scale  # a stream near 1e5 unscaled
+    ple = torch.randn(1, 8, 1, 4)
+    d = cfg.head_dim
+    cos, sin = torch.ones(1, d, 1, 4), torch.zeros(1, d, 1, 4)
+    mask = torch.zeros(1, 1, 4, 4).triu(1) * -1e4
+    empty = torch.zeros(1, cfg.kv_channels, 1, 0)
+    want = layer(x, cos, sin, mask, empty, empty, ple)[0] / cfg.stream_scale
+    assert want.abs().max() > 65504
+    got = layer.half()(x.half(), cos.half(), sin.half(), mask.half(), empty.half(), empty.half(), ple.half())[0]
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.float() / cfg.stream_scale, want, rtol=2e-2, atol=want.abs().max().item() * 2e-3)
+
+
+def test_gemma4_io_names_what_the_embeddings_give():
+    """Every chunk function reads its layers' per-layer inputs, which the embeddings output whole;
+    the other inputs the chunk reads are the embeddings' outputs too."""
+    from llama_ane.model import chunk, embeddings
+    from llama_ane.model.functions import Layout
+
+    cfg = LlamaConfig.from_hf_dict(K_EQ_V)
+    layout = Layout(256, 16, "float16", branch_width=2, suffix_length=8, verify_window=4, ring=64)
+    emb = embeddings.functions(cfg, layout)
+    for fn, io in chunk.functions(cfg, layout, [2, 3]).items():
+        inputs = {t["name"]: t["shape"] for t in io["inputs"]}
+        s = inputs["hidden_states"][3]
+        assert inputs["per_layer_input"] == [1, 16, 1, s]
+        produced = {t["name"]: t["shape"] for t in emb[fn]["outputs"]}
+        assert produced["per_layer_inputs"] == [1, 32, 1, s]
+        assert set(inputs) - {"hidden_states", "k_cache", "v_cache", "k_ring", "v_ring", "k_suffix", "v_suffix",
+                              "per_layer_input"} <= set(produced)
