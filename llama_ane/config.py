@@ -97,6 +97,11 @@ GEMMA4 = "gemma4_text"
 GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
                    "global_head_dim": 512}
+# Gemma 4's own config fields: a manifest holds them only where they differ from their defaults (the
+# Gemma 4 exports), so every other family's manifest reads as before and a host that does not know
+# them (the Swift host) refuses a Gemma 4 export by the field's name rather than run it wrong
+GEMMA4_FIELDS = ("value_norm", "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar",
+                 "final_logit_softcapping", "rope_proportion")
 GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                   "rope_theta": 1_000_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
@@ -458,7 +463,9 @@ class LlamaConfig:
         return AutoConfig.for_model(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, but GEMMA4_FIELDS only where they are not their defaults (the manifest's copy)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in GEMMA4_FIELDS}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in defaults or v != defaults[k]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":

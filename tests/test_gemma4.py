@@ -190,3 +190,22 @@ def test_gemma4_io_names_what_the_embeddings_give():
         assert produced["per_layer_inputs"] == [1, 32, 1, s]
         assert set(inputs) - {"hidden_states", "k_cache", "v_cache", "k_ring", "v_ring", "k_suffix", "v_suffix",
                               "per_layer_input"} <= set(produced)
+
+
+def test_a_gemma4_manifest_config_names_what_other_hosts_refuse():
+    """The manifest's config of a Gemma 4 export holds its own fields (a host that does not know them,
+    as the Swift host, refuses the export by their names); another family's holds none of them and
+    reads back the same."""
+    import re
+    from pathlib import Path
+
+    from llama_ane.config import GEMMA4_FIELDS
+
+    gemma4 = LlamaConfig.from_hf_dict(K_EQ_V).to_dict()
+    assert {"value_norm", "k_eq_v", "per_layer_input_size", "layer_scalar", "rope_proportion",
+            "final_logit_softcapping"} <= set(gemma4)
+    source = (Path(__file__).resolve().parent.parent / "swift_host" / "Sources" / "LlamaANE" / "Manifest"
+              / "ModelConfigFields.swift").read_text("utf-8")
+    assert not set(GEMMA4_FIELDS) & set(re.findall(r'^\s+"([a-z_0-9]+)",$', source, re.M))
+    llama = LlamaConfig.from_hf_dict(BASE)
+    assert not set(GEMMA4_FIELDS) & set(llama.to_dict()) and LlamaConfig.from_dict(llama.to_dict()) == llama
