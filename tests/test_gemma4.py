@@ -209,3 +209,22 @@ def test_a_gemma4_manifest_config_names_what_other_hosts_refuse():
     assert not set(GEMMA4_FIELDS) & set(re.findall(r'^\s+"([a-z_0-9]+)",$', source, re.M))
     llama = LlamaConfig.from_hf_dict(BASE)
     assert not set(GEMMA4_FIELDS) & set(llama.to_dict()) and LlamaConfig.from_dict(llama.to_dict()) == llama
+
+
+def test_the_per_layer_table_shares_the_first_embeddings_file_or_is_refused_by_name():
+    """The per-layer inputs project the whole embedding, so the embedding table stays in one file with
+    the per-layer weights beside it (counted in its bytes); where they do not fit one file together
+    (E2B's 262k x 35 x 256 table), the export is refused by name."""
+    from llama_ane.contract.options import ExportOptionsError
+    from llama_ane.contract.plan import ExportOptions, plan_export
+
+    cfg = LlamaConfig.from_hf_dict(K_EQ_V)
+    plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=64, layers_per_chunk=2))
+    assert plan.embedding_rows == [(0, cfg.vocab_size)]
+    embeddings = next(p for p in plan.packages if p.model == "embeddings")
+    assert embeddings.weight_bytes >= 2 * (cfg.per_layer_channels * (320 + 64) + cfg.vocab_size * 64)
+    e2b = LlamaConfig.from_hf_dict(dict(K_EQ_V, vocab_size=262_144, vocab_size_per_layer_input=262_144,
+                                        hidden_size_per_layer_input=256, num_hidden_layers=35,
+                                        layer_types=["sliding_attention"] * 34 + ["full_attention"]))
+    with pytest.raises(ExportOptionsError, match="per-layer input weights .* do not fit one embeddings file"):
+        plan_export(e2b, ExportOptions(context_length=256, prefill_length=64))

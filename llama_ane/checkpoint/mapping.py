@@ -265,14 +265,16 @@ def embeddings_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
     return {"embed_tokens.weight": table.to(dtype)}
 
 
-def per_layer_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Gemma 4's per-layer input weights (PER_LAYER_TENSORS) as model.embeddings.PerLayerInputs holds
-    them, in `dtype`; empty where the model has none."""
+def per_layer_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
+                         names: tuple[str, ...] = tuple(PER_LAYER_TENSORS)) -> dict[str, torch.Tensor]:
+    """Gemma 4's per-layer input weights `names` (of PER_LAYER_TENSORS) as model.embeddings.PerLayerInputs
+    holds them, in `dtype`, each read alone; empty where the model has none."""
     if not ckpt.config.per_layer_input_size:
         return {}
-    out = {ours: ckpt.tensor(hf).to(torch.float32) for ours, (hf, _) in PER_LAYER_TENSORS.items()}
-    out["per_layer_model_projection.weight"] = as_conv(out["per_layer_model_projection.weight"])
-    return {ours: w.to(dtype) for ours, w in out.items()}
+    out = {ours: ckpt.tensor(PER_LAYER_TENSORS[ours][0]).to(dtype) for ours in names}
+    if "per_layer_model_projection.weight" in out:
+        out["per_layer_model_projection.weight"] = as_conv(out["per_layer_model_projection.weight"])
+    return out
 
 
 def lm_head_state_dict(ckpt: Checkpoint, splits: list[int], dtype: torch.dtype = torch.float32,

@@ -111,6 +111,24 @@ class ExportPlan:
                             head_folded_into=chunk_model_name(len(self.chunks) - 1) if self.head_folded else None)
 
 
+def per_layer_bytes(cfg: LlamaConfig, opts: ExportOptions, table_bytes: int, per_weight: int, budget: int) -> int:
+    """Bytes of Gemma 4's per-layer input weights (their table, projection and norm), which the first
+    embeddings file holds beside the embedding table (0 for the other families). The per-layer inputs
+    project the whole embedding, so the table is not cut into files: where both do not fit one file,
+    the export is refused by name."""
+    if not cfg.per_layer_input_size:
+        return 0
+    n = cfg.per_layer_channels * (cfg.per_layer_vocab_size + cfg.hidden_size) + cfg.per_layer_input_size
+    size = n * per_weight
+    if size + table_bytes > budget:
+        raise ExportOptionsError(
+            f"Gemma 4's per-layer input weights ({size / 2**20:.0f} MiB) and the embedding table "
+            f"({table_bytes / 2**20:.0f} MiB) do not fit one embeddings file ({budget / 2**20:.0f} MiB for --target "
+            f"{opts.target}); the export keeps them in one file, so it builds Gemma 4 checkpoints whose tables "
+            "fit there only")
+    return size
+
+
 def rope_positions(opts: ExportOptions) -> int:
     """Rows of the RoPE tables: the last position any function may read, plus one."""
     return opts.context_length + max(opts.prefill_length, opts.suffix_length + 1 if opts.branch_width else 1,
@@ -158,6 +176,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=max(layer_bytes))
     rope_bytes = 2 * rope_positions(opts) * cfg.head_dim * per_weight  # cos and sin tables
     table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
+    rope_bytes += per_layer_bytes(cfg, opts, table_row * cfg.vocab_size, per_weight, budget)  # Gemma 4's, beside the rope
     embedding_rows = vocab_row_ranges(cfg.vocab_size, table_row, budget, fixed_bytes=rope_bytes)
     splits = vocab_splits(cfg.vocab_size)
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))

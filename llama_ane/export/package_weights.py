@@ -107,7 +107,8 @@ class PackageWeights:
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")
         if name in PER_LAYER_TENSORS:
-            return to_array(per_layer_state_dict(self.ckpt)[name], self.dtype, PER_LAYER_TENSORS[name][0])
+            return to_array(per_layer_state_dict(self.ckpt, torch.float32, (name,))[name], self.dtype,
+                            PER_LAYER_TENSORS[name][0])
         if name in ("cos_table", "sin_table"):
             tables = rope_weights(self.cfg, self.rope_positions, self.dtype, self.context_length)
             self._arrays.update(tables)  # made together, read one at a time
