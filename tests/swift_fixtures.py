@@ -48,6 +48,14 @@ Nothing in those fixtures is written by hand:
   LM head folded into the last chunk (``fold_lm_head="yes"``), with a cascade, a verify window and
   context buckets [32, 64], so that every kind of function of that chunk outputs the logits.
 
+* ``export_gemma3/``, ``export_mistral_window/``, ``export_lfm2/``, ``export_lfm2_state/`` and
+  ``families.json``: exports of the newer families (sliding windows with a ring buffer; LFM2's conv
+  layers with input caches and with state caches), each with Python's greedy run on its programs
+  (see ``FAMILY_EXPORTS``).
+
+* ``conv_state.json``: how Python's runtime moves LFM2's conv state on, on fixed arrays (after a
+  window of n real tokens; each cascade branch's copy of the prefix's, after a step).
+
 Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
 ``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
 """
@@ -835,20 +843,32 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     return out
 
 
-# Windowed families exported for the Swift tests: name -> (the test_families case it starts from,
-# its checkpoint overrides, its export options). Both windows are shorter than the prompt plus the
-# generated tokens, so the sliding layers' own masks decide what the steps attend to, and than the
-# context, so the sliding layers keep a ring buffer (cache.sliding) that the generation wraps around.
+# Family exports for the Swift tests: name -> (the test_families case it starts from, its checkpoint
+# overrides, its export options, the manifest's `cache` entry the host must run). The windowed ones'
+# windows are shorter than the prompt plus the generated tokens, so the sliding layers' own masks
+# decide what the steps attend to, and than the context, so the sliding layers keep a ring buffer
+# (cache.sliding) that the generation wraps around. The LFM2 ones carry their conv layers' state
+# (cache.conv) through padded prefill windows and decoding.
 FAMILY_EXPORTS = {
     # Gemma 3: sliding (local RoPE) and global layers, every phase: the cascade's and the verify
     # window's sliding masks too.
     "export_gemma3": ("gemma3_tied_gqa", dict(sliding_window=16), dict(
         context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=8, kv_cache="inputs",
-        fold_lm_head="no", layers_per_chunk=2)),
+        fold_lm_head="no", layers_per_chunk=2), "sliding"),
     # Mistral: a window on every layer, caches in states, the head folded into the one chunk.
     "export_mistral_window": ("mistral_window", dict(sliding_window=16), dict(
         context_length=64, prefill_length=8, branch_width=0, verify_window=0, kv_cache="state",
-        fold_lm_head="yes", layers_per_chunk=3)),
+        fold_lm_head="yes", layers_per_chunk=3), "sliding"),
+    # LFM2 with input caches and a cascade: a chunk of conv layers only (no K/V, no cache update; the
+    # host takes its state from conv_new) before one of an attention and a conv layer.
+    "export_lfm2": ("lfm2_tied_mha_conv_bias", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2), "conv"),
+    # LFM2 with state caches (each chunk writes its conv state itself from window_tokens), a chunk per
+    # layer, a cascade and the head folded into the last chunk.
+    "export_lfm2_state": ("lfm2_tied_gqa", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
+        fold_lm_head="yes", layers_per_chunk=1), "conv"),
 }
 FAMILY_PROMPT = "Caches hold keys and values for every layer of the model."
 FAMILY_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "  What do caches hold?  "},
@@ -885,20 +905,24 @@ def _recorded_generation(out: Path, prompt: list[int]) -> dict[str, Any]:
     return {"tokens": [int(t) for t in result.token_ids], "finish_reason": result.finish_reason, "steps": steps}
 
 
-def write_family_exports(fixtures_dir: Path) -> dict[str, Any]:
-    """Export the windowed family checkpoints of FAMILY_EXPORTS into ``fixtures_dir/<name>`` and write
-    ``families.json``: per export, the prompt's ids and the chat prompt (rendered by transformers'
-    `apply_chat_template` with the export's template, and its ids), and a greedy generation on the
-    export's programs (see `_recorded_generation`)."""
+def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
+    """Export the family checkpoints of FAMILY_EXPORTS (those of `names`, all by default) into
+    ``fixtures_dir/<name>`` and write their entries of ``families.json`` (the others' are kept): per
+    export, the prompt's ids and the chat prompt (rendered by transformers' `apply_chat_template`
+    with the export's template, and its ids), and a greedy generation on the export's programs (see
+    `_recorded_generation`)."""
     from transformers import AutoTokenizer
 
     from llama_ane.api import export_model
     from test_families import CASES, make_family_checkpoint
 
     common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False)
-    data = {}
+    path = Path(fixtures_dir) / "families.json"
+    data = json.loads(path.read_text("utf-8")) if names and path.is_file() else {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (case, overrides, options) in FAMILY_EXPORTS.items():
+        for name, (case, overrides, options, cache) in FAMILY_EXPORTS.items():
+            if names and name not in names:
+                continue
             checkpoint = make_family_checkpoint(Path(tmp) / name, **{**CASES[case], **overrides})
             folder = Path(fixtures_dir) / name
             if folder.exists():
@@ -906,15 +930,57 @@ def write_family_exports(fixtures_dir: Path) -> dict[str, Any]:
             export_model(checkpoint, folder, **common, **options)
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
-            if "sliding" not in json.loads((folder / "manifest.json").read_text("utf-8"))["cache"]:
-                raise ValueError(f"{name}: the export keeps no ring buffer (cache.sliding), which the Swift tests run")
+            if cache not in json.loads((folder / "manifest.json").read_text("utf-8"))["cache"]:
+                raise ValueError(f"{name}: the export has no cache.{cache}, which the Swift tests run")
             hf = AutoTokenizer.from_pretrained(str(checkpoint))
             rendered = hf.apply_chat_template(FAMILY_CHAT, add_generation_prompt=True, tokenize=False)
             prompt = hf(FAMILY_PROMPT).input_ids
             data[name] = {"prompt": FAMILY_PROMPT, "prompt_ids": prompt, "messages": FAMILY_CHAT,
                           "chat_rendered": rendered, "chat_ids": hf(rendered, add_special_tokens=False).input_ids,
                           **_recorded_generation(folder, prompt)}
-    (Path(fixtures_dir) / "families.json").write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps({name: data[name] for name in FAMILY_EXPORTS if name in data}, indent=1))
+    return data
+
+
+def write_conv_state_fixture(path: Path) -> dict[str, Any]:
+    """``conv_state.json``: how Python's runtime moves LFM2's conv state on, on fixed random arrays:
+    the state after a window of n real tokens (`Pipeline.carry_conv`), and each cascade branch's,
+    copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on by one step
+    (`CascadeDecoder._write`). The Swift host's ConvStateCarry must give the same."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from llama_ane.runtime.cascade import CascadeDecoder
+    from llama_ane.runtime.pipeline import Pipeline
+
+    rng = np.random.default_rng(7)
+
+    def values(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    windows = []
+    for layers, channels, width, length, n in ((2, 3, 4, 5, 1), (2, 3, 4, 5, 3), (1, 2, 6, 8, 8), (3, 2, 32, 8, 5),
+                                               (1, 2, 4, 8, 7)):
+        state, new = values(layers, channels, 1, width), values(layers, channels, 1, length)
+        caches = {"conv": state.copy()}
+        Pipeline.carry_conv(caches, {"conv_new": new}, n)
+        windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": caches["conv"].tolist()})
+    branches = []
+    for layers, channels, width, width_b in ((2, 3, 4, 2), (1, 2, 32, 3)):
+        prefix, new = values(layers, channels, 1, width), values(layers, channels, 1, width_b)
+        # a chunk of conv layers only, over the prefix's state
+        decoder = SimpleNamespace(
+            width=width_b, manifest={"chunks": [{"layers": list(range(layers))}]}, backend=SimpleNamespace(),
+            pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True),
+                                     cache=SimpleNamespace(caches=[{"conv": prefix}])))
+        suffixes = [CascadeDecoder.new_suffixes(decoder, 0)]
+        start = suffixes[0]["conv"].copy()
+        CascadeDecoder._write(decoder, 0, "decode_branches", {"conv_new": new}, suffixes, np.zeros(width_b, np.int32))
+        branches.append({"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(),
+                         "after": suffixes[0]["conv"].tolist()})
+    data = {"windows": windows, "branches": branches}
+    path.write_text(json.dumps(data, indent=1))
     return data
 
 
@@ -1300,13 +1366,16 @@ def write_swift_fixtures(fixtures_dir: Path) -> None:
     export = write_manifest_fixture(fixtures_dir)
     write_speculative_fixture(fixtures_dir / "speculative.json", export / "manifest.json")
     write_family_exports(fixtures_dir)
+    write_conv_state_fixture(fixtures_dir / "conv_state.json")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families"],
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families", "conv"],
                         help="write one part only (speculative reads the export's manifest)")
+    parser.add_argument("--family", action="append", choices=list(FAMILY_EXPORTS),
+                        help="with --only families: export this one (repeatable), keeping the others' fixtures")
     args = parser.parse_args(argv)
     args.fixtures_dir.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tokenizers"):
@@ -1324,8 +1393,11 @@ def main(argv: list[str] | None = None) -> None:
               len(data["ranked"]), "ranked trees,", len(data["windows"]), "windows,",
               len(data["choices"]), "choices,", len(data["generations"]), "generations")
     if args.only in (None, "families"):
-        data = write_family_exports(args.fixtures_dir)
+        data = write_family_exports(args.fixtures_dir, args.family)
         print("families:", ", ".join(f"{k}: {len(v['tokens'])} tokens" for k, v in data.items()))
+    if args.only in (None, "conv"):
+        data = write_conv_state_fixture(args.fixtures_dir / "conv_state.json")
+        print("conv state:", len(data["windows"]), "windows,", len(data["branches"]), "branch steps")
 
 
 if __name__ == "__main__":
