@@ -7,15 +7,18 @@ import CoreML
 
 /// Exports of the families whose sliding windows are shorter than the context (a Gemma 3 with
 /// local-RoPE sliding layers between global ones, every phase; a Mistral with its window on every
-/// layer, caches in states and the head folded), against what Python did with the same exports
+/// layer, caches in states and the head folded) and of LFM2 (conv layers beside attention layers,
+/// with input caches and with state caches), against what Python did with the same exports
 /// (`families.json`, written by tests/swift_fixtures.py): the manifest and its wiring, the prompt's
 /// and the chat prompt's ids, and a greedy generation whose windows (ids, position, real tokens)
 /// must be the ones Python fed the exported embeddings. Off Apple platforms the model is Python's
 /// logits replayed step by step; with Core ML, the export itself runs.
 final class FamilyExportTests: XCTestCase {
-    static let exports = ["export_gemma3", "export_mistral_window"]
+    static let windowed = ["export_gemma3", "export_mistral_window"]
+    static let conv = ["export_lfm2", "export_lfm2_state"]
+    static let exports = windowed + conv
 
-    private struct Step {
+    struct Step {
         let phase: String
         let ids: [Int32]
         let position: Int
@@ -23,7 +26,7 @@ final class FamilyExportTests: XCTestCase {
         let logits: [Float]
     }
 
-    private struct Expected {
+    struct Expected {
         let prompt: String
         let promptIds: [Int]
         let messages: [ChatMessage]
@@ -33,7 +36,7 @@ final class FamilyExportTests: XCTestCase {
         let steps: [Step]
     }
 
-    private func expected(_ name: String) throws -> Expected {
+    static func expected(_ name: String) throws -> Expected {
         let root = try JSONValue.parse(Data(contentsOf: Fixtures.url("families.json")))
         let e = try XCTUnwrap(root[name], "families.json has no \(name)")
         func ints(_ v: JSONValue?) -> [Int] { v?.arrayValue?.compactMap(\.intValue) ?? [] }
@@ -51,7 +54,7 @@ final class FamilyExportTests: XCTestCase {
     }
 
     func testTheSlidingLayersReadTheirMasksAndLocalTablesFromTheEmbeddings() throws {
-        for name in Self.exports {
+        for name in Self.windowed {
             let manifest = try Manifest.load(from: Fixtures.url(name))
             let window = try XCTUnwrap(manifest.config.slidingWindow)
             XCTAssertLessThan(window, manifest.contextLength, "\(name): the window must be shorter than the context")
@@ -102,7 +105,7 @@ final class FamilyExportTests: XCTestCase {
     func testPromptAndChatPromptIdsArePythons() throws {
         for name in Self.exports {
             let model = try ExportedModel(folder: Fixtures.url(name))
-            let e = try expected(name)
+            let e = try Self.expected(name)
             XCTAssertEqual(model.promptTokens(e.prompt), e.promptIds, name)
             XCTAssertEqual(try model.tokenizer.renderChat(e.messages, addGenerationPrompt: true), e.chatRendered, name)
             XCTAssertEqual(try model.chatPromptTokens(e.messages), e.chatIds, name)
@@ -114,13 +117,16 @@ final class FamilyExportTests: XCTestCase {
     func testGreedyGenerationFeedsPythonsWindowsAndGivesPythonsTokens() async throws {
         for name in Self.exports {
             let model = try ExportedModel(folder: Fixtures.url(name))
-            let e = try expected(name)
-            XCTAssertGreaterThan(e.promptIds.count + e.tokens.count, try XCTUnwrap(model.manifest.config.slidingWindow) * 2,
-                                 "the generation must run well past the window")
+            let e = try Self.expected(name)
+            if let window = model.manifest.config.slidingWindow {
+                XCTAssertGreaterThan(e.promptIds.count + e.tokens.count, window * 2, "the generation must run well past the window")
+            } else {
+                XCTAssertNotEqual(e.promptIds.count % model.manifest.prefillLength, 0, "\(name): a padded prefill window")
+            }
             let replay = Replay(e.steps, vocab: model.manifest.config.vocabSize)
             let predictor = ClosurePredictor(contextLength: model.manifest.contextLength,
                                              prefillLength: model.manifest.prefillLength,
-                                             rewindLimit: model.manifest.ringRewindLimit) { replay.answer($0) }
+                                             rewindLimit: model.manifest.rewindLimit) { replay.answer($0) }
             let generated = try await model.generator(predictor: predictor)
                 .generateAll(prompt: e.promptIds, maxNewTokens: e.tokens.count)
             XCTAssertEqual(replay.problems, [], name)
@@ -130,7 +136,7 @@ final class FamilyExportTests: XCTestCase {
     }
 
     /// Python's steps in order: the logits of each, and how the windows asked for differ from them.
-    private final class Replay: @unchecked Sendable {
+    final class Replay: @unchecked Sendable {
         private let steps: [Step]
         private let vocab: Int
         private let lock = NSLock()
@@ -163,7 +169,7 @@ final class FamilyExportTests: XCTestCase {
     func testCoreMLRunsTheWindowedExportsAsPythonDoes() async throws {
         for name in Self.exports {
             let model = try ExportedModel(folder: Fixtures.url(name))
-            let e = try expected(name)
+            let e = try Self.expected(name)
             let predictor = try await model.makeCoreMLPredictor(computeUnits: .cpuOnly)
             let first = Array(e.promptIds.prefix(model.manifest.prefillLength))
             let window = TokenWindow(phase: .prefill, tokens: first.map { Int32($0) }, count: first.count, position: 0)

@@ -103,14 +103,14 @@ final class ManifestFaultTests: XCTestCase {
         XCTAssertNoThrow(try Manifest.load(from: export, verifyHashes: true))
     }
 
-    /// An export with conv layers (LFM2's short convolutions: `cache.conv`) is refused by name, not run wrong.
-    func testAConvStateIsRefusedByName() throws {
+    /// A conv state (`cache.conv`) for layers the config does not convolve is refused, naming both.
+    func testAConvStateOfLayersThatDoNotConvolveIsRefusedByName() throws {
         let (export, outside) = try copyOfExport("conv")
         try Self.apply(["set": ["cache.conv": ["layers": [0, 2], "channels": 64, "kernel": 3, "width": 32]]],
                        to: export, outside: outside)
         XCTAssertThrowsError(try Manifest.load(from: export, verifyHashes: true)) { error in
-            XCTAssertEqual(error as? ManifestError, .unsupportedConvState(layers: [0, 2]))
-            XCTAssertTrue("\(error)".contains("cache.conv"))
+            XCTAssertEqual(error as? ManifestError, .inconsistent(
+                "cache.conv.layers [0, 2] are not config.conv_layers [], the layers that convolve"))
         }
     }
 

@@ -12,15 +12,6 @@ import CoreML
 final class RingBufferTests: XCTestCase {
     static let exports = ["export_gemma3", "export_mistral_window"]
 
-    private func manifestObject(_ name: String) throws -> [String: Any] {
-        let url = try Fixtures.url(name).appendingPathComponent(Manifest.fileName)
-        return try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
-    }
-
-    private func decode(_ object: [String: Any]) throws -> Manifest {
-        try Manifest.decode(JSONSerialization.data(withJSONObject: object))
-    }
-
     func testTheRingIsReadAndItsSizeDoesNotDependOnTheContext() throws {
         for name in Self.exports {
             let manifest = try Manifest.load(from: Fixtures.url(name))
@@ -107,44 +98,22 @@ final class RingBufferTests: XCTestCase {
 
     /// A manifest whose ring disagrees with its config or its chunks is refused, naming the field.
     func testARingThatDisagreesWithTheExportIsRefusedByName() throws {
-        let object = try manifestObject("export_gemma3")
-        XCTAssertNoThrow(try decode(object))
-        func refused(_ edit: (inout [String: Any]) throws -> Void, mentioning words: [String],
-                     file: StaticString = #filePath, line: UInt = #line) throws {
-            var edited = object
-            try edit(&edited)
-            XCTAssertThrowsError(try decode(edited), file: file, line: line) { error in
-                guard let error = error as? ManifestError else { return XCTFail("not a ManifestError: \(error)", file: file, line: line) }
-                for word in words {
-                    XCTAssertTrue(error.description.contains(word), "\"\(word)\" not in: \(error)", file: file, line: line)
-                }
-            }
-        }
-        func setSliding(_ m: inout [String: Any], _ key: String, _ value: Any) throws {
-            var cache = try XCTUnwrap(m["cache"] as? [String: Any])
-            var sliding = try XCTUnwrap(cache["sliding"] as? [String: Any])
-            sliding[key] = value
-            cache["sliding"] = sliding
-            m["cache"] = cache
+        let object = try ManifestEdits.object("export_gemma3")
+        XCTAssertNoThrow(try ManifestEdits.decode(object))
+        func refused(_ edit: (inout [String: Any]) throws -> Void, mentioning words: [String], line: UInt = #line) throws {
+            try ManifestEdits.assertRefused(object, edit, mentioning: words, line: line)
         }
         // other layers than the config's sliding ones
-        try refused({ try setSliding(&$0, "layers", [0, 1]) }, mentioning: ["cache.sliding.layers [0, 1]", "config.sliding_layers"])
+        try refused({ try ManifestEdits.setCache(&$0, "sliding", "layers", [0, 1]) },
+                    mentioning: ["cache.sliding.layers [0, 1]", "config.sliding_layers"])
         // too few slots for a window and a prefill window's padding (and than the tensors hold)
-        try refused({ try setSliding(&$0, "length", 16) }, mentioning: ["cache.sliding.length 16"])
-        try refused({ try setSliding(&$0, "length", 48) }, mentioning: ["cache.sliding.length 48", "k_ring"])
+        try refused({ try ManifestEdits.setCache(&$0, "sliding", "length", 16) }, mentioning: ["cache.sliding.length 16"])
+        try refused({ try ManifestEdits.setCache(&$0, "sliding", "length", 48) }, mentioning: ["cache.sliding.length 48", "k_ring"])
         // a ring the chunks hold, but no cache.sliding
-        try refused({ m in
-            var cache = try XCTUnwrap(m["cache"] as? [String: Any])
-            cache["sliding"] = nil
-            m["cache"] = cache
-        }, mentioning: ["k_ring", "cache.sliding names none"])
+        try refused({ try ManifestEdits.removeCache(&$0, "sliding") }, mentioning: ["k_ring", "cache.sliding names none"])
         // chunk_1 holds layer 2 (sliding) alone: a chunk plan that puts layer 1 beside it disagrees with its ring
-        try refused({ m in
-            var chunks = try XCTUnwrap(m["chunks"] as? [[String: Any]])
-            chunks[0]["layers"] = [0]
-            chunks[1]["layers"] = [1, 2]
-            m["chunks"] = chunks
-        }, mentioning: ["chunk_0", "layers [0]", "cache.sliding.layers [0, 2]"])
+        try refused({ try ManifestEdits.setChunkLayers(&$0, [[0], [1, 2]]) },
+                    mentioning: ["chunk_0", "layers [0]", "cache.sliding.layers [0, 2]"])
     }
 
     func testACacheSlidingNoFunctionReadsIsRefused() throws {
@@ -157,7 +126,7 @@ final class RingBufferTests: XCTestCase {
         var cache = try XCTUnwrap(object["cache"] as? [String: Any])
         cache["sliding"] = ["length": 32, "layers": [0]]
         object["cache"] = cache
-        XCTAssertThrowsError(try decode(object)) { error in
+        XCTAssertThrowsError(try ManifestEdits.decode(object)) { error in
             XCTAssertEqual(error as? ManifestError, .inconsistent(
                 "cache.sliding names a ring buffer of 32 positions, but no chunk function reads one (k_ring)"))
         }

@@ -18,7 +18,7 @@ public final class MLModelConfiguration {
 }
 @available(macOS 15.0, iOS 18.0, *)
 public final class MLState {
-    public func withMultiArray(for stateName: String, _ body: (MLMultiArray) throws -> Void) rethrows {}
+    public func withMultiArray<R>(for stateName: String, _ body: (MLMultiArray) throws -> R) rethrows -> R { fatalError() }
 }
 public final class MLModel {
     @available(macOS 15.0, iOS 18.0, *) public func makeState() -> MLState { MLState() }

@@ -99,6 +99,32 @@ enum CoreMLArrays {
         }
     }
 
+    /// Moves a conv state on (`ConvStateCarry`): `operation` on `target`, reading `source`, two 4-D
+    /// arrays of one float type (fp16 copied as its bits), through their storage's strides.
+    static func carryConv(_ operation: ConvStateCarry.Operation, target: MLMultiArray, source: MLMultiArray) throws {
+        guard target.dataType == source.dataType, target.dataType == .float16 || target.dataType == .float32 else {
+            throw PipelineError.allocationFailed("a conv state of \(target.dataType) moved on by values of \(source.dataType)")
+        }
+        let half = target.dataType == .float16
+        let (targetShape, sourceShape) = (target.shape.map(\.intValue), source.shape.map(\.intValue))
+        try target.withUnsafeMutableBytes { targetRaw, targetStrides in
+            try source.withUnsafeMutableBytes { sourceRaw, sourceStrides in
+                guard let t = targetRaw.baseAddress, let s = sourceRaw.baseAddress else {
+                    throw PipelineError.allocationFailed("a conv state without storage")
+                }
+                if half {
+                    try ConvStateCarry.apply(operation,
+                                             to: .init(base: t.assumingMemoryBound(to: UInt16.self), shape: targetShape, strides: targetStrides),
+                                             from: .init(base: s.assumingMemoryBound(to: UInt16.self), shape: sourceShape, strides: sourceStrides))
+                } else {
+                    try ConvStateCarry.apply(operation,
+                                             to: .init(base: t.assumingMemoryBound(to: Float.self), shape: targetShape, strides: targetStrides),
+                                             from: .init(base: s.assumingMemoryBound(to: Float.self), shape: sourceShape, strides: sourceStrides))
+                }
+            }
+        }
+    }
+
     /// Appends column `column` of a (1, N, 1, S) array to `out` as Float (fp16 or fp32 storage).
     static func appendColumn(_ array: MLMultiArray, column: Int, to out: inout [Float]) {
         let n = array.shape[1].intValue

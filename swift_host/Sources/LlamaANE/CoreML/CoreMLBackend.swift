@@ -34,6 +34,17 @@ import Foundation
 /// `ring_slots`), or states of a state export that the chunk writes itself. Every phase and
 /// bucket reads the ring whole.
 ///
+/// Where the model has conv layers (`cache.conv`, LFM2), each chunk with such layers also holds their
+/// conv state: with input caches one `conv_state` array the chunk reads, which the host moves on
+/// in place after the chunk has run, from its `conv_new` and the window's real tokens (a chunk of
+/// conv layers only has no K/V and no cache update); with state caches a state the chunk writes
+/// itself, told the window's real tokens by `window_tokens`. The cascade's `conv_branches` array
+/// gets a copy of the prefix's state in every branch at a group's first step (from the array or
+/// the chunk's `MLState`) and moves each branch on by its own `conv_new` value after every step.
+/// Unlike K/V, which every function masks from the window's position on, the conv state is not
+/// positional: a window at position 0 (a new sequence, or any rewind, which keeps no token of such
+/// an export) first empties it.
+///
 /// An export whose LM head is folded into the last chunk (`lm_head.folded_into`) loads no head
 /// model: the last chunk's function of each phase and bucket writes the logits into that stage's
 /// logits arrays, which the step's `Activations` then point to.
@@ -47,6 +58,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         /// With a folded head, after the last chunk: its logits outputs in vocabulary order (the
         /// stage's own arrays, so the right ones for the window's context bucket); empty otherwise.
         var logits: [(name: String, array: MLMultiArray)] = []
+        /// The window's real tokens, after which the conv layers' state is taken (0 for a cascade step).
+        var realTokens = 0
     }
 
     /// The functions and buffers of one phase.
@@ -57,16 +70,21 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let embeddingParts: [(name: String, model: MLModel)]
         let chunks: [MLModel]
         let chunkFunctions: [Manifest.Function]
-        let updates: [MLModel]
+        /// Per chunk, its cache update (nil where it has none: a state export's prefill and decode,
+        /// a chunk of conv layers only).
+        let updates: [MLModel?]
         /// The LM head models in manifest order, each with its own logits output arrays by name
         /// (the same arrays as `logits`).
         let lmHeads: [(model: MLModel, outputs: [String: MLMultiArray])]
         let embeddingsFunction: Manifest.Function
-        let updateFunctions: [Manifest.Function]
+        let updateFunctions: [Manifest.Function?]
         /// The first embeddings part's inputs the host writes, by name: int32 ids and positions
         /// (input_ids, position(s), prefix_length, depths) and the verify function's float tree
         /// mask; the later parts read the same arrays.
         let hostInputs: [String: MLMultiArray]
+        /// The chunks' int32 inputs the host writes that the embeddings do not read (a state
+        /// export's window_tokens), by name.
+        let chunkValues: [String: MLMultiArray]
         let hidden: [MLMultiArray]
         /// Embedding outputs other than the hidden states (cos, sin, masks), by name.
         let shared: [String: MLMultiArray]
@@ -157,6 +175,11 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
     private let chunkStates: ChunkStates?
+    /// Per chunk, its conv layers' state with input caches (`conv_state`), moved on in place after
+    /// each window; nil for a chunk without conv layers or whose state is a Core ML state.
+    private let convStates: [MLMultiArray?]
+    /// Per chunk, its conv layers' state per cascade branch (`conv_branches`), nil without.
+    private let convBranches: [MLMultiArray?]
 
     public var chunkCount: Int { manifest.chunks.count }
     public var branchWidth: Int { stages[Phase.decodeBranches.rawValue] == nil ? 0 : manifest.branchWidth ?? 0 }
@@ -188,18 +211,32 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 try zip(decode.chunks, decode.chunkFunctions).map { try Self.makeState($0, $1.states, manifest: manifest) }
             }
         }
+        // conv states by the input specs of the functions that read them (the same in every bucket)
+        func convArrays(_ phase: Phase, _ carry: ConvCarry, _ name: String) throws -> [MLMultiArray?] {
+            try manifest.chunks.enumerated().map { i, chunk in
+                guard wiring.convCarry[phase]?[i] == carry else { return nil }
+                guard let spec = try manifest.function(chunk.model, phase.rawValue).input(name) else {
+                    throw PipelineError.unwiredInput(model: "\(chunk.model) (\(phase.rawValue))", input: name)
+                }
+                return try CoreMLArrays.make(spec)
+            }
+        }
         return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix,
-                             chunkStates: states)
+                             chunkStates: states, convStates: try convArrays(.decode, .fromOutput, TensorNames.convState),
+                             convBranches: try convArrays(.decodeBranches, .branches, TensorNames.convBranches))
     }
 
     private init(manifest: Manifest, wiring: PipelineWiring, stages: [String: Stage], prefixCaches: [CacheBuffers],
-                 suffixCaches: [CacheBuffers], chunkStates: ChunkStates?) {
+                 suffixCaches: [CacheBuffers], chunkStates: ChunkStates?, convStates: [MLMultiArray?],
+                 convBranches: [MLMultiArray?]) {
         self.manifest = manifest
         self.wiring = wiring
         self.stages = stages
         self.prefixCaches = prefixCaches
         self.suffixCaches = suffixCaches
         self.chunkStates = chunkStates
+        self.convStates = convStates
+        self.convBranches = convBranches
     }
 
     /// A new state of `model` with each of its buffers `specs` (k_cache, v_cache, k_ring, v_ring:
@@ -226,10 +263,13 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let partFunctions = try manifest.embeddings.models.dropFirst().map { try manifest.function($0, p) }
         let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
         let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, fn) }
-        // A state export's prefill and decode write their caches in the chunk: no cache update.
+        // A state export's prefill and decode write their caches in the chunk: no cache update;
+        // nor has a chunk of conv layers only, which keeps no K/V.
         let writesInChunk = manifest.cache.inStates && (phase == .prefill || phase == .decode)
-        let updateFunctions = writesInChunk ? [] : try manifest.chunks.map { chunk -> Manifest.Function in
+        let updateFunctions = try manifest.chunks.map { chunk -> Manifest.Function? in
+            if writesInChunk { return nil }
             guard let name = chunk.cacheUpdate[fn] else {
+                guard manifest.keepsKV(chunk) else { return nil }
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(fn) cache update")
             }
             return try manifest.function("cache_update", name)
@@ -266,20 +306,26 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let logits = logitsSources.flatMap { $0.map { (name: $0.key, array: $0.value) } }
             .sorted { splitIndex($0.name) < splitIndex($1.name) }
         let hostInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
+        var chunkValues: [String: MLMultiArray] = [:]
+        for spec in chunkFunctions.flatMap(\.inputs) where spec.name == TensorNames.windowTokens && chunkValues[spec.name] == nil {
+            chunkValues[spec.name] = try CoreMLArrays.make(spec)
+        }
 
         var parts: [(name: String, model: MLModel)] = [], heads: [(model: MLModel, outputs: [String: MLMultiArray])] = []
-        var chunks: [MLModel] = [], updates: [MLModel] = []
+        var chunks: [MLModel] = [], updates: [MLModel?] = []
         for (name, f) in zip(manifest.embeddings.models.dropFirst(), partFunctions) {
             parts.append((name: name, model: try await store.model(for: f)))
         }
         for f in chunkFunctions { chunks.append(try await store.model(for: f)) }
-        for f in updateFunctions { updates.append(try await store.model(for: f)) }
+        for f in updateFunctions {
+            if let f { updates.append(try await store.model(for: f)) } else { updates.append(nil) }
+        }
         for (k, f) in headFunctions.enumerated() {
             heads.append((model: try await store.model(for: f), outputs: headOutputs[k]))
         }
         return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
                      chunkFunctions: chunkFunctions, updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
-                     updateFunctions: updateFunctions, hostInputs: hostInputs,
+                     updateFunctions: updateFunctions, hostInputs: hostInputs, chunkValues: chunkValues,
                      hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
     }
 
@@ -319,7 +365,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// their shapes): the first part into hidden buffer 0 and the shared outputs, then each later
     /// part from the current hidden buffer into the other.
     private func embed(_ phase: Phase, bucket: Int? = nil, _ values: [String: [Int32]],
-                       floats: [String: [Float]] = [:]) async throws -> Activations {
+                       floats: [String: [Float]] = [:], realTokens: Int = 0) async throws -> Activations {
         let s = try stage(phase, bucket: bucket)
         for spec in s.embeddingsFunction.inputs {
             guard let array = s.hostInputs[spec.name] else {
@@ -336,7 +382,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         var backings = s.shared
         backings[TensorNames.hiddenStates] = s.hidden[0]
         try await predict(s.embeddings, inputs: s.hostInputs, backings: backings)
-        var current = Activations(hidden: s.hidden[0], slot: 0)
+        var current = Activations(hidden: s.hidden[0], slot: 0, realTokens: realTokens)
         for (index, part) in s.embeddingParts.enumerated() {
             var inputs: [String: MLMultiArray] = [:]
             for (name, source) in wiring.embeddingInputs[phase]?[index] ?? [:] {
@@ -344,12 +390,12 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 switch source {
                 case .hiddenStates: array = current.hidden
                 case let .value(n): array = s.hostInputs[n]
-                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput: array = nil
+                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .convState, .convBranches: array = nil
                 }
                 guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
                 inputs[name] = array
             }
-            let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot)
+            let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot, realTokens: realTokens)
             try await predict(part.model, inputs: inputs, backings: [TensorNames.hiddenStatesOut: out.hidden])
             current = out
         }
@@ -368,7 +414,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .embeddingsOutput(n): array = s.shared[n]
             case let .cache(n): array = prefix[n]
             case let .suffixCache(n): array = suffix[n]
-            case let .value(n): array = s.hostInputs[n]  // the window's position, as the embeddings read it
+            case let .value(n): array = s.hostInputs[n] ?? s.chunkValues[n]  // the window's position, as the embeddings read it
+            case .convState: array = convStates[index]
+            case .convBranches: array = convBranches[index]
             case .chunkOutput: array = nil
             }
             guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
@@ -381,15 +429,65 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             }
             state = held
         }
-        var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot)
+        var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot, realTokens: input.realTokens)
         var backings = s.chunkOutputs[index]
         // the chunk carrying a folded head outputs logits in place of hidden_states_out
         if s.chunkFunctions[index].output(TensorNames.hiddenStatesOut) != nil {
             backings[TensorNames.hiddenStatesOut] = out.hidden
         }
         try await predict(s.chunks[index], inputs: inputs, backings: backings, state: state)
+        try carryConv(index, phase, outputs: s.chunkOutputs[index], realTokens: input.realTokens)
         if wiring.headFolded, index == manifest.chunks.count - 1 { out.logits = s.logits }
         return out
+    }
+
+    /// Moves chunk `index`'s conv state on after it ran `phase` (`ConvCarry`): the state after the
+    /// window's `realTokens` from its conv_new, or each branch's by its own value; nothing where the
+    /// chunk has no conv layers or writes its state itself.
+    private func carryConv(_ index: Int, _ phase: Phase, outputs: [String: MLMultiArray], realTokens: Int) throws {
+        let carry = wiring.convCarry[phase]?[index] ?? .none
+        let model = manifest.chunks[index].model
+        switch carry {
+        case .none, .inState:
+            return
+        case .fromOutput, .branches:
+            let target = carry == .fromOutput ? convStates[index] : convBranches[index]
+            guard let target, let new = outputs[TensorNames.convNew] else {
+                throw PipelineError.unwiredInput(model: "\(model) (\(phase.rawValue))", input: TensorNames.convNew)
+            }
+            try CoreMLArrays.carryConv(carry == .fromOutput ? .afterWindow(realTokens: realTokens) : .afterBranchStep,
+                                       target: target, source: new)
+        }
+    }
+
+    /// Empties every chunk's conv state: its array, or (state caches) the conv_state of its Core ML state.
+    private func emptyConvStates() throws {
+        for case let array? in convStates { CoreMLArrays.zero(array) }
+        for (i, carry) in (wiring.convCarry[.decode] ?? []).enumerated() where carry == .inState {
+            guard #available(macOS 15.0, iOS 18.0, *), let held = chunkStates?.state(i) as? MLState else {
+                throw PipelineError.unwiredInput(model: manifest.chunks[i].model, input: TensorNames.convState)
+            }
+            held.withMultiArray(for: TensorNames.convState) { CoreMLArrays.zero($0) }
+        }
+    }
+
+    /// Every cascade branch's conv state becomes a copy of the prefix's: chunk i's conv_state
+    /// array, or (state caches) the conv_state of its Core ML state.
+    private func copyConvToBranches() throws {
+        for (i, branches) in convBranches.enumerated() {
+            guard let branches else { continue }
+            if let state = convStates[i] {
+                try CoreMLArrays.carryConv(.copyToBranches, target: branches, source: state)
+                continue
+            }
+            guard #available(macOS 15.0, iOS 18.0, *), let held = chunkStates?.state(i) as? MLState else {
+                throw PipelineError.unwiredInput(model: "\(manifest.chunks[i].model) (\(Phase.decodeBranches.rawValue))",
+                                                 input: TensorNames.convBranches)
+            }
+            try held.withMultiArray(for: TensorNames.convState) { state in
+                try CoreMLArrays.carryConv(.copyToBranches, target: branches, source: state)
+            }
+        }
     }
 
     /// cache_update(phase at `bucket`) of chunk `index`: reads `cache`'s current buffers (a
@@ -398,11 +496,13 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private func update(_ index: Int, _ phase: Phase, bucket: Int? = nil, _ cache: CacheBuffers,
                         _ values: [String: [Int32]]) async throws {
         let s = try stage(phase, bucket: bucket)
-        guard index < s.updateFunctions.count else {
+        guard let function = s.updateFunctions[index], let updateModel = s.updates[index] else {
+            guard manifest.cache.inStates && (phase == .prefill || phase == .decode) else {
+                return  // a chunk of conv layers only keeps no K/V: nothing to write
+            }
             throw ManifestError.inconsistent("chunk \(manifest.chunks[index].model) has no \(phase.rawValue) cache update: "
                 + "its caches are Core ML states the chunk writes itself")
         }
-        let function = s.updateFunctions[index]
         let (current, spare) = cache.pair(bucket: bucket)
         var inputs: [String: MLMultiArray] = [:]
         for (name, source) in wiring.updateInputs[phase]?[index] ?? [:] {
@@ -421,7 +521,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .chunkOutput(n):
                 guard let array = s.chunkOutputs[index][n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
                 inputs[name] = array
-            case .hiddenStates, .embeddingsOutput:
+            case .hiddenStates, .embeddingsOutput, .convState, .convBranches:
                 throw PipelineError.unwiredInput(model: "cache_update", input: name)
             }
         }
@@ -430,7 +530,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             guard let array = spare[spec.name] else { throw PipelineError.unwiredInput(model: "cache_update", input: spec.name) }
             backings[spec.name + TensorNames.updatedSuffix] = array
         }
-        try await predict(s.updates[index], inputs: inputs, backings: backings)
+        try await predict(updateModel, inputs: inputs, backings: backings)
         cache.swap()
     }
 
@@ -458,8 +558,15 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     // MARK: PipelineBackend
 
     public func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
-        try await embed(window.phase, bucket: bucket,
-                        [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]])
+        if window.position == 0, manifest.cache.conv != nil {
+            try emptyConvStates()  // a new sequence: no earlier token's values in the conv state
+        }
+        if let tokens = try stage(window.phase, bucket: bucket).chunkValues[TensorNames.windowTokens] {
+            CoreMLArrays.write([Int32(window.count)], into: tokens)  // the chunks keep their conv state after these
+        }
+        return try await embed(window.phase, bucket: bucket,
+                               [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]],
+                               realTokens: window.count)
     }
 
     public func runChunk(_ index: Int, _ input: Activations, phase: Phase, bucket: Int) async throws -> Activations {
@@ -477,6 +584,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     public func resetCaches() async throws {
         prefixCaches.forEach { $0.zero() }
         suffixCaches.forEach { $0.zero() }
+        for case let array? in convStates + convBranches { CoreMLArrays.zero(array) }
         try chunkStates?.reset()
     }
 
@@ -504,6 +612,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public func resetSuffixes() async throws {
         suffixCaches.forEach { $0.zero() }
+        try copyConvToBranches()  // each branch starts from the prefix's conv state
     }
 
     // MARK: VerifyBackend

@@ -13,7 +13,7 @@ extension ExportedModel {
         let backend = try await CoreMLBackend.load(manifest: manifest, store: store)
         return ChunkedPipeline(backend: backend, contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
                                cacheInStates: manifest.cache.inStates, buckets: manifest.buckets,
-                               rewindLimit: manifest.ringRewindLimit)
+                               rewindLimit: manifest.rewindLimit)
     }
 }
 #endif

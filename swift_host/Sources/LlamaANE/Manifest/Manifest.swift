@@ -94,6 +94,11 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var slidingLayers: [Int]
         /// The sliding layers' own RoPE base (Gemma 3), whose tables the embeddings output.
         public var ropeLocalTheta: Double?
+        /// The layers with a short convolution in place of attention (LFM2): they keep no K/V, but a
+        /// conv state (`cache.conv`) the host carries from window to window.
+        public var convLayers: [Int]
+        /// The short convolution's kernel (LFM2's conv_L_cache), where the model has conv layers.
+        public var convKernel: Int?
 
         enum CodingKeys: String, CodingKey {
             case vocabSize = "vocab_size", hiddenSize = "hidden_size", intermediateSize = "intermediate_size"
@@ -102,7 +107,7 @@ public struct Manifest: Codable, Equatable, Sendable {
             case ropeTheta = "rope_theta", maxPositionEmbeddings = "max_position_embeddings"
             case tieWordEmbeddings = "tie_word_embeddings", bosTokenId = "bos_token_id", eosTokenId = "eos_token_id"
             case modelType = "model_type", slidingWindow = "sliding_window", slidingLayers = "sliding_layers"
-            case ropeLocalTheta = "rope_local_theta"
+            case ropeLocalTheta = "rope_local_theta", convLayers = "conv_layers", convKernel = "conv_kernel"
         }
 
         public init(from decoder: Decoder) throws {
@@ -128,6 +133,8 @@ public struct Manifest: Codable, Equatable, Sendable {
             slidingWindow = try c.decodeIfPresent(Int.self, forKey: .slidingWindow)
             slidingLayers = try c.decodeIfPresent([Int].self, forKey: .slidingLayers) ?? []
             ropeLocalTheta = try c.decodeIfPresent(Double.self, forKey: .ropeLocalTheta)
+            convLayers = try c.decodeIfPresent([Int].self, forKey: .convLayers) ?? []
+            convKernel = try c.decodeIfPresent(Int.self, forKey: .convKernel)
         }
     }
 
@@ -141,6 +148,8 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var dtype: String
         /// The sliding layers' ring buffer, where the sliding window is shorter than the context.
         public var sliding: Sliding?
+        /// The conv layers' state, where the model has conv layers (LFM2).
+        public var conv: Conv?
 
         /// The caches are Core ML states (`kind` "state").
         public var inStates: Bool { kind == "state" }
@@ -156,6 +165,21 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var length: Int
         /// The decoder layers that keep their K/V in the ring (the config's sliding layers).
         public var layers: [Int]
+    }
+
+    /// The conv layers' state (`cache.conv`, LFM2): each conv layer convolves over its last
+    /// `kernel - 1` values, kept right-aligned in `width` columns (a multiple of 32), zeros before the
+    /// first token. A chunk with conv layers reads `(its conv layers, channels, 1, width)` as
+    /// `conv_state`: an input the host takes after each window from the chunk's `conv_new` (input
+    /// caches), or a state the chunk writes itself from `window_tokens` (state caches); the cascade's
+    /// `conv_branches` hold a copy per branch. The state does not depend on the context or its buckets
+    /// and cannot go back: a rewind by any token starts again from position 0.
+    public struct Conv: Codable, Equatable, Sendable {
+        /// The conv layers (the config's `conv_layers`).
+        public var layers: [Int]
+        public var channels: Int
+        public var kernel: Int
+        public var width: Int
     }
 
     /// The embedding table, cut by vocabulary rows into one or more models (one file each, so that no

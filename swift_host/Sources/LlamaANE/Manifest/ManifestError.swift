@@ -13,7 +13,6 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case hashMismatch(String)
     case inconsistent(String)
     case unknownConfigField(String)
-    case unsupportedConvState(layers: [Int])
 
     public var description: String {
         switch self {
@@ -55,10 +54,6 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
             return "\(name) is named in manifest.json but missing from the export folder. Copy the whole folder, or re-export."
         case let .hashMismatch(name):
             return "\(name) does not match its sha256 in manifest.json: it was modified or corrupted. Re-export or copy it again."
-        case let .unsupportedConvState(layers):
-            return "manifest.json: cache.conv: the export's short-convolution layers \(layers) (LFM2) carry a conv "
-                + "state beside the K/V cache, which this LlamaANE does not run yet. Run the export with the Python "
-                + "runtime (`llama-ane generate`)."
         case let .unknownConfigField(name):
             return "manifest.json: config.\(name) is a model setting this LlamaANE does not know, so it cannot tell "
                 + "whether it would run the export right. Update the Swift package, or re-export with the llama-ane "

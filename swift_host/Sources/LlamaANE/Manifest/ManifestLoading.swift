@@ -34,9 +34,6 @@ extension Manifest {
            let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
             throw ManifestError.unknownConfigField(unknown)
         }
-        if let cache = object["cache"] as? [String: Any], let conv = cache["conv"] {
-            throw ManifestError.unsupportedConvState(layers: (conv as? [String: Any])?["layers"] as? [Int] ?? [])
-        }
         let manifest: Manifest
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
@@ -145,6 +142,7 @@ extension Manifest {
             throw ManifestError.inconsistent("chunks cover layers \(layers), not each of 0..<\(config.numHiddenLayers) exactly once")
         }
         try checkRing()
+        try checkConv()
         try checkChunkCacheRows()
         try Self.checkModelList("embeddings", embeddings.models)
         try checkHead()
@@ -152,8 +150,9 @@ extension Manifest {
             for phase in ["prefill", "decode"] { _ = try function(name, phase) }
         }
         for chunk in chunks {
-            // a state export's prefill and decode write their caches in the chunk (no cache update)
-            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil && !cache.inStates {
+            // a state export's prefill and decode write their caches in the chunk (no cache update),
+            // and a chunk of conv layers only keeps no K/V to update
+            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil && !cache.inStates && keepsKV(chunk) {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
             }
             for (phase, update) in chunk.cacheUpdate {
@@ -219,7 +218,7 @@ extension Manifest {
                 for model in embeddings.models.prefix(1) { _ = try function(model, name) }
                 for chunk in chunks {
                     _ = try function(chunk.model, name)
-                    if chunk.cacheUpdate[name] == nil && !cache.inStates {
+                    if chunk.cacheUpdate[name] == nil && !cache.inStates && keepsKV(chunk) {
                         throw ManifestError.inconsistent("chunk \(chunk.model) names no \(name) cache update")
                     }
                 }
@@ -234,6 +233,10 @@ extension Manifest {
         let w = verifyWindow ?? 0
         guard !cache.inStates else {
             throw ManifestError.inconsistent("verify_window is \(w) but the caches are Core ML states, which the verify cache update cannot write")
+        }
+        guard cache.conv == nil else {
+            throw ManifestError.inconsistent("verify_window is \(w) but the export has conv layers (cache.conv), whose state "
+                + "cannot go back to drop a rejected draft")
         }
         for name in embeddings.models + lmHead.models + chunks.map(\.model) {
             _ = try function(name, Phase.verify.rawValue)
@@ -252,6 +255,8 @@ extension Manifest {
     /// The chunks' and cache updates' full-cache tensors and the sliding layers' ring tensors.
     private static let fullCacheTensors: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
     private static let ringTensors: Set<String> = ["k_ring", "v_ring", "k_ring_out", "v_ring_out"]
+    /// The chunks' conv layers' tensors: their state, the cascade's per-branch states, a window's values.
+    private static let convTensors: Set<String> = [TensorNames.convState, TensorNames.convBranches, TensorNames.convNew]
 
     /// Every K/V cache tensor holds its function's context bucket of positions (a state: the whole
     /// context) of `cache.channels` channels, as the packages were built for; every ring tensor the
@@ -263,8 +268,13 @@ extension Manifest {
             for (name, f) in entry.functions.sorted(by: { $0.key < $1.key }) {
                 let bucket = ContextBuckets.bucket(ofFunction: name, contextLength: contextLength)
                 for (kind, tensors) in [("inputs", f.inputs), ("outputs", f.outputs), ("states", f.states)] {
-                    for (i, t) in tensors.enumerated() where full.union(ring).contains(t.name) && t.shape.count == 4 {
+                    for (i, t) in tensors.enumerated() where t.shape.count == 4 {
                         let field = "models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file)"
+                        if Self.convTensors.contains(t.name) {
+                            try checkConvShape(t, field: field)
+                            continue
+                        }
+                        guard full.union(ring).contains(t.name) else { continue }
                         guard !ring.contains(t.name) || slots > 0 else {
                             throw ManifestError.inconsistent("\(field) is a sliding layers' ring buffer, but cache.sliding "
                                 + "names none")
@@ -281,6 +291,25 @@ extension Manifest {
             }
         }
     }
+
+    /// A conv tensor holds `cache.conv`'s channels: a state of `width` values per layer
+    /// (`conv_state`) or per layer and cascade branch (`conv_branches`), or a window's values (`conv_new`).
+    private func checkConvShape(_ t: TensorSpec, field: String) throws {
+        guard let conv = cache.conv else {
+            throw ManifestError.inconsistent("\(field) is a conv layers' tensor, but cache.conv names none")
+        }
+        let want = [t.shape[0], conv.channels, t.name == TensorNames.convBranches ? branchWidth ?? 0 : 1,
+                    t.name == TensorNames.convNew ? t.shape[3] : conv.width]
+        guard t.shape == want else {
+            throw ManifestError.inconsistent("\(field) has shape \(t.shape), but cache.conv (channels \(conv.channels), width "
+                + "\(conv.width)) and branch_width \(branchWidth ?? 0) give \(want)")
+        }
+    }
+
+    /// Tokens a rewind may forget and still keep the rest: none where the export has conv layers
+    /// (their state holds only the last tokens' values, so any rewind starts again from position
+    /// 0), `ringRewindLimit` where it has a ring buffer, and any number (nil) otherwise.
+    public var rewindLimit: Int? { cache.conv != nil ? 0 : ringRewindLimit }
 
     /// Tokens a rewind may forget and still serve the ones kept, where the export has a ring buffer
     /// (nil: any): the slots of forgotten positions, and of a window's padding after them, must lie
@@ -310,26 +339,63 @@ extension Manifest {
             throw ManifestError.inconsistent("cache.sliding.length \(sliding.length) is shorter than sliding_window \(window) "
                 + "plus prefill_length \(prefillLength) less one: a padded window would overwrite keys a later query sees")
         }
-        let reads = chunks.contains { chunk in
-            models[chunk.model]?.functions.values.contains { f in
-                (f.inputs + f.states).contains { $0.name == TensorNames.kRing }
-            } ?? false
-        }
-        guard reads else {
+        guard someChunkReads(TensorNames.kRing) else {
             throw ManifestError.inconsistent("cache.sliding names a ring buffer of \(sliding.length) positions, but no chunk "
                 + "function reads one (\(TensorNames.kRing))")
         }
     }
 
-    /// Per chunk, its layers in the full cache and in the ring (`cache.sliding.layers`), as counts.
-    func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int) {
+    /// `cache.conv`: its layers are the config's conv layers, its kernel the config's, its width
+    /// holds kernel - 1 values, and some chunk function reads the state; a config with conv layers
+    /// has one.
+    private func checkConv() throws {
+        guard let conv = cache.conv else {
+            guard config.convLayers.isEmpty else {
+                throw ManifestError.inconsistent("config.conv_layers \(config.convLayers) keep a conv state, but cache.conv is missing")
+            }
+            return
+        }
+        guard !conv.layers.isEmpty, Set(conv.layers) == Set(config.convLayers), Set(conv.layers).count == conv.layers.count else {
+            throw ManifestError.inconsistent("cache.conv.layers \(conv.layers) are not config.conv_layers \(config.convLayers), "
+                + "the layers that convolve")
+        }
+        guard conv.kernel >= 2, conv.kernel == config.convKernel ?? conv.kernel, conv.channels > 0, conv.width >= conv.kernel - 1 else {
+            throw ManifestError.inconsistent("cache.conv must keep the kernel - 1 values of config.conv_kernel "
+                + "\(config.convKernel.map(String.init) ?? "(missing)") in width columns, not kernel \(conv.kernel), width "
+                + "\(conv.width) and channels \(conv.channels)")
+        }
+        guard someChunkReads(TensorNames.convState) else {
+            throw ManifestError.inconsistent("cache.conv names the state of conv layers \(conv.layers), but no chunk function "
+                + "reads one (\(TensorNames.convState))")
+        }
+    }
+
+    /// Whether a function of some chunk reads `tensor`, as an input or a state.
+    private func someChunkReads(_ tensor: String) -> Bool {
+        chunks.contains { chunk in
+            models[chunk.model]?.functions.values.contains { f in (f.inputs + f.states).contains { $0.name == tensor } } ?? false
+        }
+    }
+
+    /// Per chunk, its layers in the full cache, in the ring (`cache.sliding.layers`) and with a conv
+    /// state (`cache.conv.layers`), as counts.
+    func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int, conv: Int) {
         let ring = chunk.layers.filter { cache.sliding?.layers.contains($0) ?? false }.count
-        return (chunk.layers.count - ring, ring)
+        let conv = chunk.layers.filter { cache.conv?.layers.contains($0) ?? false }.count
+        return (chunk.layers.count - ring - conv, ring, conv)
+    }
+
+    /// Whether `chunk` keeps K/V (in the full cache or the ring): a chunk of conv layers only keeps
+    /// none, and has no cache update.
+    func keepsKV(_ chunk: Chunk) -> Bool {
+        let rows = cacheRows(of: chunk)
+        return rows.full + rows.ring > 0
     }
 
     /// Each chunk's functions and cache updates hold as many layers in `k_cache`/`v_cache` as the
-    /// chunk has layers outside the ring, and in `k_ring`/`v_ring` as it has in it; its decode
-    /// function reads each pair exactly where it has such layers.
+    /// chunk has attention layers outside the ring, in `k_ring`/`v_ring` as it has in it, and in
+    /// its conv tensors as it has conv layers; its decode function reads each pair, and the conv
+    /// state, exactly where it has such layers.
     private func checkChunkCacheRows() throws {
         let (full, ring) = (Self.fullCacheTensors, Self.ringTensors)
         for chunk in chunks {
@@ -337,18 +403,25 @@ extension Manifest {
             var functions = (models[chunk.model]?.functions ?? [:]).map { ("\(chunk.model) (\($0.key))", $0.value) }
             functions += try chunk.cacheUpdate.map { ("cache_update \($0.value) of \(chunk.model)", try function("cache_update", $0.value)) }
             for (label, f) in functions.sorted(by: { $0.0 < $1.0 }) {
+                for t in f.inputs + f.outputs + f.states where t.shape.count == 4 && Self.convTensors.contains(t.name) {
+                    guard t.shape[0] == rows.conv else {
+                        throw ManifestError.inconsistent("\(label) has \(t.name) of \(t.shape[0]) layers, but \(rows.conv) of the "
+                            + "chunk's layers \(chunk.layers) convolve (cache.conv.layers \(cache.conv?.layers ?? []))")
+                    }
+                }
                 for t in f.inputs + f.outputs + f.states where t.shape.count == 4 && full.union(ring).contains(t.name) {
                     let want = ring.contains(t.name) ? rows.ring : rows.full
                     guard t.shape[0] == want else {
                         throw ManifestError.inconsistent("\(label) has \(t.name) of \(t.shape[0]) layers, but \(want) of the "
                             + "chunk's layers \(chunk.layers) keep their K/V there (cache.sliding.layers "
-                            + "\(cache.sliding?.layers ?? []))")
+                            + "\(cache.sliding?.layers ?? []), cache.conv.layers \(cache.conv?.layers ?? []))")
                     }
                 }
             }
             let decode = try function(chunk.model, Phase.decode.rawValue)
             let held = Set((decode.inputs + decode.states).map(\.name))
-            for (pair, count) in [([TensorNames.kCache, TensorNames.vCache], rows.full), ([TensorNames.kRing, TensorNames.vRing], rows.ring)] {
+            for (pair, count) in [([TensorNames.kCache, TensorNames.vCache], rows.full), ([TensorNames.kRing, TensorNames.vRing], rows.ring),
+                                  ([TensorNames.convState], rows.conv)] {
                 for name in pair where held.contains(name) != (count > 0) {
                     throw ManifestError.inconsistent("\(chunk.model) (decode) " + (count > 0 ? "does not read" : "reads")
                         + " \(name), but \(count) of its layers \(chunk.layers) keep their K/V there (cache.sliding.layers "

@@ -8,14 +8,16 @@
 ///
 /// Where the sliding layers keep a ring buffer (`cache.sliding`), position p lives in slot p mod R,
 /// and the slots of forgotten tokens are taken for older positions by the masks: a rewind that
-/// forgets more than `rewindLimit` tokens cannot serve the ones it keeps, and keeps none.
+/// forgets more than `rewindLimit` tokens cannot serve the ones it keeps, and keeps none. Where the
+/// model has conv layers (`cache.conv`), their state holds only the last tokens' values and cannot
+/// go back at all: `rewindLimit` is 0, and a rewind by any token keeps none.
 public struct KVCacheState: Equatable, Sendable {
     public let capacity: Int
     public let prefillLength: Int
     /// A prefill window must fit in the cache whole, padding included (the caches are Core ML
     /// states, written a whole window at a time): tokens too close to the end run one at a time.
     public let paddedWindowsMustFit: Bool
-    /// Tokens a rewind may forget and still keep the rest (`Manifest.ringRewindLimit`); nil: any.
+    /// Tokens a rewind may forget and still keep the rest (`Manifest.rewindLimit`); nil: any.
     public let rewindLimit: Int?
     /// The token ids whose K/V the cache holds, in position order.
     public private(set) var tokens: [Int] = []

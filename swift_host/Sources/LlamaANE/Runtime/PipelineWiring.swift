@@ -12,8 +12,27 @@ public enum TensorSource: Equatable, Sendable {
     /// An output of the chunk that just ran (k_new, v_new, k_ring_new, v_ring_new).
     case chunkOutput(String)
     /// An int32 the host writes (position, suffix_positions, slots, ring_slots, input_ids of a later
-    /// embeddings part).
+    /// embeddings part, a state export's window_tokens).
     case value(String)
+    /// The chunk's conv layers' state (conv_state), which the host carries from the chunk's conv_new.
+    case convState
+    /// Each cascade branch's conv state (conv_branches): the prefix's, copied at a group's first
+    /// step, then moved on by each step's conv_new.
+    case convBranches
+}
+
+/// How a chunk's conv layers' state (`cache.conv`, LFM2) moves on in one phase.
+public enum ConvCarry: Equatable, Sendable {
+    /// The chunk has no conv layers.
+    case none
+    /// The chunk reads conv_state as an input and returns the window's values conv_new: the host
+    /// takes the state after the window's real tokens (`ConvStateCarry.afterWindow`).
+    case fromOutput
+    /// The conv state is a Core ML state the chunk writes itself, from `window_tokens`.
+    case inState
+    /// The chunk reads conv_branches and returns each branch's value conv_new, which the host
+    /// appends to that branch's state (`ConvStateCarry.afterBranchStep`).
+    case branches
 }
 
 /// The data flow of an export: for each phase and chunk, where every chunk and cache-update input
@@ -43,6 +62,8 @@ public struct PipelineWiring: Equatable, Sendable {
     /// Per phase, the logits outputs in vocabulary order (logits_0, logits_1, ...), of the head
     /// models or of the last chunk.
     public let logitsOutputs: [Phase: [String]]
+    /// Per phase and chunk: how its conv layers' state moves on (`.none` without conv layers).
+    public let convCarry: [Phase: [ConvCarry]]
 
     /// The phases the export has: prefill and decode, plus decode_branches with a branch width and
     /// verify with a verify window.
@@ -63,6 +84,7 @@ public struct PipelineWiring: Equatable, Sendable {
         var updatedState: [Phase: [[Manifest.TensorSpec]]] = [:]
         var chunkStates: [Phase: [[Manifest.TensorSpec]]] = [:]
         var logitsOutputs: [Phase: [String]] = [:]
+        var convCarry: [Phase: [ConvCarry]] = [:]
         for phase in Self.phases(of: manifest) {
             logitsOutputs[phase] = try Self.logitsOutputs(phase.rawValue, manifest: manifest)
             embeddingInputs[phase] = try Self.embeddingWiring(phase.rawValue, manifest: manifest)
@@ -71,6 +93,7 @@ public struct PipelineWiring: Equatable, Sendable {
             updateInputs[phase] = chunks.map(\.update)
             updatedState[phase] = chunks.map(\.state)
             chunkStates[phase] = chunks.map(\.states)
+            convCarry[phase] = chunks.map(\.conv)
         }
         let buckets = manifest.buckets
         for bucket in buckets.sizes.dropLast() {
@@ -79,7 +102,7 @@ public struct PipelineWiring: Equatable, Sendable {
                 let chunks = try Self.chunkWiring(phase, function: name, manifest: manifest)
                 for (i, chunk) in chunks.enumerated()
                 where chunk.inputs != chunkInputs[phase]?[i] || chunk.update != updateInputs[phase]?[i]
-                    || chunk.state.map(\.name) != updatedState[phase]?[i].map(\.name) {
+                    || chunk.state.map(\.name) != updatedState[phase]?[i].map(\.name) || chunk.conv != convCarry[phase]?[i] {
                     throw ManifestError.inconsistent("\(manifest.chunks[i].model) (\(name)) and its cache update take other "
                         + "inputs than \(phase.rawValue): a context bucket's functions must differ only in their cache length")
                 }
@@ -97,6 +120,7 @@ public struct PipelineWiring: Equatable, Sendable {
         self.headModels = manifest.lmHead.foldedInto == nil ? manifest.lmHead.models : []
         self.headFolded = manifest.lmHead.foldedInto != nil
         self.logitsOutputs = logitsOutputs
+        self.convCarry = convCarry
     }
 
     /// The logits outputs of function `p` of the head models (or of the chunk carrying the head),
@@ -120,12 +144,13 @@ public struct PipelineWiring: Equatable, Sendable {
     }
 
     /// One chunk's wiring in one function: its inputs, its cache update's inputs, the tensors the
-    /// update rewrites and the states the chunk holds.
+    /// update rewrites, the states the chunk holds and how its conv state moves on.
     private struct ChunkWiring {
         let inputs: [String: TensorSource]
         let update: [String: TensorSource]
         let state: [Manifest.TensorSpec]
         let states: [Manifest.TensorSpec]
+        let conv: ConvCarry
     }
 
     /// Every chunk's wiring in function `p` of `phase` (the phase's own name, or a context bucket's).
@@ -137,9 +162,10 @@ public struct PipelineWiring: Equatable, Sendable {
         let inStates = manifest.cache.inStates
         return try manifest.chunks.map { chunk in
             let run = try manifest.function(chunk.model, p)
-            // A state export's prefill and decode write their caches themselves: no cache update.
+            // A state export's prefill and decode write their caches themselves: no cache update;
+            // nor has a chunk of conv layers only, which keeps no K/V.
             let updateName = chunk.cacheUpdate[p]
-            if updateName == nil, !(inStates && phase != .decodeBranches) {
+            if updateName == nil, manifest.keepsKV(chunk), !(inStates && phase != .decodeBranches) {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(p) cache update")
             }
             let update = try updateName.map { try manifest.function("cache_update", $0) }
@@ -151,7 +177,8 @@ public struct PipelineWiring: Equatable, Sendable {
             if inStates {
                 prefixNames = []
             } else if phase == .decodeBranches {
-                prefixNames = Set(try Self.state(of: manifest.function("cache_update", chunk.cacheUpdate[Phase.decode.rawValue] ?? "")).map(\.name))
+                let decodeUpdate = try chunk.cacheUpdate[Phase.decode.rawValue].map { try manifest.function("cache_update", $0) }
+                prefixNames = Set(try decodeUpdate.map { try Self.state(of: $0) }?.map(\.name) ?? [])
             } else {
                 prefixNames = stateNames
             }
@@ -167,6 +194,12 @@ public struct PipelineWiring: Equatable, Sendable {
                     inputs[spec.name] = .suffixCache(spec.name)
                 } else if inStates, spec.name == TensorNames.position, spec.dtype == "int32" {
                     inputs[spec.name] = .value(spec.name)  // where the function writes the window into its states
+                } else if inStates, spec.name == TensorNames.windowTokens, spec.dtype == "int32" {
+                    inputs[spec.name] = .value(spec.name)  // the window's real tokens, after which it keeps its conv state
+                } else if !inStates, phase != .decodeBranches, spec.name == TensorNames.convState {
+                    inputs[spec.name] = .convState
+                } else if phase == .decodeBranches, spec.name == TensorNames.convBranches {
+                    inputs[spec.name] = .convBranches
                 } else {
                     throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
                 }
@@ -190,8 +223,39 @@ public struct PipelineWiring: Equatable, Sendable {
                     throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
                 }
             }
-            return ChunkWiring(inputs: inputs, update: updateSources, state: state, states: run.states)
+            let conv = try Self.convCarry(chunk, "\(chunk.model) (\(p))", run, inputs: inputs, manifest: manifest)
+            return ChunkWiring(inputs: inputs, update: updateSources, state: state, states: run.states, conv: conv)
         }
+    }
+
+    /// How chunk `chunk`'s conv state moves on in function `run` (`label`): a chunk that reads it
+    /// must give the host what it needs to carry it (conv_new; window_tokens for a state), and a
+    /// chunk with conv layers must read it.
+    private static func convCarry(_ chunk: Manifest.Chunk, _ label: String, _ run: Manifest.Function,
+                                  inputs: [String: TensorSource], manifest: Manifest) throws -> ConvCarry {
+        let returnsNew = run.output(TensorNames.convNew) != nil
+        let carry: ConvCarry
+        if inputs[TensorNames.convState] == .convState {
+            carry = .fromOutput
+        } else if inputs[TensorNames.convBranches] == .convBranches {
+            carry = .branches
+        } else if run.states.contains(where: { $0.name == TensorNames.convState }) {
+            guard inputs[TensorNames.windowTokens] != nil else {
+                throw PipelineError.unwiredInput(model: label, input: TensorNames.windowTokens)
+            }
+            carry = .inState
+        } else {
+            guard manifest.cacheRows(of: chunk).conv == 0 else {
+                throw ManifestError.inconsistent("\(label) reads no conv state, but the chunk's layers \(chunk.layers) include "
+                    + "conv layers (cache.conv.layers \(manifest.cache.conv?.layers ?? []))")
+            }
+            return .none
+        }
+        guard returnsNew == (carry != .inState) else {
+            throw ManifestError.inconsistent("\(label) " + (returnsNew ? "returns" : "does not return") + " \(TensorNames.convNew), "
+                + "but its conv state is " + (carry == .inState ? "a state it writes itself" : "carried by the host from it"))
+        }
+        return carry
     }
 
     /// Where the inputs of the later embeddings part `name` come from; checks that it takes and

@@ -22,8 +22,15 @@ enum TensorNames {
     static let kRing = "k_ring"
     static let vRing = "v_ring"
     static let ringSlots = "ring_slots"
-    /// The chunk caches a host holds: the full caches and the rings.
-    static let caches: Set<String> = [kCache, vCache, kRing, vRing]
+    /// The conv layers' state (`cache.conv`): the chunk's input or state, the window's values the
+    /// chunk returns (input caches), the window's real tokens from which a chunk writes its state
+    /// itself (state caches), and the cascade branches' own states.
+    static let convState = "conv_state"
+    static let convNew = "conv_new"
+    static let windowTokens = "window_tokens"
+    static let convBranches = "conv_branches"
+    /// The chunk caches a host holds: the full caches, the rings and the conv state.
+    static let caches: Set<String> = [kCache, vCache, kRing, vRing, convState]
     static let rings: Set<String> = [kRing, vRing]
     static let logitsPrefix = "logits_"
     /// A cache-update output `X_out` is the new value of its input `X`.

@@ -43,7 +43,7 @@ public protocol TokenPredictor: AnyObject {
     /// A prefill window must fit in the cache whole, padding included (see `KVCacheState`).
     var paddedWindowsMustFit: Bool { get }
     /// Tokens a rewind may forget and still keep the rest: a ring buffer's limit
-    /// (`Manifest.ringRewindLimit`), nil where any rewind keeps what it is asked to.
+    /// (`Manifest.rewindLimit`: 0 with conv layers), nil where any rewind keeps what it is asked to.
     var rewindLimit: Int? { get }
 }
 

@@ -1,0 +1,53 @@
+import Foundation
+import XCTest
+@testable import LlamaANE
+
+/// A fixture export's manifest as a JSON object, for tests that edit it and decode it again.
+enum ManifestEdits {
+    /// The manifest of fixture export `name`.
+    static func object(_ name: String) throws -> [String: Any] {
+        let url = try Fixtures.url(name).appendingPathComponent(Manifest.fileName)
+        return try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
+    }
+
+    static func decode(_ object: [String: Any]) throws -> Manifest {
+        try Manifest.decode(JSONSerialization.data(withJSONObject: object))
+    }
+
+    /// `object` changed by `edit` must be refused by `Manifest.decode` with a `ManifestError` that
+    /// holds each of `words`.
+    static func assertRefused(_ object: [String: Any], _ edit: (inout [String: Any]) throws -> Void, mentioning words: [String],
+                              file: StaticString = #filePath, line: UInt = #line) throws {
+        var edited = object
+        try edit(&edited)
+        XCTAssertThrowsError(try decode(edited), file: file, line: line) { error in
+            guard let error = error as? ManifestError else { return XCTFail("not a ManifestError: \(error)", file: file, line: line) }
+            for word in words {
+                XCTAssertTrue(error.description.contains(word), "\"\(word)\" not in: \(error)", file: file, line: line)
+            }
+        }
+    }
+
+    /// Sets `cache.<section>.<key>` (a missing section is an error).
+    static func setCache(_ m: inout [String: Any], _ section: String, _ key: String, _ value: Any) throws {
+        var cache = try XCTUnwrap(m["cache"] as? [String: Any])
+        var entry = try XCTUnwrap(cache[section] as? [String: Any])
+        entry[key] = value
+        cache[section] = entry
+        m["cache"] = cache
+    }
+
+    /// Gives the chunks, in order, the layers `layers`.
+    static func setChunkLayers(_ m: inout [String: Any], _ layers: [[Int]]) throws {
+        var chunks = try XCTUnwrap(m["chunks"] as? [[String: Any]])
+        for (i, l) in layers.enumerated() { chunks[i]["layers"] = l }
+        m["chunks"] = chunks
+    }
+
+    /// Removes `cache.<section>`.
+    static func removeCache(_ m: inout [String: Any], _ section: String) throws {
+        var cache = try XCTUnwrap(m["cache"] as? [String: Any])
+        cache[section] = nil
+        m["cache"] = cache
+    }
+}
