@@ -198,10 +198,7 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
         if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
     q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
-    v = mb.reshape(x=k if cfg.value_from_key(layer) else _projection_mil(g, cfg, prefix, "v_proj", hn),
-                   shape=[gk, d, s])
-    if cfg.value_norm:
-        v = head_norm_mil(g, v, None, cfg.rms_norm_eps, gk, d, s)
+    k_projected = k
     if cfg.qk_norm_across_heads:
         q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
         k = rms_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, cfg.kv_channels)
@@ -212,6 +209,10 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int
     if cfg.rotary(layer):
         q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
         k = apply_rope_mil(g, k, cos3, sin3, gk, d, s, cfg.rotary_dim)
+    v = k_projected if cfg.value_from_key(layer) else _projection_mil(g, cfg, prefix, "v_proj", hn)
+    v = mb.reshape(x=v, shape=[gk, d, s])
+    if cfg.value_norm:
+        v = head_norm_mil(g, v, None, cfg.rms_norm_eps, gk, d, s)
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 
 

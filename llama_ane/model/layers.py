@@ -150,8 +150,9 @@ def rms_norm_mil(g: Graph, x, weight: str | None, eps: float, channels: int):
     y = mb.mul(x=x, y=inv_m)
     root = mb.mul(x=inv_m, y=g.scalar(eps ** 0.5))
     var = mb.add(x=mb.reduce_mean(x=mb.mul(x=y, y=y), axes=[1], keep_dims=True), y=mb.mul(x=root, y=root))
+    w = None if weight is None else mb.reshape(x=g.weight(weight), shape=[1, channels, 1, 1])
     y = mb.mul(x=y, y=mb.rsqrt(x=var))
-    return y if weight is None else mb.mul(x=y, y=mb.reshape(x=g.weight(weight), shape=[1, channels, 1, 1]))
+    return y if w is None else mb.mul(x=y, y=w)
 
 
 def head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
