@@ -185,6 +185,16 @@ def test_state_export_keeps_the_caches_in_the_assets_states(state_export):
     found, violations = structure(out / chunk["decode"]["file"])
     assert violations == []
     assert found["operations"]["coreai.write_handle"] == 2 * len(chunk)  # each function writes both states
+    # `inspect` lists them as it lists Core ML's: last among the inputs, marked as states
+    from llama_ane.export.inspect import inspect_path
+
+    report = inspect_path(out)
+    assert report.violations == []
+    listed = {f.function: f for p in report.packages for f in p.functions if f.model == "chunk_0"}
+    assert sorted(listed) == sorted(e["function_name"] for e in chunk.values())
+    for f in listed.values():
+        assert [d.name for d in f.inputs if d.is_state] == [d.name for d in f.inputs[-2:]]
+        assert sorted(d.name for d in f.inputs if d.is_state) == ["k_cache", "v_cache"]
 
 
 def test_state_export_greedy_tokens_equal_torch_across_buckets(state_export):

@@ -297,7 +297,8 @@ def inspect_package(path: Path, *, target: str = "iOS18", models: dict[str, str]
 def inspect_asset(path: Path, models: dict[str, str] | None = None,
                   precision: str | None = "fp16") -> tuple[PackageReport, list[Violation]]:
     """Report and violations of one Core AI asset (.aimodel), parsed back with coreai-core's
-    bindings: functions and I/O, op counts, the largest dimension, fp16 I/O, no dynamic ops."""
+    bindings: functions and I/O (states last among the inputs, marked as Core ML's are), op counts,
+    the largest dimension, fp16 I/O, no dynamic ops."""
     from ..mil.package import TensorDesc
     from .coreai import structure
 
@@ -306,7 +307,8 @@ def inspect_asset(path: Path, models: dict[str, str] | None = None,
     largest, where = found["largest_dim"]
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     functions = [FunctionReport(fn, (models or {}).get(fn), model_kind((models or {}).get(fn) or path.stem),
-                                [TensorDesc(n, tuple(s), d) for n, (d, s) in io["inputs"].items()],
+                                [TensorDesc(n, tuple(s), d) for n, (d, s) in io["inputs"].items()]
+                                + [TensorDesc(n, tuple(s), d, is_state=True) for n, (d, s) in io["states"].items()],
                                 [TensorDesc(n, tuple(s), d) for n, (d, s) in io["outputs"].items()],
                                 ops, found["operations"].get("coreai.constant", 0), size, size, largest, where)
                  for fn, io in found["functions"].items()]
