@@ -101,7 +101,7 @@ GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
 # Gemma 4 exports), so every other family's manifest reads as before and a host that does not know
 # them (the Swift host) refuses a Gemma 4 export by the field's name rather than run it wrong
 GEMMA4_FIELDS = ("value_norm", "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar",
-                 "final_logit_softcapping", "rope_proportion")
+                 "final_logit_softcapping", "rope_proportion", "global_head_dim", "global_key_value_heads")
 GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                   "rope_theta": 1_000_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
@@ -161,6 +161,10 @@ class LlamaConfig:
     layer_scalar: bool = False
     final_logit_softcapping: float | None = None
     rope_proportion: float = 1.0
+    # Gemma 4's global (not sliding) layers' head_dim and kv heads where they differ from the sliding
+    # layers' (0: the same); see `at`
+    global_head_dim: int = 0
+    global_key_value_heads: int = 0
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
     # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
     embedding_multiplier: float = 1.0
@@ -309,10 +313,15 @@ class LlamaConfig:
         if self.rope_local_theta is not None and (isinstance(self.rope_local_theta, bool) or not isinstance(
                 self.rope_local_theta, (int, float)) or not 0 < self.rope_local_theta < math.inf):
             raise ConfigError(f"rope_local_theta must be a positive number or null, got {self.rope_local_theta!r}")
-        for name in ("per_layer_input_size", "per_layer_vocab_size"):
+        for name in ("per_layer_input_size", "per_layer_vocab_size", "global_head_dim", "global_key_value_heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.global_head_dim % 2:
+            raise ConfigError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}")
+        if self.global_key_value_heads and self.num_attention_heads % self.global_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"global_key_value_heads ({self.global_key_value_heads})")
         if self.per_layer_input_size and not self.per_layer_vocab_size:
             raise ConfigError("per_layer_vocab_size must be positive where per_layer_input_size is")
         cap = self.final_logit_softcapping
@@ -355,6 +364,28 @@ class LlamaConfig:
         """Whether decoder layer `layer` attends within `sliding_window` only (a query at position p
         to the keys in (p - window, p])."""
         return layer in self.sliding_layers
+
+    def at(self, layer: int) -> "LlamaConfig":
+        """The config decoder layer `layer` computes with: this one, but on a global layer of a model
+        whose global layers are wider (Gemma 4's global_head_dim, global_key_value_heads) its
+        head_dim and num_key_value_heads are theirs."""
+        if not self.wide_global or self.slides(layer) or layer < 0:
+            return self
+        return dataclasses.replace(self, head_dim=self.global_head_dim or self.head_dim,
+                                   num_key_value_heads=self.global_key_value_heads or self.num_key_value_heads,
+                                   global_head_dim=0, global_key_value_heads=0)
+
+    @property
+    def wide_global(self) -> bool:
+        """Whether the global layers' heads differ from the sliding layers' (see `at`): then the
+        sliding layers' K/V must live in the ring, apart from the global layers' cache."""
+        return bool(self.global_head_dim or self.global_key_value_heads)
+
+    @property
+    def global_layers(self) -> "LlamaConfig":
+        """The config of the global (not sliding) layers (`at` of one): what the full cache and the
+        cos/sin tables are sized by."""
+        return self.at(next((n for n in range(self.num_hidden_layers) if not self.slides(n)), -1))
 
     def windowed(self, context_length: int) -> bool:
         """Whether an export of `context_length` positions needs the sliding layers' own masks: only
@@ -483,7 +514,7 @@ class LlamaConfig:
                 "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling", "value_norm",
                 "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar", "final_logit_softcapping",
-                "rope_proportion")
+                "rope_proportion", "global_head_dim", "global_key_value_heads")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = self.hidden_act
@@ -526,7 +557,8 @@ class LlamaConfig:
 
     def _gemma4_hf_dict(self, d: dict[str, Any]) -> dict[str, Any]:
         """to_hf_dict of Gemma 4 (Gemma4TextConfig's names): the RoPE per layer type, the global
-        layers' head sizes as the sliding layers' (the only ones the export builds)."""
+        layers' head sizes."""
+        wide = self.global_layers
         full = {"rope_type": "proportional", "rope_theta": self.rope_theta, "partial_rotary_factor": self.rope_proportion,
                 **({"factor": self.rope_scaling["factor"]} if self.rope_scaling else {})}
         for name in ("hidden_act", "mlp_bias", "rope_scaling", "partial_rotary_factor", "attention_bias"):
@@ -536,7 +568,7 @@ class LlamaConfig:
                               for n in range(self.num_hidden_layers)],
                  rope_parameters={"full_attention": full, "sliding_attention": {
                      "rope_type": "default", "rope_theta": self.rope_local_theta}},
-                 global_head_dim=self.head_dim, num_global_key_value_heads=self.num_key_value_heads,
+                 global_head_dim=wide.head_dim, num_global_key_value_heads=wide.num_key_value_heads,
                  attention_k_eq_v=self.k_eq_v, num_kv_shared_layers=0, enable_moe_block=False,
                  hidden_size_per_layer_input=self.per_layer_input_size,
                  vocab_size_per_layer_input=self.per_layer_vocab_size or self.vocab_size,
@@ -629,11 +661,10 @@ def _gemma4_fields(f: "_Fields") -> dict[str, Any]:
         types = [*types[:-1], "full_attention"]  # as Gemma4TextConfig forces it
     head_dim, kv_heads = g.integer("head_dim"), g.integer("num_key_value_heads", g.integer("num_attention_heads"))
     glob = _gemma4_global_heads(g, types, layers)
-    if glob != (head_dim, kv_heads):
-        raise refuse(f"the global layers have head_dim {glob[0]} and {glob[1]} kv heads (global_head_dim, "
-                     f"num_global_key_value_heads or per_layer_config) where the sliding layers have {head_dim} and "
-                     f"{kv_heads}; the export keeps one K/V width for every layer, so it builds Gemma 4 checkpoints "
-                     "whose global and sliding layers have the same head_dim and kv heads only")
+    if glob[1] != kv_heads and not g.boolean("attention_k_eq_v"):
+        raise refuse(f"per_layer_config gives the global layers {glob[1]} kv heads where the sliding layers have "
+                     f"{kv_heads} without attention_k_eq_v; the export builds other kv heads on the global layers "
+                     "only as num_global_key_value_heads of an attention_k_eq_v model")
     if g.integer("num_kv_shared_layers", 0, minimum=0):
         raise refuse(f"num_kv_shared_layers is {d['num_kv_shared_layers']}; the export does not share K/V across "
                      "layers (Gemma 4's KV-shared layers), so it builds checkpoints with num_kv_shared_layers 0 only")
@@ -706,7 +737,11 @@ def _gemma4_extras(f: "_Fields", model_type: str) -> dict[str, Any]:
     if full.get("rope_type") == "proportional":
         proportion = _Fields(full, f"{f.origin} rope_parameters.full_attention").number("partial_rotary_factor", 1.0)
     size = f.integer("hidden_size_per_layer_input", 0, minimum=0)
-    return {"value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
+    head_dim, kv_heads = f.integer("head_dim"), f.integer("num_key_value_heads", f.integer("num_attention_heads"))
+    glob = _gemma4_global_heads(f, f.d["layer_types"], f.integer("num_hidden_layers"))
+    wide = {"global_head_dim": glob[0] if glob[0] != head_dim else 0,
+            "global_key_value_heads": glob[1] if glob[1] != kv_heads else 0}
+    return {**wide, "value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
             "per_layer_vocab_size": f.integer("vocab_size_per_layer_input") if size else 0, "layer_scalar": True,
             "final_logit_softcapping": f.number("final_logit_softcapping", None), "rope_proportion": proportion}
 

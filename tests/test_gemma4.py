@@ -55,8 +55,9 @@ def test_gemma4_config_as_transformers_reads_it():
     ({"enable_moe_block": True}, ["enable_moe_block", "mixture-of-experts"]),
     ({"use_bidirectional_attention": "all"}, ["use_bidirectional_attention"]),
     ({"num_kv_shared_layers": 2}, ["num_kv_shared_layers", "0 only"]),
-    ({"global_head_dim": 64}, ["head_dim 64", "one K/V width"]),
-    ({"num_global_key_value_heads": 1}, ["1 kv heads", "one K/V width"]),
+    ({"per_layer_config": {"1": {"num_key_value_heads": 1}, "3": {"num_key_value_heads": 1}},
+      "attention_k_eq_v": False}, ["1 kv heads", "without attention_k_eq_v"]),
+    ({"per_layer_config": {"1": {"head_dim": 64}, "3": {"head_dim": 128}}}, ["different head sizes"]),
     ({"per_layer_config": {"0": {"head_dim": 64}}}, ["per_layer_config", "sliding layer 0"]),
     ({"per_layer_config": {"1": {"sliding_window": 4}}}, ["per_layer_config", "layer 1"]),
     ({"attention_bias": True}, ["attention_bias"]),
@@ -87,6 +88,68 @@ def test_gemma4_tensors_are_transformers_parameters():
     ours = {name: tuple(d if isinstance(d, int) else getattr(cfg, d) for d in dims)
             for name, dims in expected_tensors(cfg).items()}
     assert ours == theirs
+
+
+@pytest.mark.parametrize("wide", [{"global_head_dim": 64, "num_global_key_value_heads": 1},
+                                  {"global_head_dim": 64, "attention_k_eq_v": False},
+                                  {"per_layer_config": {"1": {"head_dim": 16, "num_key_value_heads": 2},
+                                                        "3": {"head_dim": 16, "num_key_value_heads": 2}}}])
+def test_wider_global_layers_as_transformers_builds_them(wide):
+    """Global layers whose heads differ from the sliding ones' (global_head_dim, with V from K
+    num_global_key_value_heads, or per_layer_config): each layer's config (LlamaConfig.at) has
+    Gemma4TextAttention's sizes, the tensors an export reads have Gemma4ForCausalLM's shapes, the
+    manifest's copy reads back the same, and the config given back to transformers builds the same."""
+    import transformers
+
+    from llama_ane.checkpoint.mapping import expected_shape, expected_tensors
+    from llama_ane.contract.sizing import layer_shapes
+
+    d = dict(K_EQ_V, **wide)
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert cfg.wide_global
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    for n, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+        heads = attention.q_proj.out_features // attention.head_dim
+        kv = attention.k_proj.out_features // attention.head_dim
+        assert (cfg.at(n).head_dim, cfg.at(n).num_key_value_heads, heads) == (attention.head_dim, kv, 4)
+        theirs = {name.removeprefix(f"model.layers.{n}."): tuple(t.shape)
+                  for name, t in model.state_dict().items() if name.startswith(f"model.layers.{n}.")}
+        ours = layer_shapes(cfg, n)
+        assert ours["q_proj.weight"] == theirs["self_attn.q_proj.weight"]
+        assert ours["k_norm.weight"] == theirs["self_attn.k_norm.weight"]
+    theirs = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert {name: expected_shape(cfg, name, dims) for name, dims in expected_tensors(cfg).items()} == theirs
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    back = transformers.AutoModelForCausalLM.from_config(cfg.transformers_config())
+    assert {name: tuple(t.shape) for name, t in back.state_dict().items()} == theirs
+
+
+def test_wider_global_layers_need_the_ring():
+    """The sliding layers' narrower K/V live in the ring apart from the global layers' cache: an
+    export whose ring would not be shorter than the context is refused naming --context-length;
+    the manifest gives the ring's channels beside the cache's, and each function's caches, RoPE
+    tables and cascade suffix caches have their kind's sizes."""
+    from llama_ane.contract.options import ExportOptionsError
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.contract.manifest import ring_channels
+
+    cfg = LlamaConfig.from_hf_dict(dict(K_EQ_V, global_head_dim=64, num_global_key_value_heads=1, sliding_window=24))
+    with pytest.raises(ExportOptionsError, match="--context-length 64: .* wider K/V"):
+        plan_export(cfg, ExportOptions(context_length=64, prefill_length=32, layers_per_chunk=2))
+    plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, layers_per_chunk=2,
+                                          branch_width=2, suffix_length=32))
+    manifest = plan.manifest("m", {}, {})
+    assert (manifest["cache"]["channels"], ring_channels(manifest)) == (1 * 64, 4 * 32)  # kv heads x head_dim
+    decode = plan.specs["chunk_0"]["decode"]
+    shapes = {t["name"]: t["shape"] for t in decode["inputs"] + decode.get("states", [])}
+    assert (shapes["k_cache"][1], shapes["k_ring"][1], shapes["cos"][1], shapes["cos_local"][1]) == (64, 128, 64, 32)
+    branches = {t["name"]: t["shape"] for t in plan.specs["chunk_0"]["decode_branches"]["inputs"]}
+    updates = plan.specs["cache_update"]
+    assert {t["name"]: t["shape"] for t in updates["decode_branches_l1_r1"]["outputs"]} == {
+        "k_suffix_out": [1, 2, 64, 32], "v_suffix_out": [1, 2, 64, 32],
+        "k_ring_suffix_out": [4, 2, 32, 32], "v_ring_suffix_out": [4, 2, 32, 32]}
+    assert (branches["k_suffix"], branches["k_ring_suffix"]) == ([1, 2, 64, 32], [4, 2, 32, 32])
 
 
 @pytest.mark.parametrize("case", ["gemma4_tied_gqa_k_eq_v", "gemma4_untied_mha"])
@@ -228,3 +291,40 @@ def test_the_per_layer_table_shares_the_first_embeddings_file_or_is_refused_by_n
                                         layer_types=["sliding_attention"] * 34 + ["full_attention"]))
     with pytest.raises(ExportOptionsError, match="per-layer input weights .* do not fit one embeddings file"):
         plan_export(e2b, ExportOptions(context_length=256, prefill_length=64))
+
+
+# --- wider global layers: an export with its caches as inputs (the family exports keep states) ---
+
+@pytest.fixture(scope="module")
+def wide_export(tmp_path_factory):
+    from llama_ane.api import export_model
+
+    from test_families import make_family_checkpoint
+
+    folder = make_family_checkpoint(tmp_path_factory.mktemp("wide"), **CASES["gemma4_wide_global"])
+    out = export_model(folder, tmp_path_factory.mktemp("export") / "wide_inputs", context_length=256,
+                       prefill_length=64, layers_per_chunk=2, kv_cache="inputs", verify_window=8, branch_width=2,
+                       suffix_length=32, progress=False, verify=False)
+    return folder, out
+
+
+@pytest.mark.export
+def test_wider_global_layers_with_input_caches(wide_export):
+    """Global layers wider than the sliding ones, the caches as inputs: each kind's cache and cascade
+    suffix caches are written by the cache-update programs; inspect --strict is clean, the mil
+    programs (fp16) agree with torch fp16, their cascade with decoding alone, and torch fp32's
+    cascade (the cache-update modules writing the suffixes) decodes each branch's tokens alone."""
+    from test_architectures import _inputs, check_inspect_strict, check_mil_branches, check_mil_fp16, load_fp32
+
+    folder, out = wide_export
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cache"]["sliding"]["channels"] == 2 * 32 and manifest["cache"]["channels"] == 64
+    assert manifest["chunks"][0]["cache_update"]["decode_branches"] == "decode_branches_l1_r1"
+    check_inspect_strict(out)
+    check_mil_fp16("gemma4_wide_global", out, top1=0.98)
+    check_mil_branches("gemma4_wide_global", out)
+    model = load_fp32(folder, branch_width=2, suffix_length=32, direct_cache=False)
+    prefix, conts = _inputs(seed=3)
+    for r, cont in zip(model.generate_branches(prefix, conts[:4], max_new_tokens=10).branches, conts):  # two groups
+        assert r.token_ids == model.generate(prefix + cont, max_new_tokens=10).token_ids
+    model.close()

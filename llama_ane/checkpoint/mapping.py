@@ -162,6 +162,14 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
     return shapes | ({} if cfg.tie_word_embeddings else {"lm_head.weight": GLOBAL_SHAPES["lm_head.weight"]})
 
 
+def expected_shape(cfg: LlamaConfig, name: str, dims: tuple) -> tuple[int, ...]:
+    """The shape of HF tensor `name` whose dims expected_tensors gives: its layer's config's sizes
+    (LlamaConfig.at: a global layer of Gemma 4 may have wider heads)."""
+    parts = name.split(".")
+    at = cfg.at(int(parts[2])) if parts[:2] == ["model", "layers"] else cfg
+    return tuple(d if isinstance(d, int) else getattr(at, d) for d in dims)
+
+
 def final_norm_name(cfg: LlamaConfig) -> str:
     """The checkpoint's name of the final norm (LFM2 calls it the embedding norm)."""
     return "model.embedding_norm.weight" if cfg.model_type == "lfm2" else "model.norm.weight"
@@ -184,7 +192,7 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
         if info.dtype not in dtypes:
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} is stored as {info.dtype}; "
                                   f"only {allowed} weights can be exported (dequantize the checkpoint first)")
-        want = tuple(d if isinstance(d, int) else getattr(cfg, d) for d in dims)
+        want = expected_shape(cfg, name, dims)
         if info.shape != want:
             formula = ", ".join(str(DERIVED.get(d, d)) for d in dims)
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} has shape {list(info.shape)}, but the "

@@ -168,6 +168,11 @@ def ring_of(manifest: dict[str, Any]) -> int:
     return manifest["cache"].get("sliding", {}).get("length", 0)
 
 
+def ring_channels(manifest: dict[str, Any]) -> int:
+    """Channels of the ring buffer's K/V (cache.sliding.channels, else cache.channels)."""
+    return manifest["cache"].get("sliding", {}).get("channels", manifest["cache"]["channels"])
+
+
 def _check_cache_shapes(manifest: dict[str, Any]) -> None:
     """Every K/V cache tensor holds its function's context bucket (a state: the whole context) of
     cache.channels channels, as the packages were built for (their own shapes are compared where
@@ -183,7 +188,8 @@ def _check_cache_shapes(manifest: dict[str, Any]) -> None:
                     if t["name"] not in CACHE_TENSORS + RING_TENSORS or len(t["shape"]) != 4:
                         continue
                     if t["name"] in RING_TENSORS:
-                        want, given = [t["shape"][0], channels, 1, ring], f"cache.sliding.length {ring}"
+                        want, given = [t["shape"][0], ring_channels(manifest), 1, ring], \
+                            f"cache.sliding.length {ring} and channels"
                     else:
                         want = [t["shape"][0], channels, 1, context if kind == "states" else bucket]
                         given = f"context_length {context}"
@@ -358,8 +364,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
     """
     from ..config import LlamaConfig
-    from .specs import (BRANCHES, attention_rows, cache_update_function, chunk_model_name, chunk_rows, conv_state_width,
-                        embeddings_model_name, lm_head_model_name, ring_length)
+    from .specs import (BRANCHES, cache_update_function, chunk_model_name, chunk_rows, conv_state_width,
+                        embeddings_model_name, lm_head_model_name, ring_length, suffix_update_counts)
 
     cfg = LlamaConfig.from_dict(config)
     ring = ring_length(cfg, context_length, prefill_length)
@@ -374,8 +380,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     chunks = []
     for i, layers in enumerate(plan):
         counts = [len(rows) for rows in chunk_rows(cfg, layers, ring)]  # in the full cache, in the ring
-        names = {fn: cache_update_function(fn, len(attention_rows(cfg, layers)) if fn == BRANCHES else counts[0],
-                                           0 if fn == BRANCHES else counts[1]) for fn in specs[chunk_model_name(i)]}
+        names = {fn: cache_update_function(fn, *(suffix_update_counts(cfg, layers, ring) if fn == BRANCHES else counts))
+                 for fn in specs[chunk_model_name(i)]}
         chunks.append({"model": chunk_model_name(i), "layers": layers,
                        "cache_update": {fn: name for fn, name in names.items() if name in updates}})
     lm_outputs = ([o for o in specs[head_folded_into]["decode"]["outputs"] if o["name"].startswith("logits_")]
@@ -399,10 +405,12 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
         "quantization": quantization,
         "weights": weights,
         "cache": {"kind": kv_cache, "layout": "(layers, kv_heads*head_dim, 1, context)",
-                  "channels": config["num_key_value_heads"] * config["head_dim"],
+                  "channels": cfg.global_layers.kv_channels,
                   "dtype": PRECISIONS[precision].dtype,
-                  # the sliding layers' ring buffer: (their layers in a chunk, channels, 1, length)
-                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers)}} if ring else {}),
+                  # the sliding layers' ring buffer: (their layers in a chunk, channels, 1, length), its
+                  # channels given where they are not cache.channels (Gemma 4's wider global layers)
+                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers),
+                                  **({"channels": cfg.kv_channels} if cfg.wide_global else {})}} if ring else {}),
                   # the conv layers' state: (their layers in a chunk, channels, 1, width), any context; its
                   # last kernel - 1 columns hold the values
                   **({"conv": {"layers": list(cfg.conv_layers), "channels": cfg.hidden_size, "kernel": cfg.conv_kernel,

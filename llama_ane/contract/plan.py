@@ -20,7 +20,7 @@ from .manifest import new_manifest
 from .options import (COREAI, COREAI_SUFFIX, FIRST_BUCKET, FOLD_CHOICES, KV_CACHE_CHOICES, MAX_BUCKETS,
                       MULTIFUNCTION_TARGETS, TARGETS, ExportOptions, ExportOptionsError, auto_buckets, auto_kv_cache,
                       check_coreai)
-from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs
+from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs, ring_length
 from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 
@@ -150,6 +150,12 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             f"--context-length {opts.context_length} exceeds the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}")
     cfg.check_context_length(opts.context_length)  # a sliding window shorter than the context
+    if cfg.wide_global and not ring_length(cfg, opts.context_length, opts.prefill_length):
+        raise ExportOptionsError(
+            f"--context-length {opts.context_length}: this {cfg.model_type} model's global layers have wider K/V "
+            f"({cfg.global_layers.kv_channels} channels) than its sliding layers ({cfg.kv_channels}), which then keep "
+            f"theirs in a ring buffer of the sliding window ({cfg.sliding_window}) and a prefill window: export it with "
+            "a --context-length longer than that ring (sliding_window + --prefill-length, rounded up to 32)")
     if cfg.conv_layers and opts.verify_window:
         raise ExportOptionsError(
             f"--verify-window {opts.verify_window}: this {cfg.model_type} model's conv layers keep a state that "
@@ -174,7 +180,7 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     layer_read = [layer_weight_bytes(cfg, per_weight, lambda name, shape: stored(f"layers.{n}.{name}", shape, True),
                                      n) for n in range(cfg.num_hidden_layers)]
     chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=max(layer_bytes))
-    rope_bytes = 2 * rope_positions(opts) * cfg.head_dim * per_weight  # cos and sin tables
+    rope_bytes = 2 * rope_positions(opts) * cfg.global_layers.head_dim * per_weight  # cos and sin tables
     table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
     rope_bytes += per_layer_bytes(cfg, opts, table_row * cfg.vocab_size, per_weight, budget)  # Gemma 4's, beside the rope
     embedding_rows = vocab_row_ranges(cfg.vocab_size, table_row, budget, fixed_bytes=rope_bytes)

@@ -80,7 +80,7 @@ SCHEMA: dict[str, Any] = {
                   "properties": {"kind": {"enum": ["inputs", "state"]}, "layout": {"type": "string"},
                                  "channels": _SIZE, "dtype": {"enum": ["float16", "float32"]},
                                  "sliding": {"type": "object", "required": ["length", "layers"],
-                                             "properties": {"length": _SIZE, "layers": {
+                                             "properties": {"length": _SIZE, "channels": _SIZE, "layers": {
                                                  "type": "array", "minItems": 1, "items": _COUNT}}},
                                  "conv": {"type": "object", "required": ["layers", "channels", "kernel", "width"],
                                           "properties": {"layers": {"type": "array", "minItems": 1,

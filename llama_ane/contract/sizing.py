@@ -17,6 +17,7 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
     or model.short_conv.ConvLayer where the layer convolves; without `layer`, an attention layer's)
     and its shape: (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for
     the norms, (C, kernel) for a short convolution's kernel."""
+    cfg = cfg.at(layer)
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
     if cfg.convolves(layer):
         shapes = {"input_layernorm.weight": (c,), "conv.in_proj.weight": (3 * c, c),

@@ -26,7 +26,7 @@ from .manifest import function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
-SUFFIX_CACHES = ("k_suffix", "v_suffix")  # a cascade's per-branch caches: read whole
+SUFFIX_CACHES = ("k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix")  # a cascade's per-branch caches: read whole
 RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots): read whole
 
 
@@ -96,7 +96,7 @@ def ring_bytes(manifest: dict) -> int:
     sliding = manifest["cache"].get("sliding")
     if not sliding:
         return 0
-    return (2 * len(sliding["layers"]) * manifest["cache"]["channels"] * sliding["length"]
+    return (2 * len(sliding["layers"]) * sliding.get("channels", manifest["cache"]["channels"]) * sliding["length"]
             * DTYPE_BYTES[manifest["cache"]["dtype"]])
 
 

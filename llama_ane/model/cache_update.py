@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
-from .functions import (BRANCHES, CACHES, VERIFY, Layout, attention_rows, cache_update_function, chunk_rows, shape_of,
-                        tensor)
+from .functions import (BRANCHES, CACHES, VERIFY, Layout, cache_update_function, chunk_rows, shape_of, suffix_groups,
+                        suffix_names, suffix_update_counts, tensor)
 from .layers import Graph, mb
 
 
@@ -110,31 +110,37 @@ def build_cache_update(g: Graph, io: dict):
 class SuffixUpdate(nn.Module):
     """Write each branch's new K/V into its suffix cache at its own slot (a one-hot select, no indexing).
 
-    k_suffix: (L*G,B,D,U); k_new: (L,KV,1,B); suffix_positions: (B,) int32 -> (L*G,B,D,U)
+    k_suffix: (L*G,B,D,U); k_new: (L,KV,1,B); suffix_positions: (B,) int32 -> (L*G,B,D,U); where the
+    global layers are wider, the ring layers' pair too (k_ring_suffix, k_ring_new: functions.suffix_groups).
     """
 
-    def __init__(self, cfg: LlamaConfig, layers: int, suffix_length: int):
+    def __init__(self, suffix_length: int):
         super().__init__()
-        self.rows, self.head_dim = layers * cfg.num_key_value_heads, cfg.head_dim
         self.register_buffer("slots", torch.arange(suffix_length, dtype=torch.int32).view(1, 1, 1, -1))
 
-    def forward(self, k_suffix, v_suffix, k_new, v_new, suffix_positions):
+    def forward(self, k_suffix=None, v_suffix=None, k_new=None, v_new=None, suffix_positions=None,
+                k_ring_suffix=None, v_ring_suffix=None, k_ring_new=None, v_ring_new=None):
         slot = self.slots == suffix_positions.view(1, -1, 1, 1)  # (1,B,1,U) one-hot, bool
 
         def write(cache, new):
-            new = new.reshape(self.rows, self.head_dim, -1).transpose(1, 2).unsqueeze(3)  # (L*G,B,D,1)
+            new = new.reshape(cache.shape[0], cache.shape[2], -1).transpose(1, 2).unsqueeze(3)  # (L*G,B,D,1)
             return torch.where(slot, new, cache)  # one elementwise select: reads and writes the cache once
-        return write(k_suffix, k_new), write(v_suffix, v_new)
+        pairs = ((k_suffix, k_new), (v_suffix, v_new), (k_ring_suffix, k_ring_new), (v_ring_suffix, v_ring_new))
+        return tuple(write(cache, new) for cache, new in pairs if cache is not None)
 
 
 def build_suffix_update(g: Graph, cfg: LlamaConfig, io: dict):
     """SuffixUpdate."""
     def body(inputs):
-        rows, b, d, u = shape_of(io, "k_suffix")
+        b = shape_of(io, "suffix_positions")[0]
+        u = next(t["shape"][3] for t in io["inputs"] if t["name"].endswith("_suffix"))
         slot = mb.equal(x=np.arange(u, dtype=np.int32).reshape(1, 1, 1, u),
                         y=mb.reshape(x=inputs["suffix_positions"], shape=[1, b, 1, 1]))  # (1,B,1,U)
         out = {}
-        for n in ("k", "v"):
+        for n in ("k", "v", "k_ring", "v_ring"):
+            if f"{n}_suffix" not in inputs:
+                continue
+            rows, _, d, _ = shape_of(io, f"{n}_suffix")
             new = mb.expand_dims(x=mb.transpose(x=mb.reshape(x=inputs[f"{n}_new"], shape=[rows, d, b]), perm=[0, 2, 1]),
                                  axes=[3])  # (L*G,B,D,1)
             out[f"{n}_suffix_out"] = mb.select(cond=slot, a=new, b=inputs[f"{n}_suffix"])
@@ -146,9 +152,10 @@ def _window_io(cfg: LlamaConfig, layout: Layout, rows: tuple[list[int], list[int
                where: list[dict]) -> dict:
     """The io of a chunk's update of a window of S: its caches (full over T positions, ring over R
     slots) and new K/V in, the caches out; `where` the int32 inputs saying where they go."""
-    kv, f = cfg.kv_channels, layout.dtype
+    f = layout.dtype
     caches, new, out = [], [], []
-    for n, names, width in ((len(rows[0]), ("k_cache", "v_cache"), t), (len(rows[1]), ("k_ring", "v_ring"), layout.ring)):
+    for n, names, width, kv in ((len(rows[0]), ("k_cache", "v_cache"), t, cfg.global_layers.kv_channels),
+                                (len(rows[1]), ("k_ring", "v_ring"), layout.ring, cfg.kv_channels)):
         for name in names if n else ():
             caches.append(tensor(name, [n, kv, 1, width], f))
             new.append(tensor(CACHES[name], [n, kv, 1, s], f))
@@ -161,7 +168,7 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
     (their indices in the model): per bucket the windows' updates (none with state caches, which
     the chunks write themselves), then the cascade's suffix updates and verify's. Chunks with as
     many layers in the full cache and in the ring share their functions."""
-    d, kv, f, g = cfg.head_dim, cfg.kv_channels, layout.dtype, cfg.num_key_value_heads
+    f = layout.dtype
     rows = {}  # (full, ring) counts -> the rows of one such chunk
     for layers in chunk_layers:
         full, ring = chunk_rows(cfg, layers, layout.ring)
@@ -174,14 +181,18 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
             out[cache_update_function(fn, nf, nr)] = _window_io(cfg, layout, r, s, t,
                                                                [tensor("position", [1], "int32")])
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    for n in dict.fromkeys(len(attention_rows(cfg, layers)) for layers in chunk_layers) if b else ():
-        if not n:  # a chunk of conv layers only has no suffix caches
+    suffixes = {suffix_update_counts(cfg, layers, layout.ring): layers for layers in chunk_layers} if b else {}
+    for counts, layers in suffixes.items():
+        if not sum(counts):  # a chunk of conv layers only has no suffix caches
             continue
-        out[cache_update_function(BRANCHES, n)] = {
-            "inputs": [tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f),
-                       tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f),
-                       tensor("suffix_positions", [b], "int32")],
-            "outputs": [tensor("k_suffix_out", [n * g, b, d, u], f), tensor("v_suffix_out", [n * g, b, d, u], f)],
+        caches, new = [], []
+        for key, r, at in suffix_groups(cfg, layers, layout.ring):
+            names, g = suffix_names(key), at.num_key_value_heads
+            caches += [tensor(name, [len(r) * g, b, at.head_dim, u], f) for name in names[:2]]
+            new += [tensor(name, [len(r), at.kv_channels, 1, b], f) for name in names[2:]]
+        out[cache_update_function(BRANCHES, *counts)] = {
+            "inputs": caches + new + [tensor("suffix_positions", [b], "int32")],
+            "outputs": [dict(t, name=f"{t['name']}_out") for t in caches],
         }
     for (nf, nr), r in rows.items() if w else ():
         if not nf + nr:

@@ -40,6 +40,13 @@ layers' new K/V as k_ring_new/v_ring_new (position p goes to slot p mod R). Thei
 cover the ring's slots (see embeddings.py). The cascade reads the prefix's ring like its cache and
 returns every layer's new K/V for the suffix caches, as without a ring.
 
+Where Gemma 4's global layers are wider than its sliding ones (LlamaConfig.wide_global: their own
+head_dim and kv heads, LlamaConfig.at), the export always has a ring: k_cache/v_cache hold the
+global layers' K/V and k_ring/v_ring the sliding layers', each in its own width, cos/sin are the
+global layers' tables and cos_local/sin_local the sliding layers'. The cascade then keeps a pair of
+suffix caches per kind (functions.suffix_groups): k_suffix/v_suffix and k_new/v_new of the global
+layers, k_ring_suffix/v_ring_suffix and k_ring_new/v_ring_new of the sliding ones.
+
 Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chunk with any reads
 their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
@@ -60,8 +67,9 @@ from torch import nn
 from ..config import LlamaConfig
 from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
-from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, attention_rows, branch_masks,
-                        chunk_rows, conv_rows, conv_state_width, layer_inputs, shape_of, tensor, window_masks)
+from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, branch_masks, chunk_rows,
+                        conv_rows, conv_state_width, layer_inputs, shape_of, suffix_groups, suffix_names, tensor,
+                        window_masks)
 from .layers import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope, apply_rope_mil, conv1x1, conv_mil,
                      grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
@@ -193,6 +201,7 @@ def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
 def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int, layer: int):
     """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
     x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
+    cfg = cfg.at(layer)
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
         if cfg.input_norm else x
@@ -260,6 +269,7 @@ def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin,
     x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
     ring's slots) -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
     """
+    cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer)
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
@@ -278,12 +288,15 @@ class BlockChunk(nn.Module):
         self.layer_indices = list(layer_indices)
         self.layers = nn.ModuleList(
             ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias)
-            if cfg.convolves(n) else DecoderLayer(cfg, context_length, n) for n in layer_indices)
+            if cfg.convolves(n) else DecoderLayer(cfg.at(n), context_length, n) for n in layer_indices)
         self.conv = conv_rows(cfg, self.layer_indices)
         full, sliding = chunk_rows(cfg, self.layer_indices, ring)
         # per layer: which cache it reads ("cache" or "ring") and its row there
         self.rows = {**{i: ("cache", j) for j, i in enumerate(full)}, **{i: ("ring", j) for j, i in enumerate(sliding)}}
         self.full, self.sliding = full, sliding
+        groups = suffix_groups(cfg, self.layer_indices, ring)  # the cascade's suffix caches
+        self.suffix_keys = [key for key, _, _ in groups]
+        self.suffix_rows = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
 
     def layer_caches(self, i: int, caches: dict):
         """Layer i's (k, v) rows (1,KV,1,*) of `caches` {"cache": (k, v), "ring": (k, v)}."""
@@ -379,7 +392,8 @@ def _layer_reads_mil(g: Graph, cfg: LlamaConfig, values: dict, layers: list[int]
     reads = {}
     for rows, (k, v), width in ((full, ("k_cache", "v_cache"), t), (sliding, RING_CACHES, ring)):
         for j, i in enumerate(rows):
-            reads[i] = (_layer_cache_mil(g, cfg, values[k], j, width), _layer_cache_mil(g, cfg, values[v], j, width))
+            at = cfg.at(layers[i])
+            reads[i] = (_layer_cache_mil(g, at, values[k], j, width), _layer_cache_mil(g, at, values[v], j, width))
     return reads, full, sliding
 
 
@@ -458,6 +472,7 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
     (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
+    cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer)
     v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
@@ -478,25 +493,29 @@ class BranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None):
+                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
+                v_ring_suffix=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
-        k_out, v_out, gated = [], [], []
+        suffixes = {"k": (k_suffix, v_suffix), "k_ring": (k_ring_suffix, v_ring_suffix)}
+        new = {key: ([], []) for key in self.chunk.suffix_keys}
+        gated = []
         for i, layer in enumerate(self.chunk.layers):
             if isinstance(layer, ConvLayer):  # each branch from its own state (1,C,B,K-1)
                 j = len(gated)
                 hidden_states, g = layer(hidden_states, conv_branches[j:j + 1])
                 gated.append(g)
                 continue
-            g, a = layer.cfg.num_key_value_heads, len(k_out)  # its rows in the suffix caches
+            key, a = self.chunk.suffix_rows[i]  # its suffix caches, and its rows there
+            g, (ks, vs) = layer.cfg.num_key_value_heads, suffixes[key]
             hidden_states, k, v = branch_layer(
                 layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
                 layer.attention_mask(suffix_mask, sliding_suffix_mask), *self.chunk.layer_caches(i, caches),
-                k_suffix[a * g:(a + 1) * g], v_suffix[a * g:(a + 1) * g], self.suffix_length,
+                ks[a * g:(a + 1) * g], vs[a * g:(a + 1) * g], self.suffix_length,
                 self.chunk.per_layer_slice(per_layer_input, i))
-            k_out.append(k)
-            v_out.append(v)
-        out = (torch.cat(k_out, dim=0), torch.cat(v_out, dim=0)) if k_out else ()
+            new[key][0].append(k)
+            new[key][1].append(v)
+        out = tuple(torch.cat(rows, dim=0) for key in self.chunk.suffix_keys for rows in new[key])
         return (hidden_states, *out) + ((torch.cat(gated, dim=0),) if gated else ())
 
 
@@ -506,8 +525,12 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
     def body(inputs):
         b = shape_of(io, "hidden_states")[3]
         inputs = read_states_mil(inputs, io)
-        reads, _, _ = _layer_reads_mil(g, cfg, inputs, layers, _ring_of(io), context_length)
-        x, ks, vs, gated = inputs["hidden_states"], [], [], []
+        ring = _ring_of(io)
+        reads, _, _ = _layer_reads_mil(g, cfg, inputs, layers, ring, context_length)
+        groups = suffix_groups(cfg, layers, ring)
+        where = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
+        new = {key: ([], []) for key, _, _ in groups}
+        x, gated = inputs["hidden_states"], []
         for i, n in enumerate(layers):
             if cfg.convolves(n):  # each branch from its own state (1,C,B,K-1)
                 state = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
@@ -517,13 +540,18 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
                 gated.append(gx)
                 continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
+            key, j = where[i]
+            k_suffix, v_suffix, _, _ = suffix_names(key)
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
                                        layer_mask_mil(cfg, inputs, n, "suffix_mask"), *reads[i],
-                                       inputs["k_suffix"], inputs["v_suffix"], len(ks), b, suffix_length, n,
+                                       inputs[k_suffix], inputs[v_suffix], j, b, suffix_length, n,
                                        per_layer_slice_mil(g, cfg, inputs, i, b))
-            ks.append(k)
-            vs.append(v)
-        out = {"hidden_states_out": x, **({"k_new": stack_mil(ks), "v_new": stack_mil(vs)} if ks else {})}
+            new[key][0].append(k)
+            new[key][1].append(v)
+        out = {"hidden_states_out": x}
+        for key, (ks, vs) in new.items():
+            _, _, k_new, v_new = suffix_names(key)
+            out.update({k_new: stack_mil(ks), v_new: stack_mil(vs)})
         return {**out, **({"conv_new": stack_mil(gated)} if gated else {})}
     return body
 
@@ -615,20 +643,23 @@ class HeadedBranchChunk(nn.Module):
 
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
-                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None):
+                k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
+                v_ring_suffix=None):
         hidden_states, *new = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
-                                            cos_local, sin_local, k_ring, v_ring, conv_branches, per_layer_input)
+                                            cos_local, sin_local, k_ring, v_ring, conv_branches, per_layer_input,
+                                            k_ring_suffix, v_ring_suffix)
         return (*self.head(hidden_states), *new)
 
 
 def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int) -> tuple[list[dict], list[dict]]:
     """A window function's cache inputs (full layers over T positions, ring layers over its R
     slots) and its new K/V outputs (S columns each), each pair only where the chunk has such layers."""
-    kv, f = cfg.kv_channels, layout.dtype
+    f = layout.dtype
     full, sliding = chunk_rows(cfg, layers, layout.ring)
     inputs, outputs = [], []
-    for rows, names, width in ((full, ("k_cache", "v_cache"), t), (sliding, RING_CACHES, layout.ring)):
+    for rows, names, width, kv in ((full, ("k_cache", "v_cache"), t, cfg.global_layers.kv_channels),
+                                   (sliding, RING_CACHES, layout.ring, cfg.kv_channels)):
         for name in names if rows else ():
             inputs.append(tensor(name, [len(rows), kv, 1, width], f))
             outputs.append(tensor(CACHES[name], [len(rows), kv, 1, s], f))
@@ -656,7 +687,7 @@ def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tup
 def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dict[str, dict]:
     """chunk.functions without the LM head."""
     layers = list(range(layers)) if isinstance(layers, int) else list(layers)
-    c, d, kv, f, n = cfg.hidden_size, cfg.head_dim, cfg.kv_channels, layout.dtype, len(layers)
+    c, d, f = cfg.hidden_size, cfg.global_layers.head_dim, layout.dtype
     out = {}
     for fn, _, s, t in layout.windows():
         caches, new = _caches(cfg, layout, layers, t, s)
@@ -668,21 +699,22 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             + conv_state,
             "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new,
         }, layout)
-    t, b, u, w, g = (layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window,
-                     cfg.num_key_value_heads)
+    t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
-        n, convs = len(attention_rows(cfg, layers)), len(conv_rows(cfg, layers))
+        convs, suffixes, new = len(conv_rows(cfg, layers)), [], []
+        for key, rows, at in suffix_groups(cfg, layers, layout.ring):
+            names, g = suffix_names(key), at.num_key_value_heads
+            suffixes += [tensor(name, [len(rows) * g, b, at.head_dim, u], f) for name in names[:2]]
+            new += [tensor(name, [len(rows), at.kv_channels, 1, b], f) for name in names[2:]]
         out[BRANCHES] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                       tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0]
-            + ([tensor("k_suffix", [n * g, b, d, u], f), tensor("v_suffix", [n * g, b, d, u], f)] if n else [])
+                       tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0] + suffixes
             + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
             + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else []),
             # every attention layer's new K/V: the suffix caches hold them all
-            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)]
-            + ([tensor("k_new", [n, kv, 1, b], f), tensor("v_new", [n, kv, 1, b], f)] if n else [])
+            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)] + new
             + ([tensor("conv_new", [convs, c, 1, b], f)] if convs else []),
         }, layout)
     if w:

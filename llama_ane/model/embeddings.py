@@ -84,8 +84,9 @@ def rope_tables(cfg: LlamaConfig, positions: int,
 def stored_rope_tables(cfg: LlamaConfig, positions: int,
                        context_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The cos, sin tables the embeddings read: rope_tables, with the local RoPE's columns after
-    them for a family with a local base ((positions, 2D): one gather reads both)."""
-    cos, sin = rope_tables(cfg, positions, context_length)
+    them for a family with a local base ((positions, D + D_local): one gather reads both). D is the
+    global layers' head_dim (LlamaConfig.global_layers), D_local the sliding layers'."""
+    cos, sin = rope_tables(cfg.global_layers, positions, context_length)
     if cfg.rope_local_theta is None:
         return cos, sin
     local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_proportion=1.0)
@@ -200,12 +201,12 @@ def mask_from_mil(g: Graph, keep):
 def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int) -> dict:
     """The RoPE rows of `positions` (S,) int32: {"cos", "sin"} (1,D,1,S), and "cos_local",
     "sin_local" where the tables hold local columns too."""
-    d, local = cfg.head_dim, cfg.rope_local_theta is not None
+    d, dl, local = cfg.global_layers.head_dim, cfg.head_dim, cfg.rope_local_theta is not None
     out = {}
     for name in ("cos", "sin"):
         rows = mb.transpose(x=mb.gather(x=g.weight(f"{name}_table"), indices=positions, axis=0), perm=[1, 0])
-        if local:  # (2D,S): the global rows, then the local ones
-            out[f"{name}_local"] = mb.reshape(x=g.slice(rows, [d, 0], [2 * d, s]), shape=[1, d, 1, s])
+        if local:  # (D+D_local,S): the global rows, then the local ones
+            out[f"{name}_local"] = mb.reshape(x=g.slice(rows, [d, 0], [d + dl, s]), shape=[1, dl, 1, s])
             rows = g.slice(rows, [0, 0], [d, s])
         out[name] = mb.reshape(x=rows, shape=[1, d, 1, s])
     return out
@@ -214,7 +215,7 @@ def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int) -> dict:
 def _rope_rows(cfg: LlamaConfig, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """_rope_rows_mil in torch: positions (S,) -> {"cos", "sin"[, "cos_local", "sin_local"]} (1,D,1,S)."""
-    d, out = cfg.head_dim, {}
+    d, out = cfg.global_layers.head_dim, {}
     for name, table in (("cos", cos_table), ("sin", sin_table)):
         rows = table[positions].t().unsqueeze(0).unsqueeze(2).to(dtype)  # (S,D) -> (1,D,1,S), or 2D
         out[name] = rows[:, :d]
@@ -536,7 +537,7 @@ def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
 def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
     """{function: io} of the (first) embeddings file: a window function per bucket, then the
     cascade's and verify's."""
-    c, d, f = cfg.hidden_size, cfg.head_dim, layout.dtype
+    c, d, f = cfg.hidden_size, cfg.global_layers.head_dim, layout.dtype
     out = {}
     for fn, _, s, t in layout.windows():
         out[fn] = {

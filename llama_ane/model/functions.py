@@ -120,6 +120,33 @@ def attention_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
     return [i for i, n in enumerate(layers) if not cfg.convolves(n)]
 
 
+def suffix_groups(cfg: "LlamaConfig", layers: list[int], ring: int) -> list[tuple[str, list[int], "LlamaConfig"]]:
+    """The cascade's suffix caches of a chunk of decoder layers `layers`: (key, chunk-local rows,
+    their layers' config) per pair. Key "k" names k_suffix/v_suffix and the branches' k_new/v_new,
+    "k_ring" k_ring_suffix/v_ring_suffix and k_ring_new/v_ring_new. One pair of every attention
+    layer, but where the global layers are wider than the sliding ones (LlamaConfig.wide_global,
+    always with a ring): the global layers' pair, then the ring layers'."""
+    if not cfg.wide_global:
+        rows = attention_rows(cfg, layers)
+        return [("k", rows, cfg)] if rows else []
+    full, sliding = chunk_rows(cfg, layers, ring)
+    return [(key, rows, at) for key, rows, at in (("k", full, cfg.global_layers), ("k_ring", sliding, cfg)) if rows]
+
+
+def suffix_names(key: str) -> tuple[str, str, str, str]:
+    """k_suffix, v_suffix, k_new, v_new of suffix_groups' `key` ("k" or "k_ring")."""
+    v = "v" + key[1:]
+    return f"{key}_suffix", f"{v}_suffix", f"{key}_new", f"{v}_new"
+
+
+def suffix_update_counts(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[int, int]:
+    """The layer counts a chunk's cascade suffix update is named by (cache_update_function): its
+    attention layers', or (wide global layers) its global layers' and its ring layers'."""
+    if not cfg.wide_global:
+        return len(attention_rows(cfg, layers)), 0
+    return tuple(len(rows) for rows in chunk_rows(cfg, layers, ring))
+
+
 def conv_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
     """The chunk-local indices of the conv layers among decoder layers `layers`: their rows in the
     chunk's conv state."""

@@ -348,8 +348,7 @@ def measure_cascade(model: LlamaANEModel, prefix: int, branches: int, opts: Benc
     width = decoder.width
     groups = math.ceil(branches / width)
     steps = max(1, min(opts.decode_tokens, decoder.suffix_length))
-    suffixes = [{"k": decoder.new_suffix(len(c["layers"])), "v": decoder.new_suffix(len(c["layers"]))}
-                for c in model.manifest["chunks"]]
+    suffixes = [decoder.new_suffixes(i) for i in range(len(model.manifest["chunks"]))]
     tokens = _ids(rng, model.manifest["config"]["vocab_size"], width)
 
     def run() -> None:

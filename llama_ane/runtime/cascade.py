@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..contract.specs import BRANCHES, attention_rows
+from ..contract.specs import BRANCHES, suffix_groups
 from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, SeededRandom, branch_seed, sample
@@ -148,17 +148,19 @@ class CascadeDecoder:
                 f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
                 "--suffix-length")
 
-    def new_suffix(self, layers: int) -> np.ndarray:
-        """Zeroed suffix cache of one chunk: (layers*kv_heads, B, head_dim, suffix_length)."""
-        cfg = self.manifest["config"]
-        return np.zeros((layers * cfg["num_key_value_heads"], self.width, cfg["head_dim"], self.suffix_length),
-                        self.backend.dtype)
+    def new_suffix(self, layers: int, kv_heads: int, head_dim: int) -> np.ndarray:
+        """Zeroed suffix cache of `layers` layers: (layers*kv_heads, B, head_dim, suffix_length)."""
+        return np.zeros((layers * kv_heads, self.width, head_dim, self.suffix_length), self.backend.dtype)
 
     def new_suffixes(self, i: int) -> dict[str, np.ndarray]:
-        """Chunk i's suffix caches {"k", "v"} over its attention layers, and its conv layers' state
-        per branch {"conv"} (L_c, C, B, K-1), each branch's a copy of the prefix's."""
-        attention = len(attention_rows(self.pipeline.config, self.manifest["chunks"][i]["layers"]))
-        out = {"k": self.new_suffix(attention), "v": self.new_suffix(attention)} if attention else {}
+        """Chunk i's suffix caches {"k", "v"} over its attention layers (where the global layers are
+        wider, over those, with {"k_ring", "v_ring"} over the ring's: specs.suffix_groups), and its
+        conv layers' state per branch {"conv"} (L_c, C, B, K-1), each branch's a copy of the prefix's."""
+        out = {}
+        for key, rows, at in suffix_groups(self.pipeline.config, self.manifest["chunks"][i]["layers"],
+                                           self.pipeline.ring):
+            for name in (key, "v" + key[1:]):
+                out[name] = self.new_suffix(len(rows), at.num_key_value_heads, at.head_dim)
         prefix = self.pipeline.cache.caches[i]
         if "conv" in prefix:
             sync = getattr(self.backend, "sync_states", None)
@@ -176,12 +178,11 @@ class CascadeDecoder:
         if "conv_new" in out:  # each branch's conv state moves on by its one token
             conv = suffix["conv"]
             suffix["conv"] = np.concatenate([conv[..., 1:], out["conv_new"].reshape(*conv.shape[:3], 1)], axis=-1)
-        if "k_new" not in out:  # a chunk of conv layers only has no suffix caches
+        if "k_new" not in out and "k_ring_new" not in out:  # a chunk of conv layers only has no suffix caches
             return
         if self.pipeline.direct:
-            d = self.manifest["config"]["head_dim"]
-            for name in ("k", "v"):
-                new = out[f"{name}_new"].reshape(-1, d, self.width)  # (L*G, D, B)
+            for name in (key for key in ("k", "v", "k_ring", "v_ring") if key in suffix):
+                new = out[f"{name}_new"].reshape(-1, suffix[name].shape[2], self.width)  # (L*G, D, B)
                 for b, slot in enumerate(slots):
                     if slot < self.suffix_length:
                         suffix[name][:, b, :, slot] = new[:, :, b]
@@ -197,7 +198,7 @@ class CascadeDecoder:
             BRANCHES, {"input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
                        "prefix_length": np.array([prefix_tokens], np.int32)},
             lambda i, function, out: self._write(i, function, out, suffixes, slots), visible=prefix_tokens,
-            state=lambda i: {f"{key}_suffix" if key in "kv" else "conv_branches": a for key, a in suffixes[i].items()})
+            state=lambda i: {"conv_branches" if key == "conv" else f"{key}_suffix": a for key, a in suffixes[i].items()})
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:

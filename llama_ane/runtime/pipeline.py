@@ -46,7 +46,7 @@ from ..config import LlamaConfig
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_of
+from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_channels, ring_of
 from ..contract.specs import VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
@@ -127,13 +127,14 @@ class Pipeline:
     def _empty(self, i: int) -> dict[str, np.ndarray]:
         full, ring = self.rows[i]
         out = {key: self._zeros(len(full)) for key in ("k", "v") if full}
-        out.update({key: self._zeros(len(ring), self.ring) for key in ("k_ring", "v_ring") if ring})
+        out.update({key: self._zeros(len(ring), self.ring, ring_channels(self.manifest))
+                    for key in ("k_ring", "v_ring") if ring})
         if self.conv_layers[i]:
             out["conv"] = np.zeros((self.conv_layers[i], *self.conv_shape), self.backend.dtype)
         return out
 
-    def _zeros(self, layers: int, length: int | None = None) -> np.ndarray:
-        return np.zeros((layers, self.manifest["cache"]["channels"], 1, length or self.context_length),
+    def _zeros(self, layers: int, length: int | None = None, channels: int | None = None) -> np.ndarray:
+        return np.zeros((layers, channels or self.manifest["cache"]["channels"], 1, length or self.context_length),
                         self.backend.dtype)
 
     def empty_cache_inputs(self, i: int) -> dict[str, np.ndarray]:
@@ -338,9 +339,10 @@ class Pipeline:
     @staticmethod
     def _state_keys(entry: dict) -> dict[str, str]:
         """The tensors a cache update rewrites (outputs X_out of inputs X), each with the key of
-        its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v", "k_ring" -> "k_ring"."""
+        its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v", "k_ring" -> "k_ring",
+        "k_ring_suffix" -> "k_ring"."""
         outputs = {t["name"] for t in entry["outputs"]}
-        return {t["name"]: CACHE_KEYS.get(t["name"], t["name"][0]) for t in entry["inputs"]
+        return {t["name"]: CACHE_KEYS.get(t["name"], t["name"].removesuffix("_suffix")) for t in entry["inputs"]
                 if t["name"] + "_out" in outputs}
 
     def ring_slots(self, positions: np.ndarray) -> np.ndarray:

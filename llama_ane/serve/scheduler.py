@@ -481,8 +481,7 @@ class Scheduler:
         self.metrics.cascade_batches += 1
         _, reused = self._start(prefix)
         self._remember()
-        suffixes = [{"k": decoder.new_suffix(len(c["layers"])), "v": decoder.new_suffix(len(c["layers"]))}
-                    for c in self.manifest["chunks"]]
+        suffixes = [decoder.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
         slots: list[_Job | None] = [None] * self.width
         for j, job in enumerate(jobs):
             self._seat(job, len(prefix), reused)

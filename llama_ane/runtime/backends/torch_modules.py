@@ -177,7 +177,7 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         for fn, io in functions.items():
             shape = {t["name"]: t["shape"] for t in io["inputs"]}
             if "k_suffix" in shape:
-                modules[fn] = SuffixUpdate(cfg, shape["k_new"][0], m["suffix_length"])
+                modules[fn] = SuffixUpdate(m["suffix_length"])
             else:  # a window of S at the positions of its bucket (and the ring's slots), or verify's
                 modules[fn] = ChunkUpdate(ring)
     else:
