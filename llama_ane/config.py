@@ -101,7 +101,8 @@ GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
 # Gemma 4 exports), so every other family's manifest reads as before and a host that does not know
 # them (the Swift host) refuses a Gemma 4 export by the field's name rather than run it wrong
 GEMMA4_FIELDS = ("value_norm", "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar",
-                 "final_logit_softcapping", "rope_proportion", "global_head_dim", "global_key_value_heads")
+                 "final_logit_softcapping", "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers",
+                 "double_wide_mlp")
 GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                   "rope_theta": 1_000_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
@@ -165,6 +166,11 @@ class LlamaConfig:
     # layers' (0: the same); see `at`
     global_head_dim: int = 0
     global_key_value_heads: int = 0
+    # Gemma 4's KV-shared layers: the last kv_shared_layers layers compute no K/V and attend over the
+    # K/V of the last earlier layer of their type (kv_producer); with double_wide_mlp their MLP is
+    # twice as wide
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
     # Granite's multipliers: of the embeddings, of each attention and MLP output before its residual
     # add, the attention scale (None: 1/sqrt(head_dim)), and the divisor of the logits
     embedding_multiplier: float = 1.0
@@ -313,10 +319,21 @@ class LlamaConfig:
         if self.rope_local_theta is not None and (isinstance(self.rope_local_theta, bool) or not isinstance(
                 self.rope_local_theta, (int, float)) or not 0 < self.rope_local_theta < math.inf):
             raise ConfigError(f"rope_local_theta must be a positive number or null, got {self.rope_local_theta!r}")
-        for name in ("per_layer_input_size", "per_layer_vocab_size", "global_head_dim", "global_key_value_heads"):
+        for name in ("per_layer_input_size", "per_layer_vocab_size", "global_head_dim", "global_key_value_heads",
+                     "kv_shared_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.double_wide_mlp, bool):
+            raise ConfigError(f"double_wide_mlp must be true or false, got {self.double_wide_mlp!r}")
+        if self.kv_shared_layers:
+            first = layers - self.kv_shared_layers
+            missing = sorted({self.slides(n) for n in range(max(first, 0), layers)}
+                             - {self.slides(n) for n in range(max(first, 0))})
+            if first <= 0 or missing:
+                raise ConfigError(f"kv_shared_layers {self.kv_shared_layers}: the KV-shared layers (from layer {first} "
+                                  f"on) need an earlier layer of each of their types to take K/V from; lower "
+                                  "num_kv_shared_layers")
         if self.global_head_dim % 2:
             raise ConfigError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}")
         if self.global_key_value_heads and self.num_attention_heads % self.global_key_value_heads:
@@ -368,12 +385,26 @@ class LlamaConfig:
     def at(self, layer: int) -> "LlamaConfig":
         """The config decoder layer `layer` computes with: this one, but on a global layer of a model
         whose global layers are wider (Gemma 4's global_head_dim, global_key_value_heads) its
-        head_dim and num_key_value_heads are theirs."""
-        if not self.wide_global or self.slides(layer) or layer < 0:
-            return self
-        return dataclasses.replace(self, head_dim=self.global_head_dim or self.head_dim,
-                                   num_key_value_heads=self.global_key_value_heads or self.num_key_value_heads,
-                                   global_head_dim=0, global_key_value_heads=0)
+        head_dim and num_key_value_heads are theirs, and on a KV-shared layer with double_wide_mlp
+        its intermediate_size is twice the others'."""
+        change: dict[str, Any] = {}
+        if self.wide_global and not self.slides(layer) and layer >= 0:
+            change.update(head_dim=self.global_head_dim or self.head_dim, global_head_dim=0, global_key_value_heads=0,
+                          num_key_value_heads=self.global_key_value_heads or self.num_key_value_heads)
+        if self.double_wide_mlp and self.shares_kv(layer):
+            change.update(intermediate_size=2 * self.intermediate_size, double_wide_mlp=False)
+        return dataclasses.replace(self, **change) if change else self
+
+    def shares_kv(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a KV-shared layer (Gemma 4's last kv_shared_layers): it
+        computes no K/V and keeps no cache, attending over its kv_producer's."""
+        return bool(self.kv_shared_layers) and layer >= self.num_hidden_layers - self.kv_shared_layers
+
+    def kv_producer(self, layer: int) -> int:
+        """The layer whose K/V KV-shared layer `layer` attends over: the last layer before the
+        KV-shared ones of the same type (sliding or global), as transformers' kv_sharing_modes."""
+        first = self.num_hidden_layers - self.kv_shared_layers
+        return max(n for n in range(first) if self.slides(n) == self.slides(layer))
 
     @property
     def wide_global(self) -> bool:
@@ -514,7 +545,7 @@ class LlamaConfig:
                 "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling", "value_norm",
                 "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar", "final_logit_softcapping",
-                "rope_proportion", "global_head_dim", "global_key_value_heads")
+                "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers", "double_wide_mlp")
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = self.hidden_act
@@ -569,7 +600,8 @@ class LlamaConfig:
                  rope_parameters={"full_attention": full, "sliding_attention": {
                      "rope_type": "default", "rope_theta": self.rope_local_theta}},
                  global_head_dim=wide.head_dim, num_global_key_value_heads=wide.num_key_value_heads,
-                 attention_k_eq_v=self.k_eq_v, num_kv_shared_layers=0, enable_moe_block=False,
+                 attention_k_eq_v=self.k_eq_v, num_kv_shared_layers=self.kv_shared_layers, enable_moe_block=False,
+                 use_double_wide_mlp=self.double_wide_mlp,
                  hidden_size_per_layer_input=self.per_layer_input_size,
                  vocab_size_per_layer_input=self.per_layer_vocab_size or self.vocab_size,
                  final_logit_softcapping=self.final_logit_softcapping)
@@ -665,9 +697,7 @@ def _gemma4_fields(f: "_Fields") -> dict[str, Any]:
         raise refuse(f"per_layer_config gives the global layers {glob[1]} kv heads where the sliding layers have "
                      f"{kv_heads} without attention_k_eq_v; the export builds other kv heads on the global layers "
                      "only as num_global_key_value_heads of an attention_k_eq_v model")
-    if g.integer("num_kv_shared_layers", 0, minimum=0):
-        raise refuse(f"num_kv_shared_layers is {d['num_kv_shared_layers']}; the export does not share K/V across "
-                     "layers (Gemma 4's KV-shared layers), so it builds checkpoints with num_kv_shared_layers 0 only")
+    g.integer("num_kv_shared_layers", 0, minimum=0)
     rope = d.get("rope_parameters") or {}
     if not isinstance(rope, dict) or (rope and not {"full_attention", "sliding_attention"} <= set(rope)):
         raise refuse(f"rope_parameters is {_json_type(rope)}; Gemma 4's has an object per layer type "
@@ -741,7 +771,8 @@ def _gemma4_extras(f: "_Fields", model_type: str) -> dict[str, Any]:
     glob = _gemma4_global_heads(f, f.d["layer_types"], f.integer("num_hidden_layers"))
     wide = {"global_head_dim": glob[0] if glob[0] != head_dim else 0,
             "global_key_value_heads": glob[1] if glob[1] != kv_heads else 0}
-    return {**wide, "value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
+    shared = {"kv_shared_layers": f.integer("num_kv_shared_layers", 0), "double_wide_mlp": f.boolean("use_double_wide_mlp")}
+    return {**wide, **shared, "value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
             "per_layer_vocab_size": f.integer("vocab_size_per_layer_input") if size else 0, "layer_scalar": True,
             "final_logit_softcapping": f.number("final_logit_softcapping", None), "rope_proportion": proportion}
 

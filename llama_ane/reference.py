@@ -68,6 +68,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                  else {None: rotary(x, positions)})  # cos, sin (1, T, D)
         sliding = _sliding_mask(ckpt.config, len(token_ids))
         per_layer = _per_layer_inputs(ckpt, hf, ids, x)  # Gemma 4's, (1, T, L, P); None for the others
+        shared: dict = {}  # Gemma 4's producers' K/V by layer type, which its KV-shared layers read
         for n in range(hf.num_hidden_layers):
             rope = ropes[hf.layer_types[n] if per_type else None]
             mask = sliding if ckpt.config.slides(n) else None
@@ -75,7 +76,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                 layer = DecoderLayer(hf, n)
             layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
             after = on_layer(n, layer) if on_layer is not None else None
-            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, n], "shared_kv_states": {}}
+            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, n], "shared_kv_states": shared}
             x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope, **extra)
             x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple
             if after is not None:

@@ -283,10 +283,12 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
         emb = pipe.embed("verify", inputs)
         for name in pipe.embedding_models:
             model.backend.release(name)
-        hidden = emb["hidden_states"]
+        hidden, outs = emb["hidden_states"], []
         for i, chunk in enumerate(pipe.chunks):
-            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i), **pipe.per_layer_input(i, emb)}
+            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i), **pipe.per_layer_input(i, emb),
+                    **pipe.shared_inputs(i, "verify", outs, pipe._empty)}
             out = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))
+            outs.append(out)
             hidden = out.get("hidden_states_out")  # none from a last chunk carrying the LM head
             model.backend.release(chunk["model"])
         return pipe.logits_of("verify", out)

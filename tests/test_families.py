@@ -92,6 +92,11 @@ CASES = {
     # heads (num_global_key_value_heads) than the sliding ones, which keep theirs in the ring
     "gemma4_wide_global": dict(GEMMA4, tie_word_embeddings=True, attention_k_eq_v=True, sliding_window=24,
                                global_head_dim=64, num_global_key_value_heads=1),
+    # and E2B/E4B's KV-shared layers: the last 2 of 4 take K/V from layers 0 (sliding) and 1 (global),
+    # with double-wide MLPs
+    "gemma4_kv_shared": dict(GEMMA4, tie_word_embeddings=False, attention_k_eq_v=True, sliding_window=24,
+                             global_head_dim=64, num_global_key_value_heads=1, num_kv_shared_layers=2,
+                             use_double_wide_mlp=True),
     # LFM2: short-convolution layers beside attention layers (chunks of conv layers only, too), the
     # MLP's width adjusted as Lfm2MLP does
     "lfm2_tied_gqa": dict(LFM2, head_dim=32, layer_types=["conv", "full_attention", "conv"]),
@@ -101,7 +106,8 @@ CASES = {
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
-           "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global"]
+           "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
+           "gemma4_kv_shared"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.

@@ -54,7 +54,7 @@ def test_gemma4_config_as_transformers_reads_it():
 @pytest.mark.parametrize("change, words", [
     ({"enable_moe_block": True}, ["enable_moe_block", "mixture-of-experts"]),
     ({"use_bidirectional_attention": "all"}, ["use_bidirectional_attention"]),
-    ({"num_kv_shared_layers": 2}, ["num_kv_shared_layers", "0 only"]),
+    ({"num_kv_shared_layers": 4}, ["kv_shared_layers 4", "lower num_kv_shared_layers"]),
     ({"per_layer_config": {"1": {"num_key_value_heads": 1}, "3": {"num_key_value_heads": 1}},
       "attention_k_eq_v": False}, ["1 kv heads", "without attention_k_eq_v"]),
     ({"per_layer_config": {"1": {"head_dim": 64}, "3": {"head_dim": 128}}}, ["different head sizes"]),
@@ -295,36 +295,82 @@ def test_the_per_layer_table_shares_the_first_embeddings_file_or_is_refused_by_n
 
 # --- wider global layers: an export with its caches as inputs (the family exports keep states) ---
 
-@pytest.fixture(scope="module")
-def wide_export(tmp_path_factory):
+@pytest.fixture(scope="module", params=["gemma4_wide_global", "gemma4_kv_shared"])
+def inputs_export(request, tmp_path_factory):
     from llama_ane.api import export_model
 
     from test_families import make_family_checkpoint
 
-    folder = make_family_checkpoint(tmp_path_factory.mktemp("wide"), **CASES["gemma4_wide_global"])
-    out = export_model(folder, tmp_path_factory.mktemp("export") / "wide_inputs", context_length=256,
-                       prefill_length=64, layers_per_chunk=2, kv_cache="inputs", verify_window=8, branch_width=2,
+    folder = make_family_checkpoint(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+    # KV-shared layers 2 and 3 in chunks [0, 1, 2] and [3]: one producer in the layer's chunk, one in another
+    out = export_model(folder, tmp_path_factory.mktemp("export") / request.param, context_length=256,
+                       prefill_length=64, layers_per_chunk=3 if "kv_shared" in request.param else 2, kv_cache="inputs", verify_window=8, branch_width=2,
                        suffix_length=32, progress=False, verify=False)
-    return folder, out
+    return request.param, folder, out
 
 
 @pytest.mark.export
-def test_wider_global_layers_with_input_caches(wide_export):
-    """Global layers wider than the sliding ones, the caches as inputs: each kind's cache and cascade
+def test_wider_and_kv_shared_layers_with_input_caches(inputs_export):
+    """Global layers wider than the sliding ones (and KV-shared layers reading their producers'
+    caches and window K/V from other chunks), the caches as inputs: each kind's cache and cascade
     suffix caches are written by the cache-update programs; inspect --strict is clean, the mil
-    programs (fp16) agree with torch fp16, their cascade with decoding alone, and torch fp32's
-    cascade (the cache-update modules writing the suffixes) decodes each branch's tokens alone."""
-    from test_architectures import _inputs, check_inspect_strict, check_mil_branches, check_mil_fp16, load_fp32
+    programs (fp16) agree with torch fp16, their cascade with decoding alone, torch fp32's cascade
+    (the cache-update modules writing the suffixes) decodes each branch's tokens alone, and
+    speculative decoding (the verify programs) gives plain decoding's tokens."""
+    import llama_ane
 
-    folder, out = wide_export
+    from test_architectures import _inputs, check_inspect_strict, check_mil_branches, check_mil_fp16, load_fp32
+    from test_parity_tiny import random_ids
+
+    name, folder, out = inputs_export
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["cache"]["sliding"]["channels"] == 2 * 32 and manifest["cache"]["channels"] == 64
     assert manifest["chunks"][0]["cache_update"]["decode_branches"] == "decode_branches_l1_r1"
     check_inspect_strict(out)
-    check_mil_fp16("gemma4_wide_global", out, top1=0.98)
-    check_mil_branches("gemma4_wide_global", out)
+    check_mil_fp16(name, out, top1=0.98)
+    check_mil_branches(name, out)
     model = load_fp32(folder, branch_width=2, suffix_length=32, direct_cache=False)
     prefix, conts = _inputs(seed=3)
     for r, cont in zip(model.generate_branches(prefix, conts[:4], max_new_tokens=10).branches, conts):  # two groups
         assert r.token_ids == model.generate(prefix + cont, max_new_tokens=10).token_ids
     model.close()
+    mil = llama_ane.load(out, backend="mil")
+    prompt = random_ids(300, 20, seed=12) * 4  # repeats, for prompt lookup to draft from
+    assert mil.generate(prompt, max_new_tokens=12, speculative="lookup").token_ids == \
+        mil.generate(prompt, max_new_tokens=12).token_ids
+    mil.close()
+
+
+def test_kv_shared_layers_as_transformers_builds_them():
+    """KV-shared layers: their producers as Gemma4TextConfig.kv_sharing_modes has them, no K/V
+    tensors and double-wide MLPs as Gemma4ForCausalLM's; what has no producer of its type is refused
+    by name, and so are state caches (a chunk's states cannot reach another chunk)."""
+    import transformers
+
+    from llama_ane.checkpoint.mapping import expected_shape, expected_tensors
+    from llama_ane.contract.options import ExportOptionsError
+    from llama_ane.contract.plan import ExportOptions, plan_export
+
+    d = dict(BASE, **CASES["gemma4_kv_shared"])
+    cfg = LlamaConfig.from_hf_dict(d)
+    hf = transformers.AutoConfig.for_model(**d)
+    modes = hf.kv_sharing_modes
+    assert [cfg.shares_kv(n) for n in range(4)] == [m == "reuse" for m in modes] == [False, False, True, True]
+    assert [cfg.kv_producer(n) for n in range(2, 4)] == [0, 1] and modes[:2] == ["store", "store"]
+    assert [cfg.at(n).intermediate_size for n in range(4)] == [128] * 2 + [256] * 2
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    theirs = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert {name: expected_shape(cfg, name, dims) for name, dims in expected_tensors(cfg).items()} == theirs
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ConfigError, match="kv_shared_layers 4: .* lower num_kv_shared_layers"):
+        LlamaConfig.from_dict(dict(cfg.to_dict(), kv_shared_layers=4))
+    with pytest.raises(ConfigError, match="kv_shared_layers 3: .* earlier layer of each of their types"):
+        LlamaConfig.from_dict(dict(cfg.to_dict(), kv_shared_layers=3))
+    with pytest.raises(ExportOptionsError, match="--kv-cache state: .* --kv-cache inputs"):
+        plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, kv_cache="state"))
+    plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, layers_per_chunk=2,
+                                          kv_cache="inputs", branch_width=2, suffix_length=32))
+    inputs = {t["name"]: t["shape"] for t in plan.specs["chunk_1"]["decode_branches"]["inputs"]}
+    assert "k_cache" not in inputs and (inputs["shared_k_cache"], inputs["shared_k_ring"]) == (
+        [1, 64, 1, 256], [1, 64, 1, 64])  # the global producer's 1 x 64 channels, the sliding one's 2 x 32 in the ring
+    assert (inputs["shared_k_suffix"], inputs["shared_k_ring_suffix"]) == ([1, 2, 64, 32], [2, 2, 32, 32])

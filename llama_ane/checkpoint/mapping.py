@@ -121,6 +121,7 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "conv_kernel": "conv_L_cache", "per_layer_input_size": "hidden_size_per_layer_input",
            "per_layer_vocab_size": "vocab_size_per_layer_input",
            "per_layer_channels": "num_hidden_layers*hidden_size_per_layer_input"}
+KV_TENSORS = ("k_proj.weight", "v_proj.weight", "k_norm.weight")  # what a KV-shared layer has none of
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
 # Where the stream scale (LlamaConfig.stream_scale) goes in a block with norms before and after its
@@ -147,7 +148,10 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
         del block["v_proj.weight"]
     if cfg.fused_projections:
         block.update({ours: fused[0] for ours, fused in FUSED_TENSORS.items()})
-    return {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
+    out = {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
+    if cfg.shares_kv(layer):  # Gemma 4's KV-shared layers compute no K/V
+        out = {ours: hf for ours, hf in out.items() if ours not in KV_TENSORS}
+    return out
 
 
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:

@@ -150,6 +150,11 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             f"--context-length {opts.context_length} exceeds the model's max_position_embeddings "
             f"{cfg.max_position_embeddings}")
     cfg.check_context_length(opts.context_length)  # a sliding window shorter than the context
+    if cfg.kv_shared_layers and opts.kv_cache != "inputs":
+        raise ExportOptionsError(
+            f"--kv-cache {opts.kv_cache}: this {cfg.model_type} model's last {cfg.kv_shared_layers} layers attend over "
+            "the K/V of earlier layers, which a chunk's states cannot hand to another chunk; export it with "
+            "--kv-cache inputs")
     if cfg.wide_global and not ring_length(cfg, opts.context_length, opts.prefill_length):
         raise ExportOptionsError(
             f"--context-length {opts.context_length}: this {cfg.model_type} model's global layers have wider K/V "

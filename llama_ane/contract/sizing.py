@@ -38,6 +38,8 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
     shapes.update({name: extra[name] for name in cfg.layer_extras})
     if cfg.value_from_key(layer):  # V from the K projection (Gemma 4's global layers)
         del shapes["v_proj.weight"]
+    if cfg.shares_kv(layer):  # Gemma 4's KV-shared layers compute no K/V
+        shapes = {k: v for k, v in shapes.items() if k not in ("k_proj.weight", "v_proj.weight", "k_norm.weight")}
     return shapes if cfg.input_norm else {k: v for k, v in shapes.items() if k != "input_layernorm.weight"}
 
 

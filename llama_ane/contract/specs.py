@@ -9,12 +9,12 @@ from ..config import LlamaConfig
 from ..model import cache_update, chunk, embeddings, lm_head
 from ..model.functions import (BRANCHES, CACHES, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, base_function, bucket_function,
                                attention_rows, bucket_of, cache_update_function, chunk_rows, conv_state_width, ring_length, ring_rewind_limit,
-                               suffix_groups, suffix_names, suffix_update_counts, window_of)
+                               shared_rows, suffix_groups, suffix_names, suffix_update_counts, window_of)
 from ..model.lm_head import vocab_splits
 
 __all__ = ["BRANCHES", "CACHES", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "WINDOW_TOKENS", "base_function", "bucket_function", "bucket_of",
            "attention_rows", "cache_update_function", "chunk_rows", "conv_state_width", "ring_length", "ring_rewind_limit", "window_of", "chunk_model_name",
-           "suffix_groups", "suffix_names", "suffix_update_counts",
+           "shared_rows", "suffix_groups", "suffix_names", "suffix_update_counts",
            "embeddings_model_name", "lm_head_model_name",
            "model_kind", "model_specs"]
 

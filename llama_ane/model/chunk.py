@@ -68,8 +68,8 @@ from ..config import LlamaConfig
 from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
 from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, branch_masks, chunk_rows,
-                        conv_rows, conv_state_width, layer_inputs, shape_of, suffix_groups, suffix_names, tensor,
-                        window_masks)
+                        conv_rows, conv_state_width, layer_inputs, shape_of, shared_rows, suffix_groups, suffix_names,
+                        tensor, window_masks)
 from .layers import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope, apply_rope_mil, conv1x1, conv_mil,
                      grouped_attention,
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
@@ -95,13 +95,16 @@ class DecoderLayer(nn.Module):
         if cfg.input_norm:
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
-        self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
+        self.shares_kv = cfg.shares_kv(layer)  # Gemma 4's KV-shared layers: no K/V of their own
+        if not self.shares_kv:
+            self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.value_from_key = cfg.value_from_key(layer)
-        if not self.value_from_key:
+        if not self.value_from_key and not self.shares_kv:
             self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
         self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.q_norm_channels, cfg.rms_norm_eps)
+        if cfg.qk_norm and not self.shares_kv:
             self.k_norm = RMSNorm(cfg.k_norm_channels, cfg.rms_norm_eps)
         if cfg.value_norm:
             self.v_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, scale=False)
@@ -126,17 +129,26 @@ class DecoderLayer(nn.Module):
         """The mask this layer attends with: the sliding one on a sliding layer, where the export has one."""
         return sliding_mask if self.slides and sliding_mask is not None else mask
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared=None):
         """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
 
         x: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
-        R query heads each.
+        R query heads each. A KV-shared layer projects q only: k, v are `shared` (its producer's
+        (1,KV,1,S)).
         """
         c = self.cfg
         g, d = c.num_key_value_heads, c.head_dim
         r = c.num_attention_heads // g
         h = self.input_layernorm(x) if c.input_norm else x
         cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
+        if shared is not None:
+            q = self.q_norm(self.q_proj(h)) if c.qk_norm_across_heads else self.q_proj(h)
+            q = q.reshape(g * r, d, -1)
+            if c.qk_norm and not c.qk_norm_across_heads:
+                q = head_norm(self.q_norm, q)
+            if self.rotary:
+                q = apply_rope(q, cos, sin, c.rotary_dim // 2, d - c.rotary_dim)
+            return q.reshape(g, r, d, -1), shared[0].reshape(g, d, -1), shared[1].reshape(g, d, -1)
         q, k = self.q_proj(h), self.k_proj(h)  # (1,H*D,1,S), (1,G*D,1,S)
         v = (k if self.value_from_key else self.v_proj(h)).reshape(g, d, -1)
         if c.value_norm:
@@ -173,18 +185,19 @@ class DecoderLayer(nn.Module):
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar if self.cfg.layer_scalar else x
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None):
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None, shared=None):
         """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
         T is the context bucket in the exported programs; the torch backend may pass fewer cache
         positions (those holding tokens) with the mask cut to match. The mask decides: a longer cache
         (a state of the whole context read in a smaller bucket) is read up to the mask's T. Returns
-        x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE).
+        x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE). A KV-shared layer
+        reads its producer's caches and its window's K/V (`shared`, (1,KV,1,S) each).
         """
         c = self.cfg
         g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
         k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
-        q, k, v = self.project_qkv(x, cos, sin)
+        q, k, v = self.project_qkv(x, cos, sin, shared)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
                                   c.num_attention_heads // g, t)
         x = self.finish(x, heads, per_layer_input)
@@ -198,14 +211,26 @@ def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
     return conv_mil(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
 
 
-def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int, layer: int):
+def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int, layer: int, shared=None):
     """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
-    x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S)"""
+    x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S); a KV-shared layer's k, v are
+    `shared` (its producer's, (1,KV,1,S))"""
     cfg = cfg.at(layer)
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
         if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
+    if shared is not None:
+        q = _projection_mil(g, cfg, prefix, "q_proj", hn)
+        if cfg.qk_norm_across_heads:
+            q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
+        q = mb.reshape(x=q, shape=[h, d, s])
+        if cfg.qk_norm and not cfg.qk_norm_across_heads:
+            q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
+        if cfg.rotary(layer):
+            q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
+        k, v = (mb.reshape(x=t, shape=[gk, d, s]) for t in shared)
+        return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
     q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
     k_projected = k
     if cfg.qk_norm_across_heads:
@@ -263,7 +288,7 @@ def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
 
 
 def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_rows, v_rows, t: int,
-                           s: int, layer: int, per_layer_input=None):
+                           s: int, layer: int, per_layer_input=None, shared=None):
     """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
 
     x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
@@ -271,7 +296,7 @@ def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin,
     """
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer)
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer, shared)
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r))
@@ -295,6 +320,13 @@ class BlockChunk(nn.Module):
         self.rows = {**{i: ("cache", j) for j, i in enumerate(full)}, **{i: ("ring", j) for j, i in enumerate(sliding)}}
         self.full, self.sliding = full, sliding
         groups = suffix_groups(cfg, self.layer_indices, ring)  # the cascade's suffix caches
+        # KV-shared layers: chunk layer i -> where its producer's K/V are: ("local", its chunk index),
+        # or, in another chunk, ("cache" or "ring", its row in the shared inputs)
+        local = {n: i for i, n in enumerate(self.layer_indices)}
+        outside = shared_rows(cfg, self.layer_indices, ring)
+        where = {p: (kind, j) for kind, rows in zip(("cache", "ring"), outside) for j, p in enumerate(rows)}
+        self.producer = {i: ("local", local[p]) if p in local else where[p]
+                         for i, n in enumerate(layer_indices) if cfg.shares_kv(n) for p in [cfg.kv_producer(n)]}
         self.suffix_keys = [key for key, _, _ in groups]
         self.suffix_rows = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
 
@@ -314,7 +346,7 @@ class BlockChunk(nn.Module):
         return out
 
     def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches, conv_state=None,
-            per_layer_input=None):
+            per_layer_input=None, shared=None):
         """The layers over a window; returns the hidden states, each layer's new k, v (None on a
         conv layer) and the conv layers' window values (conv_new), or None where the chunk has none."""
         ks, vs, gated = [], [], []
@@ -326,12 +358,26 @@ class BlockChunk(nn.Module):
                 ks.append(None)
                 vs.append(None)
                 continue
+            if i in self.producer:  # a KV-shared layer: its producer's caches and window K/V
+                layer_caches, window = self.shared_kv(i, caches, shared, ks, vs)
+            else:
+                layer_caches, window = self.layer_caches(i, caches), None
             hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
-                                        layer.attention_mask(mask, sliding_mask), *self.layer_caches(i, caches),
-                                        self.per_layer_slice(per_layer_input, i))
+                                        layer.attention_mask(mask, sliding_mask), *layer_caches,
+                                        self.per_layer_slice(per_layer_input, i), window)
             ks.append(k)
             vs.append(v)
         return hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None)
+
+    def shared_kv(self, i: int, caches: dict, shared: dict | None, ks: list, vs: list):
+        """KV-shared chunk layer i's producer's (k, v) cache rows and (k, v) of this window: from
+        the producer in this chunk (its caches, what it just computed), or from the shared inputs
+        {"cache": (k, v), "ring": (k, v), "cache_new": ..., "ring_new": ...} (rows per shared_where)."""
+        where, j = self.producer[i]
+        if where == "local":
+            return self.layer_caches(j, caches), (ks[j], vs[j])
+        (k, v), (k_new, v_new) = shared[where], shared[f"{where}_new"]
+        return (k[j:j + 1], v[j:j + 1]), (k_new[j:j + 1], v_new[j:j + 1])
 
     def per_layer_slice(self, per_layer_input, i: int):
         """Chunk layer i's (1,P,1,S) of the chunk's per-layer inputs (1,L*P,1,S), or None where there are none."""
@@ -341,10 +387,14 @@ class BlockChunk(nn.Module):
         return per_layer_input[:, i * p:(i + 1) * p]
 
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None):
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None, shared_k_cache=None,
+                shared_v_cache=None, shared_k_ring=None, shared_v_ring=None, shared_k_new=None, shared_v_new=None,
+                shared_k_ring_new=None, shared_v_ring_new=None):
+        shared = {"cache": (shared_k_cache, shared_v_cache), "ring": (shared_k_ring, shared_v_ring),
+                  "cache_new": (shared_k_new, shared_v_new), "ring_new": (shared_k_ring_new, shared_v_ring_new)}
         hidden_states, ks, vs, conv_new = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local,
                                                    sin_local, {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)},
-                                                   conv_state, per_layer_input)
+                                                   conv_state, per_layer_input, shared)
         return (hidden_states, *self.split(ks, vs)) + (() if conv_new is None else (conv_new,))
 
 
@@ -381,8 +431,8 @@ def write_window_mil(states: dict, values: dict, new: dict, position, window: in
 
 
 def _ring_of(io: dict) -> int:
-    """The ring's slots a chunk function reads (0: no ring)."""
-    ring = [t["shape"][3] for t in io["inputs"] + io.get("states", []) if t["name"] == "k_ring"]
+    """The ring's slots a chunk function reads (0: no ring), its own or a KV-shared layer's producer's."""
+    ring = [t["shape"][3] for t in io["inputs"] + io.get("states", []) if t["name"] in ("k_ring", "shared_k_ring")]
     return ring[0] if ring else 0
 
 
@@ -421,10 +471,13 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
                 vs.append(None)
                 continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
+            rows, width, shared = reads.get(i), context_length if i in full else ring, None
+            if cfg.shares_kv(n):  # its producer's caches and window K/V
+                rows, width, shared, _ = _producer_mil(g, cfg, values, layers, ring, (reads, full, ks, vs), n,
+                                                       context_length, s)
             x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
-                                             layer_mask_mil(cfg, inputs, n, "mask"), *reads[i],
-                                             context_length if i in full else ring, s, n,
-                                             per_layer_slice_mil(g, cfg, inputs, i, s))
+                                             layer_mask_mil(cfg, inputs, n, "mask"), *rows, width, s, n,
+                                             per_layer_slice_mil(g, cfg, inputs, i, s), shared)
             ks.append(k)
             vs.append(v)
         new = {"conv_state": stack_mil(gated)} if gated else {}
@@ -445,13 +498,32 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
     return body
 
 
+def _producer_mil(g: Graph, cfg: LlamaConfig, inputs: dict, layers: list[int], ring: int, local: tuple, n: int,
+                  t: int, s: int):
+    """KV-shared decoder layer `n`'s producer (BlockChunk.shared_kv): its (k, v) cache rows as
+    (G,1,D,T) (or over the ring's R slots), that width, its (k, v) of this window (1,KV,1,S), and
+    where it is: ("local", chunk index) or (shared input kind "cache"/"ring", row). `local`: the
+    chunk's (reads, full rows, ks, vs) so far."""
+    reads, full, ks, vs = local
+    p = cfg.kv_producer(n)
+    if p in layers:
+        j = layers.index(p)
+        return reads[j], (t if j in full else ring), (ks[j], vs[j]), ("local", j)
+    rows_full, rows_ring = shared_rows(cfg, layers, ring)
+    kind, rows, width, tail = ("cache", rows_full, t, "") if p in rows_full else ("ring", rows_ring, ring, "_ring")
+    j, at = rows.index(p), cfg.at(p)
+    cache = tuple(_layer_cache_mil(g, at, inputs[f"shared_{kv}_{kind}"], j, width) for kv in "kv")
+    new = tuple(g.slice(inputs[f"shared_{kv}{tail}_new"], [j, 0, 0, 0], [j + 1, at.kv_channels, 1, s]) for kv in "kv")
+    return cache, width, new, (kind, j)
+
+
 def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
     """Row j of a chunk's conv state (L_c,C,1,W) as (1,C,1,W)."""
     return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.hidden_size, 1, conv_state_width(cfg)])
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
-                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None):
+                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None, shared=None):
     """One decoder layer for B branch queries (same weights as the layer's own forward).
 
     x: (1,C,1,B); k_cache, v_cache: (1,KV,1,T); k_suffix, v_suffix: (G,B,D,U)
@@ -459,7 +531,7 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     """
     c = layer.cfg
     g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, the filled prefix (torch backend), or R
-    q, k, v = layer.project_qkv(x, cos, sin)
+    q, k, v = layer.project_qkv(x, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
     x = layer.finish(x, merge_states(v_p, s_p, v_s, s_s), per_layer_input)  # heads (G,R,D,B)
@@ -467,14 +539,14 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
 
 
 def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_rows,
-                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None):
+                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None, shared=None):
     """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_rows, v_rows: the layer's prefix cache
     (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
     """
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer)
+    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer, shared)
     v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
     v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
@@ -494,10 +566,17 @@ class BranchChunk(nn.Module):
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
                 k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
-                v_ring_suffix=None):
+                v_ring_suffix=None, shared_k_cache=None, shared_v_cache=None, shared_k_ring=None, shared_v_ring=None,
+                shared_k_new=None, shared_v_new=None, shared_k_ring_new=None, shared_v_ring_new=None,
+                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
         suffixes = {"k": (k_suffix, v_suffix), "k_ring": (k_ring_suffix, v_ring_suffix)}
+        shared = {"cache": (shared_k_cache, shared_v_cache), "ring": (shared_k_ring, shared_v_ring),
+                  "cache_new": (shared_k_new, shared_v_new), "ring_new": (shared_k_ring_new, shared_v_ring_new),
+                  "cache_suffix": (shared_k_suffix, shared_v_suffix),
+                  "ring_suffix": (shared_k_ring_suffix, shared_v_ring_suffix)}
         new = {key: ([], []) for key in self.chunk.suffix_keys}
+        own = {}  # chunk layer -> (k, v) of this step, for the KV-shared layers after it
         gated = []
         for i, layer in enumerate(self.chunk.layers):
             if isinstance(layer, ConvLayer):  # each branch from its own state (1,C,B,K-1)
@@ -505,14 +584,27 @@ class BranchChunk(nn.Module):
                 hidden_states, g = layer(hidden_states, conv_branches[j:j + 1])
                 gated.append(g)
                 continue
-            key, a = self.chunk.suffix_rows[i]  # its suffix caches, and its rows there
-            g, (ks, vs) = layer.cfg.num_key_value_heads, suffixes[key]
+            g, window = layer.cfg.num_key_value_heads, None
+            if i in self.chunk.producer:  # a KV-shared layer: its producer's prefix, suffix and K/V
+                where, j = self.chunk.producer[i]
+                if where == "local":
+                    key, a = self.chunk.suffix_rows[j]
+                    prefix, (ks, vs), window = self.chunk.layer_caches(j, caches), suffixes[key], own[j]
+                else:
+                    (k, v), (ks, vs), window = shared[where], shared[f"{where}_suffix"], shared[f"{where}_new"]
+                    prefix, a, window = (k[j:j + 1], v[j:j + 1]), j, tuple(t[j:j + 1] for t in window)
+            else:
+                key, a = self.chunk.suffix_rows[i]  # its suffix caches, and its rows there
+                prefix, (ks, vs) = self.chunk.layer_caches(i, caches), suffixes[key]
             hidden_states, k, v = branch_layer(
                 layer, hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
-                layer.attention_mask(suffix_mask, sliding_suffix_mask), *self.chunk.layer_caches(i, caches),
+                layer.attention_mask(suffix_mask, sliding_suffix_mask), *prefix,
                 ks[a * g:(a + 1) * g], vs[a * g:(a + 1) * g], self.suffix_length,
-                self.chunk.per_layer_slice(per_layer_input, i))
+                self.chunk.per_layer_slice(per_layer_input, i), window)
+            if i in self.chunk.producer:
+                continue
+            own[i] = (k, v)
             new[key][0].append(k)
             new[key][1].append(v)
         out = tuple(torch.cat(rows, dim=0) for key in self.chunk.suffix_keys for rows in new[key])
@@ -526,10 +618,11 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         b = shape_of(io, "hidden_states")[3]
         inputs = read_states_mil(inputs, io)
         ring = _ring_of(io)
-        reads, _, _ = _layer_reads_mil(g, cfg, inputs, layers, ring, context_length)
+        reads, full, _ = _layer_reads_mil(g, cfg, inputs, layers, ring, context_length)
         groups = suffix_groups(cfg, layers, ring)
         where = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
         new = {key: ([], []) for key, _, _ in groups}
+        own_k, own_v = {}, {}  # chunk layer -> its K/V of this step, for the KV-shared layers after it
         x, gated = inputs["hidden_states"], []
         for i, n in enumerate(layers):
             if cfg.convolves(n):  # each branch from its own state (1,C,B,K-1)
@@ -540,12 +633,25 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
                 gated.append(gx)
                 continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
-            key, j = where[i]
-            k_suffix, v_suffix, _, _ = suffix_names(key)
+            rows, shared = reads.get(i), None
+            if cfg.shares_kv(n):  # its producer's prefix, suffix caches and K/V of this step
+                rows, _, shared, (kind, j) = _producer_mil(g, cfg, inputs, layers, ring, (reads, full, own_k, own_v),
+                                                           n, context_length, b)
+                if kind == "local":
+                    key, j = where[j]
+                    suffix = tuple(inputs[name] for name in suffix_names(key)[:2])
+                else:
+                    tail = "_ring" if kind == "ring" else ""
+                    suffix = tuple(inputs[f"shared_{kv}{tail}_suffix"] for kv in "kv")
+            else:
+                key, j = where[i]
+                suffix = tuple(inputs[name] for name in suffix_names(key)[:2])
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
-                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), *reads[i],
-                                       inputs[k_suffix], inputs[v_suffix], j, b, suffix_length, n,
-                                       per_layer_slice_mil(g, cfg, inputs, i, b))
+                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), *rows, *suffix, j, b,
+                                       suffix_length, n, per_layer_slice_mil(g, cfg, inputs, i, b), shared)
+            if cfg.shares_kv(n):
+                continue
+            own_k[i], own_v[i] = k, v
             new[key][0].append(k)
             new[key][1].append(v)
         out = {"hidden_states_out": x}
@@ -628,9 +734,13 @@ class HeadedChunk(nn.Module):
         self.chunk, self.head = chunk, head
 
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
-                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None):
+                sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None, shared_k_cache=None,
+                shared_v_cache=None, shared_k_ring=None, shared_v_ring=None, shared_k_new=None, shared_v_new=None,
+                shared_k_ring_new=None, shared_v_ring_new=None):
         hidden_states, *new = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
-                                         sin_local, k_ring, v_ring, conv_state, per_layer_input)
+                                         sin_local, k_ring, v_ring, conv_state, per_layer_input, shared_k_cache,
+                                         shared_v_cache, shared_k_ring, shared_v_ring, shared_k_new, shared_v_new,
+                                         shared_k_ring_new, shared_v_ring_new)
         return (*self.head(hidden_states), *new)
 
 
@@ -644,11 +754,16 @@ class HeadedBranchChunk(nn.Module):
     def forward(self, hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache=None, v_cache=None, k_suffix=None,
                 v_suffix=None, sliding_prefix_mask=None, sliding_suffix_mask=None, cos_local=None, sin_local=None,
                 k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
-                v_ring_suffix=None):
+                v_ring_suffix=None, shared_k_cache=None, shared_v_cache=None, shared_k_ring=None, shared_v_ring=None,
+                shared_k_new=None, shared_v_new=None, shared_k_ring_new=None, shared_v_ring_new=None,
+                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None):
         hidden_states, *new = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
                                             cos_local, sin_local, k_ring, v_ring, conv_branches, per_layer_input,
-                                            k_ring_suffix, v_ring_suffix)
+                                            k_ring_suffix, v_ring_suffix, shared_k_cache, shared_v_cache,
+                                            shared_k_ring, shared_v_ring, shared_k_new, shared_v_new,
+                                            shared_k_ring_new, shared_v_ring_new, shared_k_suffix, shared_v_suffix,
+                                            shared_k_ring_suffix, shared_v_ring_suffix)
         return (*self.head(hidden_states), *new)
 
 
@@ -664,6 +779,24 @@ def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int)
             inputs.append(tensor(name, [len(rows), kv, 1, width], f))
             outputs.append(tensor(CACHES[name], [len(rows), kv, 1, s], f))
     return inputs, outputs
+
+
+def _shared_io(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int, suffix: bool = False) -> list[dict]:
+    """The K/V a chunk's KV-shared layers read from producers in other chunks (functions.shared_rows),
+    after its other inputs: their caches (shared_k_cache (P,KV,1,T), or shared_k_ring over the ring's
+    R slots), the window's K/V they computed (shared_k_new, shared_k_ring_new (P,KV,1,S)) and, in the
+    cascade (`suffix`), their suffix caches (shared_k_suffix, shared_k_ring_suffix (P*G,B,D,U))."""
+    caches, new, suffixes, f = [], [], [], layout.dtype
+    for rows, kind, width in zip(shared_rows(cfg, layers, layout.ring), ("cache", "ring"), (t, layout.ring)):
+        if not rows:
+            continue
+        at, ring = cfg.at(rows[0]), "_ring" if kind == "ring" else ""
+        for kv in "kv":
+            caches.append(tensor(f"shared_{kv}_{kind}", [len(rows), at.kv_channels, 1, width], f))
+            new.append(tensor(f"shared_{kv}{ring}_new", [len(rows), at.kv_channels, 1, s], f))
+            suffixes.append(tensor(f"shared_{kv}{ring}_suffix", [len(rows) * at.num_key_value_heads, s, at.head_dim,
+                                                                  layout.suffix_length], f))
+    return caches + new + (suffixes if suffix else [])
 
 
 def _per_layer_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> list[dict]:
@@ -696,7 +829,7 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
             + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_io(cfg, layout, layers, s)
-            + conv_state,
+            + conv_state + _shared_io(cfg, layout, layers, t, s),
             "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new,
         }, layout)
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
@@ -712,7 +845,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0] + suffixes
             + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
-            + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else []),
+            + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else [])
+            + _shared_io(cfg, layout, layers, t, b, suffix=True),
             # every attention layer's new K/V: the suffix caches hold them all
             "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)] + new
             + ([tensor("conv_new", [convs, c, 1, b], f)] if convs else []),
@@ -722,7 +856,8 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
         out[VERIFY] = {
             "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)] + caches
-            + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_io(cfg, layout, layers, w),
+            + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_io(cfg, layout, layers, w)
+            + _shared_io(cfg, layout, layers, t, w),
             "outputs": [tensor("hidden_states_out", [1, c, 1, w], f)] + new,
         }
     return out

@@ -102,8 +102,17 @@ def ring_rewind_limit(cfg: "LlamaConfig", ring: int, prefill_length: int) -> int
 def chunk_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[int], list[int]]:
     """The chunk-local indices of decoder layers `layers` kept in the full cache and in the ring
     (the sliding layers, where the export has a ring: `ring` > 0); conv layers keep no K/V."""
-    sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n)]
-    return [i for i, n in enumerate(layers) if i not in sliding and not cfg.convolves(n)], sliding
+    sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n) and not cfg.shares_kv(n)]
+    return [i for i, n in enumerate(layers) if i not in sliding and not cfg.convolves(n) and not cfg.shares_kv(n)], \
+        sliding
+
+
+def shared_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[int], list[int]]:
+    """The layers (model indices) outside a chunk of decoder layers `layers` whose K/V its KV-shared
+    layers attend over (LlamaConfig.kv_producer): those kept in the full cache, those in the ring."""
+    producers = sorted({cfg.kv_producer(n) for n in layers if cfg.shares_kv(n)} - set(layers))
+    in_ring = [p for p in producers if ring and cfg.slides(p)]
+    return [p for p in producers if p not in in_ring], in_ring
 
 
 def conv_state_width(cfg: "LlamaConfig") -> int:
@@ -116,8 +125,8 @@ def conv_state_width(cfg: "LlamaConfig") -> int:
 
 def attention_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
     """The chunk-local indices of the attention layers among decoder layers `layers` (all but the
-    conv layers): their rows in the cascade's suffix caches."""
-    return [i for i, n in enumerate(layers) if not cfg.convolves(n)]
+    conv layers and the KV-shared ones, which keep no K/V): their rows in the cascade's suffix caches."""
+    return [i for i, n in enumerate(layers) if not cfg.convolves(n) and not cfg.shares_kv(n)]
 
 
 def suffix_groups(cfg: "LlamaConfig", layers: list[int], ring: int) -> list[tuple[str, list[int], "LlamaConfig"]]:

@@ -47,7 +47,8 @@ from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_channels, ring_of
-from ..contract.specs import VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows, ring_rewind_limit
+from ..contract.specs import (BRANCHES, VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows,
+                              ring_rewind_limit, shared_rows, suffix_groups)
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
@@ -101,6 +102,10 @@ class Pipeline:
         self.config = cfg = LlamaConfig.from_dict(manifest["config"])
         # per chunk: its layers' rows in the full cache and in the ring
         self.rows = [chunk_rows(cfg, c["layers"], self.ring) for c in self.chunks]
+        # Gemma 4's KV-shared layers: the producers in other chunks each chunk reads (full cache, ring),
+        # and where every layer lives (chunk, its index there)
+        self.shared = [shared_rows(cfg, c["layers"], self.ring) for c in self.chunks]
+        self.home = {n: (c, j) for c, chunk in enumerate(self.chunks) for j, n in enumerate(chunk["layers"])}
         # per chunk: its conv layers' count (LFM2), and the conv state's shape per layer (C, 1, W)
         self.conv_layers = [len(conv_rows(cfg, c["layers"])) for c in self.chunks]
         self.conv_shape = (cfg.hidden_size, 1, conv_state_width(cfg))
@@ -287,15 +292,51 @@ class Pipeline:
             emb = self.visible(emb, visible)
         hidden = emb["hidden_states"]
         bucket = bucket_of(fn, self.context_length)
+        outs: list[dict[str, np.ndarray]] = []
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
             caches = self.chunk_caches(i, visible, bucket)
             pool = {**embed_inputs, **emb, "hidden_states": hidden, **self.cache_inputs(caches),
-                    **self.per_layer_input(i, emb), **(state(i) if state else {})}
+                    **self.per_layer_input(i, emb), **(state(i) if state else {}),
+                    **self.shared_inputs(i, fn, outs, lambda c: self.chunk_caches(c, visible, bucket), state)}
             out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
+            outs.append(out)
             hidden = out.get("hidden_states_out")
             write(i, chunk["cache_update"].get(fn), out)
         return self.logits_of(fn, out)
+
+    def shared_inputs(self, i: int, fn: str, outs: list[dict[str, np.ndarray]],
+                      caches_of: Callable[[int], dict[str, np.ndarray]],
+                      state: Callable[[int], dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+        """What chunk i's KV-shared layers read of their producers in earlier chunks (model.chunk's
+        shared inputs): each producer's rows of its chunk's caches (`caches_of(c)`, as that chunk
+        read them), of the K/V that chunk output in this step (`outs[c]`) and, in the cascade, of its
+        suffix caches (`state(c)`). {} for a chunk without such layers."""
+        out: dict[str, np.ndarray] = {}
+        cfg = self.config
+        for rows, kind in zip(self.shared[i], ("cache", "ring")):
+            parts: dict[str, list[np.ndarray]] = {}
+            ring = "_ring" if kind == "ring" else ""
+            for p in rows:
+                c, j = self.home[p]
+                full, in_ring = self.rows[c]
+                key, row = ("k", full.index(j)) if j in full else ("k_ring", in_ring.index(j))
+                caches, new_key, new_row = caches_of(c), key, row
+                if fn == BRANCHES:  # its K/V of this step and its suffix caches, by the suffix groups
+                    new_key, rows_c, at = next((k, r, a) for k, r, a in suffix_groups(cfg, self.chunks[c]["layers"],
+                                                                                      self.ring) if j in r)
+                    new_row, g = rows_c.index(j), at.num_key_value_heads
+                    suffixes = state(c)
+                for kv in "kv":
+                    k_name = kv + key[1:]
+                    parts.setdefault(f"shared_{kv}_{kind}", []).append(caches[k_name][row:row + 1])
+                    parts.setdefault(f"shared_{kv}{ring}_new", []).append(
+                        outs[c][f"{kv}{new_key[1:]}_new"][new_row:new_row + 1])
+                    if fn == BRANCHES:
+                        parts.setdefault(f"shared_{kv}{ring}_suffix", []).append(
+                            suffixes[f"{kv}{new_key[1:]}_suffix"][new_row * g:(new_row + 1) * g])
+            out.update({name: np.concatenate(arrays, axis=0) for name, arrays in parts.items()})
+        return out
 
     def per_layer_input(self, i: int, emb: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Chunk i's rows of the embeddings' per-layer inputs {"per_layer_input": (1, L*P, 1, S)}, or {}."""
@@ -474,9 +515,18 @@ class Pipeline:
         it, not always the smallest: one pass then runs every bucket's functions (the parity gate),
         and the logits stay those of any bucket (a bucket's extra positions are masked to exactly 0).
 
-        Starts and ends with `reset()`: whatever sequence the pipeline held is dropped.
+        Starts and ends with `reset()`: whatever sequence the pipeline held is dropped. A model with
+        KV-shared layers (whose chunks read earlier chunks' caches) is scored token-major instead,
+        every model loaded (`prefill`), in its smallest buckets.
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if any(rows for shared in self.shared for rows in shared) and len(ids):
+            self.reset()
+            self._check_room(len(ids))
+            logits = self.prefill(ids, all_logits=True)
+            self.wait()
+            self.reset()
+            return logits
         if len(ids) == 0:
             raise InvalidArgumentError("no tokens to score; give some text")
         self.reset()  # the caches of chunks not yet run are untouched zeros (np.zeros commits no pages)
