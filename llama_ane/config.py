@@ -91,8 +91,9 @@ GEMMA3_ROPE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # 
 # fed into each layer after its MLP through a gate and a projection, then the layer's scalar),
 # proportional partial RoPE on the global layers (only the first partial_rotary_factor of the
 # frequencies rotate, the rest are zero), global layers that may take V from the K projection
-# (attention_k_eq_v), and softcapped logits. Its transformers defaults where config.json leaves a
-# field out:
+# (attention_k_eq_v), and softcapped logits; E2B/E4B's global layers are wider than the sliding ones
+# (global_head_dim, num_global_key_value_heads) and their last layers share earlier layers' K/V
+# (num_kv_shared_layers). Its transformers defaults where config.json leaves a field out:
 GEMMA4 = "gemma4_text"
 GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                    "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,

@@ -47,6 +47,14 @@ global layers' tables and cos_local/sin_local the sliding layers'. The cascade t
 suffix caches per kind (functions.suffix_groups): k_suffix/v_suffix and k_new/v_new of the global
 layers, k_ring_suffix/v_ring_suffix and k_ring_new/v_ring_new of the sliding ones.
 
+Gemma 4's KV-shared layers (LlamaConfig.shares_kv) project q only and keep no cache: each attends
+over the cache and the window's K/V of its producer (LlamaConfig.kv_producer). A producer in the
+same chunk is read where it is; one in an earlier chunk comes as inputs after the others
+(functions.shared_rows): shared_k_cache/shared_v_cache (P,KV,1,T) or shared_k_ring/shared_v_ring
+(P,KV,1,R), its window's K/V shared_k_new/shared_v_new (or shared_k_ring_new/...) (P,KV,1,S) and, in
+the cascade, its suffix caches shared_k_suffix/shared_v_suffix (or shared_k_ring_suffix/...). The
+runtime hands them over from the producer's chunk, so these exports keep their caches as inputs.
+
 Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chunk with any reads
 their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
