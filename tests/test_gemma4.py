@@ -370,6 +370,7 @@ def test_kv_shared_layers_as_transformers_builds_them():
         plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, kv_cache="state"))
     plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, layers_per_chunk=2,
                                           kv_cache="inputs", branch_width=2, suffix_length=32))
+    assert plan.manifest("m", {}, {})["cache"]["sliding"]["layers"] == [0]  # layer 2 keeps no ring
     inputs = {t["name"]: t["shape"] for t in plan.specs["chunk_1"]["decode_branches"]["inputs"]}
     assert "k_cache" not in inputs and (inputs["shared_k_cache"], inputs["shared_k_ring"]) == (
         [1, 64, 1, 256], [1, 64, 1, 64])  # the global producer's 1 x 64 channels, the sliding one's 2 x 32 in the ring

@@ -409,7 +409,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                   "dtype": PRECISIONS[precision].dtype,
                   # the sliding layers' ring buffer: (their layers in a chunk, channels, 1, length), its
                   # channels given where they are not cache.channels (Gemma 4's wider global layers)
-                  **({"sliding": {"length": ring, "layers": list(cfg.sliding_layers),
+                  **({"sliding": {"length": ring, "layers": [n for n in cfg.sliding_layers if not cfg.shares_kv(n)],
                                   **({"channels": cfg.kv_channels} if cfg.wide_global else {})}} if ring else {}),
                   # the conv layers' state: (their layers in a chunk, channels, 1, width), any context; its
                   # last kernel - 1 columns hold the values
