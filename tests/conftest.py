@@ -37,10 +37,23 @@ EXPORTING_FIXTURES = {"tiny_export", "smollm2_export"}
 UNIT_TIER = os.environ.get("LLAMA_ANE_UNIT_TIER") == "1"  # set by `make test-quick`
 
 
+def _signals_as_at_a_terminal() -> None:
+    """Ctrl-C and SIGHUP back to their defaults where this run inherited them ignored (a background
+    job of a script ignores SIGINT, `nohup` SIGHUP): the processes the tests start inherit an
+    ignored signal, and the tests that stop an export or a reply with one would wait in vain."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def pytest_configure(config):
     """In the unit tier (`make test-quick`), exporting a model or starting a process fails at once,
     in a test or in any fixture it uses, naming the mark the test lacks: the tier stays quick
     because nothing slips into it."""
+    _signals_as_at_a_terminal()
     if not UNIT_TIER:
         return
 

@@ -76,6 +76,9 @@ def test_the_chat_repl_at_a_terminal(tiny_export, tmp_path):
         child.expect(PROMPT)
         child.send("tell me a long story\r")
         child.expect_exact("tell me a long story")
+        # the line editor is done once it turns bracketed paste off: the terminal is out of raw
+        # mode, so the Ctrl-C below is a signal (typed in raw mode, it would be a byte for the next prompt)
+        child.expect_exact("\x1b[?2004l")
         time.sleep(0.5)
         child.send(CTRL_C)  # stops the reply, not the chat
         child.expect_exact("[reply stopped")
