@@ -179,25 +179,30 @@ def folder(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma4"), **dict(CASES["gemma4_untied_mha"], attention_k_eq_v=True))
 
 
+def check_per_layer_inputs(model, folder, ids: np.ndarray) -> None:
+    """The per_layer_inputs `model`'s embeddings give for `ids` (one prefill window, every file of the
+    embeddings) are Gemma4TextModel's per-layer inputs, each layer's P (8) channels in its rows."""
+    import transformers
+
+    ref = transformers.Gemma4ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        t = torch.from_numpy(ids[None])
+        e = ref.model.embed_tokens(t)
+        want = ref.model.project_per_layer_inputs(e, ref.model.get_per_layer_inputs(t, e))[0].numpy()  # (S, L, P)
+    window = np.zeros((1, model.manifest["prefill_length"]), np.int32)
+    window[0, :len(ids)] = ids
+    got = model.pipeline.embed("prefill", {"input_ids": window, "position": np.array([0], np.int32)})
+    got = got["per_layer_inputs"][0, :, 0, :len(ids)].T.reshape(len(ids), -1, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_per_layer_inputs_are_transformers(folder):
     """The embeddings' per_layer_inputs (torch, and the MIL builder run by the MIL executor) are
     Gemma4TextModel's per-layer inputs, each layer's P channels in its rows."""
-    import transformers
-
     import llama_ane
 
-    ids = np.random.default_rng(0).integers(0, 300, 12)
-    ref = transformers.Gemma4ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    with torch.no_grad():
-        t = torch.tensor([ids])
-        e = ref.model.embed_tokens(t)
-        want = ref.model.project_per_layer_inputs(e, ref.model.get_per_layer_inputs(t, e))[0].numpy()  # (S, L, P)
     model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=64, prefill_length=16)
-    window = np.zeros((1, 16), np.int32)
-    window[0, :12] = ids
-    got = model.pipeline.embed("prefill", {"input_ids": window, "position": np.array([0], np.int32)})
-    got = got["per_layer_inputs"][0, :, 0, :12].T.reshape(12, 4, 8)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    check_per_layer_inputs(model, folder, np.random.default_rng(0).integers(0, 300, 12))
     chunks = model.manifest["chunks"]
     assert [c["layers"] for c in chunks] and all(
         t["shape"][1] == 8 * len(c["layers"]) for c in chunks
@@ -274,23 +279,156 @@ def test_a_gemma4_manifest_config_names_what_other_hosts_refuse():
     assert not set(GEMMA4_FIELDS) & set(llama.to_dict()) and LlamaConfig.from_dict(llama.to_dict()) == llama
 
 
-def test_the_per_layer_table_shares_the_first_embeddings_file_or_is_refused_by_name():
-    """The per-layer inputs project the whole embedding, so the embedding table stays in one file with
-    the per-layer weights beside it (counted in its bytes); where they do not fit one file together
-    (E2B's 262k x 35 x 256 table), the export is refused by name."""
-    from llama_ane.contract.options import ExportOptionsError
+E2B = dict(K_EQ_V, vocab_size=262_144, vocab_size_per_layer_input=262_144, hidden_size=1536,
+           intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+           global_head_dim=512, hidden_size_per_layer_input=256, num_hidden_layers=35, sliding_window=512,
+           max_position_embeddings=131_072,
+           layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
+E4B = dict(E2B, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2,
+           num_hidden_layers=42, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7)
+
+
+def test_the_per_layer_table_shares_the_embedding_files_rows():
+    """The per-layer table is cut by the embedding table's vocabulary rows: each embeddings file holds
+    the same rows of both, the last one the projection of the (then whole) embedding, the first the
+    RoPE tables, each file within the target's budget (E2B: 262k x 35 x 256, 4.7 GB in fp16; E4B:
+    262k x 42 x 256). A small model keeps everything in one file."""
     from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.limits import weight_budget
 
     cfg = LlamaConfig.from_hf_dict(K_EQ_V)
     plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=64, layers_per_chunk=2))
     assert plan.embedding_rows == [(0, cfg.vocab_size)]
     embeddings = next(p for p in plan.packages if p.model == "embeddings")
     assert embeddings.weight_bytes >= 2 * (cfg.per_layer_channels * (320 + 64) + cfg.vocab_size * 64)
-    e2b = LlamaConfig.from_hf_dict(dict(K_EQ_V, vocab_size=262_144, vocab_size_per_layer_input=262_144,
-                                        hidden_size_per_layer_input=256, num_hidden_layers=35,
-                                        layer_types=["sliding_attention"] * 34 + ["full_attention"]))
-    with pytest.raises(ExportOptionsError, match="per-layer input weights .* do not fit one embeddings file"):
-        plan_export(e2b, ExportOptions(context_length=256, prefill_length=64))
+    for shape in (E2B, E4B):
+        big = LlamaConfig.from_hf_dict(shape)
+        table = big.vocab_size * (big.hidden_size + big.per_layer_channels) * 2
+        projection = (big.per_layer_channels * big.hidden_size + big.per_layer_input_size) * 2
+        for target in ("iOS18", "macOS15"):
+            plan = plan_export(big, ExportOptions(context_length=4096, prefill_length=64, target=target,
+                                                  layers_per_chunk=4))
+            files = [p for p in plan.packages if p.model.startswith("embeddings")]
+            assert len(files) == len(plan.embedding_rows) >= 3
+            assert all(p.weight_bytes <= weight_budget(target) for p in files)
+            assert plan.embedding_rows[-1][1] == big.vocab_size
+            rope = files[0].weight_bytes - plan.embedding_rows[0][1] * (big.hidden_size + big.per_layer_channels) * 2
+            assert sum(p.weight_bytes for p in files) == table + projection + rope
+            assert files[-1].weight_bytes - projection == (
+                (files[-1].rows[1] - files[-1].rows[0]) * (big.hidden_size + big.per_layer_channels) * 2)
+            spec = plan.specs[files[1].model]["decode"]
+            assert [t["name"] for t in spec["inputs"]] == ["input_ids", "hidden_states", "per_layer_inputs"]
+            assert [t["name"] for t in spec["outputs"]] == ["hidden_states_out", "per_layer_inputs_out"]
+
+
+def test_an_embeddings_file_too_small_for_its_rows_is_refused_by_name(monkeypatch):
+    from llama_ane.contract.options import ExportOptionsError
+    import llama_ane.contract.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "weight_budget", lambda target: 40_000)  # the RoPE tables alone take 33 kB
+    with pytest.raises(ExportOptionsError, match="embeddings file cannot hold 64 vocabulary rows.*per-layer"):
+        plan_module.plan_export(LlamaConfig.from_hf_dict(K_EQ_V),
+                                plan_module.ExportOptions(context_length=256, prefill_length=64, branch_width=0))
+
+
+def test_the_per_layer_table_is_read_a_block_of_rows_at_a_time(monkeypatch):
+    """Packaging a file's rows of the per-layer table never reads more than a block of rows at once."""
+    from llama_ane.export import package_weights
+
+    table = torch.randn(1000, 48, dtype=torch.bfloat16)
+    reads = []
+
+    class Rows:
+        get_rows = True
+
+        def rows(self, name, start, end):
+            reads.append(end - start)
+            return table[start:end]
+
+    monkeypatch.setattr(package_weights, "ROW_BLOCK", 48 * 100)
+    got = package_weights.rows_array(Rows(), "model.embed_tokens_per_layer.weight", (130, 870), np.float16)
+    np.testing.assert_array_equal(got, table[130:870].float().numpy().astype(np.float16))
+    assert max(reads) == 100 and sum(reads) == 740 + 1  # and the first row, for the row's size
+
+
+# --- the per-layer table cut with the embedding table: a budget small enough for three files ---
+
+SPLIT = dict(CASES["gemma4_kv_shared"])
+
+
+@pytest.fixture(scope="module")
+def split_folder(tmp_path_factory):
+    from test_families import make_family_checkpoint
+
+    return make_family_checkpoint(tmp_path_factory.mktemp("gemma4_split"), **SPLIT)
+
+
+def _small_budget(budget: int):
+    import llama_ane.contract.plan as plan_module
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan_module, "weight_budget", lambda target: budget)
+    return mp
+
+
+@pytest.mark.export
+def test_a_split_per_layer_table_computes_what_transformers_does(split_folder):
+    """torch fp32 with the embedding and per-layer tables in three files: logits within 1e-3 of
+    Gemma4ForCausalLM, its 32 greedy tokens, and the per-layer inputs as its own."""
+    from test_architectures import check_greedy, check_logits, load_fp32, reference
+
+    mp = _small_budget(215_000)  # fp32: 384 bytes a row of both tables, 155 kB of RoPE tables and projection
+    try:
+        model = load_fp32(split_folder, branch_width=0)
+    finally:
+        mp.undo()
+    assert model.manifest["embeddings"]["models"] == ["embeddings", "embeddings_1", "embeddings_2"]
+    ref = reference(split_folder, "gemma4_text")
+    check_logits("gemma4_split", model, ref, "gemma4_text", 320)
+    check_greedy(model, ref, 320, 20)
+    check_per_layer_inputs(model, split_folder, np.arange(0, 320, 13))  # ids from every file's rows
+    model.close()
+
+
+@pytest.mark.export
+def test_a_split_per_layer_table_exports(split_folder, tmp_path):
+    """The fp16 export with three embeddings files: inspect --strict is clean, the mil programs agree
+    with torch fp16 (top-1 >= 0.98), and the files hold the per-layer rows of their vocabulary rows."""
+    from llama_ane.mil.weights import read_weights
+
+    import llama_ane
+    from llama_ane.api import export_model
+
+    from test_architectures import check_inspect_strict, check_mil_fp16
+    from test_parity_tiny import random_ids
+
+    mp = _small_budget(115_000)  # fp16: 192 bytes a row of both tables, 86 kB of RoPE tables and projection
+    try:
+        out = export_model(split_folder, tmp_path / "split", context_length=256, prefill_length=64,
+                           layers_per_chunk=2, kv_cache="inputs", branch_width=2, suffix_length=32, verify_window=8,
+                           progress=False, verify=False)
+    finally:
+        mp.undo()
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = manifest["embeddings"]["models"]
+    assert files == ["embeddings", "embeddings_1", "embeddings_2"]
+    for model, (a, b) in zip(files, manifest["embeddings"]["vocab_ranges"]):
+        entry = manifest["models"][model]["functions"]["prefill"]
+        names = ["embed_tokens_per_layer_weight", "per_layer_model_projection_weight"]
+        found = read_weights(out / entry["file"], entry["function_name"], names[:1])
+        assert found[names[0]].shape == (b - a, 32)
+        if model == files[-1]:  # only the last file projects
+            read_weights(out / entry["file"], entry["function_name"], names[1:])
+        else:
+            with pytest.raises(Exception):
+                read_weights(out / entry["file"], entry["function_name"], names[1:])
+    check_inspect_strict(out)
+    check_mil_fp16("gemma4_split", out, top1=0.98)
+    mil = llama_ane.load(out, backend="mil")  # the verify window's embeddings through every file
+    prompt = random_ids(300, 20, seed=12) * 4  # repeats, for prompt lookup to draft from
+    assert mil.generate(prompt, max_new_tokens=12, speculative="lookup").token_ids == \
+        mil.generate(prompt, max_new_tokens=12).token_ids
+    mil.close()
 
 
 # --- wider global layers: an export with its caches as inputs (the family exports keep states) ---

@@ -278,12 +278,16 @@ def embeddings_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
 
 
 def per_layer_state_dict(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-                         names: tuple[str, ...] = tuple(PER_LAYER_TENSORS)) -> dict[str, torch.Tensor]:
+                         names: tuple[str, ...] = tuple(PER_LAYER_TENSORS),
+                         table_rows: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Gemma 4's per-layer input weights `names` (of PER_LAYER_TENSORS) as model.embeddings.PerLayerInputs
-    holds them, in `dtype`, each read alone; empty where the model has none."""
+    holds them, in `dtype`, each read alone; of the per-layer table only rows `table_rows` [start, end)
+    (default: all). Empty where the model has none."""
     if not ckpt.config.per_layer_input_size:
         return {}
-    out = {ours: ckpt.tensor(PER_LAYER_TENSORS[ours][0]).to(dtype) for ours in names}
+    table = "embed_tokens_per_layer.weight"
+    out = {ours: (ckpt.rows(PER_LAYER_TENSORS[ours][0], *table_rows) if ours == table and table_rows
+                  else ckpt.tensor(PER_LAYER_TENSORS[ours][0])).to(dtype) for ours in names}
     if "per_layer_model_projection.weight" in out:
         out["per_layer_model_projection.weight"] = as_conv(out["per_layer_model_projection.weight"])
     return out

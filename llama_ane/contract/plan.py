@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
+from ..model.embeddings import per_layer_rows
 from ..model.lm_head import ROW_UNIT, vocab_splits
 from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
@@ -111,22 +112,28 @@ class ExportPlan:
                             head_folded_into=chunk_model_name(len(self.chunks) - 1) if self.head_folded else None)
 
 
-def per_layer_bytes(cfg: LlamaConfig, opts: ExportOptions, table_bytes: int, per_weight: int, budget: int) -> int:
-    """Bytes of Gemma 4's per-layer input weights (their table, projection and norm), which the first
-    embeddings file holds beside the embedding table (0 for the other families). The per-layer inputs
-    project the whole embedding, so the table is not cut into files: where both do not fit one file,
-    the export is refused by name."""
+def per_layer_sizes(cfg: LlamaConfig, opts: ExportOptions, per_weight: int) -> tuple[int, int]:
+    """Gemma 4's per-layer input weights in the embeddings files, (0, 0) for the other families:
+    (bytes of a vocabulary row of the per-layer table, bytes of the projection and its norm). Each
+    embeddings file holds the per-layer table's rows of its own vocabulary rows, and the last file,
+    where the embedding is whole, the projection of it (model.embeddings.PerLayerInputs)."""
     if not cfg.per_layer_input_size:
-        return 0
-    n = cfg.per_layer_channels * (cfg.per_layer_vocab_size + cfg.hidden_size) + cfg.per_layer_input_size
-    size = n * per_weight
-    if size + table_bytes > budget:
+        return 0, 0
+    return (cfg.per_layer_channels * per_weight,
+            (cfg.per_layer_channels * cfg.hidden_size + cfg.per_layer_input_size) * per_weight)
+
+
+def check_vocab_rows_fit(cfg: LlamaConfig, opts: ExportOptions, row_bytes: int, fixed_bytes: int, budget: int) -> None:
+    """Refuse by name an embeddings file that cannot hold even ROW_UNIT vocabulary rows (`row_bytes`
+    each) beside `fixed_bytes` of other weights (the RoPE tables, Gemma 4's per-layer projection)."""
+    if ROW_UNIT * row_bytes + fixed_bytes > budget:
         raise ExportOptionsError(
-            f"Gemma 4's per-layer input weights ({size / 2**20:.0f} MiB) and the embedding table "
-            f"({table_bytes / 2**20:.0f} MiB) do not fit one embeddings file ({budget / 2**20:.0f} MiB for --target "
-            f"{opts.target}); the export keeps them in one file, so it builds Gemma 4 checkpoints whose tables "
-            "fit there only")
-    return size
+            f"an embeddings file cannot hold {ROW_UNIT} vocabulary rows ({ROW_UNIT * row_bytes / 2**20:.1f} MiB"
+            + (", with Gemma 4's per-layer table's" if cfg.per_layer_input_size else "")
+            + f") beside its other weights ({fixed_bytes / 2**20:.0f} MiB: the RoPE tables"
+            + (" and the per-layer projection" if cfg.per_layer_input_size else "")
+            + f") in {budget / 2**20:.0f} MiB for --target {opts.target}: use a shorter --context-length "
+            "or --precision fp16")
 
 
 def rope_positions(opts: ExportOptions) -> int:
@@ -187,15 +194,19 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
     chunks = plan_chunks(cfg, opts.layers_per_chunk, target=target, layer_bytes=max(layer_bytes))
     rope_bytes = 2 * rope_positions(opts) * cfg.global_layers.head_dim * per_weight  # cos and sin tables
     table_row = -(-stored_rows("embed_tokens.weight", ROW_UNIT) // ROW_UNIT)  # bytes per row, rounded up
-    rope_bytes += per_layer_bytes(cfg, opts, table_row * cfg.vocab_size, per_weight, budget)  # Gemma 4's, beside the rope
-    embedding_rows = vocab_row_ranges(cfg.vocab_size, table_row, budget, fixed_bytes=rope_bytes)
+    per_layer_row, projection_bytes = per_layer_sizes(cfg, opts, per_weight)  # Gemma 4's, beside the table
+    row_bytes, fixed_bytes = table_row + per_layer_row, rope_bytes + projection_bytes  # room for both in any file
+    check_vocab_rows_fit(cfg, opts, row_bytes, fixed_bytes, budget)
+    embedding_rows = vocab_row_ranges(cfg.vocab_size, row_bytes, budget, fixed_bytes=fixed_bytes)
     splits = vocab_splits(cfg.vocab_size)
     head_row = max(-(-stored_rows(f"heads.{j}.weight", n) // n) for j, n in enumerate(splits))
     head_groups = group_heads(splits, head_row, budget, fixed_bytes=row * per_weight)  # each file has the norm
     heads_start = [sum(splits[:j]) for j in range(len(splits) + 1)]
     contents = {}  # model -> (layers, rows, stored bytes, dense bytes, bytes the Neural Engine reads)
     for k, (a, b) in enumerate(embedding_rows):
-        fixed = rope_bytes if k == 0 else 0
+        start, end = per_layer_rows(cfg, (a, b))  # Gemma 4's per-layer rows, and in the last file the projection
+        fixed = ((rope_bytes if k == 0 else 0) + (end - start) * per_layer_row
+                 + (projection_bytes if b == cfg.vocab_size else 0))
         contents[embeddings_model_name(k)] = ((), (a, b), stored_rows("embed_tokens.weight", b - a) + fixed,
                                               (b - a) * row * per_weight + fixed,
                                               stored_rows("embed_tokens.weight", b - a, True) + fixed)

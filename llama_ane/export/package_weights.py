@@ -17,7 +17,7 @@ import torch
 from ..model.lm_head import vocab_splits
 from ..config import LlamaConfig
 from ..contract.specs import model_kind
-from ..model.embeddings import rope_weights
+from ..model.embeddings import per_layer_rows, rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
 from ..checkpoint.mapping import (PER_LAYER_TENSORS, as_conv, final_norm, final_norm_name, layer_tensor, layer_tensors,
                                   per_layer_state_dict)
@@ -43,6 +43,21 @@ def to_array(t: torch.Tensor, dtype: type, name: str = "a weight") -> np.ndarray
     return out
 
 
+def rows_array(ckpt: Checkpoint, hf_name: str, rows: tuple[int, int], dtype: type) -> np.ndarray:
+    """Rows [start, end) of checkpoint tensor `hf_name` as a numpy array of `dtype` (to_array), read
+    from the checkpoint a block of rows at a time: a large table (Gemma 4's per-layer table, 4.7 GB
+    in fp16 at E2B) is never held whole, in its own dtype or in fp32."""
+    start, end = rows
+    if ckpt.get_rows is None:  # a format read whole anyway
+        return to_array(ckpt.rows(hf_name, start, end), dtype, hf_name)
+    first = ckpt.rows(hf_name, start, min(end, start + 1))
+    step = max(1, ROW_BLOCK // max(1, first[0].numel()))
+    out = np.empty((end - start, *first.shape[1:]), dtype)
+    for a in range(start, end, step):
+        out[a - start:min(end, a + step) - start] = to_array(ckpt.rows(hf_name, a, min(end, a + step)), dtype, hf_name)
+    return out
+
+
 def _not_finite(block: np.ndarray, dtype: type, name: str) -> CheckpointError:
     """The error for a block with NaN/inf after its cast: in the checkpoint, or made by the cast."""
     if not np.isfinite(block).all():
@@ -59,7 +74,7 @@ def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int], rows: tuple[
     vocabulary `rows` carries the LM head."""
     kind = model_kind(model)
     head = {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", final_norm_name(cfg)}
-    if kind == "embeddings" and cfg.per_layer_input_size:  # Gemma 4's per-layer inputs too
+    if kind in ("embeddings", "embeddings_part") and cfg.per_layer_input_size:  # Gemma 4's per-layer inputs too
         return {"model.embed_tokens.weight"} | {hf for hf, _ in PER_LAYER_TENSORS.values()}
     if kind in ("embeddings", "embeddings_part"):
         return {"model.embed_tokens.weight"}
@@ -106,6 +121,8 @@ class PackageWeights:
         if name == "embed_tokens.weight":
             return to_array(self.ckpt.rows("model.embed_tokens.weight", *self.rows), self.dtype,
                             "model.embed_tokens.weight")
+        if name == "embed_tokens_per_layer.weight":  # this file's rows of Gemma 4's per-layer table
+            return rows_array(self.ckpt, PER_LAYER_TENSORS[name][0], per_layer_rows(self.cfg, self.rows), self.dtype)
         if name in PER_LAYER_TENSORS:
             return to_array(per_layer_state_dict(self.ckpt, torch.float32, (name,))[name], self.dtype,
                             PER_LAYER_TENSORS[name][0])

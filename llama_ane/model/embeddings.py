@@ -4,7 +4,8 @@ builder below it.
     Embeddings        input_ids (1,S) int32, position (1,) int32
                       -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,1,S,T+S)
     EmbeddingsPart    input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
-                      (a later file of an embedding table cut by rows: adds the lookup of its rows)
+                      (a later file of an embedding table cut by rows: adds the lookup of its rows;
+                      Gemma 4's also per_layer_inputs -> per_layer_inputs_out, see below)
     BranchEmbeddings  input_ids (1,B) int32, positions (B,) int32, prefix_length (1,) int32
                       -> hidden_states (1,C,1,B), cos/sin (1,D,1,B),
                          prefix_mask (1,1,1,T), suffix_mask (1,B,1,U+1)
@@ -35,6 +36,10 @@ Gemma 4's per-layer inputs (PLE, LlamaConfig.per_layer_input_size P) are made he
 token is looked up: "per_layer_inputs" (1,L*P,1,S), the last output of every function, layer n's P
 channels at rows n*P..: the token's row of the per-layer table (times sqrt(P)) plus the normalized
 projection of its embedding (per layer), times 1/sqrt(2). Each chunk reads its layers' rows.
+Where the embedding table is cut by rows, the per-layer table is cut by the same rows
+(per_layer_rows): each file's per_layer_inputs (a part's per_layer_inputs_out) adds its rows' lookup
+to the files' before it, and the last file, where the embedding is whole, holds the projection and
+its norm and gives the per-layer inputs; the files before it give the table's lookup so far.
 """
 
 from __future__ import annotations
@@ -118,11 +123,12 @@ def lookup(table: nn.Embedding, input_ids: torch.Tensor, start: int, vocab_size:
     return (found * hit.to(found.dtype)).transpose(1, 2).unsqueeze(2)
 
 
-def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int, scale: float = 1.0):
-    """lookup of input_ids (1,S) in vocabulary rows [start, end) -> (1,C,1,S)."""
+def lookup_mil(g: Graph, input_ids, rows: tuple[int, int], vocab_size: int, scale: float = 1.0,
+               name: str = "embed_tokens.weight"):
+    """lookup of input_ids (1,S) in vocabulary rows [start, end) of table `name` -> (1,C,1,S)."""
     if scale != 1.0:
-        return mb.mul(x=lookup_mil(g, input_ids, rows, vocab_size), y=g.scalar(scale))
-    table = g.weight("embed_tokens.weight")
+        return mb.mul(x=lookup_mil(g, input_ids, rows, vocab_size, name=name), y=g.scalar(scale))
+    table = g.weight(name)
     start, end = rows
     if start == 0 and end == vocab_size:
         found = mb.gather(x=table, indices=input_ids, axis=0)  # (1,S,C)
@@ -142,22 +148,54 @@ class PerLayerInputs(nn.Module):
     transformers normalizes the projection times 1/sqrt(C) of the unscaled embeddings; the norm is
     scale invariant but for its eps, so the projection of the stream (times stream_scale * sqrt(C)
     that) is normalized with eps times that factor's square instead.
+
+    An embedding table cut by rows cuts the per-layer table by the same rows (per_layer_rows): each
+    file looks up its rows (`rows`, the file's vocabulary rows) and adds them to the `tokens` of the
+    files before it; only the last file (`project`), where the embedding is whole, projects it and
+    gives the per-layer inputs. The others give the per-layer table's lookup so far (times sqrt(P)).
     """
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, rows: tuple[int, int] | None = None, project: bool = True):
         super().__init__()
         self.layers, self.size = cfg.num_hidden_layers, cfg.per_layer_input_size
         self.vocab_size = cfg.vocab_size  # ids past the per-layer table's rows look up zeros
-        self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, cfg.per_layer_channels)
-        self.per_layer_model_projection = conv1x1(cfg.hidden_size, cfg.per_layer_channels)
-        self.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, per_layer_eps(cfg))
+        self.start, end = per_layer_rows(cfg, rows or (0, cfg.vocab_size))
+        self.embed_tokens_per_layer = (nn.Embedding(end - self.start, cfg.per_layer_channels)
+                                       if end > self.start else None)  # none: a file past the table's rows
+        self.project = project
+        if project:
+            self.per_layer_model_projection = conv1x1(cfg.hidden_size, cfg.per_layer_channels)
+            self.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, per_layer_eps(cfg))
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         s = input_ids.shape[1]
-        tokens = lookup(self.embed_tokens_per_layer, input_ids, 0, self.vocab_size, self.size ** 0.5)
+        if self.embed_tokens_per_layer is not None:
+            found = lookup(self.embed_tokens_per_layer, input_ids, self.start, self.vocab_size, self.size ** 0.5)
+            tokens = found if tokens is None else tokens + found
+        if not self.project:
+            return tokens
         projected = self.per_layer_model_projection(hidden).reshape(self.layers, self.size, 1, s)
         projected = self.per_layer_projection_norm(projected).reshape(1, self.layers * self.size, 1, s)
         return (projected + tokens) * 2 ** -0.5
+
+
+def per_layer_rows(cfg: LlamaConfig, rows: tuple[int, int]) -> tuple[int, int]:
+    """[start, end) rows of Gemma 4's per-layer table in the embeddings file of vocabulary rows
+    `rows`: the same rows, those the table has (it may have fewer than the vocabulary); a file of the
+    whole vocabulary holds the whole table."""
+    vp = cfg.per_layer_vocab_size
+    if tuple(rows) == (0, cfg.vocab_size):
+        return 0, vp
+    return min(rows[0], vp), min(rows[1], vp)
+
+
+def per_layer_names(cfg: LlamaConfig, rows: tuple[int, int], project: bool) -> tuple[str, ...]:
+    """The parameters of the PerLayerInputs of the embeddings file of vocabulary rows `rows`: its
+    rows of the per-layer table (where it has any), and the projection and its norm where it `project`s."""
+    start, end = per_layer_rows(cfg, rows)
+    return (("embed_tokens_per_layer.weight",) if end > start else ()) + (
+        ("per_layer_model_projection.weight", "per_layer_projection_norm.weight") if project else ())
 
 
 def per_layer_eps(cfg: LlamaConfig) -> float:
@@ -165,17 +203,18 @@ def per_layer_eps(cfg: LlamaConfig) -> float:
     return cfg.rms_norm_eps * (cfg.stream_scale * cfg.hidden_size ** 0.5) ** 2
 
 
-def per_layer_inputs_mil(g: Graph, cfg: LlamaConfig, input_ids, hidden, s: int):
-    """PerLayerInputs. input_ids (1,S), hidden (1,C,1,S) -> (1,L*P,1,S)"""
-    layers, p, vp = cfg.num_hidden_layers, cfg.per_layer_input_size, cfg.per_layer_vocab_size
-    table = g.weight("embed_tokens_per_layer.weight")
-    if vp == cfg.vocab_size:
-        found = mb.gather(x=table, indices=input_ids, axis=0)  # (1,S,L*P)
-    else:  # ids past the per-layer table's rows look up nothing (zeros)
-        local = mb.minimum(x=input_ids, y=np.int32(vp - 1))
-        hit = mb.expand_dims(x=g.cast(mb.less(x=input_ids, y=np.int32(vp))), axes=[2])
-        found = mb.mul(x=mb.gather(x=table, indices=local, axis=0), y=hit)
-    tokens = mb.mul(x=mb.expand_dims(x=mb.transpose(x=found, perm=[0, 2, 1]), axes=[2]), y=g.scalar(p ** 0.5))
+def per_layer_inputs_mil(g: Graph, cfg: LlamaConfig, input_ids, hidden, s: int,
+                         rows: tuple[int, int] | None = None, tokens=None):
+    """PerLayerInputs of the embeddings file of vocabulary rows `rows` (default: all), after the
+    files before it gave `tokens`. input_ids (1,S), hidden (1,C,1,S) -> (1,L*P,1,S)"""
+    layers, p = cfg.num_hidden_layers, cfg.per_layer_input_size
+    rows = rows or (0, cfg.vocab_size)
+    start, end = per_layer_rows(cfg, rows)
+    if end > start:
+        found = lookup_mil(g, input_ids, (start, end), cfg.vocab_size, p ** 0.5, "embed_tokens_per_layer.weight")
+        tokens = found if tokens is None else mb.add(x=tokens, y=found)
+    if rows[1] < cfg.vocab_size:  # not the last file: the table's lookup so far
+        return tokens
     projected = mb.reshape(x=conv_mil(g, hidden, "per_layer_model_projection.weight"), shape=[layers, p, 1, s])
     projected = rms_norm_mil(g, projected, "per_layer_projection_norm.weight", per_layer_eps(cfg), p)
     projected = mb.reshape(x=projected, shape=[1, layers * p, 1, s])
@@ -374,7 +413,7 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
             out["sliding_mask"] = mb.concat(
                 values=[sliding, g.const(window_mask(s, cfg.sliding_window), "sliding_window_mask")], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s)
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s, rows)
         return out
     return body
 
@@ -384,24 +423,38 @@ class EmbeddingsPart(nn.Module):
     start .. start+rows-1 to the hidden states of the files before it.
 
     input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
+
+    Gemma 4's (`per_layer`, a PerLayerInputs of the same rows): also per_layer_inputs (1,L*P,1,S),
+    the files before it's lookup of the per-layer table -> per_layer_inputs_out, with its rows
+    added, and in the last file the per-layer inputs themselves.
     """
 
     def __init__(self, cfg: LlamaConfig, start: int, rows: int):
         super().__init__()
         self.start, self.vocab_size, self.embedding_scale = start, cfg.vocab_size, cfg.embedding_scale
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.per_layer = None  # PerLayerInputs of its rows where the model has them
 
-    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size,
-                                      self.embedding_scale)
+    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
+                per_layer_inputs: torch.Tensor | None = None):
+        hidden = hidden_states + lookup(self.embed_tokens, input_ids, self.start, self.vocab_size,
+                                        self.embedding_scale)
+        if self.per_layer is None:
+            return hidden
+        return hidden, self.per_layer(input_ids, hidden, per_layer_inputs)
 
 
 def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
     """EmbeddingsPart of vocabulary rows `rows`."""
     def body(inputs):
-        return {"hidden_states_out": mb.add(x=inputs["hidden_states"],
-                                            y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size,
-                                                         cfg.embedding_scale))}
+        hidden = mb.add(x=inputs["hidden_states"],
+                        y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale))
+        out = {"hidden_states_out": hidden}
+        if cfg.per_layer_input_size:
+            tokens = inputs["per_layer_inputs"]
+            found = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, int(hidden.shape[3]), rows, tokens)
+            out["per_layer_inputs_out"] = mb.identity(x=found) if found is tokens else found
+        return out
     return body
 
 
@@ -470,7 +523,7 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
             keep = mb.logical_and(x=in_suffix, y=near_mil(filled, suffix_slots, w))  # (1,B,1,U)
             out["sliding_suffix_mask"] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, b)
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, b, rows)
         return out
     return body
 
@@ -529,7 +582,7 @@ def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
             tree = mb.add(x=inputs["tree_mask"], y=mask_from_mil(g, near_tree))
             out["sliding_mask"] = mb.concat(values=[sliding, tree], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, w)
+            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, w, rows)
         return out
     return body
 
@@ -569,8 +622,14 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
 
 def part_functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
     """{function: io} of a later embeddings file: input_ids (1,S) and the hidden states so far ->
-    hidden_states_out (1,C,1,S), one function for every bucket (it reads no cache)."""
+    hidden_states_out (1,C,1,S), one function for every bucket (it reads no cache); Gemma 4's also
+    per_layer_inputs (1,L*P,1,S) so far -> per_layer_inputs_out."""
     c, f = cfg.hidden_size, layout.dtype
-    return {fn: {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("hidden_states", [1, c, 1, s], f)],
-                 "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)]}
-            for fn, s in (*layout.full_windows(), *layout.extra_windows())}
+    out = {}
+    for fn, s in (*layout.full_windows(), *layout.extra_windows()):
+        out[fn] = {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("hidden_states", [1, c, 1, s], f)],
+                   "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)]}
+        if cfg.per_layer_input_size:
+            out[fn]["inputs"].append(tensor("per_layer_inputs", [1, cfg.per_layer_channels, 1, s], f))
+            out[fn]["outputs"].append(tensor("per_layer_inputs_out", [1, cfg.per_layer_channels, 1, s], f))
+    return out

@@ -27,8 +27,9 @@ pair is absent where the chunk has no such layers): position p is in slot p mod 
 read whole in every bucket and by direct caches (its masks cover its slots, which the embeddings
 compute from `position`), and rewinding further than the ring can serve starts the sequence again.
 
-Gemma 4's per-layer inputs come from the embeddings whole ("per_layer_inputs", every layer's rows);
-each chunk reads its own layers' rows as "per_layer_input".
+Gemma 4's per-layer inputs come from the embeddings whole ("per_layer_inputs", every layer's rows;
+where the table is cut by rows, each later file adds to them and the last completes them, as
+"per_layer_inputs_out"); each chunk reads its own layers' rows as "per_layer_input".
 
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
@@ -218,12 +219,20 @@ class Pipeline:
         context bucket: they run the bucket's base function)."""
         out = dict(self.backend.predict(self.embedding_models[0], fn, inputs))
         for part in self.embedding_models[1:]:
-            out["hidden_states"] = self._embed_part(part, base_function(fn), inputs["input_ids"],
-                                                    out["hidden_states"])
+            self._embed_part(part, base_function(fn), inputs["input_ids"], out)
         return out
 
-    def _embed_part(self, part: str, fn: str, input_ids: np.ndarray, hidden: np.ndarray) -> np.ndarray:
-        return self.backend.predict(part, fn, {"input_ids": input_ids, "hidden_states": hidden})["hidden_states_out"]
+    def _embed_part(self, part: str, fn: str, input_ids: np.ndarray, emb: dict[str, np.ndarray]) -> None:
+        """Embeddings file `part` on the files' before it outputs `emb`, updated in place: its rows'
+        lookup added to the hidden states (and Gemma 4's per_layer_inputs, which the last file
+        completes)."""
+        inputs = {"input_ids": input_ids, "hidden_states": emb["hidden_states"]}
+        if "per_layer_inputs" in emb:
+            inputs["per_layer_inputs"] = emb["per_layer_inputs"]
+        out = self.backend.predict(part, fn, inputs)
+        emb["hidden_states"] = out["hidden_states_out"]
+        if "per_layer_inputs_out" in out:
+            emb["per_layer_inputs"] = out["per_layer_inputs_out"]
 
     def _window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
         return {"input_ids": window, "position": np.array([position], np.int32)}
@@ -543,7 +552,7 @@ class Pipeline:
         self.backend.release(first)
         for part in later:
             for emb, (fn, window) in zip(embs, windows):
-                emb["hidden_states"] = self._embed_part(part, base_function(fn), window, emb["hidden_states"])
+                self._embed_part(part, base_function(fn), window, emb)
             self.backend.release(part)
         if self.direct:  # as `forward` reads them: the masks up to the filled positions
             embs = [self.visible(emb, start) for emb, start in zip(embs, starts)]

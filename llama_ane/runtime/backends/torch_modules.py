@@ -20,11 +20,12 @@ import torch
 from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
-from ...checkpoint.mapping import (PER_LAYER_TENSORS, chunk_state_dict, embeddings_state_dict, layer_tensors,
+from ...checkpoint.mapping import (chunk_state_dict, embeddings_state_dict, layer_tensors,
                                    lm_head_state_dict, per_layer_state_dict)
 from ...model.cache_update import ChunkUpdate, SuffixUpdate
 from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
-from ...model.embeddings import BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings
+from ...model.embeddings import (BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings,
+                                 per_layer_names, per_layer_rows)
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names, ring_of
@@ -58,9 +59,11 @@ class CheckpointWeights:
         """The RoPE tables (positions, D) to use instead of the modules' own float32 ones, if any."""
         return None
 
-    def per_layer(self, model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Gemma 4's per-layer input weights (PerLayerInputs' state dict) of the embeddings."""
-        return per_layer_state_dict(self.ckpt, dtype)
+    def per_layer(self, model: str, rows: tuple[int, int], project: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Gemma 4's per-layer input weights (PerLayerInputs' state dict) of the embeddings file of
+        vocabulary rows `rows`: its rows of the per-layer table, and the projection where it `project`s."""
+        cfg = self.ckpt.config
+        return per_layer_state_dict(self.ckpt, dtype, per_layer_names(cfg, rows, project), per_layer_rows(cfg, rows))
 
     def chunk(self, model: str, layers: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A BlockChunk's state dict ("layers.j.q_proj.weight", ...) for HF layers `layers`."""
@@ -92,8 +95,9 @@ class ExportWeights:
     def table(self, model: str, rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return self._read(model, ["embed_tokens.weight"], dtype)["embed_tokens.weight"]
 
-    def per_layer(self, model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return self._read(model, list(PER_LAYER_TENSORS), dtype)
+    def per_layer(self, model: str, rows: tuple[int, int], project: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        cfg = LlamaConfig.from_dict(self.manifest["config"])
+        return self._read(model, per_layer_names(cfg, rows, project), dtype)
 
     def rope(self, model: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables as the export stores them (computed in float32, kept in its precision)."""
@@ -144,9 +148,15 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
     if kind in ("embeddings", "embeddings_part"):
         start, end = m["embeddings"]["vocab_ranges"][m["embeddings"]["models"].index(model)]
         table = torch.nn.Embedding.from_pretrained(weights.table(model, (start, end), dtype), freeze=False)
+        per_layer = None
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs of the file's rows, one module for every function
+            last = end == cfg.vocab_size  # the last file projects the whole embedding
+            per_layer = _with_state(lambda: PerLayerInputs(cfg, (start, end), last),
+                                    weights.per_layer(model, (start, end), last, dtype))
         if kind == "embeddings_part":
             part = EmbeddingsPart(cfg, start, 1)
             part.embed_tokens = table  # the one-row placeholder replaced by the part's rows
+            part.per_layer = per_layer
             return {fn: part.eval() for fn in functions}
         modules: dict[str, torch.nn.Module] = {}
         for fn in functions:
@@ -164,10 +174,8 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         if stored is not None:  # the tables the export holds (one size for every function)
             for module in modules.values():
                 module.cos_table, module.sin_table = stored
-        if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs, one module for every function
-            per_layer = _with_state(lambda: PerLayerInputs(cfg), weights.per_layer(model, dtype))
-            for module in modules.values():
-                module.per_layer = per_layer
+        for module in modules.values():
+            module.per_layer = per_layer
     elif kind == "lm_head":
         heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]]
         head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
