@@ -721,9 +721,14 @@ def _gemma4_global_heads(g: "_Fields", types: Any, layers: int) -> tuple[int, in
     if not isinstance(per_layer, dict) or not isinstance(types, list):
         raise ConfigError(f"{g.origin}: per_layer_config is {_json_type(per_layer)}; it must be an object of layer "
                           "index -> head_dim / num_key_value_heads")
+    try:  # keys as transformers writes them: the layer index, zero-padded ("04")
+        per_layer = {int(k): v for k, v in per_layer.items()}
+    except ValueError:
+        raise ConfigError(f"{g.origin}: per_layer_config has keys {sorted(map(str, per_layer))}; they must be "
+                          "layer indices") from None
     found = set()
     for n in range(layers):
-        over = per_layer.get(str(n), per_layer.get(n)) or {}
+        over = per_layer.get(n) or {}
         if not isinstance(over, dict) or set(over) - {"head_dim", "num_key_value_heads"}:
             raise ConfigError(f"{g.origin}: per_layer_config of layer {n} is {_json_type(over)}; the export reads "
                               "head_dim and num_key_value_heads there only")

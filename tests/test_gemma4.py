@@ -279,13 +279,16 @@ def test_a_gemma4_manifest_config_names_what_other_hosts_refuse():
     assert not set(GEMMA4_FIELDS) & set(llama.to_dict()) and LlamaConfig.from_dict(llama.to_dict()) == llama
 
 
-E2B = dict(K_EQ_V, vocab_size=262_144, vocab_size_per_layer_input=262_144, hidden_size=1536,
-           intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
-           global_head_dim=512, hidden_size_per_layer_input=256, num_hidden_layers=35, sliding_window=512,
-           max_position_embeddings=131_072,
-           layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
-E4B = dict(E2B, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2,
-           num_hidden_layers=42, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7)
+def gemma4_e(hidden: int, inter: int, layers: int, kv: int, pattern: int, shared: int, double_wide: bool) -> dict:
+    """A Gemma 4 E-series text config as its checkpoint's config.json gives it."""
+    return dict(GEMMA4, vocab_size=262_144, vocab_size_per_layer_input=262_144, hidden_size=hidden,
+                intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=kv,
+                head_dim=256, global_head_dim=512, hidden_size_per_layer_input=256, sliding_window=512,
+                max_position_embeddings=131_072, num_kv_shared_layers=shared, use_double_wide_mlp=double_wide,
+                layer_types=(["sliding_attention"] * (pattern - 1) + ["full_attention"]) * (layers // pattern))
+
+
+E2B, E4B = gemma4_e(1536, 6144, 35, 1, 5, 20, True), gemma4_e(2560, 10240, 42, 2, 6, 18, False)
 
 
 def test_the_per_layer_table_shares_the_embedding_files_rows():
@@ -307,7 +310,7 @@ def test_the_per_layer_table_shares_the_embedding_files_rows():
         projection = (big.per_layer_channels * big.hidden_size + big.per_layer_input_size) * 2
         for target in ("iOS18", "macOS15"):
             plan = plan_export(big, ExportOptions(context_length=4096, prefill_length=64, target=target,
-                                                  layers_per_chunk=4))
+                                                  layers_per_chunk=4, kv_cache="inputs"))
             files = [p for p in plan.packages if p.model.startswith("embeddings")]
             assert len(files) == len(plan.embedding_rows) >= 3
             assert all(p.weight_bytes <= weight_budget(target) for p in files)
@@ -319,6 +322,17 @@ def test_the_per_layer_table_shares_the_embedding_files_rows():
             spec = plan.specs[files[1].model]["decode"]
             assert [t["name"] for t in spec["inputs"]] == ["input_ids", "hidden_states", "per_layer_inputs"]
             assert [t["name"] for t in spec["outputs"]] == ["hidden_states_out", "per_layer_inputs_out"]
+
+
+def test_per_layer_config_as_transformers_writes_it():
+    """Gemma4TextConfig writes per_layer_config with zero-padded layer indices ("04"): E2B's config
+    reads with its global layers' 512-channel heads."""
+    import transformers
+
+    written = transformers.Gemma4TextConfig(**{k: v for k, v in E2B.items() if k != "model_type"}).to_diff_dict()
+    assert "04" in written.get("per_layer_config", {})
+    cfg = LlamaConfig.from_hf_dict(dict(written, model_type="gemma4_text"))
+    assert cfg.global_layers.head_dim == 512 and cfg.head_dim == 256 and cfg.kv_shared_layers == 20
 
 
 def test_an_embeddings_file_too_small_for_its_rows_is_refused_by_name(monkeypatch):
