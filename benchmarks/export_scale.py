@@ -16,7 +16,7 @@ ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
 Each run records its wall time, the CPU seconds of the export's process tree (the work done, which
 other load on the machine barely changes), the 1-minute load average before and after, and the peak.
 
-Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, qwen3-1.7b, qwen3-4b, smollm3-3b,
+Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, gemma4-e2b, qwen3-1.7b, qwen3-4b, smollm3-3b,
 phi4-mini, smollm2 (the embedded default model). Arguments after `--` go to the new exporter only.
 Checkpoints are kept unless --clean, exports removed unless --keep.
 Exit status 1 if any export (or inspect) failed.
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHARD_LIMIT = 2 * GIB
 NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama",
-         "gemma3-1b": "Gemma-3-1B", "gemma3-4b": "Gemma-3-4B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B",
+         "gemma3-1b": "Gemma-3-1B", "gemma3-4b": "Gemma-3-4B", "gemma4-e2b": "Gemma-4-E2B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B",
          "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
 PRESETS = (*NAMES, "smollm2")
 MARKER = ".complete"
@@ -80,6 +80,24 @@ def _gemma3(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: in
             "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 
 
+def _gemma4(hidden: int, inter: int, layers: int, kv: int, pattern: int, shared: int, double_wide: bool) -> dict:
+    """The text model of a Gemma 4 E-series checkpoint: `pattern` - 1 sliding layers (256-channel heads, a
+    512 window, RoPE base 10k) to a global one (512-channel heads, proportional RoPE on a quarter of
+    them, base 1M), per-layer inputs of 256 channels a layer, the last `shared` layers KV-shared."""
+    return {"model_type": "gemma4_text", "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
+            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": 8, "num_key_value_heads": kv, "head_dim": 256, "global_head_dim": 512,
+            "hidden_size_per_layer_input": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+            "sliding_window": 512, "max_position_embeddings": 131072, "final_logit_softcapping": 30.0,
+            "layer_types": (["sliding_attention"] * (pattern - 1) + ["full_attention"]) * (layers // pattern),
+            "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1000000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            "attention_k_eq_v": False, "num_kv_shared_layers": shared, "use_double_wide_mlp": double_wide,
+            "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+            "pad_token_id": 0}
+
+
 def _qwen3(hidden: int, inter: int, layers: int, heads: int) -> dict:
     """A dense Qwen3 checkpoint: 8 KV heads of 128 channels, q/k norms, tied embeddings, no window."""
     return {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": hidden, "intermediate_size": inter,
@@ -97,6 +115,8 @@ FAMILY_PRESETS: dict[str, tuple[str, dict]] = {
     # the language model of the multimodal checkpoint, as a text model's checkpoint holds it
     "gemma3-4b": ("Gemma3TextConfig", _gemma3(262208, 2560, 10240, 34, 8, 4, 1024, 131072,
                                               {"rope_type": "linear", "factor": 8.0})),
+    # the text model of the E2B checkpoint (its KV-shared layers export with --kv-cache inputs)
+    "gemma4-e2b": ("Gemma4TextConfig", _gemma4(1536, 6144, 35, 1, 5, 20, True)),
     "qwen3-1.7b": ("Qwen3Config", _qwen3(2048, 6144, 28, 16)),
     "qwen3-4b": ("Qwen3Config", _qwen3(2560, 9728, 36, 32)),
     "smollm3-3b": ("SmolLM3Config", {
