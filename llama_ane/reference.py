@@ -59,7 +59,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     hf._attn_implementation = "sdpa"
     with torch.no_grad():
         ids = torch.tensor(token_ids, dtype=torch.long)
-        x = ckpt.tensor("model.embed_tokens.weight")[ids].to(torch.float32)[None]  # (1, T, C)
+        x = token_rows(ckpt, "model.embed_tokens.weight", ids).to(torch.float32)[None]  # (1, T, C)
         x = x * ckpt.config.embedding_multiplier  # Granite's and Gemma's, in their models' forward
         positions = torch.arange(len(token_ids))[None]  # (1, T)
         rotary = RotaryEmbedding(config=hf)
@@ -85,6 +85,16 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     return final_outputs(ckpt, x[0], logits=logits)
 
 
+def token_rows(ckpt: Checkpoint, hf_name: str, ids):
+    """Rows `ids` (T,) of vocabulary matrix `hf_name`, read a row at a time where the format allows
+    it: never the whole table (Gemma 4 E2B's per-layer table is 4.7 GB)."""
+    import torch
+
+    if ckpt.get_rows is None:
+        return ckpt.tensor(hf_name)[ids]
+    return torch.cat([ckpt.rows(hf_name, i, i + 1) for i in ids.tolist()])
+
+
 def _per_layer_inputs(ckpt: Checkpoint, hf, ids, embeds):
     """Gemma 4's per-layer inputs of token `ids` (T,) with embeddings `embeds` (1, T, C), as its
     text model computes them (get_per_layer_inputs, project_per_layer_inputs): (1, T, L, P); None
@@ -95,7 +105,7 @@ def _per_layer_inputs(ckpt: Checkpoint, hf, ids, embeds):
     if not cfg.per_layer_input_size:
         return None
     layers, p = cfg.num_hidden_layers, cfg.per_layer_input_size
-    tokens = ckpt.tensor("model.embed_tokens_per_layer.weight")[ids].to(torch.float32) * p ** 0.5
+    tokens = token_rows(ckpt, "model.embed_tokens_per_layer.weight", ids).to(torch.float32) * p ** 0.5
     projected = embeds @ ckpt.tensor("model.per_layer_model_projection.weight").to(torch.float32).T
     projected = (projected * cfg.hidden_size ** -0.5).reshape(1, len(ids), layers, p)
     norm = transformers_class(cfg.model_type, "RMSNorm")(p, eps=hf.rms_norm_eps)

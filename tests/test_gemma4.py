@@ -210,6 +210,29 @@ def test_per_layer_inputs_are_transformers(folder):
     model.close()
 
 
+def test_the_reference_reads_only_the_tokens_rows_of_the_tables(folder):
+    """The parity reference (run_layers) reads the embedding and per-layer tables' rows of its tokens
+    only, never a table whole (Gemma 4 E2B's per-layer table is 4.7 GB)."""
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.reference import run_layers, token_rows
+
+    ckpt = load_checkpoint(folder)
+    assert ckpt.get_rows is not None
+    ids = [5, 17, 300, 5, 42]
+    want = run_layers(ckpt, ids, logits=False)  # the final norm's output: no LM head
+    get = ckpt.get
+
+    def no_tables(name):
+        if name in ("model.embed_tokens_per_layer.weight", "model.embed_tokens.weight"):
+            raise AssertionError(f"{name} read whole")
+        return get(name)
+
+    ckpt.get = no_tables
+    assert torch.equal(torch.as_tensor(run_layers(ckpt, ids, logits=False)), torch.as_tensor(want))
+    for name in ("model.embed_tokens_per_layer.weight", "model.embed_tokens.weight"):
+        assert torch.equal(token_rows(ckpt, name, torch.tensor(ids)), get(name)[ids])
+
+
 def test_fp16_stream_scale_keeps_the_per_layer_input_finite():
     """A Gemma 4 layer whose stream is past fp16's range unscaled stays finite in fp16 with the stream
     scale, per-layer input included (its gate reads the stream with the scale undone in its weights),
