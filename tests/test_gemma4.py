@@ -427,6 +427,27 @@ def test_a_split_per_layer_table_computes_what_transformers_does(split_folder):
     model.close()
 
 
+def test_a_per_layer_table_shorter_than_the_vocabulary_splits_too(tmp_path):
+    """A per-layer table of fewer rows than the vocabulary (100 of 320): the files past its rows hold
+    none of it and hand the lookup on; five files give the logits of one, bit for bit."""
+    from test_architectures import load_fp32
+    from test_families import make_family_checkpoint
+    from test_parity_tiny import random_ids
+
+    folder = make_family_checkpoint(tmp_path / "short", **dict(SPLIT, vocab_size_per_layer_input=100))
+    whole = load_fp32(folder, branch_width=0)
+    mp = _small_budget(190_000)  # 64 rows a file beside 156 kB of RoPE tables and projection
+    try:
+        split = load_fp32(folder, branch_width=0)
+    finally:
+        mp.undo()
+    assert len(split.manifest["embeddings"]["models"]) == 5 and len(whole.manifest["embeddings"]["models"]) == 1
+    ids = random_ids(320, 40, seed=4)
+    np.testing.assert_array_equal(split.score(ids), whole.score(ids))
+    whole.close()
+    split.close()
+
+
 @pytest.mark.export
 def test_a_split_per_layer_table_exports(split_folder, tmp_path):
     """The fp16 export with three embeddings files: inspect --strict is clean, the mil programs agree
