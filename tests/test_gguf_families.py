@@ -28,7 +28,7 @@ from llama_ane.config import LlamaConfig  # noqa: E402
 from llama_ane.errors import LlamaANEError  # noqa: E402
 from llama_ane.testing import make_tiny_checkpoint  # noqa: E402
 
-from test_families import longrope  # noqa: E402
+from test_families import GEMMA4, longrope  # noqa: E402
 from test_gguf_lazy import llamacpp_permute  # noqa: E402
 
 
@@ -71,12 +71,24 @@ CASES = {
                                    layer_types=["full_attention", "conv", "full_attention"]),
     # llama.cpp's converter writes no conv biases (its LFM2 has none); a file that holds them is read whole
     "lfm2_conv_bias": dict(LFM2, conv_bias=True, tie_word_embeddings=True, layer_types=["conv", "full_attention", "conv"]),
+    # Gemma 4 with per-layer inputs: V from K on the global layers, whose proportional RoPE turns half
+    # of the frequencies; and E2B/E4B's shape: wider global layers with fewer kv heads, the last two
+    # layers sharing K/V with double-wide MLPs, no logit softcapping
+    "gemma4_k_eq_v_proportional": dict(GEMMA4, tie_word_embeddings=True, attention_k_eq_v=True, sliding_window=24,
+                                       rope_parameters={"full_attention": {
+                                           "rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                           "rope_theta": 1_000_000.0},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0}}),
+    "gemma4_kv_shared_wide": dict(GEMMA4, tie_word_embeddings=False, attention_k_eq_v=True, sliding_window=24,
+                                  global_head_dim=64, num_global_key_value_heads=1, num_kv_shared_layers=2,
+                                  use_double_wide_mlp=True, final_logit_softcapping=None),
+    "gemma4_untied_mha": dict(GEMMA4, tie_word_embeddings=False, num_key_value_heads=4, sliding_window=40),
 }
 TRANSFORMERS = ["llama_tied_mha", "qwen2_tied", "qwen3_tied_mha", "phi3_plain_tied", "gemma3_local_base",
                 "lfm2_tied_mha"]
 
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3", "granite": "granite",
-        "olmo2": "olmo2", "phi3": "phi3", "gemma3_text": "gemma3", "lfm2": "lfm2"}
+        "olmo2": "olmo2", "phi3": "phi3", "gemma3_text": "gemma3", "lfm2": "lfm2", "gemma4_text": "gemma4"}
 PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses interleave q/k rows
 LAYER = {  # HF name inside model.layers.N -> GGUF name inside blk.N (llama.cpp's tensor names)
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -87,6 +99,8 @@ LAYER = {  # HF name inside model.layers.N -> GGUF name inside blk.N (llama.cpp'
 }
 SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm"}  # OLMo 2 and Gemma 3
+PER_LAYER = {"per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
+             "post_per_layer_input_norm": "post_norm"}  # Gemma 4's per-layer inputs
 LFM2_LAYER = {  # LFM2's own names (its final norm is model.embedding_norm, llama.cpp's token_embd_norm)
     "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate",
     "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down", "self_attn.q_proj": "attn_q",
@@ -95,15 +109,19 @@ LFM2_LAYER = {  # LFM2's own names (its final norm is model.embedding_norm, llam
     "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
 }
 GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-          "model.embedding_norm": "token_embd_norm"}
+          "model.embedding_norm": "token_embd_norm", "model.embed_tokens_per_layer": "per_layer_token_embd",
+          "model.per_layer_model_projection": "per_layer_model_proj",
+          "model.per_layer_projection_norm": "per_layer_proj_norm"}
 
 
 def gguf_name(hf: str, model_type: str) -> str:
     stem, _, kind = hf.rpartition(".")
+    if kind == "layer_scalar":  # Gemma 4's, to which llama.cpp's converter adds .weight
+        return f"blk.{stem.split('.')[2]}.layer_output_scale.weight"
     if stem in GLOBAL:
         return f"{GLOBAL[stem]}.{kind}"
     _, _, n, rest = stem.split(".", 3)
-    table = {**LAYER, **SANDWICH} if model_type in ("olmo2", "gemma3_text") else LAYER
+    table = {**LAYER, **SANDWICH, **PER_LAYER} if model_type in ("olmo2", "gemma3_text", "gemma4_text") else LAYER
     table = LFM2_LAYER if model_type == "lfm2" else table
     return f"blk.{n}.{table[rest]}.{kind}"
 
@@ -136,16 +154,25 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
     w.add_name("tiny")
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hidden)
-    # LFM2: the width Lfm2MLP adjusts intermediate_size to, as llama.cpp's converter computes it
-    w.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0] if mt == "lfm2"
-                              else hp["intermediate_size"])
+    layers, shared = hp["num_hidden_layers"], hp.get("num_kv_shared_layers") or 0
+    if mt == "gemma4_text" and hp.get("use_double_wide_mlp"):  # twice as wide on the KV-shared layers
+        w.add_feed_forward_length([hp["intermediate_size"] * (2 if n >= layers - shared else 1) for n in range(layers)])
+    else:  # LFM2: the width Lfm2MLP adjusts intermediate_size to, as llama.cpp's converter computes it
+        w.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0] if mt == "lfm2"
+                                  else hp["intermediate_size"])
     w.add_block_count(hp["num_hidden_layers"])
     w.add_head_count(heads)
-    # LFM2: per layer, 0 for a conv layer (how llama.cpp tells them from attention layers)
-    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in hp["layer_types"]] if mt == "lfm2" else kv)
+    if mt == "lfm2":  # per layer, 0 for a conv layer (how llama.cpp tells them from attention layers)
+        w.add_head_count_kv([kv if t == "full_attention" else 0 for t in hp["layer_types"]])
+    elif mt == "gemma4_text" and hp.get("num_global_key_value_heads") is not None:  # per layer type
+        w.add_head_count_kv([kv if t == "sliding_attention" else hp["num_global_key_value_heads"]
+                             for t in hp["layer_types"]])
+    else:
+        w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
     rope = hp.get("rope_parameters") or {}
-    theta = hp.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta")
+    theta = rope.get("full_attention", {}).get("rope_theta") if mt == "gemma4_text" else (
+        hp.get("rope_theta") or rope.get("rope_theta") or rope.get("full_attention", {}).get("rope_theta"))
     w.add_rope_freq_base(theta)
     scaling = hp.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type")) == "linear":
@@ -154,7 +181,7 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
     if mt == "lfm2":
         w.add_vocab_size(hp["vocab_size"])
         w.add_shortconv_l_cache(hp["conv_L_cache"])
-    if mt in ("qwen3", "gemma3_text") or (mt != "granite" and "head_dim" in hp and mt != "phi3"):
+    if mt in ("qwen3", "gemma3_text") or (mt not in ("granite", "phi3", "gemma4_text") and "head_dim" in hp):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if mt in PERMUTED:
@@ -184,6 +211,8 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
         sliding = [t == "sliding_attention" for t in hp["layer_types"]]
         if sliding != [(n + 1) % 6 != 0 for n in range(len(sliding))]:  # as OLMo 3's converter writes one
             w.add_sliding_window_pattern(sliding)
+    if mt == "gemma4_text":
+        write_gemma4_keys(w, hp)
     add_tokenizer(w, folder)
     for name, t in state.items():
         t = t.astype(np.float32)
@@ -203,6 +232,30 @@ def write_gguf(folder: Path, out: Path) -> dict[str, np.ndarray]:
     return state
 
 
+def write_gemma4_keys(w, hp: dict) -> None:
+    """What llama.cpp's Gemma 4 converter adds to Gemma 3's keys: the layer pattern, both head sizes,
+    the KV-shared layers, the per-layer input width, and the global layers' proportional RoPE as a
+    rope_freqs tensor (1 for each rotated frequency, 1e30 for the rest)."""
+    rope = hp["rope_parameters"]
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_shared_kv_layers(hp.get("num_kv_shared_layers") or 0)
+    w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+    full = hp.get("global_head_dim") or hp["head_dim"]
+    w.add_key_length(full)
+    w.add_value_length(full)
+    w.add_key_length_swa(hp["head_dim"])
+    w.add_value_length_swa(hp["head_dim"])
+    w.add_rope_dimension_count(full)
+    w.add_rope_dimension_count_swa(hp["head_dim"])
+    if rope["full_attention"].get("rope_type") == "proportional":
+        rotated = int(full * rope["full_attention"]["partial_rotary_factor"] / 2)
+        w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full // 2 - rotated), np.float32))
+
+
 def f32(v):
     """`v` with every float in it rounded to float32."""
     if isinstance(v, dict):
@@ -212,6 +265,17 @@ def f32(v):
     return float(np.float32(v)) if isinstance(v, float) else v
 
 
+def scale_layers(folder: Path) -> None:
+    """Give Gemma 4's layer scalars (1 in a fresh model) values of their own, so that reading them wrong shows."""
+    from safetensors.numpy import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    for name in state:
+        if name.endswith("layer_scalar"):
+            state[name] = np.array([0.5 + int(name.split(".")[2]) / 8], np.float32)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     made: dict[str, tuple[Path, Path, dict]] = {}
@@ -219,6 +283,8 @@ def converted(tmp_path_factory):
     def get(name: str) -> tuple[Path, Path, dict]:
         if name not in made:
             folder = make_tiny_checkpoint(tmp_path_factory.mktemp(name), **CASES[name])
+            if CASES[name]["model_type"] == "gemma4_text":
+                scale_layers(folder)
             file = folder / f"{name}.gguf"
             made[name] = folder, file, write_gguf(folder, file)
         return made[name]
@@ -261,6 +327,25 @@ def test_config_and_tensors_equal_transformers_gguf_load(converted, name):
         assert torch.equal(lazy.get(hf), state[hf]), hf
 
 
+@pytest.mark.parametrize("name", ["gemma4_untied_mha", "gemma4_k_eq_v_proportional"])
+def test_gemma4_tensors_equal_transformers_gguf_load(converted, name):
+    """transformers' GGUF reader takes few of Gemma 4's keys (head sizes, layer pattern, per-layer
+    inputs come from Gemma4TextConfig's defaults) and reads no layer_output_scale: given the
+    checkpoint's config, every other tensor it loads from the file is the lazy reader's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, file, _ = converted(name)
+    lazy = open_gguf(file)
+    state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=file.name, dtype=torch.float32,
+                                                 config=AutoConfig.from_pretrained(str(folder))).state_dict()
+    tied = lazy.config_dict["tie_word_embeddings"]
+    assert set(lazy.names()) == set(state) - ({"lm_head.weight"} if tied else set())
+    read = [hf for hf in lazy.names() if not hf.endswith("layer_scalar")]
+    assert len(read) < len(lazy.names())
+    for hf in read:
+        assert torch.equal(lazy.get(hf), state[hf]), hf
+
+
 def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
     for arch, words in (("lfm2moe", "'lfm2moe' model, which llama-ane does not export"),
                         ("gemma3n", "'gemma3n' model, which llama-ane does not export")):
@@ -275,22 +360,24 @@ def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
             open_gguf(path)
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
                      "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'",
-                     "'lfm2' (LFM2, LFM2.5)"):
+                     "'lfm2' (LFM2, LFM2.5)", "'gemma4' (Gemma 4's text model)"):
             assert what in str(e.value)
         with pytest.raises(LlamaANEError, match=words):  # the one line the CLI prints
             load_checkpoint(path)
 
 
 def copy_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None,
-              values: dict[str, list[int]] | None = None) -> Path:
+              values: dict[str, list[int] | int] | None = None) -> Path:
     """`src` rewritten to `dst` without the metadata keys `drop`, with the tensors `extra` added and the
-    integer-list keys `values` written as given."""
+    integer (list) keys `values` written as given, in place or added."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
+    for key, value in (values or {}).items():
+        w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
     for key, field in reader.fields.items():
         if key in (values or {}):
-            w.add_array(key, values[key])
+            continue
         elif key.startswith((f"{arch}.", "tokenizer.")) and key not in drop:
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
@@ -349,8 +436,25 @@ def test_gemma3_layer_pattern_and_attention_scale_as_llama_cpp_takes_them(conver
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"values": {"gemma4.expert_count": [4]}}, r"Gemma 4 MoE \(gemma4.expert_count\)"),
+    ({"values": {"gemma4.feed_forward_length": [128, 256, 128, 256]}}, "gemma4.feed_forward_length"),
+    ({"values": {"gemma4.feed_forward_length": [128, 128, 256]}}, r"lists 3 layers, the model has 4"),
+    ({"values": {"gemma4.attention.head_count_kv": [2, 1, 2, 2]}}, "gemma4.attention.head_count_kv gives layers"),
+    ({"drop": ("gemma4.attention.sliding_window_pattern",)}, "gemma4.attention.sliding_window_pattern must list"),
+    ({"values": {"gemma4.rope.dimension_count_swa": 16}}, r"partial RoPE \(rope.dimension_count 16 of head size 32"),
+    ({"values": {"gemma4.rope.dimension_count": 32}}, "unlike their key_length 64"),
+])
+def test_what_a_gemma4_file_cannot_say_is_refused_by_name(tmp_path, converted, change, words):
+    """A Gemma 4 MoE, a layer layout the dense export does not build, or a header that does not add up
+    is refused, naming the key; nothing is exported wrong."""
+    _, file, _ = converted("gemma4_kv_shared_wide")
+    with pytest.raises(GGUFError, match=words):
+        open_gguf(copy_gguf(file, tmp_path / "bad.gguf", **change))
+
+
 @pytest.mark.export
-@pytest.mark.parametrize("name", ["qwen3_untied_head32", "lfm2_untied_gqa_head32"])
+@pytest.mark.parametrize("name", ["qwen3_untied_head32", "lfm2_untied_gqa_head32", "gemma4_kv_shared_wide"])
 def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
     """The whole path from a .gguf: load_checkpoint (tokenizer included), export, and the torch
     backend in fp32 against transformers' model of the checkpoint the file was converted from."""

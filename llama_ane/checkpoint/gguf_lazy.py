@@ -8,13 +8,16 @@ the file's architecture, and `LazyGGUF.get(hf_name)` dequantizes just that one t
 llama.cpp's layout on the way: GGUF stores dims reversed; llama.cpp's convert script interleaves
 the two RoPE halves of each q/k head's rows for the architectures it runs with the interleaved
 ("normal") RoPE, which transformers' rotate-half RoPE needs back in their original order; and it
-stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w; and it
-squeezes LFM2's depthwise conv kernel (C, 1, K) to (C, K).
+stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w (Gemma 4's
+are stored as w); it squeezes LFM2's depthwise conv kernel (C, 1, K) to (C, K); and it writes Gemma 4's
+layer scalars as blk.N.layer_output_scale.weight and its proportional RoPE as a rope_freqs tensor
+(1 for each rotated frequency, 1e30 for each one left alone).
 
 Metadata llama.cpp does not store (Gemma 3's attention scale, local RoPE base and layer pattern
 in older files, SmolLM3's layers without RoPE) is what llama.cpp itself assumes for the
 architecture, so a file means here what it means to llama.cpp. LFM2's conv layers are, as llama.cpp
-reads them, the layers whose per-layer attention.head_count_kv is 0.
+reads them, the layers whose per-layer attention.head_count_kv is 0. Gemma 4's global layers take V
+from the K projection (attention_k_eq_v) where the file has no attn_v for them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ ARCHES = {
     "phi3": Arch("phi3", "Phi-3, Phi-3.5, Phi-4-mini"),
     "gemma3": Arch("gemma3_text", "Gemma 3's text model", norm_offset=1.0),
     "lfm2": Arch("lfm2", "LFM2, LFM2.5", squeezed_conv=True),
+    "gemma4": Arch("gemma4_text", "Gemma 4's text model"),
 }
 SUPPORTED = ("supported: general.architecture " + ", ".join(f"'{a}' ({s.label})" for a, s in ARCHES.items())
              + ", with RoPE scaling none, linear or llama3 ('phi3': none or longrope)")
@@ -74,6 +78,7 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # what trans
 GEMMA3_SWA_PATTERN = 6  # llama.cpp's Gemma 3: every sixth layer global, the rest sliding, where the file says nothing
 GEMMA3_LOCAL_THETA = 10_000.0  # and the sliding layers' RoPE base
 GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose attention scale llama.cpp takes from hidden_size / heads
+GEMMA4_UNROTATED = 1e30  # llama.cpp's rope_freqs divisor for the dims Gemma 4's proportional RoPE leaves alone
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's SmolLM3: every fourth layer without RoPE (no metadata key says so)
 
 
@@ -164,6 +169,8 @@ class LazyGGUF:
         out = {}
         for hf in expected_tensors(cfg):
             stem, _, kind = hf.rpartition(".")
+            if kind == "layer_scalar":  # Gemma 4's, a parameter without .weight: llama.cpp adds one
+                stem, kind = hf, "weight"
             name = table.get_name(stem)
             if name is None:  # the exporter reads a tensor llama.cpp's table has no name for
                 raise GGUFError(f"{self.path}: gguf has no {self.arch_name} tensor for {hf!r}; {SUPPORTED}")
@@ -208,7 +215,7 @@ class LazyGGUF:
             vocab = len(tokens.data) if tokens is not None else int(self._reader_tensor("token_embd.weight").shape[1])
         cfg: dict[str, Any] = {
             "model_type": self.arch.model_type, "vocab_size": vocab, "hidden_size": hidden,
-            "intermediate_size": m("feed_forward_length"), "num_hidden_layers": m("block_count"),
+            "intermediate_size": self._per_layer("feed_forward_length")[0], "num_hidden_layers": m("block_count"),
             "num_attention_heads": heads, "num_key_value_heads": max(self._kv_heads(heads)),
             "rms_norm_eps": m("attention.layer_norm_rms_epsilon"), "rope_theta": m("rope.freq_base", 10000.0),
             "max_position_embeddings": m("context_length"),
@@ -220,6 +227,9 @@ class LazyGGUF:
         # RoPE rotates all of it, but for Phi-3's partial rotary (rope.dimension_count < head size)
         key, value, rope = m("attention.key_length", None), m("attention.value_length", None), m(
             "rope.dimension_count", None)
+        if arch == "gemma4":  # key_length: the global layers' head size, key_length_swa the sliding ones'
+            key, value, rope = m("attention.key_length_swa"), m("attention.value_length_swa"), m(
+                "rope.dimension_count_swa", None)
         if key is not None and value is not None and key != value:
             raise GGUFError(f"{self.path} has unequal key and value head sizes ({key}, {value}); {SUPPORTED}")
         head_dim = key or value or (rope if arch != "phi3" else None) or hidden // heads
@@ -239,15 +249,31 @@ class LazyGGUF:
         getattr(self, f"_config_{arch}", lambda c: None)(cfg)
         return cfg
 
-    def _kv_heads(self, heads: int) -> list[int]:
-        """attention.head_count_kv per layer (a scalar, or `heads` where absent, for every layer). Only
-        LFM2's files list it per layer, 0 for each conv layer; its attention layers must agree."""
+    def _per_layer(self, key: str, default: list[Any] | None = None) -> list[Any]:
+        """{arch}.`key` per layer (a scalar for every layer). Only LFM2's and Gemma 4's files list
+        head_count_kv per layer, and only Gemma 4's feed_forward_length (E2B/E4B's double-wide MLPs)."""
         layers = self._meta(f"{self.arch_name}.block_count")
-        kv = self._meta_list(f"{self.arch_name}.attention.head_count_kv") or [heads]
-        if len(kv) == 1:
-            return kv * layers
+        values = self._meta_list(f"{self.arch_name}.{key}") or default
+        if values is None:
+            self._meta(f"{self.arch_name}.{key}")  # raises: the key is required
+        if len(values) == 1:
+            return values * layers
+        if (self.arch_name, key) not in (("lfm2", "attention.head_count_kv"), ("gemma4", "attention.head_count_kv"),
+                                         ("gemma4", "feed_forward_length")):
+            raise GGUFError(f"{self.path} has a per-layer {self.arch_name}.{key}; {SUPPORTED}")
+        if len(values) != layers and self.arch_name == "gemma4":  # LFM2's: _kv_heads
+            raise GGUFError(f"{self.path}: {self.arch_name}.{key} lists {len(values)} layers, the model has "
+                            f"{layers}; convert the model again")
+        return values
+
+    def _kv_heads(self, heads: int) -> list[int]:
+        """attention.head_count_kv per layer (a scalar, or `heads` where absent, for every layer). LFM2's
+        files list it per layer, 0 for each conv layer, and its attention layers must agree; Gemma 4's
+        list the sliding and the global layers' counts."""
+        layers = self._meta(f"{self.arch_name}.block_count")
+        kv = self._per_layer("attention.head_count_kv", [heads])
         if self.arch_name != "lfm2":
-            raise GGUFError(f"{self.path} has a per-layer {self.arch_name}.attention.head_count_kv; {SUPPORTED}")
+            return kv
         if len(kv) != layers or len({n for n in kv if n}) != 1:
             raise GGUFError(f"{self.path}: lfm2.attention.head_count_kv must list block_count ({layers}) entries, "
                             f"0 for a conv layer and one head count for every attention layer, got {kv}")
@@ -316,6 +342,64 @@ class LazyGGUF:
         cfg["sliding_window"] = window or cfg["max_position_embeddings"]
         cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
 
+    def _config_gemma4(self, cfg: dict[str, Any]) -> None:
+        """Gemma 4's layers as llama.cpp's converter writes them: the sliding ones by
+        attention.sliding_window_pattern, with head size key_length_swa and the kv head count of their
+        type, the global ones with key_length and theirs; the last shared_kv_layers layers share
+        K/V, their MLPs twice as wide where feed_forward_length says so; per-layer inputs of
+        embedding_length_per_layer_input; V from K where a global layer has no attn_v; and the global
+        layers' proportional RoPE from the rope_freqs tensor (1 rotated, 1e30 not)."""
+        m = lambda key, default=_REQUIRED: self._meta(f"gemma4.{key}", default)  # noqa: E731
+        layers, key = cfg["num_hidden_layers"], "gemma4.attention.sliding_window_pattern"
+        pattern = self._meta_list(key)
+        if pattern is None or len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+            raise GGUFError(f"{self.path}: {key} must list a bool for each of the {layers} layers, got {pattern}; "
+                            "convert the model again")
+        if self._field("gemma4.expert_count") is not None:
+            raise GGUFError(f"{self.path} is a Gemma 4 MoE (gemma4.expert_count), which llama-ane does not "
+                            f"export; {SUPPORTED}")
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        counts = list(zip(types, self._kv_heads(cfg["num_attention_heads"])))
+        kv = dict(counts)
+        if len(set(counts)) != len(kv):
+            raise GGUFError(f"{self.path}: gemma4.attention.head_count_kv gives layers of one type different "
+                            f"counts; {SUPPORTED}")
+        shared, ff = m("attention.shared_kv_layers", 0), self._per_layer("feed_forward_length")
+        double = [ff[0] * (2 if n >= layers - shared else 1) for n in range(layers)]
+        if ff != [ff[0]] * layers and ff != double:
+            raise GGUFError(f"{self.path}: gemma4.feed_forward_length {ff} is neither one width nor twice it on "
+                            f"the last {shared} (KV-shared) layers; {SUPPORTED}")
+        global_dim = m("attention.key_length")
+        if m("attention.value_length", global_dim) != global_dim or m("rope.dimension_count", global_dim) != global_dim:
+            raise GGUFError(f"{self.path}: gemma4's global layers have a value length or rope.dimension_count "
+                            f"unlike their key_length {global_dim}; {SUPPORTED}")
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        if (freqs := self._aux.get(_ROPE_FREQS)) is not None:
+            v = self._aux_values(freqs)
+            rotated = int((v == 1.0).sum())
+            if len(v) != global_dim // 2 or not (v[:rotated] == 1.0).all() or (v[rotated:] < GEMMA4_UNROTATED).any():
+                raise GGUFError(f"{self.path}: rope_freqs is not Gemma 4's proportional RoPE ({global_dim // 2} "
+                                f"values, 1 for each rotated frequency, then 1e30); {SUPPORTED}")
+            full.update(rope_type="proportional", partial_rotary_factor=rotated / (global_dim // 2))
+        if cfg.pop("rope_scaling", None) is not None:  # llama.cpp's Gemma 4 has none (no key holds a factor)
+            raise GGUFError(f"{self.path}: gemma4.rope.scaling.* is set, which Gemma 4 files do not have; {SUPPORTED}")
+        v_layers = [n for n, t in enumerate(types) if t == "full_attention" and n < layers - shared]
+        k_eq_v = {f"blk.{n}.attn_v.weight" not in self._file_names for n in v_layers}
+        if len(k_eq_v) > 1:
+            raise GGUFError(f"{self.path}: some global layers have attn_v and some do not; {SUPPORTED}")
+        per_layer = m("embedding_length_per_layer_input", 0)
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh", layer_types=types, sliding_window=m("attention.sliding_window"),
+            num_key_value_heads=kv.get("sliding_attention", cfg["num_key_value_heads"]), global_head_dim=global_dim,
+            num_global_key_value_heads=kv.get("full_attention", cfg["num_key_value_heads"]),
+            attention_k_eq_v=k_eq_v == {True}, num_kv_shared_layers=shared, intermediate_size=ff[0],
+            use_double_wide_mlp=ff != [ff[0]] * layers, hidden_size_per_layer_input=per_layer,
+            vocab_size_per_layer_input=(int(self._reader_tensor("per_layer_token_embd.weight").shape[1])
+                                        if per_layer else cfg["vocab_size"]),
+            final_logit_softcapping=m("final_logit_softcapping", None),
+            rope_parameters={"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": m("rope.freq_base_swa", GEMMA3_LOCAL_THETA)}})
+
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         """HF `rope_scaling` from {arch}.rope.scaling.* (linear), the rope_freqs tensor (llama3) or
         Phi-3's rope_factors_long/short tensors (longrope); None if plain."""
@@ -332,6 +416,8 @@ class LazyGGUF:
         if kind not in (None, "none", "linear"):
             raise GGUFError(f"{self.path} uses RoPE scaling {kind!r}; {SUPPORTED}")
         freqs = self._aux.get(_ROPE_FREQS)
+        if arch == "gemma4":  # its rope_freqs is the global layers' proportion (_config_gemma4)
+            freqs = None
         if freqs is not None and (arch != "llama" or kind == "linear"):
             raise GGUFError(f"{self.path} has rope_freqs{' and linear RoPE scaling' if kind else ''}; {SUPPORTED}")
         if freqs is not None:

@@ -288,7 +288,7 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     for needed in ("gguf", "transformers"):
         if importlib.util.find_spec(needed) is None:
             raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, TokenizersBackend
     from transformers.utils import logging as hf_logging
 
     from .gguf_lazy import GGUF_FLOATS, open_gguf
@@ -310,7 +310,10 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     _check_tensors(ckpt, GGUF_FLOATS, "F32, F16, BF16 or a quantized type gguf dequantizes")
     tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")
     try:
-        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        # AutoTokenizer builds transformers' config of the file first, which fails on Gemma 4's per-layer
+        # feed_forward_length (E2B's double-wide MLPs); the class it picks for Gemma 4 is this one
+        auto = TokenizersBackend if reader.arch_name == "gemma4" else AutoTokenizer
+        tok = auto.from_pretrained(str(file.parent), gguf_file=file.name)
         tok.save_pretrained(tmp.name)
     except Exception as e:  # transformers raises anything from KeyError to its own errors on a bad vocabulary
         tmp.cleanup()
