@@ -571,3 +571,23 @@ def test_kv_shared_layers_as_transformers_builds_them():
     assert "k_cache" not in inputs and (inputs["shared_k_cache"], inputs["shared_k_ring"]) == (
         [1, 64, 1, 256], [1, 64, 1, 64])  # the global producer's 1 x 64 channels, the sliding one's 2 x 32 in the ring
     assert (inputs["shared_k_suffix"], inputs["shared_k_ring_suffix"]) == ([1, 2, 64, 32], [2, 2, 32, 32])
+
+
+def test_the_parity_gate_of_kv_shared_layers_is_budgeted_with_every_package_loaded():
+    """A model whose KV-shared layers read other chunks' caches is scored with every model loaded
+    (Pipeline.score_streamed), so its verify estimate counts every package, and an E2B export with
+    the gate is refused before converting, naming --no-verify, where its build alone fits."""
+    from llama_ane.contract.plan import ExportOptions, plan_export
+    from llama_ane.export.budget import MemoryBudgetError, VERIFY_FACTOR, build_peak, plan_memory, verify_peak
+
+    options = ExportOptions(context_length=1024, prefill_length=64, target="macOS15", kv_cache="inputs")
+    e2b = plan_export(LlamaConfig.from_hf_dict(E2B), options)
+    dense = [p.dense_bytes for p in e2b.packages]
+    assert verify_peak(e2b, True) >= VERIFY_FACTOR * sum(dense) > 4 * VERIFY_FACTOR * max(dense)
+    unshared = plan_export(LlamaConfig.from_hf_dict(dict(E2B, num_kv_shared_layers=0)), options)
+    assert verify_peak(unshared, True) < VERIFY_FACTOR * sum(p.dense_bytes for p in unshared.packages) / 2
+    budget = 8 << 30
+    assert build_peak(e2b, 1, "spawn") <= budget
+    with pytest.raises(MemoryBudgetError, match="--no-verify"):
+        plan_memory(e2b, available=None, max_memory=budget, workers=1, method="spawn")
+    assert plan_memory(e2b, available=None, max_memory=budget, workers=1, verify=False, method="spawn").peak <= budget
