@@ -972,7 +972,7 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
         # a chunk of conv layers only, over the prefix's state
         decoder = SimpleNamespace(
             width=width_b, manifest={"chunks": [{"layers": list(range(layers))}]}, backend=SimpleNamespace(),
-            pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True),
+            pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True, wide_global=False), ring=0,
                                      cache=SimpleNamespace(caches=[{"conv": prefix}])))
         suffixes = [CascadeDecoder.new_suffixes(decoder, 0)]
         start = suffixes[0]["conv"].copy()
