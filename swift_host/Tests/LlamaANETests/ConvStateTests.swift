@@ -131,30 +131,23 @@ final class ConvStateTests: XCTestCase {
     /// that forgets any of them prefills everything, as Python's runtime does.
     func testAnyRewindStartsAgainFromPositionZero() async throws {
         let manifest = try Manifest.load(from: Fixtures.url("export_lfm2"))
-        var windows: [TokenWindow] = []  // one generation runs at a time, one window after the other
-        let predictor = ClosurePredictor(contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
-                                         rewindLimit: manifest.rewindLimit) { window in
-            windows.append(window)
-            var logits = [Float](repeating: 0, count: 8)
-            logits[3] = 1
-            return logits
-        }
-        let generator = Generator(predictor: predictor, eosTokenIds: [])
+        let recorder = RecordingGenerator(manifest, rewindLimit: manifest.rewindLimit)
+        let generator = recorder.generator!
         let first = Array(10..<30)
         _ = try await generator.generateAll(prompt: first, maxNewTokens: 1)
         let cached = generator.cachedTokens
 
-        windows = []
+        recorder.windows = []
         let (_, extended) = try await generator.generateAll(prompt: cached + [40, 41], maxNewTokens: 1)
         XCTAssertEqual(extended.reusedTokens, cached.count, "nothing forgotten: the state goes on")
-        XCTAssertEqual(windows.first?.position, cached.count)
+        XCTAssertEqual(recorder.windows.first?.position, cached.count)
 
-        windows = []
+        recorder.windows = []
         let diverged = Array(first[..<(first.count - 1)]) + [50]
         let (_, fresh) = try await generator.generateAll(prompt: diverged, maxNewTokens: 1)
         XCTAssertEqual(fresh.reusedTokens, 0, "one token forgotten: the state cannot go back")
         XCTAssertEqual(fresh.prefilledTokens, diverged.count)
-        XCTAssertEqual(windows.first?.position, 0)
+        XCTAssertEqual(recorder.windows.first?.position, 0)
         XCTAssertEqual(generator.cachedTokens, diverged)
     }
 

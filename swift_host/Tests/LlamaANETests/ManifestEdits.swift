@@ -51,3 +51,23 @@ enum ManifestEdits {
         m["cache"] = cache
     }
 }
+
+
+/// A generator over a scripted predictor shaped as a fixture export (its context, prefill window
+/// and `rewindLimit`) that always predicts token 3, recording the windows it is asked to run: for
+/// tests of where a next prompt starts again.
+final class RecordingGenerator: @unchecked Sendable {
+    var windows: [TokenWindow] = []  // one generation runs at a time, one window after the other
+    private(set) var generator: Generator!
+
+    init(_ manifest: Manifest, rewindLimit: Int?) {
+        let predictor = ClosurePredictor(contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
+                                         rewindLimit: rewindLimit) { [unowned self] window in
+            self.windows.append(window)
+            var logits = [Float](repeating: 0, count: 8)
+            logits[3] = 1
+            return logits
+        }
+        generator = Generator(predictor: predictor, eosTokenIds: [])
+    }
+}

@@ -159,31 +159,24 @@ final class RingBufferTests: XCTestCase {
     func testTheGeneratorStartsAgainWhereTheRingCannotServeTheCommonPrefix() async throws {
         let manifest = try Manifest.load(from: Fixtures.url("export_gemma3"))
         let limit = try XCTUnwrap(manifest.ringRewindLimit)
-        var windows: [TokenWindow] = []  // one generation runs at a time, one window after the other
-        let predictor = ClosurePredictor(contextLength: manifest.contextLength, prefillLength: manifest.prefillLength,
-                                         rewindLimit: limit) { window in
-            windows.append(window)
-            var logits = [Float](repeating: 0, count: 8)
-            logits[3] = 1
-            return logits
-        }
-        let generator = Generator(predictor: predictor, eosTokenIds: [])
+        let recorder = RecordingGenerator(manifest, rewindLimit: limit)
+        let generator = recorder.generator!
         let first = Array(10..<50)
         _ = try await generator.generateAll(prompt: first, maxNewTokens: 1)
         XCTAssertEqual(generator.cachedTokens, first)
 
-        windows = []
+        recorder.windows = []
         let near = Array(first[..<(first.count - limit)]) + [60, 61]
         let (_, reused) = try await generator.generateAll(prompt: near, maxNewTokens: 1)
         XCTAssertEqual(reused.reusedTokens, first.count - limit)
-        XCTAssertEqual(windows.first?.position, first.count - limit)
+        XCTAssertEqual(recorder.windows.first?.position, first.count - limit)
 
-        windows = []
+        recorder.windows = []
         let far = Array(near[..<(near.count - limit - 3)]) + [70]
         let (_, fresh) = try await generator.generateAll(prompt: far, maxNewTokens: 1)
         XCTAssertEqual(fresh.reusedTokens, 0, "the ring no longer holds what the common prefix needs")
         XCTAssertEqual(fresh.prefilledTokens, far.count)
-        XCTAssertEqual(windows.first?.position, 0)
+        XCTAssertEqual(recorder.windows.first?.position, 0)
         XCTAssertEqual(generator.cachedTokens, far)
     }
 
