@@ -80,13 +80,11 @@ def build_peak(plan: ExportPlan, workers: int, method: str = "fork") -> int:
 
 
 def verify_peak(plan: ExportPlan, verify: bool) -> int:
-    """Estimated peak of the streamed parity gate (0 without it): one package at a time, or every
-    package at once where KV-shared layers read other chunks' caches (Gemma 4: scored token-major
-    with every model loaded, see Pipeline.score_streamed)."""
+    """Estimated peak of the streamed parity gate (0 without it): one package at a time
+    (Pipeline.score_streamed)."""
     if not verify:
         return 0
-    sizes = [p.dense_bytes for p in plan.packages]
-    return PARENT_BYTES + int(VERIFY_FACTOR * (sum(sizes) if plan.config.kv_shared_layers else max(sizes)))
+    return PARENT_BYTES + int(VERIFY_FACTOR * max(p.dense_bytes for p in plan.packages))
 
 
 def _fits_chunk(plan: ExportPlan, budget: int, verify: bool, method: str) -> int | None:

@@ -524,18 +524,11 @@ class Pipeline:
         it, not always the smallest: one pass then runs every bucket's functions (the parity gate),
         and the logits stay those of any bucket (a bucket's extra positions are masked to exactly 0).
 
-        Starts and ends with `reset()`: whatever sequence the pipeline held is dropped. A model with
-        KV-shared layers (whose chunks read earlier chunks' caches) is scored token-major instead,
-        every model loaded (`prefill`), in its smallest buckets.
+        Starts and ends with `reset()`: whatever sequence the pipeline held is dropped. Where
+        KV-shared layers read an earlier chunk's caches (Gemma 4), that chunk's caches as each window
+        read them and its window K/V are kept, copied, until the chunks reading them have run.
         """
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
-        if any(rows for shared in self.shared for rows in shared) and len(ids):
-            self.reset()
-            self._check_room(len(ids))
-            logits = self.prefill(ids, all_logits=True)
-            self.wait()
-            self.reset()
-            return logits
         if len(ids) == 0:
             raise InvalidArgumentError("no tokens to score; give some text")
         self.reset()  # the caches of chunks not yet run are untouched zeros (np.zeros commits no pages)
@@ -557,14 +550,22 @@ class Pipeline:
         if self.direct:  # as `forward` reads them: the masks up to the filled positions
             embs = [self.visible(emb, start) for emb, start in zip(embs, starts)]
         hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
+        producers = {self.home[p][0] for shared in self.shared for rows in shared for p in rows}
+        # per producer chunk, per window: its caches as read and its window K/V (what shared_inputs takes)
+        kept: dict[int, list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]] = {}
         for i, chunk in enumerate(self.chunks):
             for w, ((fn, _), start) in enumerate(zip(windows, starts)):
                 caches = self.cache.caches[i]
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
+                outs = [kept[c][w][1] if c in kept else {} for c in range(i)]
                 pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read),
-                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32), **self.per_layer_input(i, embs[w])}
+                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32), **self.per_layer_input(i, embs[w]),
+                        **self.shared_inputs(i, fn, outs, lambda c: kept[c][w][0])}
                 out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
+                if i in producers:  # copies: the writes below change the caches in place
+                    kept.setdefault(i, []).append(({k: a.copy() for k, a in read.items()},
+                                                   {k: a.copy() for k, a in out.items() if k.endswith("_new")}))
                 hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once
                 if self.direct or self.stateful:
