@@ -103,8 +103,13 @@ def _describe(m: dict, config_path: Path | None) -> None:
                    f"{m['created_by'].get('llama_ane')})")
     else:
         click.echo(f"{config_path}  (not exported: the export these options would make, modelled)")
+    wide = (f" (global layers {c['num_attention_heads']}/{c.get('global_key_value_heads') or c['num_key_value_heads']}"
+            f" x {c.get('global_head_dim') or c['head_dim']})" if c.get("global_head_dim") or c.get("global_key_value_heads")
+            else "")
+    shared = f", the last {c['kv_shared_layers']} KV-shared" if c.get("kv_shared_layers") else ""
     click.echo(f"  model     {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, heads "
-               f"{c['num_attention_heads']}/{c['num_key_value_heads']} x {c['head_dim']}, vocab {c['vocab_size']}")
+               f"{c['num_attention_heads']}/{c['num_key_value_heads']} x {c['head_dim']}{wide}{shared}, "
+               f"vocab {c['vocab_size']}")
     click.echo(f"  context   {m['context_length']} tokens, prefill window {m['prefill_length']}, "
                f"{m['precision']}, target {m['deployment_target']}, "
                f"{'multifunction' if m['multifunction'] else 'single-function'} packages")
@@ -112,8 +117,9 @@ def _describe(m: dict, config_path: Path | None) -> None:
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
     if m.get("verify_window"):
         click.echo(f"  verify    token trees of {m['verify_window']} tokens per step (speculative decoding)")
+    from ..contract.traffic import per_layer_table, ring_bytes
+
     if m["cache"].get("sliding"):
-        from ..contract.traffic import ring_bytes
 
         ring = m["cache"]["sliding"]
         click.echo(f"  sliding   layers {ring['layers']} keep a ring of {ring['length']} positions (window "
@@ -126,8 +132,19 @@ def _describe(m: dict, config_path: Path | None) -> None:
             return ""
         dense = f" ({w['dense_bytes'] / 1e6:.1f} MB dense)" if w["dense_bytes"] != w["bytes"] else ""
         return f", {w['bytes'] / 1e6:.1f} MB{dense}"
+    table = per_layer_table(m)
     for model, (a, b) in zip(m["embeddings"]["models"], m["embeddings"]["vocab_ranges"]):
-        click.echo(f"  {model:<12} token rows {a}..{b - 1}{mb(model)}")
+        rows = table.rows.get(model) if table else None
+        per_layer = f", per-layer rows {rows[0]}..{rows[1] - 1}" if rows else ""
+        click.echo(f"  {model:<12} token rows {a}..{b - 1}{per_layer}{mb(model)}")
+    if table:
+        files = list(table.rows)
+        where = files[0] if len(files) == 1 else f"{files[0]}..{files[-1]} ({len(files)} files)"
+        click.echo(f"  per-layer table {table.vocab} x {table.channels} ({c['num_hidden_layers']} layers x "
+                   f"{c['per_layer_input_size']}) in {where}, {table.table_bytes / 1e6:.1f} MB; projection "
+                   f"{c['hidden_size']} -> {table.channels} in {table.projection_model}, "
+                   f"{table.projection_bytes / 1e6:.1f} MB; a token reads {len(files)} row(s) and the projection, "
+                   f"{table.step_bytes / 1e6:.2f} MB")
     for chunk in m["chunks"]:
         click.echo(f"  {chunk['model']:<12} layers {chunk['layers'][0]}..{chunk['layers'][-1]}{mb(chunk['model'])}")
     for model in m["lm_head"]["models"]:
@@ -161,10 +178,14 @@ def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:
                + (f" as stored ({t.weights_dense / 1e6:.1f} MB decompressed)" if compressed else "")
                + f", KV cache read {t.cache_read / 1e6:.1f} MB, {written} {t.cache_update / 1e6:.1f} MB ({how})")
     other = "inputs" if stateful else "state"
-    o = decode_step_traffic(m, other, filled=filled)
-    click.echo(f"  kv cache  {'Core ML states' if stateful else 'inputs + cache-update model'}; with --kv-cache "
-               f"{other}: {o.total / 1e6:.1f} MB per token ({'cache update' if stateful else 'state write'} "
-               f"{o.cache_update / 1e6:.1f} MB)")
+    if m["config"].get("kv_shared_layers"):  # the planner refuses states: a chunk's state cannot feed another chunk
+        click.echo("  kv cache  inputs + cache-update model (KV-shared layers read other chunks' caches: no "
+                   "--kv-cache state)")
+    else:
+        o = decode_step_traffic(m, other, filled=filled)
+        click.echo(f"  kv cache  {'Core ML states' if stateful else 'inputs + cache-update model'}; with --kv-cache "
+                   f"{other}: {o.total / 1e6:.1f} MB per token ({'cache update' if stateful else 'state write'} "
+                   f"{o.cache_update / 1e6:.1f} MB)")
     if bandwidth is not None:
         bound = f"{t.tokens_per_s_bound(bandwidth):.1f}"
         if compressed:

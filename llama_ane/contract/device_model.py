@@ -7,8 +7,9 @@ call, so one step of S tokens takes about
     time = max(bytes / streaming bandwidth, flops / fp16 peak) + calls x per-call cost
 
 bytes: the weights (`traffic.weight_read_bytes`), the K/V the chunks read up to the context bucket
-that runs (`traffic.kv_read_bytes`), the writing of the new K/V (`traffic.kv_write_bytes`) and the
-tensors passed between the models (`traffic.window_io_bytes`: hidden states, masks, logits);
+that runs, KV-shared layers' reads of other chunks' caches among them (`traffic.kv_read_bytes`), the
+writing of the new K/V (`traffic.kv_write_bytes`) and the tensors passed between the models
+(`traffic.window_io_bytes`: hidden states, masks, logits);
 flops: 2 per weight per token plus the attention's 4 per query channel per key; calls: the Core ML
 predictions the runtime makes for the step (`calls_per_step`). A decode step's compute is far below
 its memory time, so decode tokens/s is 1 / (bytes / bandwidth + calls x per-call). Everything here
@@ -136,10 +137,12 @@ def calls_per_step(manifest: dict, function: str = "decode") -> int:
 
 
 def _flops(manifest: dict, tokens: int, keys: int) -> float:
-    """2 flops per weight per token, and the attention's 4 per query channel per key per token."""
-    c = manifest["config"]
+    """2 flops per weight per token (Gemma 4's per-layer projection among them), and the attention's
+    4 per query channel per key per token, each layer's query channels its own (Gemma 4's global
+    layers have wider heads)."""
+    cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
-    attention = 4 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * keys
+    attention = 4 * sum(cfg.at(n).q_channels for n in range(cfg.num_hidden_layers)) * keys
     return tokens * (2 * params + attention)
 
 

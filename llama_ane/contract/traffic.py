@@ -15,6 +15,18 @@ Sliding layers with a ring buffer (manifest cache.sliding) read their whole ring
 every step and bucket, whatever the context; writing it reads and rewrites the ring (a one-hot
 write: the cache-update model's, or with states the chunk's own, as a window may wrap around it).
 
+Gemma 4 adds three reads, each counted from the manifest's tensor specs by name:
+  * KV-shared layers: a chunk whose layers attend over another chunk's K/V takes its producers'
+    rows as inputs named "shared_" + the producer's tensor (shared_k_cache, shared_k_ring, and in
+    the cascade shared_k_suffix, ...). They are cache reads of their own, a second program reading
+    the same bytes, counted as their producer's tensor is (a main cache up to the bucket, a ring or
+    suffix whole); writing them is the producer's cache update, counted there once.
+  * per-kind widths: the global layers' cache and the sliding layers' ring have their own channels
+    (cache.channels, cache.sliding.channels); every byte count here takes each tensor's own shape.
+  * per-layer inputs (`per_layer_table`): every embeddings file holding rows of the per-layer table
+    reads one row of it per token, and the last file reads its projection of the embedding whole;
+    the per-layer inputs passed to each chunk are window tensors (`window_io_bytes`).
+
 `device_model` turns these bytes, with the calls of a step, into modelled time per chip.
 """
 
@@ -22,19 +34,23 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..config import LlamaConfig
+from ..model.embeddings import per_layer_rows
 from .manifest import function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
 SUFFIX_CACHES = ("k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix")  # a cascade's per-branch caches: read whole
 RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots): read whole
+CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES
+SHARED = "shared_"  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
 
 
 @dataclass(frozen=True)
 class StepTraffic:
     """Bytes of one decode step (one token through every model)."""
 
-    weights: int  # chunks and LM head as stored, plus one embedding row
+    weights: int  # chunks and LM head as stored, plus one embedding row (and Gemma 4's per-layer rows and projection)
     weights_dense: int  # the same weights decompressed (what a device that decompresses at load reads)
     cache_read: int  # the chunks reading their K/V caches
     cache_update: int  # writing the new K/V: the cache-update model reading and rewriting the caches,
@@ -63,17 +79,24 @@ def _nbytes(spec: dict) -> int:
     return n * DTYPE_BYTES[spec["dtype"]]
 
 
+def _own_name(name: str) -> str:
+    """The name of the producer's tensor a KV-shared input copies ("shared_k_ring" -> "k_ring"); others as they are."""
+    return name[len(SHARED):] if name.startswith(SHARED) else name
+
+
 def _cache_bytes(spec: dict, attended: int) -> int:
-    """Bytes of a cache tensor as one step reads it: a main cache up to `attended` positions, a
-    suffix cache whole."""
-    if spec["name"] in MAIN_CACHES:
+    """Bytes of a cache tensor as one step reads it: a main cache (or a KV-shared chunk's rows of
+    one) up to `attended` positions, a ring or suffix cache whole."""
+    if _own_name(spec["name"]) in MAIN_CACHES:
         return _nbytes(spec) // spec["shape"][-1] * attended
     return _nbytes(spec)
 
 
-def _chunk_caches(manifest: dict, chunk: dict, function: str) -> list[dict]:
+def _chunk_caches(manifest: dict, chunk: dict, function: str, shared: bool = False) -> list[dict]:
+    """The caches a chunk's `function` keeps (inputs or states); `shared`: also its KV-shared
+    layers' inputs of other chunks' caches, which it reads but does not write."""
     fn = manifest["models"][chunk["model"]]["functions"][function]
-    return [t for t in fn["inputs"] + function_states(fn) if t["name"] in MAIN_CACHES + SUFFIX_CACHES + RING_CACHES]
+    return [t for t in fn["inputs"] + function_states(fn) if (_own_name(t["name"]) if shared else t["name"]) in CACHES]
 
 
 def bucket_for(manifest: dict, filled: int) -> int:
@@ -100,13 +123,59 @@ def ring_bytes(manifest: dict) -> int:
             * DTYPE_BYTES[manifest["cache"]["dtype"]])
 
 
+@dataclass(frozen=True)
+class PerLayerTable:
+    """Gemma 4's per-layer input weights in the embeddings files (never compressed): the table of
+    `vocab` rows x `channels` (every layer's P channels), cut by the files' vocabulary rows, and
+    the projection of the embedding (hidden -> channels, and its norm of P) in the last file."""
+
+    vocab: int
+    channels: int  # num_hidden_layers x P, the per_layer_inputs output's channels
+    row_bytes: int  # one row of the table
+    rows: dict[str, tuple[int, int]]  # {embeddings model: (start, end)} of the files that hold rows of the table
+    projection_model: str
+    projection_bytes: int
+
+    @property
+    def table_bytes(self) -> int:
+        return self.vocab * self.row_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one token reads: a row of the table in every file holding rows (each looks its
+        part up, clamped into its rows), and the projection whole."""
+        return len(self.rows) * self.row_bytes + self.projection_bytes
+
+
+def per_layer_table(manifest: dict) -> PerLayerTable | None:
+    """The per-layer table of an export with per-layer inputs (Gemma 4), else None: its width and
+    dtype from the embeddings' "per_layer_inputs" output, its rows per file from the manifest's
+    vocabulary ranges."""
+    first = manifest["embeddings"]["models"][0]
+    spec = next((t for t in manifest["models"][first]["functions"]["decode"]["outputs"]
+                 if t["name"] == "per_layer_inputs"), None)
+    if spec is None:
+        return None
+    cfg = LlamaConfig.from_dict(manifest["config"])
+    width, size = spec["shape"][1], DTYPE_BYTES[spec["dtype"]]
+    rows = {model: per_layer_rows(cfg, tuple(r))
+            for model, r in zip(manifest["embeddings"]["models"], manifest["embeddings"]["vocab_ranges"])}
+    return PerLayerTable(vocab=cfg.per_layer_vocab_size, channels=width, row_bytes=width * size,
+                         rows={model: r for model, r in rows.items() if r[1] > r[0]},
+                         projection_model=manifest["embeddings"]["models"][-1],
+                         projection_bytes=(cfg.hidden_size * width + cfg.per_layer_input_size) * size)
+
+
 def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
     """Weight bytes one step reads: every chunk and LM head file as the Neural Engine reads it
-    (compressed where it decompresses just in time; `dense`: all decompressed) and one embedding
-    row per token (the table is looked up, not streamed)."""
+    (compressed where it decompresses just in time; `dense`: all decompressed), one embedding
+    row per token (the table is looked up, not streamed) and, with per-layer inputs, what
+    `per_layer_table` says a token reads of them."""
     weights = manifest.get("weights", {})
     stepped = [c["model"] for c in manifest["chunks"]] + list(manifest["lm_head"]["models"])
     row = manifest["config"]["hidden_size"] * DTYPE_BYTES[manifest["cache"]["dtype"]]
+    table = per_layer_table(manifest)
+    row += table.step_bytes if table else 0
     if dense:
         return sum(weights.get(m, {}).get("dense_bytes", 0) for m in stepped) + row
     # "read_bytes": forms the Neural Engine decompresses at load count at their dense size (quantize.schemes)
@@ -115,9 +184,10 @@ def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
 
 def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:
     """K/V bytes the chunks read in one step of `function`: the main caches up to `attended`
-    positions (`bucket_for`), plus a cascade's suffix caches whole."""
+    positions (`bucket_for`), the rings and a cascade's suffix caches whole, and KV-shared layers'
+    inputs of other chunks' caches as those caches are read."""
     return sum(_cache_bytes(t, attended) for chunk in manifest["chunks"]
-               for t in _chunk_caches(manifest, chunk, function))
+               for t in _chunk_caches(manifest, chunk, function, shared=True))
 
 
 def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_cache: str | None = None) -> int:
@@ -158,7 +228,8 @@ def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int
 def window_io_bytes(manifest: dict, function: str) -> int:
     """Bytes of the tensors passed between the models in one step of `function` ("decode", or
     "verify": a token tree of W tokens): every input and output of the embeddings, chunk and LM
-    head functions but the caches (hidden states, RoPE rows, masks, new K/V, logits). Added to
+    head functions but the caches and KV-shared inputs of caches (hidden states, RoPE rows, masks,
+    new K/V, Gemma 4's per-layer inputs and shared new K/V, logits). Added to
     `decode_step_traffic(manifest).total` it gives the bytes of a step of that function: the weights
     and caches are read once per step whatever the window, the window's own tensors grow with it."""
     models = [*manifest["embeddings"]["models"], *(c["model"] for c in manifest["chunks"]),
@@ -166,6 +237,5 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     total = 0
     for model in models:
         fn = manifest["models"][model]["functions"][function]
-        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"]
-                     if t["name"] not in MAIN_CACHES + SUFFIX_CACHES + RING_CACHES)
+        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if _own_name(t["name"]) not in CACHES)
     return total
