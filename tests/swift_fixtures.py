@@ -48,10 +48,12 @@ Nothing in those fixtures is written by hand:
   LM head folded into the last chunk (``fold_lm_head="yes"``), with a cascade, a verify window and
   context buckets [32, 64], so that every kind of function of that chunk outputs the logits.
 
-* ``export_gemma3/``, ``export_mistral_window/``, ``export_lfm2/``, ``export_lfm2_state/`` and
-  ``families.json``: exports of the newer families (sliding windows with a ring buffer; LFM2's conv
-  layers with input caches and with state caches), each with Python's greedy run on its programs
-  (see ``FAMILY_EXPORTS``).
+* ``export_gemma3/``, ``export_mistral_window/``, ``export_lfm2/``, ``export_lfm2_state/``,
+  ``export_gemma4/`` and ``families.json``: exports of the newer families (sliding windows with a ring
+  buffer; LFM2's conv layers with input caches and with state caches; Gemma 4's per-layer inputs,
+  wider global layers and KV-shared layers), each with Python's greedy run on its programs (see
+  ``FAMILY_EXPORTS``), and for an export whose chunks read rows the host gathers (Gemma 4) where
+  Python's pipeline takes each row of them from in every phase (``host_rows``).
 
 * ``conv_state.json``: how Python's runtime moves LFM2's conv state on, on fixed arrays (after a
   window of n real tokens; each cascade branch's copy of the prefix's, after a step).
@@ -869,7 +871,18 @@ FAMILY_EXPORTS = {
     "export_lfm2_state": ("lfm2_tied_gqa", {}, dict(
         context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
         fold_lm_head="yes", layers_per_chunk=1), "conv"),
+    # Gemma 4 (E2B/E4B's shape) with input caches and every phase: per-layer inputs, global layers wider
+    # than the sliding ones (each kind its own cache, ring and cascade suffix pair), and KV-shared layers:
+    # chunk_1's two layers keep no K/V and read layer 1's cache rows and layer 0's ring rows, with the
+    # K/V and suffix rows of the same step, from chunk_0; the per-layer table cut into three embeddings
+    # files (EMBEDDING_BUDGETS).
+    "export_gemma4": ("gemma4_kv_shared", dict(sliding_window=16), dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=8, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2), "sliding"),
 }
+# Family exports planned with a smaller weight budget per package (bytes), so that their embedding
+# tables are cut into several files as a large model's are.
+EMBEDDING_BUDGETS = {"export_gemma4": 60_000}
 FAMILY_PROMPT = "Caches hold keys and values for every layer of the model."
 FAMILY_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "  What do caches hold?  "},
                {"role": "assistant", "content": "Keys and values."}, {"role": "user", "content": "For how long?"}]
@@ -905,6 +918,127 @@ def _recorded_generation(out: Path, prompt: list[int]) -> dict[str, Any]:
     return {"tokens": [int(t) for t in result.token_ids], "finish_reason": result.finish_reason, "steps": steps}
 
 
+def _export_with_budget(checkpoint: Path, folder: Path, budget: int | None, **options: Any) -> None:
+    """`export_model`, its plan given `budget` bytes of weights per package where given."""
+    import llama_ane.contract.plan as plan_module
+    from llama_ane.api import export_model
+
+    original = plan_module.weight_budget
+    if budget is not None:
+        plan_module.weight_budget = lambda target: budget
+    try:
+        export_model(checkpoint, folder, **options)
+    finally:
+        plan_module.weight_budget = original
+
+
+def _reads_host_rows(folder: Path) -> bool:
+    """Whether some chunk of the export reads rows the host gathers (Gemma 4's per_layer_input or a
+    KV-shared layer's shared_* inputs)."""
+    manifest = json.loads((folder / "manifest.json").read_text("utf-8"))
+    return any(t["name"] == "per_layer_input" or t["name"].startswith("shared_")
+               for c in manifest["chunks"] for f in manifest["models"][c["model"]]["functions"].values()
+               for t in f["inputs"])
+
+
+class _TaggingBackend:
+    """A backend whose every output row holds a number naming it (model, tensor, row along the axis a
+    host gathers: the channels of the per-layer inputs, the layers of everything else), recording what
+    the pipeline feeds each chunk."""
+
+    direct_cache = False
+    name = "tagging"
+
+    def __init__(self, manifest: dict[str, Any]):
+        import numpy as np
+
+        self.dtype = np.dtype(np.float32)
+        self.manifest, self.calls, self.names = manifest, [], []
+
+    def tag(self, model: str, tensor: str, shape: list[int]):
+        """An array of `shape` whose row r (axis 1 for per-layer inputs, else 0) holds the tag of (model, tensor, r)."""
+        import numpy as np
+
+        axis = 1 if tensor.startswith("per_layer_inputs") else 0
+        out = np.zeros(shape, self.dtype)
+        for r in range(shape[axis]):
+            self.names.append([model, tensor, r])
+            index = [slice(None)] * len(shape)
+            index[axis] = r
+            out[tuple(index)] = len(self.names)
+        return out
+
+    def rows(self, array, axis: int) -> list[list]:
+        """What the rows of `array` along `axis` hold: the (model, tensor, row) of each."""
+        import numpy as np
+
+        out = []
+        for r in range(array.shape[axis]):
+            row = np.take(array, r, axis=axis)
+            tag = int(row.reshape(-1)[0])
+            if not (row == tag).all() or not 1 <= tag <= len(self.names):
+                raise AssertionError(f"row {r} holds no one tagged row")
+            out.append(self.names[tag - 1])
+        return out
+
+    def predict(self, model, function, inputs):
+        entry = self.manifest["models"][model]["functions"][function]
+        self.calls.append((model, function, dict(inputs)))
+        return {o["name"]: self.tag(model, o["name"], o["shape"]) for o in entry["outputs"]}
+
+    def release(self, model) -> None:
+        pass
+
+
+def _recorded_host_rows(folder: Path) -> dict[str, Any]:
+    """Where each row of every chunk's per_layer_input and shared_* inputs comes from, as Python's
+    pipeline gathers them (`Pipeline.per_layer_input`, `Pipeline.shared_inputs`) in every phase of
+    the export: {phase: {chunk model: {input: [[model, tensor, row], ...]}}}, a tensor being an
+    output of that model in the same step (per_layer_inputs_out of the last embeddings file; a
+    chunk's k_new, k_ring_new, ...) or a chunk's cache (k_cache, k_ring, ...) or cascade suffix cache
+    (k_suffix, k_ring_suffix, ...), rows along the axis the input is sliced from (channels for the
+    per-layer inputs, layers for the rest)."""
+    import numpy as np
+
+    from llama_ane.runtime.pipeline import CACHE_KEYS, Pipeline
+
+    manifest = json.loads((folder / "manifest.json").read_text("utf-8"))
+    backend = _TaggingBackend(manifest)
+    pipeline = Pipeline(backend, manifest)
+    names = {key: name for name, key in CACHE_KEYS.items()}
+    for c, chunk in enumerate(manifest["chunks"]):
+        for key, array in pipeline.cache.caches[c].items():
+            array[...] = backend.tag(chunk["model"], names[key], list(array.shape))
+    suffixes = []
+    for chunk in manifest["chunks"]:
+        update = chunk["cache_update"].get("decode_branches")
+        specs = manifest["models"]["cache_update"]["functions"][update]["inputs"] if update else []
+        suffixes.append({t["name"]: backend.tag(chunk["model"], t["name"], t["shape"])
+                         for t in specs if t["name"].endswith("_suffix")})
+    w, s, b = manifest["verify_window"], manifest["prefill_length"], manifest["branch_width"]
+    steps = {
+        "prefill": {"input_ids": np.zeros((1, s), np.int32), "position": np.array([3], np.int32)},
+        "decode": {"input_ids": np.zeros((1, 1), np.int32), "position": np.array([11], np.int32)},
+        "decode_branches": {"input_ids": np.zeros((1, b), np.int32), "positions": np.arange(12, 12 + b, dtype=np.int32),
+                            "prefix_length": np.array([12], np.int32)},
+        "verify": {"input_ids": np.zeros((1, w), np.int32), "position": np.array([12], np.int32),
+                   "depths": np.zeros(w, np.int32), "tree_mask": np.zeros((1, 1, w, w), np.float32)},
+    }
+    out: dict[str, Any] = {}
+    for fn, inputs in steps.items():
+        if fn not in manifest["models"][manifest["chunks"][0]["model"]]["functions"]:
+            continue
+        backend.calls.clear()
+        pipeline.forward(fn, inputs, lambda i, function, o: None, visible=inputs.get("position", [12])[0],
+                         state=lambda i: suffixes[i])
+        out[fn] = {model: {name: backend.rows(array, 1 if name == "per_layer_input" else 0)
+                           for name, array in sorted(given.items())
+                           if name == "per_layer_input" or name.startswith("shared_")}
+                   for model, f, given in backend.calls if model.startswith("chunk_")}
+    pipeline.close()
+    return out
+
+
 def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
     """Export the family checkpoints of FAMILY_EXPORTS (those of `names`, all by default) into
     ``fixtures_dir/<name>`` and write their entries of ``families.json`` (the others' are kept): per
@@ -913,7 +1047,6 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
     `_recorded_generation`)."""
     from transformers import AutoTokenizer
 
-    from llama_ane.api import export_model
     from test_families import CASES, make_family_checkpoint
 
     common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False)
@@ -927,7 +1060,7 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
             folder = Path(fixtures_dir) / name
             if folder.exists():
                 shutil.rmtree(folder)
-            export_model(checkpoint, folder, **common, **options)
+            _export_with_budget(checkpoint, folder, EMBEDDING_BUDGETS.get(name), **common, **options)
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
             if cache not in json.loads((folder / "manifest.json").read_text("utf-8"))["cache"]:
@@ -938,6 +1071,8 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
             data[name] = {"prompt": FAMILY_PROMPT, "prompt_ids": prompt, "messages": FAMILY_CHAT,
                           "chat_rendered": rendered, "chat_ids": hf(rendered, add_special_tokens=False).input_ids,
                           **_recorded_generation(folder, prompt)}
+            if _reads_host_rows(folder):
+                data[name]["host_rows"] = _recorded_host_rows(folder)
     path.write_text(json.dumps({name: data[name] for name in FAMILY_EXPORTS if name in data}, indent=1))
     return data
 
