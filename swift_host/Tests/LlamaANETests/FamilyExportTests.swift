@@ -7,14 +7,15 @@ import CoreML
 
 /// Exports of the families whose sliding windows are shorter than the context (a Gemma 3 with
 /// local-RoPE sliding layers between global ones, every phase; a Mistral with its window on every
-/// layer, caches in states and the head folded) and of LFM2 (conv layers beside attention layers,
+/// layer, caches in states and the head folded; a Gemma 4 with per-layer inputs, wider global layers
+/// and KV-shared layers, every phase, see Gemma4ManifestTests) and of LFM2 (conv layers beside attention layers,
 /// with input caches and with state caches), against what Python did with the same exports
 /// (`families.json`, written by tests/swift_fixtures.py): the manifest and its wiring, the prompt's
 /// and the chat prompt's ids, and a greedy generation whose windows (ids, position, real tokens)
 /// must be the ones Python fed the exported embeddings. Off Apple platforms the model is Python's
 /// logits replayed step by step; with Core ML, the export itself runs.
 final class FamilyExportTests: XCTestCase {
-    static let windowed = ["export_gemma3", "export_mistral_window"]
+    static let windowed = ["export_gemma3", "export_mistral_window", "export_gemma4"]
     static let conv = ["export_lfm2", "export_lfm2_state"]
     static let exports = windowed + conv
 
@@ -93,12 +94,12 @@ final class FamilyExportTests: XCTestCase {
         var object = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
         XCTAssertNoThrow(try Manifest.decode(JSONSerialization.data(withJSONObject: object)))
         var config = try XCTUnwrap(object["config"] as? [String: Any])
-        config["kv_shared_layers"] = [3, 4]
         config["per_layer_inputs"] = true
+        config["attention_sink_tokens"] = 4
         object["config"] = config
         XCTAssertThrowsError(try Manifest.decode(JSONSerialization.data(withJSONObject: object))) { error in
-            XCTAssertEqual(error as? ManifestError, .unknownConfigField("kv_shared_layers"))
-            XCTAssertTrue("\(error)".contains("config.kv_shared_layers"), "\(error)")
+            XCTAssertEqual(error as? ManifestError, .unknownConfigField("attention_sink_tokens"))
+            XCTAssertTrue("\(error)".contains("config.attention_sink_tokens"), "\(error)")
         }
     }
 

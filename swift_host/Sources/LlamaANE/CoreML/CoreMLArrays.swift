@@ -125,6 +125,38 @@ enum CoreMLArrays {
         }
     }
 
+    /// Copies rows of `sources` into `target` (`RowGather.copy`) along `axis`: 4-D arrays of one float
+    /// type (fp16 copied as its bits), through their storage's strides. An array named by several
+    /// sources is accessed once.
+    static func gather(into target: MLMultiArray, axis: Int, from sources: [(array: MLMultiArray, rows: Range<Int>)]) throws {
+        let type = target.dataType
+        guard type == .float16 || type == .float32, sources.allSatisfy({ $0.array.dataType == type }) else {
+            throw PipelineError.allocationFailed("rows of \(sources.map { "\($0.array.dataType)" }) gathered into \(type)")
+        }
+        var arrays: [MLMultiArray] = []
+        for source in sources where !arrays.contains(where: { $0 === source.array }) { arrays.append(source.array) }
+        func run<T>(_: T.Type) throws {
+            // each array's storage, accessed once, nested so that every access is open while copying
+            func open(_ k: Int, _ tensors: [StridedTensor<T>]) throws {
+                guard k < arrays.count else {
+                    let byArray = sources.map { s in tensors[arrays.firstIndex { $0 === s.array } ?? 0] }
+                    return try target.withUnsafeMutableBytes { raw, strides in
+                        guard let base = raw.baseAddress else { throw PipelineError.allocationFailed("a gathered input without storage") }
+                        let t = StridedTensor(base: base.assumingMemoryBound(to: T.self), shape: target.shape.map(\.intValue), strides: strides)
+                        try RowGather.copy(into: t, axis: axis, from: zip(byArray, sources).map { ($0, $1.rows) })
+                    }
+                }
+                try arrays[k].withUnsafeMutableBytes { raw, strides in
+                    guard let base = raw.baseAddress else { throw PipelineError.allocationFailed("gathered rows without storage") }
+                    try open(k + 1, tensors + [StridedTensor(base: base.assumingMemoryBound(to: T.self),
+                                                             shape: arrays[k].shape.map(\.intValue), strides: strides)])
+                }
+            }
+            try open(0, [])
+        }
+        if type == .float16 { try run(UInt16.self) } else { try run(Float.self) }
+    }
+
     /// Appends column `column` of a (1, N, 1, S) array to `out` as Float (fp16 or fp32 storage).
     static func appendColumn(_ array: MLMultiArray, column: Int, to out: inout [Float]) {
         let n = array.shape[1].intValue

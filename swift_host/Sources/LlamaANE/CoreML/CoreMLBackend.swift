@@ -60,6 +60,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         var logits: [(name: String, array: MLMultiArray)] = []
         /// The window's real tokens, after which the conv layers' state is taken (0 for a cascade step).
         var realTokens = 0
+        /// Gemma 4's per-layer inputs of the step (the last embeddings file's), nil without.
+        var perLayer: MLMultiArray?
     }
 
     /// The functions and buffers of one phase.
@@ -86,6 +88,12 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         /// export's window_tokens), by name.
         let chunkValues: [String: MLMultiArray]
         let hidden: [MLMultiArray]
+        /// Gemma 4's per-layer inputs, ping-ponged through the embeddings files as the hidden states
+        /// are; empty without.
+        let perLayer: [MLMultiArray]
+        /// Per chunk, its inputs the host gathers rows into before it runs (`TensorSource.gathered`:
+        /// per_layer_input, the KV-shared layers' shared_* inputs), by name.
+        let gathered: [[String: MLMultiArray]]
         /// Embedding outputs other than the hidden states (cos, sin, masks), by name.
         let shared: [String: MLMultiArray]
         /// Per chunk, its outputs other than the hidden states (k_new, v_new), by name.
@@ -275,16 +283,23 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             return try manifest.function("cache_update", name)
         }
         var shared: [String: MLMultiArray] = [:]
-        var hidden: [MLMultiArray] = []
+        var hidden: [MLMultiArray] = [], perLayer: [MLMultiArray] = []
         for spec in embeddingsFunction.outputs {
             if spec.name == TensorNames.hiddenStates {
                 hidden = [try CoreMLArrays.make(spec), try CoreMLArrays.make(spec)]
+            } else if spec.name == TensorNames.perLayerInputs {
+                perLayer = [try CoreMLArrays.make(spec), try CoreMLArrays.make(spec)]
             } else {
                 shared[spec.name] = try CoreMLArrays.make(spec)
             }
         }
         guard hidden.count == 2 else {
             throw PipelineError.unwiredInput(model: firstPart, input: TensorNames.hiddenStates)
+        }
+        let gathered = try chunkFunctions.map { f in
+            try Dictionary(uniqueKeysWithValues: f.inputs.filter {
+                $0.name == TensorNames.perLayerInput || $0.name.hasPrefix(TensorNames.sharedPrefix)
+            }.map { ($0.name, try CoreMLArrays.make($0)) })
         }
         let chunkOutputs = try chunkFunctions.map { f in
             try Dictionary(uniqueKeysWithValues: f.outputs.filter { $0.name != TensorNames.hiddenStatesOut }
@@ -326,7 +341,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
                      chunkFunctions: chunkFunctions, updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
                      updateFunctions: updateFunctions, hostInputs: hostInputs, chunkValues: chunkValues,
-                     hidden: hidden, shared: shared, chunkOutputs: chunkOutputs, logits: logits)
+                     hidden: hidden, perLayer: perLayer, gathered: gathered, shared: shared, chunkOutputs: chunkOutputs,
+                     logits: logits)
     }
 
     /// The stage of `phase` at context bucket `bucket` (the whole context by default).
@@ -381,22 +397,29 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         }
         var backings = s.shared
         backings[TensorNames.hiddenStates] = s.hidden[0]
+        backings[TensorNames.perLayerInputs] = s.perLayer.first
         try await predict(s.embeddings, inputs: s.hostInputs, backings: backings)
-        var current = Activations(hidden: s.hidden[0], slot: 0, realTokens: realTokens)
+        var current = Activations(hidden: s.hidden[0], slot: 0, realTokens: realTokens, perLayer: s.perLayer.first)
         for (index, part) in s.embeddingParts.enumerated() {
             var inputs: [String: MLMultiArray] = [:]
             for (name, source) in wiring.embeddingInputs[phase]?[index] ?? [:] {
                 let array: MLMultiArray?
                 switch source {
                 case .hiddenStates: array = current.hidden
+                case .perLayerInputs: array = current.perLayer
                 case let .value(n): array = s.hostInputs[n]
-                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .convState, .convBranches: array = nil
+                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .convState, .convBranches, .gathered: array = nil
                 }
                 guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
                 inputs[name] = array
             }
-            let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot, realTokens: realTokens)
-            try await predict(part.model, inputs: inputs, backings: [TensorNames.hiddenStatesOut: out.hidden])
+            // the per-layer inputs alternate between their two buffers with the hidden states
+            let perLayer = s.perLayer.isEmpty ? nil : s.perLayer[1 - current.slot]
+            let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot, realTokens: realTokens,
+                                  perLayer: perLayer)
+            var partBackings = [TensorNames.hiddenStatesOut: out.hidden]
+            partBackings[TensorNames.perLayerInputsOut] = perLayer
+            try await predict(part.model, inputs: inputs, backings: partBackings)
             current = out
         }
         return current
@@ -417,7 +440,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .value(n): array = s.hostInputs[n] ?? s.chunkValues[n]  // the window's position, as the embeddings read it
             case .convState: array = convStates[index]
             case .convBranches: array = convBranches[index]
-            case .chunkOutput: array = nil
+            case let .gathered(axis, rows): array = try gather(index, name, axis: axis, rows: rows, input, stage: s)
+            case .chunkOutput, .perLayerInputs: array = nil
             }
             guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
             inputs[name] = array
@@ -429,7 +453,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             }
             state = held
         }
-        var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot, realTokens: input.realTokens)
+        var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot, realTokens: input.realTokens,
+                              perLayer: input.perLayer)
         var backings = s.chunkOutputs[index]
         // the chunk carrying a folded head outputs logits in place of hidden_states_out
         if s.chunkFunctions[index].output(TensorNames.hiddenStatesOut) != nil {
@@ -439,6 +464,30 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         try carryConv(index, phase, outputs: s.chunkOutputs[index], realTokens: input.realTokens)
         if wiring.headFolded, index == manifest.chunks.count - 1 { out.logits = s.logits }
         return out
+    }
+
+    /// Chunk `index`'s input `name` of the stage `s`, its rows copied in from where they live now
+    /// (`HostRows`): the step's per-layer inputs, an earlier chunk's current cache or suffix cache
+    /// buffer (whole: a bucket's function reads their first positions) or its outputs of this step.
+    /// A cache update still writing runs on the spare buffer, which is written again only after
+    /// this step.
+    private func gather(_ index: Int, _ name: String, axis: Int, rows: [HostRows], _ input: Activations,
+                        stage s: Stage) throws -> MLMultiArray? {
+        guard let target = s.gathered[index][name] else { return nil }
+        var sources: [(array: MLMultiArray, rows: Range<Int>)] = []
+        for block in rows {
+            let array: MLMultiArray?
+            switch block.place {
+            case .perLayerInputs: array = input.perLayer
+            case let .cache(c): array = prefixCaches[c].pair().current[block.tensor]
+            case let .suffix(c): array = suffixCaches[c].pair().current[block.tensor]
+            case let .output(c): array = s.chunkOutputs[c][block.tensor]
+            }
+            guard let array else { throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: name) }
+            sources.append((array, block.rows))
+        }
+        try CoreMLArrays.gather(into: target, axis: axis, from: sources)
+        return target
     }
 
     /// Moves chunk `index`'s conv state on after it ran `phase` (`ConvCarry`): the state after the
@@ -521,7 +570,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .chunkOutput(n):
                 guard let array = s.chunkOutputs[index][n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
                 inputs[name] = array
-            case .hiddenStates, .embeddingsOutput, .convState, .convBranches:
+            case .hiddenStates, .embeddingsOutput, .convState, .convBranches, .perLayerInputs, .gathered:
                 throw PipelineError.unwiredInput(model: "cache_update", input: name)
             }
         }

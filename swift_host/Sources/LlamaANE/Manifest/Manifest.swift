@@ -99,6 +99,16 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var convLayers: [Int]
         /// The short convolution's kernel (LFM2's conv_L_cache), where the model has conv layers.
         public var convKernel: Int?
+        /// P of Gemma 4's per-layer inputs: the embeddings output every layer's P channels
+        /// (`per_layer_inputs`), and each chunk reads its own layers' (`per_layer_input`); 0: none.
+        public var perLayerInputSize: Int
+        /// Gemma 4's global layers' head size and kv heads where they differ from the sliding
+        /// layers' (`wideGlobal`); nil: the same.
+        public var globalHeadDim: Int?
+        public var globalKeyValueHeads: Int?
+        /// Gemma 4's KV-shared layers: the last `kvSharedLayers` layers compute no K/V and keep no
+        /// cache, attending over their `kvProducer`'s.
+        public var kvSharedLayers: Int
 
         enum CodingKeys: String, CodingKey {
             case vocabSize = "vocab_size", hiddenSize = "hidden_size", intermediateSize = "intermediate_size"
@@ -108,6 +118,8 @@ public struct Manifest: Codable, Equatable, Sendable {
             case tieWordEmbeddings = "tie_word_embeddings", bosTokenId = "bos_token_id", eosTokenId = "eos_token_id"
             case modelType = "model_type", slidingWindow = "sliding_window", slidingLayers = "sliding_layers"
             case ropeLocalTheta = "rope_local_theta", convLayers = "conv_layers", convKernel = "conv_kernel"
+            case perLayerInputSize = "per_layer_input_size", globalHeadDim = "global_head_dim"
+            case globalKeyValueHeads = "global_key_value_heads", kvSharedLayers = "kv_shared_layers"
         }
 
         public init(from decoder: Decoder) throws {
@@ -135,7 +147,30 @@ public struct Manifest: Codable, Equatable, Sendable {
             ropeLocalTheta = try c.decodeIfPresent(Double.self, forKey: .ropeLocalTheta)
             convLayers = try c.decodeIfPresent([Int].self, forKey: .convLayers) ?? []
             convKernel = try c.decodeIfPresent(Int.self, forKey: .convKernel)
+            perLayerInputSize = try c.decodeIfPresent(Int.self, forKey: .perLayerInputSize) ?? 0
+            globalHeadDim = try c.decodeIfPresent(Int.self, forKey: .globalHeadDim)
+            globalKeyValueHeads = try c.decodeIfPresent(Int.self, forKey: .globalKeyValueHeads)
+            kvSharedLayers = try c.decodeIfPresent(Int.self, forKey: .kvSharedLayers) ?? 0
         }
+
+        /// Whether layer `n` attends within the sliding window.
+        public func slides(_ n: Int) -> Bool { slidingLayers.contains(n) }
+
+        /// Whether layer `n` is a KV-shared layer (one of the last `kvSharedLayers`): no K/V, no cache.
+        public func sharesKV(_ n: Int) -> Bool { kvSharedLayers > 0 && n >= numHiddenLayers - kvSharedLayers }
+
+        /// The layer whose K/V KV-shared layer `n` attends over: the last layer before the KV-shared
+        /// ones of its type (sliding or global), nil where there is none (`Manifest.decode` refuses that).
+        public func kvProducer(_ n: Int) -> Int? {
+            (0..<max(numHiddenLayers - kvSharedLayers, 0)).last { slides($0) == slides(n) }
+        }
+
+        /// Whether the global layers' heads differ from the sliding layers' (Gemma 4's E2B/E4B): their
+        /// K/V then keep apart from the ring's, in the cascade too (a suffix pair per kind).
+        public var wideGlobal: Bool { (globalHeadDim ?? 0) > 0 || (globalKeyValueHeads ?? 0) > 0 }
+
+        /// The kv heads of the global layers (`globalKeyValueHeads`, else `numKeyValueHeads`).
+        public var globalKVHeads: Int { (globalKeyValueHeads ?? 0) > 0 ? globalKeyValueHeads ?? 0 : numKeyValueHeads }
     }
 
     /// The KV cache layout: `(layers, kv_heads*head_dim, 1, context)` per chunk, and where the caches
@@ -156,6 +191,9 @@ public struct Manifest: Codable, Equatable, Sendable {
 
         /// Slots of the sliding layers' ring buffer, 0 where the export has none.
         public var ringLength: Int { sliding?.length ?? 0 }
+
+        /// Channels of the ring's K/V (`sliding.channels`, else `channels`).
+        public var ringChannels: Int { sliding?.channels ?? channels }
     }
 
     /// The sliding layers' ring buffer (`cache.sliding`): instead of a context-long cache, those
@@ -163,8 +201,12 @@ public struct Manifest: Codable, Equatable, Sendable {
     /// position p in slot p mod `length`, read whole in every phase and context bucket.
     public struct Sliding: Codable, Equatable, Sendable {
         public var length: Int
-        /// The decoder layers that keep their K/V in the ring (the config's sliding layers).
+        /// The decoder layers that keep their K/V in the ring (the config's sliding layers, but
+        /// Gemma 4's KV-shared ones, which keep none).
         public var layers: [Int]
+        /// The ring's K/V channels where they are not `cache.channels` (Gemma 4's global layers are
+        /// wider than its sliding ones); nil: the same.
+        public var channels: Int?
     }
 
     /// The conv layers' state (`cache.conv`, LFM2): each conv layer convolves over its last

@@ -143,6 +143,7 @@ extension Manifest {
         }
         try checkRing()
         try checkConv()
+        try checkKVSharing()
         try checkChunkCacheRows()
         try Self.checkModelList("embeddings", embeddings.models)
         try checkHead()
@@ -227,7 +228,7 @@ extension Manifest {
     }
 
     /// The "verify" functions of a `verify_window` W > 0: every embeddings, chunk and LM head model
-    /// has one, each chunk names its verify cache update, and the first embeddings part reads the
+    /// has one, each chunk that keeps K/V names its verify cache update, and the first embeddings part reads the
     /// tree's `input_ids` (1, W), `depths` (W,) and `tree_mask` (1, 1, W, W) by those names.
     private func checkVerify() throws {
         let w = verifyWindow ?? 0
@@ -241,7 +242,7 @@ extension Manifest {
         for name in embeddings.models + lmHead.models + chunks.map(\.model) {
             _ = try function(name, Phase.verify.rawValue)
         }
-        for chunk in chunks where chunk.cacheUpdate[Phase.verify.rawValue] == nil {
+        for chunk in chunks where chunk.cacheUpdate[Phase.verify.rawValue] == nil && keepsKV(chunk) {
             throw ManifestError.inconsistent("chunk \(chunk.model) names no verify cache update")
         }
         let first = try function(embeddings.models[0], Phase.verify.rawValue)
@@ -279,12 +280,13 @@ extension Manifest {
                             throw ManifestError.inconsistent("\(field) is a sliding layers' ring buffer, but cache.sliding "
                                 + "names none")
                         }
-                        let want = [t.shape[0], cache.channels, 1,
-                                    ring.contains(t.name) ? slots : kind == "states" ? contextLength : bucket]
-                        let given = ring.contains(t.name) ? "cache.sliding.length \(slots)" : "context_length \(contextLength)"
+                        let inRing = ring.contains(t.name)
+                        let want = [t.shape[0], inRing ? cache.ringChannels : cache.channels, 1,
+                                    inRing ? slots : kind == "states" ? contextLength : bucket]
+                        let given = inRing ? "cache.sliding.length \(slots) and channels \(cache.ringChannels)"
+                            : "context_length \(contextLength) and cache.channels \(cache.channels)"
                         guard t.shape == want else {
-                            throw ManifestError.inconsistent("\(field) has shape \(t.shape), but \(given) and cache.channels "
-                                + "\(cache.channels) give \(want)")
+                            throw ManifestError.inconsistent("\(field) has shape \(t.shape), but \(given) give \(want)")
                         }
                     }
                 }
@@ -328,9 +330,13 @@ extension Manifest {
             throw ManifestError.inconsistent("cache.sliding must name a positive length and at least one layer, not "
                 + "length \(sliding.length) and layers \(sliding.layers)")
         }
-        guard Set(sliding.layers) == Set(config.slidingLayers), Set(sliding.layers).count == sliding.layers.count else {
+        let keeping = config.slidingLayers.filter { !config.sharesKV($0) }
+        guard Set(sliding.layers) == Set(keeping), Set(sliding.layers).count == sliding.layers.count else {
             throw ManifestError.inconsistent("cache.sliding.layers \(sliding.layers) are not config.sliding_layers "
-                + "\(config.slidingLayers), the layers that attend within the window")
+                + "\(config.slidingLayers) less the KV-shared ones, the layers that attend within the window and keep K/V")
+        }
+        guard sliding.channels ?? 1 > 0 else {
+            throw ManifestError.inconsistent("cache.sliding.channels must be positive, not \(sliding.channels ?? 0)")
         }
         guard let window = config.slidingWindow, window > 0 else {
             throw ManifestError.inconsistent("cache.sliding names a ring buffer, but config.sliding_window is missing")
@@ -370,6 +376,26 @@ extension Manifest {
         }
     }
 
+    /// `config.kv_shared_layers`: fewer than the layers, each KV-shared layer with an earlier layer
+    /// of its type to read K/V from, and the caches inputs (a chunk reads its producers' rows from
+    /// the host, which cannot hand over a Core ML state's).
+    private func checkKVSharing() throws {
+        let shared = config.kvSharedLayers
+        guard shared > 0 else {
+            guard shared == 0 else { throw ManifestError.inconsistent("config.kv_shared_layers must be >= 0, not \(shared)") }
+            return
+        }
+        let orphan = (0..<config.numHiddenLayers).first { config.sharesKV($0) && config.kvProducer($0) == nil }
+        guard shared < config.numHiddenLayers, orphan == nil else {
+            throw ManifestError.inconsistent("config.kv_shared_layers \(shared): KV-shared layer \(orphan ?? 0) of "
+                + "\(config.numHiddenLayers) has no earlier layer of its type to take K/V from")
+        }
+        guard !cache.inStates else {
+            throw ManifestError.inconsistent("config.kv_shared_layers \(shared) with cache.kind \"state\": KV-shared layers read "
+                + "their producers' caches as inputs; re-export with --kv-cache inputs")
+        }
+    }
+
     /// Whether a function of some chunk reads `tensor`, as an input or a state.
     private func someChunkReads(_ tensor: String) -> Bool {
         chunks.contains { chunk in
@@ -378,15 +404,16 @@ extension Manifest {
     }
 
     /// Per chunk, its layers in the full cache, in the ring (`cache.sliding.layers`) and with a conv
-    /// state (`cache.conv.layers`), as counts.
+    /// state (`cache.conv.layers`), as counts; KV-shared layers keep none of them.
     func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int, conv: Int) {
         let ring = chunk.layers.filter { cache.sliding?.layers.contains($0) ?? false }.count
         let conv = chunk.layers.filter { cache.conv?.layers.contains($0) ?? false }.count
-        return (chunk.layers.count - ring - conv, ring, conv)
+        let shared = chunk.layers.filter { config.sharesKV($0) }.count
+        return (chunk.layers.count - ring - conv - shared, ring, conv)
     }
 
-    /// Whether `chunk` keeps K/V (in the full cache or the ring): a chunk of conv layers only keeps
-    /// none, and has no cache update.
+    /// Whether `chunk` keeps K/V (in the full cache or the ring): a chunk of conv layers or KV-shared
+    /// layers only keeps none, and has no cache update.
     func keepsKV(_ chunk: Chunk) -> Bool {
         let rows = cacheRows(of: chunk)
         return rows.full + rows.ring > 0

@@ -40,5 +40,19 @@ extension Manifest.ModelConfig {
         "residual_multiplier",
         "attention_scale",
         "logits_scaling",
+        // Gemma 4's (written only where they differ from their defaults): the norms, scalars, RoPE
+        // and softcapping live in the programs; the host reads the per-layer input size, the global
+        // layers' widths and the KV-shared layers, which decide what it hands each chunk.
+        "value_norm",
+        "k_eq_v",
+        "per_layer_input_size",
+        "per_layer_vocab_size",
+        "layer_scalar",
+        "final_logit_softcapping",
+        "rope_proportion",
+        "global_head_dim",
+        "global_key_value_heads",
+        "kv_shared_layers",
+        "double_wide_mlp",
     ]
 }

@@ -5,21 +5,7 @@
 /// copied, so the element type is the storage's own (fp16 bits or Float).
 public enum ConvStateCarry {
     /// A 4-D tensor's storage: its first element, shape and strides (in elements).
-    public struct Tensor<T> {
-        public let base: UnsafeMutablePointer<T>
-        public let shape: [Int]
-        public let strides: [Int]
-
-        public init(base: UnsafeMutablePointer<T>, shape: [Int], strides: [Int]) {
-            self.base = base
-            self.shape = shape
-            self.strides = strides
-        }
-
-        func at(_ l: Int, _ c: Int, _ x: Int, _ j: Int) -> UnsafeMutablePointer<T> {
-            base + l * strides[0] + c * strides[1] + x * strides[2] + j * strides[3]
-        }
-    }
+    public typealias Tensor<T> = StridedTensor<T>
 
     /// One move of a conv state: `apply(_:to:from:)` runs it on a target and a source tensor.
     public enum Operation: Equatable, Sendable {

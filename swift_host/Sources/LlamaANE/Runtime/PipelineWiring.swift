@@ -19,6 +19,12 @@ public enum TensorSource: Equatable, Sendable {
     /// Each cascade branch's conv state (conv_branches): the prefix's, copied at a group's first
     /// step, then moved on by each step's conv_new.
     case convBranches
+    /// The per-layer inputs so far (per_layer_inputs): a later embeddings file's, from the file before it.
+    case perLayerInputs
+    /// Rows the host copies from tensors it holds, in order along `axis` (Gemma 4: a chunk's rows of
+    /// the per-layer inputs, along the channels; its KV-shared layers' producers' K/V, along the
+    /// layers), see `Manifest.hostRows`.
+    case gathered(axis: Int, rows: [HostRows])
 }
 
 /// How a chunk's conv layers' state (`cache.conv`, LFM2) moves on in one phase.
@@ -41,8 +47,10 @@ public enum ConvCarry: Equatable, Sendable {
 /// from. Building it checks that every input is produced somewhere.
 public struct PipelineWiring: Equatable, Sendable {
     /// Per phase, for each embeddings part after the first (`manifest.embeddings.models[1...]`):
-    /// `.hiddenStates` (the previous part's) and `.value` (the int32s the first part reads too).
-    /// Each outputs `hidden_states_out`, shaped like the first part's `hidden_states`.
+    /// `.hiddenStates` (the previous part's), `.value` (the int32s the first part reads too) and,
+    /// where the first outputs Gemma 4's per-layer inputs, `.perLayerInputs` (the previous part's).
+    /// Each outputs `hidden_states_out` (and `per_layer_inputs_out`), shaped like the first part's
+    /// `hidden_states` (and `per_layer_inputs`).
     public let embeddingInputs: [Phase: [[String: TensorSource]]]
     public let chunkInputs: [Phase: [[String: TensorSource]]]
     public let updateInputs: [Phase: [[String: TensorSource]]]
@@ -158,9 +166,11 @@ public struct PipelineWiring: Equatable, Sendable {
         guard let firstPart = manifest.embeddings.models.first else {
             throw ManifestError.inconsistent("embeddings models is empty")
         }
-        let embeddings = Set(try manifest.function(firstPart, p).outputs.map(\.name))
+        let embeddings = Set(try manifest.function(firstPart, p).outputs.map(\.name).filter { $0 != TensorNames.perLayerInputs })
+        let perLayer = try manifest.function(firstPart, p).output(TensorNames.perLayerInputs)
         let inStates = manifest.cache.inStates
-        return try manifest.chunks.map { chunk in
+        return try manifest.chunks.enumerated().map { index, chunk in
+            let gathered = manifest.hostRows(chunk: index, phase: phase)
             let run = try manifest.function(chunk.model, p)
             // A state export's prefill and decode write their caches themselves: no cache update;
             // nor has a chunk of conv layers only, which keeps no K/V.
@@ -200,6 +210,15 @@ public struct PipelineWiring: Equatable, Sendable {
                     inputs[spec.name] = .convState
                 } else if phase == .decodeBranches, spec.name == TensorNames.convBranches {
                     inputs[spec.name] = .convBranches
+                } else if let rows = gathered[spec.name], spec.name != TensorNames.perLayerInput || perLayer != nil {
+                    let axis = spec.name == TensorNames.perLayerInput ? 1 : 0
+                    let count = rows.reduce(0) { $0 + $1.rows.count }
+                    guard spec.shape.count == 4, spec.shape[axis] == count else {
+                        throw ManifestError.inconsistent("\(chunk.model) (\(p)) reads \(spec.name) of shape \(spec.shape), but its "
+                            + "layers \(chunk.layers) take \(count) rows of it along axis \(axis)")
+                    }
+                    for block in rows { try Self.checkSource(block, of: spec.name, in: chunk.model, index, p, manifest: manifest) }
+                    inputs[spec.name] = .gathered(axis: axis, rows: rows)
                 } else {
                     throw PipelineError.unwiredInput(model: "\(chunk.model) (\(p))", input: spec.name)
                 }
@@ -258,6 +277,25 @@ public struct PipelineWiring: Equatable, Sendable {
         return carry
     }
 
+    /// The tensor `rows` names exists where it says and holds those rows: a chunk that runs before
+    /// chunk `index` outputs it in function `p`, or reads it as its cache or suffix cache.
+    private static func checkSource(_ rows: HostRows, of input: String, in model: String, _ index: Int, _ p: String,
+                                    manifest: Manifest) throws {
+        let spec: Manifest.TensorSpec?
+        switch rows.place {
+        case .perLayerInputs:
+            return  // the shape check of the input covers the per-layer rows
+        case let .cache(c), let .suffix(c):
+            spec = try manifest.function(manifest.chunks[c].model, p).input(rows.tensor)
+        case let .output(c):
+            spec = c < index ? try manifest.function(manifest.chunks[c].model, p).output(rows.tensor) : nil
+        }
+        guard let spec, spec.shape.count == 4, rows.rows.upperBound <= spec.shape[0] else {
+            throw ManifestError.inconsistent("\(model) (\(p)) reads \(input), whose rows \(rows.rows) come from \(rows.tensor) of "
+                + "an earlier chunk (\(rows.place)), which it does not hold")
+        }
+    }
+
     /// Where the inputs of the later embeddings part `name` come from; checks that it takes and
     /// gives hidden states shaped like the first part's.
     private static func embeddingPartInputs(_ name: String, _ p: String, first: Manifest.Function, firstName: String,
@@ -271,10 +309,21 @@ public struct PipelineWiring: Equatable, Sendable {
             throw ManifestError.inconsistent("embeddings part \(name) (\(p)) must take \(TensorNames.hiddenStates) and output "
                 + "\(TensorNames.hiddenStatesOut), both \(hidden.dtype) \(hidden.shape) like the \(TensorNames.hiddenStates) of \(firstName)")
         }
+        // Gemma 4's per-layer inputs pass through every later file as the hidden states do
+        let perLayer = first.output(TensorNames.perLayerInputs)
+        let reads = part.input(TensorNames.perLayerInputs), gives = part.output(TensorNames.perLayerInputsOut)
+        guard (reads == nil && gives == nil && perLayer == nil)
+                || (reads?.shape == perLayer?.shape && gives?.shape == perLayer?.shape && perLayer != nil) else {
+            throw ManifestError.inconsistent("embeddings part \(name) (\(p)) must " + (perLayer == nil ? "neither take nor give"
+                : "take \(TensorNames.perLayerInputs) and output \(TensorNames.perLayerInputsOut), both of shape "
+                    + "\(perLayer?.shape ?? [])") + " as \(firstName) outputs \(TensorNames.perLayerInputs)")
+        }
         var inputs: [String: TensorSource] = [:]
         for spec in part.inputs {
             if spec.name == TensorNames.hiddenStates {
                 inputs[spec.name] = .hiddenStates
+            } else if spec.name == TensorNames.perLayerInputs {
+                inputs[spec.name] = .perLayerInputs
             } else if spec.dtype == "int32", first.input(spec.name) == spec {
                 inputs[spec.name] = .value(spec.name)
             } else {

@@ -32,6 +32,13 @@ enum TensorNames {
     /// The chunk caches a host holds: the full caches, the rings and the conv state.
     static let caches: Set<String> = [kCache, vCache, kRing, vRing, convState]
     static let rings: Set<String> = [kRing, vRing]
+    /// Gemma 4's per-layer inputs: every layer's, which the embeddings output (a later embeddings
+    /// file reads and completes them, as `per_layer_inputs_out`), and a chunk's own layers' rows.
+    static let perLayerInputs = "per_layer_inputs"
+    static let perLayerInputsOut = "per_layer_inputs_out"
+    static let perLayerInput = "per_layer_input"
+    /// The prefix of a KV-shared layer's inputs of its producers' K/V (`Manifest.hostRows`).
+    static let sharedPrefix = "shared_"
     static let logitsPrefix = "logits_"
     /// A cache-update output `X_out` is the new value of its input `X`.
     static let updatedSuffix = "_out"
