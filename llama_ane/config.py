@@ -100,7 +100,7 @@ GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6,
                    "global_head_dim": 512}
 # Gemma 4's own config fields: a manifest holds them only where they differ from their defaults (the
 # Gemma 4 exports), so every other family's manifest reads as before and a host that does not know
-# them (the Swift host) refuses a Gemma 4 export by the field's name rather than run it wrong
+# them refuses a Gemma 4 export by the field's name rather than run it wrong
 GEMMA4_FIELDS = ("value_norm", "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar",
                  "final_logit_softcapping", "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers",
                  "double_wide_mlp")
