@@ -234,7 +234,8 @@ def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[l
 def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator,
                 norm: float = 1.0) -> dict[str, str]:
     """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time: matrices
-    random, in file order from `gen`; norm weights all `norm`, other vectors (biases) zeros."""
+    random, in file order from `gen`; norm weights all `norm`, Gemma 4's layer scalars 1 (as it
+    initializes them: at 0 every layer's output would be zeroed), other vectors (biases) zeros."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shard:
@@ -246,7 +247,8 @@ def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch
     with open(file, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, shape in shard:
-            t = (torch.full(shape, norm if "norm" in name else 0.0, dtype=torch.bfloat16) if len(shape) == 1
+            fill = norm if "norm" in name else 1.0 if name.endswith("layer_scalar") else 0.0
+            t = (torch.full(shape, fill, dtype=torch.bfloat16) if len(shape) == 1
                  else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
             f.write(memoryview(t.view(torch.uint8).numpy()))
     return {name: file.name for name, _ in shard}
