@@ -79,9 +79,10 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
     traffic = decode_step_traffic(m, filled=n)
     if as_json:
         other = "inputs" if kv_cache_kind(m) == "state" else "state"
-        extra = {"decode_step_bytes": {**traffic.to_dict(), **model},
-                 "decode_step_bytes_other_kv_cache": {"kv_cache": other,
-                                                      **decode_step_traffic(m, other, filled=n).to_dict()}}
+        extra = {"decode_step_bytes": {**traffic.to_dict(), **model}}
+        if not m["config"].get("kv_shared_layers"):  # KV-shared layers refuse state caches (see _traffic)
+            extra["decode_step_bytes_other_kv_cache"] = {"kv_cache": other,
+                                                         **decode_step_traffic(m, other, filled=n).to_dict()}
         if bandwidth is not None:
             extra["bandwidth_bound_tokens_per_s"] = traffic.tokens_per_s_bound(bandwidth)
         click.echo(json.dumps({**m, **extra}, indent=2))

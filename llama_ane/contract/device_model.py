@@ -10,7 +10,8 @@ bytes: the weights (`traffic.weight_read_bytes`), the K/V the chunks read up to 
 that runs, KV-shared layers' reads of other chunks' caches among them (`traffic.kv_read_bytes`), the
 writing of the new K/V (`traffic.kv_write_bytes`) and the tensors passed between the models
 (`traffic.window_io_bytes`: hidden states, masks, logits);
-flops: 2 per weight per token plus the attention's 4 per query channel per key; calls: the Core ML
+flops: 2 per weight per token plus the attention's 4 per query channel per key (a global layer's keys
+the bucket's, a sliding layer's with a ring its R slots, a conv layer's none); calls: the Core ML
 predictions the runtime makes for the step (`calls_per_step`). A decode step's compute is far below
 its memory time, so decode tokens/s is 1 / (bytes / bandwidth + calls x per-call). Everything here
 is a model (chip figures are published or assumed, see `CHIPS` and docs/device-model.md), not a
@@ -136,14 +137,28 @@ def calls_per_step(manifest: dict, function: str = "decode") -> int:
             + sum(1 for c in manifest["chunks"] if c["cache_update"].get(function)))
 
 
-def _flops(manifest: dict, tokens: int, keys: int) -> float:
-    """2 flops per weight per token (Gemma 4's per-layer projection among them), and the attention's
-    4 per query channel per key per token, each layer's query channels its own (Gemma 4's global
-    layers have wider heads)."""
+def _flops(manifest: dict, tokens: int, attended: int, new: int) -> float:
+    """2 flops per weight per token (Gemma 4's per-layer projection among them; LFM2's conv layers'
+    C x kernel taps among them: a conv layer's C x kernel multiply-adds per token), and the
+    attention's 4 per query channel per key per token, each layer's query channels its own (Gemma
+    4's global layers have wider heads) and its keys its own (`attention_keys`)."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
-    attention = 4 * sum(cfg.at(n).q_channels for n in range(cfg.num_hidden_layers)) * keys
+    keys = attention_keys(manifest, attended, new)
+    attention = 4 * sum(cfg.at(n).q_channels * k for n, k in enumerate(keys))
     return tokens * (2 * params + attention)
+
+
+def attention_keys(manifest: dict, attended: int, new: int) -> list[int]:
+    """Per decoder layer, the keys a query attends over in a step with `attended` cached positions
+    read (the bucket that runs) and `new` positions of its own (the window, or a cascade's suffix):
+    a global layer `attended` + `new`; a sliding layer with a ring (cache.sliding, KV-shared
+    layers reading their producer's among them) its R slots + `new`, whatever the bucket; a conv
+    layer (LFM2) none, its short convolution being weights (`_flops`)."""
+    cfg = LlamaConfig.from_dict(manifest["config"])
+    ring = (manifest["cache"].get("sliding") or {}).get("length", 0)
+    return [0 if cfg.convolves(n) else (ring if ring and cfg.slides(n) else attended) + new
+            for n in range(cfg.num_hidden_layers)]
 
 
 def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = None, dense: bool = False) -> StepCost:
@@ -152,10 +167,10 @@ def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = N
     step writes its tokens to the branches' suffix caches: its bucket holds the prefix)."""
     window = window_tokens(manifest, function)
     attended = bucket_for(manifest, filled + (0 if function == BRANCHES else window))
-    keys = attended + (manifest.get("suffix_length", 0) if function == BRANCHES else window)
+    new = manifest.get("suffix_length", 0) if function == BRANCHES else window
     moved = (weight_read_bytes(manifest, dense) + kv_read_bytes(manifest, attended, function)
              + kv_write_bytes(manifest, attended, function) + window_io_bytes(manifest, function))
-    return StepCost(window if tokens is None else tokens, moved, _flops(manifest, window, keys),
+    return StepCost(window if tokens is None else tokens, moved, _flops(manifest, window, attended, new),
                     calls_per_step(manifest, function))
 
 

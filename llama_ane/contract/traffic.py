@@ -15,6 +15,12 @@ Sliding layers with a ring buffer (manifest cache.sliding) read their whole ring
 every step and bucket, whatever the context; writing it reads and rewrites the ring (a one-hot
 write: the cache-update model's, or with states the chunk's own, as a window may wrap around it).
 
+LFM2's conv layers keep a conv state (cache.conv: L_c layers x C channels x W columns, any context)
+instead of K/V, read whole by every step (a cascade's per-branch states, conv_branches, too). Its
+write is what the programs write: with input caches the chunk's output of the window's values,
+conv_new (L_c, C, 1, S), from which the host keeps the next state; with states the chunk's own
+one-hot write of the state, which reads and rewrites it as a ring's does.
+
 Gemma 4 adds three reads, each counted from the manifest's tensor specs by name:
   * KV-shared layers: a chunk whose layers attend over another chunk's K/V takes its producers'
     rows as inputs named "shared_" + the producer's tensor (shared_k_cache, shared_k_ring, and in
@@ -42,7 +48,10 @@ DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
 SUFFIX_CACHES = ("k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix")  # a cascade's per-branch caches: read whole
 RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots): read whole
-CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES
+CONV_STATES = ("conv_state", "conv_branches")  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
+#                                                (L_c, C, B, W): read whole
+CONV_NEW = "conv_new"  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches
+CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + CONV_STATES
 SHARED = "shared_"  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
 
 
@@ -52,9 +61,10 @@ class StepTraffic:
 
     weights: int  # chunks and LM head as stored, plus one embedding row (and Gemma 4's per-layer rows and projection)
     weights_dense: int  # the same weights decompressed (what a device that decompresses at load reads)
-    cache_read: int  # the chunks reading their K/V caches
+    cache_read: int  # the chunks reading their K/V caches (and LFM2's conv states)
     cache_update: int  # writing the new K/V: the cache-update model reading and rewriting the caches,
-    #                    or (state caches) the slice update writing one column of each state
+    #                    or (state caches) the slice update writing one column of each state; and
+    #                    writing the conv states (the chunk's conv_new, or its one-hot write of the state)
 
     @property
     def total(self) -> int:
@@ -184,8 +194,8 @@ def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
 
 def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:
     """K/V bytes the chunks read in one step of `function`: the main caches up to `attended`
-    positions (`bucket_for`), the rings and a cascade's suffix caches whole, and KV-shared layers'
-    inputs of other chunks' caches as those caches are read."""
+    positions (`bucket_for`), the rings, a cascade's suffix caches and the conv states whole, and
+    KV-shared layers' inputs of other chunks' caches as those caches are read."""
     return sum(_cache_bytes(t, attended) for chunk in manifest["chunks"]
                for t in _chunk_caches(manifest, chunk, function, shared=True))
 
@@ -197,20 +207,34 @@ def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_c
     A cascade step's cache update reads and rewrites the suffix caches (the prefix is only read);
     a single-sequence window writes the main caches: the cache-update model reads and rewrites
     them up to `attended` positions ("inputs"), or the chunk writes the window's columns of each
-    state ("state")."""
+    state ("state"). The conv states are written as `conv_write_bytes` says."""
     kind = kv_cache or kv_cache_kind(manifest)
+    tokens = window_tokens(manifest, function)
     total = 0
     for chunk in manifest["chunks"]:
         caches = _chunk_caches(manifest, chunk, function)
+        total += sum(conv_write_bytes(t, tokens, kind) for t in caches if t["name"] in CONV_STATES)
+        caches = [t for t in caches if t["name"] not in CONV_STATES]
         suffix = [t for t in caches if t["name"] in SUFFIX_CACHES]
         if suffix:
             total += sum(2 * _nbytes(t) for t in suffix)
         elif kind == "state":
             total += sum(2 * _nbytes(t) if t["name"] in RING_CACHES else
-                         _nbytes(t) // t["shape"][-1] * window_tokens(manifest, function) for t in caches)
+                         _nbytes(t) // t["shape"][-1] * tokens for t in caches)
         else:
             total += sum(2 * _cache_bytes(t, attended) for t in caches)
     return total
+
+
+def conv_write_bytes(spec: dict, tokens: int, kind: str) -> int:
+    """Bytes of writing a chunk's conv state `spec` (conv_state (L_c, C, 1, W), or a cascade's
+    conv_branches (L_c, C, B, W)) in a step of `tokens` tokens: with states ("state") the chunk's
+    one-hot write of conv_state, which reads and rewrites it whole, as a ring's; otherwise (input
+    caches, and a cascade step's conv_branches, inputs with either kind) the chunk's output of the
+    window's values, conv_new (L_c, C, 1, `tokens`), from which the host keeps the next state."""
+    if kind == "state" and spec["name"] == "conv_state":
+        return 2 * _nbytes(spec)
+    return spec["shape"][0] * spec["shape"][1] * tokens * DTYPE_BYTES[spec["dtype"]]
 
 
 def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int | None = None) -> StepTraffic:
@@ -228,7 +252,8 @@ def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int
 def window_io_bytes(manifest: dict, function: str) -> int:
     """Bytes of the tensors passed between the models in one step of `function` ("decode", or
     "verify": a token tree of W tokens): every input and output of the embeddings, chunk and LM
-    head functions but the caches and KV-shared inputs of caches (hidden states, RoPE rows, masks,
+    head functions but the caches and KV-shared inputs of caches, and the conv states and their
+    conv_new (counted by `kv_read_bytes` and `kv_write_bytes`) (hidden states, RoPE rows, masks,
     new K/V, Gemma 4's per-layer inputs and shared new K/V, logits). Added to
     `decode_step_traffic(manifest).total` it gives the bytes of a step of that function: the weights
     and caches are read once per step whatever the window, the window's own tensors grow with it."""
@@ -237,5 +262,6 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     total = 0
     for model in models:
         fn = manifest["models"][model]["functions"][function]
-        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"] if _own_name(t["name"]) not in CACHES)
+        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"]
+                     if _own_name(t["name"]) not in CACHES and t["name"] != CONV_NEW)
     return total
