@@ -1,0 +1,263 @@
+"""Qwen3.5's linear-attention layers (Gated DeltaNet) in the ANE layout: the torch module and, below
+each piece, its MIL builder, op for op.
+
+    gated_delta      q, k (G,1,Dk,S), v (G,R,Dv,S), g, beta (G,R,1,S), state (G,R,Dk,Dv)
+                     -> o (G,R,Dv,S), state after the window (G,R,Dk,Dv)
+    GatedDeltaNet    x (1,C,1,S), conv_state (1,Q,1,W), state (1,H*Dk,1,Dv), n
+                     -> y (1,C,1,S), mixed (1,Q,1,S), state_new (1,H*Dk,1,Dv)
+    DeltaLayer       the decoder layer around it: norm, GatedDeltaNet, residual, norm, MLP, residual
+
+C = hidden size; G key heads, R value heads per key head, H = G*R value heads; Dk, Dv their widths;
+Q = 2*G*Dk + H*Dv, the channels of in_proj_qkv that the causal depthwise convolution runs over;
+S = the window, n <= S its real tokens. The layer: in_proj_qkv -> convolution (kernel K, SiLU) ->
+q, k, v; q and k l2-normalized per head, q also scaled by 1/sqrt(Dk); beta = sigmoid(in_proj_b),
+the decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); per value head the state (Dk x Dv) goes
+    S = S * exp(g);  S += k (x) beta * (v - S^T k);  o = S^T q
+and o goes through a norm gated by silu(in_proj_z) (per value head, over Dv) and out_proj. Key
+heads serve R consecutive value heads (transformers repeats them; here they broadcast).
+
+The convolution's state is LFM2's (short_conv): the last K-1 values of in_proj_qkv's output, kept
+W wide and right-aligned, and `mixed` are the window's values the next state is taken from
+(short_conv.conv_state_after, at the window's real tokens).
+
+A window runs the recurrence without a loop over its tokens (the chunked form of the delta rule).
+With G_t the decay summed up to token t and D_tj = G_t - G_j, the deltas u_t = beta_t * (v_t - S_{t-1}'^T k_t)
+solve a lower-triangular system
+    (I + A) U^T = B^T,   A_tj = beta_t exp(D_tj) (k_t . k_j) for j < t,   B_t = beta_t (v_t - exp(G_t) S0^T k_t),
+whose inverse, A being strictly lower triangular (N = -A nilpotent), is (I+N)(I+N^2)(I+N^4)...: log2(S)
+squarings. Then o_t = exp(G_t) S0^T q_t + sum_{j<=t} exp(D_tj) (q_t . k_j) u_j, and the state after
+the window is exp(G_S) S0 + sum_j exp(D_Sj) k_j u_j^T. D is summed from the decays themselves
+(L @ (g * M), two triangular 0/1 matrices), not taken as G_t - G_j: in fp16 the difference of two
+large sums would lose the small D that matter. A window's padded tokens get beta = 0 and g = 0,
+so they leave the state as the last real token left it: the state returned is the state after n
+tokens, in the graph, whatever S. Decoding (S = 1) is the same program with one token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
+
+L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
+
+
+def triangles(s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(S,S) 0/1 matrices: `lower` [j <= t] and `strict` [j < t] (row t, column j)."""
+    t, j = np.arange(s).reshape(-1, 1), np.arange(s).reshape(1, -1)
+    return (j <= t).astype(np.float32), (j < t).astype(np.float32)
+
+
+def squarings(s: int) -> int:
+    """How many factors (I + N^(2^i)) the inverse of a window of S tokens needs: N^S = 0."""
+    return math.ceil(math.log2(s)) if s > 1 else 0
+
+
+def l2_normed(x: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """x / |x| per head of d channels, fp16-safe. x: (1, heads*d, 1, S) -> (heads, d, 1, S).
+
+    x * rsqrt(sum(x^2) + eps) = rmsnorm(x, eps/d) / sqrt(d), and RMSNorm pre-scales by max|x|.
+    """
+    return RMSNorm(d, L2_EPS / d, scale=False)(x.reshape(heads, d, 1, -1)) * d ** -0.5
+
+
+def l2_normed_mil(g: Graph, x, heads: int, d: int, s: int):
+    """l2_normed. x: (1, heads*d, 1, S) -> (heads, d, 1, S)"""
+    y = rms_norm_mil(g, mb.reshape(x=x, shape=[heads, d, 1, s]), None, L2_EPS / d, d)
+    return mb.mul(x=y, y=g.scalar(d ** -0.5))
+
+
+def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one window, chunked (see the module docstring).
+
+    q, k: (G,1,Dk,S), q already scaled; v: (G,R,Dv,S); g, beta: (G,R,1,S), both 0 at padded tokens;
+    state: (G,R,Dk,Dv) -> o (G,R,Dv,S), the state after the window (G,R,Dk,Dv)
+    """
+    s, dtype = q.shape[-1], q.dtype
+    lower, strict = (torch.from_numpy(m).to(dtype) for m in triangles(s))
+    cum = torch.matmul(g, lower.t())  # (G,R,1,S): G_t
+    decays = torch.exp(torch.matmul(lower, g.transpose(2, 3) * strict)) * lower  # (G,R,S,S): exp(D_tj), j <= t
+    kk = torch.matmul(k.transpose(2, 3), k)  # (G,1,S,S): k_t . k_j
+    qk = torch.matmul(q.transpose(2, 3), k)  # (G,1,S,S): q_t . k_j
+    n = -(beta.transpose(2, 3) * decays * kk * strict)  # (G,R,S,S): -A
+    inverse, power = torch.eye(s, dtype=dtype) + n, n
+    for _ in range(squarings(s) - 1):
+        power = torch.matmul(power, power)
+        inverse = inverse + torch.matmul(inverse, power)
+    grown = torch.exp(cum)  # (G,R,1,S)
+    b = beta * (v - grown * torch.matmul(state.transpose(2, 3), k))  # (G,R,Dv,S)
+    u = torch.matmul(b, inverse.transpose(2, 3))  # (G,R,Dv,S): the deltas
+    o = grown * torch.matmul(state.transpose(2, 3), q) + torch.matmul(u, (decays * qk).transpose(2, 3))
+    last = decays[..., s - 1:, :]  # (G,R,1,S): exp(D_Sj)
+    new = grown[..., s - 1:] * state + torch.matmul(k * last, u.transpose(2, 3))  # (G,R,Dk,Dv)
+    return o, new
+
+
+def gated_delta_mil(g: Graph, q, k, v, decay, beta, state, shape: tuple[int, int, int, int, int], name: str):
+    """gated_delta. q, k: (G,1,Dk,S); v: (G,R,Dv,S); decay, beta: (G,R,1,S); state: (G,R,Dk,Dv);
+    shape: (G, R, Dk, Dv, S); name: a prefix for its consts -> o (G,R,Dv,S), state (G,R,Dk,Dv)"""
+    gk, r, _, _, s = shape
+    lower, strict = triangles(s)
+    lower_c, strict_c = g.const(lower, f"{name}lower"), g.const(strict, f"{name}strict")
+    cum = mb.matmul(x=decay, y=g.const(lower.T, f"{name}upper"))
+    d = mb.matmul(x=lower_c, y=mb.mul(x=mb.reshape(x=decay, shape=[gk, r, s, 1]), y=strict_c))
+    decays = mb.mul(x=mb.exp(x=d), y=lower_c)  # (G,R,S,S)
+    kk = mb.matmul(x=k, y=k, transpose_x=True)  # (G,1,S,S)
+    qk = mb.matmul(x=q, y=k, transpose_x=True)
+    a = mb.mul(x=mb.mul(x=mb.mul(x=mb.reshape(x=beta, shape=[gk, r, s, 1]), y=decays), y=kk), y=strict_c)
+    n = mb.mul(x=a, y=g.scalar(-1.0))
+    inverse, power = mb.add(x=n, y=g.const(np.eye(s), f"{name}eye")), n
+    for _ in range(squarings(s) - 1):
+        power = mb.matmul(x=power, y=power)
+        inverse = mb.add(x=inverse, y=mb.matmul(x=inverse, y=power))
+    grown = mb.exp(x=cum)
+    b = mb.mul(x=beta, y=mb.sub(x=v, y=mb.mul(x=grown, y=mb.matmul(x=state, y=k, transpose_x=True))))
+    u = mb.matmul(x=b, y=inverse, transpose_y=True)
+    o = mb.add(x=mb.mul(x=grown, y=mb.matmul(x=state, y=q, transpose_x=True)),
+               y=mb.matmul(x=u, y=mb.mul(x=decays, y=qk), transpose_y=True))
+    last = g.slice(decays, [0, 0, s - 1, 0], [gk, r, s, s])
+    grown_last = g.slice(grown, [0, 0, 0, s - 1], [gk, r, 1, s])
+    new = mb.add(x=mb.mul(x=grown_last, y=state), y=mb.matmul(x=mb.mul(x=k, y=last), y=u, transpose_y=True))
+    return o, new
+
+
+def real_tokens(n: torch.Tensor | int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1,1,1,S): 1 at the window's first n columns, 0 at its padding."""
+    n = torch.as_tensor(n, dtype=torch.int32).view(1, 1, 1, 1)
+    return (torch.arange(s, dtype=torch.int32).view(1, 1, 1, s) < n).to(dtype)
+
+
+def real_tokens_mil(g: Graph, n, s: int):
+    """real_tokens. n: (1,) int32 -> (1,1,1,S)"""
+    return g.cast(mb.less(x=np.arange(s, dtype=np.int32).reshape(1, 1, 1, s), y=mb.reshape(x=n, shape=[1, 1, 1, 1])))
+
+
+@dataclass(frozen=True)
+class DeltaShape:
+    """A linear-attention layer's sizes: G key heads, H value heads, their widths Dk and Dv, the
+    convolution's kernel K and the norms' eps."""
+
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+    kernel: int
+    eps: float
+
+    @property
+    def conv_channels(self) -> int:
+        """Q: the channels of in_proj_qkv, q and k (G*Dk each) then v (H*Dv)."""
+        return 2 * self.k_heads * self.dk + self.v_heads * self.dv
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """A layer's recurrent state as carried: (1, H*Dk, 1, Dv)."""
+        return (1, self.v_heads * self.dk, 1, self.dv)
+
+
+class GatedDeltaNet(nn.Module):
+    """transformers' Qwen3_5GatedDeltaNet over (1, C, 1, S) with its conv state and recurrent state
+    carried outside. Parameter names follow the checkpoint's; the Linear weights are 1x1 convs and
+    the depthwise Conv1d's (Q, 1, K) weight is (Q, 1, 1, K)."""
+
+    def __init__(self, channels: int, net: DeltaShape):
+        super().__init__()
+        self.net = net
+        k_heads, v_heads, dv, kernel = net.k_heads, net.v_heads, net.dv, net.kernel
+        self.conv_channels = net.conv_channels
+        self.in_proj_qkv = conv1x1(channels, self.conv_channels)
+        self.in_proj_z = conv1x1(channels, v_heads * dv)
+        self.in_proj_b = conv1x1(channels, v_heads)
+        self.in_proj_a = conv1x1(channels, v_heads)
+        self.conv1d = nn.Conv2d(self.conv_channels, self.conv_channels, kernel_size=(1, kernel),
+                                groups=self.conv_channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(v_heads))
+        self.A_log = nn.Parameter(torch.zeros(v_heads))
+        self.norm = RMSNorm(dv, net.eps)
+        self.out_proj = conv1x1(v_heads * dv, channels)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int):
+        """x: (1,C,1,S); conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv); n: the real tokens
+        -> y (1,C,1,S), mixed (1,Q,1,S), the state after the n tokens (1,H*Dk,1,Dv)"""
+        net, s = self.net, x.shape[3]
+        gk, h, dk, dv = net.k_heads, net.v_heads, net.dk, net.dv
+        r, keys = h // gk, gk * dk
+        conv_state = conv_state[..., conv_state.shape[-1] - (net.kernel - 1):]
+        mixed = self.in_proj_qkv(x)  # (1,Q,1,S)
+        qkv = nn.functional.silu(self.conv1d(torch.cat([conv_state.to(mixed.dtype), mixed], dim=3)))
+        q = l2_normed(qkv[:, :keys], gk, dk).reshape(gk, 1, dk, s) * dk ** -0.5
+        k = l2_normed(qkv[:, keys:2 * keys], gk, dk).reshape(gk, 1, dk, s)
+        v = qkv[:, 2 * keys:].reshape(gk, r, dv, s)
+        real = real_tokens(n, s, x.dtype)
+        beta = (torch.sigmoid(self.in_proj_b(x)) * real).reshape(gk, r, 1, s)
+        a = self.in_proj_a(x) + self.dt_bias.view(1, h, 1, 1)
+        decay = (-torch.exp(self.A_log).view(1, h, 1, 1) * nn.functional.softplus(a) * real).reshape(gk, r, 1, s)
+        o, new = gated_delta(q, k, v, decay, beta, state.reshape(gk, r, dk, dv).to(x.dtype))
+        z = self.in_proj_z(x).reshape(h, dv, 1, s)
+        o = self.norm(o.reshape(h, dv, 1, s)) * nn.functional.silu(z)
+        return self.out_proj(o.reshape(1, h * dv, 1, s)), mixed, new.reshape(1, h * dk, 1, dv)
+
+
+def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: DeltaShape, s: int):
+    """GatedDeltaNet of the parameters under `prefix` ("layers.0.linear_attn."). x: (1,C,1,S);
+    conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv); n: (1,) int32 -> y, mixed, state_new"""
+    gk, h, dk, dv, kernel = net.k_heads, net.v_heads, net.dk, net.dv, net.kernel
+    r, keys, q_ch = h // gk, gk * dk, net.conv_channels
+    width = conv_state.shape[3]
+    if width > kernel - 1:
+        conv_state = g.slice(conv_state, [0, 0, 0, width - kernel + 1], [1, q_ch, 1, width])
+    mixed = conv_mil(g, x, f"{prefix}in_proj_qkv.weight")
+    qkv = mb.silu(x=mb.conv(x=mb.concat(values=[conv_state, mixed], axis=3), weight=g.weight(f"{prefix}conv1d.weight"),
+                            groups=q_ch, pad_type="valid"))
+    q = l2_normed_mil(g, g.slice(qkv, [0, 0, 0, 0], [1, keys, 1, s]), gk, dk, s)
+    q = mb.mul(x=mb.reshape(x=q, shape=[gk, 1, dk, s]), y=g.scalar(dk ** -0.5))
+    k = mb.reshape(x=l2_normed_mil(g, g.slice(qkv, [0, keys, 0, 0], [1, 2 * keys, 1, s]), gk, dk, s),
+                   shape=[gk, 1, dk, s])
+    v = mb.reshape(x=g.slice(qkv, [0, 2 * keys, 0, 0], [1, q_ch, 1, s]), shape=[gk, r, dv, s])
+    real = real_tokens_mil(g, n, s)
+    beta = mb.reshape(x=mb.mul(x=mb.sigmoid(x=conv_mil(g, x, f"{prefix}in_proj_b.weight")), y=real),
+                      shape=[gk, r, 1, s])
+    a = mb.add(x=conv_mil(g, x, f"{prefix}in_proj_a.weight"),
+               y=mb.reshape(x=g.weight(f"{prefix}dt_bias"), shape=[1, h, 1, 1]))
+    rate = mb.mul(x=mb.exp(x=mb.reshape(x=g.weight(f"{prefix}A_log"), shape=[1, h, 1, 1])), y=g.scalar(-1.0))
+    decay = mb.reshape(x=mb.mul(x=mb.mul(x=rate, y=mb.softplus(x=a)), y=real), shape=[gk, r, 1, s])
+    o, new = gated_delta_mil(g, q, k, v, decay, beta, mb.reshape(x=state, shape=[gk, r, dk, dv]),
+                             (gk, r, dk, dv, s), prefix.replace(".", "_"))
+    z = mb.reshape(x=conv_mil(g, x, f"{prefix}in_proj_z.weight"), shape=[h, dv, 1, s])
+    o = mb.mul(x=rms_norm_mil(g, mb.reshape(x=o, shape=[h, dv, 1, s]), f"{prefix}norm.weight", net.eps, dv),
+               y=mb.silu(x=z))
+    y = conv_mil(g, mb.reshape(x=o, shape=[1, h * dv, 1, s]), f"{prefix}out_proj.weight")
+    return y, mixed, mb.reshape(x=new, shape=[1, h * dk, 1, dv])
+
+
+class DeltaLayer(nn.Module):
+    """A Qwen3.5 linear-attention decoder layer: norm, GatedDeltaNet, residual, norm, SwiGLU MLP,
+    residual. The norms hold (1 + w), as the checkpoint mapping stores Qwen3.5's."""
+
+    def __init__(self, channels: int, intermediate: int, net: DeltaShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(channels, net.eps)
+        self.linear_attn = GatedDeltaNet(channels, net)
+        self.post_attention_layernorm = RMSNorm(channels, net.eps)
+        self.mlp = MLP(channels, intermediate)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int):
+        """x: (1,C,1,S); conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv) -> x_out (1,C,1,S), mixed, state_new"""
+        y, mixed, new = self.linear_attn(self.input_layernorm(x), conv_state, state, n)
+        x = x + y
+        return x + self.mlp(self.post_attention_layernorm(x)), mixed, new
+
+
+def delta_layer_mil(g: Graph, x, conv_state, state, n, prefix: str, channels: int, net: DeltaShape, s: int):
+    """DeltaLayer of the parameters under `prefix` ("layers.0."). -> x_out, mixed, state_new"""
+    h = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", net.eps, channels)
+    y, mixed, new = gated_delta_net_mil(g, h, conv_state, state, n, f"{prefix}linear_attn.", net, s)
+    x = mb.add(x=x, y=y)
+    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", net.eps, channels)
+    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.")), mixed, new
