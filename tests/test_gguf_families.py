@@ -453,20 +453,17 @@ def test_what_a_gemma4_file_cannot_say_is_refused_by_name(tmp_path, converted, c
         open_gguf(copy_gguf(file, tmp_path / "bad.gguf", **change))
 
 
-@pytest.mark.export
-@pytest.mark.parametrize("name", ["qwen3_untied_head32", "lfm2_untied_gqa_head32", "gemma4_kv_shared_wide"])
-def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
-    """The whole path from a .gguf: load_checkpoint (tokenizer included), export, and the torch
-    backend in fp32 against transformers' model of the checkpoint the file was converted from."""
+def check_gguf_export_matches_transformers(file: Path, folder: Path, out: Path, model_type: str) -> None:
+    """Export `file` (load_checkpoint, tokenizer included) and hold the torch backend's fp32 logits to
+    within 1e-3 of transformers' model of `folder`, the checkpoint the file was converted from."""
     import llama_ane
     from llama_ane.api import export_model
     from transformers import AutoModelForCausalLM
 
-    folder, file, _ = converted(name)
-    out = export_model(file, tmp_path / "out", context_length=128, prefill_length=32, layers_per_chunk=2,
+    out = export_model(file, out, context_length=128, prefill_length=32, layers_per_chunk=2,
                        precision="fp32", progress=False, verify=False)
     model = llama_ane.load(out, backend="torch", precision="fp32")
-    assert model.manifest["config"]["model_type"] == CASES[name]["model_type"] and model.manifest["source"]["kind"] == "gguf"
+    assert model.manifest["config"]["model_type"] == model_type and model.manifest["source"]["kind"] == "gguf"
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = [int(i) for i in np.random.default_rng(1).integers(3, ref.config.vocab_size, 100)]
     with torch.no_grad():
@@ -475,3 +472,12 @@ def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
     model.close()
     assert got.shape == want.shape and np.abs(want).max() > 1.0
     assert float(np.abs(got - want).max()) <= 1e-3
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("name", ["qwen3_untied_head32", "lfm2_untied_gqa_head32", "gemma4_kv_shared_wide"])
+def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
+    """The whole path from a .gguf: load_checkpoint (tokenizer included), export, and the torch
+    backend in fp32 against transformers' model of the checkpoint the file was converted from."""
+    folder, file, _ = converted(name)
+    check_gguf_export_matches_transformers(file, folder, tmp_path / "out", CASES[name]["model_type"])

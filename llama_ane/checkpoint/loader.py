@@ -289,6 +289,7 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
         if importlib.util.find_spec(needed) is None:
             raise CheckpointError(f"loading a .gguf needs the {needed} package: pip install 'llama-ane[gguf]'")
     from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from transformers.utils import logging as hf_logging
 
     from .gguf_lazy import GGUF_FLOATS, open_gguf
@@ -310,9 +311,12 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     _check_tensors(ckpt, GGUF_FLOATS, "F32, F16, BF16 or a quantized type gguf dequantizes")
     tmp = tempfile.TemporaryDirectory(prefix="llama-ane-tok-")
     try:
-        # AutoTokenizer builds transformers' config of the file first, which fails on Gemma 4's per-layer
-        # feed_forward_length (E2B's double-wide MLPs); the class it picks for Gemma 4 is this one
-        auto = TokenizersBackend if reader.arch_name == "gemma4" else AutoTokenizer
+        # AutoTokenizer builds transformers' config of the file first, which fails for the architectures
+        # its GGUF reader lacks (smollm3, granite, olmo2) and on Gemma 4's per-layer feed_forward_length
+        # (E2B's double-wide MLPs); the class it picks for those families is this one, which reads only
+        # the tokenizer. Elsewhere AutoTokenizer's class matters (Qwen2Tokenizer splits as Qwen2 does).
+        readable = reader.arch_name in GGUF_SUPPORTED_ARCHITECTURES and reader.arch_name != "gemma4"
+        auto = AutoTokenizer if readable else TokenizersBackend
         tok = auto.from_pretrained(str(file.parent), gguf_file=file.name)
         tok.save_pretrained(tmp.name)
     except Exception as e:  # transformers raises anything from KeyError to its own errors on a bad vocabulary

@@ -1,0 +1,109 @@
+"""GGUF input checked against files llama.cpp's own converter wrote.
+
+tests/fixtures/llamacpp_gguf/ holds, per case of its make.py, a tiny checkpoint written by
+transformers' class of the family and the .gguf llama.cpp's convert_hf_to_gguf.py made of it
+(--outtype f32; make.py's docstring says how to make them again). The lazy reader must give back the
+checkpoint's config and every tensor exactly, and load_checkpoint a tokenizer that splits text as the
+checkpoint's does; both Gemma 4 files and the LFM2 one export and match transformers' logits. A file
+llama.cpp wrote of a model llama-ane does not export (OLMo 3, written as 'olmo2') is refused by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from llama_ane.checkpoint.gguf_lazy import open_gguf  # noqa: E402
+from llama_ane.checkpoint.loader import load_checkpoint  # noqa: E402
+from llama_ane.checkpoint.gguf_lazy import GGUFError  # noqa: E402
+from llama_ane.config import LlamaConfig  # noqa: E402
+from llama_ane.errors import LlamaANEError  # noqa: E402
+from llama_ane.testing import _CORPUS  # noqa: E402
+
+from test_gguf_families import check_gguf_export_matches_transformers, f32  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp_gguf"
+_spec = importlib.util.spec_from_file_location("llamacpp_gguf_make", FIXTURES / "make.py")
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+CASES, REFUSED = make.CASES, make.REFUSED
+TEXT = _CORPUS + " Unseen wörds: ünïcode 🦙, two  spaces,\n\nnewlines and 12345."
+
+
+def source(name: str) -> tuple[Path, Path, dict]:
+    """The case's checkpoint folder, the .gguf llama.cpp wrote of it, and the checkpoint's config.json."""
+    folder = FIXTURES / name
+    return folder, folder / "model.gguf", json.loads((folder / "config.json").read_text())
+
+
+def test_every_case_has_its_checkpoint_and_gguf():
+    folders = {p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(CASES) | set(REFUSED)
+    for name in folders:
+        for file in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "model.gguf"):
+            assert (FIXTURES / name / file).is_file(), f"{name}/{file}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_and_every_tensor_equal_the_checkpoint(name):
+    from safetensors.numpy import load_file
+
+    folder, file, config = source(name)
+    lazy = open_gguf(file)
+    assert lazy.config_dict["model_type"] == config["model_type"]
+    ours = LlamaConfig.from_hf_dict(lazy.config_dict)
+    want = LlamaConfig.from_hf_dict(config)
+    assert f32(ours.to_dict()) == f32(want.to_dict())  # GGUF holds the config's numbers as float32
+    state = load_file(str(folder / "model.safetensors"))
+    assert sorted(lazy.names()) == sorted(state)
+    assert {i.dtype for i in lazy.tensor_info().values()} == {"F32"}  # --outtype f32: nothing rounded
+    for hf, t in state.items():
+        got = lazy.get(hf)
+        assert got.dtype == torch.float32 and tuple(got.shape) == t.shape, hf
+        if config["model_type"] == "gemma3_text" and hf.endswith("norm.weight"):
+            # llama.cpp stores 1 + w in fp32; taking 1 back off is exact, the sum was not
+            torch.testing.assert_close(got, torch.from_numpy(t), rtol=0, atol=2.0 ** -23)
+            assert torch.equal(got + 1, torch.from_numpy(t + np.float32(1))), hf
+        else:
+            assert torch.equal(got, torch.from_numpy(t)), hf
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_files_tokenizer_splits_text_as_the_checkpoints(name):
+    """load_checkpoint rebuilds the tokenizer from the file's vocabulary (for SmolLM3, Granite and OLMo 2
+    too, whose files transformers' GGUF config reader does not take)."""
+    from transformers import AutoTokenizer
+
+    folder, file, _ = source(name)
+    ckpt = load_checkpoint(file)
+    theirs, ours = AutoTokenizer.from_pretrained(str(folder)), AutoTokenizer.from_pretrained(str(ckpt.tokenizer_dir))
+    ids = theirs(TEXT)["input_ids"]
+    assert ours(TEXT)["input_ids"] == ids and len(ids) > 100
+    assert ours.decode(ids) == theirs.decode(ids)
+
+
+def test_olmo3_as_llamacpp_writes_it_is_refused_by_name():
+    """llama.cpp writes OLMo 3 as 'olmo2' with a sliding window and a layer pattern; exporting it as
+    OLMo 2 would drop the window, so the file is refused, naming what it is."""
+    _, file, config = source("olmo3_sliding")
+    assert REFUSED["olmo3_sliding"]["model_type"] == config["model_type"] == "olmo3"
+    words = "is an 'olmo2' file with sliding-window layers (OLMo 3), which llama-ane does not export"
+    with pytest.raises(GGUFError, match=re.escape(words)):
+        open_gguf(file)
+    with pytest.raises(LlamaANEError, match=re.escape(words)):  # the one line the CLI prints
+        load_checkpoint(file)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("name", ["gemma4_e2b_shape", "gemma4_k_eq_v", "lfm2_tied"])
+def test_a_llamacpp_gguf_exports_and_matches_transformers(tmp_path, name):
+    folder, file, config = source(name)
+    check_gguf_export_matches_transformers(file, folder, tmp_path / "out", config["model_type"])
