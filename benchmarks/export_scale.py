@@ -51,6 +51,7 @@ NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny
          "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
 PRESETS = (*NAMES, "smollm2")
 MARKER = ".complete"
+INIT = 2  # how write_shard fills tensors: a checkpoint written by another rule is written again
 TAIL = 40
 
 
@@ -232,10 +233,15 @@ def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[l
 
 
 def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator,
-                norm: float = 1.0) -> dict[str, str]:
+                norm: float = 1.0, qk_temperature: bool = False) -> dict[str, str]:
     """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time: matrices
     random, in file order from `gen`; norm weights all `norm`, Gemma 4's layer scalars 1 (as it
-    initializes them: at 0 every layer's output would be zeroed), other vectors (biases) zeros."""
+    initializes them: at 0 every layer's output would be zeroed), other vectors (biases) zeros.
+
+    With `qk_temperature` (Gemma 4, whose attention scale is 1: its trained q/k norm weights set the
+    temperature), q and k norm weights are head_dim ** -0.25, so attention logits have unit variance;
+    at 1 they have head_dim's, and a random model's attention is so peaked that any rounding flips
+    which key a query attends to (no precision's logits then match another's)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shard:
@@ -248,6 +254,8 @@ def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, shape in shard:
             fill = norm if "norm" in name else 1.0 if name.endswith("layer_scalar") else 0.0
+            if qk_temperature and name.endswith(("q_norm.weight", "k_norm.weight")):
+                fill = shape[0] ** -0.25
             t = (torch.full(shape, fill, dtype=torch.bfloat16) if len(shape) == 1
                  else torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
             f.write(memoryview(t.view(torch.uint8).numpy()))
@@ -257,7 +265,7 @@ def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch
 def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = SHARD_LIMIT,
                      tokenizer: bool = True) -> bool:
     """Write a random HF checkpoint for `cfg` into `folder` unless a complete one is there; True if written."""
-    stamp = json.dumps({"config": cfg, "seed": seed, "shard_limit": shard_limit}, sort_keys=True)
+    stamp = json.dumps({"config": cfg, "seed": seed, "shard_limit": shard_limit, "init": INIT}, sort_keys=True)
     marker = folder / MARKER
     if marker.is_file() and marker.read_text() == stamp and (not tokenizer or (folder / "tokenizer.json").is_file()):
         return False
@@ -273,7 +281,7 @@ def write_checkpoint(cfg: dict, folder: Path, seed: int = 0, shard_limit: int = 
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards, 1):
         weight_map.update(write_shard(folder / f"model-{k:05d}-of-{len(shards):05d}.safetensors", shard, gen,
-                                      norm_value(cfg)))
+                                      norm_value(cfg), cfg["model_type"] == "gemma4_text"))
     index = {"metadata": {"total_size": need}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
