@@ -17,19 +17,20 @@ from .errors import LlamaANEError
 # model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
                        "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3",
-                       "gemma3_text": "Gemma3", "gemma4_text": "Gemma4", "lfm2": "Lfm2"}
-FAMILY_MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}
+                       "gemma3_text": "Gemma3", "gemma4_text": "Gemma4", "lfm2": "Lfm2", "qwen3_5_text": "Qwen3_5"}
+FAMILY_MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5"}
 # transformers' class of a family's part, where it is not the prefix's: Gemma 4's text classes
 FAMILY_CLASS = {("gemma4_text", "DecoderLayer"): "Gemma4TextDecoderLayer",
-                ("gemma4_text", "RotaryEmbedding"): "Gemma4TextRotaryEmbedding"}  # transformers' module of a family, where it is not the model_type
+                ("gemma4_text", "RotaryEmbedding"): "Gemma4TextRotaryEmbedding",
+                ("qwen3_5_text", "RotaryEmbedding"): "Qwen3_5TextRotaryEmbedding"}  # transformers' module of a family, where it is not the model_type
 SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
 LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
 ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config reads as longrope
 SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
     "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model) "
-    "and 'lfm2' (LFM2) with RoPE type "
+    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model), "
+    "'lfm2' (LFM2) and 'qwen3_5_text' (Qwen3.5's text model) with RoPE type "
     "default, linear or "
     "llama3 (phi3: default or longrope), silu MLP (gemma3_text, gemma4_text: gelu_pytorch_tanh), no MLP bias"
 )
@@ -41,8 +42,8 @@ REFUSED_FAMILIES = {
               "the text model's checkpoint (model_type 'gemma3_text', e.g. google/gemma-3-1b-it)",
     "gemma4": "Gemma 4's vision and audio towers and the multimodal checkpoint's weight names "
               "(model.language_model.*); export the text model's checkpoint (model_type 'gemma4_text')",
-    "qwen3_5": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
-    "qwen3_5_text": "Qwen3.5's linear-attention (Gated DeltaNet) layers",
+    "qwen3_5": "Qwen3.5's vision tower and the multimodal checkpoint's weight names (model.language_model.*) beside "
+               "its Gated DeltaNet layers; export the text model's checkpoint (model_type 'qwen3_5_text')",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
     "qwen2_moe": _MOE, "qwen3_moe": _MOE, "mixtral": _MOE, "granitemoe": _MOE, "granitemoehybrid": _MOE,
     "phimoe": _MOE, "olmoe": _MOE,
@@ -62,7 +63,7 @@ REFUSED_FAMILIES = {
 FUSED_PROJECTIONS = ("phi3",)
 QKV_BIAS_ALWAYS = ("qwen2",)
 ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2", "gemma3_text")
-QK_NORM = ("qwen3", "olmo2", "gemma3_text", "gemma4_text", "lfm2")
+QK_NORM = ("qwen3", "olmo2", "gemma3_text", "gemma4_text", "lfm2", "qwen3_5_text")
 QK_NORM_ACROSS_HEADS = ("olmo2",)
 POST_NORMS = ("olmo2",)
 # gemma3_text (Gemma 3) normalizes both the input and the output of attention and of the MLP (four
@@ -70,7 +71,7 @@ POST_NORMS = ("olmo2",)
 # sqrt(hidden_size), uses a GeLU (tanh) MLP, an attention scale of query_pre_attn_scalar ** -0.5,
 # and local RoPE (its own base, no scaling) on its sliding-window layers.
 SANDWICH_NORMS = ("gemma3_text", "gemma4_text")
-UNIT_OFFSET_NORMS = ("gemma3_text",)
+UNIT_OFFSET_NORMS = ("gemma3_text", "qwen3_5_text")
 LOCAL_ROPE = ("gemma3_text",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
@@ -113,6 +114,18 @@ GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_f
 LFM2_ALIASES = {"norm_eps": "rms_norm_eps", "tie_embedding": "tie_word_embeddings",
                 "block_ff_dim": "intermediate_size"}
 LFM2_DEFAULTS = {"tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}
+# qwen3_5_text (Qwen3.5's text model) puts a Gated DeltaNet (linear attention, delta_layers) in most
+# layers; its attention layers gate their output by a second half of q_proj (attn_output_gate),
+# normalize each q and k head, and rotate the first quarter of each head; every norm but the
+# DeltaNet's own gated one scales by (1 + w). Qwen3_5TextConfig's defaults, where config.json leaves a field out:
+QWEN35 = "qwen3_5_text"
+QWEN35_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                   "full_attention_interval": 4, "max_position_embeddings": 32768}
+QWEN35_ROTARY = 0.25  # its partial_rotary_factor where neither config.json nor its rope_parameters gives one
+# Qwen3.5's own config fields: a manifest holds them only where they differ from their defaults, as GEMMA4_FIELDS
+DELTA_FIELDS = ("delta_layers", "delta_key_heads", "delta_value_heads", "delta_key_dim",
+                "delta_value_dim", "attn_output_gate")
 
 
 class ConfigError(LlamaANEError, ValueError):
@@ -150,8 +163,17 @@ class LlamaConfig:
     sandwich_norms: bool = False  # attention and MLP both have a norm before and after (Gemma 3)
     nope_layers: list[int] = field(default_factory=list)  # the layers that apply no RoPE to q and k
     conv_layers: list[int] = field(default_factory=list)  # the layers with a short convolution, not attention
-    conv_kernel: int = 3  # the short convolution's kernel (LFM2's conv_L_cache)
+    conv_kernel: int = 3  # the short convolution's kernel (LFM2's conv_L_cache, Qwen3.5's linear_conv_kernel_dim)
     conv_bias: bool = False  # biases on the short convolution's projections and kernel
+    # Qwen3.5: the layers with a Gated DeltaNet (linear attention), not attention (its short
+    # convolution's kernel is conv_kernel); its key and value heads and their widths; and whether
+    # attention gates its output (q_proj's second half, through a sigmoid, before o_proj)
+    delta_layers: list[int] = field(default_factory=list)
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    attn_output_gate: bool = False
     # Gemma 4: the weightless norm of each v head, V from the K projection on the global layers, the
     # per-layer inputs' width (0: none) and vocabulary, each layer's stored scalar, the logits'
     # softcap (None: none), and the global layers' RoPE: proportional, the first rope_proportion of
@@ -204,6 +226,9 @@ class LlamaConfig:
         if model_type == "lfm2":
             d = _lfm2_fields(f)
             f = _Fields(d, origin)
+        if model_type == QWEN35:
+            d = {**QWEN35_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+            f = _Fields(d, origin)
         act_field = "hidden_activation" if gemma else "hidden_act"
         act = d.get(act_field, "gelu_pytorch_tanh" if gemma else "silu")
         if act != ("gelu_pytorch_tanh" if gemma else "silu"):
@@ -228,7 +253,7 @@ class LlamaConfig:
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
         scaling = _rope_scaling(scaling, origin, d, model_type) if scaling else None
         rotary = f.number("partial_rotary_factor", None) or _Fields(rope, f"{origin} rope_parameters").number(
-            "partial_rotary_factor", 1.0)
+            "partial_rotary_factor", QWEN35_ROTARY if model_type == QWEN35 else 1.0)
 
         eos_list = f.token_ids("eos_token_id")
         window, sliding = _sliding_window(f, model_type)
@@ -271,6 +296,7 @@ class LlamaConfig:
             sandwich_norms=gemma,
             nope_layers=_nope_layers(f, model_type),
             **_conv_fields(f, model_type),
+            **_delta_fields(f, model_type),
             **_multipliers(f, model_type),
             **_gemma4_extras(f, model_type),
         )
@@ -310,6 +336,7 @@ class LlamaConfig:
                               f"got {self.conv_layers!r}")
         if isinstance(self.conv_kernel, bool) or not isinstance(self.conv_kernel, int) or self.conv_kernel < 2:
             raise ConfigError(f"conv_kernel must be an integer of at least 2, got {self.conv_kernel!r}")
+        self._validate_delta()
         if not (isinstance(self.sliding_layers, list)
                 and all(type(n) is int and 0 <= n < layers for n in self.sliding_layers)):
             raise ConfigError(f"sliding_layers must be a list of layer indices below num_hidden_layers ({layers}), "
@@ -370,13 +397,44 @@ class LlamaConfig:
             if outside:  # the sampler would stop on (or the runtime feed) a token the model has no row for
                 raise ConfigError(f"{name} {outside[0]} is outside the vocabulary (vocab_size {self.vocab_size})")
 
+    def _validate_delta(self) -> None:
+        """Qwen3.5's linear-attention fields (DELTA_FIELDS)."""
+        layers = self.num_hidden_layers
+        if not (isinstance(self.delta_layers, list)
+                and all(type(n) is int and 0 <= n < layers for n in self.delta_layers)):
+            raise ConfigError(f"delta_layers must be a list of layer indices below num_hidden_layers ({layers}), "
+                              f"got {self.delta_layers!r}")
+        if set(self.delta_layers) & set(self.conv_layers):
+            raise ConfigError("a layer cannot be both in delta_layers and conv_layers: a model has short-convolution "
+                              "or linear-attention layers")
+        if not isinstance(self.attn_output_gate, bool):
+            raise ConfigError(f"attn_output_gate must be true or false, got {self.attn_output_gate!r}")
+        sizes = ("delta_key_heads", "delta_value_heads", "delta_key_dim", "delta_value_dim")
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if not self.delta_layers:
+            return
+        for name in sizes:
+            if not getattr(self, name):
+                raise ConfigError(f"{name} must be positive where delta_layers are given")
+        if self.delta_value_heads % self.delta_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.delta_value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.delta_key_heads})")
+
     def rotary(self, layer: int) -> bool:
         """Whether decoder layer `layer` (0-based, in the whole model) rotates q and k."""
         return layer not in self.nope_layers
 
     def convolves(self, layer: int) -> bool:
-        """Whether decoder layer `layer` is a short-convolution layer (LFM2's conv layers) rather than attention."""
-        return layer in self.conv_layers
+        """Whether decoder layer `layer` keeps a short convolution's state and no K/V: LFM2's conv layers,
+        and Qwen3.5's linear-attention layers (`linear`), whose Gated DeltaNet convolves q, k and v."""
+        return layer in self.conv_layers or layer in self.delta_layers
+
+    def linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a linear-attention layer (Qwen3.5's Gated DeltaNet) rather than attention."""
+        return layer in self.delta_layers
 
     def slides(self, layer: int) -> bool:
         """Whether decoder layer `layer` attends within `sliding_window` only (a query at position p
@@ -495,6 +553,26 @@ class LlamaConfig:
         return self.q_channels + 2 * self.kv_channels
 
     @property
+    def conv_channels(self) -> int:
+        """Channels of a layer's short-convolution state: LFM2's hidden size, Qwen3.5's in_proj_qkv rows."""
+        return self.delta_conv_channels if self.delta_layers else self.hidden_size
+
+    @property
+    def delta_conv_channels(self) -> int:
+        """Rows of a Gated DeltaNet's in_proj_qkv (and channels of its convolution): q, k, then v."""
+        return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    @property
+    def delta_value_channels(self) -> int:
+        """A Gated DeltaNet's value heads times their width: in_proj_z's rows, out_proj's columns."""
+        return self.delta_value_heads * self.delta_value_dim
+
+    @property
+    def gated_q_channels(self) -> int:
+        """Rows of an output-gated attention's q_proj (Qwen3.5): each head's query, then its gate."""
+        return 2 * self.q_channels
+
+    @property
     def conv_in_channels(self) -> int:
         """Rows of a short convolution's in_proj: its gates B and C and its input x, hidden_size each."""
         return 3 * self.hidden_size
@@ -526,8 +604,10 @@ class LlamaConfig:
         return AutoConfig.for_model(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, but GEMMA4_FIELDS only where they are not their defaults (the manifest's copy)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in GEMMA4_FIELDS}
+        """Every field, but GEMMA4_FIELDS and DELTA_FIELDS only where they are not their defaults (the manifest's copy)."""
+        own = GEMMA4_FIELDS + DELTA_FIELDS
+        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(self) if f.name in own}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in defaults or v != defaults[k]}
 
     @classmethod
@@ -546,7 +626,8 @@ class LlamaConfig:
                 "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
                 "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling", "value_norm",
                 "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar", "final_logit_softcapping",
-                "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers", "double_wide_mlp")
+                "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers", "double_wide_mlp"
+                ) + DELTA_FIELDS
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = self.hidden_act
@@ -582,6 +663,16 @@ class LlamaConfig:
                      conv_L_cache=self.conv_kernel, conv_bias=self.conv_bias, block_auto_adjust_ff_dim=False,
                      norm_eps=self.rms_norm_eps)
             del d["hidden_act"], d["attention_bias"], d["mlp_bias"], d["sliding_window"], d["rms_norm_eps"]
+        if self.model_type == QWEN35:  # Qwen3_5TextConfig's names; its RoPE rotates partial_rotary_factor of a head
+            d.update(layer_types=["linear_attention" if self.linear(n) else "full_attention"
+                                  for n in range(self.num_hidden_layers)],
+                     linear_conv_kernel_dim=self.conv_kernel, linear_num_key_heads=self.delta_key_heads,
+                     linear_num_value_heads=self.delta_value_heads, linear_key_head_dim=self.delta_key_dim,
+                     linear_value_head_dim=self.delta_value_dim,
+                     rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                      "partial_rotary_factor": self.partial_rotary_factor})
+            for name in ("mlp_bias", "sliding_window", "rope_theta", "rope_scaling"):
+                d.pop(name, None)
         if self.model_type == "granite":
             d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
                      attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
@@ -837,6 +928,31 @@ def _conv_fields(f: "_Fields", model_type: str) -> dict[str, Any]:
                           f"({layers}) entries, each \"conv\" or \"full_attention\"")
     return {"conv_layers": [n for n, t in enumerate(types) if t == "conv"],
             "conv_kernel": f.integer("conv_L_cache", 3, minimum=2), "conv_bias": f.boolean("conv_bias")}
+
+
+def _delta_fields(f: "_Fields", model_type: str) -> dict[str, Any]:
+    """Qwen3.5's linear-attention layers (those `layer_types` names "linear_attention"; without it every
+    layer but each full_attention_interval-th, as Qwen3_5TextConfig fills it in) and their sizes; none
+    for the other families."""
+    if model_type != QWEN35:
+        return {}
+    layers = f.integer("num_hidden_layers")
+    types = f.d.get("layer_types")
+    if types is None:
+        interval = f.integer("full_attention_interval")
+        types = ["linear_attention" if (n + 1) % interval else "full_attention" for n in range(layers)]
+    if not (isinstance(types, list) and len(types) == layers
+            and all(t in ("linear_attention", "full_attention") for t in types)):
+        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
+                          f"({layers}) entries, each \"linear_attention\" or \"full_attention\"")
+    if f.boolean("attention_bias"):
+        raise ConfigError(f"{f.origin}: attention_bias is true; Qwen3.5's attention and linear-attention "
+                          "projections are exported without biases")
+    return {"delta_layers": [n for n, t in enumerate(types) if t == "linear_attention"],
+            "conv_kernel": f.integer("linear_conv_kernel_dim", minimum=2),
+            "delta_key_heads": f.integer("linear_num_key_heads"), "delta_value_heads": f.integer("linear_num_value_heads"),
+            "delta_key_dim": f.integer("linear_key_head_dim"), "delta_value_dim": f.integer("linear_value_head_dim"),
+            "attn_output_gate": True}
 
 
 def _nope_layers(f: "_Fields", model_type: str) -> list[int]:

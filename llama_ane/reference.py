@@ -8,13 +8,16 @@ weights in float32 (attention "sdpa" with attention_mask=None, which is causal o
 sequence, or a sliding layer's windowed mask; cos/sin from the model's rotary embedding, per layer
 type where the family has a local one), then the final norm and the (tied or
 untied) LM head in blocks of the vocabulary. Memory: one layer's weights, one head block,
-activations (T, C).
+activations (T, C). Qwen3.5's linear-attention layers run transformers' token-by-token delta rule
+(torch_recurrent_gated_delta_rule), not its chunked one: in float32 the chunked one is an order of
+magnitude further from the float64 result (logits 7e-4 apart on a tiny model, against 5e-5).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -57,7 +60,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
 
     hf, (DecoderLayer, _, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
     hf._attn_implementation = "sdpa"
-    with torch.no_grad():
+    with torch.no_grad(), recurrent_delta_rule(ckpt.config.model_type):
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = token_rows(ckpt, "model.embed_tokens.weight", ids).to(torch.float32)[None]  # (1, T, C)
         x = x * ckpt.config.embedding_multiplier  # Granite's and Gemma's, in their models' forward
@@ -83,6 +86,24 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                 after()
             del layer  # before the next layer's weights are read
     return final_outputs(ckpt, x[0], logits=logits)
+
+
+@contextlib.contextmanager
+def recurrent_delta_rule(model_type: str) -> Iterator[None]:
+    """Within it, transformers' Qwen3.5 linear-attention layers run the delta rule token by token
+    (its reference loop) where they would run the chunked form; nothing changes for other families."""
+    if model_type != "qwen3_5_text":
+        yield
+        return
+    import importlib
+
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    chunked = modeling.torch_chunk_gated_delta_rule
+    modeling.torch_chunk_gated_delta_rule = modeling.torch_recurrent_gated_delta_rule
+    try:
+        yield
+    finally:
+        modeling.torch_chunk_gated_delta_rule = chunked
 
 
 def token_rows(ckpt: Checkpoint, hf_name: str, ids):
@@ -154,6 +175,11 @@ def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndar
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Qwen3.5's linear-attention layers' projections (model.delta_net's names are the checkpoint's), and
+# its output gate, whose input is q_proj's (both are rows of the checkpoint's q_proj)
+DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                     "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SAME_INPUT = {"q_proj": ("o_gate",)}
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],
@@ -176,12 +202,16 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
 
     def on_layer(n: int, layer) -> Callable[[], None]:
         handles = []
-        for name in PROJECTIONS:  # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
-            module = layer.get_submodule(layer_tensors(ckpt.config)[f"{name}.weight"].removesuffix(".weight"))
+        names = layer_tensors(ckpt.config, n)
+        for name in DELTA_PROJECTIONS if ckpt.config.linear(n) else PROJECTIONS:
+            # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
+            module = layer.get_submodule(names[f"{name}.weight"].removesuffix(".weight"))
+            also = [other for other in SAME_INPUT.get(name, ()) if f"{other}.weight" in names]
 
-            def hook(_module, inputs, _output, key=f"layers.{n}.{name}.weight"):
+            def hook(_module, inputs, _output, keys=[f"layers.{n}.{x}.weight" for x in (name, *also)]):
                 x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
-                found_one(key, (x * x).mean(0).to(torch.float32).numpy())
+                for key in keys:
+                    found_one(key, (x * x).mean(0).to(torch.float32).numpy())
             handles.append(module.register_forward_hook(hook))
         return lambda: [h.remove() for h in handles]
 

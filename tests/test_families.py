@@ -1,5 +1,5 @@
-"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 and 4 (text) and LFM2 checkpoints, and a Mistral
-window shorter than the context, end to end on tiny random models.
+"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and Qwen3.5 (text) checkpoints, and a
+Mistral window shorter than the context, end to end on tiny random models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
 with the tiny test tokenizer and a small chat template in the family's style, written here. The
@@ -42,6 +42,11 @@ GEMMA4 = {"model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh",
 
 LFM2 = {"model_type": "lfm2", "tie_word_embeddings": True, "intermediate_size": 96, "block_multiple_of": 16,
         "block_ffn_dim_multiplier": 1.5, "conv_L_cache": 3, "rope_theta": 1_000_000.0}
+
+# Qwen3.5's text model: Gated DeltaNet layers beside output-gated attention with a quarter of each head
+# rotated; value heads 32 wide, as the ANE keeps a state
+QWEN35 = {"model_type": "qwen3_5_text", "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 16, "linear_value_head_dim": 32, "num_hidden_layers": 4}
 
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
@@ -102,12 +107,20 @@ CASES = {
     "lfm2_tied_gqa": dict(LFM2, head_dim=32, layer_types=["conv", "full_attention", "conv"]),
     "lfm2_tied_mha_conv_bias": dict(LFM2, num_key_value_heads=4, num_hidden_layers=4, conv_bias=True,
                                     layer_types=["conv", "conv", "full_attention", "conv"]),
+    # Qwen3.5: linear-attention layers beside attention ones (a chunk of linear layers only, too), GQA
+    # attention and two value heads per key head; MHA attention, one value head per key head, untied,
+    # the layers as full_attention_interval lays them out
+    "qwen35_tied_gqa": dict(QWEN35, tie_word_embeddings=True,
+                            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"]),
+    "qwen35_untied_mha": dict(QWEN35, tie_word_embeddings=False, num_key_value_heads=4, linear_num_value_heads=2,
+                              full_attention_interval=2),
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
-            "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global"]  # one fp16 export each
+            "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
+            "qwen35_untied_mha"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
-           "gemma4_kv_shared"]
+           "gemma4_kv_shared", "qwen35_tied_gqa"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -130,6 +143,9 @@ TEMPLATES = {
                     "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
     "lfm2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    # Qwen3.5 style: ChatML turns, the assistant's turn opening with an empty thinking block (thinking off)
+    "qwen3_5_text": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"),
     "mistral": ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|> {{ m['content'] }} "
                 "<|im_end|>{% else %}{{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}"),
 }
@@ -191,7 +207,7 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "gemma4_text", "global_head_dim": 16, "num_kv_shared_layers": 1}, ["num_kv_shared_layers"]),
     ({"model_type": "lfm2", "layer_types": ["conv", "sliding_attention", "conv"]}, ["layer_types", "\"conv\""]),
     ({"model_type": "lfm2", "full_attn_idxs": [0], "conv_L_cache": 1}, ["conv_L_cache", ">= 2"]),
-    ({"model_type": "qwen3_5_text"}, ["'qwen3_5_text'", "'gemma3_text'"]),
+    ({"model_type": "qwen3_5_text", "linear_num_value_heads": 3}, ["linear_num_value_heads", "multiple"]),
 ])
 def test_family_fields_are_checked(change, words):
     with pytest.raises(ConfigError) as e:
@@ -312,9 +328,13 @@ def test_a_fused_tensor_of_the_wrong_shape_is_named(tmp_path):
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, checkpoints):
+    from llama_ane.reference import recurrent_delta_rule
+
     folder = checkpoints(request.param)
     model = load_fp32(folder)
-    yield request.param, model, reference(folder, CASES[request.param]["model_type"])
+    model_type = CASES[request.param]["model_type"]
+    with recurrent_delta_rule(model_type):  # Qwen3.5's reference: transformers' token-by-token delta rule
+        yield request.param, model, reference(folder, model_type)
     model.close()
 
 

@@ -13,6 +13,8 @@ from llama_ane.model.delta_net import DeltaLayer, DeltaShape, delta_layer_mil, g
 from llama_ane.model.layers import Graph
 from llama_ane.model.short_conv import conv_state_after, conv_state_after_mil
 
+from test_families import CASES
+
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer,  # noqa: E402
@@ -189,3 +191,296 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path, precision)
     np.testing.assert_allclose(got[0][..., :n], y[..., :n].numpy(), rtol=tol, atol=tol)
     np.testing.assert_allclose(got[1], conv_new.numpy(), rtol=tol, atol=tol)
     np.testing.assert_allclose(got[2], new.numpy(), rtol=tol, atol=tol)
+
+
+def branch_states(net: DeltaShape, b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of b branches' conv state (1,Q,B,K-1) and recurrent state (B,H*Dk,1,Dv), random."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, net.conv_channels, b, K - 1, generator=gen),
+            0.3 * torch.randn(b, *net.state_shape[1:], generator=gen))
+
+
+def test_branches_each_equal_their_own_decoding(pair):
+    """B columns, each the next token of its own sequence from its own states, give what decoding
+    each alone gives: its output, its token's conv values and its next state."""
+    hf, module, net, x, _, _ = pair
+    b = 3
+    conv_states, states = branch_states(net, b, 4)
+    xs = channels_first(x)[..., :b]
+    with torch.no_grad():
+        y, mixed, new = module(xs, conv_states, states, None)
+        for j in range(b):
+            y1, mixed1, new1 = module(xs[..., j:j + 1], conv_states[:, :, j:j + 1], states[j:j + 1], 1)
+            torch.testing.assert_close(y[..., j:j + 1], y1, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mixed[..., j:j + 1], mixed1, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(new[j:j + 1], new1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.export
+def test_mil_builder_matches_torch_on_branches(pair, tmp_path):
+    ct = pytest.importorskip("coremltools")
+    from coremltools.converters.mil import Builder as mb
+    from llama_ane.mil import PackageExecutor
+
+    hf, module, net, x, _, _ = pair
+    params = {name: t.numpy() for name, t in module.state_dict().items()}
+    g = Graph(np.float32, lambda name: params[name])
+    b, width = 3, 32
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, C, 1, b)), mb.TensorSpec(shape=(1, net.conv_channels, b, width)),
+                             mb.TensorSpec(shape=(b, *net.state_shape[1:]))], opset_version=ct.target.iOS18)
+    def prog(x, conv_branches, delta_branches):
+        return delta_layer_mil(g, x, conv_branches, delta_branches, None, "", C, net, b)
+
+    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32)
+    model.save(str(tmp_path / "delta_branches.mlpackage"))
+    conv_states, states = branch_states(net, b, 5)
+    conv_states = torch.cat([torch.zeros(1, net.conv_channels, b, width - K + 1), conv_states], dim=3)
+    feeds = {"x": channels_first(x)[..., :b].numpy(), "conv_branches": conv_states.numpy(),
+             "delta_branches": states.numpy()}
+    got = list(PackageExecutor(tmp_path / "delta_branches.mlpackage", precision="fp32").run("main", feeds).values())
+    with torch.no_grad():
+        want = module(channels_first(x)[..., :b], conv_states, states, None)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w.numpy(), rtol=1e-4, atol=1e-4)
+
+
+# --- the config, the checkpoint's tensors, the whole model --------------------------------------------
+
+# the tiny Qwen3.5 checkpoints test_families.py runs end to end (written by Qwen3_5ForCausalLM), whose
+# torch fp32 logits, greedy tokens, cascade, fp16 export, inspect and mil runs it checks
+CHECKPOINTS = {name.removeprefix("qwen35_"): case for name, case in CASES.items() if name.startswith("qwen35_")}
+
+
+def tiny_config(case: str = "tied_gqa", **change):
+    """The config of checkpoint `case` with `change`, as LlamaConfig reads it."""
+    from llama_ane.config import LlamaConfig
+    from llama_ane.testing import TINY_CONFIG
+
+    return LlamaConfig.from_hf_dict({**TINY_CONFIG, "vocab_size": 320, **CHECKPOINTS[case], **change})
+
+
+def test_config_and_tensors_as_transformers_has_them():
+    """The config read as Qwen3_5TextConfig reads it (linear layers, their heads and widths, the
+    convolution's kernel, a quarter of each head rotated, output-gated attention), the manifest's copy
+    read back, and every tensor and shape of Qwen3_5ForCausalLM's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from llama_ane.checkpoint.mapping import expected_shape, expected_tensors
+    from llama_ane.config import DELTA_FIELDS, LlamaConfig
+
+    for name in CHECKPOINTS:
+        cfg = tiny_config(name)
+        hf = cfg.transformers_config()
+        assert [cfg.linear(n) for n in range(4)] == [t == "linear_attention" for t in hf.layer_types]
+        assert (cfg.conv_kernel, cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim) \
+            == (hf.linear_conv_kernel_dim, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
+                hf.linear_value_head_dim)
+        assert cfg.rotary_dim == 8 and cfg.attn_output_gate and cfg.qk_norm
+        assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+        model = AutoModelForCausalLM.from_config(hf)
+        theirs = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        ours = {n: expected_shape(cfg, n, dims) for n, dims in expected_tensors(cfg).items()}
+        assert ours == theirs
+    assert tiny_config("untied_mha").delta_layers == [0, 2]  # full_attention_interval 2
+    assert tiny_config(layer_types=None, num_hidden_layers=8).delta_layers == [0, 1, 2, 4, 5, 6]  # by default every 4th
+    assert tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True}).rotary_dim == 16
+    llama = LlamaConfig.from_hf_dict(dict(tiny_config().to_hf_dict(), model_type="llama"))
+    assert not set(DELTA_FIELDS) & set(llama.to_dict())  # other families' manifests hold none of them
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]},
+     ["layer_types", "\"linear_attention\""]),
+    ({"layer_types": ["linear_attention", "full_attention"]}, ["layer_types", "num_hidden_layers (4)"]),
+    ({"linear_num_value_heads": 3}, ["linear_num_value_heads (3)", "multiple of linear_num_key_heads (2)"]),
+    ({"linear_conv_kernel_dim": 1}, ["linear_conv_kernel_dim", ">= 2"]),
+    ({"linear_key_head_dim": "16"}, ["linear_key_head_dim", "the string"]),
+    ({"attention_bias": True}, ["attention_bias", "without biases"]),
+])
+def test_bad_fields_are_refused_by_name(change, words):
+    from llama_ane.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny_config(**change)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("delta_layers", [9]), ("delta_layers", "0,1"), ("delta_key_dim", 0),
+                                          ("attn_output_gate", "yes"), ("delta_value_heads", 3)])
+def test_a_manifest_config_with_a_bad_linear_attention_field_is_refused(field, value):
+    """The manifest's copy of the config is untrusted too: each of Qwen3.5's fields is checked when read back."""
+    from llama_ane.config import ConfigError, LlamaConfig
+
+    with pytest.raises(ConfigError, match=field.split("_")[-1] if field == "delta_value_heads" else field):
+        LlamaConfig.from_dict(dict(tiny_config().to_dict(), **{field: value}))
+
+
+def test_multimodal_checkpoint_and_speculative_window_refused_by_name():
+    """Qwen3.5's multimodal checkpoint (model_type qwen3_5: a vision tower, language_model.* names)
+    is refused by name; so is a verify window, which its linear-attention states cannot serve."""
+    from llama_ane.config import ConfigError, LlamaConfig
+    from llama_ane.contract.options import ExportOptions, ExportOptionsError
+    from llama_ane.contract.plan import plan_export
+    from llama_ane.testing import TINY_CONFIG
+
+    with pytest.raises(ConfigError, match="'qwen3_5'.*Gated DeltaNet"):
+        LlamaConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=320, model_type="qwen3_5"))
+    with pytest.raises(ExportOptionsError, match="--verify-window 16.*linear-attention layers.*--verify-window 0"):
+        plan_export(tiny_config(), ExportOptions(context_length=256, verify_window=16))
+
+
+def test_a_qwen35_gguf_is_refused_by_name(tmp_path):
+    """llama.cpp's Qwen3.5 architecture ('qwen35') is not read from GGUF: one error naming it."""
+    gguf = pytest.importorskip("gguf")
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.errors import LlamaANEError
+
+    path = tmp_path / "qwen35.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(LlamaANEError, match="'qwen35' model, which llama-ane does not export"):
+        load_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from test_architectures import made_once
+
+    from llama_ane.testing import make_tiny_checkpoint
+
+    return made_once(tmp_path_factory, CHECKPOINTS, make_tiny_checkpoint)
+
+
+def load_fp32(folder, **options):
+    import llama_ane
+
+    return llama_ane.load(folder, backend="torch", precision="fp32",
+                          **{"context_length": 256, "prefill_length": 32, "layers_per_chunk": 2, **options})
+
+
+def hf_model(folder):
+    """Qwen3_5ForCausalLM of `folder` in fp32."""
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("prefill", [8, 32])
+def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders, prefill):
+    """Prefill in windows of `prefill` (the last one padded), then decoding: every linear-attention
+    layer's recurrent state and convolution state, held per chunk, are transformers' after the same
+    tokens, and the pipeline's are those of the export's own reference (llama_ane.reference)."""
+    from transformers import DynamicCache
+
+    from llama_ane.reference import recurrent_delta_rule
+    from llama_ane.runtime.pipeline import Pipeline  # noqa: F401  (the per-chunk caches it keeps)
+
+    folder = folders("tied_gqa")
+    model, ref = load_fp32(folder, prefill_length=prefill), hf_model(folder)
+    ids = list(range(9, 9 + 45))
+    pipeline = model.pipeline
+    pipeline.reset()
+    pipeline.prefill(ids[:40])
+    for t in ids[40:]:
+        pipeline.run_window([t])
+    cache = DynamicCache(config=ref.config)
+    with torch.no_grad(), recurrent_delta_rule("qwen3_5_text"):
+        ref(torch.tensor([ids]), cache=cache, use_cache=True)
+    cfg = pipeline.config
+    for c, chunk in enumerate(pipeline.chunks):
+        rows = [n for n in chunk["layers"] if cfg.linear(n)]
+        for j, n in enumerate(rows):
+            state = pipeline.cache.caches[c]["delta"][j].reshape(cfg.delta_value_heads, cfg.delta_key_dim, -1)
+            torch.testing.assert_close(torch.from_numpy(state), cache.get_recurrent_state(n, state_idx=0)[0],
+                                       rtol=1e-4, atol=1e-4)
+            conv = pipeline.cache.caches[c]["conv"][j, :, 0, -(K - 1):]
+            torch.testing.assert_close(torch.from_numpy(conv), cache.get_conv_state(n, state_idx=0)[0, :, 1:],
+                                       rtol=1e-4, atol=1e-5)
+    assert pipeline.rewind(30) == 0 and pipeline.position == 0  # a state cannot go back: start again
+    model.close()
+
+
+@pytest.mark.export
+def test_a_prompt_cache_file_holds_the_states(folders, tmp_path):
+    """A prompt-cache file saves each chunk's states whole: decoding on from the loaded file gives
+    the logits of decoding on from the cache it was saved from."""
+    from llama_ane.runtime.kv_cache import load_cache, save_cache
+
+    model = load_fp32(folders("tied_gqa"), context_length=64, prefill_length=8)
+    pipeline, ids = model.pipeline, list(range(5, 19))
+    pipeline.reset()
+    pipeline.run_window(ids[:8])
+    pipeline.run_window(ids[8:13])
+    assert all(c["delta"].any() for c in pipeline.cache.caches)
+    save_cache(pipeline.cache, model.manifest, tmp_path / "prompt.npz")
+    want = pipeline.run_window(ids[13:14])
+    pipeline.use(load_cache(tmp_path / "prompt.npz", model.manifest, pipeline.new_cache()))
+    np.testing.assert_array_equal(pipeline.run_window(ids[13:14]), want)
+    model.close()
+
+
+@pytest.fixture(scope="module", params=["state", "inputs"])
+def exported(request, folders, tmp_path_factory):
+    """One fp16 export of each cache kind (tied_gqa: a chunk of linear-attention layers only, and one
+    with the attention layer)."""
+    from llama_ane.api import export_model
+
+    out = tmp_path_factory.mktemp("export") / request.param
+    return request.param, export_model(folders("tied_gqa"), out, context_length=256, prefill_length=64,
+                                       layers_per_chunk=2, kv_cache=request.param, branch_width=4,
+                                       suffix_length=64, progress=False, verify=False)
+
+
+@pytest.mark.export
+@pytest.mark.slow
+def test_the_fp16_export_passes_inspect_and_runs_in_mil(exported):
+    """inspect --strict finds no ANE rule broken; the mil backend's programs give the torch fp16
+    backend's top-1 tokens (>= 0.98) and their decode_branches the tokens of decoding alone; with
+    input caches the chunks return the states after the window's real tokens (delta_new), with
+    state caches they write them."""
+    from test_architectures import check_inspect_strict, check_mil_branches, check_mil_fp16
+
+    import llama_ane
+
+    kind, out = exported
+    check_inspect_strict(out)
+    check_mil_fp16(f"qwen35_{kind}", out, top1=0.98)
+    check_mil_branches(f"qwen35_{kind}", out)
+    decode = llama_ane.load(out, backend="mil").manifest["models"]["chunk_0"]["functions"]["decode"]
+    where = {t["name"]: kind for kind in ("inputs", "states", "outputs") for t in decode.get(kind, [])}
+    assert where["delta_state"] == ("states" if kind == "state" else "inputs")
+    assert ("delta_new" in where) == (kind == "inputs") and where["window_tokens"] == "inputs"
+
+
+@pytest.mark.export
+@pytest.mark.slow
+def test_mil_states_follow_torch_fp16(exported):
+    """The programs' recurrent states after a padded prefill window and decoding (mil, fp16) are the
+    torch backend's (fp16) within fp16 rounding."""
+    import llama_ane
+
+    kind, out = exported
+    ids = list(range(7, 47))
+    states = {}
+    for backend, options in (("mil", {}), ("torch", {"precision": "fp16"})):
+        pipeline = llama_ane.load(out, backend=backend, **options).pipeline
+        pipeline.reset()
+        pipeline.run_window(ids[:20])
+        for n in range(20, 30):
+            pipeline.run_window(ids[n:n + 1])
+        getattr(pipeline.backend, "sync_states", lambda: None)()
+        states[backend] = [c["delta"].astype(np.float32) for c in pipeline.cache.caches]
+    for mil, torch16 in zip(states["mil"], states["torch"]):
+        scale = np.abs(torch16).max()
+        assert scale > 0.01
+        np.testing.assert_allclose(mil, torch16, rtol=0, atol=0.02 * scale)

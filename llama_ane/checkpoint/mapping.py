@@ -69,6 +69,26 @@ LFM2_ATTENTION_NAMES = {ours: CONV_TENSORS[ours] for ours in
 LFM2_ATTENTION_NAMES.update({"o_proj.weight": "self_attn.out_proj.weight",
                              "q_norm.weight": "self_attn.q_layernorm.weight",
                              "k_norm.weight": "self_attn.k_layernorm.weight"})
+# Qwen3.5's linear-attention layers: our name in model.delta_net.DeltaLayer -> its name inside model.layers.N
+DELTA_TENSORS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "linear_attn.in_proj_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight": "linear_attn.in_proj_z.weight",
+    "linear_attn.in_proj_b.weight": "linear_attn.in_proj_b.weight",
+    "linear_attn.in_proj_a.weight": "linear_attn.in_proj_a.weight",
+    "linear_attn.conv1d.weight": "linear_attn.conv1d.weight",
+    "linear_attn.dt_bias": "linear_attn.dt_bias",
+    "linear_attn.A_log": "linear_attn.A_log",
+    "linear_attn.norm.weight": "linear_attn.norm.weight",
+    "linear_attn.out_proj.weight": "linear_attn.out_proj.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+# Qwen3.5's output-gated attention: q_proj holds each head's query rows, then its gate's; ours are
+# the queries (q_proj) and the gates (o_gate), each head's half of its rows (GATED_HALF)
+GATED_HALF = {"q_proj.weight": 0, "o_gate.weight": 1}
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),
@@ -98,7 +118,18 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "per_layer_projection.weight": ("hidden_size", "per_layer_input_size"),
     "post_per_layer_input_norm.weight": ("hidden_size",),
     "layer_scalar": (1,),
+    "o_gate.weight": ("q_channels", "hidden_size"),
+    "linear_attn.in_proj_qkv.weight": ("delta_conv_channels", "hidden_size"),
+    "linear_attn.in_proj_z.weight": ("delta_value_channels", "hidden_size"),
+    "linear_attn.in_proj_b.weight": ("delta_value_heads", "hidden_size"),
+    "linear_attn.in_proj_a.weight": ("delta_value_heads", "hidden_size"),
+    "linear_attn.conv1d.weight": ("delta_conv_channels", 1, "conv_kernel"),
+    "linear_attn.dt_bias": ("delta_value_heads",),
+    "linear_attn.A_log": ("delta_value_heads",),
+    "linear_attn.norm.weight": ("delta_value_dim",),
+    "linear_attn.out_proj.weight": ("hidden_size", "delta_value_channels"),
 }
+GATED_Q_SHAPE = ("gated_q_channels", "hidden_size")  # an output-gated attention's q_proj (queries and gates)
 FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
                 "mlp.gate_up_proj.weight": ("gate_up_channels", "hidden_size")}
 GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
@@ -120,7 +151,11 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "gate_up_channels": "2*intermediate_size", "conv_in_channels": "3*hidden_size",
            "conv_kernel": "conv_L_cache", "per_layer_input_size": "hidden_size_per_layer_input",
            "per_layer_vocab_size": "vocab_size_per_layer_input",
-           "per_layer_channels": "num_hidden_layers*hidden_size_per_layer_input"}
+           "per_layer_channels": "num_hidden_layers*hidden_size_per_layer_input",
+           "gated_q_channels": "2*num_attention_heads*head_dim",
+           "delta_conv_channels": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
+           "delta_value_channels": "linear_num_value_heads*linear_value_head_dim",
+           "delta_value_heads": "linear_num_value_heads", "delta_value_dim": "linear_value_head_dim"}
 KV_TENSORS = ("k_proj.weight", "v_proj.weight", "k_norm.weight")  # what a KV-shared layer has none of
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
@@ -132,12 +167,18 @@ STREAM_SCALED = ("post_attention_layernorm.weight", "post_feedforward_layernorm.
 # What reads the stream into something not scale invariant (Gemma 4's per-layer input gate, before its
 # GeLU): the stream scale is undone in its weights
 STREAM_UNSCALED = ("per_layer_input_gate.weight",)
-CONV_WEIGHTS = ("per_layer_input_gate.weight", "per_layer_projection.weight")  # Linear weights not named *proj.weight
+CONV_WEIGHTS = ("per_layer_input_gate.weight", "per_layer_projection.weight", "o_gate.weight",  # Linear weights
+                "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                "linear_attn.in_proj_a.weight")  # not named *proj.weight
+DEPTHWISE = ("conv.conv.weight", "linear_attn.conv1d.weight")  # depthwise Conv1d kernels (C, 1, K)
+PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3.5's gated norm scales by w, its other norms by (1 + w)
 
 
 def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     """Our parameter names of decoder layer `layer` (a DecoderLayer, or a ConvLayer where the layer
     convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
+    if cfg.linear(layer):
+        return dict(DELTA_TENSORS)
     if cfg.convolves(layer):
         return {**CONV_TENSORS, **(CONV_BIASES if cfg.conv_bias else {})}
     if cfg.model_type == "lfm2":
@@ -151,6 +192,8 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     out = {**block, **{ours: FAMILY_TENSORS[ours] for ours in cfg.layer_extras}}
     if cfg.shares_kv(layer):  # Gemma 4's KV-shared layers compute no K/V
         out = {ours: hf for ours, hf in out.items() if ours not in KV_TENSORS}
+    if cfg.attn_output_gate:
+        out["o_gate.weight"] = out["q_proj.weight"]
     return out
 
 
@@ -160,6 +203,8 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
     for n in range(cfg.num_hidden_layers):
         shapes.update({f"model.layers.{n}.{hf}": FUSED_SHAPES.get(hf) or SHAPES[ours]
                        for ours, hf in layer_tensors(cfg, n).items()})
+        if cfg.attn_output_gate and not cfg.linear(n):
+            shapes[f"model.layers.{n}.self_attn.q_proj.weight"] = GATED_Q_SHAPE
     shapes[final_norm_name(cfg)] = GLOBAL_SHAPES["model.norm.weight"]
     if cfg.per_layer_input_size:
         shapes.update(dict(PER_LAYER_TENSORS.values()))
@@ -231,11 +276,13 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = ckpt.rows(hf, start, start + getattr(cfg, size)).to(torch.float32)
     else:
         w = ckpt.tensor(hf).to(torch.float32)
+    if cfg.attn_output_gate and ours in GATED_HALF:  # (H*2*D, C): each head's queries, then its gates
+        w = w.reshape(cfg.num_attention_heads, 2, cfg.head_dim, -1)[:, GATED_HALF[ours]].reshape(cfg.q_channels, -1)
     if ours.endswith("proj.weight") or ours in CONV_WEIGHTS:
         w = as_conv(w)
-    if ours == "conv.conv.weight":  # the depthwise Conv1d's (C, 1, K) as a Conv2d's (C, 1, 1, K)
+    if ours in DEPTHWISE:  # the depthwise Conv1d's (C, 1, K) as a Conv2d's (C, 1, 1, K)
         w = w.reshape(w.shape[0], 1, 1, w.shape[-1])
-    if ours.endswith("norm.weight"):
+    if ours.endswith("norm.weight") and ours not in PLAIN_NORMS:
         w = norm_weight(cfg, w)
     if cfg.sandwich_norms and ours in STREAM_SCALED:
         w = w * cfg.stream_scale

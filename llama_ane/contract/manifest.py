@@ -204,10 +204,22 @@ def _check_cache_shapes(manifest: dict[str, Any]) -> None:
         raise ManifestError(f"{MANIFEST}: cache.sliding names a ring buffer of {ring} positions, but no chunk "
                             f"function reads one (k_ring); {REEXPORT}")
     _check_conv_shapes(manifest)
+    _check_delta_shapes(manifest)
     buckets = context_buckets(manifest)
     if buckets != sorted(set(buckets)) or buckets[-1] != context:
         raise ManifestError(f"{MANIFEST}: context_buckets {buckets} must ascend to context_length {context}; "
                             f"{REEXPORT}")
+
+
+def _tensors_named(manifest: dict[str, Any], names: tuple[str, ...], kinds: tuple[str, ...]):
+    """Every function tensor called one of `names` among its `kinds` ("inputs", "states",
+    "outputs"), with where it is ("models.chunk_0.functions.decode.inputs[5]")."""
+    for model, entry in manifest["models"].items():
+        for fn, f in entry["functions"].items():
+            for kind in kinds:
+                for i, t in enumerate(f.get(kind, [])):
+                    if t["name"] in names:
+                        yield f"models.{model}.functions.{fn}.{kind}[{i}]", t
 
 
 def _check_conv_shapes(manifest: dict[str, Any]) -> None:
@@ -215,25 +227,43 @@ def _check_conv_shapes(manifest: dict[str, Any]) -> None:
     is one exactly where cache.conv says the export has conv layers."""
     conv = manifest["cache"].get("conv")
     read = False
-    for model, entry in manifest["models"].items():
-        for fn, f in entry["functions"].items():
-            for kind in ("inputs", "states"):
-                for i, t in enumerate(f.get(kind, [])):
-                    if t["name"] != "conv_state":
-                        continue
-                    read = True
-                    if conv is None:
-                        raise ManifestError(f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] reads a conv state "
-                                            f"(conv_state), but there is no cache.conv; {REEXPORT}")
-                    want = [t["shape"][0], conv["channels"], 1, conv["width"]]
-                    if t["shape"] != want or conv["width"] < conv["kernel"] - 1:
-                        raise ManifestError(
-                            f"{MANIFEST}: models.{model}.functions.{fn}.{kind}[{i}] 'conv_state' has shape "
-                            f"{t['shape']}, but cache.conv (channels {conv['channels']}, width {conv['width']}, "
-                            f"at least kernel {conv['kernel']} - 1) gives {want}; {REEXPORT}")
+    for where, t in _tensors_named(manifest, ("conv_state",), ("inputs", "states")):
+        read = True
+        if conv is None:
+            raise ManifestError(f"{MANIFEST}: {where} reads a conv state (conv_state), but there is no cache.conv; "
+                                f"{REEXPORT}")
+        want = [t["shape"][0], conv["channels"], 1, conv["width"]]
+        if t["shape"] != want or conv["width"] < conv["kernel"] - 1:
+            raise ManifestError(
+                f"{MANIFEST}: {where} 'conv_state' has shape {t['shape']}, but cache.conv (channels "
+                f"{conv['channels']}, width {conv['width']}, at least kernel {conv['kernel']} - 1) gives {want}; "
+                f"{REEXPORT}")
     if conv is not None and not read:
         raise ManifestError(f"{MANIFEST}: cache.conv names conv layers {conv['layers']}, but no chunk function "
                             f"reads their state (conv_state); {REEXPORT}")
+
+
+def _check_delta_shapes(manifest: dict[str, Any]) -> None:
+    """Every linear-attention state tensor (delta_state, delta_new, delta_branches) is (rows,
+    cache.delta.heads * key_dim, 1, value_dim), and there is one exactly where cache.delta says the
+    export has linear-attention layers."""
+    from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
+
+    delta = manifest["cache"].get("delta")
+    read = False
+    for where, t in _tensors_named(manifest, (DELTA_STATE, DELTA_NEW, DELTA_BRANCHES), ("inputs", "states", "outputs")):
+        read = True
+        if delta is None:
+            raise ManifestError(f"{MANIFEST}: {where} is a linear-attention state ({t['name']}), but there is no "
+                                f"cache.delta; {REEXPORT}")
+        want = [t["shape"][0], delta["heads"] * delta["key_dim"], 1, delta["value_dim"]]
+        if t["shape"] != want:
+            raise ManifestError(
+                f"{MANIFEST}: {where} {t['name']!r} has shape {t['shape']}, but cache.delta (heads {delta['heads']}, "
+                f"key_dim {delta['key_dim']}, value_dim {delta['value_dim']}) gives {want}; {REEXPORT}")
+    if delta is not None and not read:
+        raise ManifestError(f"{MANIFEST}: cache.delta names linear-attention layers {delta['layers']}, but no chunk "
+                            f"function reads their state ({DELTA_STATE}); {REEXPORT}")
 
 
 def check_manifest(manifest: Any, out: Path) -> dict[str, Any]:
@@ -412,9 +442,15 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                   **({"sliding": {"length": ring, "layers": [n for n in cfg.sliding_layers if not cfg.shares_kv(n)],
                                   **({"channels": cfg.kv_channels} if cfg.wide_global else {})}} if ring else {}),
                   # the conv layers' state: (their layers in a chunk, channels, 1, width), any context; its
-                  # last kernel - 1 columns hold the values
-                  **({"conv": {"layers": list(cfg.conv_layers), "channels": cfg.hidden_size, "kernel": cfg.conv_kernel,
-                               "width": conv_state_width(cfg)}} if cfg.conv_layers else {})},
+                  # last kernel - 1 columns hold the values (Qwen3.5's linear-attention layers convolve too)
+                  **({"conv": {"layers": [n for n in range(cfg.num_hidden_layers) if cfg.convolves(n)],
+                               "channels": cfg.conv_channels, "kernel": cfg.conv_kernel,
+                               "width": conv_state_width(cfg)}} if cfg.conv_layers or cfg.delta_layers else {}),
+                  # the linear-attention layers' recurrent state: (their layers in a chunk, heads*key_dim, 1,
+                  # value_dim), any context
+                  **({"delta": {"layers": list(cfg.delta_layers), "heads": cfg.delta_value_heads,
+                                "key_dim": cfg.delta_key_dim, "value_dim": cfg.delta_value_dim}}
+                     if cfg.delta_layers else {})},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
         "lm_head": {"models": [] if head_folded_into else [lm_head_model_name(k) for k in range(len(head_groups))],

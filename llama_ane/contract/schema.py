@@ -85,7 +85,11 @@ SCHEMA: dict[str, Any] = {
                                  "conv": {"type": "object", "required": ["layers", "channels", "kernel", "width"],
                                           "properties": {"layers": {"type": "array", "minItems": 1,
                                                                     "items": _COUNT},
-                                                         "channels": _SIZE, "kernel": _SIZE, "width": _SIZE}}}},
+                                                         "channels": _SIZE, "kernel": _SIZE, "width": _SIZE}},
+                                 "delta": {"type": "object", "required": ["layers", "heads", "key_dim", "value_dim"],
+                                           "properties": {"layers": {"type": "array", "minItems": 1,
+                                                                     "items": _COUNT},
+                                                          "heads": _SIZE, "key_dim": _SIZE, "value_dim": _SIZE}}}},
         "embeddings": {"type": "object", "required": ["models", "vocab_ranges"],
                        "properties": {"models": _MODEL_LIST, "vocab_ranges": {
                            "type": "array", "items": {"type": "array", "items": _COUNT,

@@ -19,6 +19,14 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
     the norms, (C, kernel) for a short convolution's kernel."""
     cfg = cfg.at(layer)
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
+    if cfg.linear(layer):  # Qwen3.5's Gated DeltaNet (model.delta_net.DeltaLayer)
+        h, qc, vc = cfg.delta_value_heads, cfg.delta_conv_channels, cfg.delta_value_channels
+        return {"input_layernorm.weight": (c,), "linear_attn.in_proj_qkv.weight": (qc, c),
+                "linear_attn.in_proj_z.weight": (vc, c), "linear_attn.in_proj_b.weight": (h, c),
+                "linear_attn.in_proj_a.weight": (h, c), "linear_attn.conv1d.weight": (qc, cfg.conv_kernel),
+                "linear_attn.dt_bias": (h,), "linear_attn.A_log": (h,), "linear_attn.norm.weight": (cfg.delta_value_dim,),
+                "linear_attn.out_proj.weight": (c, vc), "post_attention_layernorm.weight": (c,),
+                "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
     if cfg.convolves(layer):
         shapes = {"input_layernorm.weight": (c,), "conv.in_proj.weight": (3 * c, c),
                   "conv.conv.weight": (c, cfg.conv_kernel), "conv.out_proj.weight": (c, c),
@@ -36,6 +44,8 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
              "per_layer_projection.weight": (c, cfg.per_layer_input_size),
              "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
+    if cfg.attn_output_gate:  # Qwen3.5's output gate, the second half of its q_proj
+        shapes["o_gate.weight"] = (q, c)
     if cfg.value_from_key(layer):  # V from the K projection (Gemma 4's global layers)
         del shapes["v_proj.weight"]
     if cfg.shares_kv(layer):  # Gemma 4's KV-shared layers compute no K/V
@@ -51,7 +61,8 @@ def weight_part(name: str) -> str | None:
         return "embeddings"
     if name.startswith("heads."):
         return "lm_head"
-    if name.startswith("layers.") and name.endswith("proj.weight"):
+    if name.startswith("layers.") and (name.endswith("proj.weight") or name.endswith(".o_gate.weight")
+                                       or name.rsplit(".", 2)[-2] in ("in_proj_qkv", "in_proj_z")):
         return "mlp" if ".mlp." in name else "attention"
     return None
 
@@ -63,7 +74,8 @@ def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2,
     says (compressed weights)."""
     if layer is None:
         return max(layer_weight_bytes(cfg, bytes_per_weight, stored, n)
-                   for n in {-1, *cfg.conv_layers[:1]})  # an attention layer's, a conv layer's
+                   for n in {-1, *cfg.conv_layers[:1], *cfg.delta_layers[:1]})  # an attention layer's, a
+        # conv layer's, a linear-attention layer's
     shapes = layer_shapes(cfg, layer)
     if stored is None:
         return sum(math.prod(shape) for shape in shapes.values()) * bytes_per_weight

@@ -160,6 +160,12 @@ def _first_checked_axis(desc) -> int:
     return 2 if "suffix" in name and "cache" not in name else 1
 
 
+# what sets a cache's axes, for the fix a cache-multiple violation names
+CACHE_HINTS = {None: "pick a context length (and kv channels) that are",
+               "delta_state": "a linear-attention layer's state is linear_num_value_heads * linear_key_head_dim "
+                              "x linear_value_head_dim: the checkpoint's sizes must be"}
+
+
 def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
     out = []
     seen = set()
@@ -175,7 +181,7 @@ def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
                 out.append(Violation(
                     "cache-multiple", fn.package, fn.function,
                     f"{'state' if d.is_state else kind} {d.name!r} {list(d.shape)}: {dims} not a multiple of "
-                    f"{CACHE_MULTIPLE}; pick a context length (and kv channels) that are",
+                    f"{CACHE_MULTIPLE}; {CACHE_HINTS.get(d.name, CACHE_HINTS[None])}",
                 ))
     return out
 

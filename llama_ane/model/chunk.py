@@ -59,6 +59,11 @@ Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chu
 their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
 (short_conv.conv_state_after). The state does not depend on the context bucket.
+Qwen3.5's linear-attention layers (delta_net.DeltaLayer) have conv_state rows too (LlamaConfig.conv_channels
+wide: their q, k and v channels) and a recurrent state besides: delta_state (L_d,H*Dk,1,Dv), read last
+with window_tokens, and delta_new, the state after the window's real tokens (state caches: written
+in place). The cascade reads each branch's, delta_branches (L_d*B,H*Dk,1,Dv), and returns them after
+its token as delta_new.
 Gemma 4's layers end with a per-layer input: every function of a chunk reads "per_layer_input"
 (1,L*P,1,S), its layers' rows of the embeddings' per_layer_inputs (layer i's P rows at i*P), after
 the inputs above; a layer gates it by its own output, projects it back to C channels, normalizes
@@ -83,6 +88,8 @@ from .layers import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope
                      grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
                      mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
                      suffix_state_mil)
+from .delta_net import (DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, DeltaLayer, delta_layer_mil, delta_rows,
+                        delta_shape)
 from .short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
 
 
@@ -128,6 +135,8 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of an unscaled value
         if cfg.layer_scalar:
             self.layer_scalar = nn.Parameter(torch.ones(1))
+        if cfg.attn_output_gate:  # Qwen3.5: the heads gated by sigmoid(o_gate(h)) before o_proj
+            self.o_gate = conv1x1(cfg.hidden_size, cfg.q_channels)
 
     def rope(self, cos, sin, cos_local, sin_local):
         """The RoPE tables this layer rotates with: the local ones on a local layer (Gemma 3's sliding layers)."""
@@ -137,17 +146,28 @@ class DecoderLayer(nn.Module):
         """The mask this layer attends with: the sliding one on a sliding layer, where the export has one."""
         return sliding_mask if self.slides and sliding_mask is not None else mask
 
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared=None):
-        """Norm, projections (q/k/v biases, per-head q/k norms where the family has them) and RoPE.
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input as attention reads it: normalized, where the family norms it first."""
+        return self.input_layernorm(x) if self.cfg.input_norm else x
 
-        x: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
+    def gated(self, h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The attention heads (G,R,D,S) times sigmoid(o_gate(h)) where the layer gates its output
+        (Qwen3.5), else as they are; h: the normed input (1,C,1,S)."""
+        if not self.cfg.attn_output_gate:
+            return heads
+        return heads * torch.sigmoid(self.o_gate(h)).reshape(heads.shape)
+
+    def project_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared=None):
+        """Projections of the normed input h (`normed`) (q/k/v biases, per-head q/k norms where the
+        family has them) and RoPE.
+
+        h: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
         R query heads each. A KV-shared layer projects q only: k, v are `shared` (its producer's
         (1,KV,1,S)).
         """
         c = self.cfg
         g, d = c.num_key_value_heads, c.head_dim
         r = c.num_attention_heads // g
-        h = self.input_layernorm(x) if c.input_norm else x
         cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
         if shared is not None:
             q = self.q_norm(self.q_proj(h)) if c.qk_norm_across_heads else self.q_proj(h)
@@ -205,10 +225,11 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
         k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
-        q, k, v = self.project_qkv(x, cos, sin, shared)
+        h = self.normed(x)
+        q, k, v = self.project_qkv(h, cos, sin, shared)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
                                   c.num_attention_heads // g, t)
-        x = self.finish(x, heads, per_layer_input)
+        x = self.finish(x, self.gated(h, heads), per_layer_input)
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
@@ -219,14 +240,27 @@ def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
     return conv_mil(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
 
 
-def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, s: int, layer: int, shared=None):
+def normed_mil(g: Graph, cfg: LlamaConfig, prefix: str, x):
+    """DecoderLayer.normed. x: (1,C,1,S) -> (1,C,1,S)"""
+    return rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
+        if cfg.input_norm else x
+
+
+def gated_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, heads, s: int):
+    """DecoderLayer.gated. hn: the normed input (1,C,1,S); heads: (G,R,D,S) -> (G,R,D,S)"""
+    if not cfg.attn_output_gate:
+        return heads
+    gk, d = cfg.num_key_value_heads, cfg.head_dim
+    gate = mb.sigmoid(x=conv_mil(g, hn, f"{prefix}o_gate.weight"))
+    return mb.mul(x=heads, y=mb.reshape(x=gate, shape=[gk, cfg.num_attention_heads // gk, d, s]))
+
+
+def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, cos, sin, s: int, layer: int, shared=None):
     """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
-    x: (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S); a KV-shared layer's k, v are
-    `shared` (its producer's, (1,KV,1,S))"""
+    hn: the normed input (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S); a KV-shared
+    layer's k, v are `shared` (its producer's, (1,KV,1,S))"""
     cfg = cfg.at(layer)
     gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    hn = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
-        if cfg.input_norm else x
     cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
     if shared is not None:
         q = _projection_mil(g, cfg, prefix, "q_proj", hn)
@@ -304,11 +338,12 @@ def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin,
     """
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, s, layer, shared)
+    hn = normed_mil(g, cfg, prefix, x)
+    q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, s, layer, shared)
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r))
-    x = finish_mil(g, cfg, prefix, x, heads, s, per_layer_input)
+    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, heads, s), s, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
 
 
@@ -320,9 +355,11 @@ class BlockChunk(nn.Module):
         super().__init__()
         self.layer_indices = list(layer_indices)
         self.layers = nn.ModuleList(
-            ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias)
+            DeltaLayer(cfg.hidden_size, cfg.intermediate_size, delta_shape(cfg)) if cfg.linear(n)
+            else ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias)
             if cfg.convolves(n) else DecoderLayer(cfg.at(n), context_length, n) for n in layer_indices)
-        self.conv = conv_rows(cfg, self.layer_indices)
+        self.conv = conv_rows(cfg, self.layer_indices)  # the conv layers' and the linear-attention layers'
+        self.delta = delta_rows(cfg, self.layer_indices)
         full, sliding = chunk_rows(cfg, self.layer_indices, ring)
         # per layer: which cache it reads ("cache" or "ring") and its row there
         self.rows = {**{i: ("cache", j) for j, i in enumerate(full)}, **{i: ("ring", j) for j, i in enumerate(sliding)}}
@@ -354,11 +391,21 @@ class BlockChunk(nn.Module):
         return out
 
     def run(self, hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local, caches, conv_state=None,
-            per_layer_input=None, shared=None):
+            per_layer_input=None, shared=None, delta_state=None, window_tokens=None):
         """The layers over a window; returns the hidden states, each layer's new k, v (None on a
-        conv layer) and the conv layers' window values (conv_new), or None where the chunk has none."""
-        ks, vs, gated = [], [], []
+        conv or linear-attention layer), the conv layers' window values (conv_new) and the
+        linear-attention layers' states after the window's `window_tokens` real tokens (delta_new),
+        each None where the chunk has none."""
+        ks, vs, gated, states = [], [], [], []
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, DeltaLayer):
+                j, d = self.conv.index(i), self.delta.index(i)
+                hidden_states, g, new = layer(hidden_states, conv_state[j:j + 1], delta_state[d:d + 1], window_tokens)
+                gated.append(g)
+                states.append(new)
+                ks.append(None)
+                vs.append(None)
+                continue
             if isinstance(layer, ConvLayer):
                 j = self.conv.index(i)
                 hidden_states, g = layer(hidden_states, conv_state[j:j + 1])
@@ -375,7 +422,8 @@ class BlockChunk(nn.Module):
                                         self.per_layer_slice(per_layer_input, i), window)
             ks.append(k)
             vs.append(v)
-        return hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None)
+        return (hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None),
+                torch.cat(states, dim=0) if states else None)
 
     def shared_kv(self, i: int, caches: dict, shared: dict | None, ks: list, vs: list):
         """KV-shared chunk layer i's producer's (k, v) cache rows and (k, v) of this window: from
@@ -397,13 +445,15 @@ class BlockChunk(nn.Module):
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
                 sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None, shared_k_cache=None,
                 shared_v_cache=None, shared_k_ring=None, shared_v_ring=None, shared_k_new=None, shared_v_new=None,
-                shared_k_ring_new=None, shared_v_ring_new=None):
+                shared_k_ring_new=None, shared_v_ring_new=None, delta_state=None, window_tokens=None):
         shared = {"cache": (shared_k_cache, shared_v_cache), "ring": (shared_k_ring, shared_v_ring),
                   "cache_new": (shared_k_new, shared_v_new), "ring_new": (shared_k_ring_new, shared_v_ring_new)}
-        hidden_states, ks, vs, conv_new = self.run(hidden_states, cos, sin, mask, sliding_mask, cos_local,
-                                                   sin_local, {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)},
-                                                   conv_state, per_layer_input, shared)
-        return (hidden_states, *self.split(ks, vs)) + (() if conv_new is None else (conv_new,))
+        hidden_states, ks, vs, conv_new, delta_new = self.run(
+            hidden_states, cos, sin, mask, sliding_mask, cos_local, sin_local,
+            {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}, conv_state, per_layer_input, shared, delta_state,
+            window_tokens)
+        return ((hidden_states, *self.split(ks, vs)) + (() if conv_new is None else (conv_new,))
+                + (() if delta_new is None else (delta_new,)))
 
 
 def layer_rope_mil(cfg: LlamaConfig, inputs: dict, layer: int):
@@ -468,8 +518,17 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
         ring = _ring_of(io)
         values = read_states_mil(inputs, io)
         reads, full, sliding = _layer_reads_mil(g, cfg, values, layers, ring, context_length)
-        x, ks, vs, gated = inputs["hidden_states"], [], [], []
+        x, ks, vs, gated, states = inputs["hidden_states"], [], [], [], []
         for i, n in enumerate(layers):
+            if cfg.linear(n):
+                x, gx, state = delta_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
+                                               _delta_state_row_mil(g, cfg, values[DELTA_STATE], len(states)),
+                                               inputs[WINDOW_TOKENS], f"layers.{i}.", cfg.hidden_size, delta_shape(cfg), s)
+                gated.append(gx)
+                states.append(state)
+                ks.append(None)
+                vs.append(None)
+                continue
             if cfg.convolves(n):
                 x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
                                        f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
@@ -489,6 +548,8 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             ks.append(k)
             vs.append(v)
         new = {"conv_state": stack_mil(gated)} if gated else {}
+        if states:
+            new[DELTA_STATE] = stack_mil(states)
         for rows, (k, v) in ((full, ("k_cache", "v_cache")), (sliding, RING_CACHES)):
             if rows:
                 new[k], new[v] = stack_mil([ks[i] for i in rows]), stack_mil([vs[i] for i in rows])
@@ -501,6 +562,8 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             if gated:  # the state after the window's real tokens
                 mb.coreml_update_state(state=inputs["conv_state"], value=conv_state_after_mil(
                     g, values["conv_state"], new["conv_state"], inputs[WINDOW_TOKENS], cfg.conv_kernel, s))
+            if states:  # computed after the window's real tokens
+                mb.coreml_update_state(state=inputs[DELTA_STATE], value=new[DELTA_STATE])
             return {"hidden_states_out": x}
         return {"hidden_states_out": x, **{CACHES[n]: value for n, value in new.items()}}
     return body
@@ -526,8 +589,14 @@ def _producer_mil(g: Graph, cfg: LlamaConfig, inputs: dict, layers: list[int], r
 
 
 def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
-    """Row j of a chunk's conv state (L_c,C,1,W) as (1,C,1,W)."""
-    return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.hidden_size, 1, conv_state_width(cfg)])
+    """Row j of a chunk's conv state (L_c,C,1,W) as (1,C,1,W) (C: LlamaConfig.conv_channels)."""
+    return g.slice(conv_state, [j, 0, 0, 0], [j + 1, cfg.conv_channels, 1, conv_state_width(cfg)])
+
+
+def _delta_state_row_mil(g: Graph, cfg: LlamaConfig, states, j: int, rows: int = 1):
+    """Rows j*rows .. (j+1)*rows of a chunk's linear-attention states (L_d*rows, H*Dk, 1, Dv)."""
+    net = delta_shape(cfg)
+    return g.slice(states, [j * rows, 0, 0, 0], [(j + 1) * rows, net.v_heads * net.dk, 1, net.dv])
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
@@ -539,10 +608,11 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     """
     c = layer.cfg
     g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, the filled prefix (torch backend), or R
-    q, k, v = layer.project_qkv(x, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
+    h = layer.normed(x)
+    q, k, v = layer.project_qkv(h, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
-    x = layer.finish(x, merge_states(v_p, s_p, v_s, s_s), per_layer_input)  # heads (G,R,D,B)
+    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s)), per_layer_input)  # heads (G,R,D,B)
     return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
@@ -554,12 +624,14 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
     """
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    q, k, v = project_qkv_mil(g, cfg, prefix, x, cos, sin, b, layer, shared)
+    hn = normed_mil(g, cfg, prefix, x)
+    q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, b, layer, shared)
     v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
     v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
                                 (gk, r), b, u)
-    x = finish_mil(g, cfg, prefix, x, merge_states_mil(v_p, s_p, v_s, s_s), b, per_layer_input)
+    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, merge_states_mil(v_p, s_p, v_s, s_s), b),
+                   b, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])
 
 
@@ -576,7 +648,8 @@ class BranchChunk(nn.Module):
                 k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
                 v_ring_suffix=None, shared_k_cache=None, shared_v_cache=None, shared_k_ring=None, shared_v_ring=None,
                 shared_k_new=None, shared_v_new=None, shared_k_ring_new=None, shared_v_ring_new=None,
-                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None):
+                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None,
+                delta_branches=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
         suffixes = {"k": (k_suffix, v_suffix), "k_ring": (k_ring_suffix, v_ring_suffix)}
         shared = {"cache": (shared_k_cache, shared_v_cache), "ring": (shared_k_ring, shared_v_ring),
@@ -585,8 +658,15 @@ class BranchChunk(nn.Module):
                   "ring_suffix": (shared_k_ring_suffix, shared_v_ring_suffix)}
         new = {key: ([], []) for key in self.chunk.suffix_keys}
         own = {}  # chunk layer -> (k, v) of this step, for the KV-shared layers after it
-        gated = []
+        gated, states, b = [], [], hidden_states.shape[3]
         for i, layer in enumerate(self.chunk.layers):
+            if isinstance(layer, DeltaLayer):  # each branch from its own states (1,Q,B,W), (B,H*Dk,1,Dv)
+                j, d = len(gated), len(states)
+                hidden_states, g, new_state = layer(hidden_states, conv_branches[j:j + 1],
+                                                    delta_branches[d * b:(d + 1) * b], None)
+                gated.append(g)
+                states.append(new_state)
+                continue
             if isinstance(layer, ConvLayer):  # each branch from its own state (1,C,B,K-1)
                 j = len(gated)
                 hidden_states, g = layer(hidden_states, conv_branches[j:j + 1])
@@ -616,7 +696,8 @@ class BranchChunk(nn.Module):
             new[key][0].append(k)
             new[key][1].append(v)
         out = tuple(torch.cat(rows, dim=0) for key in self.chunk.suffix_keys for rows in new[key])
-        return (hidden_states, *out) + ((torch.cat(gated, dim=0),) if gated else ())
+        return ((hidden_states, *out) + ((torch.cat(gated, dim=0),) if gated else ())
+                + ((torch.cat(states, dim=0),) if states else ()))
 
 
 def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], context_length: int,
@@ -631,11 +712,20 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         where = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
         new = {key: ([], []) for key, _, _ in groups}
         own_k, own_v = {}, {}  # chunk layer -> its K/V of this step, for the KV-shared layers after it
-        x, gated = inputs["hidden_states"], []
+        x, gated, states = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
+            if cfg.linear(n):  # each branch from its own states (1,Q,B,W), (B,H*Dk,1,Dv)
+                conv = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
+                               [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
+                x, gx, state = delta_layer_mil(g, x, conv, _delta_state_row_mil(g, cfg, inputs[DELTA_BRANCHES],
+                                                                               len(states), b),
+                                               None, f"layers.{i}.", cfg.hidden_size, delta_shape(cfg), b)
+                gated.append(gx)
+                states.append(state)
+                continue
             if cfg.convolves(n):  # each branch from its own state (1,C,B,K-1)
                 state = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
-                                [len(gated) + 1, cfg.hidden_size, b, conv_state_width(cfg)])
+                                [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
                 x, gx = conv_layer_mil(g, x, state, f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps,
                                        b, cfg.conv_bias)
                 gated.append(gx)
@@ -666,7 +756,8 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         for key, (ks, vs) in new.items():
             _, _, k_new, v_new = suffix_names(key)
             out.update({k_new: stack_mil(ks), v_new: stack_mil(vs)})
-        return {**out, **({"conv_new": stack_mil(gated)} if gated else {})}
+        return {**out, **({"conv_new": stack_mil(gated)} if gated else {}),
+                **({DELTA_NEW: stack_mil(states)} if states else {})}
     return body
 
 
@@ -686,8 +777,8 @@ def _cache_io(io: dict, layout: Layout) -> dict:
             inputs.append(tensor(WINDOW_TOKENS, [1], "int32"))
         outputs = [t for t in outputs if t["name"] not in CACHES.values()]
     for state in caches:
-        if state["name"] not in RING_CACHES + ("conv_state",):  # the ring is R slots in every bucket, the
-            # conv state K-1 values
+        if state["name"] not in RING_CACHES + ("conv_state", DELTA_STATE):  # the ring is R slots in every bucket,
+            # the conv state K-1 values, the recurrent state one per layer
             state["shape"][3] = layout.context_length
     return {"inputs": inputs, "states": caches, "outputs": outputs}
 
@@ -744,11 +835,11 @@ class HeadedChunk(nn.Module):
     def forward(self, hidden_states, cos, sin, mask, k_cache=None, v_cache=None, sliding_mask=None, cos_local=None,
                 sin_local=None, k_ring=None, v_ring=None, conv_state=None, per_layer_input=None, shared_k_cache=None,
                 shared_v_cache=None, shared_k_ring=None, shared_v_ring=None, shared_k_new=None, shared_v_new=None,
-                shared_k_ring_new=None, shared_v_ring_new=None):
+                shared_k_ring_new=None, shared_v_ring_new=None, delta_state=None, window_tokens=None):
         hidden_states, *new = self.chunk(hidden_states, cos, sin, mask, k_cache, v_cache, sliding_mask, cos_local,
                                          sin_local, k_ring, v_ring, conv_state, per_layer_input, shared_k_cache,
                                          shared_v_cache, shared_k_ring, shared_v_ring, shared_k_new, shared_v_new,
-                                         shared_k_ring_new, shared_v_ring_new)
+                                         shared_k_ring_new, shared_v_ring_new, delta_state, window_tokens)
         return (*self.head(hidden_states), *new)
 
 
@@ -764,14 +855,15 @@ class HeadedBranchChunk(nn.Module):
                 k_ring=None, v_ring=None, conv_branches=None, per_layer_input=None, k_ring_suffix=None,
                 v_ring_suffix=None, shared_k_cache=None, shared_v_cache=None, shared_k_ring=None, shared_v_ring=None,
                 shared_k_new=None, shared_v_new=None, shared_k_ring_new=None, shared_v_ring_new=None,
-                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None):
+                shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None,
+                delta_branches=None):
         hidden_states, *new = self.branches(hidden_states, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
                                             k_suffix, v_suffix, sliding_prefix_mask, sliding_suffix_mask,
                                             cos_local, sin_local, k_ring, v_ring, conv_branches, per_layer_input,
                                             k_ring_suffix, v_ring_suffix, shared_k_cache, shared_v_cache,
                                             shared_k_ring, shared_v_ring, shared_k_new, shared_v_new,
                                             shared_k_ring_new, shared_v_ring_new, shared_k_suffix, shared_v_suffix,
-                                            shared_k_ring_suffix, shared_v_ring_suffix)
+                                            shared_k_ring_suffix, shared_v_ring_suffix, delta_branches)
         return (*self.head(hidden_states), *new)
 
 
@@ -820,9 +912,25 @@ def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tup
     rows = conv_rows(cfg, layers)
     if not rows:
         return [], []
-    c, f = cfg.hidden_size, layout.dtype
+    c, f = cfg.conv_channels, layout.dtype
     return ([tensor("conv_state", [len(rows), c, 1, conv_state_width(cfg)], f)],
             [tensor("conv_new", [len(rows), c, 1, s], f)])
+
+
+def _delta_io(cfg: LlamaConfig, layout: Layout, layers: list[int], branches: int = 0) -> tuple[list[dict], list[dict]]:
+    """A window function's linear-attention states (L_d,H*Dk,1,Dv) in and after the window out, and
+    with input caches the window's real tokens they are taken at (state caches read them for the
+    conv state too: _cache_io); the cascade's (`branches` B) per-branch states (L_d*B,H*Dk,1,Dv) in
+    and out. Empty where the chunk has no linear-attention layers."""
+    rows = delta_rows(cfg, layers)
+    if not rows:
+        return [], []
+    _, channels, _, width = delta_shape(cfg).state_shape
+    f, n = layout.dtype, len(rows) * max(branches, 1)
+    if branches:
+        return [tensor(DELTA_BRANCHES, [n, channels, 1, width], f)], [tensor(DELTA_NEW, [n, channels, 1, width], f)]
+    tokens = [tensor(WINDOW_TOKENS, [1], "int32")] if layout.kv_cache == "inputs" else []
+    return [tensor(DELTA_STATE, [n, channels, 1, width], f)] + tokens, [tensor(DELTA_NEW, [n, channels, 1, width], f)]
 
 
 def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dict[str, dict]:
@@ -833,12 +941,13 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
     for fn, _, s, t in layout.windows():
         caches, new = _caches(cfg, layout, layers, t, s)
         conv_state, conv_new = _conv_io(cfg, layout, layers, s)
+        delta_state, delta_new = _delta_io(cfg, layout, layers)
         out[fn] = _cache_io({
             "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
             + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_io(cfg, layout, layers, s)
-            + conv_state + _shared_io(cfg, layout, layers, t, s),
-            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new,
+            + conv_state + _shared_io(cfg, layout, layers, t, s) + delta_state,
+            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new + delta_new,
         }, layout)
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
@@ -853,11 +962,12 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0] + suffixes
             + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
-            + ([tensor("conv_branches", [convs, c, b, conv_state_width(cfg)], f)] if convs else [])
-            + _shared_io(cfg, layout, layers, t, b, suffix=True),
+            + ([tensor("conv_branches", [convs, cfg.conv_channels, b, conv_state_width(cfg)], f)] if convs else [])
+            + _shared_io(cfg, layout, layers, t, b, suffix=True) + _delta_io(cfg, layout, layers, b)[0],
             # every attention layer's new K/V: the suffix caches hold them all
             "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)] + new
-            + ([tensor("conv_new", [convs, c, 1, b], f)] if convs else []),
+            + ([tensor("conv_new", [convs, cfg.conv_channels, 1, b], f)] if convs else [])
+            + _delta_io(cfg, layout, layers, b)[1],
         }, layout)
     if w:
         caches, new = _caches(cfg, layout, layers, t, w)

@@ -6,6 +6,8 @@ each piece, its MIL builder, op for op.
     GatedDeltaNet    x (1,C,1,S), conv_state (1,Q,1,W), state (1,H*Dk,1,Dv), n
                      -> y (1,C,1,S), mixed (1,Q,1,S), state_new (1,H*Dk,1,Dv)
     DeltaLayer       the decoder layer around it: norm, GatedDeltaNet, residual, norm, MLP, residual
+    n = None         the cascade's branches: S columns, each the next token of its own sequence, with
+                     its own states: conv_state (1,Q,S,W), state (S,H*Dk,1,Dv) -> state_new (S,H*Dk,1,Dv)
 
 C = hidden size; G key heads, R value heads per key head, H = G*R value heads; Dk, Dv their widths;
 Q = 2*G*Dk + H*Dv, the channels of in_proj_qkv that the causal depthwise convolution runs over;
@@ -42,9 +44,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import LlamaConfig
 from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
+# A chunk's linear-attention layers' recurrent states (L_d, H*Dk, 1, Dv), and the states after its
+# window it returns (with state caches, writes); the cascade's per-branch states (L_d*B, H*Dk, 1, Dv)
+DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = "delta_state", "delta_new", "delta_branches"
 
 
 def triangles(s: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +167,46 @@ class DeltaShape:
         return (1, self.v_heads * self.dk, 1, self.dv)
 
 
+def heads(t: torch.Tensor, groups: int, per: int, width: int, branches: bool) -> torch.Tensor:
+    """(1, groups*per*width, 1, S) as the delta rule reads it: (groups, per, width, S) over a window;
+    with `branches` (each column its own sequence, one token each) (S*groups, per, width, 1)."""
+    s = t.shape[3]
+    if not branches:
+        return t.reshape(groups, per, width, s)
+    return t.reshape(-1, s).t().reshape(s * groups, per, width, 1)
+
+
+def heads_mil(t, groups: int, per: int, width: int, s: int, branches: bool):
+    """heads."""
+    if not branches:
+        return mb.reshape(x=t, shape=[groups, per, width, s])
+    return mb.reshape(x=mb.transpose(x=mb.reshape(x=t, shape=[-1, s]), perm=[1, 0]), shape=[s * groups, per, width, 1])
+
+
+def columns(o: torch.Tensor, channels: int, s: int, branches: bool) -> torch.Tensor:
+    """The inverse of `heads`: -> (1, channels, 1, S)."""
+    return o.reshape(s, channels).t().reshape(1, channels, 1, s) if branches else o.reshape(1, channels, 1, s)
+
+
+def columns_mil(o, channels: int, s: int, branches: bool):
+    """columns."""
+    if not branches:
+        return mb.reshape(x=o, shape=[1, channels, 1, s])
+    return mb.reshape(x=mb.transpose(x=mb.reshape(x=o, shape=[s, channels]), perm=[1, 0]), shape=[1, channels, 1, s])
+
+
+def delta_shape(cfg: LlamaConfig) -> DeltaShape:
+    """The linear-attention layers' sizes of a Qwen3.5 config."""
+    return DeltaShape(cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim,
+                      cfg.conv_kernel, cfg.rms_norm_eps)
+
+
+def delta_rows(cfg: LlamaConfig, layers: list[int]) -> list[int]:
+    """The chunk-local indices of the linear-attention layers among decoder layers `layers`: their
+    rows in the chunk's recurrent states."""
+    return [i for i, n in enumerate(layers) if cfg.linear(n)]
+
+
 class GatedDeltaNet(nn.Module):
     """transformers' Qwen3_5GatedDeltaNet over (1, C, 1, S) with its conv state and recurrent state
     carried outside. Parameter names follow the checkpoint's; the Linear weights are 1x1 convs and
@@ -182,58 +228,74 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(dv, net.eps)
         self.out_proj = conv1x1(v_heads * dv, channels)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int):
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int | None):
         """x: (1,C,1,S); conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv); n: the real tokens
-        -> y (1,C,1,S), mixed (1,Q,1,S), the state after the n tokens (1,H*Dk,1,Dv)"""
-        net, s = self.net, x.shape[3]
+        -> y (1,C,1,S), mixed (1,Q,1,S), the state after the n tokens (1,H*Dk,1,Dv).
+
+        With n None, each of the S columns is the next token of its own sequence (cascade
+        branches): conv_state (1,Q,S,W) and state (S,H*Dk,1,Dv) hold each one's, and the states
+        after their token come back (S,H*Dk,1,Dv)."""
+        net, s, branches = self.net, x.shape[3], n is None
         gk, h, dk, dv = net.k_heads, net.v_heads, net.dk, net.dv
         r, keys = h // gk, gk * dk
-        conv_state = conv_state[..., conv_state.shape[-1] - (net.kernel - 1):]
+        conv_state = conv_state[..., conv_state.shape[-1] - (net.kernel - 1):].to(x.dtype)
         mixed = self.in_proj_qkv(x)  # (1,Q,1,S)
-        qkv = nn.functional.silu(self.conv1d(torch.cat([conv_state.to(mixed.dtype), mixed], dim=3)))
-        q = l2_normed(qkv[:, :keys], gk, dk).reshape(gk, 1, dk, s) * dk ** -0.5
-        k = l2_normed(qkv[:, keys:2 * keys], gk, dk).reshape(gk, 1, dk, s)
-        v = qkv[:, 2 * keys:].reshape(gk, r, dv, s)
-        real = real_tokens(n, s, x.dtype)
-        beta = (torch.sigmoid(self.in_proj_b(x)) * real).reshape(gk, r, 1, s)
-        a = self.in_proj_a(x) + self.dt_bias.view(1, h, 1, 1)
-        decay = (-torch.exp(self.A_log).view(1, h, 1, 1) * nn.functional.softplus(a) * real).reshape(gk, r, 1, s)
-        o, new = gated_delta(q, k, v, decay, beta, state.reshape(gk, r, dk, dv).to(x.dtype))
+        if branches:  # one sequence per row: the window is the row
+            qkv = self.conv1d(torch.cat([conv_state, mixed.reshape(1, -1, s, 1)], dim=3)).reshape(1, -1, 1, s)
+        else:
+            qkv = self.conv1d(torch.cat([conv_state, mixed], dim=3))
+        qkv = nn.functional.silu(qkv)
+        q = heads(l2_normed(qkv[:, :keys], gk, dk).reshape(1, keys, 1, s), gk, 1, dk, branches) * dk ** -0.5
+        k = heads(l2_normed(qkv[:, keys:2 * keys], gk, dk).reshape(1, keys, 1, s), gk, 1, dk, branches)
+        v = heads(qkv[:, 2 * keys:], gk, r, dv, branches)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        decay = -torch.exp(self.A_log).view(1, h, 1, 1) * nn.functional.softplus(
+            self.in_proj_a(x) + self.dt_bias.view(1, h, 1, 1))
+        if not branches:  # padded tokens leave the state as it is
+            real = real_tokens(n, s, x.dtype)
+            beta, decay = beta * real, decay * real
+        state = state.to(x.dtype).reshape(-1, r, dk, dv)  # (G,R,Dk,Dv), or (S*G,R,Dk,Dv)
+        o, new = gated_delta(q, k, v, heads(decay, gk, r, 1, branches), heads(beta, gk, r, 1, branches), state)
         z = self.in_proj_z(x).reshape(h, dv, 1, s)
-        o = self.norm(o.reshape(h, dv, 1, s)) * nn.functional.silu(z)
-        return self.out_proj(o.reshape(1, h * dv, 1, s)), mixed, new.reshape(1, h * dk, 1, dv)
+        o = self.norm(columns(o, h * dv, s, branches).reshape(h, dv, 1, s)) * nn.functional.silu(z)
+        return self.out_proj(o.reshape(1, h * dv, 1, s)), mixed, new.reshape(-1, h * dk, 1, dv)
 
 
 def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: DeltaShape, s: int):
     """GatedDeltaNet of the parameters under `prefix` ("layers.0.linear_attn."). x: (1,C,1,S);
-    conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv); n: (1,) int32 -> y, mixed, state_new"""
+    conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv); n: (1,) int32 -> y, mixed, state_new. With n
+    None, the cascade's branches: conv_state (1,Q,S,W), state (S,H*Dk,1,Dv)."""
     gk, h, dk, dv, kernel = net.k_heads, net.v_heads, net.dk, net.dv, net.kernel
-    r, keys, q_ch = h // gk, gk * dk, net.conv_channels
-    width = conv_state.shape[3]
+    r, keys, q_ch, branches = h // gk, gk * dk, net.conv_channels, n is None
+    rows, width = conv_state.shape[2], conv_state.shape[3]
     if width > kernel - 1:
-        conv_state = g.slice(conv_state, [0, 0, 0, width - kernel + 1], [1, q_ch, 1, width])
+        conv_state = g.slice(conv_state, [0, 0, 0, width - kernel + 1], [1, q_ch, rows, width])
     mixed = conv_mil(g, x, f"{prefix}in_proj_qkv.weight")
-    qkv = mb.silu(x=mb.conv(x=mb.concat(values=[conv_state, mixed], axis=3), weight=g.weight(f"{prefix}conv1d.weight"),
-                            groups=q_ch, pad_type="valid"))
+    window = mb.concat(values=[conv_state, mb.reshape(x=mixed, shape=[1, q_ch, s, 1]) if branches else mixed], axis=3)
+    qkv = mb.conv(x=window, weight=g.weight(f"{prefix}conv1d.weight"), groups=q_ch, pad_type="valid")
+    qkv = mb.silu(x=mb.reshape(x=qkv, shape=[1, q_ch, 1, s]) if branches else qkv)
     q = l2_normed_mil(g, g.slice(qkv, [0, 0, 0, 0], [1, keys, 1, s]), gk, dk, s)
-    q = mb.mul(x=mb.reshape(x=q, shape=[gk, 1, dk, s]), y=g.scalar(dk ** -0.5))
-    k = mb.reshape(x=l2_normed_mil(g, g.slice(qkv, [0, keys, 0, 0], [1, 2 * keys, 1, s]), gk, dk, s),
-                   shape=[gk, 1, dk, s])
-    v = mb.reshape(x=g.slice(qkv, [0, 2 * keys, 0, 0], [1, q_ch, 1, s]), shape=[gk, r, dv, s])
-    real = real_tokens_mil(g, n, s)
-    beta = mb.reshape(x=mb.mul(x=mb.sigmoid(x=conv_mil(g, x, f"{prefix}in_proj_b.weight")), y=real),
-                      shape=[gk, r, 1, s])
+    q = mb.mul(x=heads_mil(mb.reshape(x=q, shape=[1, keys, 1, s]), gk, 1, dk, s, branches), y=g.scalar(dk ** -0.5))
+    k = l2_normed_mil(g, g.slice(qkv, [0, keys, 0, 0], [1, 2 * keys, 1, s]), gk, dk, s)
+    k = heads_mil(mb.reshape(x=k, shape=[1, keys, 1, s]), gk, 1, dk, s, branches)
+    v = heads_mil(g.slice(qkv, [0, 2 * keys, 0, 0], [1, q_ch, 1, s]), gk, r, dv, s, branches)
+    beta = mb.sigmoid(x=conv_mil(g, x, f"{prefix}in_proj_b.weight"))
     a = mb.add(x=conv_mil(g, x, f"{prefix}in_proj_a.weight"),
                y=mb.reshape(x=g.weight(f"{prefix}dt_bias"), shape=[1, h, 1, 1]))
     rate = mb.mul(x=mb.exp(x=mb.reshape(x=g.weight(f"{prefix}A_log"), shape=[1, h, 1, 1])), y=g.scalar(-1.0))
-    decay = mb.reshape(x=mb.mul(x=mb.mul(x=rate, y=mb.softplus(x=a)), y=real), shape=[gk, r, 1, s])
-    o, new = gated_delta_mil(g, q, k, v, decay, beta, mb.reshape(x=state, shape=[gk, r, dk, dv]),
-                             (gk, r, dk, dv, s), prefix.replace(".", "_"))
+    decay = mb.mul(x=rate, y=mb.softplus(x=a))
+    if not branches:
+        real = real_tokens_mil(g, n, s)
+        beta, decay = mb.mul(x=beta, y=real), mb.mul(x=decay, y=real)
+    batch = s * gk if branches else gk
+    o, new = gated_delta_mil(g, q, k, v, heads_mil(decay, gk, r, 1, s, branches), heads_mil(beta, gk, r, 1, s, branches),
+                             mb.reshape(x=state, shape=[batch, r, dk, dv]), (batch, r, dk, dv, 1 if branches else s),
+                             prefix.replace(".", "_"))
     z = mb.reshape(x=conv_mil(g, x, f"{prefix}in_proj_z.weight"), shape=[h, dv, 1, s])
-    o = mb.mul(x=rms_norm_mil(g, mb.reshape(x=o, shape=[h, dv, 1, s]), f"{prefix}norm.weight", net.eps, dv),
-               y=mb.silu(x=z))
+    o = mb.reshape(x=columns_mil(o, h * dv, s, branches), shape=[h, dv, 1, s])
+    o = mb.mul(x=rms_norm_mil(g, o, f"{prefix}norm.weight", net.eps, dv), y=mb.silu(x=z))
     y = conv_mil(g, mb.reshape(x=o, shape=[1, h * dv, 1, s]), f"{prefix}out_proj.weight")
-    return y, mixed, mb.reshape(x=new, shape=[1, h * dk, 1, dv])
+    return y, mixed, mb.reshape(x=new, shape=[s if branches else 1, h * dk, 1, dv])
 
 
 class DeltaLayer(nn.Module):
@@ -247,8 +309,9 @@ class DeltaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(channels, net.eps)
         self.mlp = MLP(channels, intermediate)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int):
-        """x: (1,C,1,S); conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv) -> x_out (1,C,1,S), mixed, state_new"""
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int | None):
+        """x: (1,C,1,S); conv_state: (1,Q,1,W); state: (1,H*Dk,1,Dv) -> x_out (1,C,1,S), mixed, state_new
+        (n None: the cascade's branches, as GatedDeltaNet.forward)"""
         y, mixed, new = self.linear_attn(self.input_layernorm(x), conv_state, state, n)
         x = x + y
         return x + self.mlp(self.post_attention_layernorm(x)), mixed, new

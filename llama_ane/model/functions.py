@@ -28,9 +28,10 @@ KV_CACHE_KINDS = ("inputs", "state")
 # A chunk's caches by name, each with the name of the window's new K/V it is written from: the
 # full layers' (context-long) and, where the export has a ring, the sliding layers' (ring-long).
 # The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over) is
-# carried the same way, with the window's values it is taken from (short_conv.conv_state_after).
+# carried the same way, with the window's values it is taken from (short_conv.conv_state_after);
+# Qwen3.5's linear-attention layers' recurrent state with the state after the window (delta_net).
 CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new",
-          "conv_state": "conv_new"}
+          "conv_state": "conv_new", "delta_state": "delta_new"}
 RING_CACHES = ("k_ring", "v_ring")
 # The real tokens of a window (1,) int32, which a chunk writing its conv state itself (state caches)
 # takes the state at: a padded prefill window's last ones are not the window's end.

@@ -20,10 +20,15 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..contract.specs import BRANCHES, suffix_groups
+from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW
 from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
+
+# a branch's per-branch states (cache keys) -> the cascade function's inputs they are read as; the
+# other keys are suffix caches ("k" -> "k_suffix")
+BRANCH_STATES = {"conv": "conv_branches", "delta": DELTA_BRANCHES}
 
 
 @dataclass
@@ -82,7 +87,8 @@ class _Branch:
 def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) -> int:
     """Bytes of prefix K and V that one decode step reads, over all layers: a model from the cache
     shapes (attention layers x K/V channels x prefix tokens; conv layers keep no K/V), not a measurement."""
-    layers = manifest["config"]["num_hidden_layers"] - len(manifest["config"].get("conv_layers", []))
+    config = manifest["config"]
+    layers = config["num_hidden_layers"] - len(config.get("conv_layers", [])) - len(config.get("delta_layers", []))
     return 2 * layers * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
 
 
@@ -167,6 +173,8 @@ class CascadeDecoder:
             if sync is not None:  # a program's states hold the prefix's conv state
                 sync()
             out["conv"] = np.repeat(prefix["conv"], self.width, axis=2)
+        if "delta" in prefix:  # Qwen3.5's recurrent states, per layer each branch's (L_d*B, H*Dk, 1, Dv)
+            out["delta"] = np.repeat(prefix["delta"], self.width, axis=0)
         return out
 
     def _write(self, i: int, function: str, out: dict[str, np.ndarray], suffixes: list[dict],
@@ -178,6 +186,8 @@ class CascadeDecoder:
         if "conv_new" in out:  # each branch's conv state moves on by its one token
             conv = suffix["conv"]
             suffix["conv"] = np.concatenate([conv[..., 1:], out["conv_new"].reshape(*conv.shape[:3], 1)], axis=-1)
+        if DELTA_NEW in out:  # and its recurrent states, after its token
+            suffix["delta"] = out[DELTA_NEW]
         if "k_new" not in out and "k_ring_new" not in out:  # a chunk of conv layers only has no suffix caches
             return
         if self.pipeline.direct:
@@ -198,7 +208,7 @@ class CascadeDecoder:
             BRANCHES, {"input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
                        "prefix_length": np.array([prefix_tokens], np.int32)},
             lambda i, function, out: self._write(i, function, out, suffixes, slots), visible=prefix_tokens,
-            state=lambda i: {"conv_branches" if key == "conv" else f"{key}_suffix": a for key, a in suffixes[i].items()})
+            state=lambda i: {BRANCH_STATES.get(key, f"{key}_suffix"): a for key, a in suffixes[i].items()})
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:

@@ -35,9 +35,9 @@ import numpy as np
 from ..errors import LlamaANEError
 
 CACHE_FILE_VERSION = 1
-# saved whole: a chunk's ring buffer (its slots hold the last R positions) and its conv layers' state
-# (the last K-1 values of each, LFM2)
-RING_KEYS = ("k_ring", "v_ring", "conv")
+# saved whole: a chunk's ring buffer (its slots hold the last R positions), its conv layers' state
+# (the last K-1 values of each, LFM2) and its linear-attention layers' recurrent state (Qwen3.5)
+RING_KEYS = ("k_ring", "v_ring", "conv", "delta")
 WRAPPINGS = ("chat", "raw")  # the prompt wrapped by the export's chat template, or given as it is
 
 

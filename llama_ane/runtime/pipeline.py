@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import LlamaConfig
+from ..model.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
@@ -58,7 +59,9 @@ from .kv_cache import KVCache, common_prefix
 #: layer's mask like the mask it is the twin of)
 CACHE_MASKS = {"mask": "leading", "prefix_mask": "all", "sliding_mask": "leading", "sliding_prefix_mask": "all"}
 #: a chunk's cache tensors (manifest names) -> their keys in a KVCache's per-chunk dict
-CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring", "conv_state": "conv"}
+CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring", "conv_state": "conv",
+              DELTA_STATE: "delta"}
+WHOLE_KEYS = ("conv", "delta")  # caches of no context length: read whole in every bucket
 RING_MASKS = ("sliding_mask", "sliding_prefix_mask")  # over the ring's slots where there is one
 
 
@@ -107,9 +110,13 @@ class Pipeline:
         # and where every layer lives (chunk, its index there)
         self.shared = [shared_rows(cfg, c["layers"], self.ring) for c in self.chunks]
         self.home = {n: (c, j) for c, chunk in enumerate(self.chunks) for j, n in enumerate(chunk["layers"])}
-        # per chunk: its conv layers' count (LFM2), and the conv state's shape per layer (C, 1, W)
+        # per chunk: its conv layers' count (LFM2's, and Qwen3.5's linear-attention layers'), and the
+        # conv state's shape per layer (C, 1, W)
         self.conv_layers = [len(conv_rows(cfg, c["layers"])) for c in self.chunks]
-        self.conv_shape = (cfg.hidden_size, 1, conv_state_width(cfg))
+        self.conv_shape = (cfg.conv_channels, 1, conv_state_width(cfg))
+        # per chunk: its linear-attention layers' count (Qwen3.5), whose recurrent state is (H*Dk, 1, Dv) each
+        self.delta_layers = [len(delta_rows(cfg, c["layers"])) for c in self.chunks]
+        self.delta_shape = delta_shape(cfg).state_shape[1:] if cfg.delta_layers else None
         # per chunk: its layers' rows of the embeddings' per-layer inputs (Gemma 4), None where there are none
         p = cfg.per_layer_input_size
         self.per_layer_rows = [np.array([n * p + j for n in c["layers"] for j in range(p)]) if p else None
@@ -137,6 +144,8 @@ class Pipeline:
                     for key in ("k_ring", "v_ring") if ring})
         if self.conv_layers[i]:
             out["conv"] = np.zeros((self.conv_layers[i], *self.conv_shape), self.backend.dtype)
+        if self.delta_layers[i]:
+            out["delta"] = np.zeros((self.delta_layers[i], *self.delta_shape), self.backend.dtype)
         return out
 
     def _zeros(self, layers: int, length: int | None = None, channels: int | None = None) -> np.ndarray:
@@ -282,7 +291,7 @@ class Pipeline:
             return caches
         else:
             cut = bucket
-        return {key: cache if key.endswith("_ring") or key == "conv" else cache[..., :cut]
+        return {key: cache if key.endswith("_ring") or key in WHOLE_KEYS else cache[..., :cut]
                 for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
@@ -426,7 +435,11 @@ class Pipeline:
     def carry_conv(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
         """The conv state after a window of n real tokens, taken on the host from the chunk's
         conv_new (a program with state caches writes its own and returns none): the last W values
-        up to the n-th real one, a slice here (the programs pick them with short_conv's one-hot)."""
+        up to the n-th real one, a slice here (the programs pick them with short_conv's one-hot);
+        and the linear-attention layers' recurrent state, which the chunk returns as it is after
+        the window's real tokens (delta_new)."""
+        if DELTA_NEW in out:
+            caches["delta"] = np.array(out[DELTA_NEW], caches["delta"].dtype)
         if "conv_new" in out:
             gated = out["conv_new"]
             state = caches["conv"]
