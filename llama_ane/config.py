@@ -248,7 +248,8 @@ class LlamaConfig:
             rope, local_theta = _gemma4_rope(f, rope)
         elif gemma:
             rope, local_theta = _gemma3_rope(f, rope)
-        rope_theta = f.number("rope_theta", None) or _Fields(rope, f"{origin} rope_parameters").number(
+        # as transformers 5 reads it: rope_parameters' base over a top-level rope_theta
+        rope_theta = _Fields(rope, f"{origin} rope_parameters").number("rope_theta", None) or f.number(
             "rope_theta", 10000.0)
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
         scaling = _rope_scaling(scaling, origin, d, model_type) if scaling else None

@@ -48,6 +48,23 @@ def test_rope_scaling_transformers4_and_transformers5_styles_agree():
     assert v4.rope_scaling["rope_type"] == "llama3" and v4.rope_scaling["factor"] == 8.0
 
 
+
+@pytest.mark.parametrize("family, rope", [
+    ("LlamaConfig", {"rope_type": "default", "rope_theta": 500000.0}),
+    ("Gemma3TextConfig", {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+])
+def test_rope_parameters_base_wins_over_a_top_level_rope_theta(family, rope):
+    """A config.json with both a top-level rope_theta and rope_parameters is read as transformers 5
+    reads it: the base in rope_parameters, whatever the top-level key says."""
+    import transformers
+
+    hf = getattr(transformers, family)
+    theirs = hf.from_dict({"rope_theta": 1234.0, "rope_parameters": rope}).rope_parameters
+    d = {**BASE, "model_type": hf.model_type, "rope_theta": 1234.0, "rope_parameters": rope}
+    ours = LlamaConfig.from_hf_dict(d)
+    assert ours.rope_theta == theirs.get("full_attention", theirs)["rope_theta"] != 1234.0
+
 def test_old_type_key_and_default_rope_type():
     cfg = LlamaConfig.from_hf_dict(dict(BASE, rope_scaling={"type": "linear", "factor": 2.0}))
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
