@@ -118,13 +118,19 @@ def _describe(m: dict, config_path: Path | None) -> None:
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
     if m.get("verify_window"):
         click.echo(f"  verify    token trees of {m['verify_window']} tokens per step (speculative decoding)")
-    from ..contract.traffic import per_layer_table, ring_bytes
+    from ..contract.traffic import per_layer_table, ring_bytes, state_bytes
 
     if m["cache"].get("sliding"):
 
         ring = m["cache"]["sliding"]
         click.echo(f"  sliding   layers {ring['layers']} keep a ring of {ring['length']} positions (window "
                    f"{c['sliding_window']}): {ring_bytes(m) / 1e6:.2f} MB of K/V, whatever the context")
+    if m["cache"].get("delta"):
+        delta, (conv, recurrent) = m["cache"]["delta"], state_bytes(m)
+        click.echo(f"  linear    layers {delta['layers']} (Gated DeltaNet, {c['delta_key_heads']} key / "
+                   f"{delta['heads']} value heads) keep a recurrent state of {delta['heads']} x {delta['key_dim']} x "
+                   f"{delta['value_dim']} each: {recurrent / 1e6:.2f} MB, with the conv states' {conv / 1e6:.2f} MB, "
+                   "whatever the context")
     weights = m.get("weights", {})
 
     def mb(model: str) -> str:
@@ -174,6 +180,8 @@ def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:
     stateful = kv_cache_kind(m) == "state"
     written = "state write" if stateful else "cache update"
     how = "one column per state" if stateful else "read and written"
+    if m["cache"].get("delta"):  # written whole with either kind
+        how += ", the recurrent states whole"
     click.echo(f"  decode    {t.total / 1e6:.1f} MB per token at {filled} filled positions (modelled from the "
                f"manifest): weights {t.weights / 1e6:.1f} MB"
                + (f" as stored ({t.weights_dense / 1e6:.1f} MB decompressed)" if compressed else "")

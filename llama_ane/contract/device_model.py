@@ -11,7 +11,8 @@ that runs, KV-shared layers' reads of other chunks' caches among them (`traffic.
 writing of the new K/V (`traffic.kv_write_bytes`) and the tensors passed between the models
 (`traffic.window_io_bytes`: hidden states, masks, logits);
 flops: 2 per weight per token plus the attention's 4 per query channel per key (a global layer's keys
-the bucket's, a sliding layer's with a ring its R slots, a conv layer's none); calls: the Core ML
+the bucket's, a sliding layer's with a ring its R slots, a conv or linear-attention layer's none), and
+a linear-attention layer's delta rule (`delta_flops`: its matmuls over the window); calls: the Core ML
 predictions the runtime makes for the step (`calls_per_step`). A decode step's compute is far below
 its memory time, so decode tokens/s is 1 / (bytes / bandwidth + calls x per-call). Everything here
 is a model (chip figures are published or assumed, see `CHIPS` and docs/device-model.md), not a
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
+from ..model.delta_net import squarings
 from .specs import BRANCHES, VERIFY
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -137,16 +139,46 @@ def calls_per_step(manifest: dict, function: str = "decode") -> int:
             + sum(1 for c in manifest["chunks"] if c["cache_update"].get(function)))
 
 
-def _flops(manifest: dict, tokens: int, attended: int, new: int) -> float:
+def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) -> float:
     """2 flops per weight per token (Gemma 4's per-layer projection among them; LFM2's conv layers'
-    C x kernel taps among them: a conv layer's C x kernel multiply-adds per token), and the
-    attention's 4 per query channel per key per token, each layer's query channels its own (Gemma
-    4's global layers have wider heads) and its keys its own (`attention_keys`)."""
+    C x kernel taps among them: a conv layer's C x kernel multiply-adds per token), the attention's
+    4 per query channel per key per token, each layer's query channels its own (Gemma 4's global
+    layers have wider heads) and its keys its own (`attention_keys`), and the linear-attention
+    layers' delta rule over the step's window (`delta_flops`)."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
     keys = attention_keys(manifest, attended, new)
     attention = 4 * sum(cfg.at(n).q_channels * k for n, k in enumerate(keys))
-    return tokens * (2 * params + attention)
+    return tokens * (2 * params + attention) + delta_flops(manifest, function)
+
+
+def delta_flops(manifest: dict, function: str) -> float:
+    """Flops of the linear-attention layers' delta rule (Qwen3.5's Gated DeltaNet, cache.delta) in
+    one step of `function`, 2 per multiply-add of the matmuls the program runs (model/delta_net.py's
+    gated_delta; its elementwise ops, O(S^2) or O(Dk*Dv) per head, left out as the attention's
+    softmax is). Per layer, with G key heads, H value heads of Dk x Dv and a window of S tokens:
+
+        H*S^2          the decays summed up to each token (G_t)
+        H*S^3          their pairwise sums (D_tj), from the decays themselves
+        2*G*S^2*Dk     k.k and q.k between the window's tokens
+        2*H*S^3 each   of the squarings(S) - 1 steps of the lower-triangular inverse (I+N)(I+N^2)...
+        3*H*Dk*Dv*S    the state read against k and q, and the window's k u^T added to it
+        2*H*Dv*S^2     the deltas solved, and read out by q
+
+    So a decode step (S = 1) costs 6*H*Dk*Dv + 4*H*Dv + 4*G*Dk + 4*H flops a layer, and a window grows with
+    S^3 log2(S). A cascade step ("decode_branches") runs it with S = 1 for each of its B branches,
+    each from its own state. The projections, the convolution and the gated norm are weights,
+    counted by `_flops`."""
+    delta = manifest["cache"].get("delta")
+    if not delta:
+        return 0.0
+    g = manifest["config"]["delta_key_heads"]
+    h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
+    s = window_tokens(manifest, function)
+    sequences, s = (s, 1) if function == BRANCHES else (1, s)
+    macs = (h * s * s + h * s ** 3 + 2 * g * s * s * dk + 2 * h * s ** 3 * max(squarings(s) - 1, 0)
+            + 3 * h * dk * dv * s + 2 * h * dv * s * s)
+    return 2.0 * macs * sequences * len(delta["layers"])
 
 
 def attention_keys(manifest: dict, attended: int, new: int) -> list[int]:
@@ -154,7 +186,8 @@ def attention_keys(manifest: dict, attended: int, new: int) -> list[int]:
     read (the bucket that runs) and `new` positions of its own (the window, or a cascade's suffix):
     a global layer `attended` + `new`; a sliding layer with a ring (cache.sliding, KV-shared
     layers reading their producer's among them) its R slots + `new`, whatever the bucket; a conv
-    layer (LFM2) none, its short convolution being weights (`_flops`)."""
+    layer (LFM2) none, its short convolution being weights (`_flops`), nor a linear-attention
+    layer (Qwen3.5), whose delta rule `delta_flops` counts."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     ring = (manifest["cache"].get("sliding") or {}).get("length", 0)
     return [0 if cfg.convolves(n) else (ring if ring and cfg.slides(n) else attended) + new
@@ -170,7 +203,7 @@ def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = N
     new = manifest.get("suffix_length", 0) if function == BRANCHES else window
     moved = (weight_read_bytes(manifest, dense) + kv_read_bytes(manifest, attended, function)
              + kv_write_bytes(manifest, attended, function) + window_io_bytes(manifest, function))
-    return StepCost(window if tokens is None else tokens, moved, _flops(manifest, window, attended, new),
+    return StepCost(window if tokens is None else tokens, moved, _flops(manifest, function, window, attended, new),
                     calls_per_step(manifest, function))
 
 

@@ -21,6 +21,13 @@ write is what the programs write: with input caches the chunk's output of the wi
 conv_new (L_c, C, 1, S), from which the host keeps the next state; with states the chunk's own
 one-hot write of the state, which reads and rewrites it as a ring's does.
 
+Qwen3.5's linear-attention layers keep such a conv state and a recurrent state besides (cache.delta:
+L_d layers x H value heads of Dk x Dv, any context): delta_state (L_d, H*Dk, 1, Dv), a cascade's
+per-branch delta_branches (L_d*B, H*Dk, 1, Dv), read whole by every step. Its write is one state
+of the same shape, whole: with input caches (and in a cascade step, either kind) the chunk's
+output delta_new, the state after the window's real tokens, which the host keeps as it is; with
+states the chunk's write of the state it computed (no one-hot write: nothing is read again).
+
 Gemma 4 adds three reads, each counted from the manifest's tensor specs by name:
   * KV-shared layers: a chunk whose layers attend over another chunk's K/V takes its producers'
     rows as inputs named "shared_" + the producer's tensor (shared_k_cache, shared_k_ring, and in
@@ -41,6 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import LlamaConfig
+from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
 from ..model.embeddings import per_layer_rows
 from .manifest import function_states, kv_cache_kind
 
@@ -51,7 +59,9 @@ RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots)
 CONV_STATES = ("conv_state", "conv_branches")  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
 #                                                (L_c, C, B, W): read whole
 CONV_NEW = "conv_new"  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches
-CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + CONV_STATES
+DELTA_STATES = (DELTA_STATE, DELTA_BRANCHES)  # Qwen3.5's recurrent states (L_d, H*Dk, 1, Dv), a cascade's per
+#                                               branch (L_d*B, H*Dk, 1, Dv): read whole, written whole (delta_new)
+CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + CONV_STATES + DELTA_STATES
 SHARED = "shared_"  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
 
 
@@ -61,10 +71,11 @@ class StepTraffic:
 
     weights: int  # chunks and LM head as stored, plus one embedding row (and Gemma 4's per-layer rows and projection)
     weights_dense: int  # the same weights decompressed (what a device that decompresses at load reads)
-    cache_read: int  # the chunks reading their K/V caches (and LFM2's conv states)
+    cache_read: int  # the chunks reading their K/V caches (and the conv and recurrent states)
     cache_update: int  # writing the new K/V: the cache-update model reading and rewriting the caches,
-    #                    or (state caches) the slice update writing one column of each state; and
-    #                    writing the conv states (the chunk's conv_new, or its one-hot write of the state)
+    #                    or (state caches) the slice update writing one column of each state; writing
+    #                    the conv states (the chunk's conv_new, or its one-hot write of the state); and
+    #                    writing the recurrent states (delta_new, or the state) whole
 
     @property
     def total(self) -> int:
@@ -133,6 +144,16 @@ def ring_bytes(manifest: dict) -> int:
             * DTYPE_BYTES[manifest["cache"]["dtype"]])
 
 
+def state_bytes(manifest: dict) -> tuple[int, int]:
+    """Bytes of the conv states (cache.conv: L_c layers x C channels x W columns) and of the
+    linear-attention layers' recurrent states (cache.delta: L_d layers x H heads of Dk x Dv), (0, 0)
+    without them: what every step reads whole, whatever the context length."""
+    cache = manifest["cache"]
+    size, conv, delta = DTYPE_BYTES[cache["dtype"]], cache.get("conv"), cache.get("delta")
+    return (len(conv["layers"]) * conv["channels"] * conv["width"] * size if conv else 0,
+            len(delta["layers"]) * delta["heads"] * delta["key_dim"] * delta["value_dim"] * size if delta else 0)
+
+
 @dataclass(frozen=True)
 class PerLayerTable:
     """Gemma 4's per-layer input weights in the embeddings files (never compressed): the table of
@@ -194,8 +215,9 @@ def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
 
 def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:
     """K/V bytes the chunks read in one step of `function`: the main caches up to `attended`
-    positions (`bucket_for`), the rings, a cascade's suffix caches and the conv states whole, and
-    KV-shared layers' inputs of other chunks' caches as those caches are read."""
+    positions (`bucket_for`), the rings, a cascade's suffix caches, the conv states and the
+    recurrent states whole, and KV-shared layers' inputs of other chunks' caches as those caches
+    are read."""
     return sum(_cache_bytes(t, attended) for chunk in manifest["chunks"]
                for t in _chunk_caches(manifest, chunk, function, shared=True))
 
@@ -207,14 +229,16 @@ def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_c
     A cascade step's cache update reads and rewrites the suffix caches (the prefix is only read);
     a single-sequence window writes the main caches: the cache-update model reads and rewrites
     them up to `attended` positions ("inputs"), or the chunk writes the window's columns of each
-    state ("state"). The conv states are written as `conv_write_bytes` says."""
+    state ("state"). The conv states are written as `conv_write_bytes` says, the recurrent states
+    whole (`delta_write_bytes`)."""
     kind = kv_cache or kv_cache_kind(manifest)
     tokens = window_tokens(manifest, function)
     total = 0
     for chunk in manifest["chunks"]:
         caches = _chunk_caches(manifest, chunk, function)
         total += sum(conv_write_bytes(t, tokens, kind) for t in caches if t["name"] in CONV_STATES)
-        caches = [t for t in caches if t["name"] not in CONV_STATES]
+        total += sum(delta_write_bytes(t) for t in caches if t["name"] in DELTA_STATES)
+        caches = [t for t in caches if t["name"] not in CONV_STATES + DELTA_STATES]
         suffix = [t for t in caches if t["name"] in SUFFIX_CACHES]
         if suffix:
             total += sum(2 * _nbytes(t) for t in suffix)
@@ -237,6 +261,16 @@ def conv_write_bytes(spec: dict, tokens: int, kind: str) -> int:
     return spec["shape"][0] * spec["shape"][1] * tokens * DTYPE_BYTES[spec["dtype"]]
 
 
+def delta_write_bytes(spec: dict) -> int:
+    """Bytes of writing a chunk's recurrent state `spec` (delta_state (L_d, H*Dk, 1, Dv), or a
+    cascade's delta_branches (L_d*B, H*Dk, 1, Dv)) in a step of any window: the state after the
+    window whole, once, with either kind. With input caches (and in a cascade step) that is the
+    chunk's output delta_new, which has the state's shape (the manifest's validator holds every
+    delta tensor to it), so the other kind's pricing needs no spec of it; with states the chunk
+    writes the state it computed from the one it read (counted by `kv_read_bytes`)."""
+    return _nbytes(spec)
+
+
 def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int | None = None) -> StepTraffic:
     """What one "decode" step of the export at `manifest` reads and writes with `filled` positions
     cached before it (None: the context's last step), with its caches as they are (`kv_cache=None`)
@@ -252,8 +286,9 @@ def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int
 def window_io_bytes(manifest: dict, function: str) -> int:
     """Bytes of the tensors passed between the models in one step of `function` ("decode", or
     "verify": a token tree of W tokens): every input and output of the embeddings, chunk and LM
-    head functions but the caches and KV-shared inputs of caches, and the conv states and their
-    conv_new (counted by `kv_read_bytes` and `kv_write_bytes`) (hidden states, RoPE rows, masks,
+    head functions but the caches and KV-shared inputs of caches, the conv states and their
+    conv_new, and the recurrent states and their delta_new (counted by `kv_read_bytes` and
+    `kv_write_bytes`) (hidden states, RoPE rows, masks, the window's real tokens,
     new K/V, Gemma 4's per-layer inputs and shared new K/V, logits). Added to
     `decode_step_traffic(manifest).total` it gives the bytes of a step of that function: the weights
     and caches are read once per step whatever the window, the window's own tensors grow with it."""
@@ -263,5 +298,5 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     for model in models:
         fn = manifest["models"][model]["functions"][function]
         total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"]
-                     if _own_name(t["name"]) not in CACHES and t["name"] != CONV_NEW)
+                     if _own_name(t["name"]) not in CACHES and t["name"] not in (CONV_NEW, DELTA_NEW))
     return total
