@@ -200,21 +200,9 @@ def test_state_export_keeps_the_caches_in_the_assets_states(state_export):
 def test_state_export_greedy_tokens_equal_torch_across_buckets(state_export):
     """A prompt of several windows, then decoding past the first bucket: every function reads and
     writes the same states, which persist between calls."""
-    from llama_ane.runtime.model import load
-
     ckpt, out = state_export
     prompt = list(range(3, 3 + 50))
-    tokens, caches = {}, {}
-    for backend in ("coreai", "torch"):
-        model = load(out, backend=backend, **({"checkpoint": ckpt, "precision": "fp32"} if backend == "torch" else {}))
-        try:
-            cache = model.make_cache()
-            tokens[backend] = _greedy_from(model, prompt, 24, cache)
-            model.pipeline.wait()
-            model.backend.sync_states()  # the runtime's states copied back into the cache arrays
-            caches[backend] = cache
-        finally:
-            model.close()
+    tokens, caches = _greedy_on_both(ckpt, out, prompt, 24)
     assert tokens["coreai"] == tokens["torch"]
     assert len(prompt) + 24 > BUCKETS[0]
     held = caches["torch"].position
@@ -227,10 +215,33 @@ def _greedy_from(model, prompt: list[int], steps: int, cache) -> list[int]:
     return [int(t) for t in model.generate(prompt, max_new_tokens=steps, temperature=0.0, cache=cache).token_ids]
 
 
-def test_state_export_cascade_equals_decoding_alone(state_export):
+def _greedy_on_both(ckpt: Path, out: Path, prompt: list[int], steps: int) -> tuple[dict, dict]:
+    """{backend: greedy tokens} and {backend: the cache they leave} on the coreai backend and on
+    torch (fp32 modules of `ckpt`), each cache's held states copied back into its arrays."""
     from llama_ane.runtime.model import load
 
-    _, out = state_export
+    tokens, caches = {}, {}
+    for backend in ("coreai", "torch"):
+        model = load(out, backend=backend, **({"checkpoint": ckpt, "precision": "fp32"} if backend == "torch" else {}))
+        try:
+            cache = model.make_cache()
+            tokens[backend] = _greedy_from(model, prompt, steps, cache)
+            model.pipeline.wait()
+            model.backend.sync_states()  # the runtime's states copied back into the cache arrays
+            caches[backend] = cache
+        finally:
+            model.close()
+    return tokens, caches
+
+
+def test_state_export_cascade_equals_decoding_alone(state_export):
+    assert_cascade_equals_decoding_alone(state_export[1])
+
+
+def assert_cascade_equals_decoding_alone(out: Path) -> None:
+    """On the coreai backend, two branches over one prefix decode what each decodes alone."""
+    from llama_ane.runtime.model import load
+
     prefix, conts = list(range(5, 5 + 20)), [[4, 6, 7], [90, 91, 92, 93, 94]]
     model = load(out, backend="coreai")
     try:
@@ -295,3 +306,36 @@ def test_state_export_of_conv_state_and_ring(family, tmp_path):
         finally:
             model.close()
     assert tokens["coreai"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("kv_cache", ["inputs", "state"])
+def test_qwen35_export_passes_its_gate_and_decodes_as_torch(kv_cache, tmp_path):
+    """Qwen3.5's linear-attention layers with their conv and recurrent states (delta_state) as
+    inputs the host writes back from conv_new and delta_new, or as Core AI states the window
+    functions write: the export passes its parity gate on the coreai backend, decodes torch's
+    tokens after a padded prompt window, holds torch's states after it, and its cascade equals
+    decoding each branch alone (the cascade's function takes only the K/V states)."""
+    from test_families import CASES
+
+    from llama_ane.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", **CASES["qwen35_tied_gqa"])
+    out = tmp_path / "out"
+    done = export_coreai(ckpt, out, "--precision", "fp32", "--kv-cache", kv_cache, "--branches", "2",
+                         "--suffix-length", "32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend coreai" in done.stdout + done.stderr and "passed" in done.stdout + done.stderr
+    chunk = json.loads((out / "manifest.json").read_text())["models"]["chunk_0"]["functions"]
+    held = {t["name"] for t in chunk["decode"].get("states", [])}
+    passed = {t["name"] for t in chunk["decode"]["inputs"]}
+    assert ({"conv_state", "delta_state"} <= held) == (kv_cache == "state")
+    assert ({"conv_state", "delta_state"} <= passed) == (kv_cache == "inputs")
+    assert {t["name"] for t in chunk["decode_branches"].get("states", [])} == (
+        {"k_cache", "v_cache"} if kv_cache == "state" else set())
+    tokens, caches = _greedy_on_both(ckpt, out, list(range(3, 3 + 70)), 12)  # the fifth window: 6 real tokens of 16
+    assert tokens["coreai"] == tokens["torch"]
+    for mine, want in zip(caches["coreai"].caches, caches["torch"].caches, strict=True):
+        for key in ("conv", "delta"):
+            assert np.abs(want[key]).max() > 0.01  # the states the prompt left, not the zeros they start at
+            np.testing.assert_allclose(mine[key], want[key], atol=1e-4)
+    assert_cascade_equals_decoding_alone(out)

@@ -27,6 +27,7 @@ import torch
 from ..contract.plan import ExportPlan, PackageSpec
 from ..errors import LlamaANEError
 from ..model.cache_update import onehot_write, window_slots
+from ..model.delta_net import DELTA_STATE
 from ..model.functions import RING_CACHES, WINDOW_TOKENS, shape_of
 from ..model.short_conv import conv_state_after
 from ..quantize import Compression
@@ -65,11 +66,13 @@ class StateFunction(torch.nn.Module):
     `module` (the function's reference module: BlockChunk, BranchChunk, or either carrying the LM
     head) runs on the states as the cache inputs it reads: a window function reads the first
     `bucket` positions of the full caches (one state of the whole context serves every bucket),
-    the ring and the conv state whole. A window function's module returns the manifest's outputs,
-    then each state's new values (`CACHES`, in the states' order), which are written back: the
-    window's K/V at `position` in a full cache (a slice update), at the slots (position + s) mod R
-    in the ring (a one-hot write), and the conv state after the window's `window_tokens` real
-    tokens. The cascade's function only reads the prefix's states; since coreai-torch makes a
+    the ring, the conv state and Qwen3.5's recurrent state (delta_state) whole. A window function's
+    module returns the manifest's outputs, then each state's new values (`CACHES`, in the states'
+    order), which are written back: the window's K/V at `position` in a full cache (a slice
+    update), at the slots (position + s) mod R in the ring (a one-hot write), the conv state after
+    the window's `window_tokens` real tokens, and the recurrent state as the module returns it
+    (delta_new: already the state after the real tokens, so the module takes `window_tokens`
+    too). The cascade's function only reads the prefix's states; since coreai-torch makes a
     state only of an input that is written, it writes each state's first column back unchanged.
     Returns the manifest's outputs.
     """
@@ -89,8 +92,10 @@ class StateFunction(torch.nn.Module):
         named = dict(zip(self.inputs + self.states, args))
         position, tokens = named.pop("position", None), named.pop(WINDOW_TOKENS, None)
         states = {n: named.pop(n) for n in self.states}
-        whole = RING_CACHES + ("conv_state",)
+        whole = RING_CACHES + ("conv_state", DELTA_STATE)
         reads = {n: s if n in whole or self.bucket is None else s[..., :self.bucket] for n, s in states.items()}
+        if DELTA_STATE in states:  # the recurrent state is taken after the window's real tokens
+            named[WINDOW_TOKENS] = tokens
         outs = tuple(self.module(**named, **reads))
         if not self.writes:
             for state in states.values():
@@ -99,6 +104,8 @@ class StateFunction(torch.nn.Module):
         for (name, state), new in zip(states.items(), outs[self.outputs:], strict=True):
             if name == "conv_state":
                 state.copy_(conv_state_after(state, new, tokens))
+            elif name == DELTA_STATE:
+                state.copy_(new)
             elif name in RING_CACHES:
                 state.copy_(onehot_write(state, new, window_slots(position, self.window, state.shape[-1])))
             else:  # a slice update at `position`; the runtime's windows fit in the context

@@ -99,16 +99,21 @@ class CoreAIBackend(Backend):
 
     def _state(self, file: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """The runtime's states standing for the caller's cache arrays in asset `file`, made from
-        them the first time they are seen. On the loop's thread only."""
+        them the first time they are seen, and of those the ones this call's function declares
+        (`arrays`' names: the cascade's function takes the K/V caches but not the conv or
+        recurrent states the window functions write, and the runtime refuses a state a function
+        does not declare). On the loop's thread only."""
         key = (file, id(next(iter(arrays.values()))))
         held = self._states.get(key)
-        if held is None or any(held[1].get(name) is not a for name, a in arrays.items()):
-            made = {name: self._ndarray(np.ascontiguousarray(a, dtype=self.dtype)) for name, a in arrays.items()}
-            held = self._states[key] = (made, dict(arrays))
+        if held is None or any(name in held[1] and held[1][name] is not a for name, a in arrays.items()):
+            held = self._states[key] = ({}, {})
             for old in [k for k in self._states if k[0] == file][:-HELD_STATES]:
                 self._copy_back(*self._states.pop(old))
+        for name, a in arrays.items():  # a state first passed to this function (the set's others kept)
+            if name not in held[1]:
+                held[0][name], held[1][name] = self._ndarray(np.ascontiguousarray(a, dtype=self.dtype)), a
         self._states.move_to_end(key)
-        return held[0]
+        return {name: held[0][name] for name in arrays}
 
     @staticmethod
     def _copy_back(states: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
