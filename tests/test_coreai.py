@@ -114,9 +114,29 @@ def test_other_compression_is_refused(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def sixteen_levels(ckpt: Path, out: Path) -> Path:
+    """A copy of checkpoint `ckpt` whose every matrix holds 16 values (its quantiles): a model a
+    4-bit palette can hold. A random model's logits are so flat that lut4's rounding leaves its
+    top-1 agreement near the gate's 0.3 (0.289 or just over it, by the k-means' library versions)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, out)
+    weights = load_file(str(out / "model.safetensors"))
+    for name, w in weights.items():
+        if w.ndim == 2:
+            levels = torch.quantile(w.float().flatten()[:100_000], torch.linspace(0.02, 0.98, 16))
+            weights[name] = levels[(w.float()[..., None] - levels).abs().argmin(-1)].to(w.dtype)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def test_lut4_export_runs_and_passes_its_gate(tiny_checkpoint, tmp_path):
     out = tmp_path / "lut4"
-    done = export_coreai(tiny_checkpoint(num_hidden_layers=3, head_dim=32), out, "--quantize", "lut4")
+    ckpt = sixteen_levels(tiny_checkpoint(num_hidden_layers=3, head_dim=32), tmp_path / "sixteen_levels")
+    done = export_coreai(ckpt, out, "--quantize", "lut4")
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert {d["scheme"] for d in manifest["quantization"].values() if "scheme" in d} == {"lut4"}
