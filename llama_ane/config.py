@@ -248,9 +248,9 @@ class LlamaConfig:
             rope, local_theta = _gemma4_rope(f, rope)
         elif gemma:
             rope, local_theta = _gemma3_rope(f, rope)
-        # as transformers 5 reads it: rope_parameters' base over a top-level rope_theta
-        rope_theta = _Fields(rope, f"{origin} rope_parameters").number("rope_theta", None) or f.number(
-            "rope_theta", 10000.0)
+        # as transformers 5 reads it: rope_parameters' base over a top-level rope_theta (checked all the same)
+        top_theta = f.number("rope_theta", None)
+        rope_theta = _Fields(rope, f"{origin} rope_parameters").number("rope_theta", None) or top_theta or 10000.0
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
         scaling = _rope_scaling(scaling, origin, d, model_type) if scaling else None
         rotary = f.number("partial_rotary_factor", None) or _Fields(rope, f"{origin} rope_parameters").number(
