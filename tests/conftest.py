@@ -67,6 +67,16 @@ def pytest_configure(config):
     subprocess.Popen.__init__ = refuse("starts a subprocess")
 
 
+def convert_to(source, path, **options):
+    """`ct.convert` of `source` (a MIL program or a traced module) for iOS18, written straight into
+    the .mlpackage `path` (package_dir): converted and then saved, coremltools would first write a
+    temporary package into /tmp, left there whenever the model object outlives the test."""
+    import coremltools as ct
+
+    ct.convert(source, minimum_deployment_target=ct.target.iOS18, package_dir=str(path), **options)
+    return path
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 

@@ -16,6 +16,7 @@ import llama_ane
 from llama_ane.contract.manifest import FORMAT_VERSION, ManifestError, read_manifest, write_manifest
 from llama_ane.export.validate import MAX_DIM, validate_export
 from llama_ane.testing import CHAT_TEMPLATE
+from conftest import convert_to
 
 
 @pytest.fixture(scope="module")
@@ -237,10 +238,8 @@ def test_dimension_over_16384_is_caught(tmp_path):
 
     width = MAX_DIM + 16
     traced = torch.jit.trace(Double().eval(), torch.zeros(1, width))
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=(1, width), dtype=np.float16)],
-                         outputs=[ct.TensorType(name="y", dtype=np.float16)], convert_to="mlprogram",
-                         minimum_deployment_target=ct.target.iOS18)
-    mlmodel.save(str(tmp_path / "wide.mlpackage"))
+    convert_to(traced, tmp_path / "wide.mlpackage", inputs=[ct.TensorType(name="x", shape=(1, width), dtype=np.float16)],
+               outputs=[ct.TensorType(name="y", dtype=np.float16)], convert_to="mlprogram")
     io = {"inputs": [{"name": "x", "shape": [1, width], "dtype": "float16"}],
           "outputs": [{"name": "y", "shape": [1, width], "dtype": "float16"}]}
     # the smallest manifest the schema accepts, every section naming the one model

@@ -16,16 +16,14 @@ from coremltools.converters.mil.mil import types  # noqa: E402
 from llama_ane.commands.inspect import command as inspect_command  # noqa: E402
 from llama_ane.export import ane_rules  # noqa: E402
 from llama_ane.export.inspect import inspect_path  # noqa: E402
+from conftest import convert_to  # noqa: E402
 
 FP16 = types.fp16
 IOS18 = ct.target.iOS18
 
 
 def save(prog, path, *, fp16=True):
-    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18,
-                       compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32)
-    model.save(str(path))
-    return path
+    return convert_to(prog, path, compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32)
 
 
 def clean_chunk(path):

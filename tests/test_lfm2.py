@@ -14,6 +14,7 @@ from llama_ane.model.short_conv import ConvLayer, conv_layer_mil, conv_state_aft
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Lfm2Config  # noqa: E402
 from transformers.models.lfm2.modeling_lfm2 import Lfm2DecoderLayer  # noqa: E402
+from conftest import convert_to  # noqa: E402
 
 C, K, EPS, TOKENS = 16, 3, 1e-5, 11
 RENAMED = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
@@ -113,8 +114,7 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
         y, gated = conv_layer_mil(g, x, conv_state, "", C, K, EPS, s, bias)
         return y, conv_state_after_mil(g, conv_state, gated, n, K, s)
 
-    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32)
-    model.save(str(tmp_path / "conv_layer.mlpackage"))
+    convert_to(prog, tmp_path / "conv_layer.mlpackage", compute_precision=ct.precision.FLOAT32)
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((1, C, 1, s)).astype(np.float32),
              "conv_state": rng.standard_normal((1, C, 1, K - 1)).astype(np.float32), "n": np.array([n], np.int32)}

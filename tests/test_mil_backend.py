@@ -13,6 +13,7 @@ import llama_ane
 from llama_ane.verify import compare_logits, default_text
 from llama_ane.runtime.backends.base import BackendError
 from llama_ane.runtime.backends.mil_backend import MilBackend
+from conftest import convert_to
 
 ct = pytest.importorskip("coremltools")
 
@@ -110,7 +111,7 @@ def test_unknown_op_through_the_backend_names_op_and_package(tmp_path):
     def prog(x):
         return mb.avg_pool(x=x, kernel_sizes=[2, 2], strides=[2, 2], pad_type="valid", name="y")
 
-    ct.convert(prog, minimum_deployment_target=ct.target.iOS18).save(str(tmp_path / "pool.mlpackage"))
+    convert_to(prog, tmp_path / "pool.mlpackage")
     io = {"inputs": [{"name": "x", "shape": [1, 2, 4, 4], "dtype": "float32"}],
           "outputs": [{"name": "y", "shape": [1, 2, 2, 2], "dtype": "float32"}]}
     manifest = {"precision": "fp32", "models": {"pool": {"functions": {

@@ -18,6 +18,7 @@ from coremltools.converters.mil import Builder as mb  # noqa: E402
 
 from llama_ane.mil import PackageExecutor, UnsupportedOpError  # noqa: E402
 from llama_ane.mil.executor import ExecutionError  # noqa: E402
+from conftest import convert_to  # noqa: E402
 
 
 def convert_torch(module, example: dict[str, torch.Tensor], path, *, fp16: bool, out_names):
@@ -29,13 +30,8 @@ def convert_torch(module, example: dict[str, torch.Tensor], path, *, fp16: bool,
         ct.TensorType(name, shape=tuple(t.shape), dtype=np.int32 if t.dtype == torch.int32 else float_type)
         for name, t in example.items()
     ]
-    model = ct.convert(
-        traced, inputs=inputs, outputs=[ct.TensorType(n, dtype=float_type) for n in out_names],
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32,
-    )
-    model.save(str(path))
-    return path
+    return convert_to(traced, path, inputs=inputs, outputs=[ct.TensorType(n, dtype=float_type) for n in out_names],
+                      compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32)
 
 
 def save_program(prog, path, *, fp16: bool = False):

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer,  # noqa: E402
                                                           torch_recurrent_gated_delta_rule)
+from conftest import convert_to  # noqa: E402
 
 C, EPS, TOKENS, K = 32, 1e-6, 23, 4
 # (key heads, value heads, Dk, Dv): GQA-style value heads per key head, and one each
@@ -175,9 +176,8 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path, precision)
         y, mixed, new = delta_layer_mil(g, x, conv_state, delta_state, n, "", C, net, s)
         return y, conv_state_after_mil(g, conv_state, mixed, n, K, s), new
 
-    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18,
-                       compute_precision=ct.precision.FLOAT32 if precision == "fp32" else ct.precision.FLOAT16)
-    model.save(str(tmp_path / "delta_layer.mlpackage"))
+    convert_to(prog, tmp_path / "delta_layer.mlpackage",
+               compute_precision=ct.precision.FLOAT32 if precision == "fp32" else ct.precision.FLOAT16)
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((1, C, 1, s)).astype(dtype),
              "conv_state": rng.standard_normal((1, net.conv_channels, 1, width)).astype(dtype),
@@ -232,8 +232,7 @@ def test_mil_builder_matches_torch_on_branches(pair, tmp_path):
     def prog(x, conv_branches, delta_branches):
         return delta_layer_mil(g, x, conv_branches, delta_branches, None, "", C, net, b)
 
-    model = ct.convert(prog, minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT32)
-    model.save(str(tmp_path / "delta_branches.mlpackage"))
+    convert_to(prog, tmp_path / "delta_branches.mlpackage", compute_precision=ct.precision.FLOAT32)
     conv_states, states = branch_states(net, b, 5)
     conv_states = torch.cat([torch.zeros(1, net.conv_channels, b, width - K + 1), conv_states], dim=3)
     feeds = {"x": channels_first(x)[..., :b].numpy(), "conv_branches": conv_states.numpy(),
