@@ -382,7 +382,6 @@ def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders,
     from transformers import DynamicCache
 
     from llama_ane.reference import recurrent_delta_rule
-    from llama_ane.runtime.pipeline import Pipeline  # noqa: F401  (the per-chunk caches it keeps)
 
     folder = folders("tied_gqa")
     model, ref = load_fp32(folder, prefill_length=prefill), hf_model(folder)

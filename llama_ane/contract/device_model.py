@@ -147,7 +147,7 @@ def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) 
     layers' delta rule over the step's window (`delta_flops`)."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
-    keys = attention_keys(manifest, attended, new)
+    keys = attention_keys(manifest, attended, new, cfg)
     attention = 4 * sum(cfg.at(n).q_channels * k for n, k in enumerate(keys))
     return tokens * (2 * params + attention) + delta_flops(manifest, function)
 
@@ -181,14 +181,15 @@ def delta_flops(manifest: dict, function: str) -> float:
     return 2.0 * macs * sequences * len(delta["layers"])
 
 
-def attention_keys(manifest: dict, attended: int, new: int) -> list[int]:
+def attention_keys(manifest: dict, attended: int, new: int, cfg: LlamaConfig | None = None) -> list[int]:
     """Per decoder layer, the keys a query attends over in a step with `attended` cached positions
     read (the bucket that runs) and `new` positions of its own (the window, or a cascade's suffix):
     a global layer `attended` + `new`; a sliding layer with a ring (cache.sliding, KV-shared
     layers reading their producer's among them) its R slots + `new`, whatever the bucket; a conv
     layer (LFM2) none, its short convolution being weights (`_flops`), nor a linear-attention
-    layer (Qwen3.5), whose delta rule `delta_flops` counts."""
-    cfg = LlamaConfig.from_dict(manifest["config"])
+    layer (Qwen3.5), whose delta rule `delta_flops` counts. `cfg`: the manifest's config, where
+    the caller has read it."""
+    cfg = cfg or LlamaConfig.from_dict(manifest["config"])
     ring = (manifest["cache"].get("sliding") or {}).get("length", 0)
     return [0 if cfg.convolves(n) else (ring if ring and cfg.slides(n) else attended) + new
             for n in range(cfg.num_hidden_layers)]

@@ -952,6 +952,7 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b:
         convs, suffixes, new = len(conv_rows(cfg, layers)), [], []
+        delta_branches, delta_new = _delta_io(cfg, layout, layers, b)
         for key, rows, at in suffix_groups(cfg, layers, layout.ring):
             names, g = suffix_names(key), at.num_key_value_heads
             suffixes += [tensor(name, [len(rows) * g, b, at.head_dim, u], f) for name in names[:2]]
@@ -963,11 +964,10 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
             + ([tensor("conv_branches", [convs, cfg.conv_channels, b, conv_state_width(cfg)], f)] if convs else [])
-            + _shared_io(cfg, layout, layers, t, b, suffix=True) + _delta_io(cfg, layout, layers, b)[0],
+            + _shared_io(cfg, layout, layers, t, b, suffix=True) + delta_branches,
             # every attention layer's new K/V: the suffix caches hold them all
             "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)] + new
-            + ([tensor("conv_new", [convs, cfg.conv_channels, 1, b], f)] if convs else [])
-            + _delta_io(cfg, layout, layers, b)[1],
+            + ([tensor("conv_new", [convs, cfg.conv_channels, 1, b], f)] if convs else []) + delta_new,
         }, layout)
     if w:
         caches, new = _caches(cfg, layout, layers, t, w)
