@@ -714,20 +714,18 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         own_k, own_v = {}, {}  # chunk layer -> its K/V of this step, for the KV-shared layers after it
         x, gated, states = inputs["hidden_states"], [], []
         for i, n in enumerate(layers):
-            if cfg.linear(n):  # each branch from its own states (1,Q,B,W), (B,H*Dk,1,Dv)
+            if cfg.convolves(n):  # each branch from its own conv state (1,Q,B,W), a linear-attention layer's
+                # from its own recurrent state too (B,H*Dk,1,Dv)
                 conv = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
                                [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
-                x, gx, state = delta_layer_mil(g, x, conv, _delta_state_row_mil(g, cfg, inputs[DELTA_BRANCHES],
-                                                                               len(states), b),
-                                               None, f"layers.{i}.", cfg.hidden_size, delta_shape(cfg), b)
-                gated.append(gx)
-                states.append(state)
-                continue
-            if cfg.convolves(n):  # each branch from its own state (1,C,B,K-1)
-                state = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
-                                [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
-                x, gx = conv_layer_mil(g, x, state, f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps,
-                                       b, cfg.conv_bias)
+                if cfg.linear(n):
+                    x, gx, state = delta_layer_mil(g, x, conv, _delta_state_row_mil(g, cfg, inputs[DELTA_BRANCHES],
+                                                                                   len(states), b),
+                                                   None, f"layers.{i}.", cfg.hidden_size, delta_shape(cfg), b)
+                    states.append(state)
+                else:
+                    x, gx = conv_layer_mil(g, x, conv, f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel,
+                                           cfg.stream_eps, b, cfg.conv_bias)
                 gated.append(gx)
                 continue
             cos, sin = layer_rope_mil(cfg, inputs, n)
