@@ -210,8 +210,9 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
 
             def hook(_module, inputs, _output, keys=[f"layers.{n}.{x}.weight" for x in (name, *also)]):
                 x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+                power = (x * x).mean(0).to(torch.float32).numpy()
                 for key in keys:
-                    found_one(key, (x * x).mean(0).to(torch.float32).numpy())
+                    found_one(key, power)
             handles.append(module.register_forward_hook(hook))
         return lambda: [h.remove() for h in handles]
 
