@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H100 run behind benchmarks/results/cuda_*: kernel tests, the shared-prefix grid against
-# FlashInfer, the tree benchmark and the prefix-kernel tuning table, each log written to OUT_DIR.
+# FlashInfer and the tree benchmark, each log written to OUT_DIR.
 # Exits non-zero when any GPU test fails.
 #
 #   benchmarks/run_gpu_suite.sh OUT_DIR [WHEEL_DIR]
@@ -40,4 +40,3 @@ fi
 python benchmarks/cascade_gpu.py --skip-sweep --out "$out/cuda_cascade.json" 2>&1 \
     | tee "$out/cuda_cascade.log" | tail -4
 python benchmarks/tree_gpu.py --out "$out/cuda_tree.json" 2>&1 | tee "$out/cuda_tree.log" | tail -12
-python benchmarks/cascade_tuning_gpu.py 2>&1 | grep -v Warning | tee "$out/cuda_cascade_tuning.log"

@@ -203,11 +203,6 @@ def _header_entry(file: Path, name: str, entry: Any) -> tuple[TensorInfo, tuple[
     return TensorInfo(tuple(shape), dtype), (offsets[0], offsets[1])
 
 
-def check_safetensors(file: Path) -> list[str]:
-    """Check a safetensors file's header against its size; return its tensor names."""
-    return list(safetensors_tensors(file))
-
-
 def _shards(folder: Path, index: Path) -> dict[str, str]:
     """The index's weight_map (tensor name -> shard file name), checked to be one."""
     data = read_json(index, "model.safetensors.index.json")

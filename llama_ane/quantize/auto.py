@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .schemes import SCHEMES, Compression, QuantizeError, bits
+from .schemes import SCHEMES, Compression, QuantizeError
 
 DEFAULT_BUDGET_PCT = 5.0  # --quantize-budget: perplexity increase allowed, percent
 WARN_PCT = 10.0  # a measured increase beyond this is said plainly at export
@@ -257,10 +257,6 @@ def summary(forms: dict[str, Compression | None], part: str) -> dict[str, int]:
         if part_of_unit(unit) == part:
             counts[label(c)] = counts.get(label(c), 0) + 1
     return counts
-
-
-def bits_of(c: Compression | None) -> int:
-    return 16 if c is None else bits(c.scheme)
 
 
 def device_paths(quantization: dict) -> dict[str, str]:
