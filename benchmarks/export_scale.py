@@ -1,10 +1,10 @@
 """Wall time, peak memory, output size and /tmp leftovers of `llama-ane export` at real model scales.
 
 Writes random bf16 checkpoints shaped exactly like Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B, or
-Gemma-3-1B, Gemma-3-4B, Qwen3-1.7B, Qwen3-4B, SmolLM3-3B and Phi-4-mini (their published configs;
-sharded safetensors, as the hub ships them) into --workdir, runs the real CLI on each as a
-subprocess and measures it: peak memory is the summed PSS of its process tree (forked workers count
-once). Optionally: `inspect --strict` (default for 8b), a second export compared hash for hash
+Gemma-3-1B, Gemma-3-4B, Gemma-4-E2B, Qwen3-1.7B, Qwen3-4B, Qwen3.5-4B, SmolLM3-3B and Phi-4-mini (the
+text models of their published configs; sharded safetensors, as the hub ships them) into --workdir,
+runs the real CLI on each as a subprocess and measures it: peak memory is the summed PSS of its
+process tree (forked workers count once). Optionally: `inspect --strict` (default for 8b), a second export compared hash for hash
 (--repeat), and the same export by the exporter of another git ref (--reference) for new/reference
 ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
 
@@ -16,8 +16,9 @@ ratios. Results are merged into benchmarks/results/export_scale.{json,md}.
 Each run records its wall time, the CPU seconds of the export's process tree (the work done, which
 other load on the machine barely changes), the 1-minute load average before and after, and the peak.
 
-Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, gemma4-e2b, qwen3-1.7b, qwen3-4b, smollm3-3b,
-phi4-mini, smollm2 (the embedded default model). Arguments after `--` go to the new exporter only.
+Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, gemma4-e2b, qwen3-1.7b, qwen3-4b,
+qwen3.5-4b, smollm3-3b, phi4-mini, smollm2 (the embedded default model). Arguments after `--` go to
+the new exporter only.
 Checkpoints are kept unless --clean, exports removed unless --keep.
 Exit status 1 if any export (or inspect) failed.
 """
@@ -48,11 +49,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 SHARD_LIMIT = 2 * GIB
 NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama",
          "gemma3-1b": "Gemma-3-1B", "gemma3-4b": "Gemma-3-4B", "gemma4-e2b": "Gemma-4-E2B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B",
-         "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
+         "qwen3.5-4b": "Qwen3.5-4B", "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
 PRESETS = (*NAMES, "smollm2")
 MARKER = ".complete"
 INIT = 2  # how write_shard fills tensors: a checkpoint written by another rule is written again
 TAIL = 40
+# vectors a layer multiplies by w, not (1 + w): Gemma 4's layer scalars, Gated DeltaNet's gated norm
+# (whatever norm the family's other norms use) and its dt_bias
+ONES = ("layer_scalar", "linear_attn.norm.weight", "linear_attn.dt_bias")
 
 
 class BenchError(RuntimeError):
@@ -120,6 +124,16 @@ FAMILY_PRESETS: dict[str, tuple[str, dict]] = {
     "gemma4-e2b": ("Gemma4TextConfig", _gemma4(1536, 6144, 35, 1, 5, 20, True)),
     "qwen3-1.7b": ("Qwen3Config", _qwen3(2048, 6144, 28, 16)),
     "qwen3-4b": ("Qwen3Config", _qwen3(2560, 9728, 36, 32)),
+    # the text model of the 4B checkpoint: three Gated DeltaNet layers to each gated attention layer
+    "qwen3.5-4b": ("Qwen3_5TextConfig", {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216,
+        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "layer_types": ["full_attention" if (n + 1) % 4 == 0 else "linear_attention" for n in range(32)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "attention_bias": False,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 248046}),
     "smollm3-3b": ("SmolLM3Config", {
         "model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
         "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu",
@@ -235,8 +249,9 @@ def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[l
 def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch.Generator,
                 norm: float = 1.0, qk_temperature: bool = False) -> dict[str, str]:
     """Write one safetensors file tensor by tensor, so only one tensor is in memory at a time: matrices
-    random, in file order from `gen`; norm weights all `norm`, Gemma 4's layer scalars 1 (as it
-    initializes them: at 0 every layer's output would be zeroed), other vectors (biases) zeros.
+    random, in file order from `gen`; norm weights all `norm`, other vectors (biases) zeros, but 1 for
+    the vectors that scale by w itself (ONES: as transformers initializes them; at 0 they would zero
+    a layer's output). A Gated DeltaNet layer's A_log of 0 gives a decay rate A of 1.
 
     With `qk_temperature` (Gemma 4, whose attention scale is 1: its trained q/k norm weights set the
     temperature), q and k norm weights are head_dim ** -0.25, so attention logits have unit variance;
@@ -253,7 +268,7 @@ def write_shard(file: Path, shard: list[tuple[str, tuple[int, ...]]], gen: torch
     with open(file, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, shape in shard:
-            fill = norm if "norm" in name else 1.0 if name.endswith("layer_scalar") else 0.0
+            fill = 1.0 if name.endswith(ONES) else norm if "norm" in name else 0.0
             if qk_temperature and name.endswith(("q_norm.weight", "k_norm.weight")):
                 fill = shape[0] ** -0.25
             t = (torch.full(shape, fill, dtype=torch.bfloat16) if len(shape) == 1
