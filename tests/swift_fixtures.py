@@ -49,14 +49,16 @@ Nothing in those fixtures is written by hand:
   context buckets [32, 64], so that every kind of function of that chunk outputs the logits.
 
 * ``export_gemma3/``, ``export_mistral_window/``, ``export_lfm2/``, ``export_lfm2_state/``,
-  ``export_gemma4/`` and ``families.json``: exports of the newer families (sliding windows with a ring
-  buffer; LFM2's conv layers with input caches and with state caches; Gemma 4's per-layer inputs,
+  ``export_qwen35/``, ``export_qwen35_state/``, ``export_gemma4/`` and ``families.json``: exports of
+  the newer families (sliding windows with a ring buffer; LFM2's conv layers and Qwen3.5's
+  linear-attention layers with input caches and with state caches; Gemma 4's per-layer inputs,
   wider global layers and KV-shared layers), each with Python's greedy run on its programs (see
   ``FAMILY_EXPORTS``), and for an export whose chunks read rows the host gathers (Gemma 4) where
   Python's pipeline takes each row of them from in every phase (``host_rows``).
 
-* ``conv_state.json``: how Python's runtime moves LFM2's conv state on, on fixed arrays (after a
-  window of n real tokens; each cascade branch's copy of the prefix's, after a step).
+* ``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
+  on, on fixed arrays (after a window of n real tokens; each cascade branch's copy of the prefix's,
+  after a step).
 
 Run ``python tests/swift_fixtures.py DIR`` (``make test-swift`` uses
 ``swift_host/Tests/LlamaANETests/Fixtures``). This is test tooling: it is not part of the package.
@@ -850,7 +852,9 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
 # windows are shorter than the prompt plus the generated tokens, so the sliding layers' own masks
 # decide what the steps attend to, and than the context, so the sliding layers keep a ring buffer
 # (cache.sliding) that the generation wraps around. The LFM2 ones carry their conv layers' state
-# (cache.conv) through padded prefill windows and decoding.
+# (cache.conv) through padded prefill windows and decoding, the Qwen3.5 ones their linear-attention
+# layers' conv and recurrent states (cache.conv, cache.delta). coremltools names ops with counters
+# kept per process: a new export goes last, so that the ones before it come out as they were.
 FAMILY_EXPORTS = {
     # Gemma 3: sliding (local RoPE) and global layers, every phase: the cascade's and the verify
     # window's sliding masks too.
@@ -879,6 +883,17 @@ FAMILY_EXPORTS = {
     "export_gemma4": ("gemma4_kv_shared", dict(sliding_window=16), dict(
         context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=8, kv_cache="inputs",
         fold_lm_head="no", layers_per_chunk=2), "sliding"),
+    # Qwen3.5 with input caches and a cascade: chunk_0 a linear-attention and an attention layer,
+    # chunk_1 of linear-attention layers only (no K/V, no cache update); the host keeps each chunk's
+    # conv state from conv_new and its recurrent state from delta_new.
+    "export_qwen35": ("qwen35_tied_gqa", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2), "delta"),
+    # Qwen3.5 with state caches (each chunk writes its conv and recurrent states itself from
+    # window_tokens), a cascade and the head folded into the last chunk.
+    "export_qwen35_state": ("qwen35_untied_mha", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
+        fold_lm_head="yes", layers_per_chunk=2), "delta"),
 }
 # Family exports planned with a smaller weight budget per package (bytes), so that their embedding
 # tables are cut into several files as a large model's are.
@@ -1078,10 +1093,10 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
 
 
 def write_conv_state_fixture(path: Path) -> dict[str, Any]:
-    """``conv_state.json``: how Python's runtime moves LFM2's conv state on, on fixed random arrays:
-    the state after a window of n real tokens (`Pipeline.carry_conv`), and each cascade branch's,
-    copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on by one step
-    (`CascadeDecoder._write`). The Swift host's ConvStateCarry must give the same."""
+    """``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
+    on, on fixed random arrays: the state after a window of n real tokens (`Pipeline.carry_conv`), and
+    each cascade branch's, copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on
+    by one step (`CascadeDecoder._write`). The Swift host's StateCarry must give the same."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -1101,20 +1116,32 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
         caches = {"conv": state.copy()}
         Pipeline.carry_conv(caches, {"conv_new": new}, n)
         windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": caches["conv"].tolist()})
-    branches = []
-    for layers, channels, width, width_b in ((2, 3, 4, 2), (1, 2, 32, 3)):
-        prefix, new = values(layers, channels, 1, width), values(layers, channels, 1, width_b)
-        # a chunk of conv layers only, over the prefix's state
+    def branch_step(key: str, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
+        """Each branch's state {key} of a chunk of such layers only: copied from the prefix's, then
+        one step on by {key}_new."""
         decoder = SimpleNamespace(
-            width=width_b, manifest={"chunks": [{"layers": list(range(layers))}]}, backend=SimpleNamespace(),
+            width=width_b, manifest={"chunks": [{"layers": list(range(prefix.shape[0]))}]}, backend=SimpleNamespace(),
             pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True, wide_global=False), ring=0,
-                                     cache=SimpleNamespace(caches=[{"conv": prefix}])))
+                                     cache=SimpleNamespace(caches=[{key: prefix}])))
         suffixes = [CascadeDecoder.new_suffixes(decoder, 0)]
-        start = suffixes[0]["conv"].copy()
-        CascadeDecoder._write(decoder, 0, "decode_branches", {"conv_new": new}, suffixes, np.zeros(width_b, np.int32))
-        branches.append({"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(),
-                         "after": suffixes[0]["conv"].tolist()})
-    data = {"windows": windows, "branches": branches}
+        start = suffixes[0][key].copy()
+        CascadeDecoder._write(decoder, 0, "decode_branches", {f"{key}_new": new}, suffixes, np.zeros(width_b, np.int32))
+        return {"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(), "after": suffixes[0][key].tolist()}
+
+    branches = [branch_step("conv", values(layers, channels, 1, width), values(layers, channels, 1, width_b), width_b)
+                for layers, channels, width, width_b in ((2, 3, 4, 2), (1, 2, 32, 3))]
+    # Qwen3.5's recurrent states (cache.delta): a window's delta_new replaces the state; the cascade's
+    # branches are layer-major copies of the prefix's, replaced by a step's delta_new
+    delta_windows, delta_branches = [], []
+    for layers, channels, width in ((2, 4, 3), (1, 6, 32)):
+        state, new = values(layers, channels, 1, width), values(layers, channels, 1, width)
+        caches = {"delta": state.copy()}
+        Pipeline.carry_conv(caches, {"delta_new": new}, 1)
+        delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": caches["delta"].tolist()})
+    for layers, channels, width, width_b in ((2, 4, 3, 2), (3, 2, 32, 3)):
+        prefix, new = values(layers, channels, 1, width), values(layers * width_b, channels, 1, width)
+        delta_branches.append(branch_step("delta", prefix, new, width_b))
+    data = {"windows": windows, "branches": branches, "delta_windows": delta_windows, "delta_branches": delta_branches}
     path.write_text(json.dumps(data, indent=1))
     return data
 
