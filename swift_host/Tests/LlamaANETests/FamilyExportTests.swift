@@ -8,8 +8,9 @@ import CoreML
 /// Exports of the families whose sliding windows are shorter than the context (a Gemma 3 with
 /// local-RoPE sliding layers between global ones, every phase; a Mistral with its window on every
 /// layer, caches in states and the head folded; a Gemma 4 with per-layer inputs, wider global layers
-/// and KV-shared layers, every phase, see Gemma4ManifestTests) and of LFM2 (conv layers beside attention layers,
-/// with input caches and with state caches), against what Python did with the same exports
+/// and KV-shared layers, every phase, see Gemma4ManifestTests), of LFM2 (conv layers beside attention layers,
+/// with input caches and with state caches) and of Qwen3.5 (linear-attention layers beside gated
+/// attention, with input caches and with state caches, see DeltaStateTests), against what Python did with the same exports
 /// (`families.json`, written by tests/swift_fixtures.py): the manifest and its wiring, the prompt's
 /// and the chat prompt's ids, and a greedy generation whose windows (ids, position, real tokens)
 /// must be the ones Python fed the exported embeddings. Off Apple platforms the model is Python's
@@ -17,7 +18,9 @@ import CoreML
 final class FamilyExportTests: XCTestCase {
     static let windowed = ["export_gemma3", "export_mistral_window", "export_gemma4"]
     static let conv = ["export_lfm2", "export_lfm2_state"]
-    static let exports = windowed + conv
+    /// Qwen3.5's: linear-attention layers (a conv and a recurrent state each) beside gated attention.
+    static let delta = ["export_qwen35", "export_qwen35_state"]
+    static let exports = windowed + conv + delta
 
     struct Step {
         let phase: String

@@ -37,11 +37,38 @@ enum ManifestEdits {
         m["cache"] = cache
     }
 
+    /// The edit that sets `cache.<section>.<key>` to `value`.
+    static func cacheEdit(_ section: String, _ key: String, _ value: Any) -> (inout [String: Any]) throws -> Void {
+        { try setCache(&$0, section, key, value) }
+    }
+
     /// Gives the chunks, in order, the layers `layers`.
     static func setChunkLayers(_ m: inout [String: Any], _ layers: [[Int]]) throws {
         var chunks = try XCTUnwrap(m["chunks"] as? [[String: Any]])
         for (i, l) in layers.enumerated() { chunks[i]["layers"] = l }
         m["chunks"] = chunks
+    }
+
+    /// Edits function `function` of model `model` with `body`.
+    static func editFunction(_ m: inout [String: Any], _ model: String, _ function: String,
+                             _ body: (inout [String: Any]) throws -> Void) throws {
+        var models = try XCTUnwrap(m["models"] as? [String: Any])
+        var entry = try XCTUnwrap(models[model] as? [String: Any])
+        var functions = try XCTUnwrap(entry["functions"] as? [String: Any])
+        var f = try XCTUnwrap(functions[function] as? [String: Any])
+        try body(&f)
+        functions[function] = f
+        entry["functions"] = functions
+        models[model] = entry
+        m["models"] = models
+    }
+
+    /// Removes the output `name` of function `function` of model `model`.
+    static func removeOutput(_ m: inout [String: Any], _ model: String, _ function: String, _ name: String) throws {
+        try editFunction(&m, model, function) { f in
+            let outputs = try XCTUnwrap(f["outputs"] as? [[String: Any]])
+            f["outputs"] = outputs.filter { $0["name"] as? String != name }
+        }
     }
 
     /// Removes `cache.<section>`.

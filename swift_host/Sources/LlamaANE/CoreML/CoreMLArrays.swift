@@ -99,27 +99,27 @@ enum CoreMLArrays {
         }
     }
 
-    /// Moves a conv state on (`ConvStateCarry`): `operation` on `target`, reading `source`, two 4-D
+    /// Moves a carried state on (`StateCarry`): `operation` on `target`, reading `source`, two 4-D
     /// arrays of one float type (fp16 copied as its bits), through their storage's strides.
-    static func carryConv(_ operation: ConvStateCarry.Operation, target: MLMultiArray, source: MLMultiArray) throws {
+    static func carry(_ operation: StateCarry.Operation, target: MLMultiArray, source: MLMultiArray) throws {
         guard target.dataType == source.dataType, target.dataType == .float16 || target.dataType == .float32 else {
-            throw PipelineError.allocationFailed("a conv state of \(target.dataType) moved on by values of \(source.dataType)")
+            throw PipelineError.allocationFailed("a state of \(target.dataType) moved on by values of \(source.dataType)")
         }
         let half = target.dataType == .float16
         let (targetShape, sourceShape) = (target.shape.map(\.intValue), source.shape.map(\.intValue))
         try target.withUnsafeMutableBytes { targetRaw, targetStrides in
             try source.withUnsafeMutableBytes { sourceRaw, sourceStrides in
                 guard let t = targetRaw.baseAddress, let s = sourceRaw.baseAddress else {
-                    throw PipelineError.allocationFailed("a conv state without storage")
+                    throw PipelineError.allocationFailed("a state without storage")
                 }
                 if half {
-                    try ConvStateCarry.apply(operation,
-                                             to: .init(base: t.assumingMemoryBound(to: UInt16.self), shape: targetShape, strides: targetStrides),
-                                             from: .init(base: s.assumingMemoryBound(to: UInt16.self), shape: sourceShape, strides: sourceStrides))
+                    try StateCarry.apply(operation,
+                                         to: .init(base: t.assumingMemoryBound(to: UInt16.self), shape: targetShape, strides: targetStrides),
+                                         from: .init(base: s.assumingMemoryBound(to: UInt16.self), shape: sourceShape, strides: sourceStrides))
                 } else {
-                    try ConvStateCarry.apply(operation,
-                                             to: .init(base: t.assumingMemoryBound(to: Float.self), shape: targetShape, strides: targetStrides),
-                                             from: .init(base: s.assumingMemoryBound(to: Float.self), shape: sourceShape, strides: sourceStrides))
+                    try StateCarry.apply(operation,
+                                         to: .init(base: t.assumingMemoryBound(to: Float.self), shape: targetShape, strides: targetStrides),
+                                         from: .init(base: s.assumingMemoryBound(to: Float.self), shape: sourceShape, strides: sourceStrides))
                 }
             }
         }

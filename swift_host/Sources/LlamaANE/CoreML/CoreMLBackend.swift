@@ -34,16 +34,19 @@ import Foundation
 /// `ring_slots`), or states of a state export that the chunk writes itself. Every phase and
 /// bucket reads the ring whole.
 ///
-/// Where the model has conv layers (`cache.conv`, LFM2), each chunk with such layers also holds their
-/// conv state: with input caches one `conv_state` array the chunk reads, which the host moves on
-/// in place after the chunk has run, from its `conv_new` and the window's real tokens (a chunk of
-/// conv layers only has no K/V and no cache update); with state caches a state the chunk writes
-/// itself, told the window's real tokens by `window_tokens`. The cascade's `conv_branches` array
-/// gets a copy of the prefix's state in every branch at a group's first step (from the array or
-/// the chunk's `MLState`) and moves each branch on by its own `conv_new` value after every step.
-/// Unlike K/V, which every function masks from the window's position on, the conv state is not
-/// positional: a window at position 0 (a new sequence, or any rewind, which keeps no token of such
-/// an export) first empties it.
+/// Where the model has conv layers (`cache.conv`: LFM2's, Qwen3.5's linear-attention layers), each
+/// chunk with such layers also holds their conv state: with input caches one `conv_state` array the
+/// chunk reads, which the host moves on in place after the chunk has run, from its `conv_new` and
+/// the window's real tokens (a chunk of conv layers only has no K/V and no cache update); with state
+/// caches a state the chunk writes itself, told the window's real tokens by `window_tokens`. The
+/// cascade's `conv_branches` array gets a copy of the prefix's state in every branch at a group's
+/// first step (from the array or the chunk's `MLState`) and moves each branch on by its own
+/// `conv_new` value after every step. Qwen3.5's linear-attention layers' recurrent state
+/// (`cache.delta`) moves the same way (`CarriedState`): `delta_state`, replaced by the chunk's
+/// `delta_new` after each window; `delta_branches`, a layer-major copy of the prefix's per branch,
+/// replaced by `delta_new` after each step. Unlike K/V, which every function masks from the
+/// window's position on, these states are not positional: a window at position 0 (a new sequence,
+/// or any rewind, which keeps no token of such an export) first empties them.
 ///
 /// An export whose LM head is folded into the last chunk (`lm_head.folded_into`) loads no head
 /// model: the last chunk's function of each phase and bucket writes the logits into that stage's
@@ -183,11 +186,11 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
     private let chunkStates: ChunkStates?
-    /// Per chunk, its conv layers' state with input caches (`conv_state`), moved on in place after
-    /// each window; nil for a chunk without conv layers or whose state is a Core ML state.
-    private let convStates: [MLMultiArray?]
-    /// Per chunk, its conv layers' state per cascade branch (`conv_branches`), nil without.
-    private let convBranches: [MLMultiArray?]
+    /// Per carried state and chunk, the state with input caches (`conv_state`, `delta_state`), moved
+    /// on in place after each window; nil for a chunk without such layers or whose state is a Core ML state.
+    private let carriedStates: [CarriedState: [MLMultiArray?]]
+    /// Per carried state and chunk, its states per cascade branch (`conv_branches`, `delta_branches`), nil without.
+    private let carriedBranches: [CarriedState: [MLMultiArray?]]
 
     public var chunkCount: Int { manifest.chunks.count }
     public var branchWidth: Int { stages[Phase.decodeBranches.rawValue] == nil ? 0 : manifest.branchWidth ?? 0 }
@@ -219,32 +222,37 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 try zip(decode.chunks, decode.chunkFunctions).map { try Self.makeState($0, $1.states, manifest: manifest) }
             }
         }
-        // conv states by the input specs of the functions that read them (the same in every bucket)
-        func convArrays(_ phase: Phase, _ carry: ConvCarry, _ name: String) throws -> [MLMultiArray?] {
-            try manifest.chunks.enumerated().map { i, chunk in
-                guard wiring.convCarry[phase]?[i] == carry else { return nil }
-                guard let spec = try manifest.function(chunk.model, phase.rawValue).input(name) else {
-                    throw PipelineError.unwiredInput(model: "\(chunk.model) (\(phase.rawValue))", input: name)
+        // carried states by the input specs of the functions that read them (the same in every bucket)
+        func carriedArrays(_ phase: Phase, _ carry: CarryMode, _ name: (CarriedState) -> String) throws
+            -> [CarriedState: [MLMultiArray?]] {
+            var out: [CarriedState: [MLMultiArray?]] = [:]
+            for carried in CarriedState.allCases {
+                out[carried] = try manifest.chunks.enumerated().map { i, chunk -> MLMultiArray? in
+                    guard wiring.carry(carried, phase, chunk: i) == carry else { return nil }
+                    guard let spec = try manifest.function(chunk.model, phase.rawValue).input(name(carried)) else {
+                        throw PipelineError.unwiredInput(model: "\(chunk.model) (\(phase.rawValue))", input: name(carried))
+                    }
+                    return try CoreMLArrays.make(spec)
                 }
-                return try CoreMLArrays.make(spec)
             }
+            return out
         }
         return CoreMLBackend(manifest: manifest, wiring: wiring, stages: stages, prefixCaches: prefix, suffixCaches: suffix,
-                             chunkStates: states, convStates: try convArrays(.decode, .fromOutput, TensorNames.convState),
-                             convBranches: try convArrays(.decodeBranches, .branches, TensorNames.convBranches))
+                             chunkStates: states, carriedStates: try carriedArrays(.decode, .fromOutput, \.stateName),
+                             carriedBranches: try carriedArrays(.decodeBranches, .branches, \.branchesName))
     }
 
     private init(manifest: Manifest, wiring: PipelineWiring, stages: [String: Stage], prefixCaches: [CacheBuffers],
-                 suffixCaches: [CacheBuffers], chunkStates: ChunkStates?, convStates: [MLMultiArray?],
-                 convBranches: [MLMultiArray?]) {
+                 suffixCaches: [CacheBuffers], chunkStates: ChunkStates?, carriedStates: [CarriedState: [MLMultiArray?]],
+                 carriedBranches: [CarriedState: [MLMultiArray?]]) {
         self.manifest = manifest
         self.wiring = wiring
         self.stages = stages
         self.prefixCaches = prefixCaches
         self.suffixCaches = suffixCaches
         self.chunkStates = chunkStates
-        self.convStates = convStates
-        self.convBranches = convBranches
+        self.carriedStates = carriedStates
+        self.carriedBranches = carriedBranches
     }
 
     /// A new state of `model` with each of its buffers `specs` (k_cache, v_cache, k_ring, v_ring:
@@ -408,7 +416,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 case .hiddenStates: array = current.hidden
                 case .perLayerInputs: array = current.perLayer
                 case let .value(n): array = s.hostInputs[n]
-                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .convState, .convBranches, .gathered: array = nil
+                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .carriedState, .carriedBranches, .gathered: array = nil
                 }
                 guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
                 inputs[name] = array
@@ -438,8 +446,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .cache(n): array = prefix[n]
             case let .suffixCache(n): array = suffix[n]
             case let .value(n): array = s.hostInputs[n] ?? s.chunkValues[n]  // the window's position, as the embeddings read it
-            case .convState: array = convStates[index]
-            case .convBranches: array = convBranches[index]
+            case let .carriedState(carried): array = carriedStates[carried]?[index]
+            case let .carriedBranches(carried): array = carriedBranches[carried]?[index]
             case let .gathered(axis, rows): array = try gather(index, name, axis: axis, rows: rows, input, stage: s)
             case .chunkOutput, .perLayerInputs: array = nil
             }
@@ -461,7 +469,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             backings[TensorNames.hiddenStatesOut] = out.hidden
         }
         try await predict(s.chunks[index], inputs: inputs, backings: backings, state: state)
-        try carryConv(index, phase, outputs: s.chunkOutputs[index], realTokens: input.realTokens)
+        try carryStates(index, phase, outputs: s.chunkOutputs[index], realTokens: input.realTokens)
         if wiring.headFolded, index == manifest.chunks.count - 1 { out.logits = s.logits }
         return out
     }
@@ -490,51 +498,55 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return target
     }
 
-    /// Moves chunk `index`'s conv state on after it ran `phase` (`ConvCarry`): the state after the
-    /// window's `realTokens` from its conv_new, or each branch's by its own value; nothing where the
-    /// chunk has no conv layers or writes its state itself.
-    private func carryConv(_ index: Int, _ phase: Phase, outputs: [String: MLMultiArray], realTokens: Int) throws {
-        let carry = wiring.convCarry[phase]?[index] ?? .none
-        let model = manifest.chunks[index].model
-        switch carry {
-        case .none, .inState:
-            return
-        case .fromOutput, .branches:
-            let target = carry == .fromOutput ? convStates[index] : convBranches[index]
-            guard let target, let new = outputs[TensorNames.convNew] else {
-                throw PipelineError.unwiredInput(model: "\(model) (\(phase.rawValue))", input: TensorNames.convNew)
+    /// Moves chunk `index`'s carried states on after it ran `phase` (`CarryMode`): each state after
+    /// the window's `realTokens` from the chunk's conv_new or delta_new, or each branch's after its
+    /// step; nothing where the chunk has no such layers or writes its states itself.
+    private func carryStates(_ index: Int, _ phase: Phase, outputs: [String: MLMultiArray], realTokens: Int) throws {
+        for carried in CarriedState.allCases {
+            let carry = wiring.carry(carried, phase, chunk: index)
+            guard carry == .fromOutput || carry == .branches else { continue }
+            let target = (carry == .fromOutput ? carriedStates : carriedBranches)[carried]?[index]
+            guard let target, let new = outputs[carried.newName] else {
+                throw PipelineError.unwiredInput(model: "\(manifest.chunks[index].model) (\(phase.rawValue))", input: carried.newName)
             }
-            try CoreMLArrays.carryConv(carry == .fromOutput ? .afterWindow(realTokens: realTokens) : .afterBranchStep,
-                                       target: target, source: new)
+            try CoreMLArrays.carry(carry == .fromOutput ? carried.afterWindow(realTokens: realTokens) : carried.afterBranchStep,
+                                   target: target, source: new)
         }
     }
 
-    /// Empties every chunk's conv state: its array, or (state caches) the conv_state of its Core ML state.
-    private func emptyConvStates() throws {
-        for case let array? in convStates { CoreMLArrays.zero(array) }
-        for (i, carry) in (wiring.convCarry[.decode] ?? []).enumerated() where carry == .inState {
-            guard #available(macOS 15.0, iOS 18.0, *), let held = chunkStates?.state(i) as? MLState else {
-                throw PipelineError.unwiredInput(model: manifest.chunks[i].model, input: TensorNames.convState)
+    /// Chunk `index`'s `carried` state where the chunk writes it itself: the array of that name in
+    /// its Core ML state, handed to `body`.
+    private func withHeldState(_ index: Int, _ carried: CarriedState, as input: String,
+                               _ body: (MLMultiArray) throws -> Void) throws {
+        guard #available(macOS 15.0, iOS 18.0, *), let held = chunkStates?.state(index) as? MLState else {
+            throw PipelineError.unwiredInput(model: manifest.chunks[index].model, input: input)
+        }
+        try held.withMultiArray(for: carried.stateName, body)
+    }
+
+    /// Empties every chunk's conv and recurrent states: their arrays, or (state caches) those of its Core ML state.
+    private func emptyCarriedStates() throws {
+        for case let array? in carriedStates.values.joined() { CoreMLArrays.zero(array) }
+        for carried in CarriedState.allCases {
+            for i in manifest.chunks.indices where wiring.carry(carried, .decode, chunk: i) == .inState {
+                try withHeldState(i, carried, as: carried.stateName) { CoreMLArrays.zero($0) }
             }
-            held.withMultiArray(for: TensorNames.convState) { CoreMLArrays.zero($0) }
         }
     }
 
-    /// Every cascade branch's conv state becomes a copy of the prefix's: chunk i's conv_state
-    /// array, or (state caches) the conv_state of its Core ML state.
-    private func copyConvToBranches() throws {
-        for (i, branches) in convBranches.enumerated() {
-            guard let branches else { continue }
-            if let state = convStates[i] {
-                try CoreMLArrays.carryConv(.copyToBranches, target: branches, source: state)
-                continue
-            }
-            guard #available(macOS 15.0, iOS 18.0, *), let held = chunkStates?.state(i) as? MLState else {
-                throw PipelineError.unwiredInput(model: "\(manifest.chunks[i].model) (\(Phase.decodeBranches.rawValue))",
-                                                 input: TensorNames.convBranches)
-            }
-            try held.withMultiArray(for: TensorNames.convState) { state in
-                try CoreMLArrays.carryConv(.copyToBranches, target: branches, source: state)
+    /// Every cascade branch's conv and recurrent states become copies of the prefix's: chunk i's
+    /// state arrays, or (state caches) those of its Core ML state.
+    private func copyStatesToBranches() throws {
+        for carried in CarriedState.allCases {
+            for (i, branches) in (carriedBranches[carried] ?? []).enumerated() {
+                guard let branches else { continue }
+                if let state = carriedStates[carried]?[i] {
+                    try CoreMLArrays.carry(carried.copyToBranches, target: branches, source: state)
+                    continue
+                }
+                try withHeldState(i, carried, as: carried.branchesName) { state in
+                    try CoreMLArrays.carry(carried.copyToBranches, target: branches, source: state)
+                }
             }
         }
     }
@@ -570,7 +582,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .chunkOutput(n):
                 guard let array = s.chunkOutputs[index][n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
                 inputs[name] = array
-            case .hiddenStates, .embeddingsOutput, .convState, .convBranches, .perLayerInputs, .gathered:
+            case .hiddenStates, .embeddingsOutput, .carriedState, .carriedBranches, .perLayerInputs, .gathered:
                 throw PipelineError.unwiredInput(model: "cache_update", input: name)
             }
         }
@@ -607,11 +619,11 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     // MARK: PipelineBackend
 
     public func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
-        if window.position == 0, manifest.cache.conv != nil {
-            try emptyConvStates()  // a new sequence: no earlier token's values in the conv state
+        if window.position == 0, manifest.cache.conv != nil || manifest.cache.delta != nil {
+            try emptyCarriedStates()  // a new sequence: no earlier token's values in the conv or recurrent state
         }
         if let tokens = try stage(window.phase, bucket: bucket).chunkValues[TensorNames.windowTokens] {
-            CoreMLArrays.write([Int32(window.count)], into: tokens)  // the chunks keep their conv state after these
+            CoreMLArrays.write([Int32(window.count)], into: tokens)  // the chunks keep their states after these
         }
         return try await embed(window.phase, bucket: bucket,
                                [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]],
@@ -633,7 +645,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     public func resetCaches() async throws {
         prefixCaches.forEach { $0.zero() }
         suffixCaches.forEach { $0.zero() }
-        for case let array? in convStates + convBranches { CoreMLArrays.zero(array) }
+        for case let array? in (Array(carriedStates.values) + Array(carriedBranches.values)).joined() { CoreMLArrays.zero(array) }
         try chunkStates?.reset()
     }
 
@@ -661,7 +673,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public func resetSuffixes() async throws {
         suffixCaches.forEach { $0.zero() }
-        try copyConvToBranches()  // each branch starts from the prefix's conv state
+        try copyStatesToBranches()  // each branch starts from the prefix's conv and recurrent states
     }
 
     // MARK: VerifyBackend

@@ -97,8 +97,16 @@ public struct Manifest: Codable, Equatable, Sendable {
         /// The layers with a short convolution in place of attention (LFM2): they keep no K/V, but a
         /// conv state (`cache.conv`) the host carries from window to window.
         public var convLayers: [Int]
-        /// The short convolution's kernel (LFM2's conv_L_cache), where the model has conv layers.
+        /// The short convolution's kernel (LFM2's conv_L_cache; Qwen3.5's linear-attention layers'
+        /// linear_conv_kernel_dim), where the model has conv layers.
         public var convKernel: Int?
+        /// Qwen3.5's linear-attention (Gated DeltaNet) layers: no K/V, but a conv state (they are
+        /// among `cache.conv.layers`) and a recurrent state (`cache.delta`) the host carries.
+        public var deltaLayers: [Int]
+        /// Their value heads and key and value widths (`cache.delta` holds the same), where the model has them.
+        public var deltaValueHeads: Int?
+        public var deltaKeyDim: Int?
+        public var deltaValueDim: Int?
         /// P of Gemma 4's per-layer inputs: the embeddings output every layer's P channels
         /// (`per_layer_inputs`), and each chunk reads its own layers' (`per_layer_input`); 0: none.
         public var perLayerInputSize: Int
@@ -120,6 +128,8 @@ public struct Manifest: Codable, Equatable, Sendable {
             case ropeLocalTheta = "rope_local_theta", convLayers = "conv_layers", convKernel = "conv_kernel"
             case perLayerInputSize = "per_layer_input_size", globalHeadDim = "global_head_dim"
             case globalKeyValueHeads = "global_key_value_heads", kvSharedLayers = "kv_shared_layers"
+            case deltaLayers = "delta_layers", deltaValueHeads = "delta_value_heads", deltaKeyDim = "delta_key_dim"
+            case deltaValueDim = "delta_value_dim"
         }
 
         public init(from decoder: Decoder) throws {
@@ -151,6 +161,10 @@ public struct Manifest: Codable, Equatable, Sendable {
             globalHeadDim = try c.decodeIfPresent(Int.self, forKey: .globalHeadDim)
             globalKeyValueHeads = try c.decodeIfPresent(Int.self, forKey: .globalKeyValueHeads)
             kvSharedLayers = try c.decodeIfPresent(Int.self, forKey: .kvSharedLayers) ?? 0
+            deltaLayers = try c.decodeIfPresent([Int].self, forKey: .deltaLayers) ?? []
+            deltaValueHeads = try c.decodeIfPresent(Int.self, forKey: .deltaValueHeads)
+            deltaKeyDim = try c.decodeIfPresent(Int.self, forKey: .deltaKeyDim)
+            deltaValueDim = try c.decodeIfPresent(Int.self, forKey: .deltaValueDim)
         }
 
         /// Whether layer `n` attends within the sliding window.
@@ -183,8 +197,10 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var dtype: String
         /// The sliding layers' ring buffer, where the sliding window is shorter than the context.
         public var sliding: Sliding?
-        /// The conv layers' state, where the model has conv layers (LFM2).
+        /// The conv layers' state, where the model has conv layers (LFM2; Qwen3.5's linear-attention layers).
         public var conv: Conv?
+        /// The linear-attention layers' recurrent state, where the model has them (Qwen3.5).
+        public var delta: Delta?
 
         /// The caches are Core ML states (`kind` "state").
         public var inStates: Bool { kind == "state" }
@@ -222,6 +238,24 @@ public struct Manifest: Codable, Equatable, Sendable {
         public var channels: Int
         public var kernel: Int
         public var width: Int
+    }
+
+    /// The linear-attention layers' recurrent state (`cache.delta`, Qwen3.5): `heads` value heads of
+    /// `keyDim` x `valueDim` per layer, zeros before the first token. A chunk with such layers reads
+    /// `(its layers, heads * keyDim, 1, valueDim)` as `delta_state`: an input the host replaces by
+    /// the chunk's `delta_new` after each window (input caches), or a state the chunk writes itself
+    /// (state caches); the cascade's `delta_branches` hold a copy per layer and branch, layer-major.
+    /// Like the conv state it does not depend on the context and cannot go back.
+    public struct Delta: Codable, Equatable, Sendable {
+        /// The linear-attention layers (the config's `delta_layers`).
+        public var layers: [Int]
+        public var heads: Int
+        public var keyDim: Int
+        public var valueDim: Int
+        enum CodingKeys: String, CodingKey { case layers, heads, keyDim = "key_dim", valueDim = "value_dim" }
+
+        /// The state's channels: heads * keyDim.
+        public var channels: Int { heads * keyDim }
     }
 
     /// The embedding table, cut by vocabulary rows into one or more models (one file each, so that no

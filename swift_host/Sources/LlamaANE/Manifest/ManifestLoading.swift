@@ -143,6 +143,7 @@ extension Manifest {
         }
         try checkRing()
         try checkConv()
+        try checkDelta()
         try checkKVSharing()
         try checkChunkCacheRows()
         try Self.checkModelList("embeddings", embeddings.models)
@@ -235,9 +236,10 @@ extension Manifest {
         guard !cache.inStates else {
             throw ManifestError.inconsistent("verify_window is \(w) but the caches are Core ML states, which the verify cache update cannot write")
         }
-        guard cache.conv == nil else {
-            throw ManifestError.inconsistent("verify_window is \(w) but the export has conv layers (cache.conv), whose state "
-                + "cannot go back to drop a rejected draft")
+        guard cache.conv == nil, cache.delta == nil else {
+            throw ManifestError.inconsistent("verify_window is \(w) but the export has "
+                + (cache.delta == nil ? "conv layers (cache.conv)" : "linear-attention layers (cache.delta)")
+                + ", whose state cannot go back to drop a rejected draft")
         }
         for name in embeddings.models + lmHead.models + chunks.map(\.model) {
             _ = try function(name, Phase.verify.rawValue)
@@ -258,6 +260,9 @@ extension Manifest {
     private static let ringTensors: Set<String> = ["k_ring", "v_ring", "k_ring_out", "v_ring_out"]
     /// The chunks' conv layers' tensors: their state, the cascade's per-branch states, a window's values.
     private static let convTensors: Set<String> = [TensorNames.convState, TensorNames.convBranches, TensorNames.convNew]
+    /// The chunks' linear-attention layers' tensors: their recurrent state, the cascade's per-branch
+    /// states, the state after a window (or each branch's after its token).
+    private static let deltaTensors: Set<String> = [TensorNames.deltaState, TensorNames.deltaBranches, TensorNames.deltaNew]
 
     /// Every K/V cache tensor holds its function's context bucket of positions (a state: the whole
     /// context) of `cache.channels` channels, as the packages were built for; every ring tensor the
@@ -273,6 +278,10 @@ extension Manifest {
                         let field = "models.\(model).functions.\(name).\(kind)[\(i)] \"\(t.name)\" of \(f.file)"
                         if Self.convTensors.contains(t.name) {
                             try checkConvShape(t, field: field)
+                            continue
+                        }
+                        if Self.deltaTensors.contains(t.name) {
+                            try checkDeltaShape(t, field: field)
                             continue
                         }
                         guard full.union(ring).contains(t.name) else { continue }
@@ -308,10 +317,24 @@ extension Manifest {
         }
     }
 
-    /// Tokens a rewind may forget and still keep the rest: none where the export has conv layers
-    /// (their state holds only the last tokens' values, so any rewind starts again from position
-    /// 0), `ringRewindLimit` where it has a ring buffer, and any number (nil) otherwise.
-    public var rewindLimit: Int? { cache.conv != nil ? 0 : ringRewindLimit }
+    /// A linear-attention tensor holds `cache.delta`'s state per layer (and, in the cascade, per
+    /// layer and branch): `(rows, heads * key_dim, 1, value_dim)`; its rows are checked per chunk.
+    private func checkDeltaShape(_ t: TensorSpec, field: String) throws {
+        guard let delta = cache.delta else {
+            throw ManifestError.inconsistent("\(field) is a linear-attention layers' tensor, but cache.delta names none")
+        }
+        let want = [t.shape[0], delta.channels, 1, delta.valueDim]
+        guard t.shape == want else {
+            throw ManifestError.inconsistent("\(field) has shape \(t.shape), but cache.delta (heads \(delta.heads), key_dim "
+                + "\(delta.keyDim), value_dim \(delta.valueDim)) gives \(want)")
+        }
+    }
+
+    /// Tokens a rewind may forget and still keep the rest: none where the export has conv or
+    /// linear-attention layers (their states hold only the last tokens' values, or all of them
+    /// folded in, so any rewind starts again from position 0), `ringRewindLimit` where it has a
+    /// ring buffer, and any number (nil) otherwise.
+    public var rewindLimit: Int? { cache.conv != nil || cache.delta != nil ? 0 : ringRewindLimit }
 
     /// Tokens a rewind may forget and still serve the ones kept, where the export has a ring buffer
     /// (nil: any): the slots of forgotten positions, and of a window's padding after them, must lie
@@ -361,9 +384,10 @@ extension Manifest {
             }
             return
         }
-        guard !conv.layers.isEmpty, Set(conv.layers) == Set(config.convLayers), Set(conv.layers).count == conv.layers.count else {
-            throw ManifestError.inconsistent("cache.conv.layers \(conv.layers) are not config.conv_layers \(config.convLayers), "
-                + "the layers that convolve")
+        let convolving = Set(config.convLayers + config.deltaLayers)
+        guard !conv.layers.isEmpty, Set(conv.layers) == convolving, Set(conv.layers).count == conv.layers.count else {
+            throw ManifestError.inconsistent("cache.conv.layers \(conv.layers) are not config.conv_layers \(config.convLayers)"
+                + (config.deltaLayers.isEmpty ? "" : " and config.delta_layers \(config.deltaLayers)") + ", the layers that convolve")
         }
         guard conv.kernel >= 2, conv.kernel == config.convKernel ?? conv.kernel, conv.channels > 0, conv.width >= conv.kernel - 1 else {
             throw ManifestError.inconsistent("cache.conv must keep the kernel - 1 values of config.conv_kernel "
@@ -373,6 +397,39 @@ extension Manifest {
         guard someChunkReads(TensorNames.convState) else {
             throw ManifestError.inconsistent("cache.conv names the state of conv layers \(conv.layers), but no chunk function "
                 + "reads one (\(TensorNames.convState))")
+        }
+    }
+
+    /// `cache.delta`: its layers are the config's linear-attention layers (each also among the conv
+    /// layers), its heads and widths the config's, and some chunk function reads the state; a config
+    /// with linear-attention layers has one.
+    private func checkDelta() throws {
+        guard let delta = cache.delta else {
+            guard config.deltaLayers.isEmpty else {
+                throw ManifestError.inconsistent("config.delta_layers \(config.deltaLayers) keep a recurrent state, but "
+                    + "cache.delta is missing")
+            }
+            return
+        }
+        guard !delta.layers.isEmpty, Set(delta.layers) == Set(config.deltaLayers), Set(delta.layers).count == delta.layers.count else {
+            throw ManifestError.inconsistent("cache.delta.layers \(delta.layers) are not config.delta_layers "
+                + "\(config.deltaLayers), the linear-attention layers")
+        }
+        guard delta.heads > 0, delta.keyDim > 0, delta.valueDim > 0, delta.heads == config.deltaValueHeads ?? delta.heads,
+              delta.keyDim == config.deltaKeyDim ?? delta.keyDim, delta.valueDim == config.deltaValueDim ?? delta.valueDim else {
+            throw ManifestError.inconsistent("cache.delta must hold config.delta_value_heads "
+                + "\(config.deltaValueHeads.map(String.init) ?? "(missing)") states of config.delta_key_dim "
+                + "\(config.deltaKeyDim.map(String.init) ?? "(missing)") x config.delta_value_dim "
+                + "\(config.deltaValueDim.map(String.init) ?? "(missing)"), not heads \(delta.heads), key_dim \(delta.keyDim) "
+                + "and value_dim \(delta.valueDim)")
+        }
+        guard Set(delta.layers).isSubset(of: cache.conv?.layers ?? []) else {
+            throw ManifestError.inconsistent("cache.delta.layers \(delta.layers) must each keep a conv state too, but "
+                + "cache.conv.layers are \(cache.conv?.layers ?? [])")
+        }
+        guard someChunkReads(TensorNames.deltaState) else {
+            throw ManifestError.inconsistent("cache.delta names the state of linear-attention layers \(delta.layers), but no "
+                + "chunk function reads one (\(TensorNames.deltaState))")
         }
     }
 
@@ -403,13 +460,15 @@ extension Manifest {
         }
     }
 
-    /// Per chunk, its layers in the full cache, in the ring (`cache.sliding.layers`) and with a conv
-    /// state (`cache.conv.layers`), as counts; KV-shared layers keep none of them.
-    func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int, conv: Int) {
+    /// Per chunk, its layers in the full cache, in the ring (`cache.sliding.layers`), with a conv
+    /// state (`cache.conv.layers`) and with a recurrent state (`cache.delta.layers`, among the conv
+    /// ones), as counts; KV-shared layers keep none of them.
+    func cacheRows(of chunk: Chunk) -> (full: Int, ring: Int, conv: Int, delta: Int) {
         let ring = chunk.layers.filter { cache.sliding?.layers.contains($0) ?? false }.count
         let conv = chunk.layers.filter { cache.conv?.layers.contains($0) ?? false }.count
+        let delta = chunk.layers.filter { cache.delta?.layers.contains($0) ?? false }.count
         let shared = chunk.layers.filter { config.sharesKV($0) }.count
-        return (chunk.layers.count - ring - conv - shared, ring, conv)
+        return (chunk.layers.count - ring - conv - shared, ring, conv, delta)
     }
 
     /// Whether `chunk` keeps K/V (in the full cache or the ring): a chunk of conv layers or KV-shared
@@ -436,6 +495,15 @@ extension Manifest {
                             + "chunk's layers \(chunk.layers) convolve (cache.conv.layers \(cache.conv?.layers ?? []))")
                     }
                 }
+                // the cascade's recurrent states are layer-major copies, one per layer and branch
+                let perBranch = f.inputs.contains { $0.name == TensorNames.deltaBranches } ? branchWidth ?? 0 : 1
+                for t in f.inputs + f.outputs + f.states where t.shape.count == 4 && Self.deltaTensors.contains(t.name) {
+                    guard t.shape[0] == rows.delta * perBranch else {
+                        throw ManifestError.inconsistent("\(label) has \(t.name) of \(t.shape[0]) rows, but \(rows.delta) of the "
+                            + "chunk's layers \(chunk.layers) are linear-attention layers (cache.delta.layers "
+                            + "\(cache.delta?.layers ?? []))" + (perBranch == 1 ? "" : ", times branch_width \(perBranch)"))
+                    }
+                }
                 for t in f.inputs + f.outputs + f.states where t.shape.count == 4 && full.union(ring).contains(t.name) {
                     let want = ring.contains(t.name) ? rows.ring : rows.full
                     guard t.shape[0] == want else {
@@ -448,7 +516,7 @@ extension Manifest {
             let decode = try function(chunk.model, Phase.decode.rawValue)
             let held = Set((decode.inputs + decode.states).map(\.name))
             for (pair, count) in [([TensorNames.kCache, TensorNames.vCache], rows.full), ([TensorNames.kRing, TensorNames.vRing], rows.ring),
-                                  ([TensorNames.convState], rows.conv)] {
+                                  ([TensorNames.convState], rows.conv), ([TensorNames.deltaState], rows.delta)] {
                 for name in pair where held.contains(name) != (count > 0) {
                     throw ManifestError.inconsistent("\(chunk.model) (decode) " + (count > 0 ? "does not read" : "reads")
                         + " \(name), but \(count) of its layers \(chunk.layers) keep their K/V there (cache.sliding.layers "

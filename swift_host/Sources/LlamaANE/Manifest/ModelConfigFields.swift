@@ -54,5 +54,14 @@ extension Manifest.ModelConfig {
         "global_key_value_heads",
         "kv_shared_layers",
         "double_wide_mlp",
+        // Qwen3.5's (written only for its exports): the linear-attention layers, whose conv and
+        // recurrent states the host carries (`cache.conv`, `cache.delta`); their heads, widths and
+        // output gate live in the programs.
+        "delta_layers",
+        "delta_key_heads",
+        "delta_value_heads",
+        "delta_key_dim",
+        "delta_value_dim",
+        "attn_output_gate",
     ]
 }

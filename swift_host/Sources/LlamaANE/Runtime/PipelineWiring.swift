@@ -14,11 +14,12 @@ public enum TensorSource: Equatable, Sendable {
     /// An int32 the host writes (position, suffix_positions, slots, ring_slots, input_ids of a later
     /// embeddings part, a state export's window_tokens).
     case value(String)
-    /// The chunk's conv layers' state (conv_state), which the host carries from the chunk's conv_new.
-    case convState
-    /// Each cascade branch's conv state (conv_branches): the prefix's, copied at a group's first
-    /// step, then moved on by each step's conv_new.
-    case convBranches
+    /// The chunk's conv or recurrent state (conv_state, delta_state), which the host carries from
+    /// the chunk's conv_new or delta_new.
+    case carriedState(CarriedState)
+    /// Each cascade branch's conv or recurrent state (conv_branches, delta_branches): the prefix's,
+    /// copied at a group's first step, then moved on by each step's conv_new or delta_new.
+    case carriedBranches(CarriedState)
     /// The per-layer inputs so far (per_layer_inputs): a later embeddings file's, from the file before it.
     case perLayerInputs
     /// Rows the host copies from tensors it holds, in order along `axis` (Gemma 4: a chunk's rows of
@@ -27,17 +28,18 @@ public enum TensorSource: Equatable, Sendable {
     case gathered(axis: Int, rows: [HostRows])
 }
 
-/// How a chunk's conv layers' state (`cache.conv`, LFM2) moves on in one phase.
-public enum ConvCarry: Equatable, Sendable {
-    /// The chunk has no conv layers.
+/// How a chunk's carried state (`CarriedState`: `cache.conv`, `cache.delta`) moves on in one phase.
+public enum CarryMode: Equatable, Sendable {
+    /// The chunk has no layers with that state.
     case none
-    /// The chunk reads conv_state as an input and returns the window's values conv_new: the host
-    /// takes the state after the window's real tokens (`ConvStateCarry.afterWindow`).
+    /// The chunk reads the state (conv_state, delta_state) as an input and returns conv_new (the
+    /// window's values) or delta_new (the state after the window's real tokens), from which the
+    /// host takes the state (`CarriedState.afterWindow`).
     case fromOutput
-    /// The conv state is a Core ML state the chunk writes itself, from `window_tokens`.
+    /// The state is a Core ML state the chunk writes itself, from `window_tokens`.
     case inState
-    /// The chunk reads conv_branches and returns each branch's value conv_new, which the host
-    /// appends to that branch's state (`ConvStateCarry.afterBranchStep`).
+    /// The chunk reads the branches' states (conv_branches, delta_branches) and returns conv_new or
+    /// delta_new, by which the host moves each branch on (`CarriedState.afterBranchStep`).
     case branches
 }
 
@@ -70,8 +72,13 @@ public struct PipelineWiring: Equatable, Sendable {
     /// Per phase, the logits outputs in vocabulary order (logits_0, logits_1, ...), of the head
     /// models or of the last chunk.
     public let logitsOutputs: [Phase: [String]]
-    /// Per phase and chunk: how its conv layers' state moves on (`.none` without conv layers).
-    public let convCarry: [Phase: [ConvCarry]]
+    /// Per phase and chunk: how each of its carried states moves on (`.none` without such layers).
+    public let stateCarry: [Phase: [[CarriedState: CarryMode]]]
+
+    /// How chunk `index`'s `state` moves on in `phase`.
+    public func carry(_ state: CarriedState, _ phase: Phase, chunk index: Int) -> CarryMode {
+        stateCarry[phase]?[index][state] ?? .none
+    }
 
     /// The phases the export has: prefill and decode, plus decode_branches with a branch width and
     /// verify with a verify window.
@@ -92,7 +99,7 @@ public struct PipelineWiring: Equatable, Sendable {
         var updatedState: [Phase: [[Manifest.TensorSpec]]] = [:]
         var chunkStates: [Phase: [[Manifest.TensorSpec]]] = [:]
         var logitsOutputs: [Phase: [String]] = [:]
-        var convCarry: [Phase: [ConvCarry]] = [:]
+        var stateCarry: [Phase: [[CarriedState: CarryMode]]] = [:]
         for phase in Self.phases(of: manifest) {
             logitsOutputs[phase] = try Self.logitsOutputs(phase.rawValue, manifest: manifest)
             embeddingInputs[phase] = try Self.embeddingWiring(phase.rawValue, manifest: manifest)
@@ -101,7 +108,7 @@ public struct PipelineWiring: Equatable, Sendable {
             updateInputs[phase] = chunks.map(\.update)
             updatedState[phase] = chunks.map(\.state)
             chunkStates[phase] = chunks.map(\.states)
-            convCarry[phase] = chunks.map(\.conv)
+            stateCarry[phase] = chunks.map(\.carry)
         }
         let buckets = manifest.buckets
         for bucket in buckets.sizes.dropLast() {
@@ -110,7 +117,7 @@ public struct PipelineWiring: Equatable, Sendable {
                 let chunks = try Self.chunkWiring(phase, function: name, manifest: manifest)
                 for (i, chunk) in chunks.enumerated()
                 where chunk.inputs != chunkInputs[phase]?[i] || chunk.update != updateInputs[phase]?[i]
-                    || chunk.state.map(\.name) != updatedState[phase]?[i].map(\.name) || chunk.conv != convCarry[phase]?[i] {
+                    || chunk.state.map(\.name) != updatedState[phase]?[i].map(\.name) || chunk.carry != stateCarry[phase]?[i] {
                     throw ManifestError.inconsistent("\(manifest.chunks[i].model) (\(name)) and its cache update take other "
                         + "inputs than \(phase.rawValue): a context bucket's functions must differ only in their cache length")
                 }
@@ -128,7 +135,7 @@ public struct PipelineWiring: Equatable, Sendable {
         self.headModels = manifest.lmHead.foldedInto == nil ? manifest.lmHead.models : []
         self.headFolded = manifest.lmHead.foldedInto != nil
         self.logitsOutputs = logitsOutputs
-        self.convCarry = convCarry
+        self.stateCarry = stateCarry
     }
 
     /// The logits outputs of function `p` of the head models (or of the chunk carrying the head),
@@ -152,13 +159,13 @@ public struct PipelineWiring: Equatable, Sendable {
     }
 
     /// One chunk's wiring in one function: its inputs, its cache update's inputs, the tensors the
-    /// update rewrites, the states the chunk holds and how its conv state moves on.
+    /// update rewrites, the states the chunk holds and how its carried states move on.
     private struct ChunkWiring {
         let inputs: [String: TensorSource]
         let update: [String: TensorSource]
         let state: [Manifest.TensorSpec]
         let states: [Manifest.TensorSpec]
-        let conv: ConvCarry
+        let carry: [CarriedState: CarryMode]
     }
 
     /// Every chunk's wiring in function `p` of `phase` (the phase's own name, or a context bucket's).
@@ -204,12 +211,12 @@ public struct PipelineWiring: Equatable, Sendable {
                     inputs[spec.name] = .suffixCache(spec.name)
                 } else if inStates, spec.name == TensorNames.position, spec.dtype == "int32" {
                     inputs[spec.name] = .value(spec.name)  // where the function writes the window into its states
-                } else if inStates, spec.name == TensorNames.windowTokens, spec.dtype == "int32" {
-                    inputs[spec.name] = .value(spec.name)  // the window's real tokens, after which it keeps its conv state
-                } else if !inStates, phase != .decodeBranches, spec.name == TensorNames.convState {
-                    inputs[spec.name] = .convState
-                } else if phase == .decodeBranches, spec.name == TensorNames.convBranches {
-                    inputs[spec.name] = .convBranches
+                } else if inStates || manifest.cache.delta != nil, spec.name == TensorNames.windowTokens, spec.dtype == "int32" {
+                    inputs[spec.name] = .value(spec.name)  // the window's real tokens, after which it keeps its states
+                } else if !inStates, phase != .decodeBranches, let carried = CarriedState.allCases.first(where: { $0.stateName == spec.name }) {
+                    inputs[spec.name] = .carriedState(carried)
+                } else if phase == .decodeBranches, let carried = CarriedState.allCases.first(where: { $0.branchesName == spec.name }) {
+                    inputs[spec.name] = .carriedBranches(carried)
                 } else if let rows = gathered[spec.name], spec.name != TensorNames.perLayerInput || perLayer != nil {
                     let axis = spec.name == TensorNames.perLayerInput ? 1 : 0
                     let count = rows.reduce(0) { $0 + $1.rows.count }
@@ -242,37 +249,42 @@ public struct PipelineWiring: Equatable, Sendable {
                     throw PipelineError.unwiredInput(model: "cache_update (\(updateName ?? p))", input: spec.name)
                 }
             }
-            let conv = try Self.convCarry(chunk, "\(chunk.model) (\(p))", run, inputs: inputs, manifest: manifest)
-            return ChunkWiring(inputs: inputs, update: updateSources, state: state, states: run.states, conv: conv)
+            var carry: [CarriedState: CarryMode] = [:]
+            for carried in CarriedState.allCases {
+                carry[carried] = try Self.carry(carried, chunk, "\(chunk.model) (\(p))", run, inputs: inputs, manifest: manifest)
+            }
+            return ChunkWiring(inputs: inputs, update: updateSources, state: state, states: run.states, carry: carry)
         }
     }
 
-    /// How chunk `chunk`'s conv state moves on in function `run` (`label`): a chunk that reads it
-    /// must give the host what it needs to carry it (conv_new; window_tokens for a state), and a
-    /// chunk with conv layers must read it.
-    private static func convCarry(_ chunk: Manifest.Chunk, _ label: String, _ run: Manifest.Function,
-                                  inputs: [String: TensorSource], manifest: Manifest) throws -> ConvCarry {
-        let returnsNew = run.output(TensorNames.convNew) != nil
-        let carry: ConvCarry
-        if inputs[TensorNames.convState] == .convState {
+    /// How chunk `chunk`'s `carried` state moves on in function `run` (`label`): a chunk that reads
+    /// it must give the host what it needs to carry it (conv_new or delta_new; window_tokens for a
+    /// state), and a chunk with such layers must read it.
+    private static func carry(_ carried: CarriedState, _ chunk: Manifest.Chunk, _ label: String, _ run: Manifest.Function,
+                              inputs: [String: TensorSource], manifest: Manifest) throws -> CarryMode {
+        let returnsNew = run.output(carried.newName) != nil
+        let carry: CarryMode
+        if inputs[carried.stateName] == .carriedState(carried) {
             carry = .fromOutput
-        } else if inputs[TensorNames.convBranches] == .convBranches {
+        } else if inputs[carried.branchesName] == .carriedBranches(carried) {
             carry = .branches
-        } else if run.states.contains(where: { $0.name == TensorNames.convState }) {
+        } else if run.states.contains(where: { $0.name == carried.stateName }) {
             guard inputs[TensorNames.windowTokens] != nil else {
                 throw PipelineError.unwiredInput(model: label, input: TensorNames.windowTokens)
             }
             carry = .inState
         } else {
-            guard manifest.cacheRows(of: chunk).conv == 0 else {
-                throw ManifestError.inconsistent("\(label) reads no conv state, but the chunk's layers \(chunk.layers) include "
-                    + "conv layers (cache.conv.layers \(manifest.cache.conv?.layers ?? []))")
+            let rows = manifest.cacheRows(of: chunk)
+            guard (carried == .conv ? rows.conv : rows.delta) == 0 else {
+                throw ManifestError.inconsistent("\(label) reads no \(carried.stateName), but the chunk's layers \(chunk.layers) "
+                    + "include layers that keep one (cache.\(carried.rawValue).layers "
+                    + "\((carried == .conv ? manifest.cache.conv?.layers : manifest.cache.delta?.layers) ?? []))")
             }
             return .none
         }
         guard returnsNew == (carry != .inState) else {
-            throw ManifestError.inconsistent("\(label) " + (returnsNew ? "returns" : "does not return") + " \(TensorNames.convNew), "
-                + "but its conv state is " + (carry == .inState ? "a state it writes itself" : "carried by the host from it"))
+            throw ManifestError.inconsistent("\(label) " + (returnsNew ? "returns" : "does not return") + " \(carried.newName), "
+                + "but its \(carried.stateName) is " + (carry == .inState ? "a state it writes itself" : "carried by the host from it"))
         }
         return carry
     }

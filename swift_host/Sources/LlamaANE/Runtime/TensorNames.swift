@@ -29,8 +29,14 @@ enum TensorNames {
     static let convNew = "conv_new"
     static let windowTokens = "window_tokens"
     static let convBranches = "conv_branches"
-    /// The chunk caches a host holds: the full caches, the rings and the conv state.
-    static let caches: Set<String> = [kCache, vCache, kRing, vRing, convState]
+    /// The linear-attention layers' recurrent state (`cache.delta`): the chunk's input or state, the
+    /// state after the window the chunk returns (input caches; in the cascade each branch's), and
+    /// the cascade branches' own states.
+    static let deltaState = "delta_state"
+    static let deltaNew = "delta_new"
+    static let deltaBranches = "delta_branches"
+    /// The chunk caches a host holds: the full caches, the rings, the conv and recurrent states.
+    static let caches: Set<String> = [kCache, vCache, kRing, vRing, convState, deltaState]
     static let rings: Set<String> = [kRing, vRing]
     /// Gemma 4's per-layer inputs: every layer's, which the embeddings output (a later embeddings
     /// file reads and completes them, as `per_layer_inputs_out`), and a chunk's own layers' rows.
