@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ane.export.memory import GIB, PeakMemory, wait_and_sample
+from llama_ane.memory import GIB, PeakMemory, wait_and_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

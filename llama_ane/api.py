@@ -264,7 +264,7 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
     from .contract.tokenizer import check_tokenizer
     from .export.budget import GIB, plan_memory
     from .export.convert import start_method
-    from .export.memory import available_bytes
+    from .memory import available_bytes
 
     say = log or _silent
     settings, request = export_settings(options, other_keywords=("force", "verify", "workers", "max_memory_gb",
@@ -362,7 +362,7 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
     from .contract.tokenizer import tokenizer_info
     from .export.budget import GIB
     from .export.convert import convert_all
-    from .export.memory import PeakMemory
+    from .memory import PeakMemory
     from .export.out_folder import OutLock, finish, make_partial, remove_stale_partials
     from .export.validate import validate_export
     from .contract.plan import COREAI
@@ -415,5 +415,5 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     say(f"exported {out} in {time.perf_counter() - t0:.1f} s, peak memory {meter.peak / GIB:.2f} GiB "
-        f"({'summed PSS of the process tree' if meter.method == 'pss-tree' else 'peak RSS'})")
+        f"(summed {'PSS' if meter.method == 'pss-tree' else 'RSS'} of the process tree)")
     return out

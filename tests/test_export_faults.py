@@ -31,7 +31,8 @@ from click.testing import CliRunner
 
 from llama_ane.api import export_model
 from llama_ane.cli import main
-from llama_ane.export import convert, memory
+from llama_ane import memory
+from llama_ane.export import convert
 from llama_ane.export.out_folder import (OWNER_FILE, OutFolderError, OutLock, make_partial, owner_record,
                                          remove_stale_partials)
 
@@ -325,7 +326,8 @@ def test_start_method_from_the_environment_is_checked(monkeypatch):
 # --- memory on macOS ---------------------------------------------------------------------------------
 
 def test_memory_on_macos_reads_nothing_from_proc(monkeypatch):
-    """With the platform mocked as macOS, available memory is psutil's and no /proc path is touched."""
+    """With the platform mocked as macOS, available memory and the meter's samples are psutil's
+    (here a stand-in for its macOS calls, since Linux's psutil reads /proc) and no /proc path is touched."""
     touched = []
 
     def guard(real):
@@ -345,9 +347,20 @@ def test_memory_on_macos_reads_nothing_from_proc(monkeypatch):
     class Virtual:
         available = 7 << 30
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Virtual)
+
+    class Process:
+        def __init__(self, pid):
+            self.pid = pid
+
+        def children(self, recursive):
+            return []
+
+        def memory_info(self):
+            return type("Info", (), {"rss": 3 << 20})
+    monkeypatch.setattr(psutil, "Process", Process)
     assert memory.available_bytes() == 7 << 30
     assert not memory.have_pss()
     with memory.PeakMemory(interval=0.01) as meter:
         time.sleep(0.05)
-    assert meter.method == "max-rss" and meter.peak > 0
+    assert meter.method == "rss-tree" and meter.peak == 3 << 20
     assert touched == []

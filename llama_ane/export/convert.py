@@ -569,7 +569,7 @@ def _reused_worker(conn, scratch: Path, errors, lifeline: _Lifeline) -> None:
     keep_freed_memory), and leaves once its private memory has grown by more than a compression
     worker's share of the memory plan (budget.COMPRESS_BYTES)."""
     from . import budget
-    from .memory import keep_freed_memory, private_bytes
+    from ..memory import keep_freed_memory, private_bytes
 
     _worker_setup(scratch, lifeline)
     keep_freed_memory()

@@ -36,6 +36,7 @@ from ..contract.manifest import context_buckets, kv_cache_kind, model_names, rea
 from ..contract.specs import BRANCHES, bucket_function
 from ..contract.traffic import bucket_for
 from ..errors import InvalidArgumentError
+from ..memory import PeakMemory
 from .backends.base import Backend
 from .model import LlamaANEModel, make_backend
 
@@ -188,50 +189,6 @@ class CallCounter:
 
     def __exit__(self, *exc) -> None:
         self.backend.predict = self._predict
-
-
-class PeakMemory:
-    """The process's memory, sampled in a background thread: PSS where the OS reports it (Linux),
-    else RSS. `peak` is the largest sample; a spike shorter than the interval can slip between."""
-
-    def __init__(self, interval: float = MEMORY_INTERVAL_S) -> None:
-        import psutil
-
-        self.process = psutil.Process()
-        self.interval = interval
-        self.kind = "pss" if hasattr(self._full(), "pss") else "rss"
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llama-ane-bench-memory", daemon=True)
-
-    def _full(self):
-        try:
-            return self.process.memory_full_info()
-        except Exception:  # an OS that refuses the full info (permissions) still gives RSS
-            return self.process.memory_info()
-
-    def now(self) -> int:
-        info = self._full() if self.kind == "pss" else self.process.memory_info()
-        return int(getattr(info, self.kind))
-
-    def sample(self) -> int:
-        value = self.now()
-        self.peak = max(self.peak, value)
-        return value
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def __enter__(self) -> "PeakMemory":
-        self.sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
 
 
 def process_peak_rss() -> int | None:
@@ -462,7 +419,7 @@ def run_bench(path: str | Path, backend: str = "auto", options: BenchOptions = B
     machine = machine_info()
     chip_, chip_source = resolve_chip(chip, machine)
     rng = np.random.default_rng(seed)
-    with PeakMemory() as memory:
+    with PeakMemory(interval=MEMORY_INTERVAL_S) as memory:
         t0 = time.perf_counter()
         be = _backend(path, manifest, backend)
         model = LlamaANEModel(Path(path), manifest, be)
@@ -501,7 +458,7 @@ def run_bench(path: str | Path, backend: str = "auto", options: BenchOptions = B
             "chip": None if chip_ is None else {"name": chip_.name, "source": chip_source, **chip_.describe()},
             "modelled": dm.MODELLED if chip_ is not None else None,
             "load_s": load_s, "prefill": prefill, "decode": decode, "cascade": cascade,
-            "memory": {"kind": memory.kind, "after_load_bytes": after_load, "peak_bytes": memory.peak,
+            "memory": {"kind": "pss" if memory.method == "pss-tree" else "rss", "after_load_bytes": after_load, "peak_bytes": memory.peak,
                        "process_peak_rss_bytes": process_peak_rss(), "interval_s": memory.interval},
             "compute_plan": plan}
 

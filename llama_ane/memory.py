@@ -1,17 +1,17 @@
-"""Memory of this machine and of this process tree: what is available, and what an export used.
+"""Memory of this machine and of a process tree: what is available, and what an export, a
+verification or a benchmark used.
 
 Resident sizes (RSS) count pages shared between a parent and its forked workers once per process,
 so they overstate a process tree. The proportional set size (PSS, from `/proc/PID/smaps_rollup`)
 divides each shared page among the processes mapping it: summed over a tree it counts every page
-once. `PeakMemory` samples that sum in a background thread. Where /proc does not exist (macOS),
-it falls back to the peak RSS the kernel reports for this process and its waited-for children.
-Available memory comes from psutil on every system.
+once. `PeakMemory` samples that sum in a background thread; where /proc does not exist (macOS),
+it sums the tree's RSS, which spawned workers (they share little with their parent) barely
+overstate. Available memory comes from psutil on every system.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import threading
 import time
@@ -96,30 +96,36 @@ def have_pss() -> bool:
     return sys.platform.startswith("linux") and Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
 
 
-def max_rss_bytes() -> int:
-    """Peak RSS of this process and of its largest waited-for child (the kernel's own counters)."""
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
-    return max(own, kids)
+def tree_rss_bytes(root: int) -> int:
+    """Summed RSS of `root` and its descendants (psutil; 0 for a process that is gone)."""
+    import psutil
+
+    total = 0
+    for pid in tree_pids(root):
+        try:
+            total += int(psutil.Process(pid).memory_info().rss)
+        except psutil.Error:
+            pass
+    return total
 
 
 class PeakMemory:
-    """Sample the summed PSS of a process tree every `interval` seconds; `peak` is the largest seen.
-
-    Use as a context manager around the work to measure. `method` says what `peak` counts.
-    """
+    """Sample the memory of a process tree (default: this process and its children) every
+    `interval` seconds; `peak` is the largest sample, and a spike shorter than the interval can slip
+    between two. Use as a context manager around the work to measure. `method` says what a sample
+    counts: "pss-tree", the summed PSS (Linux), or "rss-tree", the summed RSS (elsewhere: pages
+    shared between the processes count once per process)."""
 
     def __init__(self, root: int | None = None, interval: float = 0.2):
         self.root = os.getpid() if root is None else root
         self.interval = interval
         self.peak = 0
-        self.method = "pss-tree" if have_pss() else "max-rss"
+        self.method = "pss-tree" if have_pss() else "rss-tree"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> int:
-        now = tree_pss_bytes(self.root) if self.method == "pss-tree" else max_rss_bytes()
+        now = tree_pss_bytes(self.root) if self.method == "pss-tree" else tree_rss_bytes(self.root)
         self.peak = max(self.peak, now)
         return now
 
