@@ -8,6 +8,7 @@ import signal
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -92,6 +93,10 @@ def test_a_worker_killed_by_the_system_is_a_clear_error(tiny_checkpoint, tmp_pat
 
 
 def test_two_exports_are_identical_and_leave_no_temporary_files(tiny_checkpoint, tmp_path, monkeypatch):
+    """Between the two, this process builds a program of unnamed ops, which advances coremltools'
+    per-process op-name counter that forked workers inherit: the second export's bytes stay the same."""
+    from coremltools.converters.mil import Builder as mb
+
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
@@ -101,6 +106,10 @@ def test_two_exports_are_identical_and_leave_no_temporary_files(tiny_checkpoint,
         out = export_model(tiny_checkpoint(**TINY), tmp_path / name, progress=False, verify=False, **OPTIONS)
         manifest = json.loads((out / "manifest.json").read_text())
         hashes.append(manifest["files"])
+
+        @mb.program(input_specs=[mb.TensorSpec(shape=(1, 4))])
+        def _(x):
+            return mb.add(x=mb.mul(x=x, y=2.0), y=mb.linear(x=x, weight=np.ones((4, 4), np.float32)))
     assert hashes[0] == hashes[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "tmp"]
     assert list(scratch.iterdir()) == []  # coremltools' temporary packages and weight folders included

@@ -99,9 +99,13 @@ def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weig
     `compressions(name)` gives the Compression of a parameter (None: dense), `importance(name)` the
     weights of its input channels in a LUT fit (None: equal)."""
     import coremltools as ct
+    from coremltools.converters.mil.mil import Builder
 
     if not multifunction and len(functions) != 1:
         raise ValueError(f"a single-function package holds one function, not {list(functions)}")
+    # ops not named explicitly are named from a per-process counter (as ct.convert, which also
+    # resets it first): from zero, a program's bytes do not depend on what the process built before
+    Builder.name_count.clear()
     g = CompressedGraph(dtype, weights, compressions=compressions, ios18=opset >= ct.target.iOS18,
                         importance=importance)
     prog = Program()
