@@ -853,8 +853,7 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
 # decide what the steps attend to, and than the context, so the sliding layers keep a ring buffer
 # (cache.sliding) that the generation wraps around. The LFM2 ones carry their conv layers' state
 # (cache.conv) through padded prefill windows and decoding, the Qwen3.5 ones their linear-attention
-# layers' conv and recurrent states (cache.conv, cache.delta). coremltools names ops with counters
-# kept per process: a new export goes last, so that the ones before it come out as they were.
+# layers' conv and recurrent states (cache.conv, cache.delta).
 FAMILY_EXPORTS = {
     # Gemma 3: sliding (local RoPE) and global layers, every phase: the cascade's and the verify
     # window's sliding masks too.

@@ -244,9 +244,7 @@ def _trained_tokenizer_differences(generated: Path, committed: Path, rel: Path) 
 def test_committed_swift_fixtures_are_what_the_generator_writes(tmp_path):
     """`swift test` reads the committed fixtures; regenerated, they must come out the same.
 
-    The generator runs in a process of its own, as it is run to write them: coremltools names ops by
-    counters kept per process, so programs built after others in this one (by another test) would
-    come out with other op names."""
+    The generator runs in a process of its own, as it is run to write them."""
     import subprocess
     import sys
 
