@@ -1,6 +1,6 @@
 """The export precisions and every name each goes by: the option and manifest "precision" ("fp16"),
 the tensor dtype the manifest records and numpy knows ("float16"), the MIL dtype ("fp16"), the torch
-dtype, and the bytes of one value. Also the bytes of every tensor dtype the manifest records."""
+dtype, and the bytes of one value."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ class Precision:
 
 
 PRECISIONS = {p.name: p for p in (Precision("fp16", "float16", "fp16", 2), Precision("fp32", "float32", "fp32", 4))}
-TENSOR_BYTES = {"float16": 2, "float32": 4, "int32": 4}  # manifest tensor dtype -> bytes per value
 
 
 def precision_of(dtype: Any) -> Precision:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import LlamaANEError
+from ..precision import PRECISIONS as PRECISION_FORMS
 from ..model.functions import KV_CACHE_KINDS
 from ..quantize.auto import DEFAULT_BUDGET_PCT
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES, QuantizeError, QuantizeOptions
@@ -26,11 +27,12 @@ TARGETS = ("iOS16", "iOS17", "iOS18", "macOS13", "macOS14", "macOS15", "coreai")
 MULTIFUNCTION_TARGETS = ("iOS18", "macOS15")
 COREAI = "coreai"  # Core AI .aimodel assets (export/coreai.py) instead of Core ML packages
 COREAI_SUFFIX = ".aimodel"
+COREAI_INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
 FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
 MAX_BUCKETS = 6  # 512 .. 16384
 KV_CACHE_CHOICES = ("auto", *KV_CACHE_KINDS)  # what --kv-cache accepts; auto resolves to one of the kinds
 FOLD_CHOICES = ("auto", "yes", "no")  # --fold-lm-head
-PRECISIONS = ("fp16", "fp32")
+PRECISIONS = tuple(PRECISION_FORMS)  # "fp16", "fp32"
 
 OPTION = "llama_ane.option"  # the key of a field's metadata that declares it an export option
 

@@ -50,12 +50,13 @@ from dataclasses import asdict, dataclass
 from ..config import LlamaConfig
 from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
 from ..model.embeddings import per_layer_rows
+from ..model.functions import RING_CACHES
 from .manifest import function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
 SUFFIX_CACHES = ("k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix")  # a cascade's per-branch caches: read whole
-RING_CACHES = ("k_ring", "v_ring")  # the sliding layers' ring buffers (R slots): read whole
+# RING_CACHES: the sliding layers' ring buffers (R slots), read whole
 CONV_STATES = ("conv_state", "conv_branches")  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
 #                                                (L_c, C, B, W): read whole
 CONV_NEW = "conv_new"  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches

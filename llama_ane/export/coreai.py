@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..contract.options import COREAI_INSTALL_HINT
 from ..contract.plan import ExportPlan, PackageSpec
 from ..errors import LlamaANEError
 from ..model.cache_update import onehot_write, window_slots
@@ -32,7 +33,6 @@ from ..model.functions import RING_CACHES, WINDOW_TOKENS, shape_of
 from ..model.short_conv import conv_state_after
 from ..quantize import Compression
 
-INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
 # A weight smaller than this many elements stays dense (norm scales; coreai-opt's own default).
 MIN_PALETTIZED_WEIGHTS = 1024
 
@@ -47,7 +47,7 @@ def coreai_torch() -> Any:
         import coreai_torch as ct
         import coreai.authoring.asset  # noqa: F401 (the asset writer the converter uses)
     except ImportError as e:
-        raise CoreAIError(f"--target coreai needs the Python package {e.name or e}: {INSTALL_HINT}") from None
+        raise CoreAIError(f"--target coreai needs the Python package {e.name or e}: {COREAI_INSTALL_HINT}") from None
     return ct
 
 
@@ -205,7 +205,7 @@ def write_assets(plan: ExportPlan, manifest: dict, folder: Path,
             progress(spec)
 
 
-__all__ = ["structure", "validate_assets", "CoreAIError", "INSTALL_HINT", "coreai_torch", "write_asset", "write_assets"]
+__all__ = ["structure", "validate_assets", "CoreAIError", "coreai_torch", "write_asset", "write_assets"]
 
 
 _IO_TYPE = re.compile(r"\((\w+), ([\d ×]+)\)")

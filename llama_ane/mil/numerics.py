@@ -29,7 +29,8 @@ from __future__ import annotations
 import numpy as np
 from coremltools.converters.mil.mil import types
 
-PRECISIONS = ("fp16", "fp32")
+from ..precision import PRECISIONS
+
 
 _FIXED = {
     types.fp32: np.float32,

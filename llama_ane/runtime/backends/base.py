@@ -14,6 +14,10 @@ import numpy as np
 
 from ...errors import LlamaANEError
 
+# the sets of states a stateful backend keeps per package (caches in use at once, e.g. a chat and a
+# document); beyond them the least recently used are copied back into their arrays and dropped
+HELD_STATES = 4
+
 
 class BackendError(LlamaANEError, RuntimeError):
     """A backend could not load or run a model; the message names the model and function."""

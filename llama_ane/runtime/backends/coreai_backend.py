@@ -29,10 +29,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...contract.manifest import function_entry, function_states
-from .base import Backend, BackendError
+from ...contract.options import COREAI_INSTALL_HINT
+from .base import HELD_STATES, Backend, BackendError
 
-INSTALL_HINT = 'install the Core AI packages with pip install -e ".[coreai]" (Python >= 3.11)'
-HELD_STATES = 4  # sets of states kept per asset (caches in use at once, e.g. a chat and a document)
 
 
 class CoreAIBackend(Backend):
@@ -53,7 +52,7 @@ class CoreAIBackend(Backend):
             from coreai.authoring.asset import AIModelAsset
             from coreai.runtime import NDArray
         except ImportError as e:
-            raise BackendError(f"the coreai backend needs the Python package {e.name or e}: {INSTALL_HINT}") from None
+            raise BackendError(f"the coreai backend needs the Python package {e.name or e}: {COREAI_INSTALL_HINT}") from None
         if manifest.get("deployment_target") != "coreai":
             raise BackendError(f"{export_dir} holds Core ML packages (target {manifest.get('deployment_target')}), "
                                "not Core AI assets: use --backend mil or coreml, or export with --target coreai")

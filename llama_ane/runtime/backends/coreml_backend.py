@@ -25,10 +25,9 @@ import numpy as np
 from ...contract.manifest import check_package_io, function_entry, function_states
 from ...mil.package import MilPackage
 from ...precision import PRECISIONS
-from .base import Backend, BackendError
+from .base import HELD_STATES, Backend, BackendError
 
 COMPUTE_UNITS = ("CPU_AND_NE", "ALL", "CPU_ONLY", "CPU_AND_GPU")
-HELD_STATES = 4  # MLStates kept per package (caches in use at once, e.g. a chat and a document)
 
 
 class CoreMLBackend(Backend):
