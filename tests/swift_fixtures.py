@@ -1093,7 +1093,7 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
 
 def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     """``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
-    on, on fixed random arrays: the state after a window of n real tokens (`Pipeline.carry_conv`), and
+    on, on fixed random arrays: the state after a window of n real tokens (`Pipeline.carry_states`), and
     each cascade branch's, copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on
     by one step (`CascadeDecoder._write`). The Swift host's StateCarry must give the same."""
     from types import SimpleNamespace
@@ -1113,7 +1113,7 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
                                                (1, 2, 4, 8, 7)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, length)
         caches = {"conv": state.copy()}
-        Pipeline.carry_conv(caches, {"conv_new": new}, n)
+        Pipeline.carry_states(caches, {"conv_new": new}, n)
         windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": caches["conv"].tolist()})
     def branch_step(key: str, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
         """Each branch's state {key} of a chunk of such layers only: copied from the prefix's, then
@@ -1135,7 +1135,7 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     for layers, channels, width in ((2, 4, 3), (1, 6, 32)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, width)
         caches = {"delta": state.copy()}
-        Pipeline.carry_conv(caches, {"delta_new": new}, 1)
+        Pipeline.carry_states(caches, {"delta_new": new}, 1)
         delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": caches["delta"].tolist()})
     for layers, channels, width, width_b in ((2, 4, 3, 2), (3, 2, 32, 3)):
         prefix, new = values(layers, channels, 1, width), values(layers * width_b, channels, 1, width)

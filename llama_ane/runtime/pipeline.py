@@ -415,7 +415,7 @@ class Pipeline:
         the torch modules), not at all (the program updated its states), or by the cache-update
         model `function` in the background."""
         caches = self.cache.caches[i]
-        self.carry_conv(caches, out, n)
+        self.carry_states(caches, out, n)
         if self.stateful and "k_new" not in out and "k_ring_new" not in out:
             return
         if function is None and not (self.direct or self.stateful):  # a chunk of conv layers only keeps no K/V
@@ -432,12 +432,12 @@ class Pipeline:
             self.update, function, caches, out, {"position": np.array([position], np.int32)}))
 
     @staticmethod
-    def carry_conv(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
-        """The conv state after a window of n real tokens, taken on the host from the chunk's
-        conv_new (a program with state caches writes its own and returns none): the last W values
-        up to the n-th real one, a slice here (the programs pick them with short_conv's one-hot);
-        and the linear-attention layers' recurrent state, which the chunk returns as it is after
-        the window's real tokens (delta_new)."""
+    def carry_states(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
+        """The conv and recurrent states after a window of n real tokens, taken on the host from
+        the chunk's outputs (a program with state caches writes its own and returns neither): the
+        conv state from conv_new, the last W values up to the n-th real one, a slice here (the
+        programs pick them with short_conv's one-hot); the linear-attention layers' recurrent state
+        from delta_new, as it is after the window's real tokens."""
         if DELTA_NEW in out:
             caches["delta"] = np.array(out[DELTA_NEW], caches["delta"].dtype)
         if "conv_new" in out:
@@ -584,7 +584,7 @@ class Pipeline:
                 if self.direct or self.stateful:
                     self.write_window(i, None, out, start, len(parts[w]))
                 else:
-                    self.carry_conv(caches, out, len(parts[w]))
+                    self.carry_states(caches, out, len(parts[w]))
                     if fn in chunk["cache_update"]:
                         self.update(chunk["cache_update"][fn], caches, out, {"position": position})
             self.cache.caches[i] = None  # chunk i has seen every window
