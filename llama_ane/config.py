@@ -30,20 +30,22 @@ SUPPORTED_DESCRIPTION = (
     "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
     "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
     "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model), "
-    "'lfm2' (LFM2) and 'qwen3_5_text' (Qwen3.5's text model) with RoPE type "
+    "'lfm2' (LFM2) and 'qwen3_5_text' (Qwen3.5's text model), and the text model of a multimodal checkpoint "
+    "('qwen3_5', 'gemma3', 'gemma4': its text_config), with RoPE type "
     "default, linear or "
     "llama3 (phi3: default or longrope), silu MLP (gemma3_text, gemma4_text: gelu_pytorch_tanh), no MLP bias"
 )
 # Families transformers has that the export does not build, with what they need that it lacks
 # (other model_types get the plain "unsupported" line).
 _MOE = "a mixture-of-experts MLP (routed experts)"
+# Multimodal checkpoints whose text model is exported (their vision and audio towers are left out):
+# model_type -> (its text_config's model_type, what that text model is)
+MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3.5's text model: Gated DeltaNet and attention layers"),
+              "gemma3": ("gemma3_text", "Gemma 3's text model"),
+              "gemma4": ("gemma4_text", "Gemma 4's text model")}
+# What transformers' composite model reads at the top level of its config.json where text_config lacks it
+MULTIMODAL_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id")
 REFUSED_FAMILIES = {
-    "gemma3": "Gemma 3's vision tower and the multimodal checkpoint's weight names (language_model.*); export "
-              "the text model's checkpoint (model_type 'gemma3_text', e.g. google/gemma-3-1b-it)",
-    "gemma4": "Gemma 4's vision and audio towers and the multimodal checkpoint's weight names "
-              "(model.language_model.*); export the text model's checkpoint (model_type 'gemma4_text')",
-    "qwen3_5": "Qwen3.5's vision tower and the multimodal checkpoint's weight names (model.language_model.*) beside "
-               "its Gated DeltaNet layers; export the text model's checkpoint (model_type 'qwen3_5_text')",
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
     "qwen2_moe": _MOE, "qwen3_moe": _MOE, "mixtral": _MOE, "granitemoe": _MOE, "granitemoehybrid": _MOE,
     "phimoe": _MOE, "olmoe": _MOE,
@@ -208,6 +210,8 @@ class LlamaConfig:
         in the ConfigError a wrong one raises."""
         if not isinstance(d, dict):
             raise ConfigError(f"{origin} holds {_json_type(d)}, not a JSON object of config fields")
+        if d.get("model_type") in MULTIMODAL:
+            d, origin = text_model_config(d, origin), f"{origin} text_config"
         f = _Fields(d, origin)
         model_type = d.get("model_type")
         if model_type in REFUSED_FAMILIES:
@@ -730,6 +734,41 @@ def _sliding_window(f: "_Fields", model_type: str) -> tuple[int | None, list[int
     else:
         sliding = list(range(layers))
     return (window, sliding) if sliding else (None, [])
+
+
+def text_model_config(d: dict[str, Any], origin: str = "config.json") -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint's `d` (model_type of MULTIMODAL), as
+    transformers' composite config class builds it: its text_config with the text config class's
+    defaults filled in (a Hub text_config may list only the fields that differ from them), the token
+    ids the composite keeps at its top level where text_config lacks them, and the composite's own
+    tie_word_embeddings (which its ForConditionalGeneration ties the LM head by). A config without
+    a text_config object, or whose text model is not the family's, is refused naming the field."""
+    from transformers import AutoConfig
+
+    model_type = d["model_type"]
+    text_type, what = MULTIMODAL[model_type]
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{origin}: model_type {model_type!r} is a multimodal checkpoint whose text model "
+                          f"({what}, model_type {text_type!r}, weights under model.language_model.* or "
+                          f"language_model.*) the export takes from text_config, which is {_json_type(text)} "
+                          "(unsupported without it); restore the checkpoint's config.json, whose text_config is an "
+                          "object of the text model's fields")
+    if text.get("model_type", text_type) != text_type:
+        raise ConfigError(f"{origin}: text_config.model_type is {_json_type(text['model_type'])}, but a "
+                          f"{model_type!r} checkpoint's text model is {text_type!r} ({what}); set "
+                          f"text_config.model_type to {text_type!r} or restore the checkpoint's config.json")
+    top = {k: d[k] for k in MULTIMODAL_TOP_LEVEL if d.get(k) is not None and text.get(k) is None}
+    try:
+        composite = AutoConfig.for_model(**{**d, "text_config": {**text, **top, "model_type": text_type}})
+        out = composite.get_text_config().to_dict()
+    except Exception as e:  # transformers' checks raise anything from ValueError to its own errors
+        why = " ".join(str(e).split())[:300]  # its strict checks name the field and what it must be
+        raise ConfigError(f"{origin}: transformers cannot read the text_config of this {model_type!r} checkpoint "
+                          f"({type(e).__name__}: {why}); fix that field or restore the checkpoint's "
+                          "config.json") from None
+    tie = getattr(composite, "tie_word_embeddings", None)
+    return {**out, **top, "model_type": text_type, **({} if tie is None else {"tie_word_embeddings": tie})}
 
 
 def _refuse_gemma3_fields(f: "_Fields") -> None:

@@ -178,3 +178,49 @@ def test_a_loaded_model_makes_no_request_after_chdir(tiny_export, tmp_path, monk
     assert result.token_ids or result.finish_reason == "eos"
     assert calls == []
     model.close()
+
+
+# The files of published multimodal repos (Qwen3.5, Gemma 3 4B, Gemma 4): the text model's export needs
+# its config, the weights and their index, the tokenizer and the chat template (the processor's too);
+# the patterns take the processors' small JSON files as well (json), and leave the rest (other)
+MULTIMODAL_REPOS = {
+    "Qwen/Qwen3.5-2B": {"needed": ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                                   "model-00002-of-00002.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                   "chat_template.jinja", "generation_config.json"],
+                        "json": ["vocab.json", "preprocessor_config.json", "video_preprocessor_config.json"],
+                        "other": [".gitattributes", "README.md", "LICENSE", "merges.txt"]},
+    "google/gemma-3-4b-it": {"needed": ["config.json", "model.safetensors.index.json",
+                                        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                        "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                        "special_tokens_map.json", "chat_template.json", "generation_config.json"],
+                             "json": ["added_tokens.json", "preprocessor_config.json", "processor_config.json"],
+                             "other": [".gitattributes", "README.md"]},
+    "google/gemma-4-E2B-it": {"needed": ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                         "chat_template.jinja", "generation_config.json"],
+                              "json": ["processor_config.json"],
+                              "other": [".gitattributes", "README.md", "assets/diagram.png"]},
+}
+
+
+@pytest.mark.parametrize("repo", list(MULTIMODAL_REPOS))
+def test_a_multimodal_repo_fetches_what_its_text_models_export_needs(repo, tmp_path, monkeypatch):
+    """`fetch` through a stand-in for snapshot_download that lays out the repo's files its patterns
+    allow (huggingface_hub's own filter): every file the export reads arrives, the repo's others do not."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from llama_ane.hub import fetch
+
+    kinds = MULTIMODAL_REPOS[repo]
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        assert repo_id == repo
+        folder = tmp_path / "snapshots" / COMMIT
+        for name in filter_repo_objects(kinds["needed"] + kinds["json"] + kinds["other"], allow_patterns=allow_patterns):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text("{}")
+        return str(folder)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    folder = fetch(repo)
+    got = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert got == sorted(kinds["needed"] + kinds["json"])

@@ -24,8 +24,10 @@ from ..hub import cached_repo, repo_id, resolve
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "chat_template.jinja", "generation_config.json")
+                   "tokenizer.model", CHAT_TEMPLATE_FILE, "generation_config.json")
+PROCESSOR_CHAT_TEMPLATE = "chat_template.json"  # a multimodal processor's chat template: {"chat_template": "..."}
 USAGE = ("pass a Hugging Face folder (config.json + *.safetensors), a Hugging Face repo id (owner/name), a .gguf file, "
          "or nothing for the default model")
 # safetensors dtype -> bytes per element; only the floating ones are weights we convert (an integer
@@ -33,6 +35,14 @@ USAGE = ("pass a Hugging Face folder (config.json + *.safetensors), a Hugging Fa
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                      "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 SAFETENSORS_FLOATS = ("F32", "F16", "BF16")
+# A multimodal checkpoint's text model, under the names a text checkpoint has (model.*, lm_head.*): its
+# stored prefix -> ours. transformers 5 (Qwen3.5, Gemma 4) saves model.language_model.*, the Hub's
+# Gemma 3 files language_model.model.* and language_model.lm_head.*. What else such a checkpoint holds
+# (vision and audio towers, projectors, Qwen3.5's multi-token prediction layers mtp.*) is not the
+# text model's and is left out.
+TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+TEXT_MODEL_HEAD = "lm_head."  # transformers 5 keeps the LM head at the top level
 
 
 class CheckpointError(LlamaANEError, ValueError):
@@ -249,17 +259,20 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
             raise CheckpointError(f"{index} puts tensor {key!r} in {shard}, which does not hold it; "
                                   "download the index and that shard again")
         where[key], tensors[key] = folder / shard, held[shard][key]
+    stored = text_model_names(tensors)  # our name -> the stored one (a multimodal checkpoint's text model)
+    where = {ours: where[key] for ours, key in stored.items()}
+    tensors = {ours: tensors[key] for ours, key in stored.items()}
 
     # Each read opens its shard and closes it again: safetensors maps the file, and a mapping kept
     # open would keep every page read so far resident and counted as this process's memory (a whole
     # 8B checkpoint, 16 GB, after a verify pass). The tensors safetensors returns are copies.
     def get(hf_name: str) -> torch.Tensor:
         with safe_open(str(where[hf_name]), framework="pt") as f:
-            return f.get_tensor(hf_name)
+            return f.get_tensor(stored[hf_name])
 
     def get_rows(hf_name: str, start: int, end: int) -> torch.Tensor:
         with safe_open(str(where[hf_name]), framework="pt") as f:
-            return f.get_slice(hf_name)[start:end]
+            return f.get_slice(stored[hf_name])[start:end]
 
     source, name = {"kind": "hf", "path": str(folder)}, folder.name
     cached = cached_repo(folder)
@@ -270,6 +283,22 @@ def _load_hf_folder(folder: Path) -> Checkpoint:
                       tensors=tensors)
     _check_tensors(ckpt, SAFETENSORS_FLOATS, "F32, F16 or BF16")
     return ckpt
+
+
+def text_model_names(names) -> dict[str, str]:
+    """Our name of each text-model tensor of `names` (a checkpoint's stored names) -> its stored name.
+    A text checkpoint's names are ours; a multimodal one's text model is renamed (TEXT_MODEL_PREFIXES)
+    and its other tensors left out."""
+    if not any(name.startswith(prefix) for name in names for prefix in TEXT_MODEL_PREFIXES):
+        return {name: name for name in names}
+    out = {}
+    for name in names:
+        prefix = next((p for p in TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            out[TEXT_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)] = name
+        elif name.startswith(TEXT_MODEL_HEAD):
+            out.setdefault(name, name)
+    return out
 
 
 def _check_tensors(ckpt: Checkpoint, dtypes: tuple[str, ...], allowed: str) -> None:
@@ -322,17 +351,38 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
     return ckpt
 
 
+def _processor_chat_template(folder: Path, present: list[str]) -> str | None:
+    """The chat template of a multimodal checkpoint's processor (chat_template.json, which a tokenizer
+    does not read), where the tokenizer files have none of their own; else None."""
+    file = folder / PROCESSOR_CHAT_TEMPLATE
+    if CHAT_TEMPLATE_FILE in present or not file.is_file():
+        return None
+    config = read_json(folder / "tokenizer_config.json", "tokenizer files") if "tokenizer_config.json" in present else {}
+    if isinstance(config, dict) and config.get("chat_template"):
+        return None
+    data = read_json(file, PROCESSOR_CHAT_TEMPLATE)
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if not isinstance(template, str) or not template:
+        raise CheckpointError(f"{file} has no chat_template string; restore the checkpoint's {PROCESSOR_CHAT_TEMPLATE}")
+    return template
+
+
 def copy_tokenizer(ckpt: Checkpoint, out: Path) -> list[str]:
-    """Copy the tokenizer files that exist into `out`; return their names. A copy that fails (a
-    full disk, a folder gone) removes what it copied and raises CheckpointError."""
+    """Copy the tokenizer files that exist into `out` (and a multimodal processor's chat template, as
+    chat_template.jinja); return their names. A copy that fails (a full disk, a folder gone) removes
+    what it copied and raises CheckpointError."""
     present = [name for name in TOKENIZER_FILES if (ckpt.tokenizer_dir / name).is_file()]
     if "tokenizer.json" not in present and "tokenizer.model" not in present:
         raise CheckpointError(f"{ckpt.tokenizer_dir} has no tokenizer.json or tokenizer.model; add the tokenizer files")
     copied = []
+    template = _processor_chat_template(ckpt.tokenizer_dir, present)
     try:
         for name in present:
             copied.append(name)
             shutil.copyfile(ckpt.tokenizer_dir / name, out / name)
+        if template is not None:  # as the tokenizer reads it
+            copied.append(CHAT_TEMPLATE_FILE)
+            (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     except OSError as e:
         for name in copied:  # a half-written file must not pass for the tokenizer
             (out / name).unlink(missing_ok=True)
