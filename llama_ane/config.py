@@ -810,7 +810,8 @@ def _gemma4_fields(f: "_Fields") -> dict[str, Any]:
     refuse = lambda what: ConfigError(f"{f.origin}: {what}")  # noqa: E731
     if g.boolean("enable_moe_block"):
         raise refuse(f"enable_moe_block is true; the export has no {_MOE} (Gemma 4's MoE block)")
-    if d.get("use_bidirectional_attention") is not None:
+    # "vision": image tokens attend both ways, text causally; a text model has no image tokens
+    if d.get("use_bidirectional_attention") not in (None, "vision"):
         raise refuse(f"use_bidirectional_attention is {_json_type(d['use_bidirectional_attention'])}; the "
                      "export builds causal language models only")
     if g.boolean("attention_bias"):

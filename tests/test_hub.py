@@ -216,7 +216,8 @@ def test_a_multimodal_repo_fetches_what_its_text_models_export_needs(repo, tmp_p
     def snapshot_download(repo_id, revision=None, allow_patterns=None):
         assert repo_id == repo
         folder = tmp_path / "snapshots" / COMMIT
-        for name in filter_repo_objects(kinds["needed"] + kinds["json"] + kinds["other"], allow_patterns=allow_patterns):
+        files = kinds["needed"] + kinds["json"] + kinds["other"]
+        for name in filter_repo_objects(files, allow_patterns=allow_patterns):
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             (folder / name).write_text("{}")
         return str(folder)

@@ -32,6 +32,7 @@ TEXT_CONFIGS = {
     "gemma4": dict(GEMMA_TEXT, model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh", head_dim=32,
                    global_head_dim=32, num_hidden_layers=4, hidden_size_per_layer_input=8,
                    vocab_size_per_layer_input=320, final_logit_softcapping=30.0, rms_norm_eps=1e-6, sliding_window=24,
+                   use_bidirectional_attention="vision",  # image tokens both ways; text (all there is here) causal
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
 }
 # Vision (and Gemma 4's audio) towers as small as their classes allow
@@ -71,7 +72,9 @@ def make_multimodal_checkpoint(path: Path, family: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path), safe_serialization=True)
+    # Qwen3.5's in shards with an index, as its published files are
+    shards = {"max_shard_size": "200KB"} if family == "qwen3_5" else {}
+    model.save_pretrained(str(path), safe_serialization=True, **shards)
     return path
 
 
@@ -218,6 +221,7 @@ def test_the_checkpoint_loads_as_a_text_checkpoint(checkpoints, family):
     from llama_ane.checkpoint.mapping import expected_tensors
 
     folder = checkpoints(family)
+    assert (folder / "model.safetensors.index.json").is_file() == (family == "qwen3_5")
     ckpt = load_checkpoint(folder)
     assert ckpt.config.model_type == TEXT_CONFIGS[family]["model_type"]
     assert ckpt.config.tie_word_embeddings is TIED[family]
@@ -260,7 +264,8 @@ def test_both_layouts_load_to_the_same_tensors(checkpoints, tmp_path):
     for name in ours.tensors:
         assert theirs.tensors[name] == ours.tensors[name]
         torch.testing.assert_close(theirs.tensor(name), ours.tensor(name), rtol=0, atol=0)
-    torch.testing.assert_close(ours.tensor("model.embed_tokens.weight"), hub["language_model.model.embed_tokens.weight"])
+    embeddings = hub["language_model.model.embed_tokens.weight"]
+    torch.testing.assert_close(ours.tensor("model.embed_tokens.weight"), embeddings)
     torch.testing.assert_close(ours.rows("lm_head.weight", 3, 9), head[3:9])
     torch.testing.assert_close(theirs.rows("lm_head.weight", 3, 9), head[3:9])
 
