@@ -7,6 +7,8 @@ tightly in fp32 mode (weights kept fp32 in the package), loosely in fp16 mode (f
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -35,12 +37,7 @@ def convert_torch(module, example: dict[str, torch.Tensor], path, *, fp16: bool,
 
 
 def save_program(prog, path, *, fp16: bool = False):
-    model = ct.convert(
-        prog, minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32,
-    )
-    model.save(str(path))
-    return path
+    return convert_to(prog, path, compute_precision=ct.precision.FLOAT16 if fp16 else ct.precision.FLOAT32)
 
 
 def torch_reference(module, example):
@@ -274,7 +271,8 @@ def _conv_softmax_package(path, S, weight):
     return convert_torch(M(), {"x": torch.zeros(1, 32, 1, S)}, path, fp16=True, out_names=["y"])
 
 
-def test_multifunction_package_runs_every_function_on_shared_weights(tmp_path):
+def test_multifunction_package_runs_every_function_on_shared_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # save_multifunction's temporary package
     weight = torch.randn(48, 32, 1, 1) / 6
     one = _conv_softmax_package(tmp_path / "s1.mlpackage", 1, weight)
     four = _conv_softmax_package(tmp_path / "s4.mlpackage", 4, weight)
