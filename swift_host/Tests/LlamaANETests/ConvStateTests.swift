@@ -121,12 +121,7 @@ final class ConvStateTests: XCTestCase {
         // chunk_1 holds layers 2 (attention) and 3 (conv): a plan giving it layer 1 too disagrees with its state
         try refused({ try ManifestEdits.setChunkLayers(&$0, [[0], [1, 2, 3]]) }, mentioning: ["conv_state of 2 layers", "1 of the chunk's layers [0] convolve"])
         // a chunk whose conv state the host could not carry: it returns no conv_new
-        var unreturned = object
-        try ManifestEdits.removeOutput(&unreturned, "chunk_1", "decode", TensorNames.convNew)
-        XCTAssertThrowsError(try PipelineWiring(manifest: ManifestEdits.decode(unreturned))) { error in
-            XCTAssertEqual(error as? ManifestError, .inconsistent("chunk_1 (decode) does not return conv_new, but its conv_state "
-                + "is carried by the host from it"))
-        }
+        try ManifestEdits.assertCarryNeedsOutput(object, TensorNames.convNew, carrying: TensorNames.convState)
         // a speculative verify window cannot drop a rejected draft from a conv state
         try refused({ $0["verify_window"] = 8 }, mentioning: ["verify_window is 8", "cache.conv"])
     }

@@ -39,12 +39,7 @@ final class DeltaStateTests: XCTestCase {
         try refused({ try setShape(&$0, "decode_branches", TensorNames.deltaBranches, [2, 64, 1, 32]) },
                     mentioning: ["delta_branches of 2 rows", "times branch_width 2"])
         // a chunk whose recurrent state the host could not carry: it returns no delta_new
-        var unreturned = object
-        try ManifestEdits.removeOutput(&unreturned, "chunk_1", "decode", TensorNames.deltaNew)
-        XCTAssertThrowsError(try PipelineWiring(manifest: ManifestEdits.decode(unreturned))) { error in
-            XCTAssertEqual(error as? ManifestError, .inconsistent("chunk_1 (decode) does not return delta_new, but its delta_state "
-                + "is carried by the host from it"))
-        }
+        try ManifestEdits.assertCarryNeedsOutput(object, TensorNames.deltaNew, carrying: TensorNames.deltaState)
         // a speculative verify window cannot drop a rejected draft from a recurrent state
         try refused({ $0["verify_window"] = 8 }, mentioning: ["verify_window is 8", "cache.delta"])
         // a config with linear-attention layers and no recurrent state anywhere

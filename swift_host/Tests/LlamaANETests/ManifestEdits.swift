@@ -14,6 +14,18 @@ enum ManifestEdits {
         try Manifest.decode(JSONSerialization.data(withJSONObject: object))
     }
 
+    /// With `output` removed from chunk_1's decode function, the wiring must refuse the export: the
+    /// host carries that chunk's `state` from it.
+    static func assertCarryNeedsOutput(_ object: [String: Any], _ output: String, carrying state: String,
+                                       file: StaticString = #filePath, line: UInt = #line) throws {
+        var unreturned = object
+        try removeOutput(&unreturned, "chunk_1", "decode", output)
+        XCTAssertThrowsError(try PipelineWiring(manifest: decode(unreturned)), file: file, line: line) { error in
+            XCTAssertEqual(error as? ManifestError, .inconsistent("chunk_1 (decode) does not return \(output), but its "
+                + "\(state) is carried by the host from it"), file: file, line: line)
+        }
+    }
+
     /// `object` changed by `edit` must be refused by `Manifest.decode` with a `ManifestError` that
     /// holds each of `words`.
     static func assertRefused(_ object: [String: Any], _ edit: (inout [String: Any]) throws -> Void, mentioning words: [String],
