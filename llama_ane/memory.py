@@ -1,4 +1,4 @@
-"""Memory of this machine and of a process tree: what is available, and what an export, a
+"""Memory of the machine and of a process tree: what is available, and what an export, a
 verification or a benchmark used.
 
 Resident sizes (RSS) count pages shared between a parent and its forked workers once per process,
