@@ -8,7 +8,7 @@ OUT    ?= out/smollm2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 FIXTURES := swift_host/Tests/LlamaANETests/Fixtures
 
-.PHONY: setup run test test-quick test-python test-swift bench-branches bench-report clean
+.PHONY: setup run test test-quick test-python test-swift check-transformers bench-branches bench-report clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ test-swift:
 	@if command -v swift >/dev/null 2>&1; then \
 	  swift build -j 2 && swift test -j 2 --disable-swift-testing; \
 	else echo "swift not found: skipping the Swift package (see swift_host/README.md)"; fi
+
+# the newest transformers release against the family tests, outside the gating run: writes
+# benchmarks/results/transformers_latest.json
+check-transformers: setup
+	$(PY) benchmarks/transformers_latest.py
 
 bench-branches: setup
 	$(PY) benchmarks/branches_cpu.py

@@ -275,6 +275,13 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length.", [serve]),
+    "transformers_latest": ("transformers: the newest release", "python benchmarks/transformers_latest.py",
+                            "The family tests (torch fp32 against each family's class, and the parity gate's "
+                            "reference) with that release installed apart; `make check-transformers`.",
+                            [generic]),
+    "transformers_floor": ("transformers: the oldest release in the declared range",
+                           "python benchmarks/transformers_latest.py --version 5.15.0 --name transformers_floor",
+                           "As above, at the floor of pyproject.toml's range.", [generic]),
     "serve_smollm2": ("Server: concurrent clients on SmolLM2", "python benchmarks/serve.py --smollm2",
                       "As above, on the embedded SmolLM2-135M-Instruct.", [serve]),
     "palettize_compare": ("LUT fitting against coremltools",

@@ -239,7 +239,7 @@ def calibration_tokens(config) -> int:
 
 @no_inductor_leftover()
 def export_model(source: str | Path | None, out: str | Path, *, force: bool = False, verify: bool = True,
-                 workers: int | None = None, max_memory_gb: float | None = None, progress: bool = True,
+                 with_transformers: bool = True, workers: int | None = None, max_memory_gb: float | None = None, progress: bool = True,
                  log: Callable[[str], None] | None = None, revision: str | None = None, **options: Any) -> Path:
     """Export `source` (HF folder, .gguf, or None for the embedded default) to the folder `out`.
 
@@ -252,7 +252,8 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
 
     `verify` (default True, as on the command line) runs the parity gate on the exported programs
     before the folder is renamed into place, and measures fixed schemes of 4 bits or fewer on the
-    eval text. Packages are built one per worker process with only their own weights in memory; the
+    eval text; `with_transformers=False` leaves the gate's comparison with transformers out (a partial
+    gate: the conversion only), for a family whose transformers model cannot be built. Packages are built one per worker process with only their own weights in memory; the
     number of workers comes from cores and available memory (`workers` fixes it, `max_memory_gb`
     sets the memory budget). Returns the export folder. Raises ConfigError/CheckpointError/
     ExportOptionsError/MemoryBudgetError for bad input or an export that would not fit (before
@@ -267,8 +268,8 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
     from .memory import available_bytes
 
     say = log or _silent
-    settings, request = export_settings(options, other_keywords=("force", "verify", "workers", "max_memory_gb",
-                                                                 "progress", "log", "revision"))
+    settings, request = export_settings(options, other_keywords=("force", "verify", "with_transformers", "workers",
+                                                                 "max_memory_gb", "progress", "log", "revision"))
     recipe = request.recipe()
     opts = ExportOptions(**settings, quantize=request.options(recipe))
     opts.check()
@@ -326,7 +327,8 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
             + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
-    return _build(ckpt, out, opts, plan, memory, target, verify, progress, say, t0, force)
+    gate = {"with_transformers": with_transformers} if verify else None
+    return _build(ckpt, out, opts, plan, memory, target, gate, progress, say, t0, force)
 
 
 def signature_with_options(f: Callable, table: Sequence[Option] = EXPORT_OPTIONS) -> Callable:
@@ -353,10 +355,10 @@ def _write_coreai(plan, ckpt, folder: Path, progress: Callable) -> None:
                  progress)
 
 
-def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, verify: bool, progress: bool,
+def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, gate: dict | None, progress: bool,
            say: Callable[[str], None], t0: float, force: bool = False) -> Path:
     """Convert every package of `plan` into a hidden folder next to `out`, write the manifest,
-    validate and verify it, and only then rename it to `out`; all under a lock on `out` (see
+    validate and verify it (`gate`: verify_export's keywords, None for no gate), and only then rename it to `out`; all under a lock on `out` (see
     export.out_folder), first removing what exports to `out` that were killed left."""
     from .checkpoint.loader import copy_tokenizer
     from .contract.tokenizer import tokenizer_info
@@ -400,13 +402,16 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, veri
                 else:
                     validate_export(tmp)
                 say(f"converted in {time.perf_counter() - t0:.1f} s")
-                if verify:  # the parity gate runs before the rename: a failing export is never left in place
+                if gate is not None:  # the parity gate runs before the rename: a failing export is never left in place
                     from .verify import verify_export
 
                     report = verify_export(tmp, "coreai" if opts.target == COREAI else "mil", checkpoint=ckpt,
-                                           progress=progress)
+                                           progress=progress, **gate)
                     report.export_dir = str(out)
                     say(str(report))
+                    if report.error:
+                        raise ExportError(f"the parity gate of {ckpt.name} could not run, so nothing was written: "
+                                          f"{report.error}")
                     if not report.passed:
                         raise ExportError(f"the export of {ckpt.name} failed verification (see above) and was "
                                           "not written; pass --no-verify to keep it anyway")

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .checkpoint.loader import Checkpoint
-from .checkpoint.mapping import layer_tensors
+from .checkpoint.mapping import final_norm_name, layer_tensors
 from .config import transformers_class
 
 HEAD_BLOCK = 16384  # rows of the LM head multiplied at once: (block, C) in float32
@@ -129,7 +129,7 @@ def _per_layer_inputs(ckpt: Checkpoint, hf, ids, embeds):
     tokens = token_rows(ckpt, "model.embed_tokens_per_layer.weight", ids).to(torch.float32) * p ** 0.5
     projected = embeds @ ckpt.tensor("model.per_layer_model_projection.weight").to(torch.float32).T
     projected = (projected * cfg.hidden_size ** -0.5).reshape(1, len(ids), layers, p)
-    norm = transformers_class(cfg.model_type, "RMSNorm")(p, eps=hf.rms_norm_eps)
+    norm = transformers_class(cfg.model_type, "RMSNorm")(p, eps=cfg.rms_norm_eps)
     norm = _with_weights(ckpt, norm, "model.per_layer_projection_norm.")
     return (norm(projected) + tokens.reshape(1, len(ids), layers, p)) * 2 ** -0.5
 
@@ -155,8 +155,8 @@ def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarra
     hf, (_, RMSNorm, _) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
     with torch.no_grad():
         with torch.device("meta"):
-            norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps)
-        h = _with_weights(ckpt, norm, "model.norm.")(hidden)  # (T, C)
+            norm = RMSNorm(hf.hidden_size, eps=ckpt.config.rms_norm_eps)  # read from the family's own field (LFM2: norm_eps)
+        h = _with_weights(ckpt, norm, final_norm_name(ckpt.config).removesuffix("weight"))(hidden)  # (T, C)
         if not logits:
             return h.numpy()
         head = ckpt.tensor("model.embed_tokens.weight" if hf.tie_word_embeddings else "lm_head.weight")  # (V, C)

@@ -182,6 +182,18 @@ def check_logits(name, model, ref, model_type: str, vocab: int, length: int = SE
     assert np.abs(want).max() > 1.0
 
 
+def check_gate_reference(name, folder, ref, vocab: int) -> None:
+    """The parity gate's reference (transformers' own decoder layers, one at a time) builds for the
+    family and gives its class's logits: a gate that cannot build it fails (test_verify.py)."""
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.reference import transformers_logits
+
+    ids = random_ids(vocab, 40, seed=3)
+    diff = float(np.abs(transformers_logits(ids, load_checkpoint(folder)) - reference_logits(ref, ids)).max())
+    print(f"{name}: the gate's transformers reference builds; max |logit diff| against {type(ref).__name__} = {diff:.1e}")
+    assert diff <= 1e-4
+
+
 def check_greedy(model, ref, vocab: int, prompt_length: int) -> None:
     """GREEDY_TOKENS greedy tokens after a random prompt, the same as transformers' class."""
     prompt = random_ids(vocab, prompt_length, seed=2)
@@ -228,6 +240,11 @@ def test_logits_match_the_family_class(case):
 def test_greedy_tokens_match_the_family_class(case):
     name, model, ref = case
     check_greedy(model, ref, token_range(model), 40)
+
+
+def test_the_gate_builds_the_family_reference(case, checkpoints):
+    name, model, ref = case
+    check_gate_reference(name, checkpoints(name), ref, token_range(model))
 
 
 def test_cascade_branches_equal_decoding_alone(checkpoints):

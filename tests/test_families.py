@@ -19,8 +19,8 @@ import torch
 from llama_ane.config import ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
 
-from test_architectures import (check_cascade, check_greedy, check_inspect_strict, check_logits, check_mil_branches,
-                                check_mil_fp16, export_tiny, load_fp32, made_once, reference)
+from test_architectures import (check_cascade, check_gate_reference, check_greedy, check_inspect_strict, check_logits,
+                                check_mil_branches, check_mil_fp16, export_tiny, load_fp32, made_once, reference)
 
 pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
 
@@ -346,6 +346,11 @@ def test_logits_match_the_family_class(case):
 def test_greedy_tokens_match_the_family_class(case):
     name, model, ref = case
     check_greedy(model, ref, model.manifest["config"]["vocab_size"], 160)  # past 150 tokens of context
+
+
+def test_the_gate_builds_the_family_reference(case, checkpoints):
+    name, model, ref = case
+    check_gate_reference(name, checkpoints(name), ref, model.manifest["config"]["vocab_size"])
 
 
 def test_chat_template_applies_as_transformers(case, checkpoints):

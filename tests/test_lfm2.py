@@ -4,6 +4,8 @@ builder run by the MIL executor on a padded window."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -368,12 +370,18 @@ def test_a_prompt_cache_file_holds_the_conv_state(lfm2_folder, tmp_path):
 def test_an_export_with_input_caches_runs_in_mil(lfm2_folder, tmp_path):
     """--kv-cache inputs: the programs return conv_new, the host takes the state at each window's
     real tokens, and a chunk of conv layers only has no cache update; the mil backend's padded
-    window and decoding give the torch backend's logits."""
+    window and decoding give the torch backend's logits. Its parity gate compares with transformers'
+    Lfm2 layers, and passes."""
     import llama_ane
     from llama_ane.api import export_model
 
+    log: list[str] = []
     out = export_model(lfm2_folder, tmp_path / "export", context_length=64, prefill_length=32, layers_per_chunk=2,
-                       kv_cache="inputs", branch_width=0, progress=False, verify=False)
+                       kv_cache="inputs", branch_width=0, progress=False, log=log.append)
+    (report,) = [line for line in log if line.startswith("verify ")]
+    print(report)
+    assert re.search(r"\n  transformers +[0-9.]+ +[0-9.]+ +[0-9.]+  ok\n", report), report
+    assert report.endswith("\n  passed") and "skipped" not in report
     manifest = llama_ane.load(out, backend="mil").manifest
     assert [c["cache_update"] for c in manifest["chunks"]] == [{"prefill": "prefill_l1", "decode": "decode_l1"}, {}]
     ids = list(range(7, 47))

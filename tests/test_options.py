@@ -21,6 +21,7 @@ from llama_ane.contract.options import (EXPORT_OPTIONS, ExportOptions, ExportOpt
 # process options: how an export runs, not what it builds (API keyword -> CLI parameter, and how
 # the CLI's value maps to the API's)
 PROCESS = {"force": ("force", lambda v: v), "verify": ("no_verify", lambda v: not v),
+           "with_transformers": ("no_transformers", lambda v: not v),
            "workers": ("workers", lambda v: v), "max_memory_gb": ("max_memory", lambda v: v),
            "progress": ("quiet", lambda v: not v), "revision": ("revision", lambda v: v)}
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop")

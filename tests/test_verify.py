@@ -87,6 +87,66 @@ def test_verify_fails_on_corrupted_weights_caught_by_their_hash(corrupted_copy):
     assert result.exit_code == 1 and "FAILED" in result.output
 
 
+def _unbuildable_reference(monkeypatch) -> None:
+    """transformers' model of the family fails to build, as Lfm2Config's missing rms_norm_eps once made it."""
+    def broken(token_ids, checkpoint):
+        raise AttributeError("'LlamaConfig' object has no attribute 'rms_norm_eps'")
+    monkeypatch.setattr("llama_ane.reference.transformers_logits", broken)
+
+
+def _error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("Error:")]
+
+
+def test_a_reference_that_cannot_be_built_fails_verify(tiny_export, monkeypatch):
+    _unbuildable_reference(monkeypatch)
+    result = CliRunner().invoke(verify_command, [str(tiny_export), "--quiet"])
+    print(result.output)
+    assert result.exit_code == 1
+    (error,) = _error_lines(result.output)
+    for words in ("transformers reference could not be built", "rms_norm_eps", "transformers 5.", "--no-transformers"):
+        assert words in error
+    assert not result.output.rstrip().endswith("passed")
+    # skipped by name, the gate passes and says it was partial
+    result = CliRunner().invoke(verify_command, [str(tiny_export), "--quiet", "--no-transformers"])
+    assert result.exit_code == 0, result.output
+    assert "transformers: skipped by --no-transformers" in result.output
+    assert result.output.rstrip().endswith("passed, partially: only the conversion was checked, not the whole model")
+
+
+@pytest.mark.export
+def test_a_reference_that_cannot_be_built_fails_the_export(tiny_checkpoint, tmp_path, monkeypatch):
+    from llama_ane.commands.export import command as export_command
+
+    _unbuildable_reference(monkeypatch)
+    ckpt, out = tiny_checkpoint(num_hidden_layers=2, head_dim=32), tmp_path / "out"
+    args = [str(ckpt), "-o", str(out), "--context-length", "64", "--prefill-length", "16", "--quiet"]
+    result = CliRunner().invoke(export_command, args)
+    print(result.output)
+    assert result.exit_code == 1
+    (error,) = _error_lines(result.output)
+    assert "parity gate" in error and "could not be built" in error and "--no-transformers" in error
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, nothing left
+    result = CliRunner().invoke(export_command, args + ["--no-transformers"])
+    assert result.exit_code == 0, result.output
+    assert "transformers: skipped by --no-transformers" in result.output and "passed, partially" in result.output
+    assert (out / "manifest.json").exists()
+
+
+def test_the_reference_error_says_which_transformers_is_tested(monkeypatch):
+    """Outside the range pyproject.toml declares, the error says how to install one inside it."""
+    from importlib import metadata
+
+    from llama_ane.verify import reference_failure
+
+    tested = next(r for r in metadata.requires("llama-ane") if r.startswith("transformers"))
+    assert "<" in tested and ">=" in tested  # a range: a newer release is tried first (benchmarks/transformers_latest.py)
+    monkeypatch.setattr(metadata, "version", lambda name: "4.40.0")
+    error = reference_failure(KeyError("rope_type"))
+    assert "KeyError: 'rope_type'" in error and "transformers 4.40.0 is installed" in error
+    assert "pip install 'transformers" in error and "--no-transformers" in error
+
+
 def test_verify_refuses_a_text_too_short_to_tell(tiny_export, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Hi there")

@@ -30,9 +30,12 @@ from .options import FiniteFloat, options_from
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check of the exported programs (and the perplexity "
                                                 "check of 4-bit schemes).")
+@click.option("--no-transformers", is_flag=True,
+              help="Leave the gate's comparison with transformers' own model out: it checks the conversion only "
+                   "and says it was partial.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON object on stdout (the log goes to stderr).")
-def command(model, out, revision, workers, max_memory, force, no_verify, quiet, as_json, **options):
+def command(model, out, revision, workers, max_memory, force, no_verify, no_transformers, quiet, as_json, **options):
     """Export MODEL (a Hugging Face folder or repo id, a .gguf file, or nothing for the embedded
     SmolLM2-135M-Instruct) to OUT."""
     from ..api import export_model
@@ -43,7 +46,7 @@ def command(model, out, revision, workers, max_memory, force, no_verify, quiet, 
             if model is None:
                 raise InvalidArgumentError("--revision applies to a Hugging Face repo id given as MODEL")
             model = resolve(model, revision)
-        export_model(model, out, force=force, verify=not no_verify, workers=workers, max_memory_gb=max_memory,
+        export_model(model, out, force=force, verify=not no_verify, with_transformers=not no_transformers, workers=workers, max_memory_gb=max_memory,
                      progress=not quiet, log=_log_to_stderr if as_json else _log, **options)
     if as_json:
         import json
