@@ -52,6 +52,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
     Apple chip."""
     from ..contract.device_model import CHIPS, chip as find_chip, manifest_from_config, read_config, report
     from ..contract.manifest import kv_cache_kind, read_manifest
+    from ..contract.resident import resident
     from ..contract.traffic import decode_step_traffic
 
     given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache,
@@ -77,9 +78,11 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
         n = m["context_length"] - 1 if filled is None else filled
         model = report(m, n, chips, prompt_length=prompt_length, branches=branches)
     traffic = decode_step_traffic(m, filled=n)
+    wired = resident(m)
     if as_json:
         other = "inputs" if kv_cache_kind(m) == "state" else "state"
-        extra = {"decode_step_bytes": {**traffic.to_dict(), **model}}
+        extra = {"decode_step_bytes": {**traffic.to_dict(), **model}, "resident_bytes": wired.bytes,
+                 "weight_copy_bytes": wired.weight_copy_bytes, "resident": _resident_json(wired)}
         if not m["config"].get("kv_shared_layers"):  # KV-shared layers refuse state caches (see _traffic)
             extra["decode_step_bytes_other_kv_cache"] = {"kv_cache": other,
                                                          **decode_step_traffic(m, other, filled=n).to_dict()}
@@ -89,6 +92,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
         return
     _describe(m, config_path)
     _functions(m, out)
+    _resident(wired)
     _traffic(m, traffic, n, bandwidth)
     _modelled(model, prompt_length, branches)
     if config_path is None:
@@ -166,6 +170,12 @@ def _describe(m: dict, config_path: Path | None) -> None:
     paths = device_paths(quantization)  # each form with how the Neural Engine runs it
     if any(p != "fp16" for p in paths.values()):
         click.echo("  weights   " + "; ".join(f"{part} {p}" for part, p in paths.items()))
+    if any(d.get("scheme", "").startswith("lut") or "lut" in str(d.get("units", "")) for d in quantization.values()
+           if isinstance(d, dict)):
+        from ..contract.device_model import CHIPS
+
+        known = "; ".join(f"{c.name} {c.luts}" for c in CHIPS.values() if c.luts)
+        click.echo(f"  luts      {known}; no published figure for the other chips")
     recipe = quantization.get("recipe", {})
     if recipe.get("measured_pct") is not None:
         click.echo(f"  quality   perplexity {recipe['measured_pct']:+.2f}% against fp16 (measured on "
@@ -227,6 +237,28 @@ def _modelled(model: dict, prompt_length: int | None, branches: int | None) -> N
                    + "".join(f" {fmt.format(row[key]):>{len(title)}}" for title, key, fmt in columns))
     click.echo("  (modelled: time = max(bytes / ANE streaming bandwidth, flops / fp16 peak) + calls x per-call cost, "
                "from published or assumed chip figures, not measured; see docs/device-model.md)")
+
+
+def _resident_json(wired) -> dict:
+    from ..contract.resident import EDGE_BENCH, first_load_seconds
+
+    return {**wired.to_dict(), "first_load_s": round(first_load_seconds(wired.functions), 1),
+            "first_load_source": EDGE_BENCH}
+
+
+def _resident(wired) -> None:
+    """Resident memory of the functions a runtime holds to serve every phase, and their first load."""
+    from ..contract.resident import first_load_seconds
+
+    low, high = wired.range
+    click.echo(f"  resident  {wired.runtime} holding its {wired.functions} functions wires {wired.bytes / 1e6:.0f} MB "
+               f"({low / 1e6:.0f}-{high / 1e6:.0f}), {wired.copies:.2f}x one loaded copy of the weights "
+               f"({wired.weight_copy_bytes / 1e6:.0f} MB); first load ~{first_load_seconds(wired.functions):.0f} s of "
+               "specialization")
+    click.echo("            (modelled: " + ("each function loaded for the Neural Engine wires its own copy of its "
+                                            "package's weights" if wired.runtime == "Core ML" else
+                                            "its entry points share one copy of the weights")
+               + ", as measured on M6; first load scaled by function count from an M4 Max; docs/device-model.md)")
 
 
 def _span(lo: float, hi: float, fmt: str) -> str:

@@ -46,6 +46,11 @@ MAC_CALLS = "published (~0.1-0.23 ms per dispatch on recent Macs)"
 IPHONE_CALLS = "published, one measurement (~2.3 ms per chunk round trip on an iPhone)"
 PHONE_BANDWIDTH = "assumed (the same-generation base M chip's figure, below the phone's memory peak)"
 APPLE_TOPS = "assumed (Apple's quoted ANE TOPS; int8 figures halved for fp16)"
+FORGE_BANDWIDTH = "published (Anemll Forge: dense ANE weight streaming on M5 Max and M6)"
+NEXT_TOPS = "assumed (no published ANE figure: M4's)"
+# how the Neural Engine runs palettized (LUT) weights, where a source says
+LUT_NATIVE = "decodes LUT weights natively (published, Anemll Forge)"
+LUT_INT8 = "runs every LUT at the int8 rate (published, Anemll Forge)"
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Chip:
     bandwidth_source: str
     per_call_source: str
     tflops_source: str = APPLE_TOPS
+    luts: str | None = None  # how its Neural Engine runs LUT weights (LUT_NATIVE, LUT_INT8), None: no source
 
     def seconds(self, step: "StepCost", case: str = "mid") -> float:
         """Modelled seconds of `step`: case "mid" takes the middle of each range, "slow" the low
@@ -73,13 +79,14 @@ class Chip:
 
     def describe(self) -> dict:
         return {"bandwidth_gb_s": list(self.bandwidth_gb_s), "per_call_ms": list(self.per_call_ms),
-                "fp16_tflops": self.fp16_tflops, "sources": {"bandwidth": self.bandwidth_source,
-                                                             "per_call": self.per_call_source,
-                                                             "fp16_tflops": self.tflops_source}}
+                "fp16_tflops": self.fp16_tflops, "lut_weights": self.luts,
+                "sources": {"bandwidth": self.bandwidth_source, "per_call": self.per_call_source,
+                            "fp16_tflops": self.tflops_source}}
 
 
-def _mac(name: str, bandwidth: tuple[float, float], tflops: float, bandwidth_source: str = ANEMLL_BENCH) -> Chip:
-    return Chip(name, bandwidth, (0.1, 0.23), tflops, bandwidth_source, MAC_CALLS)
+def _mac(name: str, bandwidth: tuple[float, float], tflops: float, bandwidth_source: str = ANEMLL_BENCH,
+         tflops_source: str = APPLE_TOPS, luts: str | None = None) -> Chip:
+    return Chip(name, bandwidth, (0.1, 0.23), tflops, bandwidth_source, MAC_CALLS, tflops_source, luts)
 
 
 def _phone(name: str, bandwidth: tuple[float, float], tflops: float) -> Chip:
@@ -88,6 +95,7 @@ def _phone(name: str, bandwidth: tuple[float, float], tflops: float) -> Chip:
 
 BASE_M = (55.0, 64.0)  # base M1-M4
 MAX_M = (120.0, 126.0)  # M3 Max, M4 Pro, M4 Max
+NEXT_M = (155.0, 165.0)  # M5 Max, M6
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     _mac("M1", BASE_M, 11.0),  # 11 TOPS (fp16)
     _mac("M2", BASE_M, 15.8),  # 15.8 TOPS (fp16)
@@ -97,6 +105,8 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     _mac("M4 Pro", MAX_M, 19.0),
     _mac("M4 Max", MAX_M, 19.0),
     _mac("M5", (70.0, 70.0), 19.0, "published (anemll-bench, base M5; one figure)"),  # TOPS assumed as M4's
+    _mac("M5 Max", NEXT_M, 19.0, FORGE_BANDWIDTH, NEXT_TOPS, LUT_INT8),
+    _mac("M6", NEXT_M, 19.0, FORGE_BANDWIDTH, NEXT_TOPS, LUT_NATIVE),
     _phone("A17 Pro", (45.0, 51.0), 17.5),  # 35 TOPS int8; memory peak ~51 GB/s
     _phone("A18 Pro", (50.0, 60.0), 17.5),  # 35 TOPS int8; memory peak ~60 GB/s
     _phone("A19 Pro", (55.0, 70.0), 17.5),  # TOPS assumed as A18 Pro's
