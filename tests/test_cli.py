@@ -144,6 +144,8 @@ def test_info_json(tiny_export):
     got = json.loads(r.stdout)
     traffic = got.pop("decode_step_bytes")
     other = got.pop("decode_step_bytes_other_kv_cache")
+    resident = got.pop("resident")  # modelled in test_resident.py
+    assert got.pop("resident_bytes") == resident["resident_bytes"] > got.pop("weight_copy_bytes") > 0
     assert got == json.loads((tiny_export / "manifest.json").read_text())
     # 5 layers, 2 kv heads x 32, context 256, fp16: each step reads every K and V cache once, and the
     # cache update reads and writes them again

@@ -9,12 +9,13 @@ from pathlib import Path
 import click
 
 from ..contract.plan import FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
+from ..model.functions import DECODE_FUNCTIONS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat
 
 # options that describe the export a --config is modelled as (an export folder records its own)
-CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head")
+CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head", "decode_function")
 
 
 @click.command("info")
@@ -31,6 +32,9 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head
               help="With --config: where the K/V caches live (auto: state where it works) [default: auto].")
 @click.option("--fold-lm-head", "fold_lm_head", type=click.Choice(FOLD_CHOICES), default=None,
               help="With --config: the last chunk computes the LM head (auto: where it fits) [default: auto].")
+@click.option("--decode-function", "decode_function", type=click.Choice(DECODE_FUNCTIONS), default=None,
+              help="With --config: what decodes a token, a function of its own or the prefill window's "
+                   "[default: decode].")
 @click.option("--filled", type=int, default=None,
               help="Positions already cached at the modelled decode step (and the prefix of --branches) "
                    "[default: the context length less one].")
@@ -45,8 +49,8 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head
                    "bound, not a measurement).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the manifest, with the decode step's traffic and the modelled costs, as JSON.")
-def command(out, config_path, context_length, quantize, target, kv_cache, fold_lm_head, filled, chip, prompt_length, branches,
-            bandwidth, as_json):
+def command(out, config_path, context_length, quantize, target, kv_cache, fold_lm_head, decode_function, filled, chip,
+            prompt_length, branches, bandwidth, as_json):
     """Describe the export in OUT (the hashes are checked), or the export a --config would make: its
     models, weights, the bytes and Core ML calls of one decode step, and its modelled tokens/s per
     Apple chip."""
@@ -56,7 +60,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
     from ..contract.traffic import decode_step_traffic
 
     given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache,
-             "fold_lm_head": fold_lm_head}
+             "fold_lm_head": fold_lm_head, "decode_function": decode_function}
     with user_errors():
         if (out is None) == (config_path is None):
             raise InvalidArgumentError("give an export folder OUT or --config CONFIG.json (one of them)")
@@ -159,7 +163,7 @@ def _describe(m: dict, config_path: Path | None) -> None:
     for chunk in m["chunks"]:
         click.echo(f"  {chunk['model']:<12} layers {chunk['layers'][0]}..{chunk['layers'][-1]}{mb(chunk['model'])}")
     for model in m["lm_head"]["models"]:
-        splits = [o["shape"][1] for o in m["models"][model]["functions"]["decode"]["outputs"]]
+        splits = [o["shape"][1] for o in next(iter(m["models"][model]["functions"].values()))["outputs"]]
         click.echo(f"  {model:<12} vocab splits {splits}{mb(model)}")
     if m["lm_head"].get("folded_into"):
         click.echo(f"  {'lm_head':<12} computed in {m['lm_head']['folded_into']} (vocab splits "

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
 from ..model.delta_net import squarings
+from .manifest import decode_function
 from .specs import BRANCHES, VERIFY
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -140,11 +141,13 @@ class StepCost:
         return StepCost(self.tokens * n, self.bytes * n, self.flops * n, self.calls * n)
 
 
-def calls_per_step(manifest: dict, function: str = "decode") -> int:
+def calls_per_step(manifest: dict, function: str | None = None) -> int:
     """Core ML calls of one step of `function`, as the runtime's pipeline makes them: every
     embeddings file, every chunk, every LM head file (none when the last chunk carries the head),
     and the cache-update call of each chunk whose K/V it writes (none for a single-sequence step of
-    an export with state caches; a verify step's are made when its accepted path is written)."""
+    an export with state caches; a verify step's are made when its accepted path is written).
+    `function` defaults to the one a decoded token runs."""
+    function = function or decode_function(manifest)
     return (len(manifest["embeddings"]["models"]) + len(manifest["chunks"]) + len(manifest["lm_head"]["models"])
             + sum(1 for c in manifest["chunks"] if c["cache_update"].get(function)))
 
@@ -220,14 +223,15 @@ def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = N
 
 def decode_step(manifest: dict, filled: int, dense: bool = False) -> StepCost:
     """One decode step (one token) after `filled` cached positions; `dense`: the weights read
-    decompressed (a device that expands compressed weights at load)."""
-    return step_cost(manifest, "decode", filled, dense=dense)
+    decompressed (a device that expands compressed weights at load). Where the prefill function
+    decodes, the step computes its whole window for its one token."""
+    return step_cost(manifest, decode_function(manifest), filled, tokens=1, dense=dense)
 
 
 def prefill_cost(manifest: dict, prompt_length: int) -> StepCost:
     """Prefilling `prompt_length` tokens into an empty cache, as the pipeline windows them: windows
     of `prefill_length` tokens, each reading the weights once and computing the whole window
-    (padding included); a last window of one token runs the decode function."""
+    (padding included); a last window of one token runs the decode function (`decode_step`)."""
     width = manifest["prefill_length"]
     total = StepCost(0, 0, 0.0, 0)
     for start in range(0, prompt_length, width):

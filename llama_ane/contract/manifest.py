@@ -14,6 +14,11 @@ from ..precision import PRECISIONS
 from .schema import schema_problem
 
 FORMAT_VERSION = 2
+# format_version 3: an export whose prefill functions also decode (manifest "decode_function"), written
+# so only by such exports, so that readers from before it (the Swift host among them) refuse them by
+# their version instead of looking for decode functions
+PREFILL_DECODES_VERSION = 3
+READ_VERSIONS = (FORMAT_VERSION, PREFILL_DECODES_VERSION)
 MANIFEST = "manifest.json"
 
 
@@ -119,12 +124,17 @@ def _check_inside(out: Path, name: str, field: str) -> Path:
 
 def _check_version(manifest: Any) -> None:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version not in READ_VERSIONS:
         if version < FORMAT_VERSION:
             raise ManifestError(f"{MANIFEST}: format_version {version} comes from an older llama-ane; this one "
-                                f"reads format_version {FORMAT_VERSION}: re-export the model with `llama-ane export`")
+                                f"reads format_version {FORMAT_VERSION} and {PREFILL_DECODES_VERSION}: re-export the "
+                                "model with `llama-ane export`")
         raise ManifestError(f"{MANIFEST}: format_version {version} comes from a newer llama-ane; this one reads "
-                            f"format_version {FORMAT_VERSION}: upgrade llama-ane, or re-export the model with this one")
+                            f"format_version {FORMAT_VERSION} and {PREFILL_DECODES_VERSION}: upgrade llama-ane, or "
+                            "re-export the model with this one")
+    if version == PREFILL_DECODES_VERSION and manifest.get("decode_function") != "prefill":
+        raise ManifestError(f"{MANIFEST}: format_version {version} is written only with decode_function \"prefill\", "
+                            f"but it has {manifest.get('decode_function')!r}; {REEXPORT}")
 
 
 def _check_references(manifest: dict[str, Any]) -> None:
@@ -368,6 +378,12 @@ def function_states(entry: dict[str, Any]) -> list[dict[str, Any]]:
     return entry.get("states", [])
 
 
+def decode_function(manifest: dict[str, Any]) -> str:
+    """The function a decoded token runs, before its bucket: "decode", or "prefill" for an export
+    whose prefill functions decode too (model.functions.DECODE_FUNCTIONS)."""
+    return manifest.get("decode_function", "decode")
+
+
 def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[str, Any]:
     """The manifest entry {file, function_name, inputs, outputs} of one function of one model."""
     try:
@@ -382,7 +398,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  precision: str, target: str, multifunction: bool, quantization: dict, weights: dict,
                  tokenizer: dict, files: dict[tuple[str, str], tuple[str, str]], created_by: dict,
                  kv_cache: str = "inputs", verify_window: int = 0,
-                 context_buckets: list[int] | None = None, head_folded_into: str | None = None) -> dict[str, Any]:
+                 context_buckets: list[int] | None = None, head_folded_into: str | None = None,
+                 decode_function: str = "decode") -> dict[str, Any]:
     """Assemble a manifest (without hashes; `write_manifest` adds them).
 
     `quantization` is the compression of each part ({"scheme": "none"} for fp16 weights);
@@ -392,6 +409,8 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
     each of its functions to the cache-update function that writes its K/V, where there is one.
     `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
+    `decode_function` "prefill": the export has no decode functions (recorded, with format_version 3,
+    which older readers refuse).
     """
     from ..config import LlamaConfig
     from .specs import (BRANCHES, cache_update_function, chunk_model_name, chunk_rows, conv_state_width,
@@ -414,11 +433,12 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  for fn in specs[chunk_model_name(i)]}
         chunks.append({"model": chunk_model_name(i), "layers": layers,
                        "cache_update": {fn: name for fn, name in names.items() if name in updates}})
-    lm_outputs = ([o for o in specs[head_folded_into]["decode"]["outputs"] if o["name"].startswith("logits_")]
+    lm_outputs = ([o for o in specs[head_folded_into][decode_function]["outputs"] if o["name"].startswith("logits_")]
                   if head_folded_into else
-                  [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)]["decode"]["outputs"]])
+                  [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)][decode_function]["outputs"]])
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if decode_function == "decode" else PREFILL_DECODES_VERSION,
+        **({"decode_function": decode_function} if decode_function != "decode" else {}),
         "name": name,
         "created_by": created_by,
         "source": source,

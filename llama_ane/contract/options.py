@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import LlamaANEError
 from ..precision import PRECISIONS as PRECISION_FORMS
-from ..model.functions import KV_CACHE_KINDS
+from ..model.functions import DECODE_FUNCTIONS, KV_CACHE_KINDS
 from ..quantize.auto import DEFAULT_BUDGET_PCT
 from ..quantize.schemes import DEFAULT_GROUP_SIZE, SCHEMES, QuantizeError, QuantizeOptions
 
@@ -202,15 +202,24 @@ class ExportOptions:
     fold_lm_head: str = option(
         "auto", "Compute the LM head in the last chunk: one Core ML call per token fewer. auto: where its weights "
         "fit beside the chunk's in one package.", choices=FOLD_CHOICES)
+    # Each Core ML function loaded for the Neural Engine wires its own copy of its package's weights
+    # (contract/resident.py): "prefill" drops the decode functions, whose tokens then run as windows
+    # of one real token. Rows are nearly free on the ANE while a step stays bound by its bytes.
+    decode_function: str = option(
+        "decode", "What decodes a token: a function of its own per model (decode), or the prefill window's "
+        "function (prefill: one function per model and bucket, one copy of the weights on the Neural Engine; "
+        "needs --kv-cache inputs; auto context buckets become one).", choices=DECODE_FUNCTIONS)
 
     def __post_init__(self) -> None:
         if self.kv_cache == "auto":
-            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window))
+            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window,
+                                                               self.decode_function))
         buckets = self.context_buckets
         if isinstance(buckets, str) and buckets.strip() != "auto":
             buckets = parse_sizes(buckets)
-        if buckets is None or isinstance(buckets, str):
-            buckets = auto_buckets(self.context_length, self.prefill_length, self.multifunction)
+        if buckets is None or isinstance(buckets, str):  # each bucket is a copy of the weights where one is asked for
+            buckets = auto_buckets(self.context_length, self.prefill_length,
+                                   self.multifunction and self.decode_function == "decode")
         elif isinstance(buckets, int):
             buckets = (buckets,)
         object.__setattr__(self, "context_buckets", tuple(int(b) for b in buckets))
@@ -254,6 +263,12 @@ class ExportOptions:
             raise ExportOptionsError(f"--kv-cache state needs Core ML or Core AI states, which --target {self.target} does not "
                                      f"have: use --target {', '.join(MULTIFUNCTION_TARGETS + (COREAI,))}, or "
                                      "--kv-cache inputs")
+        if self.decode_function not in DECODE_FUNCTIONS:
+            raise ExportOptionsError(f"--decode-function must be one of {', '.join(DECODE_FUNCTIONS)}, "
+                                     f"got {self.decode_function!r}")
+        if self.decode_function == "prefill" and self.kv_cache == "state":
+            raise ExportOptionsError("--decode-function prefill writes a whole window into the caches for each token, "
+                                     "which a state cannot hold in the context's last positions: use --kv-cache inputs")
         if self.kv_cache == "state" and self.verify_window:
             raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
                                      "written by the cache-update model, which cannot write the chunks' states; "
@@ -316,11 +331,11 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             from None
 
 
-def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
+def auto_kv_cache(target: str, precision: str, verify_window: int, decode_function: str = "decode") -> str:
     """What --kv-cache auto becomes: "state" where Core ML states work (an iOS18/macOS15 target,
     fp16, no verify function: see `ExportOptions.check`), else "inputs". States save a Core ML
     call per chunk and decode step: each chunk writes its own K/V, with no cache-update call."""
-    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window
+    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window and decode_function == "decode"
     return "state" if states else "inputs"
 
 
@@ -339,6 +354,9 @@ def check_coreai(opts: ExportOptions) -> None:
     if q.block_size or q.lut_block_size is not None:
         raise ExportOptionsError("--target coreai has plain LUTs (one per tensor, or per --group-size channels): "
                                  "drop --block-size and --lut-block-size")
+    if opts.decode_function != "decode":
+        raise ExportOptionsError("--target coreai: its entry points share one copy of the weights, so decode keeps "
+                                 "a function of its own; drop --decode-function prefill")
 
 
 def auto_buckets(context_length: int, prefill_length: int, multifunction: bool = True) -> tuple[int, ...]:

@@ -108,7 +108,7 @@ class ExportPlan:
                                                "read_bytes": p.weight_bytes if p.read_bytes is None else p.read_bytes}
                                      for p in self.packages},
                             tokenizer=tokenizer, files=self.files if files is None else files,
-                            created_by=created_by(), kv_cache=o.kv_cache,
+                            created_by=created_by(), kv_cache=o.kv_cache, decode_function=o.decode_function,
                             head_folded_into=chunk_model_name(len(self.chunks) - 1) if self.head_folded else None)
 
 
@@ -229,7 +229,8 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
         contents[last] = (layers, head[1], *(a + b for a, b in zip(sizes, head[2:])))
     specs = model_specs(cfg, chunks, opts.context_length, opts.prefill_length, PRECISION_DTYPES[opts.precision],
                         opts.branch_width, opts.suffix_length, len(embedding_rows), head_groups, opts.kv_cache,
-                        verify_window=opts.verify_window, buckets=opts.context_buckets, fold_head=fold)
+                        verify_window=opts.verify_window, buckets=opts.context_buckets, fold_head=fold,
+                        decode_function=opts.decode_function)
     check_function_count(opts, specs)
     packages = []
     for model, functions in specs.items():

@@ -46,6 +46,7 @@ SCHEMA: dict[str, Any] = {
                  "embeddings", "lm_head", "chunks", "models", "tokenizer", "files"],
     "properties": {
         "format_version": _INT,
+        "decode_function": {"enum": ["decode", "prefill"]},
         "name": {"type": "string"},
         "created_by": {"type": "object", "additionalProperties": {"type": "string"}},
         # provenance: the checkpoint the export came from, outside the export by design (only

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from ..config import LlamaConfig
 from ..model import cache_update, chunk, embeddings, lm_head
-from ..model.functions import (BRANCHES, CACHES, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, base_function, bucket_function,
+from ..model.functions import (BRANCHES, CACHES, DECODE_FUNCTIONS, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, base_function, bucket_function,
                                attention_rows, bucket_of, cache_update_function, chunk_rows, conv_state_width, ring_length, ring_rewind_limit,
                                shared_rows, suffix_groups, suffix_names, suffix_update_counts, window_of)
 from ..model.lm_head import vocab_splits
 
-__all__ = ["BRANCHES", "CACHES", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "WINDOW_TOKENS", "base_function", "bucket_function", "bucket_of",
+__all__ = ["BRANCHES", "CACHES", "DECODE_FUNCTIONS", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "WINDOW_TOKENS", "base_function", "bucket_function", "bucket_of",
            "attention_rows", "cache_update_function", "chunk_rows", "conv_state_width", "ring_length", "ring_rewind_limit", "window_of", "chunk_model_name",
            "shared_rows", "suffix_groups", "suffix_names", "suffix_update_counts",
            "embeddings_model_name", "lm_head_model_name",
@@ -55,7 +55,8 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
                 embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
                 kv_cache: str = "inputs", verify_window: int = 0,
-                buckets: tuple[int, ...] = (), fold_head: bool = False) -> dict[str, dict[str, dict]]:
+                buckets: tuple[int, ...] = (), fold_head: bool = False,
+                decode_function: str = "decode") -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export, each model's
     as its kind declares them (llama_ane.model).
 
@@ -80,9 +81,12 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
 
     Where the sliding window is shorter than the context, the sliding layers keep a ring buffer of
     `ring_length` slots instead (model/chunk.py), in every bucket.
+
+    With `decode_function="prefill"` there are no decode functions (nor their cache updates): a token
+    runs the prefill function of its bucket (model.functions.DECODE_FUNCTIONS).
     """
     layout = Layout(context_length, prefill_length, float_dtype, tuple(buckets), branch_width, suffix_length,
-                    verify_window, kv_cache, ring_length(cfg, context_length, prefill_length))
+                    verify_window, kv_cache, ring_length(cfg, context_length, prefill_length), decode_function)
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
     specs = {"embeddings": embeddings.functions(cfg, layout)}
     specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})

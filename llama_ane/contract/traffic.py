@@ -51,7 +51,7 @@ from ..config import LlamaConfig
 from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
 from ..model.embeddings import per_layer_rows
 from ..model.functions import RING_CACHES
-from .manifest import function_states, kv_cache_kind
+from .manifest import decode_function, function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
@@ -184,7 +184,7 @@ def per_layer_table(manifest: dict) -> PerLayerTable | None:
     dtype from the embeddings' "per_layer_inputs" output, its rows per file from the manifest's
     vocabulary ranges."""
     first = manifest["embeddings"]["models"][0]
-    spec = next((t for t in manifest["models"][first]["functions"]["decode"]["outputs"]
+    spec = next((t for t in manifest["models"][first]["functions"][decode_function(manifest)]["outputs"]
                  if t["name"] == "per_layer_inputs"), None)
     if spec is None:
         return None
@@ -214,16 +214,17 @@ def weight_read_bytes(manifest: dict, dense: bool = False) -> int:
     return sum(weights.get(m, {}).get("read_bytes", weights.get(m, {}).get("bytes", 0)) for m in stepped) + row
 
 
-def kv_read_bytes(manifest: dict, attended: int, function: str = "decode") -> int:
-    """K/V bytes the chunks read in one step of `function`: the main caches up to `attended`
+def kv_read_bytes(manifest: dict, attended: int, function: str | None = None) -> int:
+    """K/V bytes the chunks read in one step of `function` (default: a decoded token's): the main caches up to `attended`
     positions (`bucket_for`), the rings, a cascade's suffix caches, the conv states and the
     recurrent states whole, and KV-shared layers' inputs of other chunks' caches as those caches
     are read."""
+    function = function or decode_function(manifest)
     return sum(_cache_bytes(t, attended) for chunk in manifest["chunks"]
                for t in _chunk_caches(manifest, chunk, function, shared=True))
 
 
-def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_cache: str | None = None) -> int:
+def kv_write_bytes(manifest: dict, attended: int, function: str | None = None, kv_cache: str | None = None) -> int:
     """Bytes of writing one step's new K/V, with the caches as exported (`kv_cache=None`) or as the
     other kind would keep them ("inputs" or "state").
 
@@ -233,6 +234,7 @@ def kv_write_bytes(manifest: dict, attended: int, function: str = "decode", kv_c
     state ("state"). The conv states are written as `conv_write_bytes` says, the recurrent states
     whole (`delta_write_bytes`)."""
     kind = kv_cache or kv_cache_kind(manifest)
+    function = function or decode_function(manifest)
     tokens = window_tokens(manifest, function)
     total = 0
     for chunk in manifest["chunks"]:

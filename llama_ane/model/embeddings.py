@@ -380,16 +380,17 @@ class Embeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor):
         hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,S)
-        pos = position + self.offsets  # (S,)
+        s = input_ids.shape[1]  # the window, or its first s rows (a token decoded unpadded: the same numbers)
+        pos = position + self.offsets[:s]  # (S,)
         rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, pos, hidden.dtype)
         cached = self.cache_positions < position.view(1, 1, 1, 1)  # (1,1,1,T)
-        cache_mask = ((1.0 - cached.to(hidden.dtype)) * MASK_VALUE).expand(1, 1, self.window, -1)
-        mask = torch.cat([cache_mask, self.window_mask.to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
+        cache_mask = ((1.0 - cached.to(hidden.dtype)) * MASK_VALUE).expand(1, 1, s, -1)
+        mask = torch.cat([cache_mask, self.window_mask[..., :s, :s].to(hidden.dtype)], dim=3)  # (1,1,S,T+S)
         sliding = {}
         if self.windowed:
             keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,S,T|R)
             sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
-                                                 self.sliding_window_mask.to(hidden.dtype)], dim=3)
+                                                 self.sliding_window_mask[..., :s, :s].to(hidden.dtype)], dim=3)
         return ((hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
                 + _per_layer(self, input_ids, hidden))
 

@@ -19,6 +19,11 @@ FUNCTIONS = ("prefill", "decode")
 BRANCHES = "decode_branches"
 # "verify" checks a tree of W drafted tokens in one window (speculative decoding, see chunk.py)
 VERIFY = "verify"
+# What decodes a token (manifest "decode_function", export --decode-function): "decode", functions of
+# its own, or "prefill": no decode functions, a token runs as a prefill window of one real token (the
+# padding's K/V lies past it, masked until overwritten, as a short last prefill window's does), so a
+# model keeps one function per bucket and the Neural Engine one copy of its weights.
+DECODE_FUNCTIONS = ("decode", "prefill")
 
 # How the chunks' K/V caches live (manifest "cache"."kind"): "inputs" are arrays passed in and a
 # cache-update model writes each window's K/V back; "state" caches are Core ML states (iOS18,
@@ -192,12 +197,14 @@ class Layout:
     verify_window: int = 0
     kv_cache: str = "inputs"
     ring: int = 0  # slots of the sliding layers' ring buffer (ring_length), 0: none
+    decode_function: str = "decode"  # one of DECODE_FUNCTIONS: "prefill" leaves the decode functions out
 
     def windows(self) -> Iterator[tuple[str, str, int, int]]:
         """(function, its base function, S, T) of every prefill and decode function: per bucket,
-        prefill then decode, smallest bucket first."""
+        prefill then decode (none where the prefill function decodes), smallest bucket first."""
+        bases = FUNCTIONS if self.decode_function == "decode" else ("prefill",)
         for t in self.buckets or (self.context_length,):
-            for base in FUNCTIONS:
+            for base in bases:
                 yield bucket_function(base, t, self.context_length), base, window_of(base, self.prefill_length), t
 
     def full_windows(self) -> Iterator[tuple[str, int]]:

@@ -287,7 +287,7 @@ def measure_decode(model: LlamaANEModel, filled: int, opts: BenchOptions, rng: n
     per_token = t["median_s"] / steps
     predicted = dm.decode_step(model.manifest, filled)
     modelled = _modelled(chip, predicted, attended_positions=bucket_for(model.manifest, filled + 1))
-    return {"filled": filled, "bucket": bucket, "function": bucket_function("decode", bucket, pipeline.context_length),
+    return {"filled": filled, "bucket": bucket, "function": bucket_function(pipeline.decode_function, bucket, pipeline.context_length),
             "tokens_per_sample": steps, "tokens_per_s": 1 / per_token, "ms_per_token": per_token * 1e3,
             "calls_per_token": counter.count / ((opts.warmup + opts.repeats) * steps), "timings": t,
             "modelled": modelled}

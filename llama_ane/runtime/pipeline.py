@@ -48,7 +48,8 @@ from ..model.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..contract.manifest import context_buckets, function_entry, function_states, kv_cache_kind, ring_channels, ring_of
+from ..contract.manifest import (context_buckets, decode_function, function_entry, function_states, kv_cache_kind,
+                                 ring_channels, ring_of)
 from ..contract.specs import (BRANCHES, VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows,
                               ring_rewind_limit, shared_rows, suffix_groups)
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
@@ -97,8 +98,10 @@ class Pipeline:
         self.head_models: list[str] = manifest["lm_head"]["models"]
         # the chunk that carries the LM head (--fold-lm-head): its outputs are the logits, with no head call
         self.folded: str | None = manifest["lm_head"].get("folded_into")
+        # what a decoded token runs: "decode", or "prefill" where the prefill functions decode too
+        self.decode_function = decode_function(manifest)
         self.lm_outputs = [o["name"] for model in (self.head_models or [self.folded])
-                           for o in manifest["models"][model]["functions"]["decode"]["outputs"]
+                           for o in manifest["models"][model]["functions"][self.decode_function]["outputs"]
                            if o["name"].startswith("logits_")]
         self.direct = bool(getattr(backend, "direct_cache", False))
         self.stateful = kv_cache_kind(manifest) == "state"
@@ -202,13 +205,15 @@ class Pipeline:
 
         One token runs the "decode" functions with input_ids (1, 1); more run "prefill" with
         (1, prefill_length), padded with 0 (the padding's cache entries lie past the new position
-        and are masked until overwritten).
+        and are masked until overwritten). Where the prefill functions decode too, one token is such
+        a window; with direct caches (the torch modules, which take any S) it runs unpadded.
         """
         n = len(token_ids)
         if not 1 <= n <= self.prefill_length:
             raise ValueError(f"a window holds 1..{self.prefill_length} tokens, got {n}")
-        fn = "decode" if n == 1 else "prefill"
-        window = np.zeros((1, 1 if n == 1 else self.prefill_length), np.int32)
+        fn = "decode" if n == 1 and self.decode_function == "decode" else "prefill"
+        width = 1 if n == 1 and (fn == "decode" or self.direct) else self.prefill_length
+        window = np.zeros((1, width), np.int32)
         window[0, :n] = token_ids
         return fn, window
 

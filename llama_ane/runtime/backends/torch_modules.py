@@ -177,7 +177,7 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         for module in modules.values():
             module.per_layer = per_layer
     elif kind == "lm_head":
-        heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]]
+        heads = [int(o["name"].removeprefix("logits_")) for o in next(iter(functions.values()))["outputs"]]
         head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
         modules = {fn: head for fn in functions}
     elif kind == "cache_update":
@@ -195,7 +195,7 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         if BRANCHES in functions:
             modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
         if m["lm_head"].get("folded_into") == model:  # the last chunk carries the LM head
-            heads = [int(o["name"].removeprefix("logits_")) for o in functions["decode"]["outputs"]
+            heads = [int(o["name"].removeprefix("logits_")) for o in next(iter(functions.values()))["outputs"]
                      if o["name"].startswith("logits_")]
             head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
             modules = {fn: HeadedBranchChunk(module, head) if fn == BRANCHES else HeadedChunk(module, head)
