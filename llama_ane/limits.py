@@ -5,7 +5,9 @@ manifest checks all read them from here.
   vocabulary to stay under it).
 - CACHE_MULTIPLE: cache and state dimensions are multiples of 32, or Core ML leaves them off the ANE.
 - FILE_LIMIT_BYTES: the largest package a device loads comfortably, ~1 GB on iOS and ~2 GB on
-  macOS; `inspect --strict` rejects a package over it. The planner fills each package with at most
+  macOS, and 0.7 GB for a Core AI asset (Core AI programs of 1.1 GB and more were reported to panic
+  the kernel on M6, while 0.5-0.7 GB chunks ran for thousands of calls: Anemll Forge, Sept 2026);
+  `inspect --strict` rejects a package over it. The planner fills each package with at most
   `weight_budget(target)` bytes of weights: the limit less PROGRAM_BYTES, the room a package needs
   for its program and the weight blob's headers (a 3-function, 8-layer chunk's program is 0.7 MB).
 - MAX_FUNCTIONS_PER_PACKAGE: the functions one package of weights may hold. Each function is
@@ -21,7 +23,7 @@ from .precision import PRECISIONS
 
 MAX_DIM = 16384
 CACHE_MULTIPLE = 32
-FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000}
+FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000, "Core AI": 700_000_000}
 PROGRAM_BYTES = 4_000_000
 MAX_FUNCTIONS_PER_PACKAGE = 13
 
@@ -32,7 +34,9 @@ BYTES_PER_WEIGHT = {name: p.bytes for name, p in PRECISIONS.items()}
 
 
 def platform_of(target: str) -> str:
-    """"iOS" or "macOS" for a deployment target such as "iOS18" or "macOS15"."""
+    """"iOS" or "macOS" for a deployment target such as "iOS18" or "macOS15"; "Core AI" for "coreai"."""
+    if target.lower() == "coreai":
+        return "Core AI"
     return "macOS" if target.lower().startswith("macos") else "iOS"
 
 

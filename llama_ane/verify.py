@@ -329,7 +329,7 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
 
 def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = None, *,
                   max_tokens: int = DEFAULT_MAX_TOKENS, precision: str | None = None,
-                  with_transformers: bool = True,
+                  with_transformers: bool = True, ane_numerics: bool = False,
                   torch_thresholds: Thresholds = TORCH_THRESHOLDS,
                   transformers_thresholds: Thresholds | None = None,
                   checkpoint=None, progress: bool = False) -> VerifyReport:
@@ -346,6 +346,8 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     transformers_thresholds : default: fp16's, or for a compressed export those of its most lossy
         scheme (SCHEME_THRESHOLDS).
     progress : say at once what is checked, and show each step with an ETA (stderr).
+    ane_numerics : mil backend, fp16 export: also score the programs with the Neural Engine's
+        reported deviations (`llama_ane.mil.numerics`) against transformers, at the same thresholds.
 
     Two comparisons. The conversion: with the mil backend, the programs executed in float32 against
     the torch modules they are written from in float32, so that nothing but a conversion error
@@ -358,19 +360,19 @@ def verify_export(out_dir: str | Path, backend: str = "mil", text: str | None = 
     Returns a `VerifyReport`; it never raises for a broken export (the report says why it failed).
     """
     out_dir = Path(out_dir)
-    bar = StepBar(7, "verify", progress)
+    bar = StepBar(8 if ane_numerics else 7, "verify", progress)
     bar.say(f"verify {out_dir}: scoring {max_tokens} tokens of text with the {backend} backend, against torch"
             + (" and transformers" if with_transformers else "") + "...")
     try:
         return _verify(out_dir, backend, text, max_tokens, precision, with_transformers, torch_thresholds,
-                       transformers_thresholds, checkpoint, bar)
+                       transformers_thresholds, checkpoint, bar, ane_numerics)
     finally:
         bar.close()
 
 
 def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, precision: str | None,
             with_transformers: bool, torch_thresholds: Thresholds, transformers_thresholds: Thresholds | None,
-            checkpoint, bar: StepBar) -> VerifyReport:
+            checkpoint, bar: StepBar, ane_numerics: bool = False) -> VerifyReport:
     from .contract.manifest import read_manifest
     from .reference import transformers_logits
     from .runtime.model import load
@@ -385,6 +387,11 @@ def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, prec
         report.error = f"the export cannot be read: {exc}"
         return report
     export_precision = manifest["precision"]
+    if ane_numerics and (backend != "mil" or export_precision != "fp16" or (precision or "fp16") != "fp16"
+                         or not with_transformers):
+        report.error = ("--ane-numerics runs an fp16 export's programs on the mil backend in fp16 against "
+                        "transformers: use --backend mil, no --precision fp32, and drop --no-transformers")
+        return report
     options = {}
     if backend == "mil":
         options["precision"] = report.precision = precision or export_precision
@@ -475,4 +482,12 @@ def _verify(out_dir: Path, backend: str, text: str | None, max_tokens: int, prec
             thresholds = transformers_thresholds or transformers_thresholds_for(manifest)
             report.comparisons.append(compare_logits(got, hf, "transformers" + (f" ({'/'.join(compressed)})" if compressed
                                                                                 else ""), thresholds, resolution))
+            if ane_numerics:
+                try:
+                    with bar.step("the programs with the Neural Engine's reported numerics"):
+                        ane = _scored(out_dir, "mil", ids, precision="fp16", widen_weights=False, ane_numerics=True)
+                except Exception as exc:
+                    report.error = f"the ANE-numerics run failed: {type(exc).__name__}: {exc}"
+                    return report
+                report.comparisons.append(compare_logits(ane, hf, "transformers, ANE numerics", thresholds, resolution))
     return report

@@ -288,6 +288,16 @@ def check_mil_fp16(name, out, top1: float) -> None:
     assert c.mean_cosine > 0.999
 
 
+def check_mil_ane_numerics(name, out) -> None:
+    """The mil backend with the Neural Engine's reported deviations (verify --ane-numerics) against torch
+    fp16 on real text, at the fp16 thresholds of the parity gate."""
+    from llama_ane.verify import TRANSFORMERS_THRESHOLDS
+
+    c = mil_vs_torch_fp16_on_text(out, f"{name} (ANE numerics)", ane_numerics=True)
+    assert c.top1_agreement >= TRANSFORMERS_THRESHOLDS.top1
+    assert c.mean_cosine >= TRANSFORMERS_THRESHOLDS.cosine
+
+
 def test_mil_fp16_matches_torch_fp16(export):
     check_mil_fp16(*export, top1=0.99)
 

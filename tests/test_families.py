@@ -20,7 +20,8 @@ from llama_ane.config import ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
 
 from test_architectures import (check_cascade, check_gate_reference, check_greedy, check_inspect_strict, check_logits,
-                                check_mil_branches, check_mil_fp16, export_tiny, load_fp32, made_once, reference)
+                                check_mil_ane_numerics, check_mil_branches, check_mil_fp16, export_tiny, load_fp32,
+                                made_once, reference)
 
 pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
 
@@ -384,6 +385,10 @@ def test_inspect_strict_passes(export):
 
 def test_mil_fp16_matches_torch_fp16(export):
     check_mil_fp16(*export, top1=0.98)
+
+
+def test_mil_with_the_ane_numerics(export):
+    check_mil_ane_numerics(*export)
 
 
 def test_mil_decode_branches_match_decoding_alone(export):

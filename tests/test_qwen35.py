@@ -403,7 +403,7 @@ def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders,
                                        rtol=1e-4, atol=1e-4)
             conv = pipeline.cache.caches[c]["conv"][j, :, 0, -(K - 1):]
             torch.testing.assert_close(torch.from_numpy(conv), cache.get_conv_state(n, state_idx=0)[0, :, 1:],
-                                       rtol=1e-4, atol=1e-5)
+                                       rtol=1e-4, atol=1e-4)  # as the recurrent state: fp32 through the layers below
     assert pipeline.rewind(30) == 0 and pipeline.position == 0  # a state cannot go back: start again
     model.close()
 

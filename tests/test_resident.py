@@ -128,3 +128,19 @@ def test_the_runtime_holds_the_functions_of_the_plan(tiny_export):
     reported = json.loads(CliRunner().invoke(info, [str(tiny_export), "--json"]).output)
     assert held.bytes == reported["resident_bytes"] == rs.resident(manifest).bytes
     assert np.isclose(held.weight_copy_bytes, reported["weight_copy_bytes"])
+
+
+def test_core_ai_packages_stay_at_the_size_reported_stable():
+    """Core AI programs of 1.1 GB and more were reported to panic the kernel on M6, 0.5-0.7 GB ran for
+    thousands of calls: a Core AI export's packages hold at most 0.7 GB, where an iOS one holds ~1 GB."""
+    from llama_ane.limits import FILE_LIMIT_BYTES
+
+    llama_1b = LlamaConfig.from_hf_dict({
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    coreai = manifest_from_config(llama_1b, target="coreai")
+    ios = manifest_from_config(llama_1b)
+    assert max(w["bytes"] for w in coreai["weights"].values()) <= FILE_LIMIT_BYTES["Core AI"] == 700_000_000
+    assert max(w["bytes"] for w in ios["weights"].values()) > 900_000_000
+    assert len(coreai["chunks"]) > len(ios["chunks"])

@@ -25,10 +25,13 @@ from .options import Utf8File
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="mil backend only: compute in fp16 (as the ANE; default for fp16 exports) or fp32.")
 @click.option("--no-transformers", is_flag=True, help="Skip the comparison with transformers.")
+@click.option("--ane-numerics", is_flag=True,
+              help="mil backend: also run the programs with the Neural Engine's reported fp16 deviations (softplus's "
+                   "collapse, silu's error near 0, subnormals flushed to zero) against transformers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress line.")
 def command(out: str, backend: str, text_file: str | None, max_tokens: int, precision: str | None,
-            no_transformers: bool, as_json: bool, quiet: bool) -> None:
+            no_transformers: bool, ane_numerics: bool, as_json: bool, quiet: bool) -> None:
     """Check that the exported packages reproduce their source model's logits."""
     from ..verify import verify_export
 
@@ -38,7 +41,7 @@ def command(out: str, backend: str, text_file: str | None, max_tokens: int, prec
             with open(text_file, encoding="utf-8") as f:
                 text = f.read()
         report = verify_export(out, backend=backend, text=text, max_tokens=max_tokens, precision=precision,
-                               with_transformers=not no_transformers, progress=not quiet)
+                               with_transformers=not no_transformers, ane_numerics=ane_numerics, progress=not quiet)
     if as_json:
         import dataclasses
         import json

@@ -14,6 +14,9 @@ The rules (see docs/ARCHITECTURE "ANE rules"):
 - cache and state tensors: every dimension after the first (the layer axis) that is not 1 is a
   multiple of 32; for cascade suffix caches (layers*kv_heads, branches, head_dim, length) the
   branch axis is a batch axis too, and head_dim and length are checked;
+- no op the Neural Engine is reported to compute wrongly: an in-graph argmax (wrong under default
+  specialization on an iPhone 17 Pro), silu (~1e-3 off near 0) and softplus (0 above ~10.4 in
+  fp16), each written in a form reported accurate instead (model.layers.silu_mil, softplus_mil);
 - package size at most 1 GB for iOS targets, 2 GB for macOS targets;
 - compressed weights only in forms the target runs: grouped LUTs, blockwise and 4-bit integers
   (constexpr_blockwise_shift_scale, the iOS18 constexpr_lut_to_dense) need iOS18/macOS15.
@@ -186,7 +189,23 @@ def check_cache_multiple(fn: FunctionSummary) -> list[Violation]:
     return out
 
 
-FUNCTION_RULES = (check_max_dim, check_fp32_io, check_fallback_ops, check_cache_multiple)
+# ops the Neural Engine is reported to get wrong -> (what goes wrong, the source, what to write instead)
+WRONG_ON_ANE = {
+    "reduce_argmax": ("an in-graph argmax was wrong under default specialization on an iPhone 17 Pro "
+                      "(apple/coreai-torch issue 116)", "take the argmax of the logits on the host"),
+    "silu": ("the Neural Engine's silu is ~1e-3 off near 0 (Anemll Forge)", "write 0.5 x (1 + tanh(x / 2))"),
+    "softplus": ("fp16 softplus collapses to 0 above ~10.4 (coremltools issue 2687)",
+                 "write max(x, 0) + log(1 + exp(-|x|))"),
+}
+
+
+def check_numerics_ops(fn: FunctionSummary) -> list[Violation]:
+    return [Violation("ane-numerics", fn.package, fn.function,
+                      f"op {op.op_type!r} ({op.name}): {WRONG_ON_ANE[op.op_type][0]}; {WRONG_ON_ANE[op.op_type][1]}")
+            for op in fn.ops if op.op_type in WRONG_ON_ANE]
+
+
+FUNCTION_RULES = (check_max_dim, check_fp32_io, check_fallback_ops, check_cache_multiple, check_numerics_ops)
 
 STATE_DTYPE = "float16"
 
@@ -253,6 +272,6 @@ def check_file_size(package: str, size_bytes: int, target: str) -> list[Violatio
         return []
     return [Violation(
         "file-size", package, None,
-        f"{size_bytes / 1e9:.2f} GB is over the {limit / 1e9:.0f} GB a {platform_of(target)} device loads "
+        f"{size_bytes / 1e9:.2f} GB is over the {limit / 1e9:g} GB a {platform_of(target)} device loads "
         "comfortably; use fewer layers per chunk (or compress the weights)",
     )]

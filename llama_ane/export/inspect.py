@@ -312,7 +312,8 @@ def inspect_asset(path: Path, models: dict[str, str] | None = None,
                                 [TensorDesc(n, tuple(s), d) for n, (d, s) in io["outputs"].items()],
                                 ops, found["operations"].get("coreai.constant", 0), size, size, largest, where)
                  for fn, io in found["functions"].items()]
-    return PackageReport(path.name, size, functions), [Violation(rule, path.name, fn, msg) for rule, fn, msg in broken]
+    violations = [Violation(rule, path.name, fn, msg) for rule, fn, msg in broken]
+    return PackageReport(path.name, size, functions), violations + check_file_size(path.name, size, "coreai")
 
 
 def inspect_path(path: str | Path, *, target: str | None = None) -> InspectReport:

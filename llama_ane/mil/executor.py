@@ -26,7 +26,7 @@ from coremltools.converters.mil.mil import types
 from . import kernels  # noqa: F401  (registers the kernels)
 from .kernels.registry import KERNELS, BuildContext, UnsupportedOpError
 from .kernels.value_inference import has_value_inference, value_inference_kernel
-from .numerics import Numerics
+from .numerics import FP16_TINY, Numerics
 from .package import MilPackage, PackageError, _quiet
 
 _CONTROL_FLOW = {"cond", "while_loop"}
@@ -69,6 +69,7 @@ class CompiledFunction:
     outputs: list[tuple[str, int | None, Any]]  # (name, slot, const value if the output is const)
     n_slots: int
     op_types: dict[str, int] = field(default_factory=dict)
+    flush_subnormals: bool = False  # the ANE-numerics mode: fp16 results below 2^-14 become 0
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run on `feeds` (input name -> array of the declared shape); returns outputs by name.
@@ -115,6 +116,8 @@ class CompiledFunction:
                 arr = np.asarray(r)
                 if arr.dtype != dtype:
                     arr = arr.astype(dtype)
+                if self.flush_subnormals and arr.dtype == np.float16:
+                    arr = np.where(np.abs(arr) < FP16_TINY, np.float16(0), arr)
                 if shape is not None and arr.shape != shape:
                     raise ExecutionError(
                         f"op {step.op_type!r} ({step.op_name}) in {self.where} produced shape "
@@ -215,7 +218,7 @@ def _compile_function(program_fn, name: str, package_name: str, numerics: Numeri
             outputs.append((var.name, None, ctx.const(var)))
         else:
             outputs.append((var.name, slot_of(var), None))
-    return CompiledFunction(name, where, inputs, steps, outputs, len(slots), op_types)
+    return CompiledFunction(name, where, inputs, steps, outputs, len(slots), op_types, numerics.ane)
 
 
 @contextlib.contextmanager
@@ -267,6 +270,8 @@ class PackageExecutor:
         The `.mlpackage`.
     precision : {"fp16", "fp32"}
         Storage of fp16 tensors (see `llama_ane.mil.numerics`).
+    ane_numerics : bool
+        With precision "fp16": the Neural Engine's reported deviations too (`llama_ane.mil.numerics`).
     widen_weights : bool
         True (default): keep float32 copies of the contraction weights, the fastest to run.
         False: keep them as stored (fp16 in an fp16 package) and widen them block by block in each
@@ -281,9 +286,9 @@ class PackageExecutor:
         If the package cannot be read.
     """
 
-    def __init__(self, path: Path, precision: str = "fp16", widen_weights: bool = True):
+    def __init__(self, path: Path, precision: str = "fp16", widen_weights: bool = True, ane_numerics: bool = False):
         self.package = MilPackage(Path(path))
-        self.numerics = Numerics(precision)
+        self.numerics = Numerics(precision, ane_numerics)
         self._weights: dict = {}
         self.functions: dict[str, CompiledFunction] = {}
         # coremltools gives every function its own copy of the weights it reads, although the

@@ -21,6 +21,15 @@ fp32 mode
     between the two modes is the cost of half precision; the gap between fp32 mode and the torch
     source is the conversion itself.
 
+ANE-numerics mode (fp16 with `ane=True`)
+    fp16 mode plus the deviations others report of the Neural Engine, so that the parity gate
+    can catch on Linux what would go wrong on a device:
+      * `softplus` collapses to 0 above ~10.4 in fp16 (coremltools issue 2687);
+      * `silu` has ~1e-3 absolute error near 0 (Anemll Forge): modelled as +1e-3 on |x| <= 1;
+      * fp16 subnormals (|x| < 2^-14) "lose their precision": modelled at its harshest, every
+        op's subnormal results flushed to zero. The flush and the shape of silu's error are
+        assumptions; the magnitudes are the sources'.
+
 Integer and bool tensors keep their program dtype in both modes.
 """
 
@@ -46,6 +55,13 @@ _FIXED = {
 }
 
 
+# the Neural Engine's reported deviations (ANE-numerics mode, see the module docstring)
+SOFTPLUS_COLLAPSE = 10.4  # fp16 softplus gives 0 above this (coremltools issue 2687)
+SILU_ERROR = 1e-3  # absolute error of silu near 0 (Anemll Forge)
+SILU_ERROR_SPAN = 1.0  # |x| up to which that error is applied (an assumption: "near 0")
+FP16_TINY = float(np.finfo(np.float16).tiny)  # 2^-14, the smallest normal fp16
+
+
 class Numerics:
     """The storage dtype for each MIL dtype under one precision policy.
 
@@ -53,12 +69,17 @@ class Numerics:
     ----------
     precision : {"fp16", "fp32"}
         "fp16" keeps fp16 tensors in float16 (ANE behaviour); "fp32" widens them to float32.
+    ane : bool
+        With "fp16": also apply the Neural Engine's reported deviations (the module docstring).
     """
 
-    def __init__(self, precision: str = "fp16"):
+    def __init__(self, precision: str = "fp16", ane: bool = False):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if ane and precision != "fp16":
+            raise ValueError("the ANE-numerics mode computes in fp16")
         self.precision = precision
+        self.ane = ane
         self.half = np.dtype(np.float16 if precision == "fp16" else np.float32)
         self.accumulate = np.dtype(np.float32)
 

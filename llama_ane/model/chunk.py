@@ -310,7 +310,7 @@ def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int, per_la
 def per_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, per_layer_input):
     """DecoderLayer.per_layer. x: (1,C,1,S); per_layer_input: (1,P,1,S) -> (1,C,1,S)"""
     if cfg.per_layer_input_size:
-        gated = mb.mul(x=activation_mil(conv_mil(g, x, f"{prefix}per_layer_input_gate.weight"), cfg.hidden_act),
+        gated = mb.mul(x=activation_mil(g, conv_mil(g, x, f"{prefix}per_layer_input_gate.weight"), cfg.hidden_act),
                        y=per_layer_input)
         x = mb.add(x=x, y=rms_norm_mil(g, conv_mil(g, gated, f"{prefix}per_layer_projection.weight"),
                                        f"{prefix}post_per_layer_input_norm.weight", cfg.rms_norm_eps, cfg.hidden_size))

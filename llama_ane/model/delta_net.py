@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
-from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
+from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
 # A chunk's linear-attention layers' recurrent states (L_d, H*Dk, 1, Dv), and the states after its
@@ -273,7 +273,7 @@ def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: Del
     mixed = conv_mil(g, x, f"{prefix}in_proj_qkv.weight")
     window = mb.concat(values=[conv_state, mb.reshape(x=mixed, shape=[1, q_ch, s, 1]) if branches else mixed], axis=3)
     qkv = mb.conv(x=window, weight=g.weight(f"{prefix}conv1d.weight"), groups=q_ch, pad_type="valid")
-    qkv = mb.silu(x=mb.reshape(x=qkv, shape=[1, q_ch, 1, s]) if branches else qkv)
+    qkv = silu_mil(g, mb.reshape(x=qkv, shape=[1, q_ch, 1, s]) if branches else qkv)
     q = l2_normed_mil(g, g.slice(qkv, [0, 0, 0, 0], [1, keys, 1, s]), gk, dk, s)
     q = mb.mul(x=heads_mil(mb.reshape(x=q, shape=[1, keys, 1, s]), gk, 1, dk, s, branches), y=g.scalar(dk ** -0.5))
     k = l2_normed_mil(g, g.slice(qkv, [0, keys, 0, 0], [1, 2 * keys, 1, s]), gk, dk, s)
@@ -283,7 +283,7 @@ def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: Del
     a = mb.add(x=conv_mil(g, x, f"{prefix}in_proj_a.weight"),
                y=mb.reshape(x=g.weight(f"{prefix}dt_bias"), shape=[1, h, 1, 1]))
     rate = mb.mul(x=mb.exp(x=mb.reshape(x=g.weight(f"{prefix}A_log"), shape=[1, h, 1, 1])), y=g.scalar(-1.0))
-    decay = mb.mul(x=rate, y=mb.softplus(x=a))
+    decay = mb.mul(x=rate, y=softplus_mil(g, a))
     if not branches:
         real = real_tokens_mil(g, n, s)
         beta, decay = mb.mul(x=beta, y=real), mb.mul(x=decay, y=real)
@@ -293,7 +293,7 @@ def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: Del
                              prefix.replace(".", "_"))
     z = mb.reshape(x=conv_mil(g, x, f"{prefix}in_proj_z.weight"), shape=[h, dv, 1, s])
     o = mb.reshape(x=columns_mil(o, h * dv, s, branches), shape=[h, dv, 1, s])
-    o = mb.mul(x=rms_norm_mil(g, o, f"{prefix}norm.weight", net.eps, dv), y=mb.silu(x=z))
+    o = mb.mul(x=rms_norm_mil(g, o, f"{prefix}norm.weight", net.eps, dv), y=silu_mil(g, z))
     y = conv_mil(g, mb.reshape(x=o, shape=[1, h * dv, 1, s]), f"{prefix}out_proj.weight")
     return y, mixed, mb.reshape(x=new, shape=[s if branches else 1, h * dk, 1, dv])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..numerics import SILU_ERROR, SILU_ERROR_SPAN, SOFTPLUS_COLLAPSE
 from .registry import BuildContext, kernel, static
 
 F32 = np.float32
@@ -86,10 +87,24 @@ _UNARY = {
 }
 
 
+def _ane_softplus(x):
+    """softplus as the Neural Engine is reported to compute it in fp16: 0 above SOFTPLUS_COLLAPSE."""
+    return np.where(x > SOFTPLUS_COLLAPSE, F32(0), np.logaddexp(0, x))
+
+
+def _ane_silu(x):
+    """silu with the Neural Engine's reported error near 0 (SILU_ERROR on |x| <= SILU_ERROR_SPAN)."""
+    return x * _sigmoid(x) + np.where(np.abs(x) <= SILU_ERROR_SPAN, F32(SILU_ERROR), F32(0))
+
+
+_ANE_UNARY = {"softplus": _ane_softplus, "silu": _ane_silu}
+
+
 @kernel(*_UNARY)
 def unary(op, ctx: BuildContext):
-    """f(x) elementwise in float32 (ints and bools stay as they are)."""
-    fn = _UNARY[op.op_type]
+    """f(x) elementwise in float32 (ints and bools stay as they are); in the ANE-numerics mode,
+    softplus and silu as the Neural Engine is reported to compute them."""
+    fn = _ANE_UNARY.get(op.op_type, _UNARY[op.op_type]) if ctx.numerics.ane else _UNARY[op.op_type]
     return lambda a: fn(_widen(a["x"]))
 
 

@@ -31,6 +31,9 @@ class MilBackend(Backend):
         "fp16" stores fp16 tensors in half precision between ops, as the ANE does (float32
         accumulation inside each op); "fp32" holds them in float32 (see `llama_ane.mil.numerics`).
         Float outputs come back in that dtype.
+    ane_numerics : bool
+        With "fp16": the Neural Engine's reported deviations too (softplus's collapse, silu's error
+        near 0, subnormals flushed; `llama_ane.mil.numerics`).
     widen_weights : bool
         True (default): float32 copies of the weights, fastest. False: weights stay as stored and
         are widened per call, about one copy of a package in memory (the streamed parity gate).
@@ -38,9 +41,14 @@ class MilBackend(Backend):
 
     name = "mil"
 
-    def __init__(self, export_dir: Path, manifest: dict, *, precision: str = "fp16", widen_weights: bool = True):
+    def __init__(self, export_dir: Path, manifest: dict, *, precision: str = "fp16", widen_weights: bool = True,
+                 ane_numerics: bool = False):
         if precision not in ("fp16", "fp32"):
             raise BackendError(f"the mil backend computes in 'fp16' or 'fp32', not {precision!r}")
+        if ane_numerics and (precision != "fp16" or manifest.get("precision", "fp16") != "fp16"):
+            raise BackendError("ane_numerics applies the Neural Engine's fp16 deviations: it needs an fp16 export "
+                               "run with precision 'fp16'")
+        self.ane_numerics = ane_numerics
         self.export_dir = Path(export_dir)
         self.manifest = manifest
         self.precision = precision
@@ -64,7 +72,8 @@ class MilBackend(Backend):
                     # before its weights are read
                     check_package_io(self.manifest, file, MilPackage(path).describe())
                     self._executors[file] = PackageExecutor(path, precision=self.precision,
-                                                           widen_weights=self.widen_weights)
+                                                           widen_weights=self.widen_weights,
+                                                           ane_numerics=self.ane_numerics)
                 except (UnsupportedOpError, PackageError) as exc:
                     raise BackendError(f"the mil backend cannot run {file}: {exc}") from exc
             return self._executors[file]
