@@ -77,6 +77,11 @@ def convert_to(source, path, **options):
     return path
 
 
+# fp32 top-2 logit margin below which two fp16 programs may rightly pick different tokens: each of
+# them stays within about 0.03 of the fp32 logits on the tiny models, so together they can swap a
+# pair closer than twice that
+NEAR_TIE = 0.06
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 

@@ -23,6 +23,7 @@ from llama_ane.config import FAMILY_CLASS_PREFIX, ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG, make_tiny_checkpoint
 
 import swift_fixtures as sf
+from conftest import NEAR_TIE
 from test_cascade import _inputs
 from test_cli import assert_one_error_line
 from test_mil_backend import mil_vs_torch_fp16_on_text
@@ -43,10 +44,6 @@ CASES = {
     "mistral_untied": {"model_type": "mistral", "head_dim": 32, "sliding_window": 4096},
 }
 EXPORTED = ["qwen2_tied", "qwen3_untied", "mistral_untied"]  # one export each, shared by the module
-# fp32 top-2 logit margin below which two fp16 programs may rightly pick different tokens: each of
-# them stays within about 0.03 of the fp32 logits on these models, so together they can swap a
-# pair closer than twice that
-NEAR_TIE = 0.06
 
 
 def make_family_checkpoint(path, **overrides):

@@ -13,10 +13,8 @@ import llama_ane
 from llama_ane.cli import main
 from llama_ane.contract.plan import ExportOptions, ExportOptionsError, auto_buckets
 from llama_ane.contract.specs import base_function, bucket_function, bucket_of
+from conftest import NEAR_TIE
 
-# fp32 top-2 logit margin below which fp16 programs may rightly pick either token (see
-# test_architectures.NEAR_TIE)
-NEAR_TIE = 0.06
 
 
 @pytest.mark.parametrize("context, prefill, multifunction, want", [

@@ -139,11 +139,24 @@ def _argument_order(module: torch.nn.Module, io: dict) -> list[str]:
     return [n for n in params if n in declared]
 
 
+def _environment_tools_on_path() -> None:
+    """coreai-opt's k-means compiles a torch C++ extension on first use, which runs `ninja` from the
+    PATH: put this interpreter's scripts folder (where the coreai extra installs it) on the PATH of
+    the process, as an activated environment would, for an export run without activating it."""
+    import os
+    import sysconfig
+
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [scripts, os.environ.get("PATH")]))
+
+
 def palettize(program: Any, compression: Compression) -> Any:
     """`program` with every weight of at least MIN_PALETTIZED_WEIGHTS elements palettized by coreai-opt's
     k-means: 2**bits fp values, one table per tensor (group_size 0) or per group of output channels."""
     from coreai_opt.coreai_utils import CompressionGranularity, palettize_weights
 
+    _environment_tools_on_path()
     grouped = bool(compression.group_size)
     return palettize_weights(program, lut_dtype=None, n_bits=compression.bits,
                              granularity=(CompressionGranularity.PER_GROUPED_CHANNEL if grouped
