@@ -10,6 +10,10 @@ manifest checks all read them from here.
   `inspect --strict` rejects a package over it. The planner fills each package with at most
   `weight_budget(target)` bytes of weights: the limit less PROGRAM_BYTES, the room a package needs
   for its program and the weight blob's headers (a 3-function, 8-layer chunk's program is 0.7 MB).
+- COREAI_OUTPUT_LIMIT_BYTES: the outputs one process takes from Core AI's runtime before the coreai
+  backend refuses to run more: coreai-core 1.0.0b3 keeps every output buffer it allocates, even
+  after its model is closed (docs/coreai.md), so a process's memory grows by what it receives;
+  past this a restart is cheaper than the memory.
 - MAX_FUNCTIONS_PER_PACKAGE: the functions one package of weights may hold. Each function is
   compiled and loaded on the device (its own program, specialized for the Neural Engine, even where
   the weights are shared), so load time and memory grow with them; 13 holds the default export of
@@ -26,6 +30,7 @@ CACHE_MULTIPLE = 32
 FILE_LIMIT_BYTES = {"iOS": 1_000_000_000, "macOS": 2_000_000_000, "Core AI": 700_000_000}
 PROGRAM_BYTES = 4_000_000
 MAX_FUNCTIONS_PER_PACKAGE = 13
+COREAI_OUTPUT_LIMIT_BYTES = 4 * 2**30
 
 # Core ML ArrayFeatureType codes and MIL dtype names -> the names the manifest uses
 COREML_ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}

@@ -20,6 +20,27 @@ from pathlib import Path
 GIB = 1 << 30
 
 
+def wired_bytes() -> int | None:
+    """The machine's wired memory on macOS (Mach's vm_statistics64 wire count times the page size),
+    where a function loaded for the Neural Engine wires its weights; None elsewhere, or where the
+    kernel does not answer."""
+    if sys.platform != "darwin":
+        return None
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    host_vm_info64, count = 4, 38  # HOST_VM_INFO64, HOST_VM_INFO64_COUNT (vm_statistics64 in 32-bit words)
+    info, size = (ctypes.c_uint32 * count)(), ctypes.c_uint32(count)
+    host = libc.mach_host_self()
+    if libc.host_statistics64(host, host_vm_info64, ctypes.byref(info), ctypes.byref(size)) != 0:
+        return None
+    page = ctypes.c_uint64()
+    if libc.host_page_size(host, ctypes.byref(page)) != 0:
+        return None
+    return int(info[3]) * page.value  # free, active, inactive, then wire_count
+
+
 def available_bytes() -> int | None:
     """Memory a new allocation can get without swapping (psutil's `available`: MemAvailable on
     Linux, free plus inactive pages on macOS), capped by a Linux cgroup limit."""

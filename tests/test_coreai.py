@@ -72,6 +72,23 @@ def test_coreai_backend_greedy_tokens_equal_torch_fp32(coreai_exports):
     assert tokens["coreai"] == tokens["torch"]
 
 
+def test_the_backend_stops_before_the_runtime_keeps_too_much(coreai_exports):
+    """The runtime keeps every output buffer it returns (docs/coreai.md): the backend counts what the
+    process received and, past its limit, refuses to run more with one line that says to restart."""
+    from llama_ane.runtime.backends.coreai_backend import BackendError, received_bytes
+    from llama_ane.runtime.model import load
+
+    _, folders = coreai_exports
+    before = received_bytes()
+    model = load(folders["fp32"], backend="coreai", output_limit_bytes=before + 2_000_000)
+    try:
+        with pytest.raises(BackendError, match="keeps every output it returns.*restart the process"):
+            model.generate(PROMPT_IDS, max_new_tokens=400, temperature=0.0)
+        assert received_bytes() > before + 2_000_000
+    finally:
+        model.close()
+
+
 def test_coreai_fp16_top1_against_torch_fp16(coreai_exports):
     from llama_ane.runtime.model import load
     from llama_ane.verify import top1_agreement

@@ -144,3 +144,51 @@ def test_core_ai_packages_stay_at_the_size_reported_stable():
     assert max(w["bytes"] for w in coreai["weights"].values()) <= FILE_LIMIT_BYTES["Core AI"] == 700_000_000
     assert max(w["bytes"] for w in ios["weights"].values()) > 900_000_000
     assert len(coreai["chunks"]) > len(ios["chunks"])
+
+
+def test_bench_records_each_functions_first_load_and_wired_memory():
+    """bench's wired-memory path, with a fake reader of the machine's wired memory and a backend that
+    loads functions one at a time: a row per function of the plan, in its order, each with its
+    load time, the wired memory it added and the model's figure for it, which sum to resident_bytes."""
+    from llama_ane.runtime.backends.base import Backend
+    from llama_ane.runtime.bench import measure_loads
+
+    m = manifest_from_config(CFG, context_length=1024)
+
+    class Loader(Backend):
+        loaded: list = []
+
+        def predict(self, model, function, inputs):
+            raise AssertionError("nothing runs")
+
+        def load_function(self, model, function):
+            self.loaded.append((model, function))
+            wired[0] += 1000 + len(self.loaded)  # what the machine wires for it
+            return True
+
+    wired = [5_000_000]
+    got = measure_loads(Loader(), m, read_wired=lambda: wired[0])
+    plan = rs.load_plan(m)
+    assert [(r["model"], r["function"]) for r in got["functions"]] == [(f.model, f.function) for f in plan]
+    assert Loader.loaded == [(f.model, f.function) for f in plan]
+    assert [r["wired_delta_bytes"] for r in got["functions"]] == [sum(1000 + k for k in range(1, n + 1))
+                                                                  for n in range(1, len(plan) + 1)]
+    assert got["wired_delta_bytes"] == wired[0] - 5_000_000 and got["wired_before_bytes"] == 5_000_000
+    assert sum(r["modelled_bytes"] for r in got["functions"]) == pytest.approx(got["modelled_resident_bytes"],
+                                                                               abs=len(plan))
+    assert got["modelled_resident_bytes"] == rs.resident(m).bytes
+    assert all(r["load_s"] >= 0 for r in got["functions"]) and "modelled" in got["modelled"]
+    assert measure_loads(Loader(), m, read_wired=lambda: None) is None  # off macOS: no wired memory to read
+
+    class CannotLoad(Loader):
+        def load_function(self, model, function):
+            return False
+
+    assert measure_loads(CannotLoad(), m, read_wired=lambda: 1) is None
+
+
+@pytest.mark.macos
+def test_the_wired_memory_of_this_mac_is_read():
+    from llama_ane.memory import wired_bytes
+
+    assert wired_bytes() > 0

@@ -32,11 +32,12 @@ import numpy as np
 
 from .._version import __version__
 from ..contract import device_model as dm
+from ..contract import resident as rs
 from ..contract.manifest import context_buckets, kv_cache_kind, model_names, read_manifest
 from ..contract.specs import BRANCHES, bucket_function
 from ..contract.traffic import bucket_for
 from ..errors import InvalidArgumentError
-from ..memory import PeakMemory
+from ..memory import PeakMemory, wired_bytes
 from .backends.base import Backend
 from .model import LlamaANEModel, make_backend
 
@@ -395,6 +396,34 @@ def compute_plan(backend: Backend, manifest: dict) -> dict:
 
 # ---- the whole run --------------------------------------------------------------------------------------------------
 
+def measure_loads(backend: Backend, manifest: dict, read_wired: Callable[[], int | None] = wired_bytes) -> dict | None:
+    """Each function of the load plan loaded on its own, in the plan's order: its first-load
+    seconds and the machine's wired memory after it, beside what the resident-memory model gives
+    for it (contract/resident.py). None where the backend cannot load a function apart or no wired
+    memory can be read (off macOS)."""
+    before = read_wired()
+    plan = rs.load_plan(manifest)
+    if before is None or not plan:
+        return None
+    runtime, loaded, rows = rs.runtime_of(manifest), {}, []
+    for f in plan:
+        t0 = time.perf_counter()
+        if not backend.load_function(f.model, f.function):
+            return None
+        seconds = time.perf_counter() - t0
+        wired = read_wired()
+        n = loaded[f.file] = loaded.get(f.file, 0) + 1  # the function's place among its package's
+        rows.append({"model": f.model, "function": f.function, "file": f.file, "load_s": seconds,
+                     "wired_bytes": wired, "wired_delta_bytes": None if wired is None else wired - before,
+                     "modelled_bytes": round(f.weight_bytes * (runtime.factor(n) - runtime.factor(n - 1)))})
+    wired = rows[-1]["wired_bytes"]
+    return {"modelled": rs.MODELLED, "runtime": runtime.name, "wired_before_bytes": before,
+            "wired_delta_bytes": None if wired is None else wired - before,
+            "modelled_resident_bytes": rs.resident(manifest, plan).bytes,
+            "first_load_s": sum(r["load_s"] for r in rows),
+            "modelled_first_load_s": rs.first_load_seconds(len(plan)), "functions": rows}
+
+
 def resolve_chip(name: str | None, machine: dict) -> tuple["dm.Chip | None", str | None]:
     """The chip whose modelled numbers go beside the measurements, and where its name came from:
     `name` ("--chip"), else the Mac's own chip when the model knows it ("detected"), else none."""
@@ -424,6 +453,7 @@ def run_bench(path: str | Path, backend: str = "auto", options: BenchOptions = B
         be = _backend(path, manifest, backend)
         model = LlamaANEModel(Path(path), manifest, be)
         try:
+            loads = measure_loads(be, manifest)  # each function's first load and wired memory (macOS)
             model.prepare()
             load_s = time.perf_counter() - t0
             after_load = memory.sample()
@@ -457,7 +487,7 @@ def run_bench(path: str | Path, backend: str = "auto", options: BenchOptions = B
             "options": asdict(opts) | {"seed": seed},
             "chip": None if chip_ is None else {"name": chip_.name, "source": chip_source, **chip_.describe()},
             "modelled": dm.MODELLED if chip_ is not None else None,
-            "load_s": load_s, "prefill": prefill, "decode": decode, "cascade": cascade,
+            "load_s": load_s, "loads": loads, "prefill": prefill, "decode": decode, "cascade": cascade,
             "memory": {"kind": "pss" if memory.method == "pss-tree" else "rss", "after_load_bytes": after_load, "peak_bytes": memory.peak,
                        "process_peak_rss_bytes": process_peak_rss(), "interval_s": memory.interval},
             "compute_plan": plan}

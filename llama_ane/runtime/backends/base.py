@@ -52,6 +52,11 @@ class Backend(ABC):
     def prepare(self, models: list[str]) -> None:
         """Load manifest models `models` now instead of on first use (optional)."""
 
+    def load_function(self, model: str, function: str) -> bool:
+        """Load one function of manifest model `model` now, and keep it (`bench` times each first load
+        and reads the memory it wires); False where the backend cannot load a function apart."""
+        return False
+
     def release(self, model: str) -> None:
         """Drop what the backend holds for manifest model `model` (its weights); it loads again
         on next use. Streamed scoring calls this to keep one model in memory at a time."""

@@ -9,6 +9,12 @@ released; the functions of one asset share its loaded program.
 The runtime's API is asynchronous: one event loop on a thread of its own serves every call, so
 the pipeline may call from several threads (cache updates run in the background).
 
+coreai-core 1.0.0b3's runtime keeps every output buffer it returns allocated, also after its
+model is closed, so the process grows by the outputs it receives: the backend counts them and,
+past `output_limit_bytes` (limits.COREAI_OUTPUT_LIMIT_BYTES), refuses to run more with an error
+that says to restart the process (docs/coreai.md). An export with `--kv-cache state` keeps its
+caches out of the outputs, which then are the hidden states and logits.
+
 A stateful export's caches (`--kv-cache state`) are Core AI states: arrays the runtime holds and
 each call reads and writes (`function(inputs, state={name: NDArray})`). As with Core ML's
 MLState, one set stands for each set of cache arrays the pipeline hands in (keyed by its arrays),
@@ -30,8 +36,23 @@ import numpy as np
 
 from ...contract.manifest import function_entry, function_states
 from ...contract.options import COREAI_INSTALL_HINT
+from ...limits import COREAI_OUTPUT_LIMIT_BYTES
 from .base import HELD_STATES, Backend, BackendError
 
+
+
+_received = [0]  # output bytes this process took from the runtime, which keeps them all
+_received_lock = threading.Lock()
+
+
+def received_bytes() -> int:
+    """Bytes of outputs this process has received from Core AI's runtime (every backend's)."""
+    return _received[0]
+
+
+def _count_received(n: int) -> None:
+    with _received_lock:
+        _received[0] += n
 
 
 class CoreAIBackend(Backend):
@@ -47,7 +68,7 @@ class CoreAIBackend(Backend):
 
     name = "coreai"
 
-    def __init__(self, export_dir: Path, manifest: dict):
+    def __init__(self, export_dir: Path, manifest: dict, *, output_limit_bytes: int = COREAI_OUTPUT_LIMIT_BYTES):
         try:
             from coreai.authoring.asset import AIModelAsset
             from coreai.runtime import NDArray
@@ -67,6 +88,7 @@ class CoreAIBackend(Backend):
         # (asset file, id of the caller's first state array) -> ({name: NDArray}, the caller's arrays by name)
         self._states: OrderedDict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = OrderedDict()
         self._closed = False
+        self.output_limit_bytes = output_limit_bytes
 
     def _run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -128,6 +150,11 @@ class CoreAIBackend(Backend):
         if not self._closed:
             self._run(self._sync())
 
+    def load_function(self, model: str, function: str) -> bool:
+        entry = function_entry(self.manifest, model, function)
+        self._run(self._function(entry["file"], entry.get("function_name") or function))
+        return True
+
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run manifest function `function` of `model`; returns every output the manifest names."""
         entry = function_entry(self.manifest, model, function)
@@ -140,6 +167,11 @@ class CoreAIBackend(Backend):
             if list(feed[spec["name"]].shape) != spec["shape"]:
                 raise BackendError(f"{model}/{function} input {spec['name']!r} has shape "
                                    f"{list(feed[spec['name']].shape)}, the manifest says {spec['shape']}")
+        if received_bytes() > self.output_limit_bytes:
+            raise BackendError(
+                f"Core AI's runtime keeps every output it returns, and this process has received "
+                f"{received_bytes() / 1e6:.0f} MB of them (the limit is {self.output_limit_bytes / 1e6:.0f} MB): "
+                "restart the process to free them; an export with --kv-cache state returns less per token")
         states = {}
         for spec in function_states(entry):  # the caller's cache arrays, which the held states stand for
             if spec["name"] not in inputs:
@@ -151,6 +183,7 @@ class CoreAIBackend(Backend):
             raise
         except RuntimeError as exc:  # the runtime reports its failures as RuntimeError
             raise BackendError(f"coreai backend, {model}/{function}: {exc}") from exc
+        _count_received(sum(a.nbytes for a in out.values()))
         missing = [s["name"] for s in entry["outputs"] if s["name"] not in out]
         if missing:
             raise BackendError(f"{entry['file']} ({model}/{function}) has no outputs {missing} that the manifest "

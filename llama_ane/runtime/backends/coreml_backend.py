@@ -75,6 +75,10 @@ class CoreMLBackend(Backend):
                 raise BackendError(f"Core ML could not load {entry['file']} ({model}/{function}): {e}") from e
         return self._loaded[key]
 
+    def load_function(self, model: str, function: str) -> bool:
+        self._model(model, function, function_entry(self.manifest, model, function))
+        return True
+
     def predict(self, model: str, function: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         entry = function_entry(self.manifest, model, function)
         feed = {}
