@@ -275,6 +275,10 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length.", [serve]),
+    "coreai_memory": ("Core AI: memory over a long decode", "python benchmarks/coreai_memory.py",
+                      "PSS of a process decoding 2000 tokens greedily on the coreai backend (tiny random "
+                      "Llama, --target coreai, fp32), with each cache kind, beside the bytes of outputs the "
+                      "runtime returned, which it keeps.", [generic]),
     "transformers_latest": ("transformers: the newest release", "python benchmarks/transformers_latest.py",
                             "The family tests (torch fp32 against each family's class, and the parity gate's "
                             "reference) with that release installed apart; `make check-transformers`.",
