@@ -11,9 +11,9 @@ manifest checks all read them from here.
   `weight_budget(target)` bytes of weights: the limit less PROGRAM_BYTES, the room a package needs
   for its program and the weight blob's headers (a 3-function, 8-layer chunk's program is 0.7 MB).
 - COREAI_OUTPUT_LIMIT_BYTES: the outputs one process takes from Core AI's runtime before the coreai
-  backend refuses to run more: coreai-core 1.0.0b3 keeps every output buffer it allocates, even
-  after its model is closed (docs/coreai.md), so a process's memory grows by what it receives;
-  past this a restart is cheaper than the memory.
+  backend refuses to run more: coreai-core 1.0.0b3 keeps every output buffer it allocates
+  (docs/coreai.md), so a process's memory grows by what it receives; past this a restart is
+  cheaper than the memory.
 - MAX_FUNCTIONS_PER_PACKAGE: the functions one package of weights may hold. Each function is
   compiled and loaded on the device (its own program, specialized for the Neural Engine, even where
   the weights are shared), so load time and memory grow with them; 13 holds the default export of

@@ -9,8 +9,8 @@ released; the functions of one asset share its loaded program.
 The runtime's API is asynchronous: one event loop on a thread of its own serves every call, so
 the pipeline may call from several threads (cache updates run in the background).
 
-coreai-core 1.0.0b3's runtime keeps every output buffer it returns allocated, also after its
-model is closed, so the process grows by the outputs it receives: the backend counts them and,
+coreai-core 1.0.0b3's runtime keeps every output buffer it returns allocated, so the process
+grows by the outputs it receives: the backend counts them and,
 past `output_limit_bytes` (limits.COREAI_OUTPUT_LIMIT_BYTES), refuses to run more with an error
 that says to restart the process (docs/coreai.md). An export with `--kv-cache state` keeps its
 caches out of the outputs, which then are the hidden states and logits.
