@@ -149,3 +149,6 @@ def test_info_prices_one_copy(pair, tmp_path):
     # the cascade's and the verify window's functions remain: two or three functions a package, against five
     assert got["prefill"]["resident"]["copies"] < got["own"]["resident"]["copies"]
     assert got["prefill"]["resident_bytes"] < got["own"]["resident_bytes"]
+    # no state caches to price it against: a state cannot take a whole window in the last positions
+    assert "decode_step_bytes_other_kv_cache" not in got["prefill"] and "decode_step_bytes_other_kv_cache" in got["own"]
+    assert "(the prefill window decodes: no --kv-cache state)" in CliRunner().invoke(info, [str(prefill)]).output
