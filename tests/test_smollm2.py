@@ -177,6 +177,9 @@ def test_cli_export_of_the_default_model(tmp_path):
     printed = json.loads(as_json.stdout)
     traffic = printed.pop("decode_step_bytes")
     other = printed.pop("decode_step_bytes_other_kv_cache")["kv_cache"]
+    resident = printed.pop("resident")  # what a runtime keeps wired for the functions it loads, modelled
+    assert printed.pop("resident_bytes") == resident["resident_bytes"] >= printed.pop("weight_copy_bytes") > 0
+    print(f"the default export: {resident['functions_loaded']} functions, {resident['copies']} copies of its weights")
     manifest = printed
     assert manifest["cache"]["kind"] == "state" and other == "inputs"  # the default: states where they work
     assert validate_export(out) == manifest
