@@ -119,6 +119,7 @@ class Resident:
     weight_copy_bytes: int
     functions: int
     packages: dict[str, dict]
+    source: str
 
     @property
     def copies(self) -> float:
@@ -129,7 +130,7 @@ class Resident:
         return {"modelled": MODELLED, "runtime": self.runtime, "resident_bytes": self.bytes,
                 "resident_bytes_range": list(self.range), "weight_copy_bytes": self.weight_copy_bytes,
                 "copies": round(self.copies, 3), "functions_loaded": self.functions, "packages": self.packages,
-                "source": RUNTIMES["coreai" if self.runtime == "Core AI" else "coreml"].source}
+                "source": self.source}
 
 
 def resident(manifest: dict, plan: list[Loaded] | None = None) -> Resident:
@@ -150,7 +151,7 @@ def resident(manifest: dict, plan: list[Loaded] | None = None) -> Resident:
         copy += weights * rt.factor(1)
         packages[file] = {"functions": sorted(names), "weight_bytes": weights, "resident_bytes": round(wired["mid"])}
     return Resident(rt.name, round(total["mid"]), (round(total["low"]), round(total["high"])), round(copy),
-                    len(plan), packages)
+                    len(plan), packages, rt.source)
 
 
 def first_load_seconds(functions: int) -> float:
