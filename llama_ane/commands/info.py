@@ -86,7 +86,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
     if as_json:
         other = "inputs" if kv_cache_kind(m) == "state" else "state"
         extra = {"decode_step_bytes": {**traffic.to_dict(), **model}, "resident_bytes": wired.bytes,
-                 "weight_copy_bytes": wired.weight_copy_bytes, "resident": _resident_json(wired)}
+                 "weight_copy_bytes": wired.weight_copy_bytes, "resident": wired.to_dict()}
         if not m["config"].get("kv_shared_layers") and decoded_by(m) == "decode":  # no states (see _traffic)
             extra["decode_step_bytes_other_kv_cache"] = {"kv_cache": other,
                                                          **decode_step_traffic(m, other, filled=n).to_dict()}
@@ -245,21 +245,12 @@ def _modelled(model: dict, prompt_length: int | None, branches: int | None) -> N
                "from published or assumed chip figures, not measured; see docs/device-model.md)")
 
 
-def _resident_json(wired) -> dict:
-    from ..contract.resident import EDGE_BENCH, first_load_seconds
-
-    return {**wired.to_dict(), "first_load_s": round(first_load_seconds(wired.functions), 1),
-            "first_load_source": EDGE_BENCH}
-
-
 def _resident(wired) -> None:
     """Resident memory of the functions a runtime holds to serve every phase, and their first load."""
-    from ..contract.resident import first_load_seconds
-
     low, high = wired.range
     click.echo(f"  resident  {wired.runtime} holding its {wired.functions} functions wires {wired.bytes / 1e6:.0f} MB "
                f"({low / 1e6:.0f}-{high / 1e6:.0f}), {wired.copies:.2f}x one loaded copy of the weights "
-               f"({wired.weight_copy_bytes / 1e6:.0f} MB); first load ~{first_load_seconds(wired.functions):.0f} s of "
+               f"({wired.weight_copy_bytes / 1e6:.0f} MB); first load ~{wired.first_load_s:.0f} s of "
                "specialization")
     click.echo("            (modelled: " + ("each function loaded for the Neural Engine wires its own copy of its "
                                             "package's weights" if wired.runtime == "Core ML" else

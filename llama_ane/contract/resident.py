@@ -122,6 +122,11 @@ class Resident:
     source: str
 
     @property
+    def first_load_s(self) -> float:
+        """Modelled first-load specialization of the functions held (`first_load_seconds`)."""
+        return first_load_seconds(self.functions)
+
+    @property
     def copies(self) -> float:
         """Resident bytes over one copy of the weights."""
         return self.bytes / self.weight_copy_bytes if self.weight_copy_bytes else 0.0
@@ -130,7 +135,7 @@ class Resident:
         return {"modelled": MODELLED, "runtime": self.runtime, "resident_bytes": self.bytes,
                 "resident_bytes_range": list(self.range), "weight_copy_bytes": self.weight_copy_bytes,
                 "copies": round(self.copies, 3), "functions_loaded": self.functions, "packages": self.packages,
-                "source": self.source}
+                "source": self.source, "first_load_s": round(self.first_load_s, 1), "first_load_source": EDGE_BENCH}
 
 
 def resident(manifest: dict, plan: list[Loaded] | None = None) -> Resident:

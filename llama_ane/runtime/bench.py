@@ -416,12 +416,11 @@ def measure_loads(backend: Backend, manifest: dict, read_wired: Callable[[], int
         rows.append({"model": f.model, "function": f.function, "file": f.file, "load_s": seconds,
                      "wired_bytes": wired, "wired_delta_bytes": None if wired is None else wired - before,
                      "modelled_bytes": round(f.weight_bytes * (runtime.factor(n) - runtime.factor(n - 1)))})
-    wired = rows[-1]["wired_bytes"]
+    wired, model = rows[-1]["wired_bytes"], rs.resident(manifest, plan)
     return {"modelled": rs.MODELLED, "runtime": runtime.name, "wired_before_bytes": before,
             "wired_delta_bytes": None if wired is None else wired - before,
-            "modelled_resident_bytes": rs.resident(manifest, plan).bytes,
-            "first_load_s": sum(r["load_s"] for r in rows),
-            "modelled_first_load_s": rs.first_load_seconds(len(plan)), "functions": rows}
+            "modelled_resident_bytes": model.bytes, "first_load_s": sum(r["load_s"] for r in rows),
+            "modelled_first_load_s": model.first_load_s, "functions": rows}
 
 
 def resolve_chip(name: str | None, machine: dict) -> tuple["dm.Chip | None", str | None]:
