@@ -279,6 +279,10 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                       "PSS of a process decoding 2000 tokens greedily on the coreai backend (tiny random "
                       "Llama, --target coreai, fp32), with each cache kind, beside the bytes of outputs the "
                       "runtime returned, which it keeps.", [generic]),
+    "one_copy": ("Copies of the weights on the Neural Engine (modelled)", "python benchmarks/one_copy.py",
+                 "Published shapes, context 1024, M4: resident copies of the weights by the load plan "
+                 "(contract/resident.py), time to first token of 512 tokens and decode at the last position, "
+                 "with decode functions and with the prefill window decoding. Modelled, not measured.", [generic]),
     "transformers_latest": ("transformers: the newest release", "python benchmarks/transformers_latest.py",
                             "The family tests (torch fp32 against each family's class, and the parity gate's "
                             "reference) with that release installed apart; `make check-transformers`.",

@@ -87,7 +87,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
         other = "inputs" if kv_cache_kind(m) == "state" else "state"
         extra = {"decode_step_bytes": {**traffic.to_dict(), **model}, "resident_bytes": wired.bytes,
                  "weight_copy_bytes": wired.weight_copy_bytes, "resident": wired.to_dict()}
-        if not m["config"].get("kv_shared_layers") and decoded_by(m) == "decode":  # no states (see _traffic)
+        if not m["config"].get("kv_shared_layers"):  # no states (see _traffic)
             extra["decode_step_bytes_other_kv_cache"] = {"kv_cache": other,
                                                          **decode_step_traffic(m, other, filled=n).to_dict()}
         if bandwidth is not None:
@@ -187,7 +187,7 @@ def _describe(m: dict, config_path: Path | None) -> None:
 
 
 def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:
-    from ..contract.manifest import decode_function, kv_cache_kind
+    from ..contract.manifest import kv_cache_kind
     from ..contract.traffic import decode_step_traffic
 
     compressed = t.weights != t.weights_dense
@@ -204,8 +204,6 @@ def _traffic(m: dict, t, filled: int, bandwidth: float | None) -> None:
     if m["config"].get("kv_shared_layers"):  # the planner refuses states: a chunk's state cannot feed another chunk
         click.echo("  kv cache  inputs + cache-update model (KV-shared layers read other chunks' caches: no "
                    "--kv-cache state)")
-    elif decode_function(m) != "decode":  # a state cannot take a whole window in the context's last positions
-        click.echo("  kv cache  inputs + cache-update model (the prefill window decodes: no --kv-cache state)")
     else:
         o = decode_step_traffic(m, other, filled=filled)
         click.echo(f"  kv cache  {'Core ML states' if stateful else 'inputs + cache-update model'}; with --kv-cache "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
 from ..model.delta_net import squarings
-from .manifest import decode_function
+from .manifest import decode_function, window_cascade
 from .specs import BRANCHES, VERIFY
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -243,10 +243,12 @@ def prefill_cost(manifest: dict, prompt_length: int) -> StepCost:
 def cascade_cost(manifest: dict, prefix: int, branches: int) -> StepCost:
     """One token for each of `branches` branches over a `prefix`-token shared prefix: groups of the
     exported width B, each one "decode_branches" step (the prefix read once, every branch's
-    suffix cache whole)."""
+    suffix cache whole) or, where the cascade steps through the prefill window (manifest
+    "cascade" "window"), one prefill window of the group's rows over the cache."""
     width = manifest.get("branch_width") or 0
     groups = math.ceil(branches / width)
-    return step_cost(manifest, BRANCHES, prefix, tokens=0).times(groups) + StepCost(branches, 0, 0.0, 0)
+    function = "prefill" if window_cascade(manifest) else BRANCHES
+    return step_cost(manifest, function, prefix, tokens=0).times(groups) + StepCost(branches, 0, 0.0, 0)
 
 
 def verify_cost(manifest: dict, filled: int) -> StepCost:

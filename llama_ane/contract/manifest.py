@@ -14,11 +14,13 @@ from ..precision import PRECISIONS
 from .schema import schema_problem
 
 FORMAT_VERSION = 2
-# format_version 3: an export whose prefill functions also decode (manifest "decode_function"), written
-# so only by such exports, so that readers from before it (the Swift host among them) refuse them by
-# their version instead of looking for decode functions
-PREFILL_DECODES_VERSION = 3
+# format_version 4: an export whose prefill functions also decode (manifest "decode_function"), whose
+# embeddings take each row's position and whose masks the host makes; written so only by such
+# exports, so that readers from before it (the Swift host among them) refuse them by their version
+# instead of looking for decode functions. 3 was the same with masks made by the embeddings.
+PREFILL_DECODES_VERSION = 4
 READ_VERSIONS = (FORMAT_VERSION, PREFILL_DECODES_VERSION)
+RETIRED_VERSIONS = {3: "an export whose prefill window decoded, with masks the embeddings made"}
 MANIFEST = "manifest.json"
 
 
@@ -125,6 +127,10 @@ def _check_inside(out: Path, name: str, field: str) -> Path:
 def _check_version(manifest: Any) -> None:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if isinstance(version, int) and not isinstance(version, bool) and version not in READ_VERSIONS:
+        if version in RETIRED_VERSIONS:
+            raise ManifestError(f"{MANIFEST}: format_version {version} ({RETIRED_VERSIONS[version]}) is no longer "
+                                f"read; re-export the model with `llama-ane export` (format_version "
+                                f"{PREFILL_DECODES_VERSION})")
         if version < FORMAT_VERSION:
             raise ManifestError(f"{MANIFEST}: format_version {version} comes from an older llama-ane; this one "
                                 f"reads format_version {FORMAT_VERSION} and {PREFILL_DECODES_VERSION}: re-export the "
@@ -201,7 +207,7 @@ def _check_cache_shapes(manifest: dict[str, Any]) -> None:
                         want, given = [t["shape"][0], ring_channels(manifest), 1, ring], \
                             f"cache.sliding.length {ring} and channels"
                     else:
-                        want = [t["shape"][0], channels, 1, context if kind == "states" else bucket]
+                        want = [t["shape"][0], channels, 1, cache_length(manifest) if kind == "states" else bucket]
                         given = f"context_length {context}"
                     if t["shape"] != want or not want[-1]:
                         raise ManifestError(
@@ -384,6 +390,21 @@ def decode_function(manifest: dict[str, Any]) -> str:
     return manifest.get("decode_function", "decode")
 
 
+def cache_length(manifest: dict[str, Any]) -> int:
+    """Columns of a state cache of the whole context: the context, with room for a window's padding
+    where tokens run the prefill window (model.functions.state_length)."""
+    from .specs import state_length
+
+    return state_length(manifest["context_length"], manifest["prefill_length"], kv_cache_kind(manifest),
+                        decode_function(manifest))
+
+
+def window_cascade(manifest: dict[str, Any]) -> bool:
+    """Whether the cascade steps through the prefill window (model.functions.cascades_in_window):
+    manifest "cascade" "window"."""
+    return manifest.get("cascade") == "window"
+
+
 def function_entry(manifest: dict[str, Any], model: str, function: str) -> dict[str, Any]:
     """The manifest entry {file, function_name, inputs, outputs} of one function of one model."""
     try:
@@ -409,11 +430,11 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     how the caches live ("inputs" or "state", see contract/specs.py); a chunk's "cache_update" maps
     each of its functions to the cache-update function that writes its K/V, where there is one.
     `head_folded_into` names the chunk that carries the LM head (then there is no LM head model).
-    `decode_function` "prefill": the export has no decode functions (recorded, with format_version 3,
-    which older readers refuse).
+    `decode_function` "prefill": the export has no decode functions (recorded, with format_version 4,
+    which older readers refuse), and "cascade" "window" where its cascade steps through the prefill window.
     """
     from ..config import LlamaConfig
-    from .specs import (BRANCHES, cache_update_function, chunk_model_name, chunk_rows, conv_state_width,
+    from .specs import (BRANCHES, cache_update_function, cascades_in_window, chunk_model_name, chunk_rows, conv_state_width,
                         embeddings_model_name, lm_head_model_name, ring_length, suffix_update_counts)
 
     cfg = LlamaConfig.from_dict(config)
@@ -439,6 +460,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     return {
         "format_version": FORMAT_VERSION if decode_function == "decode" else PREFILL_DECODES_VERSION,
         **({"decode_function": decode_function} if decode_function != "decode" else {}),
+        **({"cascade": "window"} if cascades_in_window(cfg, decode_function, branch_width, ring) else {}),
         "name": name,
         "created_by": created_by,
         "source": source,

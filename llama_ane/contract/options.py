@@ -207,13 +207,13 @@ class ExportOptions:
     # of one real token. Rows are nearly free on the ANE while a step stays bound by its bytes.
     decode_function: str = option(
         "decode", "What decodes a token: a function of its own per model (decode), or the prefill window's "
-        "function (prefill: one function per model and bucket, one copy of the weights on the Neural Engine; "
-        "needs --kv-cache inputs; auto context buckets become one).", choices=DECODE_FUNCTIONS)
+        "function (prefill: one function per model and bucket, one copy of the weights on the Neural Engine; the "
+        "cascade's branches run as rows of that window where every layer attends over one cache; auto context "
+        "buckets become one).", choices=DECODE_FUNCTIONS)
 
     def __post_init__(self) -> None:
         if self.kv_cache == "auto":
-            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window,
-                                                               self.decode_function))
+            object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window))
         buckets = self.context_buckets
         if isinstance(buckets, str) and buckets.strip() != "auto":
             buckets = parse_sizes(buckets)
@@ -266,9 +266,10 @@ class ExportOptions:
         if self.decode_function not in DECODE_FUNCTIONS:
             raise ExportOptionsError(f"--decode-function must be one of {', '.join(DECODE_FUNCTIONS)}, "
                                      f"got {self.decode_function!r}")
-        if self.decode_function == "prefill" and self.kv_cache == "state":
-            raise ExportOptionsError("--decode-function prefill writes a whole window into the caches for each token, "
-                                     "which a state cannot hold in the context's last positions: use --kv-cache inputs")
+        if self.decode_function == "prefill" and self.branch_width > self.prefill_length:
+            raise ExportOptionsError(f"--branches {self.branch_width} is more than the prefill window "
+                                     f"({self.prefill_length}) that runs a cascade step with --decode-function prefill: "
+                                     f"lower --branches or raise --prefill-length")
         if self.kv_cache == "state" and self.verify_window:
             raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
                                      "written by the cache-update model, which cannot write the chunks' states; "
@@ -331,11 +332,11 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             from None
 
 
-def auto_kv_cache(target: str, precision: str, verify_window: int, decode_function: str = "decode") -> str:
+def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
     """What --kv-cache auto becomes: "state" where Core ML states work (an iOS18/macOS15 target,
     fp16, no verify function: see `ExportOptions.check`), else "inputs". States save a Core ML
     call per chunk and decode step: each chunk writes its own K/V, with no cache-update call."""
-    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window and decode_function == "decode"
+    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window
     return "state" if states else "inputs"
 
 

@@ -47,6 +47,7 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "format_version": _INT,
         "decode_function": {"enum": ["decode", "prefill"]},
+        "cascade": {"enum": ["function", "window"]},
         "name": {"type": "string"},
         "created_by": {"type": "object", "additionalProperties": {"type": "string"}},
         # provenance: the checkpoint the export came from, outside the export by design (only

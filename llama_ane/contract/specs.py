@@ -8,12 +8,12 @@ from __future__ import annotations
 from ..config import LlamaConfig
 from ..model import cache_update, chunk, embeddings, lm_head
 from ..model.functions import (BRANCHES, CACHES, DECODE_FUNCTIONS, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, base_function, bucket_function,
-                               attention_rows, bucket_of, cache_update_function, chunk_rows, conv_state_width, ring_length, ring_rewind_limit,
+                               attention_rows, bucket_of, cache_update_function, cascades_in_window, chunk_rows, conv_state_width, ring_length, ring_rewind_limit, state_length,
                                shared_rows, suffix_groups, suffix_names, suffix_update_counts, window_of)
 from ..model.lm_head import vocab_splits
 
 __all__ = ["BRANCHES", "CACHES", "DECODE_FUNCTIONS", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "WINDOW_TOKENS", "base_function", "bucket_function", "bucket_of",
-           "attention_rows", "cache_update_function", "chunk_rows", "conv_state_width", "ring_length", "ring_rewind_limit", "window_of", "chunk_model_name",
+           "attention_rows", "cache_update_function", "cascades_in_window", "chunk_rows", "conv_state_width", "ring_length", "ring_rewind_limit", "state_length", "window_of", "chunk_model_name",
            "shared_rows", "suffix_groups", "suffix_names", "suffix_update_counts",
            "embeddings_model_name", "lm_head_model_name",
            "model_kind", "model_specs"]
@@ -83,10 +83,14 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     `ring_length` slots instead (model/chunk.py), in every bucket.
 
     With `decode_function="prefill"` there are no decode functions (nor their cache updates): a token
-    runs the prefill function of its bucket (model.functions.DECODE_FUNCTIONS).
+    runs the prefill function of its bucket (model.functions.DECODE_FUNCTIONS), whose embeddings take
+    the window's positions and whose masks come from the host; the cascade steps through it too
+    where `cascades_in_window` allows (then there are no "decode_branches" functions).
     """
+    ring = ring_length(cfg, context_length, prefill_length)
     layout = Layout(context_length, prefill_length, float_dtype, tuple(buckets), branch_width, suffix_length,
-                    verify_window, kv_cache, ring_length(cfg, context_length, prefill_length), decode_function)
+                    verify_window, kv_cache, ring, decode_function,
+                    cascades_in_window(cfg, decode_function, branch_width, ring))
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
     specs = {"embeddings": embeddings.functions(cfg, layout)}
     specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})

@@ -181,7 +181,8 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
             out[cache_update_function(fn, nf, nr)] = _window_io(cfg, layout, r, s, t,
                                                                [tensor("position", [1], "int32")])
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    suffixes = {suffix_update_counts(cfg, layers, layout.ring): layers for layers in chunk_layers} if b else {}
+    suffixes = {suffix_update_counts(cfg, layers, layout.ring): layers for layers in chunk_layers} \
+        if b and not layout.window_cascade else {}
     for counts, layers in suffixes.items():
         if not sum(counts):  # a chunk of conv layers only has no suffix caches
             continue

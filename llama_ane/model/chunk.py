@@ -777,7 +777,7 @@ def _cache_io(io: dict, layout: Layout) -> dict:
     for state in caches:
         if state["name"] not in RING_CACHES + ("conv_state", DELTA_STATE):  # the ring is R slots in every bucket,
             # the conv state K-1 values, the recurrent state one per layer
-            state["shape"][3] = layout.context_length
+            state["shape"][3] = layout.state_length
     return {"inputs": inputs, "states": caches, "outputs": outputs}
 
 
@@ -948,7 +948,7 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new + delta_new,
         }, layout)
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    if b:
+    if b and not layout.window_cascade:
         convs, suffixes, new = len(conv_rows(cfg, layers)), [], []
         delta_branches, delta_new = _delta_io(cfg, layout, layers, b)
         for key, rows, at in suffix_groups(cfg, layers, layout.ring):

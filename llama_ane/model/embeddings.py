@@ -3,6 +3,9 @@ builder below it.
 
     Embeddings        input_ids (1,S) int32, position (1,) int32
                       -> hidden_states (1,C,1,S), cos/sin (1,D,1,S), mask (1,1,S,T+S)
+    WindowEmbeddings  input_ids (1,S) int32, positions (S,) int32 -> hidden_states (1,C,1,S), cos/sin (1,D,1,S)
+                      (where the prefill window decodes: each row at its own position, the masks
+                      made by the host)
     EmbeddingsPart    input_ids (1,S) int32, hidden_states (1,C,1,S) -> hidden_states_out (1,C,1,S)
                       (a later file of an embedding table cut by rows: adds the lookup of its rows;
                       Gemma 4's also per_layer_inputs -> per_layer_inputs_out, see below)
@@ -396,9 +399,16 @@ class Embeddings(nn.Module):
 
 
 def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]):
-    """Embeddings, masking the cache positions of the function's context bucket."""
+    """Embeddings, masking the cache positions of the function's context bucket; a function taking
+    `positions` (S,) (WindowEmbeddings) makes the RoPE rows of those and no masks."""
     def body(inputs):
         s = shape_of(io, "input_ids")[1]
+        if "positions" in inputs:
+            hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
+            out = {"hidden_states": hidden, **_rope_rows_mil(g, cfg, inputs["positions"], s)}
+            if cfg.per_layer_input_size:
+                out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s, rows)
+            return out
         mask = shape_of(io, "mask", "outputs")
         t = mask[3] - mask[2]
         hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
@@ -417,6 +427,19 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
             out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s, rows)
         return out
     return body
+
+
+class WindowEmbeddings(Embeddings):
+    """Token lookup and the RoPE rows of a window whose queries sit at `positions` (S,) int32, any
+    positions (a cascade step's rows share theirs); the host makes its masks (runtime/masks.py).
+
+    input_ids (1,S) int32, positions (S,) int32 -> hidden_states (1,C,1,S), cos/sin (1,D,1,S)
+    (and the local tables, and per-layer inputs, where the family has them)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,S)
+        rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, positions[:input_ids.shape[1]], hidden.dtype)
+        return (hidden, rope["cos"], rope["sin"]) + _extras(self.cfg, rope, {}) + _per_layer(self, input_ids, hidden)
 
 
 class EmbeddingsPart(nn.Module):
@@ -594,6 +617,12 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
     c, d, f = cfg.hidden_size, cfg.global_layers.head_dim, layout.dtype
     out = {}
     for fn, _, s, t in layout.windows():
+        if layout.host_masks:  # positions in, no masks out: the host makes them (runtime/masks.py)
+            out[fn] = {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("positions", [s], "int32")],
+                       "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
+                                   tensor("sin", [1, d, 1, s], f)]
+                       + layer_inputs(cfg, layout, {}, s) + _per_layer_output(cfg, layout, s)}
+            continue
         out[fn] = {
             "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
             "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
@@ -601,7 +630,7 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
             + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_output(cfg, layout, s),
         }
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
-    if b:
+    if b and not layout.window_cascade:
         out[BRANCHES] = {
             "inputs": [tensor("input_ids", [1, b], "int32"), tensor("positions", [b], "int32"),
                        tensor("prefix_length", [1], "int32")],

@@ -22,7 +22,9 @@ VERIFY = "verify"
 # What decodes a token (manifest "decode_function", export --decode-function): "decode", functions of
 # its own, or "prefill": no decode functions, a token runs as a prefill window of one real token (the
 # padding's K/V lies past it, masked until overwritten, as a short last prefill window's does), so a
-# model keeps one function per bucket and the Neural Engine one copy of its weights.
+# model keeps one function per bucket and the Neural Engine one copy of its weights. Such an export's
+# windows take their positions (S,) and their masks from the host (runtime/masks.py), so that the same
+# function also runs a cascade step: B branches' tokens as B rows of one window (`cascades_in_window`).
 DECODE_FUNCTIONS = ("decode", "prefill")
 
 # How the chunks' K/V caches live (manifest "cache"."kind"): "inputs" are arrays passed in and a
@@ -198,6 +200,17 @@ class Layout:
     kv_cache: str = "inputs"
     ring: int = 0  # slots of the sliding layers' ring buffer (ring_length), 0: none
     decode_function: str = "decode"  # one of DECODE_FUNCTIONS: "prefill" leaves the decode functions out
+    window_cascade: bool = False  # the cascade steps through the prefill window (cascades_in_window)
+
+    @property
+    def host_masks(self) -> bool:
+        """The windows take positions (S,) and their masks from the host: where the prefill window decodes."""
+        return self.decode_function == "prefill"
+
+    @property
+    def state_length(self) -> int:
+        """Columns of a context-long state cache (`state_length`)."""
+        return state_length(self.context_length, self.prefill_length, self.kv_cache, self.decode_function)
 
     def windows(self) -> Iterator[tuple[str, str, int, int]]:
         """(function, its base function, S, T) of every prefill and decode function: per bucket,
@@ -216,10 +229,32 @@ class Layout:
 
     def extra_windows(self) -> Iterator[tuple[str, int]]:
         """(function, S) of the cascade and verify functions of this export, in that order."""
-        if self.branch_width:
+        if self.branch_width and not self.window_cascade:
             yield BRANCHES, self.branch_width
         if self.verify_window:
             yield VERIFY, self.verify_window
+
+
+def state_length(context_length: int, prefill_length: int, kv_cache: str, decode_function: str) -> int:
+    """Columns of a context-long state cache: the context, and where a token runs the prefill window,
+    that window less one more (rounded up to CACHE_MULTIPLE): a window at the context's last position
+    writes its padding too. The functions read the first columns of their bucket only."""
+    from ..limits import CACHE_MULTIPLE
+
+    if kv_cache != "state" or decode_function != "prefill":
+        return context_length
+    return context_length + -(-(prefill_length - 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE
+
+
+def cascades_in_window(cfg: "LlamaConfig", decode_function: str, branch_width: int, ring: int) -> bool:
+    """Whether a cascade step runs as the prefill window (no "decode_branches" functions): where the
+    prefill window decodes, the export has a cascade, and every layer attends over the one cache.
+    Each branch's tokens then go to that cache, the branches' interleaved after the shared prefix,
+    and each row's mask shows it the prefix and its own branch. Conv and linear-attention layers
+    (their states run along the window's rows), a ring (its slots follow positions) and KV-shared
+    layers keep the cascade function."""
+    return (decode_function == "prefill" and branch_width > 0 and not ring and not cfg.conv_layers
+            and not cfg.delta_layers and not cfg.kv_shared_layers)
 
 
 def window_masks(layout: Layout, s: int, t: int) -> dict[str, list[int]]:

@@ -7,6 +7,14 @@ of them inside the graph, each branch's own suffix cache, and the log-sum-exp me
 question, in document QA) one token per step, then samples; branches of different lengths and
 branches that have finished are handled with masks. More branches than the exported width B run
 in groups of B, each group reusing the same prefix cache.
+
+Where the cascade steps through the prefill window (manifest "cascade" "window": the prefill window
+decodes and every layer attends over one cache, model.functions.cascades_in_window), there are no
+suffix caches: a step runs the group's tokens as the rows of one prefill window, each at its own
+position, and writes their K/V into the one cache after the prefix, the branches side by side
+(runtime/masks.py: branch b's i-th token in column P + i*G + b for a group of G). The masks show each
+row the prefix and its own branch. The prefix is read once for every branch, as in the cascade
+function, and the model keeps one function; the branches' tokens then share the context.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..contract.specs import BRANCHES, suffix_groups
+from ..contract.manifest import window_cascade
+from ..contract.specs import BRANCHES, bucket_function, suffix_groups
 from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW
 from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
@@ -105,6 +114,7 @@ class CascadeDecoder:
         self.backend = pipeline.backend
         self.manifest = manifest
         self.suffix_length = int(manifest["suffix_length"])
+        self.in_window = window_cascade(manifest)  # a step runs as the prefill window (module docstring)
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
 
@@ -148,7 +158,14 @@ class CascadeDecoder:
             raise ContextFullError(f"the prefix has {prefix_tokens} tokens but the exported context holds {ctx}; "
                                    "shorten it or re-export with a larger --context-length")
         need = max(own_tokens) + max_new_tokens
-        if need > self.suffix_length:
+        group = min(len(own_tokens), self.width)
+        if self.in_window and prefix_tokens + need * group > ctx:
+            raise ContextFullError(
+                f"a branch needs {need} tokens (its own {max(own_tokens)} + {max_new_tokens} new); {group} branches "
+                f"side by side after the {prefix_tokens}-token prefix take {prefix_tokens + need * group} cache "
+                f"positions, but the exported context holds {ctx}; lower --max-new-tokens, run fewer branches at "
+                "once or re-export with a larger --context-length")
+        if not self.in_window and need > self.suffix_length:
             raise ContextFullError(
                 f"a branch needs {need} suffix tokens (its own {max(own_tokens)} + {max_new_tokens} new) but the "
                 f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
@@ -200,6 +217,22 @@ class CascadeDecoder:
         self.pipeline.updates.submit(i, functools.partial(
             self.pipeline.update, function, suffix, out, {"suffix_positions": slots}))
 
+    def window_step(self, tokens: np.ndarray, seen: np.ndarray, steps: int, prefix_tokens: int) -> np.ndarray:
+        """One step of a group of G branches as one prefill window (`in_window`): tokens (G,), each
+        branch's tokens already written `seen` (G,) out of `steps` -> logits float32 (G, vocab)."""
+        p = self.pipeline
+        g = len(tokens)
+        base = prefix_tokens + steps * g  # where this step's G columns go
+        width = g if p.direct else p.prefill_length
+        ids, positions = np.zeros((1, width), np.int32), np.full(width, prefix_tokens, np.int32)
+        ids[0, :g], positions[:g] = tokens, prefix_tokens + seen
+        fn = bucket_function("prefill", p.bucket(base + g), p.context_length)
+        host = {"position": np.array([base], np.int32),
+                **p.masks.branch_masks(prefix_tokens, g, seen, steps, width, p.bucket(base + g))}
+        return p.forward(fn, {"input_ids": ids, "positions": positions},
+                         lambda i, function, out: p.write_window(i, function, out, base, g), visible=base,
+                         host=host)[:g]
+
     def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int, suffixes: list[dict]) -> np.ndarray:
         """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab)."""
         positions = (prefix_tokens + cached).astype(np.int32)
@@ -217,7 +250,7 @@ class CascadeDecoder:
         With `record_logits` and `max_new_tokens` 0, each branch only feeds its own tokens and keeps
         the logits after each one (teacher forcing).
         """
-        suffixes = [self.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
+        suffixes = [] if self.in_window else [self.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
         for b in branches:  # a branch without text of its own starts from the prefix's next-token logits
             if not b.queue and max_new_tokens == 0:
                 b.done = True
@@ -225,13 +258,14 @@ class CascadeDecoder:
                 self._emit(b, sample(b.first_logits, params, b.rng), max_new_tokens, on_token)
         steps = 0
         while not all(b.done for b in branches):
-            tokens = np.zeros(self.width, np.int32)
-            cached = np.zeros(self.width, np.int32)
+            tokens = np.zeros(len(branches) if self.in_window else self.width, np.int32)
+            cached = np.zeros(len(tokens), np.int32)
             for j, b in enumerate(branches):
-                cached[j] = min(b.cached, self.suffix_length)
+                cached[j] = b.cached if self.in_window else min(b.cached, self.suffix_length)
                 if not b.done:
                     tokens[j] = b.queue[0]
-            logits = self.step(tokens, cached, prefix_tokens, suffixes)
+            logits = (self.window_step(tokens, cached, steps, prefix_tokens) if self.in_window else
+                      self.step(tokens, cached, prefix_tokens, suffixes))
             steps += 1
             for j, b in enumerate(branches):
                 if b.done:

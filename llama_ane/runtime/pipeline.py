@@ -18,8 +18,13 @@ An export whose caches are Core ML states (`--kv-cache state`, manifest "cache".
 cache-update model for its windows: each chunk function reads its state and writes the window's
 K/V into it at `position`. The pipeline passes the same cache arrays as states (the mil backend
 writes them in place, as Core ML updates an MLState), and a backend that runs the torch modules
-hands the new K/V back to be written directly. A prefill window must then fit in the context
-whole, padding included: the last tokens before the end run one at a time.
+hands the new K/V back to be written directly. A prefill window must then fit in the states
+whole, padding included: the last tokens before the end run one at a time, except where the
+prefill window decodes, whose states hold a window more than the context (`cache_length`).
+
+Where the prefill window decodes (manifest decode_function "prefill"), the embeddings take each
+row's position and the host makes the masks (runtime/masks.py), so that a cascade step can run as
+one such window too (runtime/cascade.py).
 
 Where the sliding layers keep a ring buffer (manifest cache.sliding), each chunk's cache dict also
 holds "k_ring"/"v_ring" (their layers, channels, 1, R) beside "k"/"v" (the other layers'; either
@@ -48,13 +53,14 @@ from ..model.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..contract.manifest import (context_buckets, decode_function, function_entry, function_states, kv_cache_kind,
-                                 ring_channels, ring_of)
+from ..contract.manifest import (cache_length, context_buckets, decode_function, function_entry, function_states,
+                                 kv_cache_kind, ring_channels, ring_of)
 from ..contract.specs import (BRANCHES, VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows,
                               ring_rewind_limit, shared_rows, suffix_groups)
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
 from .kv_cache import KVCache, common_prefix
+from .masks import HostMasks
 
 #: embeddings outputs that mask cache positions, and where their cache columns are (a sliding
 #: layer's mask like the mask it is the twin of)
@@ -107,6 +113,11 @@ class Pipeline:
         self.stateful = kv_cache_kind(manifest) == "state"
         self.ring = ring_of(manifest)  # the sliding layers' ring slots, 0: none
         self.config = cfg = LlamaConfig.from_dict(manifest["config"])
+        # columns of the context-long caches (a state where the prefill window decodes has room for its padding)
+        self.cache_length = cache_length(manifest)
+        # where the prefill window decodes, its rows' positions are inputs and the host makes its masks
+        self.masks = HostMasks(cfg, self.context_length, self.ring, backend.dtype) \
+            if self.decode_function == "prefill" else None
         # per chunk: its layers' rows in the full cache and in the ring
         self.rows = [chunk_rows(cfg, c["layers"], self.ring) for c in self.chunks]
         # Gemma 4's KV-shared layers: the producers in other chunks each chunk reads (full cache, ring),
@@ -152,7 +163,7 @@ class Pipeline:
         return out
 
     def _zeros(self, layers: int, length: int | None = None, channels: int | None = None) -> np.ndarray:
-        return np.zeros((layers, channels or self.manifest["cache"]["channels"], 1, length or self.context_length),
+        return np.zeros((layers, channels or self.manifest["cache"]["channels"], 1, length or self.cache_length),
                         self.backend.dtype)
 
     def empty_cache_inputs(self, i: int) -> dict[str, np.ndarray]:
@@ -249,7 +260,20 @@ class Pipeline:
             emb["per_layer_inputs"] = out["per_layer_inputs_out"]
 
     def _window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
+        """The embeddings' inputs of a window at `position`: its tokens and the position, or (host
+        masks) each row's position."""
+        if self.masks is not None:
+            return {"input_ids": window, "positions": position + np.arange(window.shape[1], dtype=np.int32)}
         return {"input_ids": window, "position": np.array([position], np.int32)}
+
+    def host_inputs(self, fn: str, position: int, s: int) -> dict[str, np.ndarray]:
+        """What the chunks of a window of S rows at `position` read besides the embeddings' outputs
+        where the host makes the masks: the position (where a state is written) and the masks over
+        the function's context bucket. {} for the others."""
+        if self.masks is None:
+            return {}
+        return {"position": np.array([position], np.int32),
+                **self.masks.window_masks(position, s, bucket_of(fn, self.context_length))}
 
     def logits(self, fn: str, hidden: np.ndarray) -> np.ndarray:
         """Function `fn` of every LM head file on hidden (1, C, 1, S), the split logits joined in
@@ -300,17 +324,21 @@ class Pipeline:
                 for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
-                visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None) -> np.ndarray:
+                visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None,
+                host: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """One step of function `fn` through every model: the one forward pass of every decoder.
 
         embed_inputs: the embeddings function's int32 inputs (input_ids and its positions);
         write(i, update_function, chunk_outputs): stores chunk i's new K/V (see `write_window`);
         visible: cache positions that hold tokens (with direct caches, the chunks read only these);
-        state(i): chunk i's own extra inputs by name (a cascade's suffix caches).
+        state(i): chunk i's own extra inputs by name (a cascade's suffix caches);
+        host: what the chunks read that the host makes (`host_inputs`: masks, the write position).
         Each chunk's inputs are taken by the names the manifest gives them. Returns the logits,
         float32 [S, vocab] (S = the function's query length).
         """
         emb = self.embed(fn, embed_inputs)  # hidden (1,C,1,S), cos, sin, masks
+        if host:
+            emb.update(host)
         if self.direct:
             emb = self.visible(emb, visible)
         hidden = emb["hidden_states"]
@@ -463,13 +491,14 @@ class Pipeline:
             raise ContextFullError(
                 f"the context is full: {start} + {len(ids)} tokens exceed the exported context length "
                 f"{self.context_length}; re-export with a larger --context-length")
-        if self.stateful and start + window.shape[1] > self.context_length:
+        if self.stateful and start + window.shape[1] > self.cache_length:
             # a state is written a whole window at a time: the padding must fit too
             return np.concatenate([self.run_window(ids[j:j + 1]) for j in range(len(ids))], axis=0)
         fn = bucket_function(fn, self.bucket(start + len(ids)), self.context_length)
         logits = self.forward(fn, self._window_inputs(window, start),
                               lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
-                              visible=start, state=lambda i: {WINDOW_TOKENS: np.array([len(ids)], np.int32)})[:len(ids)]
+                              visible=start, state=lambda i: {WINDOW_TOKENS: np.array([len(ids)], np.int32)},
+                              host=self.host_inputs(fn, start, window.shape[1]))[:len(ids)]
         self.cache.tokens.extend(int(t) for t in ids)
         return logits
 
@@ -558,8 +587,8 @@ class Pipeline:
                                     self.context_length), window)
                    for k, ((fn, window), part, start) in enumerate(zip(windows, parts, starts))]
         first, *later = self.embedding_models
-        embs = [dict(self.backend.predict(first, fn, self._window_inputs(window, start)))
-                for (fn, window), start in zip(windows, starts)]
+        embs = [{**self.backend.predict(first, fn, self._window_inputs(window, start)),
+                 **self.host_inputs(fn, start, window.shape[1])} for (fn, window), start in zip(windows, starts)]
         self.backend.release(first)
         for part in later:
             for emb, (fn, window) in zip(embs, windows):

@@ -24,7 +24,7 @@ from ...checkpoint.mapping import (chunk_state_dict, embeddings_state_dict, laye
                                    lm_head_state_dict, per_layer_state_dict)
 from ...model.cache_update import ChunkUpdate, SuffixUpdate
 from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
-from ...model.embeddings import (BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings,
+from ...model.embeddings import (BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings, WindowEmbeddings,
                                  per_layer_names, per_layer_rows)
 from ...model.lm_head import LMHead, vocab_splits
 from ...config import LlamaConfig
@@ -166,8 +166,9 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
                 modules[fn] = VerifyEmbeddings(cfg, table, context, m["verify_window"], ring)
             else:  # a one-row placeholder table, replaced by the shared one
                 sliding = any(o["name"] == "sliding_mask" for o in functions[fn]["outputs"])
-                e = Embeddings(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1, windowed=sliding,
-                               ring=ring)
+                kind = WindowEmbeddings if any(i["name"] == "positions" for i in functions[fn]["inputs"]) \
+                    else Embeddings
+                e = kind(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1, windowed=sliding, ring=ring)
                 e.embed_tokens = table
                 modules[fn] = e
         stored = weights.rope(model)
