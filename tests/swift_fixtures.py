@@ -55,6 +55,10 @@ Nothing in those fixtures is written by hand:
   wider global layers and KV-shared layers), each with Python's greedy run on its programs (see
   ``FAMILY_EXPORTS``), and for an export whose chunks read rows the host gathers (Gemma 4) where
   Python's pipeline takes each row of them from in every phase (``host_rows``).
+  ``export_prefill/``, ``export_prefill_inputs/`` and ``export_prefill_ring/`` are exports whose
+  prefill window decodes (format_version 4: each row's position in, the masks made by the host),
+  recorded with the positions and masks of every step and, where the cascade steps through the
+  window, a cascade's steps and tokens (``cascade``).
 
 * ``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
   on, on fixed arrays (after a window of n real tokens; each cascade branch's copy of the prefix's,
@@ -893,6 +897,20 @@ FAMILY_EXPORTS = {
     "export_qwen35_state": ("qwen35_untied_mha", {}, dict(
         context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
         fold_lm_head="yes", layers_per_chunk=2), "delta"),
+    # The prefill window decodes (format_version 4): the embeddings take each row's position and the
+    # host makes the masks; states a window longer than the context, a cascade of 2 branches through
+    # the window ("cascade": "window") and the head folded into the last chunk.
+    "export_prefill": ("granite_tied", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
+        fold_lm_head="yes", layers_per_chunk=1, decode_function="prefill"), "kind"),
+    # The same with input caches (the cache update writes each window at its position).
+    "export_prefill_inputs": ("olmo2_untied", {}, dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2, decode_function="prefill"), "kind"),
+    # With a ring of the sliding layers: the host's sliding masks over the ring's slots.
+    "export_prefill_ring": ("mistral_window", dict(sliding_window=16), dict(
+        context_length=64, prefill_length=8, branch_width=0, verify_window=0, kv_cache="state",
+        fold_lm_head="yes", layers_per_chunk=3, decode_function="prefill"), "sliding"),
 }
 # Family exports planned with a smaller weight budget per package (bytes), so that their embedding
 # tables are cut into several files as a large model's are.
@@ -903,33 +921,74 @@ FAMILY_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user"
 FAMILY_NEW_TOKENS = 20
 
 
+def _mask_rows(mask) -> list[str]:
+    """An additive mask (1,1,S,N) as S strings of N characters: "1" where the row sees the column."""
+    return ["".join("1" if v == 0 else "0" for v in row) for row in mask[0, 0]]
+
+
 def _recorded_generation(out: Path, prompt: list[int]) -> dict[str, Any]:
     """Greedy generation on the export's own programs (the mil backend): the tokens, and every step's
     embeddings inputs (the window's ids, its position, its real tokens) with the logits of its last
-    real token, as a host must feed and will get them."""
-    import numpy as np
-
+    real token, as a host must feed and will get them. Where the host makes the masks (format_version
+    4), also each row's position ("positions") and the masks the chunks read ("masks": per name, a
+    string per row, see `_mask_rows`); `position` is then where the window's K/V are written.
+    Where the cascade steps through the window, also a greedy cascade of three branches after the
+    prompt ("cascade", `_recorded_cascade`)."""
     import llama_ane
+    from llama_ane.contract.manifest import window_cascade
 
     model = llama_ane.load(out, backend="mil")
     pipeline, steps = model.pipeline, []
     forward = pipeline.forward
 
-    def recording(fn, embed_inputs, write, visible, state=None):
-        logits = forward(fn, embed_inputs, write, visible, state)
+    def recording(fn, embed_inputs, write, visible, state=None, host=None):
+        logits = forward(fn, embed_inputs, write, visible, state, host)
         ids = [int(t) for t in embed_inputs["input_ids"].reshape(-1)]
-        position = int(embed_inputs["position"].reshape(-1)[0])
+        position = int((host or embed_inputs)["position"].reshape(-1)[0])
         count = min(len(ids), len(prompt) - position) if position < len(prompt) else 1
-        steps.append({"function": fn, "input_ids": ids, "position": position, "count": count,
-                      "logits": [float(v) for v in logits[count - 1]]})
+        step = {"function": fn, "input_ids": ids, "position": position, "count": count}
+        if host:
+            step["positions"] = [int(p) for p in embed_inputs["positions"]]
+            step["masks"] = {name: _mask_rows(a) for name, a in host.items() if name.endswith("mask")}
+        steps.append({**step, "logits": [float(v) for v in logits[count - 1]]})
         return logits
 
     pipeline.forward = recording
     try:
         result = model.generate(prompt, max_new_tokens=FAMILY_NEW_TOKENS, temperature=0.0)
+        out_ = {"tokens": [int(t) for t in result.token_ids], "finish_reason": result.finish_reason, "steps": steps}
+        if window_cascade(model.manifest):
+            out_["cascade"] = _recorded_cascade(model, forward, prompt)
     finally:
         model.close()
-    return {"tokens": [int(t) for t in result.token_ids], "finish_reason": result.finish_reason, "steps": steps}
+    return out_
+
+
+CASCADE_BRANCHES = [[5], [6, 7], [8]]  # each branch's own tokens after the prompt
+CASCADE_NEW_TOKENS = 4
+
+
+def _recorded_cascade(model, forward, prompt: list[int]) -> dict[str, Any]:
+    """A greedy cascade (`generate_branches`) of CASCADE_BRANCHES after `prompt` through the prefill
+    window: each step's window (ids, each row's position, where its K/V go, the masks) with the
+    logits of its branch rows, and each branch's tokens."""
+    pipeline, steps = model.pipeline, []
+
+    def recording(fn, embed_inputs, write, visible, state=None, host=None):
+        logits = forward(fn, embed_inputs, write, visible, state, host)
+        if host is not None and "positions" in embed_inputs and int(host["position"][0]) >= len(prompt):
+            g = len(CASCADE_BRANCHES)
+            steps.append({"function": fn, "input_ids": [int(t) for t in embed_inputs["input_ids"].reshape(-1)],
+                          "positions": [int(p) for p in embed_inputs["positions"]],
+                          "position": int(host["position"][0]),
+                          "masks": {name: _mask_rows(a) for name, a in host.items() if name.endswith("mask")},
+                          "logits": [[float(v) for v in row] for row in logits[:g]]})
+        return logits
+
+    pipeline.forward = recording
+    result = model.generate_branches(prompt, CASCADE_BRANCHES, max_new_tokens=CASCADE_NEW_TOKENS)
+    return {"branches": CASCADE_BRANCHES, "max_new_tokens": CASCADE_NEW_TOKENS,
+            "tokens": [[int(t) for t in r.token_ids] for r in result.branches], "steps": steps}
 
 
 def _export_with_budget(checkpoint: Path, folder: Path, budget: int | None, **options: Any) -> None:
