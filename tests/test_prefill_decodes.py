@@ -23,11 +23,15 @@ def test_the_options_it_needs_and_what_auto_becomes():
     opts = ExportOptions(decode_function="prefill")
     assert opts.kv_cache == "state" and opts.context_buckets == (1024,)  # each bucket would be a copy
     opts.check()
+    # auto: the prefill window on Core ML, whose functions wire a copy each; Core AI's entry points share one
+    assert ExportOptions(decode_function="auto").decode_function == "prefill"
+    assert ExportOptions(decode_function="auto", target="iOS17").decode_function == "prefill"
+    assert ExportOptions(decode_function="auto", target="coreai").decode_function == "decode"
     with pytest.raises(ExportOptionsError, match="--branches 65 is more than the prefill window"):
         ExportOptions(decode_function="prefill", branch_width=65).check()
     with pytest.raises(ExportOptionsError, match="--target coreai.*--decode-function prefill"):
         ExportOptions(decode_function="prefill", target="coreai").check()
-    with pytest.raises(ExportOptionsError, match="--decode-function must be one of decode, prefill"):
+    with pytest.raises(ExportOptionsError, match="--decode-function must be one of auto, decode, prefill"):
         ExportOptions(decode_function="window").check()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..contract.plan import FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
-from ..model.functions import DECODE_FUNCTIONS
+from ..contract.options import DECODE_CHOICES, EXPORT_OPTIONS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat
@@ -32,9 +32,10 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head
               help="With --config: where the K/V caches live (auto: state where it works) [default: auto].")
 @click.option("--fold-lm-head", "fold_lm_head", type=click.Choice(FOLD_CHOICES), default=None,
               help="With --config: the last chunk computes the LM head (auto: where it fits) [default: auto].")
-@click.option("--decode-function", "decode_function", type=click.Choice(DECODE_FUNCTIONS), default=None,
-              help="With --config: what decodes a token, a function of its own or the prefill window's "
-                   "[default: decode].")
+@click.option("--decode-function", "decode_function", type=click.Choice(DECODE_CHOICES), default=None,
+              help="With --config: what decodes a token, a function of its own or the prefill window's (auto: "
+                   "the prefill window's on Core ML, its own on Core AI) [default: "
+                   f"{next(o.default for o in EXPORT_OPTIONS if o.name == 'decode_function')}].")
 @click.option("--filled", type=int, default=None,
               help="Positions already cached at the modelled decode step (and the prefix of --branches) "
                    "[default: the context length less one].")

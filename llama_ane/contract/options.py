@@ -31,6 +31,7 @@ COREAI_INSTALL_HINT = 'install the Core AI packages with pip install -e ".[corea
 FIRST_BUCKET = 512  # the smallest default context bucket: a short chat's first turns
 MAX_BUCKETS = 6  # 512 .. 16384
 KV_CACHE_CHOICES = ("auto", *KV_CACHE_KINDS)  # what --kv-cache accepts; auto resolves to one of the kinds
+DECODE_CHOICES = ("auto", *DECODE_FUNCTIONS)  # what --decode-function accepts; auto resolves to one of them
 FOLD_CHOICES = ("auto", "yes", "no")  # --fold-lm-head
 PRECISIONS = tuple(PRECISION_FORMS)  # "fp16", "fp32"
 
@@ -209,9 +210,12 @@ class ExportOptions:
         "decode", "What decodes a token: a function of its own per model (decode), or the prefill window's "
         "function (prefill: one function per model and bucket, one copy of the weights on the Neural Engine; the "
         "cascade's branches run as rows of that window where every layer attends over one cache; auto context "
-        "buckets become one).", choices=DECODE_FUNCTIONS)
+        "buckets become one). auto: prefill on Core ML targets, decode on Core AI, whose entry points share "
+        "one copy.", choices=DECODE_CHOICES)
 
     def __post_init__(self) -> None:
+        if self.decode_function == "auto":
+            object.__setattr__(self, "decode_function", auto_decode_function(self.target))
         if self.kv_cache == "auto":
             object.__setattr__(self, "kv_cache", auto_kv_cache(self.target, self.precision, self.verify_window))
         buckets = self.context_buckets
@@ -264,7 +268,7 @@ class ExportOptions:
                                      f"have: use --target {', '.join(MULTIFUNCTION_TARGETS + (COREAI,))}, or "
                                      "--kv-cache inputs")
         if self.decode_function not in DECODE_FUNCTIONS:
-            raise ExportOptionsError(f"--decode-function must be one of {', '.join(DECODE_FUNCTIONS)}, "
+            raise ExportOptionsError(f"--decode-function must be one of {', '.join(DECODE_CHOICES)}, "
                                      f"got {self.decode_function!r}")
         if self.decode_function == "prefill" and self.branch_width > self.prefill_length:
             raise ExportOptionsError(f"--branches {self.branch_width} is more than the prefill window "
@@ -330,6 +334,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     except ValueError:
         raise ExportOptionsError(f"--context-buckets must be 'auto' or sizes such as 512,1024,2048, got {text!r}") \
             from None
+
+
+def auto_decode_function(target: str) -> str:
+    """What --decode-function auto becomes: "prefill" on Core ML targets, where each function loaded
+    for the Neural Engine wires its own copy of the weights (contract/resident.py), so the prefill
+    window serving every phase keeps one; "decode" on Core AI, whose entry points share one copy."""
+    return "decode" if target == COREAI else "prefill"
 
 
 def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
