@@ -23,9 +23,16 @@ import Foundation
 /// arrays, and once the accepted path is known each chunk's verify cache update writes only that
 /// path's K/V (`slots`), double-buffered like every other update.
 ///
-/// An export with context buckets also loads each bucket's prefill and decode functions; a window
+/// An export with context buckets also has each bucket's prefill and decode functions; a window
 /// runs in its bucket's stage, whose functions are given views of the first T positions of the
 /// prefix caches (see `CacheBuffers`). The LM head is the same in every bucket.
+///
+/// Functions are loaded by the export's load plan (`LoadPlan`, `PlannedStages`): a stage (a phase
+/// at one context bucket) loads its functions through the model store on the first use of that
+/// phase and bucket, once, and keeps them with its buffers; a function several stages hold (the
+/// LM head's) is loaded once. Each function loaded for the Neural Engine is modelled as its own
+/// copy of its package's weights (`ResidentModel`), so the backend holds those of the stages the
+/// session has run, not of every stage the export has.
 ///
 /// Where the sliding layers keep a ring buffer (`cache.sliding`), each chunk with such layers also
 /// holds `k_ring`/`v_ring` of R slots beside (or, where all its layers slide, instead of) its
@@ -65,6 +72,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         var realTokens = 0
         /// Gemma 4's per-layer inputs of the step (the last embeddings file's), nil without.
         var perLayer: MLMultiArray?
+        /// The context bucket of the window's stage, whose LM head arrays hold its logits (nil: the
+        /// whole context).
+        var bucket: Int?
     }
 
     /// The functions and buffers of one phase.
@@ -157,15 +167,25 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     /// The Core ML states of a state export's chunks (`MLState`, typed `AnyObject` so that the
-    /// class itself needs no macOS 15 availability); replaced, empty, by `reset`.
+    /// class itself needs no macOS 15 availability): made once, from the first stage that needs
+    /// them (`makeOnce`), and replaced, empty, by `reset`.
     private final class ChunkStates: @unchecked Sendable {
         private let lock = NSLock()
         private var states: [AnyObject] = []
-        private let make: () throws -> [AnyObject]
+        private var maker: (() throws -> [AnyObject])?
 
-        init(_ make: @escaping () throws -> [AnyObject]) throws {
-            self.make = make
+        /// Whether the states have been made.
+        var made: Bool {
+            lock.lock(); defer { lock.unlock() }
+            return maker != nil
+        }
+
+        /// Makes the states with `make` unless they have been made; `reset` makes them again with it.
+        func makeOnce(_ make: @escaping () throws -> [AnyObject]) throws {
+            lock.lock(); defer { lock.unlock() }
+            guard maker == nil else { return }
             states = try make()
+            maker = make
         }
 
         func state(_ index: Int) -> AnyObject? {
@@ -173,7 +193,10 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             return index < states.count ? states[index] : nil
         }
 
+        /// Replaces the states by empty ones (nothing while they have not been made).
         func reset() throws {
+            lock.lock(); let make = maker; lock.unlock()
+            guard let make else { return }
             let fresh = try make()
             lock.lock(); states = fresh; lock.unlock()
         }
@@ -181,10 +204,12 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public let manifest: Manifest
     private let wiring: PipelineWiring
-    /// By function name: each phase's ("prefill", ...) and each context bucket's ("prefill_512", ...).
-    private let stages: [String: Stage]
+    /// Each phase's stage ("prefill", ...) and each context bucket's ("prefill_512", ...), made on
+    /// first use through the load plan.
+    private let stages: PlannedStages<CoreMLModelStore, Stage>
     private let prefixCaches: [CacheBuffers]
     private let suffixCaches: [CacheBuffers]
+    /// A state export's chunk states, made with the first stage that needs them; nil with input caches.
     private let chunkStates: ChunkStates?
     /// Per carried state and chunk, the state with input caches (`conv_state`, `delta_state`), moved
     /// on in place after each window; nil for a chunk without such layers or whose state is a Core ML state.
@@ -193,35 +218,35 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private let carriedBranches: [CarriedState: [MLMultiArray?]]
 
     public var chunkCount: Int { manifest.chunks.count }
-    public var branchWidth: Int { stages[Phase.decodeBranches.rawValue] == nil ? 0 : manifest.branchWidth ?? 0 }
+    public var branchWidth: Int {
+        stages.plan.stage(.decodeBranches, bucket: manifest.contextLength) == nil ? 0 : manifest.branchWidth ?? 0
+    }
     public var suffixLength: Int { manifest.suffixLength ?? 0 }
-    public var verifyWindow: Int { stages[Phase.verify.rawValue] == nil ? 0 : manifest.verifyWindow ?? 0 }
+    public var verifyWindow: Int { stages.plan.stage(.verify, bucket: manifest.contextLength) == nil ? 0 : manifest.verifyWindow ?? 0 }
 
-    /// Loads every function the manifest names (compiling packages on first use) and allocates
-    /// all buffers. The cascade and verify phases are loaded when the export has them, and each
-    /// context bucket's prefill and decode functions.
+    /// The export's load plan: the functions of each stage.
+    public var loadPlan: LoadPlan { stages.plan }
+
+    /// The functions loaded so far, in load order.
+    public func loadedFunctions() async -> [PlannedFunction] { await stages.loaded }
+
+    /// What the functions loaded so far keep wired, modelled (`ResidentModel`).
+    public func resident() async -> ResidentModel { await stages.resident }
+
+    /// Resolves the wiring and the load plan and allocates the caches. No function is loaded here:
+    /// each stage (the cascade and verify phases when the export has them, each context bucket's
+    /// prefill and decode) loads its functions through `store` on its first use, compiling
+    /// packages on first use.
     public static func load(manifest: Manifest, store: CoreMLModelStore) async throws -> CoreMLBackend {
         let wiring = try PipelineWiring(manifest: manifest)
-        var stages: [String: Stage] = [:]
-        for phase in PipelineWiring.phases(of: manifest) {
-            stages[phase.rawValue] = try await makeStage(phase, function: phase.rawValue, manifest: manifest, store: store)
+        let stages = PlannedStages(plan: try LoadPlan(manifest: manifest), store: store) { loaded in
+            try makeStage(loaded, manifest: manifest)
         }
         let buckets = manifest.buckets
-        for bucket in buckets.sizes.dropLast() {
-            for phase in [Phase.prefill, .decode] {
-                let name = buckets.functionName(phase, bucket: bucket)
-                stages[name] = try await makeStage(phase, function: name, manifest: manifest, store: store)
-            }
-        }
         let smaller = Array(buckets.sizes.dropLast())
         let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0, buckets: smaller) }
         let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
-        var states: ChunkStates?
-        if manifest.cache.inStates, let decode = stages[Phase.decode.rawValue] {
-            states = try ChunkStates {
-                try zip(decode.chunks, decode.chunkFunctions).map { try Self.makeState($0, $1.states, manifest: manifest) }
-            }
-        }
+        let states = manifest.cache.inStates ? ChunkStates() : nil
         // carried states by the input specs of the functions that read them (the same in every bucket)
         func carriedArrays(_ phase: Phase, _ carry: CarryMode, _ name: (CarriedState) -> String) throws
             -> [CarriedState: [MLMultiArray?]] {
@@ -242,7 +267,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                              carriedBranches: try carriedArrays(.decodeBranches, .branches, \.branchesName))
     }
 
-    private init(manifest: Manifest, wiring: PipelineWiring, stages: [String: Stage], prefixCaches: [CacheBuffers],
+    private init(manifest: Manifest, wiring: PipelineWiring, stages: PlannedStages<CoreMLModelStore, Stage>, prefixCaches: [CacheBuffers],
                  suffixCaches: [CacheBuffers], chunkStates: ChunkStates?, carriedStates: [CarriedState: [MLMultiArray?]],
                  carriedBranches: [CarriedState: [MLMultiArray?]]) {
         self.manifest = manifest
@@ -269,27 +294,23 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         return state
     }
 
-    /// The stage of function `function` of `phase`: the phase's own, or a context bucket's copy
-    /// (whose later embeddings parts and LM head are the phase's: they have no bucketed functions).
-    private static func makeStage(_ phase: Phase, function fn: String, manifest: Manifest,
-                                  store: CoreMLModelStore) async throws -> Stage {
-        let p = phase.rawValue
+    /// The stage of the loaded functions `loaded` of its plan's phase at its context bucket: the
+    /// phase's own, or a context bucket's copy (whose later embeddings parts and LM head are the
+    /// phase's: they have no bucketed functions), with its buffers allocated.
+    private static func makeStage(_ loaded: LoadedStage<MLModel>, manifest: Manifest) throws -> Stage {
+        let plan = loaded.plan
+        let p = plan.phase.rawValue
+        func entry(_ f: PlannedFunction) throws -> Manifest.Function { try manifest.function(f.model, f.function) }
         let firstPart = manifest.embeddings.models.first ?? ""
-        let embeddingsFunction = try manifest.function(firstPart, fn)
-        let partFunctions = try manifest.embeddings.models.dropFirst().map { try manifest.function($0, p) }
-        let headFunctions = try manifest.lmHead.models.map { try manifest.function($0, p) }
-        let chunkFunctions = try manifest.chunks.map { try manifest.function($0.model, fn) }
-        // A state export's prefill and decode write their caches in the chunk: no cache update;
-        // nor has a chunk of conv layers only, which keeps no K/V.
-        let writesInChunk = manifest.cache.inStates && (phase == .prefill || phase == .decode)
-        let updateFunctions = try manifest.chunks.map { chunk -> Manifest.Function? in
-            if writesInChunk { return nil }
-            guard let name = chunk.cacheUpdate[fn] else {
-                guard manifest.keepsKV(chunk) else { return nil }
-                throw ManifestError.inconsistent("chunk \(chunk.model) names no \(fn) cache update")
-            }
-            return try manifest.function("cache_update", name)
+        guard let first = plan.embeddings.first, let embeddingsModel = loaded.embeddings.first else {
+            throw ManifestError.inconsistent("embeddings models is empty")
         }
+        let embeddingsFunction = try entry(first)
+        let headFunctions = try plan.lmHeads.map(entry)
+        let chunkFunctions = try plan.chunks.map(entry)
+        // A state export's prefill and decode write their caches in the chunk: no cache update;
+        // nor has a chunk of conv layers only, which keeps no K/V (`LoadPlan`).
+        let updateFunctions = try plan.updates.map { try $0.map(entry) }
         var shared: [String: MLMultiArray] = [:]
         var hidden: [MLMultiArray] = [], perLayer: [MLMultiArray] = []
         for spec in embeddingsFunction.outputs {
@@ -334,32 +355,37 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             chunkValues[spec.name] = try CoreMLArrays.make(spec)
         }
 
-        var parts: [(name: String, model: MLModel)] = [], heads: [(model: MLModel, outputs: [String: MLMultiArray])] = []
-        var chunks: [MLModel] = [], updates: [MLModel?] = []
-        for (name, f) in zip(manifest.embeddings.models.dropFirst(), partFunctions) {
-            parts.append((name: name, model: try await store.model(for: f)))
-        }
-        for f in chunkFunctions { chunks.append(try await store.model(for: f)) }
-        for f in updateFunctions {
-            if let f { updates.append(try await store.model(for: f)) } else { updates.append(nil) }
-        }
-        for (k, f) in headFunctions.enumerated() {
-            heads.append((model: try await store.model(for: f), outputs: headOutputs[k]))
-        }
-        return Stage(embeddings: try await store.model(for: embeddingsFunction), embeddingParts: parts, chunks: chunks,
-                     chunkFunctions: chunkFunctions, updates: updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
+        let parts = zip(plan.embeddings.dropFirst(), loaded.embeddings.dropFirst()).map { (name: $0.model, model: $1) }
+        let heads = zip(loaded.lmHeads, headOutputs).map { (model: $0, outputs: $1) }
+        return Stage(embeddings: embeddingsModel, embeddingParts: parts, chunks: loaded.chunks,
+                     chunkFunctions: chunkFunctions, updates: loaded.updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
                      updateFunctions: updateFunctions, hostInputs: hostInputs, chunkValues: chunkValues,
                      hidden: hidden, perLayer: perLayer, gathered: gathered, shared: shared, chunkOutputs: chunkOutputs,
                      logits: logits)
     }
 
-    /// The stage of `phase` at context bucket `bucket` (the whole context by default).
-    private func stage(_ phase: Phase, bucket: Int? = nil) throws -> Stage {
-        let bucket = bucket ?? manifest.contextLength
-        guard let s = stages[bucket == manifest.contextLength ? phase.rawValue : manifest.buckets.functionName(phase, bucket: bucket)] else {
-            throw phase == .verify ? GenerationError.noVerifyWindow : GenerationError.noBranchWidth
-        }
+    /// The stage of `phase` at context bucket `bucket` (the whole context by default), its
+    /// functions loaded on its first use (`PlannedStages`). A state export's chunk states are made
+    /// with the first stage asked for.
+    private func stage(_ phase: Phase, bucket: Int? = nil) async throws -> Stage {
+        let s = try await stages.stage(phase, bucket: bucket ?? manifest.contextLength)
+        try await makeStates(phase, s)
         return s
+    }
+
+    /// A state export's chunk states, made once from the chunks of the first stage asked for: that
+    /// stage's where it is a prefill or decode stage (any bucket's: the functions that write the
+    /// states, which keep the whole context in every bucket), else the decode stage's.
+    private func makeStates(_ phase: Phase, _ s: Stage) async throws {
+        guard let chunkStates, !chunkStates.made else { return }
+        guard phase == .prefill || phase == .decode else {
+            _ = try await stage(.decode)  // makes them
+            return
+        }
+        let manifest = self.manifest
+        try chunkStates.makeOnce {
+            try zip(s.chunks, s.chunkFunctions).map { try Self.makeState($0, $1.states, manifest: manifest) }
+        }
     }
 
     /// Runs one prediction whose outputs land in `backings`, on `state` when given (an `MLState`).
@@ -390,7 +416,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// part from the current hidden buffer into the other.
     private func embed(_ phase: Phase, bucket: Int? = nil, _ values: [String: [Int32]],
                        floats: [String: [Float]] = [:], realTokens: Int = 0) async throws -> Activations {
-        let s = try stage(phase, bucket: bucket)
+        let s = try await stage(phase, bucket: bucket)
         for spec in s.embeddingsFunction.inputs {
             guard let array = s.hostInputs[spec.name] else {
                 throw PipelineError.unwiredInput(model: manifest.embeddings.models.first ?? "", input: spec.name)
@@ -407,7 +433,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         backings[TensorNames.hiddenStates] = s.hidden[0]
         backings[TensorNames.perLayerInputs] = s.perLayer.first
         try await predict(s.embeddings, inputs: s.hostInputs, backings: backings)
-        var current = Activations(hidden: s.hidden[0], slot: 0, realTokens: realTokens, perLayer: s.perLayer.first)
+        var current = Activations(hidden: s.hidden[0], slot: 0, realTokens: realTokens, perLayer: s.perLayer.first, bucket: bucket)
         for (index, part) in s.embeddingParts.enumerated() {
             var inputs: [String: MLMultiArray] = [:]
             for (name, source) in wiring.embeddingInputs[phase]?[index] ?? [:] {
@@ -424,7 +450,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             // the per-layer inputs alternate between their two buffers with the hidden states
             let perLayer = s.perLayer.isEmpty ? nil : s.perLayer[1 - current.slot]
             let out = Activations(hidden: s.hidden[1 - current.slot], slot: 1 - current.slot, realTokens: realTokens,
-                                  perLayer: perLayer)
+                                  perLayer: perLayer, bucket: bucket)
             var partBackings = [TensorNames.hiddenStatesOut: out.hidden]
             partBackings[TensorNames.perLayerInputsOut] = perLayer
             try await predict(part.model, inputs: inputs, backings: partBackings)
@@ -434,7 +460,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     private func chunk(_ index: Int, _ input: Activations, _ phase: Phase, bucket: Int? = nil) async throws -> Activations {
-        let s = try stage(phase, bucket: bucket)
+        let s = try await stage(phase, bucket: bucket)
         let prefix = prefixCaches[index].pair(bucket: bucket).current
         let suffix = phase == .decodeBranches ? suffixCaches[index].pair().current : [:]
         var inputs: [String: MLMultiArray] = [:]
@@ -462,7 +488,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             state = held
         }
         var out = Activations(hidden: s.hidden[1 - input.slot], slot: 1 - input.slot, realTokens: input.realTokens,
-                              perLayer: input.perLayer)
+                              perLayer: input.perLayer, bucket: input.bucket)
         var backings = s.chunkOutputs[index]
         // the chunk carrying a folded head outputs logits in place of hidden_states_out
         if s.chunkFunctions[index].output(TensorNames.hiddenStatesOut) != nil {
@@ -556,7 +582,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// swaps them.
     private func update(_ index: Int, _ phase: Phase, bucket: Int? = nil, _ cache: CacheBuffers,
                         _ values: [String: [Int32]]) async throws {
-        let s = try stage(phase, bucket: bucket)
+        let s = try await stage(phase, bucket: bucket)
         guard let function = s.updateFunctions[index], let updateModel = s.updates[index] else {
             guard manifest.cache.inStates && (phase == .prefill || phase == .decode) else {
                 return  // a chunk of conv layers only keeps no K/V: nothing to write
@@ -595,11 +621,11 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         cache.swap()
     }
 
-    /// The LM head models of `phase` (none with a folded head: the last chunk has written the
-    /// logits): the logits of each requested window column, all vocabulary splits of all models
-    /// concatenated in split order.
+    /// The LM head models of `phase` in the stage of `input`'s context bucket (none with a folded
+    /// head: the last chunk has written the logits): the logits of each requested window column,
+    /// all vocabulary splits of all models concatenated in split order.
     private func logits(_ input: Activations, _ phase: Phase, columns: [Int]) async throws -> [[Float]] {
-        let s = try stage(phase)
+        let s = try await stage(phase, bucket: input.bucket)
         for head in s.lmHeads {
             try await predict(head.model, inputs: [TensorNames.hiddenStates: input.hidden], backings: head.outputs)
         }
@@ -619,10 +645,11 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     // MARK: PipelineBackend
 
     public func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
+        let s = try await stage(window.phase, bucket: bucket)  // loaded on first use, with a state export's states
         if window.position == 0, manifest.cache.conv != nil || manifest.cache.delta != nil {
             try emptyCarriedStates()  // a new sequence: no earlier token's values in the conv or recurrent state
         }
-        if let tokens = try stage(window.phase, bucket: bucket).chunkValues[TensorNames.windowTokens] {
+        if let tokens = s.chunkValues[TensorNames.windowTokens] {
             CoreMLArrays.write([Int32(window.count)], into: tokens)  // the chunks keep their states after these
         }
         return try await embed(window.phase, bucket: bucket,
@@ -672,6 +699,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     public func resetSuffixes() async throws {
+        if chunkStates?.made == false {
+            _ = try await stage(.decodeBranches)  // the states the branches copy from, made with the stages they need
+        }
         suffixCaches.forEach { $0.zero() }
         try copyStatesToBranches()  // each branch starts from the prefix's conv and recurrent states
     }

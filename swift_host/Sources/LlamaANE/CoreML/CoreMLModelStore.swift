@@ -5,7 +5,10 @@ import Foundation
 /// Loads the functions an export's manifest names. Each `.mlpackage` is compiled on first use and
 /// the `.mlmodelc` is kept in a cache folder keyed by the package's sha256, so later launches load
 /// directly; a `.mlmodelc` shipped next to the package (compiled by Xcode) is used as is.
-public actor CoreMLModelStore {
+///
+/// `CoreMLBackend` asks for each function through its load plan (`FunctionStore`, `PlannedStages`):
+/// on the first use of a stage that holds it, not before.
+public actor CoreMLModelStore: FunctionStore {
     public let folder: URL
     public let manifest: Manifest
     public let computeUnits: MLComputeUnits
@@ -24,18 +27,28 @@ public actor CoreMLModelStore {
 
     /// The loaded model for one manifest function (loaded once, then shared).
     public func model(for function: Manifest.Function) async throws -> MLModel {
-        let key = function.file + "#" + function.functionName
+        try await model(file: function.file, functionName: function.functionName)
+    }
+
+    /// The loaded model for function `functionName` of package `file` (loaded once, then shared).
+    private func model(file: String, functionName: String) async throws -> MLModel {
+        let key = file + "#" + functionName
         if let model = loaded[key] { return model }
-        let url = try await compiledURL(for: function.file)
+        let url = try await compiledURL(for: file)
         let configuration = MLModelConfiguration()
         configuration.computeUnits = computeUnits
         if manifest.multifunction {
             guard #available(macOS 15.0, iOS 18.0, *) else { throw PipelineError.multifunctionNeedsNewerOS }
-            configuration.functionName = function.functionName
+            configuration.functionName = functionName
         }
         let model = try await MLModel.load(contentsOf: url, configuration: configuration)
         loaded[key] = model
         return model
+    }
+
+    /// The loaded model of one function of the load plan (`model(for:)`'s: loaded once, then shared).
+    public func load(_ function: PlannedFunction) async throws -> MLModel {
+        try await model(file: function.file, functionName: function.functionName)
     }
 
     /// The compiled model for a manifest file name; concurrent callers share one compilation.

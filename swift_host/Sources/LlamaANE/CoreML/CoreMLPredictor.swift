@@ -3,9 +3,10 @@ import CoreML
 import Foundation
 
 extension ExportedModel {
-    /// The Core ML pipeline for this export: every function loaded (packages compiled on first
-    /// use and cached), buffers preallocated, cache updates run in the background (or, for a
-    /// `--kv-cache state` export, the caches held in Core ML states that the chunks update).
+    /// The Core ML pipeline for this export: each stage's functions loaded by the load plan on
+    /// the first use of its phase and context bucket (packages compiled on first use and cached),
+    /// buffers preallocated, cache updates run in the background (or, for a `--kv-cache state`
+    /// export, the caches held in Core ML states that the chunks update).
     public func makeCoreMLPredictor(computeUnits: MLComputeUnits = .cpuAndNeuralEngine,
                                     cacheDirectory: URL? = nil) async throws -> ChunkedPipeline<CoreMLBackend> {
         let store = CoreMLModelStore(folder: folder, manifest: manifest, computeUnits: computeUnits,

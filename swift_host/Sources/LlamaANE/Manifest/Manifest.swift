@@ -36,6 +36,8 @@ public struct Manifest: Codable, Equatable, Sendable {
     public var deploymentTarget: String
     /// Whether functions share one package (needs iOS 18 / macOS 15).
     public var multifunction: Bool
+    /// Model name -> the bytes of weights in its package (optional; see `Weights`).
+    public var weights: [String: Weights]?
     public var cache: CacheLayout
     /// The embedding table's model files, cut by vocabulary rows.
     public var embeddings: Embeddings
@@ -53,7 +55,7 @@ public struct Manifest: Codable, Equatable, Sendable {
         case contextLength = "context_length", prefillLength = "prefill_length", contextBuckets = "context_buckets"
         case branchWidth = "branch_width"
         case suffixLength = "suffix_length", verifyWindow = "verify_window"
-        case precision, deploymentTarget = "deployment_target", multifunction, cache, embeddings, lmHead = "lm_head"
+        case precision, deploymentTarget = "deployment_target", multifunction, weights, cache, embeddings, lmHead = "lm_head"
         case chunks, models, tokenizer, files
     }
 
@@ -185,6 +187,22 @@ public struct Manifest: Codable, Equatable, Sendable {
 
         /// The kv heads of the global layers (`globalKeyValueHeads`, else `numKeyValueHeads`).
         public var globalKVHeads: Int { (globalKeyValueHeads ?? 0) > 0 ? globalKeyValueHeads ?? 0 : numKeyValueHeads }
+    }
+
+    /// The bytes of weights in one model's package (`weights`, see docs/manifest.md and
+    /// docs/quantization.md): as stored, as fp16, and as the Neural Engine reads them.
+    public struct Weights: Codable, Equatable, Sendable {
+        /// Bytes as stored in the package (compressed forms at their stored size).
+        public var bytes: Int?
+        /// The same weights in fp16.
+        public var denseBytes: Int?
+        /// Bytes as the Neural Engine holds them: forms decompressed at load count dense.
+        public var readBytes: Int?
+        enum CodingKeys: String, CodingKey { case bytes, denseBytes = "dense_bytes", readBytes = "read_bytes" }
+
+        /// `readBytes`, else `bytes`, else 0: what a loaded copy of the package's weights holds (as
+        /// `package_weight_bytes` of the Python package's `contract/resident.py` reads it).
+        public var residentBytes: Int { readBytes ?? bytes ?? 0 }
     }
 
     /// The KV cache layout: `(layers, kv_heads*head_dim, 1, context)` per chunk, and where the caches
