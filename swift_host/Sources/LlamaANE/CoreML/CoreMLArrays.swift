@@ -99,6 +99,29 @@ enum CoreMLArrays {
         }
     }
 
+    /// Writes a host-made mask (1, 1, S, N) into a float16 or float32 array of that shape, through
+    /// the storage's strides: 0 where a row sees a column, `HostMasks.maskValue` where not.
+    static func write(_ mask: HostMask, into array: MLMultiArray) throws {
+        guard array.shape.map(\.intValue) == mask.shape, array.dataType == .float16 || array.dataType == .float32 else {
+            throw PipelineError.allocationFailed("a mask of \(mask.shape) in an array of \(array.shape.map(\.intValue))")
+        }
+        let isHalf = array.dataType == .float16
+        let (seen, hidden) = (halfBitsFromFloat(0), halfBitsFromFloat(HostMasks.maskValue))
+        array.withUnsafeMutableBytes { raw, strides in
+            for r in 0..<mask.rows {
+                let row = r * strides[2], first = r * mask.columns
+                for c in 0..<mask.columns {
+                    let offset = row + c * strides[3], visible = mask.visible[first + c]
+                    if isHalf {
+                        raw.storeBytes(of: visible ? seen : hidden, toByteOffset: offset * 2, as: UInt16.self)
+                    } else {
+                        raw.storeBytes(of: visible ? Float(0) : HostMasks.maskValue, toByteOffset: offset * 4, as: Float.self)
+                    }
+                }
+            }
+        }
+    }
+
     /// Moves a carried state on (`StateCarry`): `operation` on `target`, reading `source`, two 4-D
     /// arrays of one float type (fp16 copied as its bits), through their storage's strides.
     static func carry(_ operation: StateCarry.Operation, target: MLMultiArray, source: MLMultiArray) throws {

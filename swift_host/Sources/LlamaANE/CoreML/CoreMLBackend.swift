@@ -55,6 +55,15 @@ import Foundation
 /// window's position on, these states are not positional: a window at position 0 (a new sequence,
 /// or any rewind, which keeps no token of such an export) first empties them.
 ///
+/// An export whose prefill window decodes (`decode_function` "prefill", format_version 4) has one
+/// function per model and bucket, the prefill one, which a decoded token runs as a window of one
+/// real token (`Manifest.runs` maps decode to it). Its embeddings take each row's `positions` and
+/// output no masks: the host's masks (`HostWindow`, made by `HostMasks`) are written into the
+/// stage's own mask arrays, which the chunks read, and with state caches the window's write
+/// `position` into the chunks' int32 input (the states hold `Manifest.cacheLength` columns, room for
+/// a window's padding at the context's end). Its cascade, where it steps through the prefill window
+/// (`cascade` "window"), runs through the same stage (`ChunkedPipeline.decodeBranchesInWindow`).
+///
 /// An export whose LM head is folded into the last chunk (`lm_head.folded_into`) loads no head
 /// model: the last chunk's function of each phase and bucket writes the logits into that stage's
 /// logits arrays, which the step's `Activations` then point to.
@@ -98,8 +107,12 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         /// mask; the later parts read the same arrays.
         let hostInputs: [String: MLMultiArray]
         /// The chunks' int32 inputs the host writes that the embeddings do not read (a state
-        /// export's window_tokens), by name.
+        /// export's window_tokens; where the prefill window decodes, with states, the window's
+        /// write position), by name.
         let chunkValues: [String: MLMultiArray]
+        /// Where the prefill window decodes: the masks the chunks read, which the host writes
+        /// (`HostWindow.masks`), by name; empty otherwise.
+        let hostMasks: [String: MLMultiArray]
         let hidden: [MLMultiArray]
         /// Gemma 4's per-layer inputs, ping-ponged through the embeddings files as the hidden states
         /// are; empty without.
@@ -204,6 +217,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public let manifest: Manifest
     private let wiring: PipelineWiring
+    /// Where the prefill window decodes, the masks a window given as a `TokenWindow` gets.
+    private let masks: HostMasks?
     /// Each phase's stage ("prefill", ...) and each context bucket's ("prefill_512", ...), made on
     /// first use through the load plan.
     private let stages: PlannedStages<CoreMLModelStore, Stage>
@@ -244,7 +259,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         }
         let buckets = manifest.buckets
         let smaller = Array(buckets.sizes.dropLast())
-        let prefix = try (wiring.updatedState[.decode] ?? []).map { try CacheBuffers($0, buckets: smaller) }
+        let prefix = try (wiring.updatedState[manifest.decodePhase] ?? []).map { try CacheBuffers($0, buckets: smaller) }
         let suffix = try (wiring.updatedState[.decodeBranches] ?? []).map { try CacheBuffers($0) }
         let states = manifest.cache.inStates ? ChunkStates() : nil
         // carried states by the input specs of the functions that read them (the same in every bucket)
@@ -253,8 +268,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             var out: [CarriedState: [MLMultiArray?]] = [:]
             for carried in CarriedState.allCases {
                 out[carried] = try manifest.chunks.enumerated().map { i, chunk -> MLMultiArray? in
-                    guard wiring.carry(carried, phase, chunk: i) == carry else { return nil }
-                    guard let spec = try manifest.function(chunk.model, phase.rawValue).input(name(carried)) else {
+                    guard wiring.carry(carried, manifest.runs(phase), chunk: i) == carry else { return nil }
+                    guard let spec = try manifest.function(chunk.model, manifest.runs(phase).rawValue).input(name(carried)) else {
                         throw PipelineError.unwiredInput(model: "\(chunk.model) (\(phase.rawValue))", input: name(carried))
                     }
                     return try CoreMLArrays.make(spec)
@@ -272,6 +287,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                  carriedBranches: [CarriedState: [MLMultiArray?]]) {
         self.manifest = manifest
         self.wiring = wiring
+        self.masks = manifest.prefillDecodes ? HostMasks(manifest: manifest) : nil
         self.stages = stages
         self.prefixCaches = prefixCaches
         self.suffixCaches = suffixCaches
@@ -281,7 +297,9 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     /// A new state of `model` with each of its buffers `specs` (k_cache, v_cache, k_ring, v_ring:
-    /// those the chunk holds) zeroed (needs macOS 15 / iOS 18, as states do).
+    /// those the chunk holds) zeroed (needs macOS 15 / iOS 18, as states do). Each buffer must have
+    /// the manifest's shape: a context-long cache `Manifest.cacheLength` columns, which where the
+    /// prefill window decodes holds a window's padding past the context.
     private static func makeState(_ model: MLModel, _ specs: [Manifest.TensorSpec], manifest: Manifest) throws -> AnyObject {
         guard #available(macOS 15.0, iOS 18.0, *) else {
             throw ManifestError.inconsistent("this export keeps its KV caches in Core ML states, which need macOS 15 / "
@@ -289,7 +307,13 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         }
         let state = model.makeState()
         for spec in specs {
-            state.withMultiArray(for: spec.name) { CoreMLArrays.zero($0) }
+            try state.withMultiArray(for: spec.name) { array in
+                guard array.shape.map(\.intValue) == spec.shape else {
+                    throw ManifestError.inconsistent("the package's state \(spec.name) has shape \(array.shape.map(\.intValue)), "
+                        + "but the manifest gives \(spec.shape) (cache length \(manifest.cacheLength))")
+                }
+                CoreMLArrays.zero(array)
+            }
         }
         return state
     }
@@ -350,16 +374,24 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         let logits = logitsSources.flatMap { $0.map { (name: $0.key, array: $0.value) } }
             .sorted { splitIndex($0.name) < splitIndex($1.name) }
         let hostInputs = try Dictionary(uniqueKeysWithValues: embeddingsFunction.inputs.map { ($0.name, try CoreMLArrays.make($0)) })
-        var chunkValues: [String: MLMultiArray] = [:]
-        for spec in chunkFunctions.flatMap(\.inputs) where spec.name == TensorNames.windowTokens && chunkValues[spec.name] == nil {
+        var chunkValues: [String: MLMultiArray] = [:], hostMasks: [String: MLMultiArray] = [:]
+        // where the prefill window decodes, its embeddings take no position: the chunks' own (with states)
+        let values = manifest.prefillDecodes ? [TensorNames.windowTokens, TensorNames.position] : [TensorNames.windowTokens]
+        for spec in chunkFunctions.flatMap(\.inputs) where values.contains(spec.name) && spec.dtype == "int32"
+            && embeddingsFunction.input(spec.name) == nil && chunkValues[spec.name] == nil {
             chunkValues[spec.name] = try CoreMLArrays.make(spec)
+        }
+        // and no masks: the host writes them into the stage's arrays, which every chunk reads
+        for spec in chunkFunctions.flatMap(\.inputs) where manifest.prefillDecodes && plan.phase == .prefill
+            && TensorNames.hostMasks.contains(spec.name) && embeddingsFunction.output(spec.name) == nil && hostMasks[spec.name] == nil {
+            hostMasks[spec.name] = try CoreMLArrays.make(spec)
         }
 
         let parts = zip(plan.embeddings.dropFirst(), loaded.embeddings.dropFirst()).map { (name: $0.model, model: $1) }
         let heads = zip(loaded.lmHeads, headOutputs).map { (model: $0, outputs: $1) }
         return Stage(embeddings: embeddingsModel, embeddingParts: parts, chunks: loaded.chunks,
                      chunkFunctions: chunkFunctions, updates: loaded.updates, lmHeads: heads, embeddingsFunction: embeddingsFunction,
-                     updateFunctions: updateFunctions, hostInputs: hostInputs, chunkValues: chunkValues,
+                     updateFunctions: updateFunctions, hostInputs: hostInputs, chunkValues: chunkValues, hostMasks: hostMasks,
                      hidden: hidden, perLayer: perLayer, gathered: gathered, shared: shared, chunkOutputs: chunkOutputs,
                      logits: logits)
     }
@@ -368,6 +400,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// functions loaded on its first use (`PlannedStages`). A state export's chunk states are made
     /// with the first stage asked for.
     private func stage(_ phase: Phase, bucket: Int? = nil) async throws -> Stage {
+        let phase = manifest.runs(phase)
         let s = try await stages.stage(phase, bucket: bucket ?? manifest.contextLength)
         try await makeStates(phase, s)
         return s
@@ -379,7 +412,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private func makeStates(_ phase: Phase, _ s: Stage) async throws {
         guard let chunkStates, !chunkStates.made else { return }
         guard phase == .prefill || phase == .decode else {
-            _ = try await stage(.decode)  // makes them
+            _ = try await stage(manifest.decodePhase)  // makes them
             return
         }
         let manifest = self.manifest
@@ -416,6 +449,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// part from the current hidden buffer into the other.
     private func embed(_ phase: Phase, bucket: Int? = nil, _ values: [String: [Int32]],
                        floats: [String: [Float]] = [:], realTokens: Int = 0) async throws -> Activations {
+        let phase = manifest.runs(phase)
         let s = try await stage(phase, bucket: bucket)
         for spec in s.embeddingsFunction.inputs {
             guard let array = s.hostInputs[spec.name] else {
@@ -442,7 +476,8 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
                 case .hiddenStates: array = current.hidden
                 case .perLayerInputs: array = current.perLayer
                 case let .value(n): array = s.hostInputs[n]
-                case .embeddingsOutput, .cache, .suffixCache, .chunkOutput, .carriedState, .carriedBranches, .gathered: array = nil
+                case .embeddingsOutput, .hostMask, .cache, .suffixCache, .chunkOutput, .carriedState, .carriedBranches, .gathered:
+                    array = nil
                 }
                 guard let array else { throw PipelineError.unwiredInput(model: part.name, input: name) }
                 inputs[name] = array
@@ -460,6 +495,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     }
 
     private func chunk(_ index: Int, _ input: Activations, _ phase: Phase, bucket: Int? = nil) async throws -> Activations {
+        let phase = manifest.runs(phase)
         let s = try await stage(phase, bucket: bucket)
         let prefix = prefixCaches[index].pair(bucket: bucket).current
         let suffix = phase == .decodeBranches ? suffixCaches[index].pair().current : [:]
@@ -469,6 +505,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             switch source {
             case .hiddenStates: array = input.hidden
             case let .embeddingsOutput(n): array = s.shared[n]
+            case let .hostMask(n): array = s.hostMasks[n]
             case let .cache(n): array = prefix[n]
             case let .suffixCache(n): array = suffix[n]
             case let .value(n): array = s.hostInputs[n] ?? s.chunkValues[n]  // the window's position, as the embeddings read it
@@ -554,7 +591,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     private func emptyCarriedStates() throws {
         for case let array? in carriedStates.values.joined() { CoreMLArrays.zero(array) }
         for carried in CarriedState.allCases {
-            for i in manifest.chunks.indices where wiring.carry(carried, .decode, chunk: i) == .inState {
+            for i in manifest.chunks.indices where wiring.carry(carried, manifest.decodePhase, chunk: i) == .inState {
                 try withHeldState(i, carried, as: carried.stateName) { CoreMLArrays.zero($0) }
             }
         }
@@ -582,6 +619,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// swaps them.
     private func update(_ index: Int, _ phase: Phase, bucket: Int? = nil, _ cache: CacheBuffers,
                         _ values: [String: [Int32]]) async throws {
+        let phase = manifest.runs(phase)
         let s = try await stage(phase, bucket: bucket)
         guard let function = s.updateFunctions[index], let updateModel = s.updates[index] else {
             guard manifest.cache.inStates && (phase == .prefill || phase == .decode) else {
@@ -608,7 +646,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
             case let .chunkOutput(n):
                 guard let array = s.chunkOutputs[index][n] else { throw PipelineError.unwiredInput(model: "cache_update", input: name) }
                 inputs[name] = array
-            case .hiddenStates, .embeddingsOutput, .carriedState, .carriedBranches, .perLayerInputs, .gathered:
+            case .hiddenStates, .embeddingsOutput, .hostMask, .carriedState, .carriedBranches, .perLayerInputs, .gathered:
                 throw PipelineError.unwiredInput(model: "cache_update", input: name)
             }
         }
@@ -625,6 +663,7 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     /// head: the last chunk has written the logits): the logits of each requested window column,
     /// all vocabulary splits of all models concatenated in split order.
     private func logits(_ input: Activations, _ phase: Phase, columns: [Int]) async throws -> [[Float]] {
+        let phase = manifest.runs(phase)
         let s = try await stage(phase, bucket: input.bucket)
         for head in s.lmHeads {
             try await predict(head.model, inputs: [TensorNames.hiddenStates: input.hidden], backings: head.outputs)
@@ -645,6 +684,10 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
     // MARK: PipelineBackend
 
     public func embed(_ window: TokenWindow, bucket: Int) async throws -> Activations {
+        if let masks {  // the prefill window decodes: the window's rows, positions and masks as the host makes them
+            return try await embed(HostWindow.sequence(window, prefillLength: manifest.prefillLength, bucket: bucket, masks: masks),
+                                   bucket: bucket)
+        }
         let s = try await stage(window.phase, bucket: bucket)  // loaded on first use, with a state export's states
         if window.position == 0, manifest.cache.conv != nil || manifest.cache.delta != nil {
             try emptyCarriedStates()  // a new sequence: no earlier token's values in the conv or recurrent state
@@ -654,6 +697,34 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
         }
         return try await embed(window.phase, bucket: bucket,
                                [TensorNames.inputIds: window.tokens, TensorNames.position: [Int32(window.position)]],
+                               realTokens: window.count)
+    }
+
+    /// The prefill stage's embeddings at `bucket` of an export whose prefill window decodes: the
+    /// window's ids and row positions to the embeddings; its masks into the stage's mask arrays and,
+    /// with state caches, its write position into the chunks' `position`, for the chunks to read.
+    public func embed(_ window: HostWindow, bucket: Int) async throws -> Activations {
+        guard manifest.prefillDecodes else {
+            throw ManifestError.inconsistent("a window with host-made masks for an export whose embeddings make them "
+                + "(decode_function \"\(manifest.decodeFunction ?? "decode")\")")
+        }
+        let s = try await stage(.prefill, bucket: bucket)  // loaded on first use, with a state export's states
+        if window.position == 0, manifest.cache.conv != nil || manifest.cache.delta != nil {
+            try emptyCarriedStates()  // a new sequence: no earlier token's values in the conv or recurrent state
+        }
+        if let tokens = s.chunkValues[TensorNames.windowTokens] {
+            CoreMLArrays.write([Int32(window.count)], into: tokens)  // the chunks keep their states after these
+        }
+        if let position = s.chunkValues[TensorNames.position] {
+            CoreMLArrays.write([Int32(window.position)], into: position)  // where the chunks write the window's K/V
+        }
+        for (name, array) in s.hostMasks {
+            guard let mask = window.masks[name] else {
+                throw PipelineError.unwiredInput(model: manifest.chunks.first?.model ?? "chunk_0", input: name)
+            }
+            try CoreMLArrays.write(mask, into: array)
+        }
+        return try await embed(.prefill, bucket: bucket, [TensorNames.inputIds: window.tokens, TensorNames.positions: window.positions],
                                realTokens: window.count)
     }
 
@@ -667,6 +738,10 @@ public final class CoreMLBackend: BranchBackend, VerifyBackend, @unchecked Senda
 
     public func logits(_ input: Activations, phase: Phase, column: Int) async throws -> [Float] {
         try await logits(input, phase, columns: [column])[0]
+    }
+
+    public func logits(_ input: Activations, phase: Phase, columns: [Int]) async throws -> [[Float]] {
+        try await logits(input, phase, columns: columns)
     }
 
     public func resetCaches() async throws {

@@ -1,19 +1,34 @@
 import Foundation
 
-/// A Codable mirror of an export's `manifest.json` (format_version 2, see docs/manifest.md): the one
-/// place that names the files, functions, tensors, shapes and dtypes of an exported model.
+/// A Codable mirror of an export's `manifest.json` (format_version 2, and 4 for an export whose
+/// prefill window decodes; see docs/manifest.md): the one place that names the files, functions,
+/// tensors, shapes and dtypes of an exported model.
 ///
 /// Use `Manifest.load(from:)`, which checks `format_version` before decoding anything else, then the
 /// fields and their types, the cache shapes against `context_length`, every file name (plain relative
 /// names, no link leading outside the folder), a `files` map holding the sha256 of every named file,
 /// and that every named file exists: the manifest is untrusted input.
 public struct Manifest: Codable, Equatable, Sendable {
-    /// The format versions this package reads.
-    public static let supportedFormatVersions = [2]
+    /// The format versions this package reads: 2, and 4 for an export whose prefill window decodes
+    /// (`decode_function` "prefill", see `prefillDecodes`).
+    public static let supportedFormatVersions = [2, 4]
+    /// The format version of an export whose prefill window decodes.
+    public static let prefillDecodesFormatVersion = 4
+    /// Format versions no longer read, with what they were (refused with a line to re-export).
+    public static let retiredFormatVersions = [3: "an export whose prefill window decoded, with masks the embeddings made"]
+    /// State caches where the prefill window decodes are longer than the context by the window
+    /// less one, rounded up to this many columns (`cacheLength`).
+    public static let cacheMultiple = 32
     /// The file name of the manifest inside an export folder.
     public static let fileName = "manifest.json"
 
     public var formatVersion: Int
+    /// What a decoded token runs: "decode" (absent: the default), or "prefill" where the prefill
+    /// window decodes (format_version 4; see `prefillDecodes`).
+    public var decodeFunction: String?
+    /// How the cascade steps where it is "window": as rows of the prefill window, without
+    /// "decode_branches" functions (see `windowCascade`); absent or "function": those functions.
+    public var cascade: String?
     public var name: String
     public var createdBy: [String: String]
     public var source: Source?
@@ -25,7 +40,8 @@ public struct Manifest: Codable, Equatable, Sendable {
     /// Cache lengths with their own prefill and decode functions, ascending to `contextLength`
     /// (absent in exports without buckets: see `buckets`).
     public var contextBuckets: [Int]?
-    /// Branches B of the "decode_branches" functions; nil or 0 when the export has none.
+    /// Branches B of the cascade: of the "decode_branches" functions, or (`windowCascade`) the most
+    /// branches one prefill window runs as its rows; nil or 0 when the export has no cascade.
     public var branchWidth: Int?
     /// Tokens each branch's private suffix cache holds (with `branchWidth`).
     public var suffixLength: Int?
@@ -51,7 +67,7 @@ public struct Manifest: Codable, Equatable, Sendable {
     public var files: [String: String]
 
     enum CodingKeys: String, CodingKey {
-        case formatVersion = "format_version", name, createdBy = "created_by", source, config
+        case formatVersion = "format_version", decodeFunction = "decode_function", cascade, name, createdBy = "created_by", source, config
         case contextLength = "context_length", prefillLength = "prefill_length", contextBuckets = "context_buckets"
         case branchWidth = "branch_width"
         case suffixLength = "suffix_length", verifyWindow = "verify_window"
@@ -63,6 +79,38 @@ public struct Manifest: Codable, Equatable, Sendable {
     /// Call after `Manifest.load`/`decode`, which check that the buckets ascend to `contextLength`.
     public var buckets: ContextBuckets {
         ContextBuckets(contextBuckets ?? [contextLength], contextLength: contextLength)
+    }
+
+    /// Whether the prefill window decodes (`decode_function` "prefill", format_version 4): the export
+    /// has no decode functions (nor decode cache updates), and a token runs its bucket's prefill
+    /// function as a window of one real token padded to `prefillLength`. Its embeddings take each
+    /// row's position (`positions`) and output no masks: the host makes the masks the chunks read
+    /// (`HostMasks`) and, with state caches, the `position` their K/V are written at.
+    public var prefillDecodes: Bool { decodeFunction == "prefill" }
+
+    /// Whether the cascade steps through the prefill window (`cascade` "window"): a step runs a group
+    /// of up to `branchWidth` branches as the first rows of one prefill window, their K/V side by side
+    /// after the shared prefix in the one cache; there are no "decode_branches" functions.
+    public var windowCascade: Bool { cascade == "window" }
+
+    /// The phase a decoded token runs: `.decode`, or `.prefill` where the prefill window decodes.
+    public var decodePhase: Phase { prefillDecodes ? .prefill : .decode }
+
+    /// The phases of single-sequence windows, each with a copy per context bucket: prefill and
+    /// decode, or prefill alone where the prefill window decodes.
+    public var windowPhases: [Phase] { prefillDecodes ? [.prefill] : [.prefill, .decode] }
+
+    /// The phase whose functions run `phase` in this export: `.prefill` for `.decode` where the
+    /// prefill window decodes, `phase` itself otherwise.
+    public func runs(_ phase: Phase) -> Phase { phase == .decode ? decodePhase : phase }
+
+    /// Columns of a context-long state cache (`cache.kind` "state"): the context, and where the
+    /// prefill window decodes, that window less one more, rounded up to `cacheMultiple`, so that a
+    /// window at the context's last position writes its padding too (Python's `cache_length`).
+    /// Input caches hold `contextLength` columns.
+    public var cacheLength: Int {
+        guard cache.inStates, prefillDecodes else { return contextLength }
+        return contextLength + (prefillLength - 1 + Self.cacheMultiple - 1) / Self.cacheMultiple * Self.cacheMultiple
     }
 
     /// Where the checkpoint came from (provenance only).

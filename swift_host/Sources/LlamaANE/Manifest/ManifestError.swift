@@ -3,6 +3,9 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case missingManifest(folder: String)
     case invalidJSON(path: String, reason: String)
     case unsupportedFormatVersion(found: Int?, supported: [Int])
+    /// A format version this package no longer reads (`Manifest.retiredFormatVersions`): what it was,
+    /// and the version a new export of the same kind has.
+    case retiredFormatVersion(found: Int, was: String, current: Int)
     case notAnObject(kind: String)
     case unsafePath(String)
     case linkOutside(name: String, link: String, target: String)
@@ -22,7 +25,9 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
         case let .invalidJSON(path, reason):
             return "\(path) is not a valid manifest: \(reason). Re-export the model with `llama-ane export`."
         case let .unsupportedFormatVersion(found, supported):
-            let reads = supported.map(String.init).joined(separator: ", ")
+            let listed = supported.map(String.init)
+            let reads = listed.count > 1 ? listed.dropLast().joined(separator: ", ") + " and " + (listed.last ?? "")
+                : listed.joined()
             guard let found else {
                 return "manifest.json has no format_version, but this LlamaANE reads \(reads). "
                     + "Re-export the model with `llama-ane export`."
@@ -33,6 +38,9 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
             }
             return "manifest.json has format_version \(found), from an older llama-ane, but this LlamaANE reads \(reads). "
                 + "Re-export the model with `llama-ane export`."
+        case let .retiredFormatVersion(found, was, current):
+            return "manifest.json has format_version \(found) (\(was)), which is no longer read. "
+                + "Re-export the model with `llama-ane export` (format_version \(current))."
         case let .notAnObject(kind):
             return "manifest.json holds \(kind), not an object. The manifest was edited or damaged: re-export the model."
         case let .unsafePath(name):

@@ -27,6 +27,9 @@ extension Manifest {
         do { probe = try JSONDecoder().decode(VersionProbe.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
         }
+        if let version = probe.formatVersion, let was = retiredFormatVersions[version] {
+            throw ManifestError.retiredFormatVersion(found: version, was: was, current: prefillDecodesFormatVersion)
+        }
         guard let version = probe.formatVersion, supportedFormatVersions.contains(version) else {
             throw ManifestError.unsupportedFormatVersion(found: probe.formatVersion, supported: supportedFormatVersions)
         }
@@ -38,8 +41,33 @@ extension Manifest {
         do { manifest = try JSONDecoder().decode(Manifest.self, from: data) } catch {
             throw ManifestError.invalidJSON(path: path, reason: describe(error))
         }
+        try manifest.checkDecodeFunction()
         try manifest.checkStructure()
         return manifest
+    }
+
+    /// `decode_function` and `cascade` hold known values, format_version 4 is written only where the
+    /// prefill window decodes (as Python's reader checks), and the cascade steps through the prefill
+    /// window only where that window decodes.
+    func checkDecodeFunction() throws {
+        guard ["decode", "prefill"].contains(decodeFunction ?? "decode") else {
+            throw ManifestError.inconsistent("decode_function \"\(decodeFunction ?? "")\" is neither \"decode\" nor \"prefill\"")
+        }
+        guard ["function", "window"].contains(cascade ?? "function") else {
+            throw ManifestError.inconsistent("cascade \"\(cascade ?? "")\" is neither \"function\" nor \"window\"")
+        }
+        if formatVersion == Self.prefillDecodesFormatVersion, !prefillDecodes {
+            throw ManifestError.inconsistent("format_version \(formatVersion) is written only with decode_function \"prefill\", "
+                + "but it has " + (decodeFunction.map { "\"\($0)\"" } ?? "none"))
+        }
+        if windowCascade, !prefillDecodes {
+            throw ManifestError.inconsistent("cascade \"window\" steps through the prefill window, but decode_function is "
+                + "\"\(decodeFunction ?? "decode")\", not \"prefill\"")
+        }
+        if windowCascade, (branchWidth ?? 0) > prefillLength {
+            throw ManifestError.inconsistent("cascade \"window\" runs branch_width \(branchWidth ?? 0) branches as rows of the "
+                + "prefill window, which holds \(prefillLength) (prefill_length)")
+        }
     }
 
     /// The URL of `name` inside `folder`, refusing absolute paths, `..`, backslashes and empty names.
@@ -148,13 +176,15 @@ extension Manifest {
         try checkChunkCacheRows()
         try Self.checkModelList("embeddings", embeddings.models)
         try checkHead()
+        // where the prefill window decodes there are no decode functions (nor decode cache updates)
+        let windows = windowPhases.map(\.rawValue)
         for name in embeddings.models + lmHead.models {
-            for phase in ["prefill", "decode"] { _ = try function(name, phase) }
+            for phase in windows { _ = try function(name, phase) }
         }
         for chunk in chunks {
             // a state export's prefill and decode write their caches in the chunk (no cache update),
             // and a chunk of conv layers only keeps no K/V to update
-            for phase in ["prefill", "decode"] where chunk.cacheUpdate[phase] == nil && !cache.inStates && keepsKV(chunk) {
+            for phase in windows where chunk.cacheUpdate[phase] == nil && !cache.inStates && keepsKV(chunk) {
                 throw ManifestError.inconsistent("chunk \(chunk.model) names no \(phase) cache update")
             }
             for (phase, update) in chunk.cacheUpdate {
@@ -162,8 +192,9 @@ extension Manifest {
                 _ = try function("cache_update", update)
             }
         }
-        var phases = ["prefill", "decode"]
-        if (branchWidth ?? 0) > 0 {
+        if prefillDecodes { try checkHostWindows() }
+        var phases = windows
+        if (branchWidth ?? 0) > 0, !windowCascade {
             guard (suffixLength ?? 0) > 0 else {
                 throw ManifestError.inconsistent("branch_width is \(branchWidth ?? 0) but suffix_length is missing")
             }
@@ -185,7 +216,7 @@ extension Manifest {
             // the folded chunk's bucket copies output the logits too (head models have no bucket copies)
             let buckets = self.buckets
             for bucket in buckets.sizes.dropLast() {
-                for phase in [Phase.prefill, .decode] { try checkLogits(buckets.functionName(phase, bucket: bucket)) }
+                for phase in windowPhases { try checkLogits(buckets.functionName(phase, bucket: bucket)) }
             }
         }
     }
@@ -215,7 +246,7 @@ extension Manifest {
         }
         let buckets = ContextBuckets(sizes, contextLength: contextLength)
         for bucket in sizes.dropLast() {
-            for phase in [Phase.prefill, .decode] {
+            for phase in windowPhases {
                 let name = buckets.functionName(phase, bucket: bucket)
                 for model in embeddings.models.prefix(1) { _ = try function(model, name) }
                 for chunk in chunks {
@@ -255,6 +286,37 @@ extension Manifest {
         }
     }
 
+    /// Where the prefill window decodes: each bucket's prefill function of the first embeddings part
+    /// takes the window's `input_ids` (1, S) and each row's `positions` (S,), int32, and every mask a
+    /// chunk's prefill function reads that the embeddings do not output is one the host makes
+    /// (`HostMasks`): "mask" (1, 1, S, T + S) over the function's context bucket T, "sliding_mask"
+    /// over the ring's slots where there is one (R + S), fp16 or fp32.
+    private func checkHostWindows() throws {
+        let s = prefillLength
+        for bucket in buckets.sizes {
+            let name = buckets.functionName(.prefill, bucket: bucket)
+            let first = try function(embeddings.models[0], name)
+            let expected = [TensorNames.inputIds: [1, s], TensorNames.positions: [s]]
+            for (input, shape) in expected.sorted(by: { $0.key < $1.key })
+            where first.input(input)?.shape != shape || first.input(input)?.dtype != "int32" {
+                throw ManifestError.inconsistent("\(embeddings.models[0]) (\(name)) must take \(input) of shape \(shape), int32, "
+                    + "where the prefill window decodes (decode_function \"prefill\"), not "
+                    + (first.input(input).map { "\($0.dtype) \($0.shape)" } ?? "nothing"))
+            }
+            let made = Set(first.outputs.map(\.name))
+            for chunk in chunks {
+                let f = try function(chunk.model, name)
+                for spec in f.inputs where TensorNames.hostMasks.contains(spec.name) && !made.contains(spec.name) {
+                    let columns = spec.name == TensorNames.slidingMask && cache.ringLength > 0 ? cache.ringLength : bucket
+                    guard spec.shape == [1, 1, s, columns + s], ["float16", "float32"].contains(spec.dtype) else {
+                        throw ManifestError.inconsistent("\(chunk.model) (\(name)) reads \(spec.name) of \(spec.dtype) \(spec.shape), but "
+                            + "the host makes it float [1, 1, \(s), \(columns + s)] (\(columns) cache columns and the window's \(s))")
+                    }
+                }
+            }
+        }
+    }
+
     /// The chunks' and cache updates' full-cache tensors and the sliding layers' ring tensors.
     private static let fullCacheTensors: Set<String> = ["k_cache", "v_cache", "k_cache_out", "v_cache_out"]
     private static let ringTensors: Set<String> = ["k_ring", "v_ring", "k_ring_out", "v_ring_out"]
@@ -291,9 +353,11 @@ extension Manifest {
                         }
                         let inRing = ring.contains(t.name)
                         let want = [t.shape[0], inRing ? cache.ringChannels : cache.channels, 1,
-                                    inRing ? slots : kind == "states" ? contextLength : bucket]
+                                    inRing ? slots : kind == "states" ? cacheLength : bucket]
                         let given = inRing ? "cache.sliding.length \(slots) and channels \(cache.ringChannels)"
-                            : "context_length \(contextLength) and cache.channels \(cache.channels)"
+                            : "context_length \(contextLength)" + (kind == "states" && cacheLength != contextLength
+                                ? " (states of \(cacheLength) columns, room for a prefill window's padding)" : "")
+                                + " and cache.channels \(cache.channels)"
                         guard t.shape == want else {
                             throw ManifestError.inconsistent("\(field) has shape \(t.shape), but \(given) give \(want)")
                         }
@@ -513,12 +577,12 @@ extension Manifest {
                     }
                 }
             }
-            let decode = try function(chunk.model, Phase.decode.rawValue)
+            let decode = try function(chunk.model, decodePhase.rawValue)
             let held = Set((decode.inputs + decode.states).map(\.name))
             for (pair, count) in [([TensorNames.kCache, TensorNames.vCache], rows.full), ([TensorNames.kRing, TensorNames.vRing], rows.ring),
                                   ([TensorNames.convState], rows.conv), ([TensorNames.deltaState], rows.delta)] {
                 for name in pair where held.contains(name) != (count > 0) {
-                    throw ManifestError.inconsistent("\(chunk.model) (decode) " + (count > 0 ? "does not read" : "reads")
+                    throw ManifestError.inconsistent("\(chunk.model) (\(decodePhase.rawValue)) " + (count > 0 ? "does not read" : "reads")
                         + " \(name), but \(count) of its layers \(chunk.layers) keep their K/V there (cache.sliding.layers "
                         + "\(cache.sliding?.layers ?? []))")
                 }

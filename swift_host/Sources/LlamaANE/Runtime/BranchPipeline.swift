@@ -38,9 +38,14 @@ extension ChunkedPipeline where Backend: BranchBackend {
         return try await backend.logits(forBranches: x)
     }
 
-    /// Prefills `prefix` once, then decodes every branch over it with the cascade scheduler.
+    /// Prefills `prefix` once, then decodes every branch over it with the cascade scheduler: through
+    /// the "decode_branches" functions, or where the cascade steps through the prefill window
+    /// (`windowCascadeWidth`), through that window (`decodeBranchesInWindow`).
     /// Throws `contextFull` when the prefix does not fit the cache.
     public func decodeBranches(prefix: [Int], branches: [BranchRequest], eosTokenIds: Set<Int>) async throws -> [BranchResult] {
+        if windowCascadeWidth > 0 {
+            return try await decodeBranchesInWindow(prefix: prefix, branches: branches, eosTokenIds: eosTokenIds)
+        }
         guard backend.branchWidth > 0 else { throw GenerationError.noBranchWidth }
         try await reset()
         var cache = emptyCache()

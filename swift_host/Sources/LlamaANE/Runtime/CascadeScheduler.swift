@@ -32,10 +32,16 @@ public struct BranchStep: Equatable, Sendable {
     public var prefixLength: Int
     /// True on a group's first step: the slots' suffix caches start empty.
     public var startsGroup: Bool
+    /// Each slot's branch's tokens written so far (its suffix cache's length; through the prefill
+    /// window, its tokens in the cache after the prefix), finished branches' too; 0 for an unused slot.
+    public var written: [Int]
+    /// The steps its group ran before this one (0 on the group's first).
+    public var step: Int
 }
 
 /// The cascade branch scheduler of the device runtime, as pure logic. B branches share one prefix
-/// cache and have private suffix caches; more branches than the exported width run in groups of
+/// cache and have private suffix caches (or, through the prefill window, their tokens side by side
+/// after the prefix in the one cache); more branches than the exported width run in groups of
 /// `branchWidth`; branches that stop are masked out while the rest of their group continues.
 /// Each branch has its own sampler, so its tokens do not depend on the grouping.
 public struct CascadeScheduler: Sendable {
@@ -91,6 +97,7 @@ public struct CascadeScheduler: Sendable {
         for (group, start) in stride(from: 0, to: requests.count, by: branchWidth).enumerated() {
             let members = Array(start..<min(start + branchWidth, requests.count))
             var first = true
+            var stepsRun = 0
             while true {
                 for b in members where states[b].stop == nil && states[b].suffixLength >= suffixCapacity {
                     states[b].stop = .context
@@ -105,8 +112,11 @@ public struct CascadeScheduler: Sendable {
                     active: active,
                     suffixPositions: zip(slots, active).map { b, on in on ? states[b!].suffixLength : 0 },
                     prefixLength: prefixLength,
-                    startsGroup: first)
+                    startsGroup: first,
+                    written: slots.map { b in b.map { states[$0].suffixLength } ?? 0 },
+                    step: stepsRun)
                 first = false
+                stepsRun += 1
                 let logits = try await step(request)
                 guard logits.count == branchWidth else {
                     throw GenerationError.badLogits(expected: branchWidth, got: logits.count)

@@ -19,15 +19,20 @@ public struct KVCacheState: Equatable, Sendable {
     public let paddedWindowsMustFit: Bool
     /// Tokens a rewind may forget and still keep the rest (`Manifest.rewindLimit`); nil: any.
     public let rewindLimit: Int?
+    /// The prefill window decodes (`Manifest.prefillDecodes`, format_version 4): a decoded token runs
+    /// as a prefill window of one real token padded to `prefillLength`, there being no decode functions.
+    public let decodesInPrefillWindow: Bool
     /// The token ids whose K/V the cache holds, in position order.
     public private(set) var tokens: [Int] = []
 
-    public init(capacity: Int, prefillLength: Int, paddedWindowsMustFit: Bool = false, rewindLimit: Int? = nil) {
+    public init(capacity: Int, prefillLength: Int, paddedWindowsMustFit: Bool = false, rewindLimit: Int? = nil,
+                decodesInPrefillWindow: Bool = false) {
         precondition(capacity > 0 && prefillLength > 0, "cache capacity and prefill length must be positive")
         self.capacity = capacity
         self.prefillLength = prefillLength
         self.paddedWindowsMustFit = paddedWindowsMustFit
         self.rewindLimit = rewindLimit
+        self.decodesInPrefillWindow = decodesInPrefillWindow
     }
 
     /// Filled positions: where the next window starts.
@@ -62,7 +67,8 @@ public struct KVCacheState: Equatable, Sendable {
 
     /// The prefill windows for `tokens` at the current position: chunks of `prefillLength`, the last
     /// padded with 0 (with `paddedWindowsMustFit`, one-token decode windows where a padded window
-    /// would pass the end). Throws `contextFull` when they do not fit.
+    /// would pass the end; where the prefill window decodes, the states have room for its padding and
+    /// the predictor does not ask for that). Throws `contextFull` when they do not fit.
     public func prefillWindows(_ tokens: [Int]) throws -> [TokenWindow] {
         guard !tokens.isEmpty else { throw GenerationError.emptyPrompt }
         guard tokens.count <= remaining else {
@@ -72,8 +78,7 @@ public struct KVCacheState: Equatable, Sendable {
         var start = 0
         while start < tokens.count {
             if paddedWindowsMustFit, position + start + prefillLength > capacity {
-                windows.append(TokenWindow(phase: .decode, tokens: [Int32(truncatingIfNeeded: tokens[start])], count: 1,
-                                           position: position + start))
+                windows.append(oneToken(tokens[start], at: position + start))
                 start += 1
                 continue
             }
@@ -85,10 +90,20 @@ public struct KVCacheState: Equatable, Sendable {
         return windows
     }
 
-    /// The decode window for one token. Throws `contextFull` when the cache is full.
+    /// The decode window for one token (with `decodesInPrefillWindow`, a prefill window of that one
+    /// real token). Throws `contextFull` when the cache is full.
     public func decodeWindow(_ token: Int) throws -> TokenWindow {
         guard remaining >= 1 else { throw GenerationError.contextFull(position: position, requested: 1, capacity: capacity) }
-        return TokenWindow(phase: .decode, tokens: [Int32(truncatingIfNeeded: token)], count: 1, position: position)
+        return oneToken(token, at: position)
+    }
+
+    /// The window of one token at `position`: a decode window, or where the prefill window decodes, a
+    /// prefill window of one real token padded with 0.
+    private func oneToken(_ token: Int, at position: Int) -> TokenWindow {
+        let id = Int32(truncatingIfNeeded: token)
+        guard decodesInPrefillWindow else { return TokenWindow(phase: .decode, tokens: [id], count: 1, position: position) }
+        return TokenWindow(phase: .prefill, tokens: [id] + Array(repeating: 0, count: prefillLength - 1), count: 1,
+                           position: position)
     }
 
     /// Records that `window` ran: its real tokens are now in the cache.

@@ -68,7 +68,8 @@ public struct StagePlan: Equatable, Sendable {
 
 /// The functions a runtime loads to run an export, by stage: each phase the export has
 /// (`PipelineWiring.phases`) at the whole context, then each smaller context bucket's prefill and
-/// decode. A host loads a stage's functions on the first use of that phase and bucket and keeps
+/// decode (prefill alone where the prefill window decodes: one function per model and bucket, which
+/// a decoded token and, with `cascade` "window", a cascade step run too). A host loads a stage's functions on the first use of that phase and bucket and keeps
 /// them (`PlannedStages`); a session that runs every stage ends holding `functions`: every function
 /// of the manifest's models, the set Python's `load_plan` (`contract/resident.py`) names.
 ///
@@ -81,6 +82,9 @@ public struct LoadPlan: Equatable, Sendable {
     public let runtime: ResidentModel.Runtime
     /// The export's context buckets.
     public let buckets: ContextBuckets
+    /// The phase a decoded token runs (`Manifest.decodePhase`): `.prefill` where the prefill window
+    /// decodes, which has no decode stages.
+    public let decodePhase: Phase
 
     /// The plan of `manifest`; throws where a chunk that keeps K/V names no cache update for a
     /// stage, or a named function is missing (`Manifest.decode` has checked both).
@@ -91,19 +95,21 @@ public struct LoadPlan: Equatable, Sendable {
             stages.append(try Self.stage(phase, bucket: buckets.contextLength, manifest: manifest))
         }
         for bucket in buckets.sizes.dropLast() {
-            for phase in [Phase.prefill, .decode] {
+            for phase in manifest.windowPhases {
                 stages.append(try Self.stage(phase, bucket: bucket, manifest: manifest))
             }
         }
         self.stages = stages
         self.buckets = buckets
+        decodePhase = manifest.decodePhase
         runtime = ResidentModel.runtime(of: manifest)
     }
 
     /// The stage of `phase` at context bucket `bucket` (`contextLength` for the whole context),
-    /// nil where the export has none.
+    /// nil where the export has none. Where the prefill window decodes, decode is the prefill stage.
     public func stage(_ phase: Phase, bucket: Int) -> StagePlan? {
-        stages.first { $0.phase == phase && $0.bucket == bucket }
+        let phase = phase == .decode ? decodePhase : phase
+        return stages.first { $0.phase == phase && $0.bucket == bucket }
     }
 
     /// Every function of every stage, each once, in stage order.

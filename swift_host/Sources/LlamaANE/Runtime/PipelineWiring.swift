@@ -5,6 +5,9 @@ public enum TensorSource: Equatable, Sendable {
     case hiddenStates
     /// An output of the embeddings function of the same phase (cos, sin, masks).
     case embeddingsOutput(String)
+    /// A mask the host makes (mask, sliding_mask) where the prefill window decodes: its embeddings
+    /// output none (`HostMasks`, `HostWindow`).
+    case hostMask(String)
     /// The chunk's prefix KV cache (k_cache, v_cache, and the sliding layers' ring k_ring, v_ring).
     case cache(String)
     /// The chunk's per-branch suffix cache (k_suffix, v_suffix).
@@ -62,6 +65,9 @@ public struct PipelineWiring: Equatable, Sendable {
     /// Per phase and chunk: the Core ML states the chunk function reads (and, for prefill and
     /// decode, writes): k_cache and v_cache, and k_ring and v_ring where the chunk has sliding
     /// layers with a ring buffer, in a state export; none otherwise.
+    ///
+    /// Where the prefill window decodes there is no decode phase (`phases(of:)`): a decoded token
+    /// runs the prefill phase's wiring (`Manifest.runs`).
     public let chunkStates: [Phase: [[Manifest.TensorSpec]]]
     /// The LM head models run on the last chunk's hidden states after every step, in manifest
     /// order; empty when the head is folded into the last chunk (`headFolded`).
@@ -80,11 +86,12 @@ public struct PipelineWiring: Equatable, Sendable {
         stateCarry[phase]?[index][state] ?? .none
     }
 
-    /// The phases the export has: prefill and decode, plus decode_branches with a branch width and
-    /// verify with a verify window.
+    /// The phases the export has: prefill and decode (prefill alone where the prefill window decodes:
+    /// a decoded token runs it, `Manifest.runs`), plus decode_branches with a branch width (none where
+    /// the cascade steps through the prefill window) and verify with a verify window.
     public static func phases(of manifest: Manifest) -> [Phase] {
-        var phases: [Phase] = [.prefill, .decode]
-        if (manifest.branchWidth ?? 0) > 0 { phases.append(.decodeBranches) }
+        var phases = manifest.windowPhases
+        if (manifest.branchWidth ?? 0) > 0, !manifest.windowCascade { phases.append(.decodeBranches) }
         if (manifest.verifyWindow ?? 0) > 0 { phases.append(.verify) }
         return phases
     }
@@ -112,7 +119,7 @@ public struct PipelineWiring: Equatable, Sendable {
         }
         let buckets = manifest.buckets
         for bucket in buckets.sizes.dropLast() {
-            for phase in [Phase.prefill, .decode] {
+            for phase in manifest.windowPhases {
                 let name = buckets.functionName(phase, bucket: bucket)
                 let chunks = try Self.chunkWiring(phase, function: name, manifest: manifest)
                 for (i, chunk) in chunks.enumerated()
@@ -194,7 +201,7 @@ public struct PipelineWiring: Equatable, Sendable {
             if inStates {
                 prefixNames = []
             } else if phase == .decodeBranches {
-                let decodeUpdate = try chunk.cacheUpdate[Phase.decode.rawValue].map { try manifest.function("cache_update", $0) }
+                let decodeUpdate = try chunk.cacheUpdate[manifest.decodePhase.rawValue].map { try manifest.function("cache_update", $0) }
                 prefixNames = Set(try decodeUpdate.map { try Self.state(of: $0) }?.map(\.name) ?? [])
             } else {
                 prefixNames = stateNames
@@ -205,6 +212,8 @@ public struct PipelineWiring: Equatable, Sendable {
                     inputs[spec.name] = .hiddenStates
                 } else if embeddings.contains(spec.name) {
                     inputs[spec.name] = .embeddingsOutput(spec.name)
+                } else if manifest.prefillDecodes, phase == .prefill, TensorNames.hostMasks.contains(spec.name) {
+                    inputs[spec.name] = .hostMask(spec.name)  // the window's masks, made by the host
                 } else if prefixNames.contains(spec.name) {
                     inputs[spec.name] = .cache(spec.name)
                 } else if phase == .decodeBranches, stateNames.contains(spec.name) {

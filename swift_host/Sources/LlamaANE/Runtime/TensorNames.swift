@@ -11,6 +11,11 @@ enum TensorNames {
     static let depths = "depths"
     static let treeMask = "tree_mask"
     static let slots = "slots"
+    /// The masks a chunk's window function reads: over the cache and the window, and the sliding
+    /// layers' twin. Where the prefill window decodes the host makes them (`HostMasks`).
+    static let mask = "mask"
+    static let slidingMask = "sliding_mask"
+    static let hostMasks: Set<String> = [mask, slidingMask]
     static let hiddenStates = "hidden_states"
     static let hiddenStatesOut = "hidden_states_out"
     static let kCache = "k_cache"

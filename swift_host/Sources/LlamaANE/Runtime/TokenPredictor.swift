@@ -1,4 +1,5 @@
-/// Which set of exported functions runs: "prefill" (S = prefill_length), "decode" (S = 1),
+/// Which set of exported functions runs: "prefill" (S = prefill_length), "decode" (S = 1; where the
+/// prefill window decodes there are none, and a decoded token is a prefill window, `Manifest.runs`),
 /// "decode_branches" (one token for each of `branch_width` cascade branches), or "verify" (a
 /// drafted token tree of `verify_window` W tokens, for speculative decoding).
 public enum Phase: String, Sendable, CaseIterable {
@@ -45,16 +46,20 @@ public protocol TokenPredictor: AnyObject {
     /// Tokens a rewind may forget and still keep the rest: a ring buffer's limit
     /// (`Manifest.rewindLimit`: 0 with conv layers), nil where any rewind keeps what it is asked to.
     var rewindLimit: Int? { get }
+    /// A decoded token runs as a prefill window of one real token (`Manifest.prefillDecodes`): the
+    /// export has no decode functions (see `KVCacheState.decodeWindow`).
+    var decodesInPrefillWindow: Bool { get }
 }
 
 extension TokenPredictor {
     public var paddedWindowsMustFit: Bool { false }
     public var rewindLimit: Int? { nil }
+    public var decodesInPrefillWindow: Bool { false }
 
     /// An empty cache's bookkeeping for this predictor.
     public func emptyCache() -> KVCacheState {
         KVCacheState(capacity: contextLength, prefillLength: prefillLength, paddedWindowsMustFit: paddedWindowsMustFit,
-                     rewindLimit: rewindLimit)
+                     rewindLimit: rewindLimit, decodesInPrefillWindow: decodesInPrefillWindow)
     }
 }
 
@@ -64,14 +69,16 @@ public final class ClosurePredictor: TokenPredictor, @unchecked Sendable {
     public let contextLength: Int
     public let prefillLength: Int
     public let rewindLimit: Int?
+    public let decodesInPrefillWindow: Bool
     private let body: (TokenWindow) async throws -> [Float]
     private let onReset: () -> Void
 
-    public init(contextLength: Int, prefillLength: Int, rewindLimit: Int? = nil, onReset: @escaping () -> Void = {},
-                _ body: @escaping (TokenWindow) async throws -> [Float]) {
+    public init(contextLength: Int, prefillLength: Int, rewindLimit: Int? = nil, decodesInPrefillWindow: Bool = false,
+                onReset: @escaping () -> Void = {}, _ body: @escaping (TokenWindow) async throws -> [Float]) {
         self.contextLength = contextLength
         self.prefillLength = prefillLength
         self.rewindLimit = rewindLimit
+        self.decodesInPrefillWindow = decodesInPrefillWindow
         self.body = body
         self.onReset = onReset
     }
