@@ -47,13 +47,7 @@ extension ChunkedPipeline where Backend: BranchBackend {
             return try await decodeBranchesInWindow(prefix: prefix, branches: branches, eosTokenIds: eosTokenIds)
         }
         guard backend.branchWidth > 0 else { throw GenerationError.noBranchWidth }
-        try await reset()
-        var cache = emptyCache()
-        var logits: [Float] = []
-        for window in try cache.prefillWindows(prefix) {
-            logits = try await predict(window)
-            cache.commit(window)
-        }
+        let (cache, logits) = try await prefillPrefix(prefix)
         let scheduler = CascadeScheduler(branchWidth: backend.branchWidth, prefixLength: cache.position,
                                          suffixCapacity: backend.suffixLength, eosTokenIds: eosTokenIds)
         let results = try await scheduler.run(branches, prefixLogits: logits) { try await self.decodeBranches($0) }

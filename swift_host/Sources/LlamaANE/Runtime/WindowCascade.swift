@@ -16,13 +16,7 @@ extension ChunkedPipeline {
                                        eosTokenIds: Set<Int>) async throws -> [BranchResult] {
         guard windowCascadeWidth > 0 else { throw GenerationError.noBranchWidth }
         try checkWindowCascadeBudget(prefix: prefix.count, branches)
-        try await reset()
-        var cache = emptyCache()
-        var logits: [Float] = []
-        for window in try cache.prefillWindows(prefix) {
-            logits = try await predict(window)
-            cache.commit(window)
-        }
+        let (cache, logits) = try await prefillPrefix(prefix)
         // no suffix caches: the budget above is what bounds a branch
         let scheduler = CascadeScheduler(branchWidth: windowCascadeWidth, prefixLength: cache.position,
                                          suffixCapacity: .max, eosTokenIds: eosTokenIds)
@@ -66,5 +60,18 @@ extension ChunkedPipeline {
         let rows = try await backend.logits(x, phase: .prefill, columns: Array(0..<g))
         guard rows.count == g else { throw GenerationError.badLogits(expected: g, got: rows.count) }
         return rows + Array(repeating: [], count: step.branches.count - g)
+    }
+
+    /// A fresh cache holding `prefix`, prefilled in windows, and the logits after its last token:
+    /// where every cascade begins.
+    func prefillPrefix(_ prefix: [Int]) async throws -> (KVCacheState, [Float]) {
+        try await reset()
+        var cache = emptyCache()
+        var logits: [Float] = []
+        for window in try cache.prefillWindows(prefix) {
+            logits = try await predict(window)
+            cache.commit(window)
+        }
+        return (cache, logits)
     }
 }
