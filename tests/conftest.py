@@ -104,7 +104,9 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_export(tiny_checkpoint, tmp_path_factory):
     """One fp16 export of a 5-layer GQA tiny model (2 layers per chunk, context 256, a verify window of
-    16), shared by the session.
+    16) with decode functions, context buckets and the cascade's function, shared by the session (the
+    default, where the prefill window decodes, is held in test_prefill_decodes, test_serve and
+    test_families).
 
     head_dim is 32 (explicit, > hidden/heads) so every cache dimension is ANE-aligned, as in real models.
     """
@@ -112,7 +114,8 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 
     ckpt = tiny_checkpoint(num_hidden_layers=5, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny", context_length=256, prefill_length=64,
-                        layers_per_chunk=2, verify_window=16, progress=False, verify=False)
+                        layers_per_chunk=2, verify_window=16, decode_function="decode", progress=False,
+                        verify=False)
 
 
 @pytest.fixture(scope="session")

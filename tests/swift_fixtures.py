@@ -826,7 +826,8 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     from llama_ane.testing import make_tiny_checkpoint
 
     out = Path(fixtures_dir) / "export"
-    common = dict(layers_per_chunk=1, target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+    common = dict(layers_per_chunk=1, target="iOS18", precision="fp16", force=True, verify=False, progress=False,
+                  decode_function="decode")
     exports = {
         out: dict(context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=16,
                   kv_cache="inputs", fold_lm_head="no"),
@@ -1122,7 +1123,7 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
 
     from test_families import CASES, make_family_checkpoint
 
-    common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False)
+    common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False, decode_function="decode")
     path = Path(fixtures_dir) / "families.json"
     data = json.loads(path.read_text("utf-8")) if names and path.is_file() else {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -1133,7 +1134,7 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
             folder = Path(fixtures_dir) / name
             if folder.exists():
                 shutil.rmtree(folder)
-            _export_with_budget(checkpoint, folder, EMBEDDING_BUDGETS.get(name), **common, **options)
+            _export_with_budget(checkpoint, folder, EMBEDDING_BUDGETS.get(name), **{**common, **options})
             if not (folder / "manifest.json").is_file():
                 raise FileNotFoundError(f"the exporter wrote no manifest.json into {folder}")
             if cache not in json.loads((folder / "manifest.json").read_text("utf-8"))["cache"]:

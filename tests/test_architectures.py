@@ -142,12 +142,12 @@ def test_a_sliding_window_shorter_than_the_context_exports(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "mistral", model_type="mistral", sliding_window=128,
                                   num_hidden_layers=1)
     model = llama_ane.load(folder, backend="torch", context_length=256, prefill_length=32)
-    decode = model.manifest["models"]["embeddings"]["functions"]["decode"]
-    assert "sliding_mask" in [t["name"] for t in decode["outputs"]]
+    prefill = model.manifest["models"]["chunk_0"]["functions"]["prefill"]
+    assert "sliding_mask" in [t["name"] for t in prefill["inputs"]]
     model.close()
     within = llama_ane.load(folder, backend="torch", context_length=128, prefill_length=32)  # the window holds all
-    assert "sliding_mask" not in [t["name"] for t in within.manifest["models"]["embeddings"]["functions"]["decode"]
-                                  ["outputs"]]
+    assert "sliding_mask" not in [t["name"] for t in within.manifest["models"]["chunk_0"]["functions"]["prefill"]
+                                  ["inputs"]]
     within.close()
 
 
@@ -264,7 +264,7 @@ def test_the_manifest_records_the_family_and_its_weights(export):
     manifest = read_manifest(out)
     cfg = manifest["config"]
     assert cfg["model_type"] == CASES[name]["model_type"]
-    entry = manifest["models"]["chunk_0"]["functions"]["decode"]
+    entry = manifest["models"]["chunk_0"]["functions"]["prefill"]
     extras = LlamaConfig.from_dict(cfg).layer_extras
     assert extras == {"qwen2_tied": ("q_proj.bias", "k_proj.bias", "v_proj.bias"),
                       "qwen3_untied": ("q_norm.weight", "k_norm.weight"), "mistral_untied": ()}[name]

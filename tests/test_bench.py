@@ -35,13 +35,13 @@ def assert_one_error(r, *words):
 
 @pytest.fixture(scope="module")
 def bucket_export(tiny_checkpoint, tmp_path_factory):
-    """A tiny export with two context buckets (128, 256) and a cascade of width 4."""
+    """A tiny export with decode functions, two context buckets (128, 256) and a cascade of width 4."""
     from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("bench") / "tiny", context_length=256, prefill_length=32,
                         layers_per_chunk=1, branch_width=WIDTH, suffix_length=32, context_buckets=BUCKETS,
-                        progress=False, verify=False)
+                        decode_function="decode", progress=False, verify=False)
 
 
 # ---- options (no export) --------------------------------------------------------------------------------------------
@@ -82,7 +82,8 @@ def planned(context_length: int = 1024, **options) -> dict:
 
 
 def test_defaults_decode_in_every_bucket_and_at_the_full_context():
-    m = planned(1024)
+    assert planned(1024)["context_buckets"] == [1024]  # the default keeps one function: one bucket
+    m = planned(1024, decode_function="decode")
     assert m["context_buckets"] == [512, 1024]
     opts = bench.BenchOptions().resolved(m)
     assert opts.filled == (0, 512, 1023) and opts.prompt_lengths == (128,) and opts.branches == m["branch_width"]

@@ -30,7 +30,8 @@ def test_auto_buckets(context, prefill, multifunction, want):
 
 
 def test_options_take_auto_one_size_or_sizes():
-    assert ExportOptions(context_length=2048).context_buckets == (512, 1024, 2048)
+    assert ExportOptions(context_length=2048).context_buckets == (2048,)  # the default keeps one function
+    assert ExportOptions(context_length=2048, decode_function="decode").context_buckets == (512, 1024, 2048)
     assert ExportOptions(context_length=2048, context_buckets=2048).context_buckets == (2048,)
     assert ExportOptions(context_length=2048, context_buckets=(1024, 2048)).context_buckets == (1024, 2048)
     assert ExportOptions(context_length=2048, target="iOS17").context_buckets == (2048,)
@@ -65,7 +66,7 @@ def test_cli_refuses_bad_sizes_before_reading_anything(tmp_path):
 
 
 def test_info_models_the_kv_read_of_the_bucket_that_runs(tmp_path):
-    """A --context-length 2048 export with default buckets reads at most 1/4 of the K/V at 100
+    """A --context-length 2048 export with decode functions and default buckets reads at most 1/4 of the K/V at 100
     filled positions that it reads at 2000 (modelled from the config, no export)."""
     from llama_ane.testing import TINY_CONFIG
 
@@ -74,7 +75,7 @@ def test_info_models_the_kv_read_of_the_bucket_that_runs(tmp_path):
     read = {}
     for filled in (100, 2000):
         r = CliRunner().invoke(main, ["info", "--config", str(config), "--context-length", "2048", "--json",
-                                      "--filled", str(filled)])
+                                      "--filled", str(filled), "--decode-function", "decode"])
         assert r.exit_code == 0, r.output
         read[filled] = json.loads(r.output)["decode_step_bytes"]["kv_read_bytes"]
     assert 0 < read[100] <= read[2000] / 4
@@ -93,7 +94,7 @@ def exports(tiny_checkpoint, tmp_path_factory):
                 ckpt, tmp_path_factory.mktemp("buckets") / f"{kv}-{precision}-{buckets}", context_length=1024,
                 prefill_length=64, branch_width=0, verify_window=0, precision=precision, kv_cache=kv,
                 context_buckets=buckets, fold_lm_head="no" if kv == "inputs" else "auto",  # a head apart, and folded
-                progress=False, verify=False)
+                decode_function="decode", progress=False, verify=False)
     return made
 
 

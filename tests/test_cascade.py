@@ -120,7 +120,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("width", [2, 8])
 def test_prefix_cache_exists_once_whatever_b(tiny_checkpoint, width):
-    model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width)
+    model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width, decode_function="decode")
     rec = _Recorder(model.backend)
     model.backend = model.pipeline.backend = rec
     prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6))
@@ -133,10 +133,10 @@ def test_prefix_cache_exists_once_whatever_b(tiny_checkpoint, width):
 
 def test_prefix_bytes_passed_per_step_do_not_grow_with_b(tiny_checkpoint):
     """Measured at the backend: the prefix K/V bytes one cascade step is given are the same for 2 and
-    for 8 branches (one prefix for all), while the suffix bytes grow with B."""
+    for 8 branches (one prefix for all), while the suffix bytes grow with B (the cascade's function)."""
     measured = {}
     for width in (2, 8):
-        model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width)
+        model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width, decode_function="decode")
         rec = _Recorder(model.backend)
         model.backend = model.pipeline.backend = rec
         prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6, 7, 8, 9))
@@ -163,8 +163,11 @@ def test_bad_branch_input(tiny_checkpoint):
         model.generate_branches(prefix, n=0)
     with pytest.raises(ContextFullError, match="context"):
         model.generate_branches(list(range(3, 300)), conts)  # 297 > 256
-    with pytest.raises(ContextFullError, match="suffix"):
-        model.generate_branches(prefix, conts, max_new_tokens=60)  # 9 + 60 > 64
+    # through the prefill window the branches share the context: 4 x (9 + 60) after the prefix > 256
+    with pytest.raises(ContextFullError, match="4 branches side by side after the .*--max-new-tokens"):
+        model.generate_branches(prefix, conts, max_new_tokens=60)
+    with pytest.raises(ContextFullError, match="suffix"):  # the cascade's function: 9 + 60 > 64
+        _load(folder, decode_function="decode").generate_branches(prefix, conts, max_new_tokens=60)
     no_cascade = _load(folder, branch_width=0)
     with pytest.raises(ValueError, match="--branches"):
         no_cascade.generate_branches(prefix, conts)

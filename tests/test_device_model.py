@@ -25,9 +25,10 @@ KV_COLUMN = 5 * 64 * 2  # bytes of one position of every layer's K (or V) cache:
 
 
 def tiny_manifest(**options) -> dict:
-    """The planned export of TINY; with a verify window of 16 where the caches allow one, the LM head
-    a file of its own unless asked."""
+    """The planned export of TINY with decode functions; with a verify window of 16 where the caches
+    allow one, the LM head a file of its own unless asked."""
     options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2, "fold_lm_head": "no",
+               "decode_function": "decode",
                "verify_window": 0 if options.get("kv_cache") == "state" else 16, **options}
     return dm.manifest_from_config(TINY, **options)
 
@@ -40,7 +41,7 @@ def verify_export(tiny_checkpoint, tmp_path_factory):
 
     return export_model(tiny_checkpoint(num_hidden_layers=5, head_dim=32), tmp_path_factory.mktemp("export") / "v",
                         context_length=CTX, prefill_length=64, layers_per_chunk=2, verify_window=16,
-                        fold_lm_head="no", progress=False, verify=False)
+                        fold_lm_head="no", decode_function="decode", progress=False, verify=False)
 
 
 def run_cli(*args):

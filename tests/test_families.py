@@ -397,10 +397,10 @@ def test_mil_decode_branches_match_decoding_alone(export):
 
 @pytest.mark.parametrize("position", [0, 30, 100, 200])
 def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export, position):
-    """The exported embeddings (mil) give the sliding layers a mask over their ring's slots that sees
-    exactly the slots holding keys in (p - window, p] of each query p (slot j holds the latest
-    position below p that is j modulo the ring's length), and the full layers one that sees every
-    earlier key."""
+    """The sliding layers read a mask over their ring's slots that sees exactly the slots holding
+    keys in (p - window, p] of each query p (slot j holds the latest position below p that is j
+    modulo the ring's length), and the full layers one that sees every earlier key: made by the
+    host where the prefill window decodes (the default), by the exported embeddings (mil) else."""
     import llama_ane
 
     name, out = export
@@ -409,12 +409,15 @@ def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export, posi
     model = llama_ane.load(out, backend="mil")
     window, ring = model.manifest["config"]["sliding_window"], model.manifest["cache"]["sliding"]["length"]
     assert window < ring < model.manifest["context_length"] and ring % 32 == 0
-    emb = model.pipeline.embed("decode", {"input_ids": np.array([[5]], np.int32),
-                                          "position": np.array([position], np.int32)})
+    if model.pipeline.masks is not None:
+        emb = model.pipeline.host_inputs("prefill", position, model.manifest["prefill_length"])
+    else:
+        emb = model.pipeline.embed("decode", {"input_ids": np.array([[5]], np.int32),
+                                              "position": np.array([position], np.int32)})
     t = model.manifest["context_length"]
     held = np.array([max([q for q in range(position) if q % ring == j], default=-1) for j in range(ring)])
-    sees = emb["sliding_mask"][0, 0, 0] == 0  # (R + 1,): the ring's slots, then the query itself
+    sees = emb["sliding_mask"][0, 0, 0, :ring + 1] == 0  # the ring's slots, then the query itself
     assert (sees == np.r_[(held >= 0) & (held > position - window), True]).all()
     cached = np.r_[np.arange(t) < position, True]  # the cache below the query, then the query itself
-    assert ((emb["mask"][0, 0, 0] == 0) == cached).all()
+    assert ((emb["mask"][0, 0, 0, :t + 1] == 0) == cached).all()
     model.close()

@@ -72,7 +72,7 @@ def exports(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32, tie_word_embeddings=True)
     root = tmp_path_factory.mktemp("fold")
     options = dict(context_length=256, prefill_length=32, layers_per_chunk=2, branch_width=2, suffix_length=32,
-                   verify_window=8, progress=False)
+                   verify_window=8, decode_function="decode", progress=False)
     return {fold: export_model(ckpt, root / fold, fold_lm_head=fold, verify=fold == "yes", **options)
             for fold in ("yes", "no")}
 
@@ -143,11 +143,14 @@ def test_an_export_past_the_functions_per_package_is_refused_naming_the_options(
     from llama_ane.limits import MAX_FUNCTIONS_PER_PACKAGE
 
     cfg = LlamaConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=320, max_position_embeddings=16384))
-    widest = plan_export(cfg, ExportOptions(context_length=16384))  # the default options at the longest context
+    # decode functions at the longest context: a prefill and a decode function per default bucket
+    widest = plan_export(cfg, ExportOptions(context_length=16384, decode_function="decode"))
     assert max(len(fns) for model, fns in widest.specs.items() if model != "cache_update") == MAX_FUNCTIONS_PER_PACKAGE
     with pytest.raises(ExportOptionsError, match=r"\w+.mlpackage would hold 14 functions .* at most 13.*"
                                                  r"--context-buckets.*--branches 0.*--verify-window 0"):
-        plan_export(cfg, ExportOptions(context_length=16384, verify_window=16))
+        plan_export(cfg, ExportOptions(context_length=16384, verify_window=16, decode_function="decode"))
+    # the default keeps one function a package
+    assert max(len(fns) for fns in plan_export(cfg, ExportOptions(context_length=16384)).specs.values()) == 1
 
 
 def test_info_lists_the_functions_of_each_package(tmp_path):
@@ -156,10 +159,13 @@ def test_info_lists_the_functions_of_each_package(tmp_path):
     from llama_ane.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY_CONFIG, vocab_size=320)))
-    result = CliRunner().invoke(main, ["info", "--config", str(tmp_path), "--context-length", "1024"])
+    result = CliRunner().invoke(main, ["info", "--config", str(tmp_path), "--context-length", "1024",
+                                       "--decode-function", "decode"])
     assert result.exit_code == 0, result.output
     assert "functions per package (at most 13" in result.output
     assert "chunk_0.mlpackage             5: prefill_512, decode_512, prefill, decode, decode_branches" in result.output
+    result = CliRunner().invoke(main, ["info", "--config", str(tmp_path), "--context-length", "1024"])
+    assert "chunk_0.mlpackage             1: prefill" in result.output  # the default: one function
     assert "lm_head      computed in chunk_0" in result.output
 
 

@@ -138,7 +138,7 @@ def test_wider_global_layers_need_the_ring():
     with pytest.raises(ExportOptionsError, match="--context-length 64: .* wider K/V"):
         plan_export(cfg, ExportOptions(context_length=64, prefill_length=32, layers_per_chunk=2))
     plan = plan_export(cfg, ExportOptions(context_length=256, prefill_length=32, layers_per_chunk=2,
-                                          branch_width=2, suffix_length=32))
+                                          branch_width=2, suffix_length=32, decode_function="decode"))
     manifest = plan.manifest("m", {}, {})
     assert (manifest["cache"]["channels"], ring_channels(manifest)) == (1 * 64, 4 * 32)  # kv heads x head_dim
     decode = plan.specs["chunk_0"]["decode"]
@@ -191,7 +191,7 @@ def check_per_layer_inputs(model, folder, ids: np.ndarray) -> None:
         want = ref.model.project_per_layer_inputs(e, ref.model.get_per_layer_inputs(t, e))[0].numpy()  # (S, L, P)
     window = np.zeros((1, model.manifest["prefill_length"]), np.int32)
     window[0, :len(ids)] = ids
-    got = model.pipeline.embed("prefill", {"input_ids": window, "position": np.array([0], np.int32)})
+    got = model.pipeline.embed("prefill", model.pipeline.window_inputs(window, 0))
     got = got["per_layer_inputs"][0, :, 0, :len(ids)].T.reshape(len(ids), -1, 8)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -333,7 +333,7 @@ def test_the_per_layer_table_shares_the_embedding_files_rows():
         projection = (big.per_layer_channels * big.hidden_size + big.per_layer_input_size) * 2
         for target, count in zip(("iOS18", "macOS15"), counts):
             plan = plan_export(big, ExportOptions(context_length=4096, prefill_length=64, target=target,
-                                                  layers_per_chunk=4, kv_cache="inputs"))
+                                                  layers_per_chunk=4, kv_cache="inputs", decode_function="decode"))
             files = [p for p in plan.packages if p.model.startswith("embeddings")]
             assert len(files) == len(plan.embedding_rows) == count
             assert all(p.weight_bytes <= weight_budget(target) for p in files)

@@ -104,7 +104,8 @@ def test_help_keeps_every_flag_and_its_metavar():
 
 def test_context_buckets_as_text():
     assert ExportOptions(context_length=2048, context_buckets="1024, 2048").context_buckets == (1024, 2048)
-    assert ExportOptions(context_length=2048, context_buckets=" auto").context_buckets == (512, 1024, 2048)
+    assert ExportOptions(context_length=2048, context_buckets=" auto",
+                         decode_function="decode").context_buckets == (512, 1024, 2048)
     with pytest.raises(ExportOptionsError, match="--context-buckets must be 'auto' or sizes"):
         ExportOptions(context_buckets="512,big")
 

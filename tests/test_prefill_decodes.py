@@ -27,8 +27,6 @@ def test_the_options_it_needs_and_what_auto_becomes():
     assert ExportOptions(decode_function="auto").decode_function == "prefill"
     assert ExportOptions(decode_function="auto", target="iOS17").decode_function == "prefill"
     assert ExportOptions(decode_function="auto", target="coreai").decode_function == "decode"
-    with pytest.raises(ExportOptionsError, match="--branches 65 is more than the prefill window"):
-        ExportOptions(decode_function="prefill", branch_width=65).check()
     with pytest.raises(ExportOptionsError, match="--target coreai.*--decode-function prefill"):
         ExportOptions(decode_function="prefill", target="coreai").check()
     with pytest.raises(ExportOptionsError, match="--decode-function must be one of auto, decode, prefill"):
@@ -52,7 +50,10 @@ def test_the_manifest_has_no_decode_function_and_says_so():
                                                                 **FAMILIES["lfm2"])).to_dict())
     m = dm.manifest_from_config(lfm2, context_length=256, decode_function="prefill", kv_cache="inputs")
     assert "cascade" not in m and "decode_branches" in m["models"]["chunk_0"]["functions"]
-    plain = dm.manifest_from_config(CFG, context_length=256)
+    # and so does a cascade wider than the window
+    m = dm.manifest_from_config(CFG, context_length=256, prefill_length=4, decode_function="prefill", branch_width=8)
+    assert "cascade" not in m and "decode_branches" in m["models"]["chunk_0"]["functions"]
+    plain = dm.manifest_from_config(CFG, context_length=256, decode_function="decode")
     assert plain["format_version"] == 2 and "decode_function" not in plain and "cascade" not in plain
     with pytest.raises(ManifestError, match="format_version 4 is written only with decode_function"):
         check_manifest({**plain, "format_version": 4}, None)
@@ -70,8 +71,8 @@ def test_a_state_holds_a_window_past_the_context():
         assert {t["name"]: t["shape"][3] for t in io["states"]} == {"k_cache": 256 + 32, "v_cache": 256 + 32}
         assert [t["shape"][3] for t in io["inputs"] if t["name"] == "mask"] == [(128 if "128" in fn else 256) + 32]
     _check_cache_shapes(m)  # what loading checks of the shapes (a modelled manifest names no files)
-    assert dm.manifest_from_config(CFG, context_length=256, kv_cache="state")["models"]["chunk_0"]["functions"][
-        "decode"]["states"][0]["shape"][3] == 256
+    assert dm.manifest_from_config(CFG, context_length=256, kv_cache="state", decode_function="decode")["models"][
+        "chunk_0"]["functions"]["decode"]["states"][0]["shape"][3] == 256
 
 
 @pytest.mark.parametrize("ring", [0, 96])
@@ -99,14 +100,15 @@ def test_the_host_makes_the_masks_the_embeddings_made(ring):
 
 
 def test_a_cascade_row_sees_the_prefix_and_its_own_branch():
+    """Row b sees the prefix, its own branch's tokens (the last seen[b] steps of its slot) and itself."""
     from llama_ane.model.layers import MASK_VALUE
     from llama_ane.runtime.masks import HostMasks
 
     p, g, steps, s, t = 10, 3, 2, 8, 32
     masks = HostMasks(CFG, t, 0, np.float32).branch_masks(p, g, np.array([2, 2, 1]), steps, s, t)["mask"][0, 0]
     seen = masks == 0
-    for b in range(g):
-        own = [p + i * g + b for i in range(2 if b < 2 else 1)]
+    for b in range(g):  # branch 2 took its slot at the second step: its one token is that step's
+        own = [p + i * g + b for i in (range(2) if b < 2 else [1])]
         assert np.flatnonzero(seen[b, :t]).tolist() == list(range(p)) + own
         assert np.flatnonzero(seen[b, t:]).tolist() == [b]  # itself, none of the other rows
     for r in range(g, s):  # padding sees only itself
@@ -121,7 +123,7 @@ def test_one_copy_of_the_weights_and_the_time_to_first_token():
     whole context where that one has a 512 bucket)."""
     one = dm.manifest_from_config(CFG, context_length=1024, decode_function="prefill", kv_cache="inputs")
     assert rs.resident(dm.manifest_from_config(CFG, context_length=1024, decode_function="prefill")).copies == 1.0
-    two = dm.manifest_from_config(CFG, context_length=1024, branch_width=0, kv_cache="inputs")
+    two = dm.manifest_from_config(CFG, context_length=1024, branch_width=0, kv_cache="inputs", decode_function="decode")
     wired = rs.resident(one)
     assert all(len(p["functions"]) == 1 for p in wired.packages.values() if p["weight_bytes"])
     assert wired.bytes == wired.weight_copy_bytes and wired.bytes <= 1.25 * rs.resident(one).weight_copy_bytes
@@ -164,7 +166,7 @@ def pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     ckpt = make_tiny_checkpoint(root / "ckpt", **FAMILIES[request.param])
     options = dict(OPTIONS, verify_window=0) if request.param in NO_TREES else OPTIONS
-    own = export_model(ckpt, root / "decode", kv_cache="inputs", **options)
+    own = export_model(ckpt, root / "decode", kv_cache="inputs", decode_function="decode", **options)
     prefill = export_model(ckpt, root / "prefill", decode_function="prefill", **options)
     return request.param, own, prefill
 
@@ -219,9 +221,11 @@ def test_info_prices_one_copy(pair, tmp_path):
 
     from llama_ane.commands.info import command as info
 
-    _, own, prefill = pair
+    name, own, prefill = pair
     got = {name: json.loads(CliRunner().invoke(info, [str(out), "--json"]).output) for name, out in
            (("own", own), ("prefill", prefill))}
+    text = CliRunner().invoke(info, [str(prefill)]).output
+    assert ("as rows of the prefill window" in text) == (name == "llama") != ("suffix tokens each" in text)
     # the cascade's and the verify window's functions remain: two or three functions a package, against five
     assert got["prefill"]["resident"]["copies"] < got["own"]["resident"]["copies"]
     assert got["prefill"]["resident_bytes"] < got["own"]["resident_bytes"]

@@ -353,11 +353,13 @@ def quantized(tiny_checkpoint, tmp_path_factory):
 
     ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
     root = tmp_path_factory.mktemp("quantized")
+    # with decode functions and the cascade's: several functions of a package over one copy of the weights
     made = {"fp16": export_model(ckpt, root / "fp16", context_length=64, prefill_length=16, branch_width=2,
-                                 suffix_length=32, progress=False, verify=False)}
+                                 suffix_length=32, decode_function="decode", progress=False, verify=False)}
     for name, (target, options) in EXPORTS.items():
         made[name] = export_model(ckpt, root / name, context_length=64, prefill_length=16, branch_width=2,
-                                  suffix_length=32, target=target, progress=False, verify=False, **options)
+                                  suffix_length=32, target=target, decode_function="decode", progress=False,
+                                  verify=False, **options)
     return made
 
 

@@ -454,8 +454,8 @@ def test_the_fp16_export_passes_inspect_and_runs_in_mil(exported):
     check_inspect_strict(out)
     check_mil_fp16(f"qwen35_{kind}", out, top1=0.98)
     check_mil_branches(f"qwen35_{kind}", out)
-    decode = llama_ane.load(out, backend="mil").manifest["models"]["chunk_0"]["functions"]["decode"]
-    where = {t["name"]: kind for kind in ("inputs", "states", "outputs") for t in decode.get(kind, [])}
+    window = llama_ane.load(out, backend="mil").manifest["models"]["chunk_0"]["functions"]["prefill"]
+    where = {t["name"]: kind for kind in ("inputs", "states", "outputs") for t in window.get(kind, [])}
     assert where["delta_state"] == ("states" if kind == "state" else "inputs")
     assert ("delta_new" in where) == (kind == "inputs") and where["window_tokens"] == "inputs"
 

@@ -24,8 +24,9 @@ def weights(m: dict, model: str) -> int:
 
 def test_core_ml_wires_a_copy_per_function_and_core_ai_one():
     """Core ML: each package's first function its weights x 1.0-1.9, each further one x 0.37-1.02
-    (the measured range, its middle as the figure); Core AI: x 0.93 for all its entry points."""
-    m = manifest_from_config(CFG, context_length=1024)
+    (the measured range, its middle as the figure); Core AI: x 0.93 for all its entry points. An
+    export with decode functions; the default holds one copy (test_prefill_decodes)."""
+    m = manifest_from_config(CFG, context_length=1024, decode_function="decode")
     got = rs.resident(m)
     assert got.runtime == "Core ML"
     want = {"low": 0.0, "mid": 0.0, "high": 0.0}
@@ -192,3 +193,29 @@ def test_the_wired_memory_of_this_mac_is_read():
     from llama_ane.memory import wired_bytes
 
     assert wired_bytes() > 0
+
+
+PUBLISHED = {  # the published shapes (their config.json's sizes)
+    "Llama-3.2-1B": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True),
+    "Llama-3.2-3B": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=True),
+    "Qwen3-4B": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+@pytest.mark.parametrize("target", ["iOS18", "macOS15"])
+def test_the_default_export_of_a_published_shape_holds_one_copy(name, target):
+    """At default options a Core ML export keeps one function per package (the prefill window serves
+    every phase), so its modelled resident memory is one copy of its weights, within the 1.25x the
+    design allows; with decode functions it would hold more than two."""
+    cfg = LlamaConfig.from_hf_dict(dict(PUBLISHED[name], max_position_embeddings=131072, rms_norm_eps=1e-5))
+    wired = rs.resident(manifest_from_config(cfg, target=target))
+    assert wired.runtime == "Core ML" and wired.bytes <= 1.25 * wired.weight_copy_bytes
+    assert all(len(p["functions"]) == 1 for p in wired.packages.values() if p["weight_bytes"])
+    assert rs.resident(manifest_from_config(cfg, target=target, decode_function="decode")).copies > 2

@@ -205,7 +205,7 @@ def inputs_export(folder, tmp_path_factory):
 def test_the_inputs_export_passes_inspect_and_runs_as_torch(inputs_export):
     manifest = json.loads((inputs_export / "manifest.json").read_text())
     assert manifest["cache"]["kind"] == "inputs" and manifest["cache"]["sliding"]["length"] == 128
-    assert manifest["chunks"][0]["cache_update"]["decode"] == "decode_l1_r1"  # layers 0 (ring) and 1 (full)
+    assert manifest["chunks"][0]["cache_update"]["prefill"] == "prefill_l1_r1"  # layers 0 (ring) and 1 (full)
     check_inspect_strict(inputs_export)
     check_mil_fp16(NAME, inputs_export, top1=0.98)
     check_mil_branches(NAME, inputs_export)

@@ -27,6 +27,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("llguidance")
 
 import llama_ane  # noqa: E402
+from llama_ane.contract.manifest import window_cascade  # noqa: E402
 from llama_ane.runtime.sampling import SamplingParams  # noqa: E402
 from llama_ane.serve.app import create_app, serve_in_thread  # noqa: E402
 from llama_ane.serve.options import ServeOptions  # noqa: E402
@@ -49,13 +50,28 @@ QUESTIONS = ["Who jumps?", "What runs?", "Which numbers?", "Is it quick?", "And 
              "So do what?", "How small?"]
 
 
-@pytest.fixture(scope="module")
-def export(tiny_checkpoint, tmp_path_factory):
+def _export(tiny_checkpoint, tmp_path_factory, **options):
     from llama_ane.api import export_model
 
+    # a context that holds the ~440-token documents and, through the prefill window, 8 branches' answers
     return export_model(tiny_checkpoint(num_hidden_layers=3, head_dim=32), tmp_path_factory.mktemp("serve") / "tiny",
-                        context_length=512, prefill_length=64, layers_per_chunk=2, branch_width=8, suffix_length=64,
-                        progress=False, verify=False)
+                        context_length=1024, prefill_length=64, layers_per_chunk=2, branch_width=8, suffix_length=64,
+                        progress=False, verify=False, **options)
+
+
+@pytest.fixture(scope="module")
+def export(tiny_checkpoint, tmp_path_factory):
+    """The default: the branches step through the prefill window, side by side in the one cache."""
+    return _export(tiny_checkpoint, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def decode_model(tiny_checkpoint, tmp_path_factory):
+    """An export with a decode function and the cascade's function, with its suffix caches."""
+    m = llama_ane.load(_export(tiny_checkpoint, tmp_path_factory, decode_function="decode"), backend="torch",
+                       precision="fp32")
+    yield m
+    m.close()
 
 
 @pytest.fixture(scope="module")
@@ -377,9 +393,13 @@ def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
 
 
 @pytest.mark.export
-def test_a_request_joins_the_running_batch_only_in_its_turn(model):
+@pytest.mark.parametrize("which", ["model", "decode_model"])
+def test_a_request_joins_the_running_batch_only_in_its_turn(which, request):
     """A request continuing the running batch's prefix takes a free branch slot mid-batch; one queued
-    behind a request that does not match waits its turn (first come, first served)."""
+    behind a request that does not match waits its turn (first come, first served). Through the
+    prefill window and with the cascade's function."""
+    model = request.getfixturevalue(which)
+    assert window_cascade(model.manifest) == (which == "model")
     rng = np.random.default_rng(2)
     prefix = [int(t) for t in rng.integers(3, 300, 80)]
     other = [int(t) for t in rng.integers(3, 300, 40)]
@@ -403,9 +423,12 @@ def test_a_request_joins_the_running_batch_only_in_its_turn(model):
 
 
 @pytest.mark.export
-def test_a_branch_leaves_its_prompt_and_answer_in_the_prompt_cache(model):
+@pytest.mark.parametrize("which", ["model", "decode_model"])
+def test_a_branch_leaves_its_prompt_and_answer_in_the_prompt_cache(which, request):
     """The next turn of a conversation served as a branch prefills only its new tokens, and
-    continuing from the branch's cached K/V gives the same answer as starting afresh."""
+    continuing from the branch's cached K/V gives the same answer as starting afresh (its columns of
+    the one cache through the prefill window, its suffix cache with the cascade's function)."""
+    model = request.getfixturevalue(which)
     from llama_ane.serve.prompt_cache import PromptCache
 
     rng = np.random.default_rng(3)

@@ -180,6 +180,8 @@ def test_cli_export_of_the_default_model(tmp_path):
     resident = printed.pop("resident")  # what a runtime keeps wired for the functions it loads, modelled
     assert printed.pop("resident_bytes") == resident["resident_bytes"] >= printed.pop("weight_copy_bytes") > 0
     print(f"the default export: {resident['functions_loaded']} functions, {resident['copies']} copies of its weights")
+    # one function a package: the Neural Engine keeps one copy of the weights (modelled, contract/resident.py)
+    assert resident["runtime"] == "Core ML" and resident["copies"] <= 1.25
     manifest = printed
     assert manifest["cache"]["kind"] == "state" and other == "inputs"  # the default: states where they work
     assert validate_export(out) == manifest

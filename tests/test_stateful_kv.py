@@ -24,12 +24,14 @@ pytestmark = pytest.mark.export  # exports or runs models end to end: outside th
 
 @pytest.fixture(scope="module")
 def state_export(tiny_checkpoint, tmp_path_factory):
-    """The tiny_export model and options with state caches, through the parity gate (verify=True)."""
+    """The tiny_export model and options (decode functions) with state caches, through the parity gate
+    (verify=True). Where the prefill window decodes, test_prefill_decodes holds state caches."""
     from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=5, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny-state", context_length=256,
-                        prefill_length=64, layers_per_chunk=2, kv_cache="state", verify=True, progress=False)
+                        prefill_length=64, layers_per_chunk=2, kv_cache="state", decode_function="decode",
+                        verify=True, progress=False)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

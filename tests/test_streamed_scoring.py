@@ -40,12 +40,13 @@ def random_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
 @pytest.fixture(scope="module")
 def chunked_export(tiny_checkpoint, tmp_path_factory):
     """An fp16 export of a 3-layer tiny model, one layer per chunk (3 chunks), context 128, window 32,
-    every model a call of its own (caches as inputs, the LM head apart)."""
+    every model a call of its own (caches as inputs, the LM head apart), with decode functions."""
     from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32)
     return export_model(ckpt, tmp_path_factory.mktemp("export") / "chunked", context_length=CONTEXT,
-                        prefill_length=WINDOW, layers_per_chunk=1, kv_cache="inputs", fold_lm_head="no", progress=False, verify=False)
+                        prefill_length=WINDOW, layers_per_chunk=1, kv_cache="inputs", fold_lm_head="no",
+                        decode_function="decode", progress=False, verify=False)
 
 
 def token_major(model, ids) -> np.ndarray:
@@ -208,7 +209,7 @@ def test_build_model_reads_only_its_own_weights(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=3, tie_word_embeddings=True))
     plan = plan_export(ckpt.config, ExportOptions(context_length=64, prefill_length=16, layers_per_chunk=2,
                                                   branch_width=2, suffix_length=32, kv_cache="inputs",
-                                                  fold_lm_head="no"))
+                                                  fold_lm_head="no", decode_function="decode"))
     manifest = plan.manifest("tiny", {}, {}, files={})
     assert plan.chunks == [[0, 1], [2]]
     read: list[str] = []

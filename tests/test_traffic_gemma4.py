@@ -73,14 +73,16 @@ def every_tensor(m: dict, fn: str) -> int:
 
 def tiny(case: dict = KV_SHARED_WIDE, **options) -> dict:
     options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2, "kv_cache": "inputs",
-               "verify_window": 8, "branch_width": 2, "suffix_length": 32, "fold_lm_head": "no", **options}
+               "verify_window": 8, "branch_width": 2, "suffix_length": 32, "fold_lm_head": "no",
+               "decode_function": "decode", **options}
     return dm.manifest_from_config(LlamaConfig.from_hf_dict(case), **options)
 
 
 def e2b() -> dict:
-    """Gemma-4-E2B's shape as an iOS export plans it: 6 embeddings files, context buckets of 512..4096."""
+    """Gemma-4-E2B's shape as an iOS export with decode functions plans it: 6 embeddings files, context
+    buckets of 512..4096."""
     return dm.manifest_from_config(LlamaConfig.from_hf_dict(E2B), context_length=4096, kv_cache="inputs",
-                                   layers_per_chunk=7)
+                                   layers_per_chunk=7, decode_function="decode")
 
 
 SHAPES = {"tiny": tiny, "e2b": e2b}
@@ -325,7 +327,7 @@ def test_info_json_offers_no_state_alternative_for_kv_shared_layers(tmp_path):
     assert "decode_step_bytes" in got and "decode_step_bytes_other_kv_cache" not in got
     (tmp_path / "lfm2.json").write_text(json.dumps(FAMILIES["lfm2"]))
     got = json.loads(run_info("--config", tmp_path / "lfm2.json", "--context-length", CTX, "--kv-cache", "inputs",
-                              "--chip", "M4", "--json"))
+                              "--chip", "M4", "--json", "--decode-function", "decode"))
     other = got["decode_step_bytes_other_kv_cache"]
     assert other["kv_cache"] == "state"
     m = tiny(FAMILIES["lfm2"], verify_window=0, kv_cache="state", prefill_length=got["prefill_length"],
@@ -346,7 +348,7 @@ def test_an_exports_traffic_and_info(tmp_path):
     folder = make_family_checkpoint(tmp_path / "ckpt", **KV_SHARED_WIDE)
     out = export_model(folder, tmp_path / "out", context_length=CTX, prefill_length=64, layers_per_chunk=2,
                        kv_cache="inputs", verify_window=8, branch_width=2, suffix_length=32, fold_lm_head="no",
-                       progress=False, verify=False)
+                       decode_function="decode", progress=False, verify=False)
     m = read_manifest(out)
     def specs(manifest: dict) -> dict:
         return {(model, fn): (spec["inputs"], spec["outputs"]) for model, entry in manifest["models"].items()

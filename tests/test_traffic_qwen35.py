@@ -165,7 +165,8 @@ def test_info_shows_the_recurrent_states(tmp_path):
     assert (f"  linear    layers [0, 2, 3] (Gated DeltaNet, 2 key / 4 value heads) keep a recurrent state of "
             f"4 x 16 x 32 each: {recurrent / 1e6:.2f} MB, with the conv states' {conv / 1e6:.2f} MB") in out
     assert "read and written, the recurrent states whole" in out
-    got = json.loads(run_info("--config", tmp_path / "q.json", "--context-length", CTX, "--kv-cache", "inputs",
+    got = json.loads(run_info("--config", tmp_path / "q.json", "--context-length", CTX, "--decode-function", "decode",
+                              "--kv-cache", "inputs",
                               "--chip", "M4", "--json"))
     other = got["decode_step_bytes_other_kv_cache"]
     assert other["kv_cache"] == "state"
@@ -188,7 +189,7 @@ def test_an_exports_traffic(tmp_path, kind):
     folder = make_family_checkpoint(tmp_path / "ckpt", **QWEN35)
     out = export_model(folder, tmp_path / "out", context_length=CTX, prefill_length=64, layers_per_chunk=2,
                        kv_cache=kind, verify_window=0, branch_width=2, suffix_length=32, fold_lm_head="no",
-                       progress=False, verify=False)
+                       decode_function="decode", progress=False, verify=False)
     m = read_manifest(out)
 
     def specs(manifest: dict) -> dict:

@@ -68,7 +68,7 @@ def test_cut_export_has_three_files_per_vocabulary_matrix(exports):
     assert m["lm_head"]["models"] == ["lm_head", "lm_head_1", "lm_head_2"]
     for model in m["embeddings"]["models"] + m["lm_head"]["models"]:
         assert (cut / f"{model}.mlpackage").is_dir()
-    assert [o["name"] for o in m["models"]["lm_head_2"]["functions"]["decode"]["outputs"]] == ["logits_2"]
+    assert [o["name"] for o in m["models"]["lm_head_2"]["functions"]["prefill"]["outputs"]] == ["logits_2"]
     assert [i["name"] for i in m["models"]["embeddings_1"]["functions"]["prefill"]["inputs"]] == [
         "input_ids", "hidden_states"]
 

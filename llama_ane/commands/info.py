@@ -107,6 +107,8 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
 
 
 def _describe(m: dict, config_path: Path | None) -> None:
+    from ..contract.manifest import window_cascade
+
     c = m["config"]
     if config_path is None:
         click.echo(f"{m['name']}  (format {m['format_version']}, made by llama_ane "
@@ -123,7 +125,10 @@ def _describe(m: dict, config_path: Path | None) -> None:
     click.echo(f"  context   {m['context_length']} tokens, prefill window {m['prefill_length']}, "
                f"{m['precision']}, target {m['deployment_target']}, "
                f"{'multifunction' if m['multifunction'] else 'single-function'} packages")
-    if m.get("branch_width"):
+    if m.get("branch_width") and window_cascade(m):
+        click.echo(f"  cascade   up to {m['branch_width']} branches per step as rows of the prefill window, their "
+                   "tokens side by side in the context after the prefix")
+    elif m.get("branch_width"):
         click.echo(f"  cascade   {m['branch_width']} branches per step, {m['suffix_length']} suffix tokens each")
     if m.get("verify_window"):
         click.echo(f"  verify    token trees of {m['verify_window']} tokens per step (speculative decoding)")

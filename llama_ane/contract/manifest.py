@@ -460,7 +460,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
     return {
         "format_version": FORMAT_VERSION if decode_function == "decode" else PREFILL_DECODES_VERSION,
         **({"decode_function": decode_function} if decode_function != "decode" else {}),
-        **({"cascade": "window"} if cascades_in_window(cfg, decode_function, branch_width, ring) else {}),
+        **({"cascade": "window"} if cascades_in_window(cfg, decode_function, branch_width, ring, prefill_length) else {}),
         "name": name,
         "created_by": created_by,
         "source": source,

@@ -207,7 +207,7 @@ class ExportOptions:
     # (contract/resident.py): "prefill" drops the decode functions, whose tokens then run as windows
     # of one real token. Rows are nearly free on the ANE while a step stays bound by its bytes.
     decode_function: str = option(
-        "decode", "What decodes a token: a function of its own per model (decode), or the prefill window's "
+        "auto", "What decodes a token: a function of its own per model (decode), or the prefill window's "
         "function (prefill: one function per model and bucket, one copy of the weights on the Neural Engine; the "
         "cascade's branches run as rows of that window where every layer attends over one cache; auto context "
         "buckets become one). auto: prefill on Core ML targets, decode on Core AI, whose entry points share "
@@ -270,10 +270,6 @@ class ExportOptions:
         if self.decode_function not in DECODE_FUNCTIONS:
             raise ExportOptionsError(f"--decode-function must be one of {', '.join(DECODE_CHOICES)}, "
                                      f"got {self.decode_function!r}")
-        if self.decode_function == "prefill" and self.branch_width > self.prefill_length:
-            raise ExportOptionsError(f"--branches {self.branch_width} is more than the prefill window "
-                                     f"({self.prefill_length}) that runs a cascade step with --decode-function prefill: "
-                                     f"lower --branches or raise --prefill-length")
         if self.kv_cache == "state" and self.verify_window:
             raise ExportOptionsError("--kv-cache state has no speculative verify function: its accepted tokens are "
                                      "written by the cache-update model, which cannot write the chunks' states; "

@@ -90,7 +90,7 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
     ring = ring_length(cfg, context_length, prefill_length)
     layout = Layout(context_length, prefill_length, float_dtype, tuple(buckets), branch_width, suffix_length,
                     verify_window, kv_cache, ring, decode_function,
-                    cascades_in_window(cfg, decode_function, branch_width, ring))
+                    cascades_in_window(cfg, decode_function, branch_width, ring, prefill_length))
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
     specs = {"embeddings": embeddings.functions(cfg, layout)}
     specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})

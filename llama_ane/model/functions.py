@@ -246,14 +246,16 @@ def state_length(context_length: int, prefill_length: int, kv_cache: str, decode
     return context_length + -(-(prefill_length - 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE
 
 
-def cascades_in_window(cfg: "LlamaConfig", decode_function: str, branch_width: int, ring: int) -> bool:
+def cascades_in_window(cfg: "LlamaConfig", decode_function: str, branch_width: int, ring: int,
+                       prefill_length: int) -> bool:
     """Whether a cascade step runs as the prefill window (no "decode_branches" functions): where the
-    prefill window decodes, the export has a cascade, and every layer attends over the one cache.
+    prefill window decodes, the export has a cascade whose B branches fit in the window as its rows,
+    and every layer attends over the one cache.
     Each branch's tokens then go to that cache, the branches' interleaved after the shared prefix,
     and each row's mask shows it the prefix and its own branch. Conv and linear-attention layers
     (their states run along the window's rows), a ring (its slots follow positions) and KV-shared
     layers keep the cascade function."""
-    return (decode_function == "prefill" and branch_width > 0 and not ring and not cfg.conv_layers
+    return (decode_function == "prefill" and 0 < branch_width <= prefill_length and not ring and not cfg.conv_layers
             and not cfg.delta_layers and not cfg.kv_shared_layers)
 
 

@@ -101,6 +101,13 @@ def prefix_bytes_per_step(manifest: dict, prefix_tokens: int, dtype_bytes: int) 
     return 2 * layers * manifest["cache"]["channels"] * prefix_tokens * dtype_bytes
 
 
+@dataclass
+class WindowSteps:
+    """A group's steps through the prefill window so far (`CascadeDecoder.new_state`)."""
+
+    steps: int = 0
+
+
 class CascadeDecoder:
     """Runs groups of up to B branches over the prefix held in `pipeline`'s caches."""
 
@@ -217,9 +224,30 @@ class CascadeDecoder:
         self.pipeline.updates.submit(i, functools.partial(
             self.pipeline.update, function, suffix, out, {"suffix_positions": slots}))
 
+    def new_state(self) -> "list[dict] | WindowSteps":
+        """What a group's steps keep between them: each chunk's suffix caches (`new_suffixes`), or,
+        through the prefill window, the count of steps written after the prefix."""
+        if self.in_window:
+            return WindowSteps()
+        return [self.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
+
+    def fits(self, prefix_tokens: int, steps: int, need: int, lanes: int | None = None) -> bool:
+        """Whether a branch of `need` more tokens fits after `steps` steps of a group over
+        `prefix_tokens`: in its suffix cache, or through the window, in the context, where every
+        step takes a column per branch slot (`lanes`, default the exported width)."""
+        if self.in_window:
+            return prefix_tokens + (steps + need) * (lanes or self.width) <= self.pipeline.context_length
+        return need <= self.suffix_length
+
+    def branch_columns(self, prefix_tokens: int, steps: int, lane: int, tokens: int, width: int) -> np.ndarray:
+        """The cache columns of the last `tokens` tokens written by branch slot `lane` of a group of
+        `width` after `steps` steps through the window (`window_step`'s layout)."""
+        return prefix_tokens + (steps - tokens + np.arange(tokens)) * width + lane
+
     def window_step(self, tokens: np.ndarray, seen: np.ndarray, steps: int, prefix_tokens: int) -> np.ndarray:
         """One step of a group of G branches as one prefill window (`in_window`): tokens (G,), each
-        branch's tokens already written `seen` (G,) out of `steps` -> logits float32 (G, vocab)."""
+        branch's tokens written in the last `seen` (G,) of the `steps` steps so far (a branch may
+        join a group later, in a free slot) -> logits float32 (G, vocab)."""
         p = self.pipeline
         g = len(tokens)
         base = prefix_tokens + steps * g  # where this step's G columns go
@@ -233,8 +261,15 @@ class CascadeDecoder:
                          lambda i, function, out: p.write_window(i, function, out, base, g), visible=base,
                          host=host)[:g]
 
-    def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int, suffixes: list[dict]) -> np.ndarray:
-        """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab)."""
+    def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int,
+             state: "list[dict] | WindowSteps") -> np.ndarray:
+        """One decode step of the whole group: tokens (B,), cached (B,) -> logits float32 (B, vocab);
+        `state` from `new_state`, moved on."""
+        if isinstance(state, WindowSteps):
+            logits = self.window_step(tokens, cached, state.steps, prefix_tokens)
+            state.steps += 1
+            return logits
+        suffixes = state
         positions = (prefix_tokens + cached).astype(np.int32)
         slots = cached.astype(np.int32)
         return self.pipeline.forward(
@@ -250,7 +285,7 @@ class CascadeDecoder:
         With `record_logits` and `max_new_tokens` 0, each branch only feeds its own tokens and keeps
         the logits after each one (teacher forcing).
         """
-        suffixes = [] if self.in_window else [self.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
+        state = self.new_state()
         for b in branches:  # a branch without text of its own starts from the prefix's next-token logits
             if not b.queue and max_new_tokens == 0:
                 b.done = True
@@ -264,8 +299,7 @@ class CascadeDecoder:
                 cached[j] = b.cached if self.in_window else min(b.cached, self.suffix_length)
                 if not b.done:
                     tokens[j] = b.queue[0]
-            logits = (self.window_step(tokens, cached, steps, prefix_tokens) if self.in_window else
-                      self.step(tokens, cached, prefix_tokens, suffixes))
+            logits = self.step(tokens, cached, prefix_tokens, state)
             steps += 1
             for j, b in enumerate(branches):
                 if b.done:

@@ -59,22 +59,23 @@ class HostMasks:
     def branch_masks(self, prefix: int, width: int, seen: np.ndarray, steps: int, s: int,
                      t: int) -> dict[str, np.ndarray]:
         """{"mask"[, "sliding_mask"]} of a cascade step: rows 0..B-1 the branches (B = `width`), each
-        at position prefix + seen[b] and seeing its first seen[b] tokens among the `steps` written
-        per branch; rows from B on see only themselves (padding). No ring: the cascade runs in the
-        window only where the cache is one (model.functions.cascades_in_window)."""
+        at position prefix + seen[b] and seeing its tokens of the last seen[b] of the `steps` steps
+        written (a branch may have taken its slot after the group began); rows from B on see only
+        themselves (padding). No ring: the cascade runs in the window only where the cache is one
+        (model.functions.cascades_in_window)."""
         cols = np.arange(t)
         lane = np.where(cols >= prefix, (cols - prefix) % width, -1)  # the branch a column belongs to
         step = np.where(cols >= prefix, (cols - prefix) // width, -1)
-        held = np.where(cols < prefix, cols, prefix + step)  # each column's position
         rows = np.arange(s)[:, None]
         seen_rows = np.zeros((s, 1), np.int64)
         seen_rows[:width, 0] = np.minimum(np.asarray(seen), steps)
-        mine = (lane[None, :] == rows) & (step[None, :] < seen_rows)
+        mine = (lane[None, :] == rows) & (step[None, :] >= steps - seen_rows) & (step[None, :] < steps)
         keep = ((cols[None, :] < prefix) | mine) & (rows < width)
         own = np.eye(s, dtype=bool)
         out = {"mask": keep}
         if self.window is not None:
-            at = prefix + seen_rows  # (S,1) each row's position
-            out["sliding_mask"] = keep & (at - held[None, :] < self.window)
+            # each column's position as its row sees it: a branch's tokens count from the step it began
+            held = np.where(cols[None, :] < prefix, cols[None, :], prefix + step[None, :] - (steps - seen_rows))
+            out["sliding_mask"] = keep & (prefix + seen_rows - held < self.window)
         return {name: np.concatenate([_additive(m, self.dtype), _additive(own, self.dtype)], axis=1)
                 .reshape(1, 1, s, t + s) for name, m in out.items()}

@@ -81,7 +81,7 @@ def load(path: str | Path, backend: str = "auto", revision: str | None = None, *
     (a change of working directory included) reaches the network. options go to the backend:
     `precision` ("fp32"|"fp16") and `device` for torch, `compute_units` for coreml, `precision`
     for mil. Export options, for a checkpoint: `context_length`, `prefill_length`,
-    `layers_per_chunk`, `branch_width`, `suffix_length`, `verify_window`.
+    `layers_per_chunk`, `branch_width`, `suffix_length`, `verify_window`, `decode_function`.
     """
     if str(path) == "default" and revision is not None:
         raise InvalidArgumentError(f"revision {revision} applies to a Hugging Face repo id, not the embedded default "
@@ -96,7 +96,8 @@ def load(path: str | Path, backend: str = "auto", revision: str | None = None, *
                              "a checkpoint directly: export it first with `llama-ane export`")
         from ..contract.plan import describe_checkpoint
         ckpt_opts = {k: options.pop(k) for k in ("context_length", "prefill_length", "layers_per_chunk",
-                                                 "branch_width", "suffix_length", "verify_window") if k in options}
+                                                 "branch_width", "suffix_length", "verify_window", "decode_function")
+                     if k in options}
         manifest, checkpoint, folder = describe_checkpoint(p, **ckpt_opts)
         options["checkpoint"] = checkpoint
         backend = "torch"

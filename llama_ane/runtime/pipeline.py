@@ -259,7 +259,7 @@ class Pipeline:
         if "per_layer_inputs_out" in out:
             emb["per_layer_inputs"] = out["per_layer_inputs_out"]
 
-    def _window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
+    def window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
         """The embeddings' inputs of a window at `position`: its tokens and the position, or (host
         masks) each row's position."""
         if self.masks is not None:
@@ -495,7 +495,7 @@ class Pipeline:
             # a state is written a whole window at a time: the padding must fit too
             return np.concatenate([self.run_window(ids[j:j + 1]) for j in range(len(ids))], axis=0)
         fn = bucket_function(fn, self.bucket(start + len(ids)), self.context_length)
-        logits = self.forward(fn, self._window_inputs(window, start),
+        logits = self.forward(fn, self.window_inputs(window, start),
                               lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
                               visible=start, state=lambda i: {WINDOW_TOKENS: np.array([len(ids)], np.int32)},
                               host=self.host_inputs(fn, start, window.shape[1]))[:len(ids)]
@@ -587,7 +587,7 @@ class Pipeline:
                                     self.context_length), window)
                    for k, ((fn, window), part, start) in enumerate(zip(windows, parts, starts))]
         first, *later = self.embedding_models
-        embs = [{**self.backend.predict(first, fn, self._window_inputs(window, start)),
+        embs = [{**self.backend.predict(first, fn, self.window_inputs(window, start)),
                  **self.host_inputs(fn, start, window.shape[1])} for (fn, window), start in zip(windows, starts)]
         self.backend.release(first)
         for part in later:

@@ -12,7 +12,8 @@ How the worker picks what to run, each time it is free:
   step, then samples. While the batch runs, a waiting request takes a freed branch slot if its
   prompt starts with the batch's prefix and nothing older than it waits (first come, first served);
 * a request with nothing to share (or that would not fit a branch: its own tokens longer than a
-  prefill window, or with its answer past the suffix length), and every request on an export
+  prefill window, or with its answer past the suffix length, or, where the branches step through
+  the prefill window, past the context the batch's steps leave), and every request on an export
   without branch functions, runs alone through the plain pipeline, continuing from the prompt
   cache's longest matching entry.
 
@@ -39,7 +40,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError, LlamaANEError
-from ..runtime.cascade import CascadeDecoder
+from ..runtime.cascade import CascadeDecoder, WindowSteps
 from ..runtime.kv_cache import KVCache, common_prefix
 from ..runtime.sampling import SamplingParams, SeededRandom, sample
 from ..runtime.text_stream import TextStream
@@ -243,6 +244,8 @@ class Scheduler:
         self.decoder = CascadeDecoder(self.pipeline, self.tokenizer, model.eos_token_ids) \
             if self.manifest.get("branch_width") else None
         self.width = self.decoder.width if self.decoder else 0
+        self._steps = 0  # the running batch's steps so far (through the prefill window, its columns used)
+        self._lanes = self.width  # the running batch's branch slots
         self.prompt_cache = prompt_cache
         self.max_queue = max_queue
         self.gather_seconds = gather_seconds
@@ -363,16 +366,19 @@ class Scheduler:
             self.metrics.requests_cancelled += 1
             job.finish("cancelled")
 
-    def _fits(self, job: _Job, prefix: int) -> bool:
+    def _fits(self, job: _Job, prefix: int, lanes: int) -> bool:
         """Whether `job` can run as a branch over its first `prefix` tokens: it feeds at least one
         token of its own and at most a prefill window of them (more would cost more steps than
-        prefilling), and its own tokens and answer fit a branch's suffix cache."""
+        prefilling), and its own tokens and answer fit a branch's suffix cache (through the prefill
+        window: the context after the batch's steps so far, each step a column per one of `lanes`
+        branch slots, `CascadeDecoder.fits`)."""
         own = len(job.ids) - prefix
-        return 1 <= own <= self.pipeline.prefill_length and own + job.request.max_tokens <= self.decoder.suffix_length
+        return 1 <= own <= self.pipeline.prefill_length and self.decoder.fits(prefix, self._steps,
+                                                                              own + job.request.max_tokens, lanes)
 
     def _joins(self, job: _Job, prefix: list[int]) -> bool:
         n = len(prefix)
-        return job.ids[:n] == prefix and self._fits(job, n)
+        return job.ids[:n] == prefix and self._fits(job, n, self._lanes)
 
     def _plan(self) -> tuple[list[int], list[_Job]]:
         """Take the next work off the queue: (shared prefix, its branches) or ([], [the head alone])."""
@@ -381,9 +387,14 @@ class Scheduler:
         if self.decoder is not None and others:
             lengths = {min(common_prefix(head.ids, r.ids), len(head.ids) - 1) for r in others}
             for n in sorted(lengths, reverse=True):
-                if n < 1 or not self._fits(head, n):
+                if n < 1 or not self._fits(head, n, 2):
                     continue
-                group = [head] + [r for r in others if self._joins(r, head.ids[:n])][:self.width - 1]
+                group = [head] + [r for r in others if r.ids[:n] == head.ids[:n] and self._fits(r, n, 2)]
+                group = group[:self.width]
+                # through the prefill window a batch has a slot per branch it starts with, each step a
+                # column per slot: fewer branches leave more context to each
+                while len(group) > 1 and not all(self._fits(j, n, len(group)) for j in group):
+                    group.pop()
                 if len(group) > len(best[1]):
                     best = (n, group)
         n, jobs = best
@@ -445,10 +456,11 @@ class Scheduler:
         job.own, job.cached, job.cached_tokens = job.ids[prefix:], 0, cached_tokens
         self.metrics.prefilled_tokens += len(job.own)
 
-    def _keep_branch(self, job: _Job, slot: int, prefix: list[int], suffixes: list[dict]) -> None:
+    def _keep_branch(self, job: _Job, slot: int, prefix: list[int], suffixes: "list[dict] | WindowSteps") -> None:
         """Cache a finished branch's whole sequence (the prefix, its own tokens and its answer) as
         one entry, so its next turn prefills only what is new, as after a plain run: the prefix's
-        K/V and the branch's suffix slot, (layers*G, B, D, U) -> (layers, G*D, 1, n)."""
+        K/V and the branch's suffix slot, (layers*G, B, D, U) -> (layers, G*D, 1, n), or through the
+        prefill window its slot's columns of the one cache (`CascadeDecoder.branch_columns`)."""
         if self.prompt_cache is None or job.failed or self.pipeline.ring:  # a branch's ring is not rebuilt
             return
         self.pipeline.wait()
@@ -456,11 +468,16 @@ class Scheduler:
         fed = job.cached  # tokens in the branch's suffix: its own, then all but its last answer token
         tokens = prefix + (job.ids[len(prefix):] + job.text.token_ids)[:fed]
         caches = []
-        for held, suffix in zip(self.pipeline.cache.caches, suffixes):
+        window = isinstance(suffixes, WindowSteps)
+        columns = self.decoder.branch_columns(len(prefix), suffixes.steps, slot, fed, self._lanes) if window else None
+        for i, held in enumerate(self.pipeline.cache.caches):
             entry = {}
-            for name in ("k", "v"):
-                own = suffix[name][:, slot, :, :fed]
-                own = own.reshape(held[name].shape[0], held[name].shape[1], 1, fed)
+            for name in (n for n in ("k", "v") if n in held):
+                if window:
+                    own = held[name][..., columns]
+                else:
+                    own = suffixes[i][name][:, slot, :, :fed]
+                    own = own.reshape(held[name].shape[0], held[name].shape[1], 1, fed)
                 entry[name] = np.concatenate([held[name][..., :len(prefix)], own.astype(held[name].dtype)], axis=-1)
             caches.append(entry)
         self.prompt_cache.put(KVCache(tokens, caches))
@@ -481,8 +498,15 @@ class Scheduler:
         self.metrics.cascade_batches += 1
         _, reused = self._start(prefix)
         self._remember()
-        suffixes = [decoder.new_suffixes(i) for i in range(len(self.manifest["chunks"]))]
-        slots: list[_Job | None] = [None] * self.width
+        suffixes = decoder.new_state()
+        self._steps = 0
+        # the branch slots: the exported width, or through the prefill window as many as leave the context
+        # its branches need (at least one per branch it starts with; the rest take requests that join)
+        self._lanes = self.width
+        if decoder.in_window:
+            self._lanes = next(n for n in range(self.width, len(jobs) - 1, -1)
+                               if all(self._fits(job, len(prefix), n) for job in jobs))
+        slots: list[_Job | None] = [None] * self._lanes
         for j, job in enumerate(jobs):
             self._seat(job, len(prefix), reused)
             slots[j] = job
@@ -497,11 +521,12 @@ class Scheduler:
             active = [j for j, job in enumerate(slots) if job is not None]
             if not active:
                 break
-            tokens = np.zeros(self.width, np.int32)
-            cached = np.zeros(self.width, np.int32)
+            tokens = np.zeros(len(slots), np.int32)
+            cached = np.zeros(len(slots), np.int32)
             for j in active:
                 tokens[j], cached[j] = slots[j].own[0], slots[j].cached
             logits = decoder.step(tokens, cached, len(prefix), suffixes)
+            self._steps += 1
             self.metrics.cascade_steps += 1
             for j in active:
                 job = slots[j]
@@ -516,3 +541,4 @@ class Scheduler:
                 else:
                     job.own.append(job.text.token_ids[-1])
         self.pipeline.wait()
+        self._steps, self._lanes = 0, self.width
