@@ -251,7 +251,7 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                      "Branches over one shared prefix as a cascade against each branch decoded "
                      "alone (torch backend).", [branches_cpu]),
     "cpu_runtime": ("Torch backend against transformers on a CPU",
-                    "python benchmarks/cpu_runtime.py --repeat 5",
+                    "python benchmarks/cpu_runtime.py --repeat 3 --new-tokens 32",
                     "SmolLM2-135M, fp32, same process; ratios are ours over transformers'.",
                     [cpu_runtime]),
     "long_context": ("Long context", "python benchmarks/long_context.py",
