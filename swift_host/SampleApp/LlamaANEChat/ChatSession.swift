@@ -29,7 +29,7 @@ final class ChatSession: ObservableObject {
     func load(_ folder: URL) async {
         isBusy = true
         defer { isBusy = false }
-        status = "Loading \(folder.lastPathComponent)… (the first launch compiles the models)"
+        status = "Loading \(folder.lastPathComponent)…"
         do {
             let model = try ExportedModel(folder: folder)
             let predictor = try await model.makeCoreMLPredictor()
@@ -39,7 +39,8 @@ final class ChatSession: ObservableObject {
             conversation = model.tokenizer.chatTemplate != nil ? try model.conversation(generator: generator) : nil
             lines = []
             isReady = true
-            status = "\(model.manifest.name), context \(model.manifest.contextLength) tokens"
+            status = "\(model.manifest.name), context \(model.manifest.contextLength) tokens (the first reply loads "
+                + "the models, and on the first launch compiles them)"
         } catch {
             isReady = false
             status = "Could not load the model: \(error)"
