@@ -166,17 +166,18 @@ class CascadeDecoder:
                                    "shorten it or re-export with a larger --context-length")
         need = max(own_tokens) + max_new_tokens
         group = min(len(own_tokens), self.width)
-        if self.in_window and prefix_tokens + need * group > ctx:
+        if self.fits(prefix_tokens, 0, need, group):
+            return
+        if self.in_window:
             raise ContextFullError(
                 f"a branch needs {need} tokens (its own {max(own_tokens)} + {max_new_tokens} new); {group} branches "
                 f"side by side after the {prefix_tokens}-token prefix take {prefix_tokens + need * group} cache "
                 f"positions, but the exported context holds {ctx}; lower --max-new-tokens, run fewer branches at "
                 "once or re-export with a larger --context-length")
-        if not self.in_window and need > self.suffix_length:
-            raise ContextFullError(
-                f"a branch needs {need} suffix tokens (its own {max(own_tokens)} + {max_new_tokens} new) but the "
-                f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
-                "--suffix-length")
+        raise ContextFullError(
+            f"a branch needs {need} suffix tokens (its own {max(own_tokens)} + {max_new_tokens} new) but the "
+            f"export holds {self.suffix_length} per branch; lower --max-new-tokens or re-export with a larger "
+            "--suffix-length")
 
     def new_suffix(self, layers: int, kv_heads: int, head_dim: int) -> np.ndarray:
         """Zeroed suffix cache of `layers` layers: (layers*kv_heads, B, head_dim, suffix_length)."""
@@ -254,9 +255,10 @@ class CascadeDecoder:
         width = g if p.direct else p.prefill_length
         ids, positions = np.zeros((1, width), np.int32), np.full(width, prefix_tokens, np.int32)
         ids[0, :g], positions[:g] = tokens, prefix_tokens + seen
-        fn = bucket_function("prefill", p.bucket(base + g), p.context_length)
+        bucket = p.bucket(base + g)
         host = {"position": np.array([base], np.int32),
-                **p.masks.branch_masks(prefix_tokens, g, seen, steps, width, p.bucket(base + g))}
+                **p.masks.branch_masks(prefix_tokens, g, seen, steps, width, bucket)}
+        fn = bucket_function("prefill", bucket, p.context_length)
         return p.forward(fn, {"input_ids": ids, "positions": positions},
                          lambda i, function, out: p.write_window(i, function, out, base, g), visible=base,
                          host=host)[:g]
