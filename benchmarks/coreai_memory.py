@@ -1,6 +1,8 @@
 """Memory of a process decoding with the coreai backend: PSS every 200 steps of a 2000-step greedy
 decode of a tiny random Llama exported with --target coreai (fp32), once with each cache kind,
-beside the bytes the runtime returned (which it keeps: docs/coreai.md).
+beside the bytes the runtime returned (which it keeps: docs/coreai.md). A third process calls one
+function of the state export through coreai.runtime alone, with the same input arrays every call,
+and prints what each call adds, so the growth can be told apart from anything llama-ane does.
 
     python benchmarks/coreai_memory.py            # writes benchmarks/results/coreai_memory.json
 
@@ -41,6 +43,32 @@ model.close()
 print(json.dumps(rows))
 """
 
+# One function (the embeddings' decode at the first bucket) through the runtime's own API.
+RUNTIME_ALONE = """
+import asyncio, gc, json, sys
+import numpy as np, psutil
+from coreai.authoring.asset import AIModelAsset
+from coreai.runtime import NDArray
+proc = psutil.Process()
+def pss():
+    gc.collect()
+    return proc.memory_full_info().pss
+async def main(path, function, calls):
+    async with AIModelAsset.load(path).executable() as model:
+        f = model.load_function(function)
+        feed = {"input_ids": NDArray(np.array([[5]], np.int32)), "position": NDArray(np.array([100], np.int32))}
+        for _ in range(50):
+            await f(feed)
+        before, out_bytes = pss(), 0
+        for _ in range(calls):
+            out = await f(feed)
+            out_bytes += sum(v.numpy().nbytes for v in out.values())
+            del out
+        print(json.dumps({"calls": calls, "pss_growth_bytes_per_call": round((pss() - before) / calls),
+                          "output_bytes_per_call": out_bytes // calls}))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,6 +96,18 @@ def main() -> None:
             print(f"{kind}: PSS {first['pss_mb']} MB at step {first['step']}, {last['pss_mb']} MB at step "
                   f"{last['step']} ({last['pss_mb'] / first['pss_mb']:.2f}x); the runtime returned "
                   f"{last['received_mb']} MB", flush=True)
+        manifest = json.loads((Path(tmp) / "state" / "manifest.json").read_text())
+        emb = manifest["models"]["embeddings"]
+        function = next(f for f in emb["functions"] if f.startswith("decode"))
+        entry = emb["functions"][function]
+        run = subprocess.run([sys.executable, "-c", RUNTIME_ALONE, str(Path(tmp) / "state" / entry["file"]),
+                              entry.get("function_name") or function,
+                              str(args.steps * 2)], capture_output=True, text=True, check=True)
+        alone = json.loads(run.stdout.strip().splitlines()[-1])
+        result["runtime_alone"] = {"function": f"embeddings/{function}", **alone}
+        print(f"coreai.runtime alone, {alone['calls']} calls of embeddings/{function}: PSS grew "
+              f"{alone['pss_growth_bytes_per_call']} B a call, which returns {alone['output_bytes_per_call']} B",
+              flush=True)
     (HERE / "results" / "coreai_memory.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -29,12 +29,13 @@ def export_coreai(ckpt: Path, out: Path, *options: str) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def coreai_exports(tiny_checkpoint, tmp_path_factory):
-    """fp32 and fp16 Core AI exports of one tiny model, each made (and verified) by one command."""
+    """fp32 and fp16 Core AI exports of one tiny model with input caches (states, the default, are
+    tested below), each made (and verified) by one command."""
     ckpt = tiny_checkpoint(num_hidden_layers=3, head_dim=32)
     folders = {}
     for precision in ("fp32", "fp16"):
         out = tmp_path_factory.mktemp("coreai") / precision
-        done = export_coreai(ckpt, out, "--precision", precision)
+        done = export_coreai(ckpt, out, "--precision", precision, "--kv-cache", "inputs")
         assert done.returncode == 0, done.stderr[-3000:]
         assert "passed" in done.stdout + done.stderr  # the parity gate ran on the coreai backend
         folders[precision] = out

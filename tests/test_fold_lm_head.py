@@ -61,6 +61,9 @@ def test_kv_cache_auto_is_state_only_where_states_work():
     assert ExportOptions(precision="fp32").kv_cache == "inputs"
     assert ExportOptions(target="iOS17").kv_cache == "inputs"
     assert ExportOptions(kv_cache="inputs").kv_cache == "inputs"
+    # Core AI holds states in either precision (its runtime keeps what a cache-update model returns)
+    assert ExportOptions(target="coreai").kv_cache == ExportOptions(target="coreai", precision="fp32").kv_cache == "state"
+    assert ExportOptions(target="coreai", verify_window=16).kv_cache == "inputs"
 
 
 @pytest.fixture(scope="module")

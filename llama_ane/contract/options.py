@@ -199,7 +199,7 @@ class ExportOptions:
         "auto", "Where the KV caches live: passed in and written back by the asynchronous cache-update model "
         "(inputs), or states the chunks update in place (state; iOS18/macOS15 in fp16, or --target coreai; "
         "no --verify-window). "
-        "auto: state where it works, else inputs.", choices=KV_CACHE_CHOICES)
+        "auto: state where it works (Core AI included), else inputs.", choices=KV_CACHE_CHOICES)
     fold_lm_head: str = option(
         "auto", "Compute the LM head in the last chunk: one Core ML call per token fewer. auto: where its weights "
         "fit beside the chunk's in one package.", choices=FOLD_CHOICES)
@@ -340,10 +340,12 @@ def auto_decode_function(target: str) -> str:
 
 
 def auto_kv_cache(target: str, precision: str, verify_window: int) -> str:
-    """What --kv-cache auto becomes: "state" where Core ML states work (an iOS18/macOS15 target,
-    fp16, no verify function: see `ExportOptions.check`), else "inputs". States save a Core ML
-    call per chunk and decode step: each chunk writes its own K/V, with no cache-update call."""
-    states = target in MULTIFUNCTION_TARGETS and precision == "fp16" and not verify_window
+    """What --kv-cache auto becomes: "state" where states work (an iOS18/macOS15 target in fp16, or
+    Core AI; no verify function: see `ExportOptions.check`), else "inputs". States save a call per
+    chunk and decode step: each chunk writes its own K/V, with no cache-update call. On Core AI they
+    also keep a long generation's memory nearly flat, since its runtime keeps every output it
+    returns and the cache-update model would return the caches every step (docs/coreai.md)."""
+    states = (target in MULTIFUNCTION_TARGETS and precision == "fp16" or target == COREAI) and not verify_window
     return "state" if states else "inputs"
 
 
