@@ -2,7 +2,8 @@
 
 `LlamaConfig.from_hf_dict` accepts a `config.json` dictionary (transformers 4 style, with
 `rope_theta`/`rope_scaling`, or transformers 5 style, with `rope_parameters`), drops keys it does not
-use, and validates that the checkpoint is one we can export.
+use, and validates that the checkpoint is one we can export. What one family reads, writes or adds
+to the Llama block is its module's in llama_ane.families; this module asks it by model_type.
 """
 
 from __future__ import annotations
@@ -12,126 +13,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LlamaANEError
+from .families import FAMILIES, PLAIN, SUPPORTED_DESCRIPTION, Family, family
+from .families.fields import ConfigError, Fields, json_type
 
-# model_type -> the prefix of its transformers classes (LlamaForCausalLM, Qwen2DecoderLayer, ...)
-FAMILY_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                       "smollm3": "SmolLM3", "granite": "Granite", "olmo2": "Olmo2", "phi3": "Phi3",
-                       "gemma3_text": "Gemma3", "gemma4_text": "Gemma4", "lfm2": "Lfm2", "qwen3_5_text": "Qwen3_5"}
-FAMILY_MODULE = {"gemma3_text": "gemma3", "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5"}
-# transformers' class of a family's part, where it is not the prefix's: Gemma 4's text classes
-FAMILY_CLASS = {("gemma4_text", "DecoderLayer"): "Gemma4TextDecoderLayer",
-                ("gemma4_text", "RotaryEmbedding"): "Gemma4TextRotaryEmbedding",
-                ("qwen3_5_text", "RotaryEmbedding"): "Qwen3_5TextRotaryEmbedding"}  # transformers' module of a family, where it is not the model_type
-SUPPORTED_MODEL_TYPES = tuple(FAMILY_CLASS_PREFIX)
-LONGROPE_FAMILIES = ("phi3",)  # the families whose RoPE tables come from transformers' own rotary class
-ROPE_TYPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # what Phi3Config reads as longrope
-SUPPORTED_DESCRIPTION = (
-    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
-    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model), "
-    "'lfm2' (LFM2) and 'qwen3_5_text' (Qwen3.5's text model), and the text model of a multimodal checkpoint "
-    "('qwen3_5', 'gemma3', 'gemma4': its text_config), with RoPE type "
-    "default, linear or "
-    "llama3 (phi3: default or longrope), silu MLP (gemma3_text, gemma4_text: gelu_pytorch_tanh), no MLP bias"
-)
-# Families transformers has that the export does not build, with what they need that it lacks
-# (other model_types get the plain "unsupported" line).
-_MOE = "a mixture-of-experts MLP (routed experts)"
+# The families' traits as tables, for what reads them so (each family's module holds its own)
+FAMILY_CLASS_PREFIX = {t: f.class_prefix for t, f in FAMILIES.items()}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # Multimodal checkpoints whose text model is exported (their vision and audio towers are left out):
 # model_type -> (its text_config's model_type, what that text model is)
-MULTIMODAL = {"qwen3_5": ("qwen3_5_text", "Qwen3.5's text model: Gated DeltaNet and attention layers"),
-              "gemma3": ("gemma3_text", "Gemma 3's text model"),
-              "gemma4": ("gemma4_text", "Gemma 4's text model")}
+MULTIMODAL = {f.multimodal[0]: (t, f.multimodal[1]) for t, f in FAMILIES.items() if f.multimodal}
 # What transformers' composite model reads at the top level of its config.json where text_config lacks it
 MULTIMODAL_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id")
-REFUSED_FAMILIES = {
-    "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + _MOE,
-    "qwen2_moe": _MOE, "qwen3_moe": _MOE, "mixtral": _MOE, "granitemoe": _MOE, "granitemoehybrid": _MOE,
-    "phimoe": _MOE, "olmoe": _MOE,
-    "olmo": "OLMo 1's layer norm without weights",
-    "phi": "Phi-1/Phi-2's parallel attention and MLP with LayerNorm and a GeLU MLP",
-}
-
-# What each family adds to the Llama block (transformers' own classes decide the same way):
-# qwen2 always has a bias on q/k/v; llama and qwen3 put one on q/k/v/o when `attention_bias` is set
-# (mistral's attention never has one); qwen3 normalizes each q and k head (q_norm, k_norm);
-# smollm3 leaves RoPE out of some layers (NoPE: `no_rope_layers`, 0 where a layer has none);
-# granite scales the embeddings, each residual branch, the attention scores and the logits;
-# olmo2 normalizes the outputs of attention and MLP instead of their inputs (post_attention_layernorm,
-# post_feedforward_layernorm) and q and k over the whole projection, all heads at once; phi3 stores
-# q/k/v as one qkv_proj and gate/up as one gate_up_proj, and may rotate only the first
-# partial_rotary_factor of each head.
-FUSED_PROJECTIONS = ("phi3",)
-QKV_BIAS_ALWAYS = ("qwen2",)
-ATTENTION_BIAS_FLAG = ("llama", "qwen3", "smollm3", "granite", "olmo2", "gemma3_text")
-QK_NORM = ("qwen3", "olmo2", "gemma3_text", "gemma4_text", "lfm2", "qwen3_5_text")
-QK_NORM_ACROSS_HEADS = ("olmo2",)
-POST_NORMS = ("olmo2",)
-# gemma3_text (Gemma 3) normalizes both the input and the output of attention and of the MLP (four
-# norms a layer), stores every norm weight as w for a scale of (1 + w), scales the embeddings by
-# sqrt(hidden_size), uses a GeLU (tanh) MLP, an attention scale of query_pre_attn_scalar ** -0.5,
-# and local RoPE (its own base, no scaling) on its sliding-window layers.
-SANDWICH_NORMS = ("gemma3_text", "gemma4_text")
-UNIT_OFFSET_NORMS = ("gemma3_text", "qwen3_5_text")
-LOCAL_ROPE = ("gemma3_text",)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default when config.json has no head_dim
-# Gemma 3's residual stream grows past fp16's 65504 in the published checkpoints (activations near
-# 8e5), and its MLP's gate * up product overflows before down_proj. Every norm of a Gemma layer is
-# scale invariant, so the stream (the embeddings and what the post-norms add to it) and the two
-# branches' outputs before their post-norms (o_proj, up_proj) are carried times this power of two,
-# with each norm's eps times its square: the same numbers in any precision (a power of two scales
-# exactly), and finite in fp16.
-STREAM_SCALE = {"gemma3_text": 2.0 ** -6, "gemma4_text": 2.0 ** -6}
-# transformers' Gemma3TextConfig defaults, where config.json leaves a field out
-GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                   "sliding_window_pattern": 6, "rms_norm_eps": 1e-6}
-GEMMA3_ROPE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # its default bases
-# gemma4_text (Gemma 4) has Gemma 3's four norms a layer, stored as the weight itself (no 1 + w), and
-# adds: an attention scale of 1 (q and k are normalized per head), a weightless norm of each v head,
-# a per-layer input (PLE: a second, per-layer token embedding with a projection of the embeddings,
-# fed into each layer after its MLP through a gate and a projection, then the layer's scalar),
-# proportional partial RoPE on the global layers (only the first partial_rotary_factor of the
-# frequencies rotate, the rest are zero), global layers that may take V from the K projection
-# (attention_k_eq_v), and softcapped logits; E2B/E4B's global layers are wider than the sliding ones
-# (global_head_dim, num_global_key_value_heads) and their last layers share earlier layers' K/V
-# (num_kv_shared_layers). Its transformers defaults where config.json leaves a field out:
-GEMMA4 = "gemma4_text"
-GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-                   "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
-                   "global_head_dim": 512}
-# Gemma 4's own config fields: a manifest holds them only where they differ from their defaults (the
-# Gemma 4 exports), so every other family's manifest reads as before and a host that does not know
-# them refuses a Gemma 4 export by the field's name rather than run it wrong
-GEMMA4_FIELDS = ("value_norm", "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar",
-                 "final_logit_softcapping", "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers",
-                 "double_wide_mlp")
-GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                  "rope_theta": 1_000_000.0},
-               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
-# lfm2 (LFM2) puts a short convolution (conv_layers) in place of attention in most layers; its
-# attention layers normalize each q and k head. Its config names some fields its own way, and
-# transformers' Lfm2Config fills in the rest: the aliases and defaults below.
-LFM2_ALIASES = {"norm_eps": "rms_norm_eps", "tie_embedding": "tie_word_embeddings",
-                "block_ff_dim": "intermediate_size"}
-LFM2_DEFAULTS = {"tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}
-# qwen3_5_text (Qwen3.5's text model) puts a Gated DeltaNet (linear attention, delta_layers) in most
-# layers; its attention layers gate their output by a second half of q_proj (attn_output_gate),
-# normalize each q and k head, and rotate the first quarter of each head; every norm but the
-# DeltaNet's own gated one scales by (1 + w). Qwen3_5TextConfig's defaults, where config.json leaves a field out:
-QWEN35 = "qwen3_5_text"
-QWEN35_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-                   "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                   "full_attention_interval": 4, "max_position_embeddings": 32768}
-QWEN35_ROTARY = 0.25  # its partial_rotary_factor where neither config.json nor its rope_parameters gives one
-# Qwen3.5's own config fields: a manifest holds them only where they differ from their defaults, as GEMMA4_FIELDS
-DELTA_FIELDS = ("delta_layers", "delta_key_heads", "delta_value_heads", "delta_key_dim",
-                "delta_value_dim", "attn_output_gate")
-
-
-class ConfigError(LlamaANEError, ValueError):
-    """A checkpoint configuration we cannot export; the message says what and what is supported."""
+UNIT_OFFSET_NORMS = tuple(t for t, f in FAMILIES.items() if f.unit_offset_norms)
+ACTIVATIONS = tuple(dict.fromkeys(f.activation for f in FAMILIES.values()))
+GEMMA4_FIELDS = FAMILIES["gemma4_text"].own_fields
+DELTA_FIELDS = FAMILIES["qwen3_5_text"].own_fields
+OWN_FIELDS = tuple(name for f in FAMILIES.values() for name in f.own_fields)  # see LlamaConfig.to_dict
 
 
 @dataclass(frozen=True)
@@ -209,37 +106,21 @@ class LlamaConfig:
         its JSON type and range before use: `origin` (the file it came from) and the field are named
         in the ConfigError a wrong one raises."""
         if not isinstance(d, dict):
-            raise ConfigError(f"{origin} holds {_json_type(d)}, not a JSON object of config fields")
+            raise ConfigError(f"{origin} holds {json_type(d)}, not a JSON object of config fields")
         if d.get("model_type") in MULTIMODAL:
             d, origin = text_model_config(d, origin), f"{origin} text_config"
-        f = _Fields(d, origin)
+        f = Fields(d, origin)
         model_type = d.get("model_type")
-        if model_type in REFUSED_FAMILIES:
-            raise ConfigError(f"unsupported model_type {model_type!r}: the export has no "
-                              f"{REFUSED_FAMILIES[model_type]}; {SUPPORTED_DESCRIPTION}")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {model_type!r}; {SUPPORTED_DESCRIPTION}")
-        gemma = model_type in SANDWICH_NORMS
-        if model_type == GEMMA4:
-            d = _gemma4_fields(f)
-            f = _Fields(d, origin)
-        elif gemma:
-            _refuse_gemma3_fields(f)
-            d = {**GEMMA3_DEFAULTS, "tie_word_embeddings": True, **{k: v for k, v in d.items() if v is not None}}
-            f = _Fields(d, origin)
-        if model_type == "lfm2":
-            d = _lfm2_fields(f)
-            f = _Fields(d, origin)
-        if model_type == QWEN35:
-            d = {**QWEN35_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
-            f = _Fields(d, origin)
-        act_field = "hidden_activation" if gemma else "hidden_act"
-        act = d.get(act_field, "gelu_pytorch_tanh" if gemma else "silu")
-        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
-            raise ConfigError(f"unsupported {act_field} {act!r}; {SUPPORTED_DESCRIPTION}")
+        fam = family(model_type)
+        if fam.prepare is not None:
+            d = fam.prepare(f)
+            f = Fields(d, origin)
+        act = d.get(fam.activation_field, fam.activation)
+        if act != fam.activation:
+            raise ConfigError(f"unsupported {fam.activation_field} {act!r}; {SUPPORTED_DESCRIPTION}")
         if f.boolean("mlp_bias"):
             raise ConfigError(f"mlp_bias is not supported; {SUPPORTED_DESCRIPTION}")
-        biased = f.boolean("attention_bias") and model_type in ATTENTION_BIAS_FLAG
+        biased = f.boolean("attention_bias") and fam.attention_bias_flag
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"]
         missing = [k for k in required if d.get(k) is None]
@@ -248,25 +129,21 @@ class LlamaConfig:
 
         rope = f.mapping("rope_parameters")
         local_theta = None
-        if model_type == GEMMA4:
-            rope, local_theta = _gemma4_rope(f, rope)
-        elif gemma:
-            rope, local_theta = _gemma3_rope(f, rope)
+        if fam.rope is not None:
+            rope, local_theta = fam.rope(f, rope)
         # as transformers 5 reads it: rope_parameters' base over a top-level rope_theta (checked all the same)
         top_theta = f.number("rope_theta", None)
-        rope_theta = _Fields(rope, f"{origin} rope_parameters").number("rope_theta", None) or top_theta or 10000.0
+        rope_theta = Fields(rope, f"{origin} rope_parameters").number("rope_theta", None) or top_theta or 10000.0
         scaling = f.mapping("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-        scaling = _rope_scaling(scaling, origin, d, model_type) if scaling else None
-        rotary = f.number("partial_rotary_factor", None) or _Fields(rope, f"{origin} rope_parameters").number(
-            "partial_rotary_factor", QWEN35_ROTARY if model_type == QWEN35 else 1.0)
+        scaling = _rope_scaling(scaling, origin, d, fam) if scaling else None
+        rotary = f.number("partial_rotary_factor", None) or Fields(rope, f"{origin} rope_parameters").number(
+            "partial_rotary_factor", fam.partial_rotary_factor)
 
         eos_list = f.token_ids("eos_token_id")
-        window, sliding = _sliding_window(f, model_type)
+        window, sliding = _sliding_window(f, fam)
         hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
-        head_dim = f.integer("head_dim", None)
-        if head_dim is None and model_type == "qwen3":
-            head_dim = QWEN3_HEAD_DIM
-        elif head_dim is None:  # transformers derives it, which needs heads to divide the hidden size
+        head_dim = f.integer("head_dim", None) or fam.head_dim
+        if head_dim is None:  # transformers derives it, which needs heads to divide the hidden size
             if hidden % heads:
                 raise ConfigError(f"{origin}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
                                   f"({heads}) and there is no head_dim; fix one of them or add head_dim")
@@ -287,23 +164,19 @@ class LlamaConfig:
             bos_token_id=f.integer("bos_token_id", None, minimum=0),
             eos_token_id=eos_list,
             model_type=model_type,
-            qkv_bias=biased or model_type in QKV_BIAS_ALWAYS,
+            qkv_bias=biased or fam.qkv_bias,
             o_proj_bias=biased,
-            qk_norm=model_type in QK_NORM,
-            qk_norm_across_heads=model_type in QK_NORM_ACROSS_HEADS,
-            post_norms=model_type in POST_NORMS,
-            fused_projections=model_type in FUSED_PROJECTIONS,
+            qk_norm=fam.qk_norm,
+            qk_norm_across_heads=fam.qk_norm_across_heads,
+            post_norms=fam.post_norms,
+            fused_projections=fam.fused_projections,
             partial_rotary_factor=rotary,
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=local_theta,
             hidden_act=act,
-            sandwich_norms=gemma,
-            nope_layers=_nope_layers(f, model_type),
-            **_conv_fields(f, model_type),
-            **_delta_fields(f, model_type),
-            **_multipliers(f, model_type),
-            **_gemma4_extras(f, model_type),
+            sandwich_norms=fam.sandwich_norms,
+            **(fam.extras(f) if fam.extras is not None else {}),
         )
         cfg.validate()
         return cfg
@@ -394,7 +267,7 @@ class LlamaConfig:
         for name in ("short_factor", "long_factor") if s.get("rope_type") == "longrope" else ():
             factors = s.get(name)
             if not isinstance(factors, list) or len(factors) != self.rotary_dim // 2:
-                raise ConfigError(f"rope_scaling {name} is {_json_type(factors)}; it must list one number for "
+                raise ConfigError(f"rope_scaling {name} is {json_type(factors)}; it must list one number for "
                                   f"each rotated channel pair, rotary_dim / 2 = {self.rotary_dim // 2}")
         for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
                           ("eos_token_id", self.eos_token_id)):
@@ -496,9 +369,14 @@ class LlamaConfig:
         own mask (see `windowed`), so no length is refused for the window's sake."""
 
     @property
+    def family(self) -> Family:
+        """The traits and hooks of this config's model_type (llama_ane.families)."""
+        return FAMILIES.get(self.model_type, PLAIN)
+
+    @property
     def stream_scale(self) -> float:
-        """The power of two the residual stream is carried at (STREAM_SCALE; 1 for most families)."""
-        return STREAM_SCALE.get(self.model_type, 1.0)
+        """The power of two the residual stream is carried at (Family.stream_scale; 1 for most families)."""
+        return self.family.stream_scale
 
     @property
     def stream_eps(self) -> float:
@@ -609,10 +487,10 @@ class LlamaConfig:
         return AutoConfig.for_model(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, but GEMMA4_FIELDS and DELTA_FIELDS only where they are not their defaults (the manifest's copy)."""
-        own = GEMMA4_FIELDS + DELTA_FIELDS
+        """Every field, but the families' own fields (OWN_FIELDS) only where they are not their defaults (the
+        manifest's copy)."""
         defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                    for f in dataclasses.fields(self) if f.name in own}
+                    for f in dataclasses.fields(self) if f.name in OWN_FIELDS}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in defaults or v != defaults[k]}
 
     @classmethod
@@ -629,108 +507,41 @@ class LlamaConfig:
         ours = ("eos_token_id", "qkv_bias", "o_proj_bias", "qk_norm", "qk_norm_across_heads", "post_norms",
                 "fused_projections", "sliding_window", "nope_layers", "sliding_layers", "rope_local_theta",
                 "hidden_act", "sandwich_norms", "conv_layers", "conv_kernel", "conv_bias",
-                "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling", "value_norm",
-                "k_eq_v", "per_layer_input_size", "per_layer_vocab_size", "layer_scalar", "final_logit_softcapping",
-                "rope_proportion", "global_head_dim", "global_key_value_heads", "kv_shared_layers", "double_wide_mlp"
-                ) + DELTA_FIELDS
+                "embedding_multiplier", "residual_multiplier", "attention_scale", "logits_scaling") + OWN_FIELDS
+        fam = self.family
         d = {k: v for k, v in self.to_dict().items() if k not in ours}
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None)
         d["hidden_act"] = self.hidden_act
         d["attention_bias"] = self.o_proj_bias
         d["mlp_bias"] = False
         d["sliding_window"] = self.sliding_window
-        if self.sliding_layers and self.model_type != "mistral":
+        if self.sliding_layers and fam.window_layer_types:
             d["layer_types"] = ["sliding_attention" if self.slides(n) else "full_attention"
                                 for n in range(self.num_hidden_layers)]
-        if self.model_type in ("qwen2", "qwen3"):
-            d["use_sliding_window"] = self.sliding_window is not None
-            d["max_window_layers"] = 0
-        if self.model_type == "smollm3":
-            d["no_rope_layers"] = [int(self.rotary(n)) for n in range(self.num_hidden_layers)]
-            d["use_sliding_window"] = self.sliding_window is not None
-        if self.model_type == GEMMA4:
-            return self._gemma4_hf_dict(d)
-        if self.sandwich_norms:  # Gemma 3's own names, its scales as the fields they come from
-            del d["hidden_act"]
-            d.update(hidden_activation=self.hidden_act, rope_local_base_freq=self.rope_local_theta,
-                     query_pre_attn_scalar=_whole(self.query_scale ** -2), final_logit_softcapping=None,
-                     attn_logit_softcapping=None, sliding_window=self.sliding_window or self.max_position_embeddings)
-            if not self.sliding_layers:
-                d["layer_types"] = ["full_attention"] * self.num_hidden_layers
-        if self.model_type == "phi3":  # its config reads these at the top level
-            d["original_max_position_embeddings"] = (self.rope_scaling or {}).get(
-                "original_max_position_embeddings", self.max_position_embeddings)
-        else:
+        if not fam.writes_rotary_factor:
             del d["partial_rotary_factor"]
-        if self.model_type == "lfm2":  # the MLP width as it is (already adjusted), LFM2's own names
-            d.update(layer_types=["conv" if self.convolves(n) else "full_attention"
-                                  for n in range(self.num_hidden_layers)],
-                     conv_L_cache=self.conv_kernel, conv_bias=self.conv_bias, block_auto_adjust_ff_dim=False,
-                     norm_eps=self.rms_norm_eps)
-            del d["hidden_act"], d["attention_bias"], d["mlp_bias"], d["sliding_window"], d["rms_norm_eps"]
-        if self.model_type == QWEN35:  # Qwen3_5TextConfig's names; its RoPE rotates partial_rotary_factor of a head
-            d.update(layer_types=["linear_attention" if self.linear(n) else "full_attention"
-                                  for n in range(self.num_hidden_layers)],
-                     linear_conv_kernel_dim=self.conv_kernel, linear_num_key_heads=self.delta_key_heads,
-                     linear_num_value_heads=self.delta_value_heads, linear_key_head_dim=self.delta_key_dim,
-                     linear_value_head_dim=self.delta_value_dim,
-                     rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
-                                      "partial_rotary_factor": self.partial_rotary_factor})
-            for name in ("mlp_bias", "sliding_window", "rope_theta", "rope_scaling"):
-                d.pop(name, None)
-        if self.model_type == "granite":
-            d.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
-                     attention_multiplier=self.query_scale, logits_scaling=self.logits_scaling)
-        return d
-
-    def _gemma4_hf_dict(self, d: dict[str, Any]) -> dict[str, Any]:
-        """to_hf_dict of Gemma 4 (Gemma4TextConfig's names): the RoPE per layer type, the global
-        layers' head sizes."""
-        wide = self.global_layers
-        full = {"rope_type": "proportional", "rope_theta": self.rope_theta, "partial_rotary_factor": self.rope_proportion,
-                **({"factor": self.rope_scaling["factor"]} if self.rope_scaling else {})}
-        for name in ("hidden_act", "mlp_bias", "rope_scaling", "partial_rotary_factor", "attention_bias"):
-            d.pop(name, None)
-        d.update(hidden_activation=self.hidden_act, sliding_window=self.sliding_window or self.max_position_embeddings,
-                 layer_types=["sliding_attention" if self.slides(n) else "full_attention"
-                              for n in range(self.num_hidden_layers)],
-                 rope_parameters={"full_attention": full, "sliding_attention": {
-                     "rope_type": "default", "rope_theta": self.rope_local_theta}},
-                 global_head_dim=wide.head_dim, num_global_key_value_heads=wide.num_key_value_heads,
-                 attention_k_eq_v=self.k_eq_v, num_kv_shared_layers=self.kv_shared_layers, enable_moe_block=False,
-                 use_double_wide_mlp=self.double_wide_mlp,
-                 hidden_size_per_layer_input=self.per_layer_input_size,
-                 vocab_size_per_layer_input=self.per_layer_vocab_size or self.vocab_size,
-                 final_logit_softcapping=self.final_logit_softcapping)
-        return d
+        return d if fam.write is None else fam.write(self, d)
 
 
-def _sliding_window(f: "_Fields", model_type: str) -> tuple[int | None, list[int]]:
+def _sliding_window(f: Fields, fam: Family) -> tuple[int | None, list[int]]:
     """The attention window and the layers that use it (None, []: every layer attends to everything),
-    as transformers reads them: Mistral's `sliding_window` applies to every layer; Qwen's only with
-    `use_sliding_window`, to the layers `layer_types` (or from `max_window_layers` on) names;
-    SmolLM3's to its layers without RoPE; Gemma 3's to those `layer_types` (or all but every
-    `sliding_window_pattern`-th layer) names."""
+    as transformers reads them: where the family has a window at all (Family.window) and its flag
+    turns it on (Qwen's, SmolLM3's use_sliding_window), the layers `layer_types` names (not
+    Mistral's, whose window is every layer's), else the family's own (Family.window_layers), else
+    every layer."""
     window = f.integer("sliding_window", None)
     layers = f.integer("num_hidden_layers")
-    if window is None or model_type == "llama":
+    if window is None or not fam.window:
         return None, []
-    if model_type in ("qwen2", "qwen3", "smollm3") and not f.boolean("use_sliding_window"):
+    if fam.window_flag is not None and not f.boolean(fam.window_flag):
         return None, []
     types = f.d.get("layer_types")
-    if types is not None and not (isinstance(types, list) and len(types) == layers and all(
-            t in ("sliding_attention", "full_attention") for t in types)):
-        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
-                          f"({layers}) entries, each \"sliding_attention\" or \"full_attention\"")
-    if types is not None and model_type != "mistral":
+    if types is not None:
+        f.layer_types(types, ("sliding_attention", "full_attention"))
+    if types is not None and fam.window_layer_types:
         sliding = [n for n, t in enumerate(types) if t == "sliding_attention"]
-    elif model_type in ("qwen2", "qwen3"):
-        sliding = list(range(f.integer("max_window_layers", 28, minimum=0), layers))
-    elif model_type == "smollm3":
-        sliding = _nope_layers(f, model_type)
-    elif model_type in SANDWICH_NORMS:
-        pattern = f.integer("sliding_window_pattern")
-        sliding = [n for n in range(layers) if (n + 1) % pattern]
+    elif fam.window_layers is not None:
+        sliding = fam.window_layers(f, layers)
     else:
         sliding = list(range(layers))
     return (window, sliding) if sliding else (None, [])
@@ -751,11 +562,11 @@ def text_model_config(d: dict[str, Any], origin: str = "config.json") -> dict[st
     if not isinstance(text, dict):
         raise ConfigError(f"{origin}: model_type {model_type!r} is a multimodal checkpoint whose text model "
                           f"({what}, model_type {text_type!r}, weights under model.language_model.* or "
-                          f"language_model.*) the export takes from text_config, which is {_json_type(text)} "
+                          f"language_model.*) the export takes from text_config, which is {json_type(text)} "
                           "(unsupported without it); restore the checkpoint's config.json, whose text_config is an "
                           "object of the text model's fields")
     if text.get("model_type", text_type) != text_type:
-        raise ConfigError(f"{origin}: text_config.model_type is {_json_type(text['model_type'])}, but a "
+        raise ConfigError(f"{origin}: text_config.model_type is {json_type(text['model_type'])}, but a "
                           f"{model_type!r} checkpoint's text model is {text_type!r} ({what}); set "
                           f"text_config.model_type to {text_type!r} or restore the checkpoint's config.json")
     top = {k: d[k] for k in MULTIMODAL_TOP_LEVEL if d.get(k) is not None and text.get(k) is None}
@@ -771,331 +582,16 @@ def text_model_config(d: dict[str, Any], origin: str = "config.json") -> dict[st
     return {**out, **top, "model_type": text_type, **({} if tie is None else {"tie_word_embeddings": tie})}
 
 
-def _refuse_gemma3_fields(f: "_Fields") -> None:
-    """Gemma 3 options the export does not build, refused by name (Gemma 2's softcapping is off in
-    every Gemma 3 checkpoint; the embedding models attend both ways)."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if f.d.get(name) is not None:
-            raise ConfigError(f"{f.origin}: {name} is {_json_type(f.d[name])}; the export does not do logit "
-                              "softcapping (Gemma 3 leaves it null)")
-    if f.boolean("use_bidirectional_attention"):
-        raise ConfigError(f"{f.origin}: use_bidirectional_attention is true; the export builds causal language "
-                          "models only")
-
-
-def _gemma3_rope(f: "_Fields", rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """Gemma 3's global RoPE parameters (rope_theta and its scaling, in the form the other families
-    use) and the local base of its sliding layers, from transformers 5's `rope_parameters` per
-    layer type or transformers 4's rope_theta / rope_scaling / rope_local_base_freq."""
-    if "full_attention" in rope or "sliding_attention" in rope:
-        local = _Fields(rope, f"{f.origin} rope_parameters").mapping("sliding_attention")
-        lf = _Fields(local, f"{f.origin} rope_parameters.sliding_attention")
-        if local.get("rope_type", local.get("type", "default")) != "default":
-            raise ConfigError(f"{f.origin}: rope_parameters.sliding_attention has rope_type "
-                              f"{local.get('rope_type')!r}; the sliding layers' RoPE must be the default one")
-        full = _Fields(rope, f"{f.origin} rope_parameters").mapping("full_attention")
-        full.setdefault("rope_theta", GEMMA3_ROPE["full_attention"])
-        return full, lf.number("rope_theta", GEMMA3_ROPE["sliding_attention"])
-    if f.number("rope_theta", None) is None:
-        rope = {**rope, "rope_theta": GEMMA3_ROPE["full_attention"]}
-    return rope, f.number("rope_local_base_freq", GEMMA3_ROPE["sliding_attention"])
-
-
-def _gemma4_fields(f: "_Fields") -> dict[str, Any]:
-    """Gemma 4's config.json with Gemma4TextConfig's defaults filled in (its layer types: every sixth
-    layer global, the last one always; its RoPE per layer type), checked for what the export does not
-    build, each refused by name."""
-    d = {**GEMMA4_DEFAULTS, **{k: v for k, v in f.d.items() if v is not None}}
-    g = _Fields(d, f.origin)
-    refuse = lambda what: ConfigError(f"{f.origin}: {what}")  # noqa: E731
-    if g.boolean("enable_moe_block"):
-        raise refuse(f"enable_moe_block is true; the export has no {_MOE} (Gemma 4's MoE block)")
-    # "vision": image tokens attend both ways, text causally; a text model has no image tokens
-    if d.get("use_bidirectional_attention") not in (None, "vision"):
-        raise refuse(f"use_bidirectional_attention is {_json_type(d['use_bidirectional_attention'])}; the "
-                     "export builds causal language models only")
-    if g.boolean("attention_bias"):
-        raise refuse("attention_bias is true; the export builds Gemma 4's attention without biases")
-    if d.get("attn_logit_softcapping") is not None:
-        raise refuse("attn_logit_softcapping is set; the export does not softcap attention scores")
-    layers = g.integer("num_hidden_layers")
-    types = d.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (n + 1) % 6 else "full_attention" for n in range(layers)]
-    if isinstance(types, list) and types and types[-1] == "sliding_attention":
-        types = [*types[:-1], "full_attention"]  # as Gemma4TextConfig forces it
-    head_dim, kv_heads = g.integer("head_dim"), g.integer("num_key_value_heads", g.integer("num_attention_heads"))
-    glob = _gemma4_global_heads(g, types, layers)
-    if glob[1] != kv_heads and not g.boolean("attention_k_eq_v"):
-        raise refuse(f"per_layer_config gives the global layers {glob[1]} kv heads where the sliding layers have "
-                     f"{kv_heads} without attention_k_eq_v; the export builds other kv heads on the global layers "
-                     "only as num_global_key_value_heads of an attention_k_eq_v model")
-    g.integer("num_kv_shared_layers", 0, minimum=0)
-    rope = d.get("rope_parameters") or {}
-    if not isinstance(rope, dict) or (rope and not {"full_attention", "sliding_attention"} <= set(rope)):
-        raise refuse(f"rope_parameters is {_json_type(rope)}; Gemma 4's has an object per layer type "
-                     "(full_attention, sliding_attention)")
-    rope = {kind: {**GEMMA4_ROPE[kind], **(rope.get(kind) or {})} for kind in GEMMA4_ROPE}
-    # Gemma4TextConfig reads its RoPE from rope_parameters only (a top-level rope_theta is ignored)
-    d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling", "partial_rotary_factor")}
-    return {**d, "layer_types": types, "rope_parameters": rope}
-
-
-def _gemma4_global_heads(g: "_Fields", types: Any, layers: int) -> tuple[int, int]:
-    """The head_dim and kv heads of Gemma 4's global layers: per_layer_config's overrides (every
-    global layer's the same, none for a sliding layer), else global_head_dim and, where
-    attention_k_eq_v is set, num_global_key_value_heads, as Gemma4TextConfig fills them in."""
-    head_dim, kv_heads = g.integer("head_dim"), g.integer("num_key_value_heads", g.integer("num_attention_heads"))
-    per_layer = g.d.get("per_layer_config")
-    if per_layer is None:
-        kv = g.integer("num_global_key_value_heads", None) if g.boolean("attention_k_eq_v") else None
-        return g.integer("global_head_dim"), kv or kv_heads
-    if not isinstance(per_layer, dict) or not isinstance(types, list):
-        raise ConfigError(f"{g.origin}: per_layer_config is {_json_type(per_layer)}; it must be an object of layer "
-                          "index -> head_dim / num_key_value_heads")
-    try:  # keys as transformers writes them: the layer index, zero-padded ("04")
-        per_layer = {int(k): v for k, v in per_layer.items()}
-    except ValueError:
-        raise ConfigError(f"{g.origin}: per_layer_config has keys {sorted(map(str, per_layer))}; they must be "
-                          "layer indices") from None
-    found = set()
-    for n in range(layers):
-        over = per_layer.get(n) or {}
-        if not isinstance(over, dict) or set(over) - {"head_dim", "num_key_value_heads"}:
-            raise ConfigError(f"{g.origin}: per_layer_config of layer {n} is {_json_type(over)}; the export reads "
-                              "head_dim and num_key_value_heads there only")
-        sizes = (over.get("head_dim", head_dim), over.get("num_key_value_heads", kv_heads))
-        if n < len(types) and types[n] == "full_attention":
-            found.add(sizes)
-        elif sizes != (head_dim, kv_heads):
-            raise ConfigError(f"{g.origin}: per_layer_config gives sliding layer {n} head_dim {sizes[0]} and "
-                              f"{sizes[1]} kv heads; the export builds them with the config's own")
-    if len(found) > 1:
-        raise ConfigError(f"{g.origin}: per_layer_config gives the global layers different head sizes "
-                          f"{sorted(found)}; the export builds one size for all of them")
-    return found.pop() if found else (head_dim, kv_heads)
-
-
-def _gemma4_rope(f: "_Fields", rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """Gemma 4's global RoPE base (and a proportional RoPE's factor as linear scaling: it divides the
-    same frequencies) and the local base of its sliding layers; the proportion goes to
-    rope_proportion (_gemma4_extras)."""
-    full, local = rope["full_attention"], rope["sliding_attention"]
-    where = f"{f.origin} rope_parameters"
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"{where}.sliding_attention has rope_type {local.get('rope_type')!r}; the sliding "
-                          "layers' RoPE must be the default one")
-    if full.get("rope_type", "default") not in ("default", "proportional"):
-        raise ConfigError(f"{where}.full_attention has rope_type {full.get('rope_type')!r}; the export builds "
-                          "Gemma 4's global layers with the proportional (or default) RoPE")
-    ff = _Fields(full, f"{where}.full_attention")
-    out = {"rope_theta": ff.number("rope_theta")}
-    factor = ff.number("factor", 1.0) if full.get("rope_type") == "proportional" else 1.0
-    if factor != 1.0:
-        out.update(rope_type="linear", factor=factor)
-    return out, _Fields(local, f"{where}.sliding_attention").number("rope_theta")
-
-
-def _gemma4_extras(f: "_Fields", model_type: str) -> dict[str, Any]:
-    """Gemma 4's own fields (see LlamaConfig); none for the other families."""
-    if model_type != GEMMA4:
-        return {}
-    full = f.d["rope_parameters"]["full_attention"]
-    proportion = 1.0
-    if full.get("rope_type") == "proportional":
-        proportion = _Fields(full, f"{f.origin} rope_parameters.full_attention").number("partial_rotary_factor", 1.0)
-    size = f.integer("hidden_size_per_layer_input", 0, minimum=0)
-    head_dim, kv_heads = f.integer("head_dim"), f.integer("num_key_value_heads", f.integer("num_attention_heads"))
-    glob = _gemma4_global_heads(f, f.d["layer_types"], f.integer("num_hidden_layers"))
-    wide = {"global_head_dim": glob[0] if glob[0] != head_dim else 0,
-            "global_key_value_heads": glob[1] if glob[1] != kv_heads else 0}
-    shared = {"kv_shared_layers": f.integer("num_kv_shared_layers", 0), "double_wide_mlp": f.boolean("use_double_wide_mlp")}
-    return {**wide, **shared, "value_norm": True, "k_eq_v": f.boolean("attention_k_eq_v"), "per_layer_input_size": size,
-            "per_layer_vocab_size": f.integer("vocab_size_per_layer_input") if size else 0, "layer_scalar": True,
-            "final_logit_softcapping": f.number("final_logit_softcapping", None), "rope_proportion": proportion}
-
-
-def _multipliers(f: "_Fields", model_type: str) -> dict[str, float]:
-    """Granite's scale factors (transformers' GraniteConfig defaults when absent: 1.0 each, the
-    attention scale too, not 1/sqrt(head_dim)); Gemma 3's embedding scale sqrt(hidden_size) and
-    attention scale query_pre_attn_scalar ** -0.5; none for the other families."""
-    if model_type == GEMMA4:  # q and k are normalized: no scale
-        return {"embedding_multiplier": f.integer("hidden_size") ** 0.5, "attention_scale": 1.0}
-    if model_type in SANDWICH_NORMS:
-        return {"embedding_multiplier": f.integer("hidden_size") ** 0.5,
-                "attention_scale": f.number("query_pre_attn_scalar") ** -0.5}
-    if model_type != "granite":
-        return {}
-    return {"embedding_multiplier": f.number("embedding_multiplier", 1.0),
-            "residual_multiplier": f.number("residual_multiplier", 1.0),
-            "attention_scale": f.number("attention_multiplier", 1.0),
-            "logits_scaling": f.number("logits_scaling", 1.0)}
-
-
-def _lfm2_fields(f: "_Fields") -> dict[str, Any]:
-    """LFM2's config.json in the other families' field names: its aliases renamed, Lfm2Config's
-    defaults filled in, and `intermediate_size` the MLP's real width, as transformers' Lfm2MLP
-    computes it (block_auto_adjust_ff_dim: two thirds of it, times block_ffn_dim_multiplier, rounded
-    up to a multiple of block_multiple_of)."""
-    d = {LFM2_ALIASES.get(k, k): v for k, v in f.d.items()}
-    d = {**LFM2_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k == "block_ffn_dim_multiplier"}}
-    if "rope_theta" in (d.get("rope_parameters") or {}):
-        del d["rope_theta"]  # the base rope_parameters gives, not Lfm2Config's default
-    g = _Fields(d, f.origin)
-    width = g.integer("intermediate_size", 12288)
-    if g.boolean("block_auto_adjust_ff_dim") if "block_auto_adjust_ff_dim" in d else True:
-        width = int(2 * width / 3)
-        if d.get("block_ffn_dim_multiplier", 1.0) is not None:
-            multiple = g.integer("block_multiple_of", 256)
-            width = multiple * ((int(g.number("block_ffn_dim_multiplier", 1.0) * width) + multiple - 1) // multiple)
-    return {**d, "intermediate_size": width}
-
-
-def _conv_fields(f: "_Fields", model_type: str) -> dict[str, Any]:
-    """LFM2's conv layers (those `layer_types` names "conv", or all but `full_attn_idxs`), their
-    kernel (conv_L_cache) and whether they have biases (conv_bias); none for the other families."""
-    if model_type != "lfm2":
-        return {}
-    layers = f.integer("num_hidden_layers")
-    types = f.d.get("layer_types")
-    if types is None:
-        full = f.d.get("full_attn_idxs")
-        if not (isinstance(full, list) and all(type(n) is int and 0 <= n < layers for n in full)):
-            raise ConfigError(f"{f.origin}: neither layer_types nor full_attn_idxs (the attention layers' "
-                              "indices) says which layers are conv layers; add layer_types")
-        types = ["full_attention" if n in full else "conv" for n in range(layers)]
-    if not (isinstance(types, list) and len(types) == layers and all(t in ("conv", "full_attention") for t in types)):
-        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
-                          f"({layers}) entries, each \"conv\" or \"full_attention\"")
-    return {"conv_layers": [n for n, t in enumerate(types) if t == "conv"],
-            "conv_kernel": f.integer("conv_L_cache", 3, minimum=2), "conv_bias": f.boolean("conv_bias")}
-
-
-def _delta_fields(f: "_Fields", model_type: str) -> dict[str, Any]:
-    """Qwen3.5's linear-attention layers (those `layer_types` names "linear_attention"; without it every
-    layer but each full_attention_interval-th, as Qwen3_5TextConfig fills it in) and their sizes; none
-    for the other families."""
-    if model_type != QWEN35:
-        return {}
-    layers = f.integer("num_hidden_layers")
-    types = f.d.get("layer_types")
-    if types is None:
-        interval = f.integer("full_attention_interval")
-        types = ["linear_attention" if (n + 1) % interval else "full_attention" for n in range(layers)]
-    if not (isinstance(types, list) and len(types) == layers
-            and all(t in ("linear_attention", "full_attention") for t in types)):
-        raise ConfigError(f"{f.origin}: layer_types is {_json_type(types)}; it must list num_hidden_layers "
-                          f"({layers}) entries, each \"linear_attention\" or \"full_attention\"")
-    if f.boolean("attention_bias"):
-        raise ConfigError(f"{f.origin}: attention_bias is true; Qwen3.5's attention and linear-attention "
-                          "projections are exported without biases")
-    return {"delta_layers": [n for n, t in enumerate(types) if t == "linear_attention"],
-            "conv_kernel": f.integer("linear_conv_kernel_dim", minimum=2),
-            "delta_key_heads": f.integer("linear_num_key_heads"), "delta_value_heads": f.integer("linear_num_value_heads"),
-            "delta_key_dim": f.integer("linear_key_head_dim"), "delta_value_dim": f.integer("linear_value_head_dim"),
-            "attn_output_gate": True}
-
-
-def _nope_layers(f: "_Fields", model_type: str) -> list[int]:
-    """The layers without RoPE: SmolLM3's `no_rope_layers` holds 1 for each layer that rotates q and
-    k and 0 for one that does not; without it, every `no_rope_layer_interval`-th layer has none (as
-    transformers' SmolLM3Config fills it in)."""
-    if model_type != "smollm3":
-        return []
-    layers = f.integer("num_hidden_layers")
-    flags = f.d.get("no_rope_layers")
-    if flags is None:
-        interval = f.integer("no_rope_layer_interval", 4)
-        return [n for n in range(layers) if (n + 1) % interval == 0]
-    if not (isinstance(flags, list) and len(flags) == layers
-            and all(type(v) is int and v in (0, 1) for v in flags)):
-        raise ConfigError(f"{f.origin}: no_rope_layers is {_json_type(flags)}; it must be a list of "
-                          f"num_hidden_layers ({layers}) entries, each 1 (the layer uses RoPE) or 0 (it does not)")
-    return [n for n, v in enumerate(flags) if not v]
-
-
-_MISSING = object()
-
-
-def _json_type(value: Any) -> str:
-    """How `value` reads in JSON, for error messages: 'the string "8"', 'a list', ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"the boolean {str(value).lower()}"
-    if isinstance(value, str):
-        return f"the string {value[:40]!r}"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return {list: "a list", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
-
-
-class _Fields:
-    """Typed reads of a config dictionary's fields: a field of the wrong JSON type or out of range
-    raises a ConfigError naming `origin`, the field, what it is and what it must be. An absent field
-    (or null) gives `default`; with no default it is an error."""
-
-    def __init__(self, d: dict[str, Any], origin: str):
-        self.d, self.origin = d, origin
-
-    def _get(self, key: str, default: Any) -> Any:
-        value = self.d.get(key)
-        if value is None:
-            if default is _MISSING:
-                raise ConfigError(f"{self.origin} lacks {key}")
-            return default
-        return value
-
-    def _refuse(self, key: str, value: Any, must: str) -> ConfigError:
-        return ConfigError(f"{self.origin}: {key} is {_json_type(value)}; it must be {must}")
-
-    def integer(self, key: str, default: Any = _MISSING, minimum: int = 1) -> Any:
-        value = self._get(key, default)
-        if value is default:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self._refuse(key, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
-        return value
-
-    def number(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if value is default:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise self._refuse(key, value, "a positive number")
-        return float(value)
-
-    def boolean(self, key: str) -> bool:
-        value = self._get(key, False)
-        if not isinstance(value, bool):
-            raise self._refuse(key, value, "true or false")
-        return value
-
-    def mapping(self, key: str) -> dict[str, Any]:
-        value = self._get(key, {})
-        if not isinstance(value, dict):
-            raise self._refuse(key, value, "an object (or null)")
-        return dict(value)
-
-    def token_ids(self, key: str) -> list[int]:
-        """A token id or a list of them (EOS may be either), as a list."""
-        value = self._get(key, [])
-        ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise self._refuse(key, value, "a token id or a list of token ids (integers >= 0)")
-        return list(ids)
-
-
-def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model_type: str) -> dict[str, Any] | None:
-    """The checked `rope_scaling` (None for the default RoPE): its type supported and the numbers
-    that type uses present and in range (a llama3 band with high_freq_factor <= low_freq_factor
-    would divide by zero; longrope's factor lists numbers, its original context an integer)."""
-    f = _Fields(scaling, f"{origin} rope_scaling")
+def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], fam: Family) -> dict[str, Any] | None:
+    """The checked `rope_scaling` (None for the default RoPE): its type one the family is exported with
+    and the numbers that type uses present and in range (a llama3 band with high_freq_factor <=
+    low_freq_factor would divide by zero; longrope's factor lists numbers, its original context an integer)."""
+    f = Fields(scaling, f"{origin} rope_scaling")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    longrope = model_type in LONGROPE_FAMILIES
-    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type) if longrope else rope_type
-    if rope_type not in (("default", "longrope") if longrope else ("default", "llama3", "linear")):
-        raise ConfigError(f"unsupported RoPE scaling {rope_type!r} for model_type {model_type!r}; "
+    if fam.rope_aliases:
+        rope_type = fam.rope_aliases.get(rope_type, rope_type)
+    if rope_type not in fam.rope_types:
+        raise ConfigError(f"unsupported RoPE scaling {rope_type!r} for model_type {fam.model_type!r}; "
                           f"{SUPPORTED_DESCRIPTION}")
     if rope_type == "default":
         return None
@@ -1106,9 +602,9 @@ def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model
             factors = scaling.get(name)
             if not (isinstance(factors, list) and factors and all(
                     isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in factors)):
-                raise f._refuse(name, factors, "a list of positive numbers, one for each rotated channel pair")
+                raise f.refuse(name, factors, "a list of positive numbers, one for each rotated channel pair")
         out["original_max_position_embeddings"] = f.integer(  # Phi3Config's default where neither has it
-            "original_max_position_embeddings", _Fields(d, origin).integer("original_max_position_embeddings", 4096))
+            "original_max_position_embeddings", Fields(d, origin).integer("original_max_position_embeddings", 4096))
         for name in ("factor", "attention_factor"):
             if f.number(name, None) is None:
                 out.pop(name, None)
@@ -1123,19 +619,15 @@ def _rope_scaling(scaling: dict[str, Any], origin: str, d: dict[str, Any], model
     return out
 
 
-def _whole(x: float) -> float | int:
-    """`x` as an int where it is one (a config field transformers types as int), else as it is."""
-    return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
-
-
 def transformers_class(model_type: str, part: str):
     """transformers' class `part` ("DecoderLayer", "RMSNorm", "RotaryEmbedding", ...) of a family, e.g.
     Qwen2DecoderLayer."""
     import importlib
 
-    module = FAMILY_MODULE.get(model_type, model_type)
+    fam = FAMILIES[model_type]
+    module = fam.module or model_type
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    return getattr(modeling, FAMILY_CLASS.get((model_type, part), FAMILY_CLASS_PREFIX[model_type] + part))
+    return getattr(modeling, fam.classes.get(part, fam.class_prefix + part))
 
 
 def inv_freq(cfg: LlamaConfig) -> "list[float]":

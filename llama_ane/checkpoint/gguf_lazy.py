@@ -23,7 +23,6 @@ from the K projection (attention_k_eq_v) where the file has no attn_v for them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,41 +31,17 @@ import torch
 
 from ..config import LlamaConfig
 from ..errors import LlamaANEError
+from ..families import FAMILIES, Family
 from .loader import TensorInfo
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
 
-@dataclass(frozen=True)
-class Arch:
-    """How llama.cpp stores one architecture: the Hugging Face family it comes from, whether its
-    convert script interleaves q/k rows (LlamaModel and the converters derived from it), the
-    offset it adds to every norm weight (Gemma 3's (1 + w)), and whether it squeezes the conv
-    kernel's middle dimension (LFM2's (C, 1, K) stored as (C, K))."""
-
-    model_type: str
-    label: str
-    permuted: bool = False
-    norm_offset: float = 0.0
-    squeezed_conv: bool = False
-
-
-# general.architecture -> how to read it; every family the exporter builds that llama.cpp has an
+# general.architecture -> the family it holds; every family the exporter builds that llama.cpp has an
 # architecture for (Mistral's dense models are written as 'llama')
-ARCHES = {
-    "llama": Arch("llama", "Llama 2/3.x, Mistral, SmolLM2", permuted=True),
-    "qwen2": Arch("qwen2", "Qwen2, Qwen2.5"),
-    "qwen3": Arch("qwen3", "dense Qwen3"),
-    "smollm3": Arch("smollm3", "SmolLM3", permuted=True),
-    "granite": Arch("granite", "dense Granite 3.x", permuted=True),
-    "olmo2": Arch("olmo2", "OLMo 2"),
-    "phi3": Arch("phi3", "Phi-3, Phi-3.5, Phi-4-mini"),
-    "gemma3": Arch("gemma3_text", "Gemma 3's text model", norm_offset=1.0),
-    "lfm2": Arch("lfm2", "LFM2, LFM2.5", squeezed_conv=True),
-    "gemma4": Arch("gemma4_text", "Gemma 4's text model"),
-}
-SUPPORTED = ("supported: general.architecture " + ", ".join(f"'{a}' ({s.label})" for a, s in ARCHES.items())
+ARCHES: dict[str, Family] = {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
+SUPPORTED = ("supported: general.architecture " + ", ".join(f"'{a}' ({f.gguf.label})" for a, f in ARCHES.items())
              + ", with RoPE scaling none, linear or llama3 ('phi3': none or longrope)")
 
 # tensors that are not weights: llama3's per-frequency divisors, Phi-3's longrope factors
@@ -75,11 +50,6 @@ _CONV_KERNEL = "conv.conv.weight"  # LFM2's depthwise kernel, (C, 1, K) in HF
 _LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _REQUIRED = object()
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # what transformers builds a tokenizer from
-GEMMA3_SWA_PATTERN = 6  # llama.cpp's Gemma 3: every sixth layer global, the rest sliding, where the file says nothing
-GEMMA3_LOCAL_THETA = 10_000.0  # and the sliding layers' RoPE base
-GEMMA3_27B_LAYERS = 62  # the one Gemma 3 whose attention scale llama.cpp takes from hidden_size / heads
-GEMMA4_UNROTATED = 1e30  # llama.cpp's rope_freqs divisor for the dims Gemma 4's proportional RoPE leaves alone
-SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's SmolLM3: every fourth layer without RoPE (no metadata key says so)
 
 
 def _dequantizable() -> tuple[str, ...]:
@@ -134,20 +104,26 @@ def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[s
 
 
 class LazyGGUF:
-    """An open .gguf of an architecture in ARCHES. `config_dict` is built at open; tensors are read only by `get`."""
+    """An open .gguf of an architecture in ARCHES. `config_dict` is built at open; tensors are read only by `get`.
+
+    Its metadata readers (`meta`, `meta_list`, `per_layer`, `kv_heads`, `rope_freqs`, ...) are what a
+    family's GGUF hooks (llama_ane.families) read the file's own keys with."""
+
+    REQUIRED = _REQUIRED  # `meta`'s default: the key must be there
 
     def __init__(self, path: Path, reader: GGUFReader):
         self.path = path
         self._reader = reader  # keeps the memory map open; its tensors' `data` are views into it
-        self.arch_name = self._meta("general.architecture")
+        self.arch_name = self.meta("general.architecture")
         if self.arch_name not in ARCHES:
             raise GGUFError(f"{path} holds a {self.arch_name!r} model, which llama-ane does not export; {SUPPORTED}")
-        self.arch = ARCHES[self.arch_name]
+        self.family = ARCHES[self.arch_name]
+        self.arch = self.family.gguf
         by_name = {t.name: t for t in reader.tensors}
-        self._aux = {name: by_name.pop(name) for name in (_ROPE_FREQS, *_LONGROPE) if name in by_name}
+        self.aux = {name: by_name.pop(name) for name in (_ROPE_FREQS, *_LONGROPE) if name in by_name}
         if "token_embd.weight" not in by_name:
             raise GGUFError(f"{path} has no token_embd.weight; is it a complete {self.arch_name} GGUF?")
-        self._file_names = set(by_name)
+        self.file_names = set(by_name)
         self.config_dict: dict[str, Any] = self._config()
         hf_to_gguf = self._names(LlamaConfig.from_hf_dict(self.config_dict, origin=f"{path}'s metadata"))
         self._tensors = {hf: by_name[g] for hf, g in hf_to_gguf.items() if g in by_name}  # in the map's order
@@ -177,12 +153,16 @@ class LazyGGUF:
             out[hf] = f"{name}.{kind}"
         return out
 
-    def _field(self, key: str) -> Any:
+    def error(self, message: str, supported: bool = False) -> GGUFError:
+        """A GGUFError of `message`, followed by what is supported where `supported`."""
+        return GGUFError(f"{message}; {SUPPORTED}" if supported else message)
+
+    def field(self, key: str) -> Any:
         return self._reader.fields.get(key)
 
-    def _meta(self, key: str, default: Any = _REQUIRED) -> Any:
+    def meta(self, key: str, default: Any = _REQUIRED) -> Any:
         """One scalar metadata value (int, float, bool or str), or `default` when the key is absent."""
-        field = self._field(key)
+        field = self.field(key)
         if field is None:
             if default is _REQUIRED:
                 raise GGUFError(f"{self.path} lacks the metadata key {key!r}; is it a complete GGUF checkpoint?")
@@ -196,254 +176,125 @@ class LazyGGUF:
         return float(value) if np.issubdtype(value.dtype, np.floating) else (
             bool(value) if value.dtype == np.bool_ else int(value))
 
-    def _meta_list(self, key: str) -> list[Any] | None:
+    def meta_list(self, key: str) -> list[Any] | None:
         """An array metadata value as a list (a scalar as a list of one), or None when the key is absent."""
-        field = self._field(key)
+        field = self.field(key)
         if field is None:
             return None
         if field.types[0].name != "ARRAY":
-            return [self._meta(key)]
+            return [self.meta(key)]
         return [field.parts[i].tolist()[0] for i in field.data]
 
     def _config(self) -> dict[str, Any]:
         arch = self.arch_name
-        m = lambda key, default=_REQUIRED: self._meta(f"{arch}.{key}", default)  # noqa: E731
+        m = lambda key, default=_REQUIRED: self.meta(f"{arch}.{key}", default)  # noqa: E731
         heads, hidden = m("attention.head_count"), m("embedding_length")
         vocab = m("vocab_size", None)
         if vocab is None:  # as transformers does: the tokenizer's length (else the embedding's rows)
-            tokens = self._field("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else int(self._reader_tensor("token_embd.weight").shape[1])
+            tokens = self.field("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else int(self.reader_tensor("token_embd.weight").shape[1])
         cfg: dict[str, Any] = {
-            "model_type": self.arch.model_type, "vocab_size": vocab, "hidden_size": hidden,
-            "intermediate_size": self._per_layer("feed_forward_length")[0], "num_hidden_layers": m("block_count"),
-            "num_attention_heads": heads, "num_key_value_heads": max(self._kv_heads(heads)),
+            "model_type": self.family.model_type, "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": self.per_layer("feed_forward_length")[0], "num_hidden_layers": m("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": max(self.kv_heads(heads)),
             "rms_norm_eps": m("attention.layer_norm_rms_epsilon"), "rope_theta": m("rope.freq_base", 10000.0),
             "max_position_embeddings": m("context_length"),
-            "tie_word_embeddings": "output.weight" not in self._file_names,
+            "tie_word_embeddings": "output.weight" not in self.file_names,
         }
-        if any(n.endswith(("attn_q.bias", "attn_output.bias")) for n in self._file_names):
+        if any(n.endswith(("attn_q.bias", "attn_output.bias")) for n in self.file_names):
             cfg["attention_bias"] = True  # the families with the flag put a bias on q, k, v and o
         # the head size: the key/value width where written, else hidden / heads as llama.cpp takes it;
-        # RoPE rotates all of it, but for Phi-3's partial rotary (rope.dimension_count < head size)
+        # RoPE rotates all of it, but for a partial rotary (rope.dimension_count < head size)
         key, value, rope = m("attention.key_length", None), m("attention.value_length", None), m(
             "rope.dimension_count", None)
-        if arch == "gemma4":  # key_length: the global layers' head size, key_length_swa the sliding ones'
+        if self.arch.swa_heads:  # key_length: the global layers' head size, key_length_swa the sliding ones'
             key, value, rope = m("attention.key_length_swa"), m("attention.value_length_swa"), m(
                 "rope.dimension_count_swa", None)
         if key is not None and value is not None and key != value:
             raise GGUFError(f"{self.path} has unequal key and value head sizes ({key}, {value}); {SUPPORTED}")
-        head_dim = key or value or (rope if arch != "phi3" else None) or hidden // heads
+        head_dim = key or value or (rope if not self.arch.partial_rope else None) or hidden // heads
         cfg["head_dim"] = head_dim
         if rope is not None and rope != head_dim:
-            if arch != "phi3":
+            if not self.arch.partial_rope:
                 raise GGUFError(f"{self.path} has partial RoPE (rope.dimension_count {rope} of head size "
                                 f"{head_dim}); {SUPPORTED}")
             cfg["partial_rotary_factor"] = rope / head_dim
         for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
-            if (value := self._meta(f"tokenizer.ggml.{key}", None)) is not None:
+            if (value := self.meta(f"tokenizer.ggml.{key}", None)) is not None:
                 cfg[hf] = value
         scaling = self._rope_scaling(cfg)
         if scaling:
             cfg["rope_scaling"] = scaling
-        getattr(self, f"_config_{arch}", lambda c: None)(cfg)
+        if self.arch.read is not None:
+            self.arch.read(self, cfg)
         return cfg
 
-    def _per_layer(self, key: str, default: list[Any] | None = None) -> list[Any]:
-        """{arch}.`key` per layer (a scalar for every layer). Only LFM2's and Gemma 4's files list
-        head_count_kv per layer, and only Gemma 4's feed_forward_length (E2B/E4B's double-wide MLPs)."""
-        layers = self._meta(f"{self.arch_name}.block_count")
-        values = self._meta_list(f"{self.arch_name}.{key}") or default
+    def per_layer(self, key: str, default: list[Any] | None = None) -> list[Any]:
+        """{arch}.`key` per layer (a scalar for every layer). Only the keys the architecture lists per
+        layer (GGUFArch.per_layer, and head_count_kv where conv layers have none) may be lists."""
+        layers = self.meta(f"{self.arch_name}.block_count")
+        values = self.meta_list(f"{self.arch_name}.{key}") or default
         if values is None:
-            self._meta(f"{self.arch_name}.{key}")  # raises: the key is required
+            self.meta(f"{self.arch_name}.{key}")  # raises: the key is required
         if len(values) == 1:
             return values * layers
-        if (self.arch_name, key) not in (("lfm2", "attention.head_count_kv"), ("gemma4", "attention.head_count_kv"),
-                                         ("gemma4", "feed_forward_length")):
+        if key not in self.arch.per_layer + (("attention.head_count_kv",) if self.arch.conv_kv else ()):
             raise GGUFError(f"{self.path} has a per-layer {self.arch_name}.{key}; {SUPPORTED}")
-        if len(values) != layers and self.arch_name == "gemma4":  # LFM2's: _kv_heads
+        if len(values) != layers and key in self.arch.per_layer:  # conv layers' head counts: kv_heads
             raise GGUFError(f"{self.path}: {self.arch_name}.{key} lists {len(values)} layers, the model has "
                             f"{layers}; convert the model again")
         return values
 
-    def _kv_heads(self, heads: int) -> list[int]:
-        """attention.head_count_kv per layer (a scalar, or `heads` where absent, for every layer). LFM2's
-        files list it per layer, 0 for each conv layer, and its attention layers must agree; Gemma 4's
-        list the sliding and the global layers' counts."""
-        layers = self._meta(f"{self.arch_name}.block_count")
-        kv = self._per_layer("attention.head_count_kv", [heads])
-        if self.arch_name != "lfm2":
+    def kv_heads(self, heads: int) -> list[int]:
+        """attention.head_count_kv per layer (a scalar, or `heads` where absent, for every layer). Where
+        conv layers have none (GGUFArch.conv_kv) the file lists it per layer, 0 for each conv layer,
+        and its attention layers must agree; Gemma 4's list the sliding and the global layers' counts."""
+        layers = self.meta(f"{self.arch_name}.block_count")
+        kv = self.per_layer("attention.head_count_kv", [heads])
+        if not self.arch.conv_kv:
             return kv
         if len(kv) != layers or len({n for n in kv if n}) != 1:
-            raise GGUFError(f"{self.path}: lfm2.attention.head_count_kv must list block_count ({layers}) entries, "
-                            f"0 for a conv layer and one head count for every attention layer, got {kv}")
+            raise GGUFError(f"{self.path}: {self.arch_name}.attention.head_count_kv must list block_count ({layers}) "
+                            f"entries, 0 for a conv layer and one head count for every attention layer, got {kv}")
         return kv
 
-    def _reader_tensor(self, name: str) -> Any:
+    def reader_tensor(self, name: str) -> Any:
         return next(t for t in self._reader.tensors if t.name == name)
-
-    def _config_smollm3(self, cfg: dict[str, Any]) -> None:
-        cfg["no_rope_layer_interval"] = SMOLLM3_NOPE_INTERVAL
-
-    def _config_granite(self, cfg: dict[str, Any]) -> None:
-        """Granite's multipliers, written by llama.cpp's convert script as *_scale keys where set; an
-        absent attention scale is llama.cpp's default 1/sqrt(head_dim), the others 1."""
-        m = lambda key: self._meta(f"granite.{key}", None)  # noqa: E731
-        cfg["embedding_multiplier"] = m("embedding_scale") or 1.0
-        cfg["residual_multiplier"] = m("residual_scale") or 1.0
-        cfg["attention_multiplier"] = m("attention.scale") or cfg["head_dim"] ** -0.5
-        cfg["logits_scaling"] = m("logit_scale") or 1.0
-
-    def _config_olmo2(self, cfg: dict[str, Any]) -> None:
-        if self._meta("olmo2.attention.sliding_window", None) is not None:
-            raise GGUFError(f"{self.path} is an 'olmo2' file with sliding-window layers (OLMo 3), which "
-                            f"llama-ane does not export; {SUPPORTED}")
-
-    def _config_phi3(self, cfg: dict[str, Any]) -> None:
-        cfg["original_max_position_embeddings"] = self._meta("phi3.rope.scaling.original_context_length",
-                                                             cfg["max_position_embeddings"])
-        if window := self._meta("phi3.attention.sliding_window", 0):  # 0: none (Phi-4-mini)
-            cfg["sliding_window"] = window
-
-    def _config_lfm2(self, cfg: dict[str, Any]) -> None:
-        """LFM2's conv layers (head_count_kv 0, as llama.cpp reads them), their kernel
-        (shortconv.l_cache), biases where the file holds them, and the MLP width as written (already
-        adjusted: llama.cpp's converter writes the width Lfm2MLP computes)."""
-        kv = self._kv_heads(cfg["num_attention_heads"])
-        cfg["layer_types"] = ["full_attention" if n else "conv" for n in kv]
-        cfg["conv_L_cache"] = self._meta("lfm2.shortconv.l_cache")
-        cfg["conv_bias"] = any(n.endswith("shortconv.in_proj.bias") for n in self._file_names)
-        cfg["block_auto_adjust_ff_dim"] = False
-
-    def _config_gemma3(self, cfg: dict[str, Any]) -> None:
-        """Gemma 3's sliding layers (the file's pattern, else llama.cpp's every-sixth-global), their
-        RoPE base (rope.freq_base_swa, else llama.cpp's 10000), and its attention scale, which no key
-        holds: llama.cpp uses the head size but for the 27B model, whose scale is hidden / heads."""
-        m = lambda key, default=None: self._meta(f"gemma3.{key}", default)  # noqa: E731
-        layers = cfg["num_hidden_layers"]
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        cfg["rope_local_base_freq"] = m("rope.freq_base_swa", GEMMA3_LOCAL_THETA)
-        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"]
-                                        if layers == GEMMA3_27B_LAYERS else cfg["head_dim"])
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):  # the config refuses them by name
-            if (value := m(key)) is not None:
-                cfg[key] = value
-        window = m("attention.sliding_window")
-        pattern = self._meta_list("gemma3.attention.sliding_window_pattern")
-        if pattern is not None and len(pattern) == 1 and not isinstance(pattern[0], bool):
-            pattern = [(n + 1) % pattern[0] != 0 for n in range(layers)]
-        elif pattern is None:
-            pattern = [(n + 1) % GEMMA3_SWA_PATTERN != 0 for n in range(layers)]
-        if len(pattern) != layers:
-            raise GGUFError(f"{self.path}: gemma3.attention.sliding_window_pattern lists {len(pattern)} layers, "
-                            f"the model has {layers}; convert the model again")
-        if not window:
-            pattern = [False] * layers
-        cfg["sliding_window"] = window or cfg["max_position_embeddings"]
-        cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
-
-    def _config_gemma4(self, cfg: dict[str, Any]) -> None:
-        """Gemma 4's layers as llama.cpp's converter writes them: the sliding ones by
-        attention.sliding_window_pattern, with head size key_length_swa and the kv head count of their
-        type, the global ones with key_length and theirs; the last shared_kv_layers layers share
-        K/V, their MLPs twice as wide where feed_forward_length says so; per-layer inputs of
-        embedding_length_per_layer_input; V from K where a global layer has no attn_v; and the global
-        layers' proportional RoPE from the rope_freqs tensor (1 rotated, 1e30 not)."""
-        m = lambda key, default=_REQUIRED: self._meta(f"gemma4.{key}", default)  # noqa: E731
-        layers, key = cfg["num_hidden_layers"], "gemma4.attention.sliding_window_pattern"
-        pattern = self._meta_list(key)
-        if pattern is None or len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
-            raise GGUFError(f"{self.path}: {key} must list a bool for each of the {layers} layers, got {pattern}; "
-                            "convert the model again")
-        if self._field("gemma4.expert_count") is not None:
-            raise GGUFError(f"{self.path} is a Gemma 4 MoE (gemma4.expert_count), which llama-ane does not "
-                            f"export; {SUPPORTED}")
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-        counts = list(zip(types, self._kv_heads(cfg["num_attention_heads"])))
-        kv = dict(counts)
-        if len(set(counts)) != len(kv):
-            raise GGUFError(f"{self.path}: gemma4.attention.head_count_kv gives layers of one type different "
-                            f"counts; {SUPPORTED}")
-        shared, ff = m("attention.shared_kv_layers", 0), self._per_layer("feed_forward_length")
-        double = [ff[0] * (2 if n >= layers - shared else 1) for n in range(layers)]
-        if ff != [ff[0]] * layers and ff != double:
-            raise GGUFError(f"{self.path}: gemma4.feed_forward_length {ff} is neither one width nor twice it on "
-                            f"the last {shared} (KV-shared) layers; {SUPPORTED}")
-        global_dim = m("attention.key_length")
-        if m("attention.value_length", global_dim) != global_dim or m("rope.dimension_count", global_dim) != global_dim:
-            raise GGUFError(f"{self.path}: gemma4's global layers have a value length or rope.dimension_count "
-                            f"unlike their key_length {global_dim}; {SUPPORTED}")
-        full: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
-        if (freqs := self._aux.get(_ROPE_FREQS)) is not None:
-            v = self._aux_values(freqs)
-            rotated = int((v == 1.0).sum())
-            if len(v) != global_dim // 2 or not (v[:rotated] == 1.0).all() or (v[rotated:] < GEMMA4_UNROTATED).any():
-                raise GGUFError(f"{self.path}: rope_freqs is not Gemma 4's proportional RoPE ({global_dim // 2} "
-                                f"values, 1 for each rotated frequency, then 1e30); {SUPPORTED}")
-            full.update(rope_type="proportional", partial_rotary_factor=rotated / (global_dim // 2))
-        if cfg.pop("rope_scaling", None) is not None:  # llama.cpp's Gemma 4 has none (no key holds a factor)
-            raise GGUFError(f"{self.path}: gemma4.rope.scaling.* is set, which Gemma 4 files do not have; {SUPPORTED}")
-        v_layers = [n for n, t in enumerate(types) if t == "full_attention" and n < layers - shared]
-        k_eq_v = {f"blk.{n}.attn_v.weight" not in self._file_names for n in v_layers}
-        if len(k_eq_v) > 1:
-            raise GGUFError(f"{self.path}: some global layers have attn_v and some do not; {SUPPORTED}")
-        per_layer = m("embedding_length_per_layer_input", 0)
-        cfg.update(
-            hidden_activation="gelu_pytorch_tanh", layer_types=types, sliding_window=m("attention.sliding_window"),
-            num_key_value_heads=kv.get("sliding_attention", cfg["num_key_value_heads"]), global_head_dim=global_dim,
-            num_global_key_value_heads=kv.get("full_attention", cfg["num_key_value_heads"]),
-            attention_k_eq_v=k_eq_v == {True}, num_kv_shared_layers=shared, intermediate_size=ff[0],
-            use_double_wide_mlp=ff != [ff[0]] * layers, hidden_size_per_layer_input=per_layer,
-            vocab_size_per_layer_input=(int(self._reader_tensor("per_layer_token_embd.weight").shape[1])
-                                        if per_layer else cfg["vocab_size"]),
-            final_logit_softcapping=m("final_logit_softcapping", None),
-            rope_parameters={"full_attention": full, "sliding_attention": {
-                "rope_type": "default", "rope_theta": m("rope.freq_base_swa", GEMMA3_LOCAL_THETA)}})
 
     def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         """HF `rope_scaling` from {arch}.rope.scaling.* (linear), the rope_freqs tensor (llama3) or
-        Phi-3's rope_factors_long/short tensors (longrope); None if plain."""
+        the longrope factor tensors (GGUFArch.read_longrope); None if plain."""
         arch = self.arch_name
-        kind = self._meta(f"{arch}.rope.scaling.type", None)
-        factor = self._meta(f"{arch}.rope.scaling.factor", None)
-        if kind is None and (old := self._meta(f"{arch}.rope.scale_linear", None)) is not None:
+        kind = self.meta(f"{arch}.rope.scaling.type", None)
+        factor = self.meta(f"{arch}.rope.scaling.factor", None)
+        if kind is None and (old := self.meta(f"{arch}.rope.scale_linear", None)) is not None:
             kind, factor = "linear", old  # the key written before rope.scaling.* existed
         if kind == "linear" and factor in (None, 1.0):  # llama.cpp reads a missing factor as 1: no scaling
             kind = None
-        longrope = {hf: self._aux[name] for name, hf in _LONGROPE.items() if name in self._aux}
-        if arch == "phi3" and longrope:
-            return self._longrope(cfg, longrope)
+        longrope = {hf: self.aux[name] for name, hf in _LONGROPE.items() if name in self.aux}
+        if self.arch.read_longrope is not None and longrope:
+            return self.arch.read_longrope(self, cfg, longrope)
         if kind not in (None, "none", "linear"):
             raise GGUFError(f"{self.path} uses RoPE scaling {kind!r}; {SUPPORTED}")
-        freqs = self._aux.get(_ROPE_FREQS)
-        if arch == "gemma4":  # its rope_freqs is the global layers' proportion (_config_gemma4)
+        freqs = self.aux.get(_ROPE_FREQS)
+        if self.arch.rope_freqs == "proportional":  # the global layers' proportion (its `read` takes it)
             freqs = None
-        if freqs is not None and (arch != "llama" or kind == "linear"):
+        if freqs is not None and (self.arch.rope_freqs != "llama3" or kind == "linear"):
             raise GGUFError(f"{self.path} has rope_freqs{' and linear RoPE scaling' if kind else ''}; {SUPPORTED}")
         if freqs is not None:
-            return _llama3_scaling(self._aux_values(freqs), cfg["rope_theta"], cfg["head_dim"])
+            return _llama3_scaling(self.aux_values(freqs), cfg["rope_theta"], cfg["head_dim"])
         return {"rope_type": "linear", "factor": float(factor)} if kind == "linear" else None
 
-    def _aux_values(self, t: Any) -> np.ndarray:
+    def rope_freqs(self) -> np.ndarray | None:
+        """The rope_freqs tensor's values, or None where the file has none."""
+        freqs = self.aux.get(_ROPE_FREQS)
+        return None if freqs is None else self.aux_values(freqs)
+
+    def aux_values(self, t: Any) -> np.ndarray:
         import gguf
 
         return gguf.dequantize(t.data, t.tensor_type).reshape(-1)
-
-    def _longrope(self, cfg: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-        """Phi-3's longrope from its factor tensors; the attention factor only where the file's differs
-        from the one transformers derives from the two context lengths (as llama.cpp's convert does)."""
-        if len(tensors) != 2:
-            raise GGUFError(f"{self.path} has only one of rope_factors_long/rope_factors_short; convert the "
-                            "model again")
-        out: dict[str, Any] = {"rope_type": "longrope"}
-        out.update({hf: [float(x) for x in self._aux_values(t)] for hf, t in tensors.items()})
-        orig = self._meta("phi3.rope.scaling.original_context_length", cfg["max_position_embeddings"])
-        scale = cfg["max_position_embeddings"] / orig
-        derived = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
-        attn = self._meta("phi3.rope.scaling.attn_factor", None)
-        if attn is not None and not math.isclose(attn, derived, rel_tol=1e-6):
-            out["attention_factor"] = attn
-        return out
 
     def _shape(self, hf_name: str, t: Any) -> tuple[int, ...]:
         """The HF shape of tensor `t`: GGUF's dims reversed, LFM2's conv kernel given back its middle 1."""

@@ -339,7 +339,7 @@ def _load_gguf(file: Path, name: str) -> Checkpoint:
         # its GGUF reader lacks (smollm3, granite, olmo2) and on Gemma 4's per-layer feed_forward_length
         # (E2B's double-wide MLPs); the class it picks for those families is this one, which reads only
         # the tokenizer. Elsewhere AutoTokenizer's class matters (Qwen2Tokenizer splits as Qwen2 does).
-        readable = reader.arch_name in GGUF_SUPPORTED_ARCHITECTURES and reader.arch_name != "gemma4"
+        readable = reader.arch_name in GGUF_SUPPORTED_ARCHITECTURES and reader.arch.auto_tokenizer
         auto = AutoTokenizer if readable else TokenizersBackend
         tok = auto.from_pretrained(str(file.parent), gguf_file=file.name)
         tok.save_pretrained(tmp.name)

@@ -8,11 +8,13 @@ so building a model in fp16 never holds its float32 copy.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..config import UNIT_OFFSET_NORMS, LlamaConfig
+from ..config import LlamaConfig
+from ..families.gemma4_text import PER_LAYER_TENSORS
+from ..families.lfm2 import CONV_BIASES, CONV_TENSORS
+from ..families.phi3 import FUSED_SHAPES, FUSED_TENSORS
+from ..families.qwen3_5_text import DELTA_TENSORS, GATED_HALF
 from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
@@ -41,54 +43,6 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
     "layer_scalar": "layer_scalar",
 }
-FUSED_TENSORS = {  # where a family stores several projections as one (Phi-3): our name -> (HF name, the
-    # LlamaConfig sizes of the rows before ours, the size of ours): its rows are ours
-    "q_proj.weight": ("self_attn.qkv_proj.weight", (), "q_channels"),
-    "k_proj.weight": ("self_attn.qkv_proj.weight", ("q_channels",), "kv_channels"),
-    "v_proj.weight": ("self_attn.qkv_proj.weight", ("q_channels", "kv_channels"), "kv_channels"),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (), "intermediate_size"),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", ("intermediate_size",), "intermediate_size"),
-}
-CONV_TENSORS = {  # our name in model.short_conv.ConvLayer -> LFM2's name inside model.layers.N (a conv layer)
-    "input_layernorm.weight": "operator_norm.weight",
-    "conv.in_proj.weight": "conv.in_proj.weight",
-    "conv.conv.weight": "conv.conv.weight",
-    "conv.out_proj.weight": "conv.out_proj.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
-CONV_BIASES = {"conv.in_proj.bias": "conv.in_proj.bias", "conv.conv.bias": "conv.conv.bias",
-               "conv.out_proj.bias": "conv.out_proj.bias"}  # where conv_bias is set
-# LFM2's attention layers: the Llama block's names where LFM2 has its own (its norms and MLP as in its
-# conv layers, the output projection, the per-head q/k norms)
-LFM2_ATTENTION_NAMES = {ours: CONV_TENSORS[ours] for ours in
-                        ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                         "mlp.up_proj.weight", "mlp.down_proj.weight")}
-LFM2_ATTENTION_NAMES.update({"o_proj.weight": "self_attn.out_proj.weight",
-                             "q_norm.weight": "self_attn.q_layernorm.weight",
-                             "k_norm.weight": "self_attn.k_layernorm.weight"})
-# Qwen3.5's linear-attention layers: our name in model.delta_net.DeltaLayer -> its name inside model.layers.N
-DELTA_TENSORS = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "linear_attn.in_proj_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "linear_attn.in_proj_z.weight": "linear_attn.in_proj_z.weight",
-    "linear_attn.in_proj_b.weight": "linear_attn.in_proj_b.weight",
-    "linear_attn.in_proj_a.weight": "linear_attn.in_proj_a.weight",
-    "linear_attn.conv1d.weight": "linear_attn.conv1d.weight",
-    "linear_attn.dt_bias": "linear_attn.dt_bias",
-    "linear_attn.A_log": "linear_attn.A_log",
-    "linear_attn.norm.weight": "linear_attn.norm.weight",
-    "linear_attn.out_proj.weight": "linear_attn.out_proj.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
-# Qwen3.5's output-gated attention: q_proj holds each head's query rows, then its gate's; ours are
-# the queries (q_proj) and the gates (o_gate), each head's half of its rows (GATED_HALF)
-GATED_HALF = {"q_proj.weight": 0, "o_gate.weight": 1}
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),
@@ -130,19 +84,10 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "linear_attn.out_proj.weight": ("hidden_size", "delta_value_channels"),
 }
 GATED_Q_SHAPE = ("gated_q_channels", "hidden_size")  # an output-gated attention's q_proj (queries and gates)
-FUSED_SHAPES = {"self_attn.qkv_proj.weight": ("qkv_channels", "hidden_size"),  # HF name -> its shape
-                "mlp.gate_up_proj.weight": ("gate_up_channels", "hidden_size")}
 GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
     "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
     "model.norm.weight": ("hidden_size",),
     "lm_head.weight": ("vocab_size", "hidden_size"),
-}
-PER_LAYER_TENSORS = {  # Gemma 4's per-layer inputs, in the embeddings model: our name -> (HF name, its shape)
-    "embed_tokens_per_layer.weight": ("model.embed_tokens_per_layer.weight", ("per_layer_vocab_size",
-                                                                             "per_layer_channels")),
-    "per_layer_model_projection.weight": ("model.per_layer_model_projection.weight",
-                                          ("per_layer_channels", "hidden_size")),
-    "per_layer_projection_norm.weight": ("model.per_layer_projection_norm.weight", ("per_layer_input_size",)),
 }
 DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key_value_heads*head_dim",
            "q_norm_channels": "head_dim, or num_attention_heads*head_dim across heads",
@@ -177,13 +122,10 @@ PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3.5's gated norm scales by w, 
 def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     """Our parameter names of decoder layer `layer` (a DecoderLayer, or a ConvLayer where the layer
     convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
-    if cfg.linear(layer):
+    if cfg.linear(layer):  # Qwen3.5's linear-attention layers
         return dict(DELTA_TENSORS)
-    if cfg.convolves(layer):
+    if cfg.convolves(layer):  # LFM2's conv layers
         return {**CONV_TENSORS, **(CONV_BIASES if cfg.conv_bias else {})}
-    if cfg.model_type == "lfm2":
-        return {ours: LFM2_ATTENTION_NAMES.get(ours, hf) for ours, hf in layer_tensors(
-            dataclasses.replace(cfg, model_type="llama")).items()}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
     if cfg.value_from_key(layer):  # Gemma 4's global layers: V from the K projection
         del block["v_proj.weight"]
@@ -194,7 +136,8 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
         out = {ours: hf for ours, hf in out.items() if ours not in KV_TENSORS}
     if cfg.attn_output_gate:
         out["o_gate.weight"] = out["q_proj.weight"]
-    return out
+    names = cfg.family.attention_names  # a family's own names of the Llama block's tensors (LFM2's)
+    return {ours: names.get(ours, hf) for ours, hf in out.items()} if names else out
 
 
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
@@ -221,7 +164,7 @@ def expected_shape(cfg: LlamaConfig, name: str, dims: tuple) -> tuple[int, ...]:
 
 def final_norm_name(cfg: LlamaConfig) -> str:
     """The checkpoint's name of the final norm (LFM2 calls it the embedding norm)."""
-    return "model.embedding_norm.weight" if cfg.model_type == "lfm2" else "model.norm.weight"
+    return cfg.family.final_norm
 
 
 def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: str, dtypes: tuple[str, ...],
@@ -297,7 +240,7 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
 
 def norm_weight(cfg: LlamaConfig, w: torch.Tensor) -> torch.Tensor:
     """A norm's weight as the norm multiplies by it: Gemma stores w for a scale of (1 + w)."""
-    return w + 1.0 if cfg.model_type in UNIT_OFFSET_NORMS else w
+    return w + 1.0 if cfg.family.unit_offset_norms else w
 
 
 def final_norm(ckpt: Checkpoint) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""What a model family is to the exporter: how its block differs from the Llama block, how its
+config.json reads and writes, and how its checkpoints name their tensors.
+
+A `Family` holds traits (each one's default is the Llama block's) and hooks (None: the family has
+nothing of its own there). Hooks that read config.json take a `Fields` of it; those that write a
+transformers config dictionary back, or read a GGUF file, take the LlamaConfig or the open file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .fields import Fields
+
+MOE = "a mixture-of-experts MLP (routed experts)"  # what the refused families (and Gemma 4's MoE block) need
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp stores a family: its general.architecture and the family's name for it, and
+    what its convert script does to the weights and metadata."""
+
+    name: str  # general.architecture
+    label: str  # the models it holds, as the supported line names them
+    permuted: bool = False  # q/k rows interleaved (LlamaModel and the converters derived from it)
+    norm_offset: float = 0.0  # added to every norm weight (Gemma 3's (1 + w))
+    squeezed_conv: bool = False  # the depthwise conv kernel's middle dimension dropped (LFM2's (C, 1, K) as (C, K))
+    swa_heads: bool = False  # the head size is the sliding layers' (attention.key_length_swa, ...)
+    partial_rope: bool = False  # rope.dimension_count may be below the head size (partial rotary)
+    rope_freqs: str | None = None  # what a rope_freqs tensor is: "llama3" scaling, "proportional" (read by `read`)
+    per_layer: tuple[str, ...] = ()  # metadata keys listed per layer, one entry a layer
+    conv_kv: bool = False  # attention.head_count_kv listed per layer, 0 for each conv layer
+    auto_tokenizer: bool = True  # transformers' AutoTokenizer reads its files (where its GGUF reader has the arch)
+    read: Callable[[Any, dict[str, Any]], None] | None = None  # the file's own metadata into the config dict
+    read_longrope: Callable[[Any, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None  # from factor tensors
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type the exporter builds."""
+
+    model_type: str
+    class_prefix: str  # of its transformers classes: LlamaForCausalLM, Qwen2DecoderLayer, ...
+    module: str = ""  # transformers' module of the family, where it is not the model_type
+    classes: Mapping[str, str] = field(default_factory=dict)  # part -> transformers' class, where not prefix + part
+    multimodal: tuple[str, str] | None = None  # the multimodal model_type whose text model it is, and what that is
+
+    # the block
+    activation: str = "silu"  # the MLP's gate activation, the only one it is exported with
+    activation_field: str = "hidden_act"  # the config.json field that names it
+    attention_bias_flag: bool = False  # attention_bias puts a bias on q, k, v and o
+    qkv_bias: bool = False  # a bias on q, k and v always
+    qk_norm: bool = False  # q and k normalized before RoPE, each head
+    qk_norm_across_heads: bool = False  # or the whole projection at once
+    post_norms: bool = False  # the attention and MLP outputs normalized, not their inputs
+    sandwich_norms: bool = False  # attention and MLP both normalized before and after
+    unit_offset_norms: bool = False  # norm weights stored as w for a scale of (1 + w)
+    local_rope: bool = False  # the sliding layers rotate with their own RoPE base
+    fused_projections: bool = False  # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj
+    stream_scale: float = 1.0  # the power of two the residual stream is carried at (LlamaConfig.stream_scale)
+    head_dim: int | None = None  # where config.json has none (None: hidden_size / num_attention_heads)
+    partial_rotary_factor: float = 1.0  # where neither config.json nor its rope_parameters gives one
+    rope_types: tuple[str, ...] = ("default", "llama3", "linear")  # the RoPE scalings it is exported with
+    rope_aliases: Mapping[str, str] = field(default_factory=dict)  # other names its config class reads as one
+    own_fields: tuple[str, ...] = ()  # its LlamaConfig fields a manifest holds only where not their defaults
+
+    # the sliding window
+    window: bool = True  # whether sliding_window means anything to it
+    window_flag: str | None = None  # the config.json field that turns the window on (None: always on)
+    window_layer_types: bool = True  # layer_types names the sliding layers (else every layer slides)
+    window_layers: Callable[[Fields, int], list[int]] | None = None  # the sliding layers where layer_types is absent
+
+    # hooks of config.json
+    prepare: Callable[[Fields], dict[str, Any]] | None = None  # its config.json as the other families' fields
+    rope: Callable[[Fields, dict[str, Any]], tuple[dict[str, Any], float]] | None = None  # global RoPE, local base
+    extras: Callable[[Fields], dict[str, Any]] | None = None  # its own LlamaConfig fields
+    write: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None  # LlamaConfig.to_hf_dict's own fields
+    writes_rotary_factor: bool = False  # its transformers config reads partial_rotary_factor at the top level
+
+    # checkpoints
+    final_norm: str = "model.norm.weight"
+    attention_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its own name in an attention layer
+    gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
+
+    @property
+    def longrope(self) -> bool:
+        """Whether its RoPE tables come from transformers' own rotary class (longrope)."""
+        return "longrope" in self.rope_types
