@@ -392,8 +392,8 @@ class LlamaConfig:
     @property
     def layer_extras(self) -> tuple[str, ...]:
         """The decoder-layer parameters this family has beyond the Llama block's (names as in
-        model.chunk.DecoderLayer): projection biases, the q/k norms and the norm after the MLP (whose
-        block has no input_layernorm: `input_norm`)."""
+        model.layers.attention.DecoderLayer): projection biases, the q/k norms and the norm after the
+        MLP (whose block has no input_layernorm: `input_norm`)."""
         extras = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         extras += ("o_proj.bias",) if self.o_proj_bias else ()
         extras += ("q_norm.weight", "k_norm.weight") if self.qk_norm else ()

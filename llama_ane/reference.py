@@ -175,7 +175,7 @@ def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndar
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-# Qwen3.5's linear-attention layers' projections (model.delta_net's names are the checkpoint's), and
+# Qwen3.5's linear-attention layers' projections (model.layers.delta_net's names are the checkpoint's), and
 # its output gate, whose input is q_proj's (both are rows of the checkpoint's q_proj)
 DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                      "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

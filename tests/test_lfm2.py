@@ -1,4 +1,4 @@
-"""LFM2's conv layer (llama_ane.model.short_conv) held to transformers' Lfm2DecoderLayer: a whole
+"""LFM2's conv layer (llama_ane.model.layers.short_conv) held to transformers' Lfm2DecoderLayer: a whole
 sequence, padded prefill windows and token-by-token decoding carrying the conv state, and the MIL
 builder run by the MIL executor on a padded window."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llama_ane.model.layers import Graph
-from llama_ane.model.short_conv import ConvLayer, conv_layer_mil, conv_state_after, conv_state_after_mil
+from llama_ane.model.layers.short_conv import ConvLayer, conv_layer_mil, conv_state_after, conv_state_after_mil
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Lfm2Config  # noqa: E402

@@ -194,7 +194,7 @@ def test_grouped_attention_is_per_head_softmax_attention_in_both_forms(window, m
     """grouped_attention stacks a small window's query heads per kv head and broadcasts a large
     one's (layers.GROUPED_ROWS): both are each head's softmax attention over the cache and the
     window, with the kv head of its group."""
-    from llama_ane.model import layers
+    from llama_ane.model.layers import attention as layers
 
     g, r, d, t = 2, 3, 8, 20
     gen = torch.Generator().manual_seed(window)

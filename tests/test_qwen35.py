@@ -1,4 +1,4 @@
-"""Qwen3.5's linear-attention layer (llama_ane.model.delta_net) held to transformers': the chunked
+"""Qwen3.5's linear-attention layer (llama_ane.model.layers.delta_net) held to transformers': the chunked
 delta rule to torch_recurrent_gated_delta_rule, the whole DeltaLayer to Qwen3_5DecoderLayer over a
 sequence, over padded prefill windows then decoding (the same states), and the MIL builder run by
 the MIL executor on a padded window."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from llama_ane.model.delta_net import DeltaLayer, DeltaShape, delta_layer_mil, gated_delta
+from llama_ane.model.layers.delta_net import DeltaLayer, DeltaShape, delta_layer_mil, gated_delta
 from llama_ane.model.layers import Graph
-from llama_ane.model.short_conv import conv_state_after, conv_state_after_mil
+from llama_ane.model.layers.short_conv import conv_state_after, conv_state_after_mil
 
 from test_families import CASES
 

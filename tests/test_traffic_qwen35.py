@@ -5,7 +5,7 @@ delta rule's flops are the matmuls the program runs, with no attention flops.
 
 Expected bytes are summed from the manifest's own tensor specs by name; expected flops from the
 config's shapes, the attention layers' mask widths and the matmuls torch's flop counter sees the
-program (model/delta_net.py's gated_delta) run at those shapes, never from the code under test."""
+program (model/layers/delta_net.py's gated_delta) run at those shapes, never from the code under test."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from llama_ane.contract import device_model as dm
 from llama_ane.contract.traffic import decode_step_traffic, kv_read_bytes, kv_write_bytes, window_io_bytes
-from llama_ane.model.delta_net import gated_delta
+from llama_ane.model.layers.delta_net import gated_delta
 from llama_ane.testing import TINY_CONFIG
 
 from test_families import CASES

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
-from ..model.delta_net import squarings
+from ..model.layers.delta_net import squarings
 from .manifest import decode_function, window_cascade
 from .specs import BRANCHES, VERIFY
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
@@ -167,7 +167,7 @@ def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) 
 
 def delta_flops(manifest: dict, function: str) -> float:
     """Flops of the linear-attention layers' delta rule (Qwen3.5's Gated DeltaNet, cache.delta) in
-    one step of `function`, 2 per multiply-add of the matmuls the program runs (model/delta_net.py's
+    one step of `function`, 2 per multiply-add of the matmuls the program runs (model/layers/delta_net.py's
     gated_delta; its elementwise ops, O(S^2) or O(Dk*Dv) per head, left out as the attention's
     softmax is). Per layer, with G key heads, H value heads of Dk x Dv and a window of S tokens:
 

@@ -13,13 +13,13 @@ from ..model.lm_head import ROW_UNIT, even_parts
 
 
 def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]]:
-    """Every weight of decoder layer `layer` of `cfg`'s family (its name in model.chunk.DecoderLayer,
-    or model.short_conv.ConvLayer where the layer convolves; without `layer`, an attention layer's)
+    """Every weight of decoder layer `layer` of `cfg`'s family (its name in model.layers.attention.DecoderLayer,
+    or model.layers.short_conv.ConvLayer where the layer convolves; without `layer`, an attention layer's)
     and its shape: (out, in) for the projections, (out,) for their biases, (C,) or (head_dim,) for
     the norms, (C, kernel) for a short convolution's kernel."""
     cfg = cfg.at(layer)
     c, q, kv, i = cfg.hidden_size, cfg.q_channels, cfg.kv_channels, cfg.intermediate_size
-    if cfg.linear(layer):  # Qwen3.5's Gated DeltaNet (model.delta_net.DeltaLayer)
+    if cfg.linear(layer):  # Qwen3.5's Gated DeltaNet (model.layers.delta_net.DeltaLayer)
         h, qc, vc = cfg.delta_value_heads, cfg.delta_conv_channels, cfg.delta_value_channels
         return {"input_layernorm.weight": (c,), "linear_attn.in_proj_qkv.weight": (qc, c),
                 "linear_attn.in_proj_z.weight": (vc, c), "linear_attn.in_proj_b.weight": (h, c),

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import LlamaConfig
-from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
+from ..model.layers.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
 from ..model.embeddings import per_layer_rows
 from ..model.functions import RING_CACHES
 from .manifest import decode_function, function_states, kv_cache_kind

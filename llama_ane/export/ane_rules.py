@@ -16,7 +16,7 @@ The rules (see docs/ARCHITECTURE "ANE rules"):
   branch axis is a batch axis too, and head_dim and length are checked;
 - no op the Neural Engine is reported to compute wrongly: an in-graph argmax (wrong under default
   specialization on an iPhone 17 Pro), silu (~1e-3 off near 0) and softplus (0 above ~10.4 in
-  fp16), each written in a form reported accurate instead (model.layers.silu_mil, softplus_mil);
+  fp16), each written in a form reported accurate instead (model.layers.ops.silu_mil, softplus_mil);
 - package size at most 1 GB for iOS targets, 2 GB for macOS targets;
 - compressed weights only in forms the target runs: grouped LUTs, blockwise and 4-bit integers
   (constexpr_blockwise_shift_scale, the iOS18 constexpr_lut_to_dense) need iOS18/macOS15.

@@ -28,9 +28,9 @@ from ..contract.options import COREAI_INSTALL_HINT
 from ..contract.plan import ExportPlan, PackageSpec
 from ..errors import LlamaANEError
 from ..model.cache_update import onehot_write, window_slots
-from ..model.delta_net import DELTA_STATE
+from ..model.layers.delta_net import DELTA_STATE
 from ..model.functions import RING_CACHES, WINDOW_TOKENS, shape_of
-from ..model.short_conv import conv_state_after
+from ..model.layers.short_conv import conv_state_after
 from ..quantize import Compression
 
 # A weight smaller than this many elements stays dense (norm scales; coreai-opt's own default).

@@ -12,7 +12,7 @@ from .fields import ConfigError, Fields
 # config.json's own names of the other families' fields, and Lfm2Config's defaults
 ALIASES = {"norm_eps": "rms_norm_eps", "tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"}
 DEFAULTS = {"tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}
-CONV_TENSORS = {  # our name in model.short_conv.ConvLayer -> its name inside model.layers.N (a conv layer)
+CONV_TENSORS = {  # our name in model.layers.short_conv.ConvLayer -> its name inside model.layers.N (a conv layer)
     "input_layernorm.weight": "operator_norm.weight",
     "conv.in_proj.weight": "conv.in_proj.weight",
     "conv.conv.weight": "conv.conv.weight",

@@ -18,7 +18,7 @@ ROTARY = 0.25  # its partial_rotary_factor where neither config.json nor its rop
 # its own LlamaConfig fields: a manifest holds them only where they differ from their defaults
 OWN_FIELDS = ("delta_layers", "delta_key_heads", "delta_value_heads", "delta_key_dim", "delta_value_dim",
               "attn_output_gate")
-# its linear-attention layers: our name in model.delta_net.DeltaLayer -> its name inside model.layers.N
+# its linear-attention layers: our name in model.layers.delta_net.DeltaLayer -> its name inside model.layers.N
 DELTA_TENSORS = {
     "input_layernorm.weight": "input_layernorm.weight",
     "linear_attn.in_proj_qkv.weight": "linear_attn.in_proj_qkv.weight",

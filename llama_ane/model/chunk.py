@@ -1,5 +1,6 @@
-"""The block chunks: a few decoder layers each, with the cascade's branch function and the verify
-window next to their base; each torch module with its MIL builder below it.
+"""The block chunks: a few decoder layers each (the layer kinds themselves are in `layers`), with the
+cascade's branch function and the verify window next to their base; each torch module with its MIL
+builder below it.
 
     BlockChunk   hidden_states, cos, sin, mask, k_cache/v_cache (L,KV,1,T)
                  -> hidden_states_out (1,C,1,S), k_new/v_new (L,KV,1,S)
@@ -17,7 +18,7 @@ Cascade ("decode_branches"): B branches decode one token each over one shared pr
 layer, inside the graph, all B queries attend to the prefix as one multi-query attention (the
 prefix K/V is read once for every branch), each query attends to its own suffix cache plus its
 own new key, and the two attention states are merged with the log-sum-exp operator
-(layers.merge_states). The result equals decoding each branch alone.
+(layers.attention.merge_states). The result equals decoding each branch alone.
 
 Verify ("verify"): a token tree of W drafted tokens checked in one window (speculative decoding,
 DeFT's tree attention over one shared prefix). It is the window function at S = W, the same
@@ -55,11 +56,11 @@ same chunk is read where it is; one in an earlier chunk comes as inputs after th
 the cascade, its suffix caches shared_k_suffix/shared_v_suffix (or shared_k_ring_suffix/...). The
 runtime hands them over from the producer's chunk, so these exports keep their caches as inputs.
 
-Conv layers (LFM2's short convolutions, short_conv.ConvLayer) keep no K/V: a chunk with any reads
+Conv layers (LFM2's short convolutions, layers.short_conv.ConvLayer) keep no K/V: a chunk with any reads
 their state conv_state (L_c,C,1,W: functions.conv_state_width) after its other inputs and returns the window's values
 conv_new (L_c,C,1,S), from which the runtime takes the next state at the window's last real token
-(short_conv.conv_state_after). The state does not depend on the context bucket.
-Qwen3.5's linear-attention layers (delta_net.DeltaLayer) have conv_state rows too (LlamaConfig.conv_channels
+(layers.short_conv.conv_state_after). The state does not depend on the context bucket.
+Qwen3.5's linear-attention layers (layers.delta_net.DeltaLayer) have conv_state rows too (LlamaConfig.conv_channels
 wide: their q, k and v channels) and a recurrent state besides: delta_state (L_d,H*Dk,1,Dv), read last
 with window_tokens, and delta_new, the state after the window's real tokens (state caches: written
 in place). The cascade reads each branch's, delta_branches (L_d*B,H*Dk,1,Dv), and returns them after
@@ -83,238 +84,11 @@ from .cache_update import onehot_write_mil, window_slots_mil
 from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, branch_masks, chunk_rows,
                         conv_rows, conv_state_width, layer_inputs, shape_of, shared_rows, suffix_groups, suffix_names,
                         tensor, window_masks)
-from .layers import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope, apply_rope_mil, conv1x1, conv_mil,
-                     grouped_attention,
-                     grouped_attention_mil, head_norm, head_norm_mil, mb, merge_states, merge_states_mil,
-                     mlp_mil, prefix_state, prefix_state_mil, rms_norm_mil, stack_mil, suffix_state,
-                     suffix_state_mil)
-from .delta_net import (DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, DeltaLayer, delta_layer_mil, delta_rows,
-                        delta_shape)
-from .short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
-
-
-class DecoderLayer(nn.Module):
-    """Decoder layer `layer` of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
-    per-head q/k norms, SmolLM3 with layers without RoPE, OLMo 2 with norms after attention and MLP
-    and q/k norms across heads, Gemma 3 with norms before and after both and a GeGLU MLP). The
-    attention scale is folded into q_proj's weights (into q_norm's where there is one). The norms
-    over the hidden size use `stream_eps` (see LlamaConfig.stream_scale)."""
-
-    def __init__(self, cfg: LlamaConfig, context_length: int, layer: int = 0):
-        super().__init__()
-        self.cfg = cfg
-        self.context_length = context_length
-        self.rotary = cfg.rotary(layer)
-        self.slides, self.local_rope = cfg.slides(layer), cfg.local_rope(layer)
-        eps = cfg.stream_eps
-        if cfg.input_norm:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.q_proj = conv1x1(cfg.hidden_size, cfg.q_channels, cfg.qkv_bias)
-        self.shares_kv = cfg.shares_kv(layer)  # Gemma 4's KV-shared layers: no K/V of their own
-        if not self.shares_kv:
-            self.k_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
-        self.value_from_key = cfg.value_from_key(layer)
-        if not self.value_from_key and not self.shares_kv:
-            self.v_proj = conv1x1(cfg.hidden_size, cfg.kv_channels, cfg.qkv_bias)
-        self.o_proj = conv1x1(cfg.q_channels, cfg.hidden_size, cfg.o_proj_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.q_norm_channels, cfg.rms_norm_eps)
-        if cfg.qk_norm and not self.shares_kv:
-            self.k_norm = RMSNorm(cfg.k_norm_channels, cfg.rms_norm_eps)
-        if cfg.value_norm:
-            self.v_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, scale=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        if cfg.post_norms or cfg.sandwich_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        if cfg.per_layer_input_size:  # Gemma 4's per-layer input, after the MLP
-            self.per_layer_input_gate = conv1x1(cfg.hidden_size, cfg.per_layer_input_size)
-            self.per_layer_projection = conv1x1(cfg.per_layer_input_size, cfg.hidden_size)
-            self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of an unscaled value
-        if cfg.layer_scalar:
-            self.layer_scalar = nn.Parameter(torch.ones(1))
-        if cfg.attn_output_gate:  # Qwen3.5: the heads gated by sigmoid(o_gate(h)) before o_proj
-            self.o_gate = conv1x1(cfg.hidden_size, cfg.q_channels)
-
-    def rope(self, cos, sin, cos_local, sin_local):
-        """The RoPE tables this layer rotates with: the local ones on a local layer (Gemma 3's sliding layers)."""
-        return (cos_local, sin_local) if self.local_rope else (cos, sin)
-
-    def attention_mask(self, mask, sliding_mask):
-        """The mask this layer attends with: the sliding one on a sliding layer, where the export has one."""
-        return sliding_mask if self.slides and sliding_mask is not None else mask
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's input as attention reads it: normalized, where the family norms it first."""
-        return self.input_layernorm(x) if self.cfg.input_norm else x
-
-    def gated(self, h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """The attention heads (G,R,D,S) times sigmoid(o_gate(h)) where the layer gates its output
-        (Qwen3.5), else as they are; h: the normed input (1,C,1,S)."""
-        if not self.cfg.attn_output_gate:
-            return heads
-        return heads * torch.sigmoid(self.o_gate(h)).reshape(heads.shape)
-
-    def project_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared=None):
-        """Projections of the normed input h (`normed`) (q/k/v biases, per-head q/k norms where the
-        family has them) and RoPE.
-
-        h: (1,C,1,S); cos, sin: (1,D,1,S) -> q: (G,R,D,S), k, v: (G,D,S) for G kv heads with
-        R query heads each. A KV-shared layer projects q only: k, v are `shared` (its producer's
-        (1,KV,1,S)).
-        """
-        c = self.cfg
-        g, d = c.num_key_value_heads, c.head_dim
-        r = c.num_attention_heads // g
-        cos, sin = cos.reshape(1, d, -1), sin.reshape(1, d, -1)
-        if shared is not None:
-            q = self.q_norm(self.q_proj(h)) if c.qk_norm_across_heads else self.q_proj(h)
-            q = q.reshape(g * r, d, -1)
-            if c.qk_norm and not c.qk_norm_across_heads:
-                q = head_norm(self.q_norm, q)
-            if self.rotary:
-                q = apply_rope(q, cos, sin, c.rotary_dim // 2, d - c.rotary_dim)
-            return q.reshape(g, r, d, -1), shared[0].reshape(g, d, -1), shared[1].reshape(g, d, -1)
-        q, k = self.q_proj(h), self.k_proj(h)  # (1,H*D,1,S), (1,G*D,1,S)
-        v = (k if self.value_from_key else self.v_proj(h)).reshape(g, d, -1)
-        if c.value_norm:
-            v = head_norm(self.v_norm, v)
-        if c.qk_norm_across_heads:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.reshape(g * r, d, -1), k.reshape(g, d, -1)  # (H,D,S), (G,D,S)
-        if c.qk_norm and not c.qk_norm_across_heads:
-            q, k = head_norm(self.q_norm, q), head_norm(self.k_norm, k)
-        if self.rotary:
-            half, rest = c.rotary_dim // 2, d - c.rotary_dim
-            q, k = apply_rope(q, cos, sin, half, rest), apply_rope(k, cos, sin, half, rest)
-        return q.reshape(g, r, d, -1), k, v
-
-    def finish(self, x: torch.Tensor, heads: torch.Tensor, per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        """Output projection, residual, MLP and residual (then Gemma 4's per-layer input and layer
-        scalar). heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
-        attention = self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
-        if self.cfg.sandwich_norms:
-            x = x + self.post_attention_layernorm(attention)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            return self.per_layer(x, per_layer_input)
-        if self.cfg.post_norms:
-            x = x + self.post_attention_layernorm(attention)
-            return x + self.post_feedforward_layernorm(self.mlp(x))
-        x = x + attention
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def per_layer(self, x: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
-        """Gemma 4's end of a layer: the per-layer input through its gate and projection, normalized
-        and added (where the model has per-layer inputs), then the layer's scalar. x: (1,C,1,S)"""
-        if self.cfg.per_layer_input_size:
-            gated = activation(self.per_layer_input_gate(x), self.cfg.hidden_act) * per_layer_input
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return x * self.layer_scalar if self.cfg.layer_scalar else x
-
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None, shared=None):
-        """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
-
-        T is the context bucket in the exported programs; the torch backend may pass fewer cache
-        positions (those holding tokens) with the mask cut to match. The mask decides: a longer cache
-        (a state of the whole context read in a smaller bucket) is read up to the mask's T. Returns
-        x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE). A KV-shared layer
-        reads its producer's caches and its window's K/V (`shared`, (1,KV,1,S) each).
-        """
-        c = self.cfg
-        g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
-        k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
-        h = self.normed(x)
-        q, k, v = self.project_qkv(h, cos, sin, shared)
-        heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
-                                  c.num_attention_heads // g, t)
-        x = self.finish(x, self.gated(h, heads), per_layer_input)
-        return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
-
-
-def _projection_mil(g: Graph, cfg: LlamaConfig, prefix: str, name: str, x):
-    """Layer projection `name` ("q_proj", ...) of x (1,C_in,1,S) -> (1,C_out,1,S), with its bias if
-    the family has one (LlamaConfig.layer_extras)."""
-    bias = f"{name}.bias" if f"{name}.bias" in cfg.layer_extras else None
-    return conv_mil(g, x, f"{prefix}{name}.weight", bias and prefix + bias)
-
-
-def normed_mil(g: Graph, cfg: LlamaConfig, prefix: str, x):
-    """DecoderLayer.normed. x: (1,C,1,S) -> (1,C,1,S)"""
-    return rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", cfg.stream_eps, cfg.hidden_size) \
-        if cfg.input_norm else x
-
-
-def gated_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, heads, s: int):
-    """DecoderLayer.gated. hn: the normed input (1,C,1,S); heads: (G,R,D,S) -> (G,R,D,S)"""
-    if not cfg.attn_output_gate:
-        return heads
-    gk, d = cfg.num_key_value_heads, cfg.head_dim
-    gate = mb.sigmoid(x=conv_mil(g, hn, f"{prefix}o_gate.weight"))
-    return mb.mul(x=heads, y=mb.reshape(x=gate, shape=[gk, cfg.num_attention_heads // gk, d, s]))
-
-
-def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, cos, sin, s: int, layer: int, shared=None):
-    """DecoderLayer.project_qkv of the layer under `prefix` ("layers.0."), decoder layer `layer` of the model.
-    hn: the normed input (1,C,1,S); cos, sin: (1,D,1,S) -> q (G,R,D,S), k, v (G,D,S); a KV-shared
-    layer's k, v are `shared` (its producer's, (1,KV,1,S))"""
-    cfg = cfg.at(layer)
-    gk, d, h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    cos3, sin3 = mb.reshape(x=cos, shape=[1, d, s]), mb.reshape(x=sin, shape=[1, d, s])
-    if shared is not None:
-        q = _projection_mil(g, cfg, prefix, "q_proj", hn)
-        if cfg.qk_norm_across_heads:
-            q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
-        q = mb.reshape(x=q, shape=[h, d, s])
-        if cfg.qk_norm and not cfg.qk_norm_across_heads:
-            q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
-        if cfg.rotary(layer):
-            q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
-        k, v = (mb.reshape(x=t, shape=[gk, d, s]) for t in shared)
-        return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
-    q, k = _projection_mil(g, cfg, prefix, "q_proj", hn), _projection_mil(g, cfg, prefix, "k_proj", hn)
-    k_projected = k
-    if cfg.qk_norm_across_heads:
-        q = rms_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, cfg.q_channels)
-        k = rms_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, cfg.kv_channels)
-    q, k = mb.reshape(x=q, shape=[h, d, s]), mb.reshape(x=k, shape=[gk, d, s])
-    if cfg.qk_norm and not cfg.qk_norm_across_heads:
-        q = head_norm_mil(g, q, f"{prefix}q_norm.weight", cfg.rms_norm_eps, h, d, s)
-        k = head_norm_mil(g, k, f"{prefix}k_norm.weight", cfg.rms_norm_eps, gk, d, s)
-    if cfg.rotary(layer):
-        q = apply_rope_mil(g, q, cos3, sin3, h, d, s, cfg.rotary_dim)
-        k = apply_rope_mil(g, k, cos3, sin3, gk, d, s, cfg.rotary_dim)
-    v = k_projected if cfg.value_from_key(layer) else _projection_mil(g, cfg, prefix, "v_proj", hn)
-    v = mb.reshape(x=v, shape=[gk, d, s])
-    if cfg.value_norm:
-        v = head_norm_mil(g, v, None, cfg.rms_norm_eps, gk, d, s)
-    return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
-
-
-def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int, per_layer_input=None):
-    """DecoderLayer.finish. heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
-    attention = _projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]))
-    c, eps, act = cfg.hidden_size, cfg.stream_eps, cfg.hidden_act
-    if cfg.post_norms or cfg.sandwich_norms:
-        x = mb.add(x=x, y=rms_norm_mil(g, attention, f"{prefix}post_attention_layernorm.weight", eps, c))
-        h = rms_norm_mil(g, x, f"{prefix}pre_feedforward_layernorm.weight", eps, c) if cfg.sandwich_norms else x
-        x = mb.add(x=x, y=rms_norm_mil(g, mlp_mil(g, h, f"{prefix}mlp.", act),
-                                       f"{prefix}post_feedforward_layernorm.weight", eps, c))
-        return per_layer_mil(g, cfg, prefix, x, per_layer_input)
-    x = mb.add(x=x, y=attention)
-    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, c)
-    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.", act))
-
-
-def per_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, per_layer_input):
-    """DecoderLayer.per_layer. x: (1,C,1,S); per_layer_input: (1,P,1,S) -> (1,C,1,S)"""
-    if cfg.per_layer_input_size:
-        gated = mb.mul(x=activation_mil(g, conv_mil(g, x, f"{prefix}per_layer_input_gate.weight"), cfg.hidden_act),
-                       y=per_layer_input)
-        x = mb.add(x=x, y=rms_norm_mil(g, conv_mil(g, gated, f"{prefix}per_layer_projection.weight"),
-                                       f"{prefix}post_per_layer_input_norm.weight", cfg.rms_norm_eps, cfg.hidden_size))
-    return mb.mul(x=x, y=g.weight(f"{prefix}layer_scalar")) if cfg.layer_scalar else x
+from .layers import Graph, mb, stack_mil
+from .layers.attention import DecoderLayer, branch_layer, branch_layer_mil, decoder_layer_read_mil
+from .layers.delta_net import (DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, DeltaLayer, delta_layer_mil, delta_rows,
+                               delta_shape)
+from .layers.short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
 
 
 def per_layer_slice_mil(g: Graph, cfg: LlamaConfig, inputs: dict, i: int, s: int):
@@ -327,24 +101,6 @@ def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
     """Layer i's slice of a chunk cache (L,KV,1,T) as (G,1,D,T)."""
     one = g.slice(cache, [i, 0, 0, 0], [i + 1, cfg.kv_channels, 1, t])
     return mb.reshape(x=one, shape=[cfg.num_key_value_heads, 1, cfg.head_dim, t])
-
-
-def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_rows, v_rows, t: int,
-                           s: int, layer: int, per_layer_input=None, shared=None):
-    """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
-
-    x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
-    ring's slots) -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
-    """
-    cfg = cfg.at(layer)
-    gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    hn = normed_mil(g, cfg, prefix, x)
-    q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, s, layer, shared)
-    heads = grouped_attention_mil(g, q, k_rows, v_rows,
-                                  mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
-                                  mask, t, s, (gk, r))
-    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, heads, s), s, per_layer_input)
-    return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
 
 
 class BlockChunk(nn.Module):
@@ -597,42 +353,6 @@ def _delta_state_row_mil(g: Graph, cfg: LlamaConfig, states, j: int, rows: int =
     """Rows j*rows .. (j+1)*rows of a chunk's linear-attention states (L_d*rows, H*Dk, 1, Dv)."""
     net = delta_shape(cfg)
     return g.slice(states, [j * rows, 0, 0, 0], [(j + 1) * rows, net.v_heads * net.dk, 1, net.dv])
-
-
-def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
-                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None, shared=None):
-    """One decoder layer for B branch queries (same weights as the layer's own forward).
-
-    x: (1,C,1,B); k_cache, v_cache: (1,KV,1,T); k_suffix, v_suffix: (G,B,D,U)
-    -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
-    """
-    c = layer.cfg
-    g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, the filled prefix (torch backend), or R
-    h = layer.normed(x)
-    q, k, v = layer.project_qkv(h, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
-    v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
-    v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
-    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s)), per_layer_input)  # heads (G,R,D,B)
-    return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
-
-
-def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_rows,
-                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None, shared=None):
-    """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_rows, v_rows: the layer's prefix cache
-    (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
-    -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
-    """
-    cfg = cfg.at(layer)
-    gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-    hn = normed_mil(g, cfg, prefix, x)
-    q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, b, layer, shared)
-    v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
-    rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
-    v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
-                                (gk, r), b, u)
-    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, merge_states_mil(v_p, s_p, v_s, s_s), b),
-                   b, per_layer_input)
-    return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])
 
 
 class BranchChunk(nn.Module):

@@ -35,8 +35,8 @@ KV_CACHE_KINDS = ("inputs", "state")
 # A chunk's caches by name, each with the name of the window's new K/V it is written from: the
 # full layers' (context-long) and, where the export has a ring, the sliding layers' (ring-long).
 # The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over) is
-# carried the same way, with the window's values it is taken from (short_conv.conv_state_after);
-# Qwen3.5's linear-attention layers' recurrent state with the state after the window (delta_net).
+# carried the same way, with the window's values it is taken from (layers.short_conv.conv_state_after);
+# Qwen3.5's linear-attention layers' recurrent state with the state after the window (layers.delta_net).
 CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new",
           "conv_state": "conv_new", "delta_state": "delta_new"}
 RING_CACHES = ("k_ring", "v_ring")
@@ -125,7 +125,7 @@ def shared_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[
 
 def conv_state_width(cfg: "LlamaConfig") -> int:
     """Columns of a conv layer's state as exports keep it: its K-1 values, right-aligned in a multiple
-    of CACHE_MULTIPLE (see short_conv)."""
+    of CACHE_MULTIPLE (see layers.short_conv)."""
     from ..limits import CACHE_MULTIPLE
 
     return -(-(cfg.conv_kernel - 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..contract.manifest import window_cascade
 from ..contract.specs import BRANCHES, bucket_function, suffix_groups
-from ..model.delta_net import DELTA_BRANCHES, DELTA_NEW
+from ..model.layers.delta_net import DELTA_BRANCHES, DELTA_NEW
 from .kv_cache import KVCache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, SeededRandom, branch_seed, sample

@@ -49,7 +49,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import LlamaConfig
-from ..model.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
+from ..model.layers.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError

@@ -78,7 +78,7 @@ class ExportWeights:
     """Module weights read from an export's packages: the weights it ships, decompressed.
 
     The exporter names every weight after the module parameter it stands for (dots as
-    underscores, see model.layers.Graph.weight), so a module's state dict is read by name.
+    underscores, see model.layers.ops.Graph.weight), so a module's state dict is read by name.
     """
 
     def __init__(self, folder: Path, manifest: dict):

@@ -33,6 +33,23 @@ the window is exp(G_S) S0 + sum_j exp(D_Sj) k_j u_j^T. D is summed from the deca
 large sums would lose the small D that matter. A window's padded tokens get beta = 0 and g = 0,
 so they leave the state as the last real token left it: the state returned is the state after n
 tokens, in the graph, whatever S. Decoding (S = 1) is the same program with one token.
+
+States. A linear-attention layer keeps two. Its conv state is one row of its chunk's conv_state
+(L_c,Q,1,W), beside the conv layers', with `mixed` as its window values (conv_new), carried as
+short_conv's. Its recurrent state is one row of delta_state (L_d,H*Dk,1,Dv)
+(`DeltaShape.state_shape`), read last, with window_tokens where the caches are inputs (their specs:
+chunk._delta_io). The state after the window's real tokens comes back whole as delta_new and is
+carried as it is: the host keeps it (input caches), or the chunk writes it into its state. The
+cascade reads each branch's, delta_branches (L_d*B,H*Dk,1,Dv), and returns them after its token as
+delta_new. Neither state depends on the context length.
+
+Costs (contract/). `traffic.state_bytes` gives the recurrent states' bytes (the manifest's
+cache.delta: L_d x H x Dk x Dv), which `traffic.kv_read_bytes` reads whole every step and
+`traffic.delta_write_bytes` writes whole; the conv state is costed as the conv layers'
+(`traffic.conv_write_bytes`). `device_model.delta_flops` counts the delta rule's matmuls
+(`gated_delta`, its inverse taking `squarings` steps); `device_model._flops` counts the
+projections, the convolution and the gated norm as weights, and `device_model.attention_keys`
+gives the layer no keys.
 """
 
 from __future__ import annotations
@@ -44,8 +61,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import LlamaConfig
-from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
+from ...config import LlamaConfig
+from .ops import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
 # A chunk's linear-attention layers' recurrent states (L_d, H*Dk, 1, Dv), and the states after its

@@ -22,6 +22,20 @@ depend on the context length, and it cannot be rewound: going back means running
 W is the state's width: K-1 values are all the convolution needs, but an export keeps W = K-1
 rounded up to the cache multiple (functions.conv_state_width), right-aligned, since the ANE lays
 out a state's last axis in such multiples; the modules read its last K-1 columns.
+
+States. A conv layer's state is one row of its chunk's conv_state (L_c,C,1,W), read after the
+chunk's other inputs; the window functions return the window's values, conv_new (L_c,C,1,S) (their
+specs: chunk._conv_io), and the cascade reads each branch's, conv_branches (L_c,C,B,W), and returns
+its token's values. Carried over a window: with input caches the host keeps the state
+`conv_state_after` takes from [conv_state, conv_new] at the window's real tokens (the runtime's
+Pipeline.carry_states, as a slice); with state caches the chunk writes `conv_state_after_mil` of
+them into its state itself, at `window_tokens`.
+
+Costs (contract/). `traffic.state_bytes` gives the conv states' bytes (the manifest's cache.conv:
+L_c x C x W), which `traffic.kv_read_bytes` reads whole every step; `traffic.conv_write_bytes`
+counts their write (conv_new, or with states the one-hot write, which reads and rewrites the state).
+`device_model._flops` counts the projections and the convolution's C x K taps as weights, 2 flops
+per weight per token; `device_model.attention_keys` gives a conv layer no keys.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .layers import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
+from .ops import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil
 
 
 class ShortConv(nn.Module):

@@ -1,9 +1,10 @@
-"""Decoder building blocks in the ANE layout: each torch piece (the reference) and, right below it,
-its twin written with coremltools' MIL builder (named `*_mil`), op for op.
+"""The ops every layer kind is built from: the MIL builder's helper (`Graph`, `mb`), 1x1 projections,
+the fp16-safe RMSNorm, RoPE, the activations, the gated MLP. Each torch piece (the reference) has,
+right below it, its twin written with coremltools' MIL builder (named `*_mil`), op for op.
 
 Every activation is channels-first `(B, C, 1, S)`: B = 1, C = channels, S = query length. Projections
-are 1x1 `Conv2d` (the ANE's native matmul), attention is computed per head with einsums over the
-channel axis, and nothing below uses a dynamic index, a `cond`, or an in-graph `tril`.
+are 1x1 `Conv2d` (the ANE's native matmul), and nothing below uses a dynamic index, a `cond`, or an
+in-graph `tril`.
 
 The MIL builders take and return MIL vars in the layouts the torch pieces use; sizes are Python
 ints, so every shape is static. Building MIL directly instead of tracing the torch modules lets the
@@ -21,9 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..precision import precision_of
-
-MASK_VALUE = -1.0e4  # large negative but finite: -inf turns a fully masked fp16 row into NaN
+from ...precision import precision_of
 
 Weights = Callable[[str], np.ndarray]  # our parameter name -> array in the export dtype
 
@@ -251,144 +250,6 @@ def mlp_mil(g: Graph, x, prefix: str, act: str = "silu"):
     gate = activation_mil(g, conv_mil(g, x, f"{prefix}gate_proj.weight"), act)
     up = conv_mil(g, x, f"{prefix}up_proj.weight")
     return conv_mil(g, mb.mul(x=gate, y=up), f"{prefix}down_proj.weight")
-
-
-GROUPED_ROWS = 64  # up to this many query rows (R x S), one matmul per kv head (see grouped_attention)
-
-
-def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_win: torch.Tensor,
-                      v_win: torch.Tensor, mask: torch.Tensor, group: int, cache_length: int) -> torch.Tensor:
-    """Softmax attention of all heads over the cache and the current window, grouped for GQA.
-
-    q: (G, R, D, S): R = `group` query heads per kv head, already scaled by 1/sqrt(D);
-    k_cache, v_cache: (G, D, T) with T = `cache_length`; k_win, v_win: (G, D, S);
-    mask: (1, 1, S, T + S) additive, cache columns first. -> (G, R, D, S).
-
-    The cache is neither transposed nor concatenated: the scores are, and the probabilities are
-    split again at T. The exported programs multiply with a broadcast batch dim (G, R); run
-    eagerly, torch would copy each kv head R times for that, so a small window (R x S up to
-    `GROUPED_ROWS` query rows: decoding, verify windows) stacks its R heads' rows instead: per kv
-    head one (R*S, D) x (D, T) product for the scores and one (R*S, T) x (T, D) for the values,
-    each reading the cache once (the values as the right-hand side: BLAS runs the few rows of a
-    verify window faster that way round than as (D, T) x (T, R*S)). Larger windows (prefill)
-    keep the broadcast form, which spreads better over threads. Same arithmetic either way.
-    """
-    g, r, d, s = q.shape
-    if torch.jit.is_tracing() or r * s > GROUPED_ROWS:
-        qt = q.transpose(2, 3)  # (G, R, S, D)
-        kc, vc, kw, vw = (x.unsqueeze(1) for x in (k_cache, v_cache, k_win, v_win))  # (G, 1, D, *)
-        scores = torch.cat([torch.matmul(qt, kc), torch.matmul(qt, kw)], dim=3) + mask  # (G, R, S, T+S)
-        p = torch.softmax(scores, dim=3)
-        return (torch.matmul(vc, p[..., :cache_length].transpose(2, 3))
-                + torch.matmul(vw, p[..., cache_length:].transpose(2, 3)))
-    rows = q.transpose(2, 3).reshape(g, r * s, d)  # (G, R*S, D)
-    scores = torch.cat([torch.bmm(rows, k_cache), torch.bmm(rows, k_win)], dim=2).view(g, r, s, -1) + mask
-    p = torch.softmax(scores, dim=3).view(g, r * s, -1)  # (G, R*S, T+S)
-    out = torch.bmm(p[..., :cache_length], v_cache.transpose(1, 2))  # (G, R*S, D)
-    out = out.baddbmm_(p[..., cache_length:], v_win.transpose(1, 2))
-    return out.view(g, r, s, d).transpose(2, 3)
-
-
-def grouped_attention_mil(g: Graph, q, kc, vc, kw, vw, mask, t: int, s: int, shape_gr: tuple[int, int]):
-    """grouped_attention in its broadcast form.
-
-    q: (G,R,D,S); kc, vc: (G,1,D,T); kw, vw: (G,1,D,S); mask: (1,1,S,T+S) -> (G,R,D,S)
-    """
-    gk, r = shape_gr
-    scores = mb.concat(values=[mb.matmul(x=q, y=kc, transpose_x=True), mb.matmul(x=q, y=kw, transpose_x=True)],
-                       axis=3)  # (G,R,S,T+S)
-    p = mb.softmax(x=mb.add(x=scores, y=mask), axis=3)
-    p_cache = g.slice(p, [0, 0, 0, 0], [gk, r, s, t])
-    p_win = g.slice(p, [0, 0, 0, t], [gk, r, s, t + s])
-    return mb.add(x=mb.matmul(x=vc, y=p_cache, transpose_y=True), y=mb.matmul(x=vw, y=p_win, transpose_y=True))
-
-
-# The cascade's attention (chunk.BranchChunk): B branch queries attend to one shared prefix and
-# each to its own suffix, and the two attention states are merged with the log-sum-exp operator:
-#     v = (v_p * e^(s_p - m) + v_s * e^(s_s - m)) / (e^(s_p - m) + e^(s_s - m)),  m = max(s_p, s_s)
-
-
-def prefix_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
-    """Attention state of all queries over the shared prefix.
-
-    q: (G,R,D,B) scaled; k, v: (G,D,T); mask: (1,1,1,T) -> v_p (G,R,D,B), s_p (G,R,1,B) (natural log)
-    """
-    scores = torch.matmul(q.transpose(2, 3), k.unsqueeze(1)) + mask  # (G,R,B,T): one read of k for all B
-    m = scores.amax(dim=3, keepdim=True)
-    p = torch.exp(scores - m)
-    denom = p.sum(dim=3, keepdim=True)  # (G,R,B,1)
-    out = torch.matmul(v.unsqueeze(1), p.transpose(2, 3)) / denom.transpose(2, 3)
-    return out, (m + torch.log(denom)).transpose(2, 3)
-
-
-def _softmax_state_mil(scores, axis_len_axis: int = 3):
-    """exp(scores - max) and its max and sum over the last axis (keep_dims)."""
-    m = mb.reduce_max(x=scores, axes=[axis_len_axis], keep_dims=True)
-    p = mb.exp(x=mb.sub(x=scores, y=m))
-    return p, m, mb.reduce_sum(x=p, axes=[axis_len_axis], keep_dims=True)
-
-
-def prefix_state_mil(q, k, v, mask):
-    """prefix_state. q: (G,R,D,B); k, v: (G,1,D,T); mask: (1,1,1,T) -> v_p (G,R,D,B), s_p (G,R,1,B)"""
-    p, m, denom = _softmax_state_mil(mb.add(x=mb.matmul(x=q, y=k, transpose_x=True), y=mask))  # (G,R,B,T)
-    out = mb.real_div(x=mb.matmul(x=v, y=p, transpose_y=True), y=mb.transpose(x=denom, perm=[0, 1, 3, 2]))
-    return out, mb.transpose(x=mb.add(x=m, y=mb.log(x=denom)), perm=[0, 1, 3, 2])
-
-
-def suffix_state(q: torch.Tensor, k_suffix: torch.Tensor, v_suffix: torch.Tensor, k_self: torch.Tensor,
-                 v_self: torch.Tensor, mask: torch.Tensor, suffix_length: int):
-    """Attention state of each branch's query over its own suffix cache and its own new key.
-
-    q: (G,R,D,B) scaled; k_suffix, v_suffix: (G,B,D,U); k_self, v_self: (G,D,B);
-    mask: (1,B,1,U+1), the last column for the new key itself -> v_s (G,R,D,B), s_s (G,R,1,B)
-    """
-    qb = q.permute(0, 3, 1, 2)  # (G,B,R,D)
-    ks = k_self.transpose(1, 2).unsqueeze(3)  # (G,B,D,1)
-    vs = v_self.transpose(1, 2).unsqueeze(3)
-    scores = torch.cat([torch.matmul(qb, k_suffix), torch.matmul(qb, ks)], dim=3) + mask  # (G,B,R,U+1)
-    m = scores.amax(dim=3, keepdim=True)
-    p = torch.exp(scores - m)
-    denom = p.sum(dim=3, keepdim=True)  # (G,B,R,1)
-    out = (torch.matmul(v_suffix, p[..., :suffix_length].transpose(2, 3))
-           + torch.matmul(vs, p[..., suffix_length:].transpose(2, 3)))  # (G,B,D,R)
-    out = out / denom.transpose(2, 3)
-    return out.permute(0, 3, 2, 1), (m + torch.log(denom)).permute(0, 2, 3, 1)
-
-
-def suffix_state_mil(g: Graph, q, k_suffix, v_suffix, k_self, v_self, mask, gr: tuple[int, int], b: int, u: int):
-    """suffix_state. q: (G,R,D,B); k_suffix, v_suffix: (G,B,D,U); k_self, v_self: (G,D,B);
-    mask: (1,B,1,U+1) -> v_s (G,R,D,B), s_s (G,R,1,B)
-    """
-    gk, r = gr
-    qb = mb.transpose(x=q, perm=[0, 3, 1, 2])  # (G,B,R,D)
-    ks = mb.expand_dims(x=mb.transpose(x=k_self, perm=[0, 2, 1]), axes=[3])  # (G,B,D,1)
-    vs = mb.expand_dims(x=mb.transpose(x=v_self, perm=[0, 2, 1]), axes=[3])
-    scores = mb.concat(values=[mb.matmul(x=qb, y=k_suffix), mb.matmul(x=qb, y=ks)], axis=3)  # (G,B,R,U+1)
-    p, m, denom = _softmax_state_mil(mb.add(x=scores, y=mask))
-    out = mb.add(x=mb.matmul(x=v_suffix, y=g.slice(p, [0, 0, 0, 0], [gk, b, r, u]), transpose_y=True),
-                 y=mb.matmul(x=vs, y=g.slice(p, [0, 0, 0, u], [gk, b, r, u + 1]), transpose_y=True))  # (G,B,D,R)
-    out = mb.real_div(x=out, y=mb.transpose(x=denom, perm=[0, 1, 3, 2]))
-    return (mb.transpose(x=out, perm=[0, 3, 2, 1]),
-            mb.transpose(x=mb.add(x=m, y=mb.log(x=denom)), perm=[0, 2, 3, 1]))
-
-
-def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp merge of two attention states over disjoint key sets.
-
-    v_a, v_b: (..., D, B); s_a, s_b: (..., 1, B) natural-log LSE -> (..., D, B)
-    """
-    m = torch.maximum(s_a, s_b)
-    w_a = torch.exp(s_a - m)
-    w_b = torch.exp(s_b - m)
-    return (v_a * w_a + v_b * w_b) / (w_a + w_b)
-
-
-def merge_states_mil(v_a, s_a, v_b, s_b):
-    """merge_states."""
-    m = mb.maximum(x=s_a, y=s_b)
-    w_a = mb.exp(x=mb.sub(x=s_a, y=m))
-    w_b = mb.exp(x=mb.sub(x=s_b, y=m))
-    return mb.real_div(x=mb.add(x=mb.mul(x=v_a, y=w_a), y=mb.mul(x=v_b, y=w_b)), y=mb.add(x=w_a, y=w_b))
 
 
 def stack_mil(vars_: list):
