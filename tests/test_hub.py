@@ -1,6 +1,7 @@
 """Hugging Face repo ids: the path-or-repo decision, offline loading and exporting from a
-pre-populated Hub cache, one clear error for a repo that is not there, and no request at all once a
-model is loaded (even after a change of working directory). Nothing here reaches the network."""
+pre-populated Hub cache, every command that takes a model or an export taking a repo id, one clear
+error naming the command that fetches a repo that is not there, and no request at all once a model
+is loaded (even after a change of working directory). Nothing here reaches the network."""
 
 from __future__ import annotations
 
@@ -225,3 +226,179 @@ def test_a_multimodal_repo_fetches_what_its_text_models_export_needs(repo, tmp_p
     folder = fetch(repo)
     got = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert got == sorted(kinds["needed"] + kinds["json"])
+
+
+# ---- every command that takes a model or an export takes a repo id --------------------------------------
+
+EXPORT_REPO, CHECKPOINT_REPO, MISSING_REPO = "owner/tiny-ane", "owner/tiny-llama", "owner/missing"
+
+# command -> (its arguments, ID standing for the repo id; the call that reads the folder the id names,
+# "module:function"; the kind of repo the command reads)
+REPO_COMMANDS = {
+    "export": (["export", "ID", "-o", "out", "--no-verify", "--quiet"], "llama_ane.contract.tokenizer:check_tokenizer",
+               "checkpoint"),
+    "generate": (["generate", "ID", "--prompt", "Hi"], "llama_ane:load", "export"),
+    "chat": (["chat", "ID"], "llama_ane:load", "export"),
+    "serve": (["serve", "ID", "--port", "0"], "llama_ane:load", "export"),
+    "info": (["info", "ID"], "llama_ane.contract.manifest:read_manifest", "export"),
+    "info --config": (["info", "--config", "ID"], "llama_ane.contract.device_model:read_config", "checkpoint"),
+    "eval": (["eval", "ID"], "llama_ane.evaluate:evaluate", "export"),
+    "eval --reference": (["eval", EXPORT_REPO, "--reference", "ID"], "llama_ane.evaluate:evaluate", "export"),
+    "verify": (["verify", "ID"], "llama_ane.verify:verify_export", "export"),
+    "inspect": (["inspect", "ID"], "llama_ane.export.inspect:inspect_path", "export"),
+    "bench": (["bench", "ID"], "llama_ane.runtime.bench:run_bench", "export"),
+    "gpu-generate": (["gpu-generate", "ID"], "llama_ane.cuda.engine:load_hf_model", "checkpoint"),
+}
+
+
+class Reached(Exception):
+    """What a stand-in for the call that reads the model raises: the command got that far."""
+
+
+def stop_at(monkeypatch, target: str) -> list:
+    """Replace the function `target` ("module:function") by one that records every argument it is
+    given and raises Reached; returns the list of what it was given."""
+    import importlib
+
+    module, name = target.split(":")
+    given = []
+
+    def stand_in(*args, **kwargs):
+        given.extend([*args, *kwargs.values()])
+        raise Reached(target)
+    monkeypatch.setattr(importlib.import_module(module), name, stand_in)
+    return given
+
+
+def as_if_on_a_gpu(monkeypatch) -> None:
+    """gpu-generate's checks of CUDA and triton pass (nothing runs on the GPU: the model's loading is
+    stood in for)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+
+
+@pytest.fixture
+def hub_repos(offline_hub, tiny_checkpoint, tmp_path, monkeypatch) -> dict[str, Path]:
+    """The offline cache holding an export repo (its manifest alone: the commands' reading of it is stood
+    in for) and a checkpoint repo (a tiny one); the working directory an empty folder. Returns
+    {kind: snapshot folder}."""
+    export = tmp_path / "export-files"
+    export.mkdir()
+    (export / "manifest.json").write_text("{}")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return {"export": hub_cache(offline_hub, EXPORT_REPO, export),
+            "checkpoint": hub_cache(offline_hub, CHECKPOINT_REPO, tiny_checkpoint(), commit="c" * 40)}
+
+
+def invoke(command: str, repo: str, *extra: str):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    args, _, _ = REPO_COMMANDS[command]
+    return CliRunner().invoke(main, [repo if a == "ID" else a for a in args] + list(extra))
+
+
+@pytest.mark.parametrize("revision", [None, "main"])
+@pytest.mark.parametrize("command", list(REPO_COMMANDS))
+def test_every_command_takes_a_cached_repo_id(command, revision, hub_repos, monkeypatch):
+    _, reads, kind = REPO_COMMANDS[command]
+    if command == "gpu-generate":
+        as_if_on_a_gpu(monkeypatch)
+    given = stop_at(monkeypatch, reads)
+    repo = EXPORT_REPO if kind == "export" else CHECKPOINT_REPO
+    result = invoke(command, repo, *(["--revision", revision] if revision else []))
+    assert isinstance(result.exception, Reached), result.output
+    snapshot = hub_repos[kind].resolve()
+    assert snapshot in [Path(g).resolve() for g in given if isinstance(g, (str, Path))], given
+
+
+@pytest.mark.parametrize("command", list(REPO_COMMANDS))
+def test_every_command_names_the_fetch_command_for_a_repo_not_cached(command, hub_repos, monkeypatch):
+    from llama_ane.hub import download_command
+
+    if command == "gpu-generate":
+        as_if_on_a_gpu(monkeypatch)
+    result = invoke(command, MISSING_REPO)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, Reached)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert MISSING_REPO in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+    assert f"`{download_command(MISSING_REPO)}`" in lines[0], lines[0]
+
+
+def test_the_fetch_command_is_the_installed_hubs():
+    from llama_ane.hub import download_command, hub_cli
+
+    assert hub_cli() == ("hf" if shutil.which("hf") or not shutil.which("huggingface-cli") else "huggingface-cli")
+    assert download_command("owner/name") == f"{hub_cli()} download owner/name"
+    assert download_command("owner/name", "v1") == f"{hub_cli()} download owner/name --revision v1"
+
+
+@pytest.mark.parametrize("command", ["info", "eval", "verify", "inspect", "bench"])
+def test_a_command_that_reads_an_export_refuses_a_checkpoint_repo(command, hub_repos, monkeypatch):
+    given = stop_at(monkeypatch, REPO_COMMANDS[command][1])
+    result = invoke(command, CHECKPOINT_REPO)
+    assert result.exit_code == 1 and given == [], result.output
+    assert "holds a checkpoint" in result.output and f"llama-ane export {CHECKPOINT_REPO}" in result.output
+
+
+@pytest.mark.parametrize("command", ["info --config", "gpu-generate"])
+def test_a_command_that_reads_a_checkpoint_refuses_an_export_repo(command, hub_repos, monkeypatch):
+    if command == "gpu-generate":
+        as_if_on_a_gpu(monkeypatch)
+    given = stop_at(monkeypatch, REPO_COMMANDS[command][1])
+    result = invoke(command, EXPORT_REPO)
+    assert result.exit_code == 1 and given == [], result.output
+    assert "holds a llama-ane export" in result.output and "not a checkpoint" in result.output
+
+
+@pytest.mark.parametrize("command", ["info", "eval", "verify", "inspect", "bench", "serve"])
+def test_a_revision_with_a_folder_is_refused_by_every_command(command, tmp_path, monkeypatch):
+    given = stop_at(monkeypatch, REPO_COMMANDS[command][1])
+    (tmp_path / "manifest.json").write_text("{}")
+    result = invoke(command, str(tmp_path), "--revision", "main")
+    assert result.exit_code == 1 and given == [], result.output
+    assert "--revision main applies to a Hugging Face repo id" in result.output
+
+
+def test_info_models_a_checkpoint_repo_from_its_config_alone(hub_repos):
+    from click.testing import CliRunner
+
+    from llama_ane.cli import main
+
+    result = CliRunner().invoke(main, ["info", "--config", CHECKPOINT_REPO, "--chip", "M4", "--json"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((hub_repos["checkpoint"] / "config.json").read_text())
+    assert json.loads(result.output)["config"]["hidden_size"] == config["hidden_size"]
+
+
+def test_a_path_typed_like_a_repo_id_stays_a_path_where_it_exists(hub_repos, monkeypatch):
+    """A folder `owner/tiny-ane` here is read, never the repo of that name."""
+    here = Path("owner") / "tiny-ane"
+    here.mkdir(parents=True)
+    (here / "manifest.json").write_text("{}")
+    given = stop_at(monkeypatch, REPO_COMMANDS["inspect"][1])
+    result = invoke("inspect", str(here))
+    assert isinstance(result.exception, Reached), result.output
+    assert given[0] == here
+
+
+@pytest.mark.export
+def test_info_and_inspect_read_an_export_repo_as_its_folder(offline_hub, tiny_export, tmp_path, monkeypatch):
+    hub_cache(offline_hub, EXPORT_REPO, tiny_export)
+    monkeypatch.chdir(tmp_path)
+    by_id, by_folder = invoke("info", EXPORT_REPO, "--json"), invoke("info", str(tiny_export), "--json")
+    assert by_id.exit_code == 0, by_id.output
+    assert json.loads(by_id.stdout) == json.loads(by_folder.stdout)
+    by_id, by_folder = invoke("inspect", EXPORT_REPO, "--json"), invoke("inspect", str(tiny_export), "--json")
+    assert by_id.exit_code == 0, by_id.output
+    report, expected = json.loads(by_id.stdout), json.loads(by_folder.stdout)
+    assert {**report, "path": None} == {**expected, "path": None}

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LlamaANEError
 from ..config import LlamaConfig
-from ..hub import cached_repo, repo_id, resolve
+from ..hub import cached_repo, locate
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,10 +115,8 @@ def load_checkpoint(source: str | Path | None, revision: str | None = None) -> C
         ckpt = _load_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
         ckpt.source = {"kind": "default", "path": DEFAULT_GGUF}
         return ckpt
-    if repo_id(source) is not None or revision is not None:
-        path = resolve(source, revision)  # fetched from the Hub or found in its cache; a path with a revision: refused
-    else:
-        path = Path(source).expanduser()
+    # a repo id fetched from the Hub or found in its cache; a path with a revision: refused
+    path = locate(source, revision).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; {USAGE}")
     if path.is_file():

@@ -20,7 +20,7 @@ import click
 from ..errors import InvalidArgumentError
 from ..runtime.model import BACKENDS
 from .errors import user_errors
-from .options import OptionError, flag_of
+from .options import OptionError, PathOrRepo, flag_of, revision_option
 
 
 class IntList(click.ParamType):
@@ -40,7 +40,8 @@ class IntList(click.ParamType):
 
 
 @click.command("bench")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=PathOrRepo())
+@revision_option("OUT")
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
               help="auto = coreml on macOS (device numbers), torch elsewhere (labelled: not device numbers).")
 @click.option("--prompt-lengths", type=IntList(), default=None, metavar="P[,P...]",
@@ -61,9 +62,11 @@ class IntList(click.ParamType):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
               help="Write the whole result (machine, versions, export, every sample, the modelled numbers) to FILE.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --json FILE.")
-def command(out, backend, prompt_lengths, filled, branches, repeats, warmup, chip, json_path, force):
-    """Measure the export in OUT and compare it with the device cost model."""
+def command(out, revision, backend, prompt_lengths, filled, branches, repeats, warmup, chip, json_path, force):
+    """Measure the export in OUT (a folder or a Hugging Face repo id) and compare it with the device
+    cost model."""
     from ..contract.device_model import chip as find_chip
+    from ..hub import locate
     from ..runtime.bench import BenchOptions, run_bench
 
     options = BenchOptions(prompt_lengths or (), filled or (), branches, repeats, warmup)
@@ -77,6 +80,7 @@ def command(out, backend, prompt_lengths, filled, branches, repeats, warmup, chi
                                            "overwrite it")
             if not json_path.parent.is_dir():
                 raise InvalidArgumentError(f"--json {json_path}: the folder {json_path.parent} does not exist")
+        out = locate(out, revision, "export")
         if not (out / "manifest.json").is_file():
             raise InvalidArgumentError(f"{out} is not a llama-ane export (no manifest.json); export one first with "
                                        "`llama-ane export`")

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from .errors import user_errors
-from .options import BACKEND, TEXT, not_utf8, sampling_options
+from .options import BACKEND, TEXT, PathOrRepo, not_utf8, revision_option, sampling_options
 
 COMMANDS_HELP = {
     "/help": "this list",
@@ -32,9 +32,9 @@ HINT = "/help for commands"
 
 
 @click.command("chat")
-@click.argument("out", type=click.Path(path_type=str))  # as typed: "./x" stays a path
+@click.argument("out", type=PathOrRepo())  # as typed: "./x" stays a path
 @click.option("--system", type=TEXT, default=None, help="A system prompt, kept through context shifts.")
-@click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
+@revision_option("OUT")
 @click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,

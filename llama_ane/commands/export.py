@@ -11,16 +11,14 @@ from typing import Iterator
 import click
 
 from ..contract.options import EXPORT_OPTIONS
-from ..errors import InvalidArgumentError
-from ..hub import resolve
 from .errors import user_errors
-from .options import FiniteFloat, options_from
+from .options import FiniteFloat, options_from, revision_option
 
 
 @click.command("export")
 @click.argument("model", required=False)
 @click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
-@click.option("--revision", default=None, help="Branch, tag or commit of MODEL when it is a Hugging Face repo id.")
+@revision_option("MODEL")
 @options_from(EXPORT_OPTIONS)
 @click.option("--workers", type=int, default=None,
               help="Packages built at once [default: from cores and available memory].")
@@ -42,12 +40,9 @@ def command(model, out, revision, workers, max_memory, force, no_verify, no_tran
 
     t0 = time.perf_counter()
     with user_errors(), stopped_by_signal(out):
-        if revision is not None:  # the repo at that revision, fetched first: export_model reads its folder
-            if model is None:
-                raise InvalidArgumentError("--revision applies to a Hugging Face repo id given as MODEL")
-            model = resolve(model, revision)
-        export_model(model, out, force=force, verify=not no_verify, with_transformers=not no_transformers, workers=workers, max_memory_gb=max_memory,
-                     progress=not quiet, log=_log_to_stderr if as_json else _log, **options)
+        export_model(model, out, force=force, verify=not no_verify, with_transformers=not no_transformers,
+                     workers=workers, max_memory_gb=max_memory, progress=not quiet,
+                     log=_log_to_stderr if as_json else _log, revision=revision, **options)
     if as_json:
         import json
 

@@ -21,7 +21,8 @@ import click
 
 from ..errors import InvalidArgumentError
 from .errors import user_errors
-from .options import BACKEND, TEXT, OptionError, Utf8File, read_text_arg, sampling_options
+from .options import (BACKEND, TEXT, OptionError, PathOrRepo, Utf8File, read_text_arg, revision_option,
+                      sampling_options)
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 # Where a raw (untemplated) answer to a document question ends unless --stop says otherwise: a
@@ -31,7 +32,7 @@ RAW_ANSWER_STOP = "\n\n"
 
 
 @click.command("generate")
-@click.argument("out", type=click.Path(path_type=str))  # as typed: "./x" stays a path
+@click.argument("out", type=PathOrRepo())  # as typed: "./x" stays a path
 @click.option("--prompt", type=TEXT, default=None, help="Prompt text.")
 @click.option("--prompt-file", type=Utf8File(stdin=True), default=None,
               help="Read the prompt (e.g. a document) from this UTF-8 file; - reads standard input.")
@@ -43,7 +44,7 @@ RAW_ANSWER_STOP = "\n\n"
                                           "(which is applied by default when the export records one).")
 @click.option("--chat", is_flag=True, hidden=True, help="Wrap the prompt in the chat template (the default).")
 @click.option("--system", type=TEXT, default=None, help="A system prompt (with the chat template).")
-@click.option("--revision", default=None, help="Branch, tag or commit of OUT when it is a Hugging Face repo id.")
+@revision_option("OUT")
 @click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,

@@ -6,11 +6,11 @@ Needs only torch, triton and transformers (no coremltools), so it stays importab
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from .options import TEXT
+from .errors import user_errors
+from .options import TEXT, PathOrRepo, revision_option
 
 DEFAULT_BRANCHES = (
     "Question: What is the capital of France?\nAnswer:",
@@ -24,7 +24,8 @@ DEFAULT_PROMPT = ("You are a helpful assistant. Answer each question in one shor
 
 
 @click.command("gpu-generate")
-@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("model_dir", required=False, type=PathOrRepo())
+@revision_option("MODEL_DIR")
 @click.option("--gguf-file", default=None, help="GGUF file name inside MODEL_DIR.")
 @click.option("--prompt", type=TEXT, default=DEFAULT_PROMPT, help="Shared prefix text of every branch.")
 @click.option("--branch", "branches", type=TEXT, multiple=True,
@@ -41,9 +42,10 @@ DEFAULT_PROMPT = ("You are a helpful assistant. Answer each question in one shor
               help="Launch every kernel from Python at every step instead of replaying the "
                    "decode step as a CUDA graph.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, dtype, page_size,
+def command(model_dir, revision, gguf_file, prompt, branches, max_new_tokens, attn_path, dtype, page_size,
             check, eager, as_json):
-    """Decode several branches that share PROMPT on the GPU (default model: SmolLM2-135M)."""
+    """Decode several branches that share PROMPT on the GPU (default model: SmolLM2-135M); MODEL_DIR is a
+    llama folder or a Hugging Face repo id of a checkpoint."""
     try:
         import torch
     except ImportError as e:  # pragma: no cover - torch is a dependency
@@ -57,7 +59,10 @@ def command(model_dir, gguf_file, prompt, branches, max_new_tokens, attn_path, d
         raise click.ClickException("gpu-generate needs triton (pip install triton)") from None
 
     from ..cuda.engine import GPUEngine, load_hf_model
+    from ..hub import locate
 
+    with user_errors():
+        model_dir = locate(model_dir, revision, "checkpoint")
     try:
         model, tokenizer = load_hf_model(model_dir, gguf_file)
     except (OSError, ValueError) as e:

@@ -1,5 +1,6 @@
 """`llama-ane info`: what an export folder holds, from its manifest, and its modelled cost per chip;
-or, with --config, the same model of an export not made yet."""
+or, with --config, the same model of an export not made yet. OUT may be a Hugging Face repo id of
+an export, and --config one of a checkpoint (only its config.json is fetched)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ from ..contract.plan import FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
 from ..contract.options import DECODE_CHOICES, EXPORT_OPTIONS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
-from .options import FiniteFloat
+from .options import FiniteFloat, PathOrRepo, revision_option
 
 # options that describe the export a --config is modelled as (an export folder records its own)
 CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head", "decode_function")
 
 
 @click.command("info")
-@click.argument("out", required=False, type=click.Path(path_type=Path))
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None, metavar="CONFIG.json",
-              help="Model a Hugging Face config.json (or a folder holding one) as an export with the options "
-                   "below, without exporting it.")
+@click.argument("out", required=False, type=PathOrRepo())
+@click.option("--config", "config_path", type=PathOrRepo(), default=None, metavar="CONFIG.json",
+              help="Model a Hugging Face config.json (a file, a folder holding one, or a checkpoint's repo id) as "
+                   "an export with the options below, without exporting it.")
+@revision_option("OUT or --config")
 @click.option("--context-length", type=int, default=None, help="With --config: the context length [default: 1024].")
 @click.option("--quantize", default=None, metavar="SCHEME",
               help="With --config: the weights' scheme (none, int8, int4, lut8, lut6, lut4) [default: none].")
@@ -50,15 +52,18 @@ CONFIG_ONLY = ("context_length", "quantize", "target", "kv_cache", "fold_lm_head
                    "bound, not a measurement).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the manifest, with the decode step's traffic and the modelled costs, as JSON.")
-def command(out, config_path, context_length, quantize, target, kv_cache, fold_lm_head, decode_function, filled, chip,
-            prompt_length, branches, bandwidth, as_json):
+def command(out, config_path, revision, context_length, quantize, target, kv_cache, fold_lm_head, decode_function,
+            filled, chip, prompt_length, branches, bandwidth, as_json):
     """Describe the export in OUT (the hashes are checked), or the export a --config would make: its
     models, weights, the bytes and Core ML calls of one decode step, and its modelled tokens/s per
-    Apple chip."""
+    Apple chip.
+
+    OUT may be a Hugging Face repo id of an export, and --config one of a checkpoint."""
     from ..contract.device_model import CHIPS, chip as find_chip, manifest_from_config, read_config, report
     from ..contract.manifest import decode_function as decoded_by, kv_cache_kind, read_manifest
     from ..contract.resident import resident
     from ..contract.traffic import decode_step_traffic
+    from ..hub import locate
 
     given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache,
              "fold_lm_head": fold_lm_head, "decode_function": decode_function}
@@ -71,6 +76,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
                 flag = "--" + extra[0].replace("_", "-")
                 raise InvalidArgumentError(f"{flag} describes the export a --config is modelled as; an export "
                                            "folder records its own: drop it")
+            out = locate(out, revision, "export")
             if not (out / "manifest.json").exists() and (out / "config.json").is_file():
                 raise InvalidArgumentError(f"{out} is not a llama-ane export (manifest.json is missing) but a "
                                            f"checkpoint folder: model the export it would make with "
@@ -78,7 +84,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
             m = read_manifest(out)
         else:
             options = {k: v for k, v in given.items() if v is not None}
-            m = manifest_from_config(read_config(config_path), **options)
+            m = manifest_from_config(read_config(locate(config_path, revision, "config")), **options)
         chips = [find_chip(chip)] if chip is not None else list(CHIPS.values())
         n = m["context_length"] - 1 if filled is None else filled
         model = report(m, n, chips, prompt_length=prompt_length, branches=branches)
@@ -106,7 +112,7 @@ def command(out, config_path, context_length, quantize, target, kv_cache, fold_l
         click.echo(f"  files     {len(m['files'])}, {size / 1e6:.1f} MB, sha256 verified")
 
 
-def _describe(m: dict, config_path: Path | None) -> None:
+def _describe(m: dict, config_path: str | None) -> None:
     from ..contract.manifest import window_cascade
 
     c = m["config"]

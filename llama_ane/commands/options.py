@@ -1,6 +1,7 @@
 """Options shared by the commands: types for numbers that must be finite (and in range) and text
-that must be UTF-8, the click options built from the export option table, and the sampling options
-of `generate` and `chat`.
+that must be UTF-8, the click options built from the export option table, the sampling options
+of `generate` and `chat`, and the type and --revision option of an argument that may name a
+Hugging Face repo.
 
 A value that fails here is refused while click parses the command line, before any model is
 loaded, with one `Error:` line that names the flag and exit code 1 (as every bad value the commands
@@ -187,6 +188,28 @@ class LazyChoice(click.Choice):
 
 
 BACKEND = LazyChoice("llama_ane.runtime.model", "BACKENDS")
+
+
+class PathOrRepo(click.Path):
+    """A local path (checked as click.Path checks it: `exists`, `file_okay`, ...) or a Hugging Face
+    repo id (`owner/name` that names nothing here, see llama_ane.hub.repo_id), kept as typed: the
+    command turns it into the folder it reads with llama_ane.hub.locate."""
+
+    def __init__(self, **checks: Any) -> None:
+        super().__init__(path_type=str, **checks)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from ..hub import repo_id
+
+        if isinstance(value, str) and repo_id(value) is not None:
+            return value
+        return super().convert(value, param, ctx)
+
+
+def revision_option(argument: str) -> Decorator:
+    """--revision: the branch, tag or commit of ARGUMENT (a PathOrRepo) when it is a repo id."""
+    return click.option("--revision", default=None, metavar="REV",
+                        help=f"Branch, tag or commit of {argument} when it is a Hugging Face repo id.")
 
 
 def not_utf8(where: str, data: bytes | str) -> str | None:

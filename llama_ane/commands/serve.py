@@ -1,7 +1,9 @@
-"""`llama-ane serve OUT`: an OpenAI-compatible HTTP server over one export (see docs/serve.md).
+"""`llama-ane serve OUT`: an OpenAI-compatible HTTP server over one export, a folder or a Hugging
+Face repo id (see docs/serve.md).
 
     llama-ane serve out/smollm2                       http://127.0.0.1:8080/v1
     llama-ane serve out/smollm2 --api-key KEY --prompt-cache-dir caches/
+    llama-ane serve owner/model-ane --revision v1
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import click
 from ..runtime.model import BACKENDS
 from .errors import user_errors
 from ..serve.options import ServeOptions as DEFAULTS
-from .options import Utf8File
+from .options import PathOrRepo, Utf8File, revision_option
 
 def _serve_extra():
     """The serve package, or a one-line error naming the extra to install."""
@@ -30,7 +32,8 @@ def _serve_extra():
 
 
 @click.command("serve")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=PathOrRepo())
+@revision_option("OUT")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 serves other machines: set --api-key).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -50,12 +53,14 @@ def _serve_extra():
               help="An existing folder: prefixes evicted from RAM are kept there as prompt-cache files.")
 @click.option("--chat-template", type=Utf8File(), default=None,
               help="A Jinja chat template file replacing the model's (e.g. one that renders tools).")
-def command(out, host, port, backend, precision, api_key, max_queue, max_tokens_limit, prompt_cache_bytes,
+def command(out, revision, host, port, backend, precision, api_key, max_queue, max_tokens_limit, prompt_cache_bytes,
             prompt_cache_dir, chat_template):
-    """Serve the export in OUT with OpenAI's API (chat, completions, models) over HTTP."""
+    """Serve the export in OUT (a folder or a Hugging Face repo id) with OpenAI's API (chat, completions,
+    models) over HTTP."""
     uvicorn, create_app = _serve_extra()
     import llama_ane
     from ..errors import InvalidArgumentError
+    from ..hub import locate
 
     with user_errors():
         sock = _bind(host, port)  # before the model loads: a busy port is refused at once
@@ -64,6 +69,7 @@ def command(out, host, port, backend, precision, api_key, max_queue, max_tokens_
                                        "or choose another")
         if prompt_cache_dir is not None and not os.access(prompt_cache_dir, os.W_OK):
             raise InvalidArgumentError(f"--prompt-cache-dir {prompt_cache_dir}: the folder is not writable")
+        out = locate(out, revision)  # what llama_ane.load reads: an export (or, with torch, a checkpoint)
         model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
         model.prepare()
         options = DEFAULTS(api_key=api_key, max_queue=max_queue, max_tokens_limit=max_tokens_limit,

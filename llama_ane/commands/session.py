@@ -28,10 +28,10 @@ def load_model(out, backend: str, quiet: bool = False, **options) -> Loaded:
     """Load the export in `out` (every model file, before any clock starts) and warm it up, saying
     so on stderr first (a large model takes a while: the user sees what is going on)."""
     import llama_ane
-    from ..hub import resolve
+    from ..hub import locate
 
     if str(out) != "default":  # a repo id is found (or fetched) before anything is said about loading it
-        out = resolve(out, options.pop("revision", None))
+        out = locate(out, options.pop("revision", None))
     if not quiet:
         click.echo(f"loading {out} ({backend})...", err=True)
     t0 = time.perf_counter()

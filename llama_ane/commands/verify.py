@@ -1,4 +1,5 @@
-"""`llama-ane verify OUT [--backend mil|coreml] [--text FILE]`: the parity gate of an export.
+"""`llama-ane verify OUT [--backend mil|coreml] [--text FILE]`: the parity gate of an export (a
+folder, or a Hugging Face repo id of one).
 
 Scores a fixed real text through the exported packages with the chosen backend and compares with
 the torch backend and transformers; exits 1 below the thresholds."""
@@ -10,11 +11,12 @@ import sys
 import click
 
 from .errors import one_line, user_errors
-from .options import Utf8File
+from .options import PathOrRepo, Utf8File, revision_option
 
 
 @click.command("verify")
-@click.argument("out", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("out", type=PathOrRepo(exists=True, file_okay=False))
+@revision_option("OUT")
 @click.option("--backend", type=click.Choice(["mil", "coreml", "coreai"]), default="mil", show_default=True,
               help="mil runs the saved programs with numpy (any OS); coreml runs Core ML (macOS); coreai runs a Core AI "
                    "export through Apple's runtime (CPU on Linux).")
@@ -30,12 +32,16 @@ from .options import Utf8File
                    "collapse, silu's error near 0, subnormals flushed to zero) against transformers.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress line.")
-def command(out: str, backend: str, text_file: str | None, max_tokens: int, precision: str | None,
-            no_transformers: bool, ane_numerics: bool, as_json: bool, quiet: bool) -> None:
-    """Check that the exported packages reproduce their source model's logits."""
+def command(out: str, revision: str | None, backend: str, text_file: str | None, max_tokens: int,
+            precision: str | None, no_transformers: bool, ane_numerics: bool, as_json: bool, quiet: bool) -> None:
+    """Check that the exported packages reproduce their source model's logits.
+
+    OUT is an export folder or a Hugging Face repo id of one."""
+    from ..hub import locate
     from ..verify import verify_export
 
     with user_errors():
+        out = locate(out, revision, "export")
         text = None
         if text_file is not None:
             with open(text_file, encoding="utf-8") as f:
