@@ -1,6 +1,7 @@
 # llama-ane: set up, run, test.  `make run` exports the default model and generates;
-# `make test` runs the whole test suite (Python, notebooks, Swift) as CI does;
-# `make test-quick` runs the unit tier only (no export, no subprocess, no SmolLM2).
+# `make test` runs the test suite (Python, notebooks, Swift) as CI does, the Python tests on every core;
+# `make test-quick` runs the unit tier only (no export, no subprocess, no SmolLM2);
+# `make test-long` runs the long tier the default run leaves out (real-weights runs of many minutes).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,7 @@ OUT    ?= out/smollm2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 FIXTURES := swift_host/Tests/LlamaANETests/Fixtures
 
-.PHONY: setup run test test-quick test-python test-swift check-transformers bench-branches bench-report clean
+.PHONY: setup run test test-quick test-long test-python test-swift check-transformers bench-branches bench-report clean
 
 setup: $(VENV)/.installed
 
@@ -28,8 +29,12 @@ run: setup
 
 test: test-python test-swift
 
+# pytest-xdist: one worker a core, each test file on one worker (its module fixtures made once)
 test-python: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
+
+test-long: setup
+	$(PY) -m pytest -q -m long
 
 test-quick: setup
 	LLAMA_ANE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not export"

@@ -49,11 +49,23 @@ def _signals_as_at_a_terminal() -> None:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def _one_thread_a_worker() -> None:
+    """Under pytest-xdist there is a worker a core: each computes (and starts processes) with one
+    thread, so the workers do not contend for the cores."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_configure(config):
     """In the unit tier (`make test-quick`), exporting a model or starting a process fails at once,
     in a test or in any fixture it uses, naming the mark the test lacks: the tier stays quick
     because nothing slips into it."""
     _signals_as_at_a_terminal()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _one_thread_a_worker()
     if not UNIT_TIER:
         return
 
@@ -65,6 +77,33 @@ def pytest_configure(config):
 
     convert.convert_all = refuse("exports a model")
     subprocess.Popen.__init__ = refuse("starts a subprocess")
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def shared(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name`, built once by `build(folder)` for the whole run: with pytest-xdist, the
+    first worker to ask builds it under a lock in the run's common temporary folder and the others
+    wait for it, so a session fixture's export is made once, not once a worker. Returns what
+    `build` returned the first time (a path under that folder)."""
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's basetemp sits in the run's one folder
+    folder, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not done.is_file():
+            made = build(folder)
+            done.write_text(str(made))
+    return Path(done.read_text())
 
 
 def convert_to(source, path, **options):
@@ -96,7 +135,8 @@ def tiny_checkpoint(tmp_path_factory):
     def make(**overrides):
         key = repr(sorted(overrides.items()))
         if key not in made:
-            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **overrides)
+            made[key] = shared(tmp_path_factory, f"tiny-{_digest(key)}",
+                               lambda folder: make_tiny_checkpoint(folder, **overrides))
         return made[key]
     return make
 
@@ -113,9 +153,9 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
     from llama_ane.api import export_model
 
     ckpt = tiny_checkpoint(num_hidden_layers=5, head_dim=32)
-    return export_model(ckpt, tmp_path_factory.mktemp("export") / "tiny", context_length=256, prefill_length=64,
-                        layers_per_chunk=2, verify_window=16, decode_function="decode", progress=False,
-                        verify=False)
+    return shared(tmp_path_factory, "tiny-export", lambda folder: export_model(
+        ckpt, folder, context_length=256, prefill_length=64, layers_per_chunk=2, verify_window=16,
+        decode_function="decode", progress=False, verify=False))
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +163,8 @@ def smollm2_export(tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct) exported once per session with default options."""
     from llama_ane.api import export_model
 
-    return export_model(None, tmp_path_factory.mktemp("export") / "smollm2", progress=False, verify=False)
+    return shared(tmp_path_factory, "smollm2-export",
+                  lambda folder: export_model(None, folder, progress=False, verify=False))
 
 
 @contextlib.contextmanager

@@ -215,6 +215,7 @@ def test_smollm2_document_qa_equals_alone(smollm2_torch):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_fp16_branches_top1(smollm2_torch):
     m16 = smollm2_torch["fp16"]  # fp16 on a CPU is emulated: two questions keep the test within a few minutes
     prefix, own = split_shared_prefix(

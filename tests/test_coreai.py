@@ -166,6 +166,7 @@ def test_lut4_export_runs_and_passes_its_gate(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_coreai_export_passes_its_parity_gate(tmp_path):
     """The default model (SmolLM2-135M-Instruct) to Core AI in one command, whose parity gate runs
     the assets on the coreai backend against the torch modules and transformers."""

@@ -10,7 +10,7 @@ import pytest
 
 import llama_ane
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 CONTEXT = 8192
 

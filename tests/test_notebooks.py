@@ -37,7 +37,9 @@ def test_notebook_is_committed_small(path):
 CELL_TIMEOUT_S = 1200
 
 
-@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.name)
+# the quantization notebook exports and evaluates SmolLM2 six times: it is in the long tier
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.long) if p.name == "03_quantization.ipynb" else p
+                                  for p in notebook_paths()], ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

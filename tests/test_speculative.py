@@ -389,7 +389,7 @@ def test_cli_speculative_needs_a_verify_window(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+@pytest.mark.parametrize("drafter", ["lookup", pytest.param("draft", marks=pytest.mark.long)])
 def test_smollm2_greedy_speculative_equals_plain(drafter):
     model = llama_ane.load("default", backend="torch", precision="fp32", verify_window=16)
     doc = ("The harbour of Harwick could only be entered at high tide. In 1847 a merchant built a stone pier, "

@@ -175,13 +175,17 @@ def test_cli_export_kv_cache_state_on_an_old_target_is_a_clear_error(tiny_checkp
 
 
 @pytest.mark.slow
-def test_smollm2_state_export_gives_the_default_greedy_tokens(smollm2_export, tmp_path):
-    """SmolLM2 with state caches: through the parity gate and inspect --strict, and the exported
-    programs (mil, fp16) decode the tokens of the default export's programs."""
+@pytest.mark.long
+def test_smollm2_input_caches_give_the_default_greedy_tokens(smollm2_export, tmp_path):
+    """SmolLM2 with input caches and decode functions: through the parity gate and inspect --strict,
+    and the exported programs (mil, fp16) decode the tokens of the default export's (state caches,
+    the prefill window decoding)."""
     from llama_ane.api import export_model
 
-    out = export_model(None, tmp_path / "smollm2-state", kv_cache="state", verify=True, progress=False)
+    out = export_model(None, tmp_path / "smollm2-inputs", kv_cache="inputs", decode_function="decode", verify=True,
+                       progress=False)
     assert inspect_path(out).violations == []
-    default, state = (llama_ane.load(p, backend="mil") for p in (smollm2_export, out))
+    default, inputs = (llama_ane.load(p, backend="mil") for p in (smollm2_export, out))
+    assert default.manifest["cache"]["kind"] == "state"
     prompt = default.tokenizer.encode("The capital of France is")
-    assert state.generate(prompt, max_new_tokens=16).token_ids == default.generate(prompt, max_new_tokens=16).token_ids
+    assert inputs.generate(prompt, max_new_tokens=16).token_ids == default.generate(prompt, max_new_tokens=16).token_ids

@@ -170,6 +170,7 @@ def test_top1_agreement_counts_ties_at_the_resolution_of_the_logits():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the same gate runs in test_smollm2's CLI export
 def test_verify_passes_on_smollm2(smollm2_export):
     report = verify_export(smollm2_export)
     print(report)
