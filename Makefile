@@ -1,6 +1,6 @@
 # llama-ane: set up, run, test.  `make run` exports the default model and generates;
 # `make test` runs the test suite (Python, notebooks, Swift) as CI does, the Python tests on every core;
-# `make test-quick` runs the unit tier only (no export, no subprocess, no SmolLM2);
+# `make test-quick` (or a plain `pytest`) runs the unit tier only (no export, no subprocess, no SmolLM2);
 # `make test-long` runs the long tier the default run leaves out (real-weights runs of many minutes).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -31,13 +31,13 @@ test: test-python test-swift
 
 # pytest-xdist: one worker a core, each test file on one worker (its module fixtures made once)
 test-python: setup
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not long"
 
 test-long: setup
 	$(PY) -m pytest -q -m long
 
 test-quick: setup
-	LLAMA_ANE_UNIT_TIER=1 $(PY) -m pytest -q -m "not slow and not export"
+	$(PY) -m pytest -q
 
 # The Swift package's manifest is the root Package.swift (its sources are in swift_host/). Its tests
 # read the committed fixtures ($(FIXTURES)): no Python needed. After changing what they record,

@@ -34,7 +34,25 @@ def pytest_collection_modifyitems(config, items):
 
 # fixtures that export a model: a test using one is in the export tier whether it says so or not
 EXPORTING_FIXTURES = {"tiny_export", "smollm2_export"}
-UNIT_TIER = os.environ.get("LLAMA_ANE_UNIT_TIER") == "1"  # set by `make test-quick`
+UNIT_TIER_MARKS = "not slow and not export and not long"  # pyproject.toml's addopts: a plain `pytest`
+TIERS = ("long", "slow", "export")  # a test is in the first of these it is marked with, else in the unit tier
+_tier_seconds: dict[str, float] = {}
+
+
+def _unit_tier(config) -> bool:
+    return os.environ.get("LLAMA_ANE_UNIT_TIER") == "1" or config.getoption("markexpr") == UNIT_TIER_MARKS
+
+
+def pytest_runtest_logreport(report):
+    tier = next((t for t in TIERS if t in report.keywords), "unit")
+    _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The time each tier's tests took (setup, call and teardown, summed over the workers)."""
+    if _tier_seconds:
+        terminalreporter.write_line("time by tier: " + ", ".join(
+            f"{tier} {_tier_seconds[tier]:.0f} s" for tier in ("unit", *reversed(TIERS)) if tier in _tier_seconds))
 
 
 def _signals_as_at_a_terminal() -> None:
@@ -66,7 +84,7 @@ def pytest_configure(config):
     _signals_as_at_a_terminal()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         _one_thread_a_worker()
-    if not UNIT_TIER:
+    if not _unit_tier(config):
         return
 
     def refuse(what):
