@@ -154,9 +154,12 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
     return [i for i in ids if i < ckpt.config.vocab_size]
 
 
-# families whose quality model (transformers' decoder layers on the checkpoint's weights) is not
-# yet that family's whole network: Phi-3's projections are fused, Granite scales its embeddings and logits
-UNMEASURED_FAMILIES = ("phi3", "granite")
+def _unmeasured(ckpt) -> bool:
+    """Whether the quality model (transformers' decoder layers on the checkpoint's weights) is not
+    this family's whole network (families/: `Family.quality_model`)."""
+    from .families import FAMILIES, PLAIN
+
+    return not FAMILIES.get(ckpt.config.model_type, PLAIN).quality_model
 
 
 def quality_model(ckpt):
@@ -190,7 +193,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
     from .quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
     from .quantize.schemes import QuantizeError
 
-    if ckpt.config.model_type in UNMEASURED_FAMILIES:
+    if _unmeasured(ckpt):
         raise QuantizeError(f"--quantize auto cannot measure a {ckpt.config.model_type} checkpoint yet; choose a "
                             "scheme (e.g. --quantize lut6) and check it with llama-ane eval")
     from .quantize.sensitivity import choose_recipe
@@ -204,7 +207,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
 def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[str], None]) -> float:
     """Measure a fixed scheme of 4 bits or fewer on the eval text and say the perplexity change;
     beyond WARN_PCT, say so plainly and what to use instead."""
-    if ckpt.config.model_type in UNMEASURED_FAMILIES:
+    if _unmeasured(ckpt):
         say(f"quality: not measured for {ckpt.config.model_type} checkpoints; check it with llama-ane eval")
         return float("nan")
     from .quantize.auto import CHECK_TOKENS, WARN_PCT, part_of_unit, units

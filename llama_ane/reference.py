@@ -92,12 +92,15 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
 def recurrent_delta_rule(model_type: str) -> Iterator[None]:
     """Within it, transformers' Qwen3.5 linear-attention layers run the delta rule token by token
     (its reference loop) where they would run the chunked form; nothing changes for other families."""
-    if model_type != "qwen3_5_text":
+    from .families import FAMILIES
+
+    name = FAMILIES[model_type].delta_rule_module if model_type in FAMILIES else ""
+    if not name:
         yield
         return
     import importlib
 
-    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    modeling = importlib.import_module(name)
     chunked = modeling.torch_chunk_gated_delta_rule
     modeling.torch_chunk_gated_delta_rule = modeling.torch_recurrent_gated_delta_rule
     try:

@@ -64,6 +64,11 @@ class Family:
     rope_types: tuple[str, ...] = ("default", "llama3", "linear")  # the RoPE scalings it is exported with
     rope_aliases: Mapping[str, str] = field(default_factory=dict)  # other names its config class reads as one
     own_fields: tuple[str, ...] = ()  # its LlamaConfig fields a manifest holds only where not their defaults
+    # whether transformers' decoder layers on the checkpoint's weights are its whole network, so that
+    # --quantize auto can measure its quality with them
+    quality_model: bool = True
+    # transformers' module whose chunked delta rule the reference runs token by token ("": none)
+    delta_rule_module: str = ""
 
     # the sliding window
     window: bool = True  # whether sliding_window means anything to it

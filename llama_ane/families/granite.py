@@ -35,4 +35,5 @@ def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
 
 
 FAMILY = Family("granite", "Granite", attention_bias_flag=True, extras=multipliers, write=write,
+                quality_model=False,  # embeddings and logits scaled outside the decoder layers
                 gguf=GGUFArch("granite", "dense Granite 3.x", permuted=True, read=read_gguf))
