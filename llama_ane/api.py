@@ -157,9 +157,7 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
 def _unmeasured(ckpt) -> bool:
     """Whether the quality model (transformers' decoder layers on the checkpoint's weights) is not
     this family's whole network (families/: `Family.quality_model`)."""
-    from .families import FAMILIES, PLAIN
-
-    return not FAMILIES.get(ckpt.config.model_type, PLAIN).quality_model
+    return not ckpt.config.family.quality_model
 
 
 def quality_model(ckpt):

@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -108,8 +109,6 @@ def shared(tmp_path_factory, name: str, build) -> Path:
     first worker to ask builds it under a lock in the run's common temporary folder and the others
     wait for it, so a session fixture's export is made once, not once a worker. Returns what
     `build` returned the first time (a path under that folder)."""
-    from pathlib import Path
-
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()

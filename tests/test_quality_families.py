@@ -23,7 +23,7 @@ def test_the_unmeasured_families_are_phi3_and_granite():
 
 @pytest.mark.parametrize("family", UNMEASURED_FAMILIES)
 def test_auto_refuses_and_the_check_says_it_did_not_measure(family):
-    ckpt = SimpleNamespace(config=SimpleNamespace(model_type=family, num_hidden_layers=2))
+    ckpt = SimpleNamespace(config=SimpleNamespace(model_type=family, num_hidden_layers=2, family=FAMILIES[family]))
     with pytest.raises(QuantizeError, match=f"cannot measure a {family} checkpoint"):
         auto_recipe(ckpt, 5.0, print)
     said = []
