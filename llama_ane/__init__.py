@@ -3,7 +3,7 @@
     import llama_ane
     llama_ane.export_model(None, "out/smollm2")          # the embedded default model
     model = llama_ane.load("out/smollm2")                 # coreml on macOS, torch elsewhere
-    print(model.generate("The capital of France is", max_new_tokens=16).text)
+    print(model.generate("What is the capital of France?", max_new_tokens=16).text)
 """
 
 from ._version import __version__

@@ -347,7 +347,7 @@ def test_qwen_tokenizer_and_chatml_as_transformers(export):
     ids = model.encode(question, chat=True)
     assert hf.decode(ids) == want
     assert ids == hf(want, add_special_tokens=False).input_ids
-    out_text = model.generate(question, chat=True, max_new_tokens=4, temperature=0.0)
+    out_text = model.generate(question, max_new_tokens=4, temperature=0.0)
     assert out_text.prompt_tokens == len(ids)
     model.close()
 

@@ -121,7 +121,7 @@ CASES: dict[str, tuple[Callable[[Inputs], list], list[str], int]] = {
     "generate: zero samples": (lambda i: ["generate", i.export, "--prompt", "Hi", "--samples", 0],
                                ["--samples", "at least 1"], 1),
     "generate: prompt over the context": (lambda i: ["generate", i.export, "--prompt", "fox " * 400],
-                                          ["context"], 1),
+                                          ["context", "--overflow shift"], 1),
     "generate: precision with Core ML": (lambda i: ["generate", i.export, "--prompt", "Hi", "--backend", "coreml",
                                                     "--precision", "fp16"], ["--precision", "--backend torch"], 1),
     "generate: missing export": (lambda i: ["generate", i.tmp / "nowhere", "--prompt", "Hi"], ["nowhere"], 1),

@@ -84,6 +84,20 @@ def test_fp16_top1_agreement(tiny_checkpoint):
     assert _top1(m16, m32, prefix, conts) >= 0.99
 
 
+def test_text_branches_are_user_turns_of_prefix_plus_continuation(tiny_checkpoint):
+    """By default each branch decodes as `generate(prefix + continuation)`, one user turn in the chat
+    template, over the rendered branches' longest common token prefix."""
+    model = _load(tiny_checkpoint(num_hidden_layers=3))
+    doc, questions = "Caches hold the keys and values of every token so far.\n\n", ["What?", "Why so?", "Who"]
+    out = model.generate_branches(doc, questions, max_new_tokens=6)
+    shared, _ = split_shared_prefix([model.encode(doc + q, chat=True) for q in questions])
+    assert out.stats.prefix_tokens == len(shared)
+    for r, q in zip(out.branches, questions):
+        assert r.token_ids == model.generate(doc + q, max_new_tokens=6).token_ids
+    raw = model.generate_branches(doc, questions, max_new_tokens=6, raw=True)
+    assert raw.stats.prefix_tokens == len(model.encode(doc))
+
+
 def test_samples_share_the_prefix_and_are_seeded(tiny_checkpoint):
     model = _load(tiny_checkpoint(num_hidden_layers=3))
     prefix, _ = _inputs(seed=3)

@@ -196,7 +196,7 @@ def test_generate_json(tiny_export):
     out = json.loads(r.stdout)
     assert GENERATE_FIELDS <= set(out)
     model = llama_ane.load(tiny_export, backend="torch")
-    want = model.generate("The quick brown fox", max_new_tokens=12)
+    want = model.generate("The quick brown fox", max_new_tokens=12, raw=True)
     model.close()
     assert out["token_ids"] == want.token_ids and out["text"] == want.text
     assert out["backend"] == "torch"
@@ -217,7 +217,7 @@ def test_generate_streams_text_and_reports_speed(tiny_export):
         r.stderr
     assert "reused" not in r.stderr  # no cache was given
     model = llama_ane.load(tiny_export, backend="torch")
-    want = model.generate("Caches hold", max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
+    want = model.generate("Caches hold", max_new_tokens=8, temperature=0.8, top_k=20, seed=3, raw=True)
     model.close()
     assert r.stdout == want.text + "\n"  # streamed pieces, then one newline
 

@@ -179,10 +179,10 @@ def test_the_wrapping_and_messages_round_trip_in_a_cache_file(model, tmp_path):
 def test_min_p_and_repetition_penalty_options(tiny_export, model, no_eos):
     out = generate_json(tiny_export, "--prompt", "fox fox fox", "--raw", "--repetition-penalty", "2.5",
                         "--max-new-tokens", "4")
-    assert out["token_ids"] == model.generate("fox fox fox", max_new_tokens=4, repetition_penalty=2.5).token_ids
+    assert out["token_ids"] == model.generate("fox fox fox", max_new_tokens=4, repetition_penalty=2.5, raw=True).token_ids
     out = generate_json(tiny_export, "--prompt", "fox", "--raw", "--min-p", "0.3", "--temperature", "1",
                         "--seed", "4", "--max-new-tokens", "4")
-    assert out["token_ids"] == model.generate("fox", max_new_tokens=4, min_p=0.3, temperature=1.0, seed=4).token_ids
+    assert out["token_ids"] == model.generate("fox", max_new_tokens=4, min_p=0.3, temperature=1.0, seed=4, raw=True).token_ids
     one_error(run_cli("generate", tiny_export, "--prompt", "x", "--min-p", "1.5"), "--min-p", "[0, 1]")
     one_error(run_cli("generate", tiny_export, "--prompt", "x", "--repetition-penalty", "0"),
               "--repetition-penalty", "positive")

@@ -232,7 +232,7 @@ def test_cache_update_error_through_generate(tiny):
 
 def test_stream_events_make_up_the_text(tiny):
     events = []
-    result = tiny.generate("The quick brown fox", max_new_tokens=20, on_token=events.append)
+    result = tiny.generate("The quick brown fox", max_new_tokens=20, on_token=events.append, raw=True)
     assert [e.token_id for e in events] == result.token_ids
     assert "".join(e.text for e in events) == result.text
     full = tiny.tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -246,17 +246,61 @@ def test_stream_events_make_up_the_text(tiny):
 
 def test_stop_string_cuts_the_text(tiny, monkeypatch):
     monkeypatch.setattr(type(tiny), "eos_token_ids", property(lambda self: []))  # 24 tokens of text
-    full = tiny.generate("Numbers like", max_new_tokens=24)
+    full = tiny.generate("Numbers like", max_new_tokens=24, raw=True)
     text = full.text
     assert full.finish_reason == "length" and len(text.strip()) >= 8, text
     stop = text[len(text) // 2: len(text) // 2 + 2]
     cut = text.index(stop)
     events = []
-    got = tiny.generate("Numbers like", max_new_tokens=24, stop=[stop], on_token=events.append)
+    got = tiny.generate("Numbers like", max_new_tokens=24, stop=[stop], on_token=events.append, raw=True)
     assert got.finish_reason == "stop"
     assert got.text == text[:cut]
     assert "".join(e.text for e in events) == text[:cut]
     assert got.token_ids == full.token_ids[:len(got.token_ids)]
+
+
+def test_a_string_prompt_is_one_user_turn_by_default(tiny):
+    """A string is wrapped by the chat template (as `encode(..., chat=True)`); `raw=True` feeds it
+    as plain text; token ids are fed as given."""
+    wrapped, plain = tiny.encode("hi", chat=True), tiny.encode("hi")
+    assert len(wrapped) > len(plain)
+    assert tiny.prompt_ids("hi") == wrapped and tiny.prompt_ids("hi", raw=True) == plain
+    assert tiny.prompt_ids(plain) == tiny.prompt_ids(plain, raw=True) == plain
+    default = tiny.generate("hi", max_new_tokens=4)
+    assert default.prompt_tokens == len(wrapped)
+    assert default.token_ids == tiny.generate(wrapped, max_new_tokens=4).token_ids
+    assert tiny.generate("hi", max_new_tokens=4, raw=True).prompt_tokens == len(plain)
+    assert tiny.generate(plain, max_new_tokens=4).prompt_tokens == len(plain)
+    assert [e.token_id for e in tiny.stream("hi", max_new_tokens=4)] == default.token_ids
+    assert tiny.last_result.prompt_tokens == len(wrapped)
+
+
+def test_without_a_chat_template_a_string_prompt_is_plain_text(tiny, monkeypatch):
+    monkeypatch.setitem(tiny.manifest["tokenizer"], "chat_template", None)
+    assert not tiny.has_chat_template
+    assert tiny.generate("hi", max_new_tokens=2).prompt_tokens == len(tiny.encode("hi"))
+    with pytest.raises(ValueError, match="no chat template"):
+        tiny.encode("hi", chat=True)  # only an explicit request for the template is refused
+
+
+def test_branch_prompts_follow_the_chat_template_rule(tiny):
+    """generate_branches: each branch's `prefix + continuation` is one user turn and the shared
+    prefix is the rendered branches' longest common token prefix; with n, the prefix is one user
+    turn; raw, token ids or no template: plain tokens."""
+    from llama_ane.runtime.cascade import split_shared_prefix
+
+    doc, questions = "Caches hold recent keys.\n\n", ["What do caches hold?", "Why?"]
+    prefix, own = tiny._branch_ids(doc, questions, None, raw=False)
+    assert (prefix, own) == split_shared_prefix([tiny.encode(doc + q, chat=True) for q in questions])
+    assert [prefix + o for o in own] == [tiny.encode(doc + q, chat=True) for q in questions]
+    assert tiny._branch_ids(doc, None, 3, raw=False) == (tiny.encode(doc, chat=True), [[], [], []])
+    plain = tiny.encode(doc)
+    tail = [list(tiny.tokenizer(q, add_special_tokens=False).input_ids) for q in questions]
+    assert tiny._branch_ids(doc, questions, None, raw=True) == (plain, tail)
+    assert tiny._branch_ids(plain, questions, None, raw=False) == (plain, tail)  # ids are never wrapped
+    assert tiny._branch_ids(doc, None, 2, raw=True) == (plain, [[], []])
+    with pytest.raises(ValueError, match="token-id continuations"):
+        tiny._branch_ids(doc, [tail[0]], None, raw=False)
 
 
 def test_max_new_tokens_must_be_positive(tiny):

@@ -29,6 +29,11 @@ QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
 # base model runs on into the next paragraph or question; with the chat template the end-of-turn
 # token ends it.
 RAW_ANSWER_STOP = "\n\n"
+# Branches stream as whole lines tagged with the branch number ("[2] ..."), so that their text stays
+# apart in a terminal and in a pipe: a branch's text so far goes out at a newline, once it holds
+# STREAM_WIDTH characters, or once it has waited STREAM_SECONDS (broken at a space where it can be).
+STREAM_WIDTH = 72
+STREAM_SECONDS = 0.5
 
 
 @click.command("generate")
@@ -84,6 +89,8 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
         from ..runtime.chat import has_template
         from .session import check_wrapping, load_model
 
+        if speculative is not None:
+            out, revision = _check_speculative_export(out, revision, draft_tokens)
         loaded = load_model(out, backend, revision=revision, **({} if precision is None else {"precision": precision}))
         model = loaded.model
         try:
@@ -136,6 +143,26 @@ def _check_options(prompt, prompt_file, questions, samples, raw, chat, system, s
         raise click.UsageError("--overflow and --keep apply to one continuation: drop --question/--samples")
     if keep and overflow != "shift":
         raise click.UsageError("--keep is what --overflow shift keeps: add --overflow shift")
+    if speculative is not None and speculative != "lookup" and (
+            not speculative.startswith("draft:") or not speculative.removeprefix("draft:")):
+        raise OptionError(f"--speculative must be 'lookup' or 'draft:OUT' (OUT a smaller export of the same "
+                          f"tokenizer), got {speculative!r}")
+
+
+def _check_speculative_export(out, revision, draft_tokens):
+    """Refuse --speculative on an export without a verify function (or --draft-tokens beyond its
+    window) from its manifest alone, before the model loads. Returns OUT located (a repo id's
+    folder) and the revision left to apply. A checkpoint (or "default") is checked once loaded."""
+    from ..contract.manifest import MANIFEST, read_manifest
+    from ..hub import locate
+    from ..runtime.speculative import check_speculative
+
+    if str(out) == "default":
+        return out, revision
+    folder = locate(out, revision)
+    if (folder / MANIFEST).is_file():
+        check_speculative(read_manifest(folder, check_hashes=False), draft_tokens)
+    return folder, None
 
 
 def _prompt(model, text: str, wrap: bool, system: str | None) -> str | list[int]:
@@ -147,7 +174,8 @@ def _prompt(model, text: str, wrap: bool, system: str | None) -> str | list[int]
 def _single(model, loaded, text, wrap, system, sampling, as_json, raw, started):
     from .session import generation_stats, stats_lines
 
-    result = model.generate(_prompt(model, text, wrap, system), **sampling,
+    # the template, where it applies, is already in the ids _prompt gives; text is fed as it is
+    result = model.generate(_prompt(model, text, wrap, system), raw=True, **sampling,
                             on_token=None if as_json else lambda e: click.echo(e.text, nl=False))
     stats = {"backend": model.backend.name, "chat_template": wrap,
              **generation_stats(result, loaded, "cache" in sampling, started)}
@@ -181,7 +209,7 @@ def _branches(model, text, questions, samples, wrap, system, sampling, as_json):
     if samples is not None:
         labels = [f"sample {i + 1}" for i in range(samples)]
         prefix = prompt_ids(model, text, system) if wrap else model.encode(text)
-        out = model.generate_branches(prefix, n=samples, **sampling)
+        branches = dict(n=samples)
         if sampling["temperature"] == 0 and samples > 1 and not as_json:
             click.echo("[note: at --temperature 0 every sample is the same greedy text]", err=True)
     else:
@@ -191,7 +219,10 @@ def _branches(model, text, questions, samples, wrap, system, sampling, as_json):
                                                for q in questions])
         else:
             prefix, own = model.encode(text), [QUESTION_TEMPLATE.format(question=q) for q in questions]
-        out = model.generate_branches(prefix, own, **sampling)
+        branches = dict(continuations=own)
+    stream = None if as_json else BranchStream(labels)
+    out = model.generate_branches(prefix, **branches, **sampling,
+                                  on_token=None if stream is None else stream.on_token)
     s = out.stats
     summary = {"backend": model.backend.name, "chat_template": wrap, "prefix_tokens": s.prefix_tokens,
                "num_branches": s.branches,
@@ -208,10 +239,7 @@ def _branches(model, text, questions, samples, wrap, system, sampling, as_json):
                                              "finish_reason": r.finish_reason}
                                             for label, r in zip(labels, out.branches)], **summary}))
         return
-    for label, r in zip(labels, out.branches):
-        click.echo(f"--- [{r.index + 1}] {label}" + ("" if r.finish_reason in ("eos", "stop") else
-                                                     f" [finish: {r.finish_reason}]"))
-        click.echo(r.text.strip())
+    stream.finish(out.branches)
     reused = f" ({s.reused_tokens} reused from the cache)" if "cache" in sampling else ""
     click.echo(f"[{summary['backend']}] prefix: {s.prefix_tokens} tokens{reused}, "
                f"prefilled in {summary['prefill_seconds']} s", err=True)
@@ -220,3 +248,48 @@ def _branches(model, text, questions, samples, wrap, system, sampling, as_json):
                f"aggregate | prefix K/V read per step, modelled from the cache shapes: "
                f"{s.prefix_bytes_per_step_cascade / 1e6:.2f} MB cascade vs {s.prefix_bytes_per_step_separate / 1e6:.2f} MB "
                "separately", err=True)
+
+
+class BranchStream:
+    """Print cascade branches as they decode: a header per branch ("--- [1] Q: ..."), then each
+    branch's text in lines tagged with its number ("[1] ..."), interleaved as the branches go."""
+
+    def __init__(self, labels: list[str]):
+        self.pending = [""] * len(labels)
+        self.since = [0.0] * len(labels)  # when each branch's pending text began to wait
+        for i, label in enumerate(labels):
+            click.echo(f"--- [{i + 1}] {label}")
+
+    def on_token(self, index: int, token_id: int, delta: str) -> None:
+        if not delta:
+            return
+        now = time.perf_counter()
+        if not self.pending[index]:
+            self.since[index] = now
+        self.pending[index] += delta
+        for i, text in enumerate(self.pending):
+            if text and ("\n" in text or len(text) >= STREAM_WIDTH or now - self.since[i] >= STREAM_SECONDS):
+                self._flush(i, now)
+
+    def _flush(self, i: int, now: float) -> None:
+        """Print branch i's complete lines, then the rest up to its last space (all of it where it has none)."""
+        text = self.pending[i]
+        cut = text.rfind("\n") + 1
+        if cut == 0:
+            space = max(text.rfind(" ", 1), text.rfind("\t", 1))
+            cut = space if space > 0 else len(text)
+        self._lines(i, text[:cut])
+        self.pending[i], self.since[i] = text[cut:], now
+
+    def _lines(self, i: int, text: str) -> None:
+        for line in text.split("\n"):
+            if line.strip():
+                click.echo(f"[{i + 1}] {line.strip()}")
+
+    def finish(self, results) -> None:
+        """Print what each branch still holds, and why a branch stopped where it did not end by itself."""
+        for r in results:
+            self._lines(r.index, self.pending[r.index])
+            self.pending[r.index] = ""
+            if r.finish_reason not in ("eos", "stop"):
+                click.echo(f"[{r.index + 1}] [finish: {r.finish_reason}]")

@@ -38,7 +38,7 @@ def template_errors() -> Iterator[None]:
         detail = " ".join(str(e).split()) or "no message"
         raise ChatTemplateError(f"the export's chat template failed ({type(e).__name__}: {detail}); fix "
                                 "chat_template in its tokenizer_config.json (or chat_template.jinja), or run "
-                                "without the chat template (generate without --chat)") from e
+                                "without the chat template (generate --raw, or raw=True in Python)") from e
 
 
 def has_template(model: LlamaANEModel) -> bool:

@@ -134,11 +134,18 @@ class LlamaANEModel:
     def eos_token_ids(self) -> list[int]:
         return list(self.manifest["tokenizer"]["eos_token_ids"])
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the export records a chat template (string prompts are then wrapped by default)."""
+        return bool(self.manifest["tokenizer"].get("chat_template"))
+
     def encode(self, text: str, chat: bool = False) -> list[int]:
-        """Token ids of `text`; with `chat`, wrapped as one user turn by the recorded chat template."""
+        """Token ids of `text` as plain text; with `chat`, wrapped as one user turn by the recorded
+        chat template and followed by the assistant's generation prompt (an export without a
+        template refuses `chat=True`)."""
         if chat:
-            if not self.manifest["tokenizer"].get("chat_template"):
-                raise InvalidArgumentError("this model has no chat template; drop --chat")
+            if not self.has_chat_template:
+                raise InvalidArgumentError("this model has no chat template: encode the text without chat=True")
             from .chat import template_errors
 
             with template_errors():
@@ -146,6 +153,13 @@ class LlamaANEModel:
                     [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                     return_dict=False))
         return list(self.tokenizer(text).input_ids)
+
+    def prompt_ids(self, prompt: str | Sequence[int], raw: bool = False) -> list[int]:
+        """The token ids `generate` and `stream` feed for `prompt`: a string is wrapped as one user
+        turn by the chat template, unless `raw` or the export has no template; ids are used as given."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        return self.encode(prompt, chat=not raw and self.has_chat_template)
 
     def make_cache(self) -> KVCache:
         """An empty cache to pass to `generate(..., cache=)`: generation continues from what it holds,
@@ -175,11 +189,15 @@ class LlamaANEModel:
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | None = None, chat: bool = False, cache: KVCache | None = None,
+               stop: Sequence[str] | None = None, raw: bool = False, cache: KVCache | None = None,
                overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
                draft_tokens: int | None = None, min_p: float = 0.0,
                repetition_penalty: float = 1.0) -> Iterator[TokenEvent]:
         """Yield TokenEvents as tokens are generated; the final GenerationResult is `self.last_result`.
+
+        A string `prompt` is one user turn: the export's chat template wraps it and the model writes
+        the assistant's reply. `raw=True` feeds the string as plain text to continue (base models,
+        completion); an export without a chat template always does. Token ids are fed as given.
 
         `cache` (from `make_cache` or `load_cache`): continue from it; the longest common prefix of
         the prompt with its tokens is reused and only the rest is prefilled; it then holds the prompt
@@ -199,7 +217,7 @@ class LlamaANEModel:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if overflow not in OVERFLOW:
             raise InvalidArgumentError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
-        ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.prompt_ids(prompt, raw)
         rng = SeededRandom(seed)
         if speculative is not None:
             from .speculative import check_speculative
@@ -222,15 +240,15 @@ class LlamaANEModel:
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] | None = None, chat: bool = False,
+                 stop: Sequence[str] | None = None, raw: bool = False,
                  on_token: Callable[[TokenEvent], None] | None = None, cache: KVCache | None = None,
                  overflow: str = "stop", keep: int = 0, speculative: "str | Drafter | None" = None,
                  draft_tokens: int | None = None, min_p: float = 0.0,
                  repetition_penalty: float = 1.0) -> GenerationResult:
         """Generate up to `max_new_tokens`; `on_token` receives each TokenEvent as it is produced.
-        `cache`, `overflow`, `keep`, `speculative`, `draft_tokens`, `min_p` and `repetition_penalty`:
-        see `stream`."""
-        for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat,
+        A string `prompt` is wrapped by the chat template unless `raw=True`. `cache`, `overflow`,
+        `keep`, `speculative`, `draft_tokens`, `min_p` and `repetition_penalty`: see `stream`."""
+        for event in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, raw,
                                  cache=cache, overflow=overflow, keep=keep, speculative=speculative,
                                  draft_tokens=draft_tokens, min_p=min_p, repetition_penalty=repetition_penalty):
             if on_token is not None:
@@ -242,14 +260,22 @@ class LlamaANEModel:
                           top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
                           on_token: Callable[[int, int, str], None] | None = None,
                           teacher_forced: bool = False, cache: KVCache | None = None,
-                          min_p: float = 0.0) -> "CascadeOutput":
+                          min_p: float = 0.0, raw: bool = False) -> "CascadeOutput":
         """Decode several branches over one shared prefix with cascade attention.
 
         Give either `continuations` (each branch's own text or ids after the prefix, e.g. questions
         about a document; "" starts from the prefix itself) or `n` (n samples of the prefix).
         `on_token(branch_index, token_id, text_delta)` streams tokens as they come. Each branch
-        decodes exactly as `prefix + continuation` would alone; the prefix is prefilled and stored
-        once whatever the number of branches.
+        decodes exactly as `generate(prefix + continuation, raw=raw)` would alone; the shared prefix
+        is prefilled and stored once whatever the number of branches.
+
+        The chat template applies as in `generate`: when `prefix` is a string, the export has a
+        template and `raw` is False, each branch's whole text `prefix + continuation` is rendered as
+        one user turn with the generation prompt, and the shared prefix is the longest common token
+        prefix of those renderings (so write the separator yourself, e.g. `document + "\n\n"` and
+        questions as continuations); with `n`, the prefix is rendered as one user turn. Otherwise
+        the prefix and each continuation are tokenized as plain text. Ids are never wrapped, and
+        ids among the continuations of a string prefix that would be wrapped are refused.
 
         With `teacher_forced`, nothing is sampled: each branch feeds its continuation and its
         `logits` hold float32 [vocab] after each continuation token (see `score_branches`).
@@ -267,12 +293,25 @@ class LlamaANEModel:
         elif max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_k, top_p, min_p)
-        prefix_ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
-        own = [[] for _ in range(n)] if n is not None else [
-            list(self.tokenizer(c, add_special_tokens=False).input_ids) if isinstance(c, str) else [int(t) for t in c]
-            for c in continuations]
+        prefix_ids, own = self._branch_ids(prefix, continuations, n, raw)
         decoder = CascadeDecoder(self.pipeline, self.tokenizer, self.eos_token_ids)
         return decoder.run(prefix_ids, own, max_new_tokens, params, seed, stop, on_token, teacher_forced, cache)
+
+    def _branch_ids(self, prefix, continuations, n, raw) -> tuple[list[int], list[list[int]]]:
+        """The shared prefix's ids and each branch's own ids, by the rule in `generate_branches`."""
+        wrap = isinstance(prefix, str) and not raw and self.has_chat_template
+        if n is not None:
+            return self.prompt_ids(prefix, raw=not wrap), [[] for _ in range(n)]
+        if not wrap:
+            prefix_ids = self.prompt_ids(prefix, raw=True)
+            return prefix_ids, [list(self.tokenizer(c, add_special_tokens=False).input_ids) if isinstance(c, str)
+                                else [int(t) for t in c] for c in continuations]
+        if not all(isinstance(c, str) for c in continuations):
+            raise InvalidArgumentError("token-id continuations cannot go into the chat template's user turn: give "
+                                       "the prefix as token ids too, or pass raw=True")
+        from .cascade import split_shared_prefix
+
+        return split_shared_prefix([self.encode(prefix + c, chat=True) for c in continuations])
 
     def score_branches(self, prefix: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced cascade logits: for each branch, float32 [len(continuation), vocab], the

@@ -291,7 +291,8 @@ class Pipeline:
         if self.position + n > self.context_length:
             raise ContextFullError(
                 f"{n} tokens do not fit: {self.position} are cached and the exported context length "
-                f"is {self.context_length}; shorten the prompt or re-export with a larger --context-length")
+                f"is {self.context_length}; shorten the prompt, add --overflow shift (overflow=\"shift\") to keep "
+                "the most recent tokens, or re-export with a larger --context-length")
 
     def visible(self, emb: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
         """`emb` with its cache masks cut to the first `length` cache positions (direct caches only).

@@ -28,7 +28,8 @@ enum LlamaANECLI {
             try await chat(model, options: options)
             return
         }
-        let prompt = options.chat
+        let chatTemplate = !(model.manifest.tokenizer.chatTemplate ?? "").isEmpty && !options.raw
+        let prompt = chatTemplate
             ? try model.chatPromptTokens([ChatMessage(role: "user", content: options.prompt)])
             : model.promptTokens(options.prompt)
         log("\(model.manifest.name): \(model.manifest.chunks.count) chunks, context \(model.manifest.contextLength), "

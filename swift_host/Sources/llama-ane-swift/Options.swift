@@ -13,7 +13,8 @@ struct Options: Equatable {
     var stops: [String] = []
     var maxNewTokens = 64
     var sampling = SamplingParameters()
-    var chat = false
+    /// Feed the prompt as plain text instead of one user turn in the export's chat template.
+    var raw = false
     var branches = 0
     var verifyHashes = false
     var computeUnits = "cpuAndNeuralEngine"
@@ -47,7 +48,8 @@ struct Options: Equatable {
               --speculative lookup draft token trees by prompt lookup and verify each in one window
                                    (the export's verify function); the same tokens as without
               --draft-tokens K     at most K drafted tokens per tree (default: the verify window - 1)
-              --chat               wrap the prompt in the model's chat template as a user message
+              --raw                feed the prompt as plain text to continue (default: one user
+                                   turn in the export's chat template, when it records one)
               --system TEXT        chat: the system message, kept when the context shifts
               --verify-hashes      check every file's sha256 against the manifest first
               --compute-units U    cpuAndNeuralEngine (default), all, cpuAndGPU or cpuOnly
@@ -97,7 +99,7 @@ struct Options: Equatable {
             case "--stop": options.stops.append(try value(arg))
             case "--system": options.system = try value(arg)
             case "-s", "--seed": options.sampling.seed = try number(arg, UInt64.self)
-            case "--chat": options.chat = true
+            case "--raw": options.raw = true
             case "--branches": options.branches = try number(arg, Int.self)
             case "--speculative":
                 options.speculative = try value(arg)
@@ -128,7 +130,7 @@ struct Options: Equatable {
                     + "\(positional.count) positional argument(s)")
             }
             options.folder = positional[0]
-            if options.chat { throw ParseError(message: "--chat is for a single prompt; chat always uses the chat template") }
+            if options.raw { throw ParseError(message: "--raw is for a single prompt; chat always uses the chat template") }
             if options.branches > 0 { throw ParseError(message: "--branches is for a single prompt, not chat") }
         } else {
             guard positional.count == 2 else {

@@ -5,12 +5,13 @@ import LlamaANE
 final class CommandLineTests: XCTestCase {
     func testParsesFolderPromptAndOptions() throws {
         let o = try XCTUnwrap(try Options.parse(["out/tiny", "Once upon", "-n", "12", "--temperature", "0.7", "--top-k", "40",
-                                                 "--top-p", "0.9", "--seed", "7", "--chat", "--branches", "4"]))
+                                                 "--top-p", "0.9", "--seed", "7", "--raw", "--branches", "4"]))
         XCTAssertEqual(o.folder, "out/tiny")
         XCTAssertEqual(o.prompt, "Once upon")
         XCTAssertEqual(o.maxNewTokens, 12)
         XCTAssertEqual(o.sampling, SamplingParameters(temperature: 0.7, topK: 40, topP: 0.9, seed: 7))
-        XCTAssertTrue(o.chat)
+        XCTAssertTrue(o.raw)
+        XCTAssertFalse(try XCTUnwrap(try Options.parse(["f", "p"])).raw, "the chat template is the default")
         XCTAssertEqual(o.branches, 4)
         XCTAssertNil(try Options.parse(["--help"]))
         XCTAssertEqual(try Options.parse(["f", "--", "-starts with a dash"])?.prompt, "-starts with a dash")
@@ -63,7 +64,7 @@ final class CommandLineTests: XCTestCase {
                     ["f", "p", "--repetition-penalty", "inf"], ["f", "p", "--temperature", "nan"], ["f", "p", "--temperature", "inf"],
                     ["f", "p", "--repetition-penalty", "1.2", "--speculative", "lookup"], ["f", "p", "--stop", ""],
                     ["f", "p", "--stop", "x", "--branches", "2"], ["f", "p", "--system", "s"], ["chat"], ["chat", "f", "p"],
-                    ["chat", "f", "--branches", "2"], ["chat", "f", "--chat"], ["f", "p", "--top-k", "-1"]] {
+                    ["chat", "f", "--branches", "2"], ["chat", "f", "--raw"], ["f", "p", "--chat"], ["f", "p", "--top-k", "-1"]] {
             XCTAssertThrowsError(try Options.parse(bad), "\(bad)") { error in
                 XCTAssertFalse("\(error)".contains("\n"), "one line: \(error)")
             }
