@@ -122,7 +122,7 @@ def test_models_chat_and_completions_equal_generate(model):
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len(chat_ids(model, messages))
         r = c.completions.create(model="x", prompt="The quick brown", max_tokens=8, temperature=0)
-        assert r.choices[0].text == model.generate("The quick brown", max_new_tokens=8).text
+        assert r.choices[0].text == model.generate("The quick brown", max_new_tokens=8, raw=True).text
         assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
@@ -318,7 +318,7 @@ def test_disconnect_mid_stream_frees_the_request(model):
             assert next(lines).startswith("data: ")  # the answer has started: then the client goes away
         c = client(url)
         r = c.completions.create(model="x", prompt="The quick", max_tokens=8, temperature=0)
-        assert r.choices[0].text == model.generate("The quick", max_new_tokens=8).text
+        assert r.choices[0].text == model.generate("The quick", max_new_tokens=8, raw=True).text
         deadline = time.monotonic() + 30
         while metrics(url)["llama_ane_requests_cancelled_total"] < 1:
             assert time.monotonic() < deadline, "the disconnected request was never cancelled"
@@ -488,40 +488,128 @@ def test_sampled_branch_equals_sampling_alone(model):
     assert got == alone and scheduler.metrics.cascade_batches == 1
 
 
-@pytest.mark.export
-def test_serve_command_exits_cleanly_on_sigterm(export):
+@contextlib.contextmanager
+def serve_command(export, *args):
+    """`llama-ane serve` in a subprocess on 127.0.0.1 (a free port), once /health answers; yields
+    (process, base URL). The process is killed if it is still running when the block ends."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     proc = subprocess.Popen([sys.executable, "-m", "llama_ane", "serve", str(export), "--port", str(port),
-                             "--backend", "torch", "--max-tokens-limit", "100"],
+                             "--backend", "torch", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the server did not come up"
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(url + "/health").status_code == 200:
                     break
             time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def export_without_eos(export, tmp_path_factory):
+    """The export with no end-of-sequence token: every answer runs to max_tokens (LONG: seconds)."""
+    import shutil
+
+    out = shutil.copytree(export, tmp_path_factory.mktemp("no-eos") / "tiny")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["eos_token_ids"] = []
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.export
+def test_serve_command_exits_cleanly_on_sigterm(export):
+    with serve_command(export, "--max-tokens-limit", "100") as (proc, url):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200
         body = {"prompt": "Once upon a time", "max_tokens": 100, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as stream:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)  # mid-answer: the answer in flight still ends properly
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"]
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        assert "Traceback" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.export
+def test_serve_command_says_what_it_does_and_logs_each_request(export):
+    with serve_command(export) as (proc, url):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The quick brown", "max_tokens": 3})
+        usage = r.json()["usage"]
+        assert httpx.get(url + "/v1/models").status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"max_tokens": 3}).status_code == 400
+        proc.send_signal(signal.SIGINT)  # nothing open: it stops at once
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = err.splitlines()
+    assert lines[0].startswith("loading ") and lines[1].startswith("warming up ")
+    assert lines[2].startswith(f"serving on {url} ")
+    requests = [line for line in lines if line.startswith(("GET ", "POST "))]
+    health = [line for line in requests if line.startswith("GET /health ")]
+    assert len(health) >= 1 and len(requests) == len(health) + 3, err  # one line a request
+    completion, models, bad = requests[len(health):]
+    assert completion.startswith("POST /v1/completions 200 ")
+    assert (f"prompt={usage['prompt_tokens']} cached={usage['prompt_tokens_details']['cached_tokens']} "
+            f"completion={usage['completion_tokens']} ") in completion
+    assert float(completion.split()[-1].rstrip("s")) > 0
+    assert models.startswith("GET /v1/models 200 prompt=0 cached=0 completion=0 ")
+    assert bad.startswith("POST /v1/completions 400 ")
+    assert "stopping: finishing 0 open requests" in err and "Traceback" not in err
+
+
+@pytest.mark.export
+def test_first_ctrl_c_ends_open_streams_with_an_error_after_the_bound(export_without_eos):
+    with serve_command(export_without_eos, "--shutdown-timeout", "1") as (proc, url):
+        with httpx.stream("POST", url + "/v1/completions", json=LONG, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+            took = time.monotonic() - t0
+        out, err = proc.communicate(timeout=60)
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error" and error["message"]
+    assert 0.9 < took < 10
+    assert proc.returncode == 0, err
+    assert "stopping: finishing 1 open requests (up to 1 s); Ctrl-C again to quit now" in err
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("POST ")][-1].startswith("POST /v1/completions 200 ")
+
+
+@pytest.mark.export
+def test_second_ctrl_c_quits_at_once_with_130(export_without_eos):
+    with serve_command(export_without_eos) as (proc, url):
+        with httpx.stream("POST", url + "/v1/completions", json=LONG, timeout=60) as stream:
+            assert next(stream.iter_lines()).startswith("data: ")
+            proc.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while "stopping:" not in (line := proc.stderr.readline()):
+                assert line and time.monotonic() < deadline, "the first Ctrl-C was not acknowledged"
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+            took = time.monotonic() - t0
+    assert proc.returncode == 130, err
+    assert took < 5 and "Traceback" not in err
 
 
 # ---- unit tests: no export, no server ----------------------------------------------------------

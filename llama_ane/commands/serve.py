@@ -8,9 +8,11 @@ Face repo id (see docs/serve.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import click
@@ -18,7 +20,7 @@ import click
 from ..runtime.model import BACKENDS
 from .errors import user_errors
 from ..serve.options import ServeOptions as DEFAULTS
-from .options import PathOrRepo, Utf8File, revision_option
+from .options import FiniteFloat, PathOrRepo, Utf8File, revision_option
 
 def _serve_extra():
     """The serve package, or a one-line error naming the extra to install."""
@@ -29,6 +31,41 @@ def _serve_extra():
         raise click.ClickException(f"llama-ane serve needs {e.name}: pip install 'llama-ane[serve]'") from None
     from ..serve.app import create_app
     return uvicorn, create_app
+
+
+def _say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling what it does: it says when it serves, and on the first SIGINT or
+        SIGTERM stops accepting (uvicorn's `should_exit`) and gives the open answers the app's
+        `shutdown_seconds` before the app ends them with an error; a second SIGINT exits at once
+        with status 130 (the model's worker may be inside a call that cannot be interrupted)."""
+
+        def __init__(self, config, app_server, url: str):
+            super().__init__(config)
+            self.app_server, self.url = app_server, url
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                _say(f"serving on {self.url} (OpenAI API at {self.url}/v1; Ctrl-C to stop)")
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                if sig == signal.SIGINT:
+                    _say(f"quit: {self.app_server.in_flight} open requests cut off")
+                    sys.stderr.flush()
+                    os._exit(130)
+                return
+            super().handle_exit(sig, frame)
+            seconds = self.app_server.options.shutdown_seconds
+            _say(f"stopping: finishing {self.app_server.in_flight} open requests (up to {seconds:g} s); "
+                 "Ctrl-C again to quit now")
+            self.app_server.stop_serving(seconds)
+    return Server
 
 
 @click.command("serve")
@@ -53,8 +90,11 @@ def _serve_extra():
               help="An existing folder: prefixes evicted from RAM are kept there as prompt-cache files.")
 @click.option("--chat-template", type=Utf8File(), default=None,
               help="A Jinja chat template file replacing the model's (e.g. one that renders tools).")
+@click.option("--shutdown-timeout", type=FiniteFloat(minimum=0), default=DEFAULTS.shutdown_seconds, show_default=True,
+              metavar="SECONDS", help="On Ctrl-C or SIGTERM, how long open answers get to finish before they "
+                                      "end with an error.")
 def command(out, revision, host, port, backend, precision, api_key, max_queue, max_tokens_limit, prompt_cache_bytes,
-            prompt_cache_dir, chat_template):
+            prompt_cache_dir, chat_template, shutdown_timeout):
     """Serve the export in OUT (a folder or a Hugging Face repo id) with OpenAI's API (chat, completions,
     models) over HTTP."""
     uvicorn, create_app = _serve_extra()
@@ -69,23 +109,41 @@ def command(out, revision, host, port, backend, precision, api_key, max_queue, m
                                        "or choose another")
         if prompt_cache_dir is not None and not os.access(prompt_cache_dir, os.W_OK):
             raise InvalidArgumentError(f"--prompt-cache-dir {prompt_cache_dir}: the folder is not writable")
-        out = locate(out, revision)  # what llama_ane.load reads: an export (or, with torch, a checkpoint)
-        model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
-        model.prepare()
+        try:
+            out = locate(out, revision)  # what llama_ane.load reads: an export (or, with torch, a checkpoint)
+            _say(f"loading {out} (backend {backend})")
+            model = llama_ane.load(out, backend=backend, **({} if precision is None else {"precision": precision}))
+            _say(f"warming up {model.manifest['name']} on {model.backend.name}: loading its models")
+            model.prepare()
+        except KeyboardInterrupt:
+            sys.exit(130)
         options = DEFAULTS(api_key=api_key, max_queue=max_queue, max_tokens_limit=max_tokens_limit,
-                               prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
-                               chat_template=None if chat_template is None else chat_template.read_text("utf-8"))
+                           prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
+                           chat_template=None if chat_template is None else chat_template.read_text("utf-8"),
+                           shutdown_seconds=shutdown_timeout)
         app = create_app(model, options)
-    port = sock.getsockname()[1]
-    click.echo(f"{model.manifest['name']} on {model.backend.name}: http://{host}:{port}/v1", err=True)
-    # uvicorn stops on SIGTERM/SIGINT: no new connections, running answers get up to 30 s, then
-    # the app's lifespan closes the scheduler (what still waits is refused). It then re-raises the
-    # signal to the handler it found: a no-op one here, so a requested stop exits 0, not by the signal.
+    _log_requests()
+    url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
+    # The first SIGINT/SIGTERM stops the server (see _server_class): no new connections, open answers
+    # get shutdown_seconds (uvicorn's own graceful timeout, a little longer, backs that up), then the
+    # app's lifespan closes the scheduler. uvicorn then re-raises the signal to the handler it found:
+    # a no-op one here, so a requested stop exits 0, not by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5)
+    _server_class(uvicorn)(config, app.state.server, url).run(sockets=[sock])
     sock.close()
     model.close()
+
+
+def _log_requests() -> None:
+    """The app's one line per request, to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("llama_ane.serve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -8,6 +8,13 @@ the API key (when one is set; /health needs none), 404/405 for other paths, 413 
 the limit, 429 when the queue is full, 503 while shutting down. Streaming answers are server-sent
 events in OpenAI's chunk format, ending with `data: [DONE]`; a client that disconnects cancels its
 request.
+
+Each finished request logs one line to the `llama_ane.serve.access` logger (INFO):
+
+    POST /v1/chat/completions 200 prompt=41 cached=32 completion=16 0.84s
+
+`Server.stop_serving(seconds)` starts a shutdown: new requests get 503, and answers still running
+after `seconds` end with an error (a streamed one with an error event, then `data: [DONE]`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from .prompt_cache import PromptCache
 from .scheduler import Failed, Finished, Handle, QueueFullError, Request, Scheduler, ShuttingDownError, Token
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("llama_ane.serve.access")
+SHUTTING_DOWN = "shutting_down"
+_USAGE = "llama_ane.usage"  # the scope key of a request's handles (see _RequestLog)
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -58,6 +68,10 @@ class Server:
         self.scheduler: Scheduler | None = None
         self._grammars: Grammars | None = None
         self.started = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.in_flight = 0  # HTTP requests being answered
+        self.stopping = False  # a shutdown has begun: new requests are refused
+        self._open: set[Handle] = set()  # the handles of answers in progress
 
     def start(self) -> None:
         o = self.options
@@ -66,6 +80,21 @@ class Server:
             cache = PromptCache(self.model.pipeline.new_cache, self.model.manifest, o.prompt_cache_bytes,
                                 o.prompt_cache_dir)
         self.scheduler = Scheduler(self.model, cache, max_queue=o.max_queue, gather_seconds=o.gather_seconds)
+        self.loop = asyncio.get_running_loop()
+
+    def stop_serving(self, seconds: float) -> None:
+        """Refuse new requests, and end the answers still running after `seconds` with a
+        `shutting_down` error. Safe from any thread, or from a signal handler."""
+        if self.loop is None or self.stopping:
+            return
+        self.stopping = True
+        self.loop.call_soon_threadsafe(self.loop.call_later, seconds, self._cut, seconds)
+
+    def _cut(self, seconds: float) -> None:
+        for h in list(self._open):
+            h.cancel()
+            h._put(Failed(f"the server is shutting down: the answer was cut off after {seconds:g} s; send the "
+                          "request again later", SHUTTING_DOWN))
 
     def stop(self) -> None:
         if self.scheduler is not None:
@@ -111,7 +140,10 @@ class Server:
                                  "context_length_exceeded")
         return s
 
-    def submit(self, prompts: list[list[int]], s: p.Sampling, grammar: str | None) -> list[Handle]:
+    def submit(self, request: HTTPRequest, prompts: list[list[int]], s: p.Sampling, grammar: str | None
+               ) -> list[Handle]:
+        if self.stopping:
+            raise ShuttingDownError("the server is shutting down; send the request again later")
         params = SamplingParams(s.temperature, s.top_k, s.top_p)
         requests = []
         for ids in prompts:
@@ -119,7 +151,18 @@ class Server:
                 seed = s.seed if s.seed is None or s.n == 1 else branch_seed(s.seed, i)
                 requests.append(Request(ids, s.max_tokens, params, seed, s.stop, s.top_logprobs,
                                         None if grammar is None else self.grammars.matcher(grammar)))
-        return self.scheduler.submit(requests)
+        handles = self.scheduler.submit(requests)
+        self._open.update(handles)
+        usage = request.scope.get(_USAGE)
+        if usage is not None:  # (handle, whether its prompt counts): n choices of a prompt count it once
+            usage.extend((h, i % s.n == 0) for i, h in enumerate(handles))
+        return handles
+
+    def release(self, handles: list[Handle]) -> None:
+        """Cancel what still runs of `handles` (the answer is over, or its client went away)."""
+        for h in handles:
+            h.cancel()
+            self._open.discard(h)
 
     def render(self, body: dict) -> list[int]:
         """The chat's prompt token ids: its messages (and tools) through the chat template."""
@@ -154,7 +197,7 @@ class Server:
         self.check_prompt(ids, "messages")
         s = self.sampling(body, ids, (body.get("top_logprobs") or 0) if body.get("logprobs") else None)
         grammar = self.grammars.json_schema(schema) if constrained else None
-        handles = self.submit([ids], s, grammar)
+        handles = self.submit(request, [ids], s, grammar)
         cid = p.completion_id("chatcmpl")
         if s.stream:
             return self.stream(request, handles, self._chat_chunks(cid, handles, s, mode))
@@ -188,7 +231,7 @@ class Server:
         if len(prompts) * s.n > p.N_MAX:
             raise p.RequestError(f"{len(prompts)} prompts x n={s.n} choices is more than {p.N_MAX}", "n")
         try:
-            handles = self.submit(prompts, s, None)
+            handles = self.submit(request, prompts, s, None)
         except InvalidArgumentError as e:
             raise p.RequestError(str(e), "prompt") from None
         cid = p.completion_id("cmpl")
@@ -209,7 +252,7 @@ class Server:
             {"id": self.name, "object": "model", "created": self.started, "owned_by": "llama-ane"}]})
 
     async def health(self, request: HTTPRequest) -> Response:
-        if self.scheduler is None or self.scheduler._closing:
+        if self.scheduler is None or self.scheduler._closing or self.stopping:
             return error(503, "the server is not serving (starting or shutting down)")
         return JSONResponse({"status": "ok", "waiting": self.scheduler.waiting, "running": self.scheduler.running})
 
@@ -242,7 +285,7 @@ class Server:
             tokens = []
             async for event in h:
                 if isinstance(event, Failed):
-                    raise _Failure(event.message)
+                    raise _Failure(event.message, event.code)
                 if isinstance(event, Finished):
                     return tokens, event
                 tokens.append(event)
@@ -257,8 +300,7 @@ class Server:
         finally:
             if not task.done():
                 task.cancel()
-            for h in handles:
-                h.cancel()
+            self.release(handles)
 
     def stream(self, request: HTTPRequest, handles: list[Handle], chunks: AsyncIterator[dict]) -> StreamingResponse:
         async def events():
@@ -266,10 +308,9 @@ class Server:
                 async for chunk in chunks:
                     yield f"data: {json.dumps(chunk)}\n\n"
             except _Failure as e:
-                yield f"data: {json.dumps(p.error_body(str(e), 'server_error'))}\n\n"
+                yield f"data: {json.dumps(p.error_body(str(e), 'server_error', None, e.code))}\n\n"
             finally:  # also when the client disconnects and the response is cancelled
-                for h in handles:
-                    h.cancel()
+                self.release(handles)
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -288,7 +329,7 @@ class Server:
                 while True:
                     i, event = await q.get()
                     if isinstance(event, Failed):
-                        raise _Failure(event.message)
+                        raise _Failure(event.message, event.code)
                     yield i, event
                     if isinstance(event, Finished):
                         break
@@ -359,7 +400,12 @@ class Server:
 
 
 class _Failure(Exception):
-    """A request's generation failed in the worker (the message says why)."""
+    """A request's generation failed in the worker, or was cut off by a shutdown (the message says
+    why; `code` is the error's code)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _handlers(server: Server) -> dict:
@@ -369,14 +415,14 @@ def _handlers(server: Server) -> dict:
         if isinstance(e, QueueFullError):
             return error(429, str(e), None, "queue_full")
         if isinstance(e, ShuttingDownError):
-            return error(503, str(e), None, "shutting_down")
+            return error(503, str(e), None, SHUTTING_DOWN)
         return error(400, str(e), None, "invalid_value")
 
     async def http_error(request, e: HTTPException):
         return error(e.status_code, e.detail or "error", None, None)
 
     async def failure(request, e: _Failure):
-        return error(500, str(e), None, "generation_failed")
+        return error(503 if e.code == SHUTTING_DOWN else 500, str(e), None, e.code)
 
     async def unexpected(request, e: Exception):
         log.exception("unexpected error")
@@ -402,6 +448,44 @@ class _APIKey:
         await self.app(scope, receive, send)
 
 
+class _RequestLog:
+    """Logs one line per HTTP request when its answer ends (plain ASGI, so it times a streamed
+    answer to its last event): method, path, status, prompt and cached prompt tokens, completion
+    tokens and seconds. The tokens are the request's choices' (a prompt counts once for its `n`
+    choices; an answer cut short counts the tokens sent)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # unless a response starts
+        scope[_USAGE] = usage = []
+        t0 = time.perf_counter()
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        self.server.in_flight += 1
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.server.in_flight -= 1
+            prompt = cached = completion = 0
+            for h, counts_prompt in usage:
+                completion += h.tokens
+                if counts_prompt:
+                    end = h.end if isinstance(h.end, Finished) else None
+                    prompt += end.prompt_tokens if end else len(h.request.prompt)
+                    cached += end.cached_tokens if end else 0
+            access_log.info("%s %s %d prompt=%d cached=%d completion=%d %.2fs", scope["method"], scope["path"],
+                            status, prompt, cached, completion, time.perf_counter() - t0)
+
+
 def create_app(model, options: ServeOptions | None = None) -> Starlette:
     """The app serving `model` (a loaded LlamaANEModel). Its scheduler starts with the app's
     lifespan and stops (waiting requests refused, running ones cancelled) when it ends."""
@@ -421,7 +505,8 @@ def create_app(model, options: ServeOptions | None = None) -> Starlette:
               Route("/health", server.health, methods=["GET"]),
               Route("/metrics", server.metrics, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=_handlers(server),
-                    middleware=[Middleware(_APIKey, key=server.options.api_key)])
+                    middleware=[Middleware(_RequestLog, server=server),
+                                Middleware(_APIKey, key=server.options.api_key)])
     app.state.server = server
     return app
 

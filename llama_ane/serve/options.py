@@ -19,3 +19,4 @@ class ServeOptions:
     gather_seconds: float = 0.01  # see Scheduler
     chat_template: str | None = None  # a Jinja chat template replacing the model's own
     model_name: str | None = None  # the model id /v1/models reports (default: the export's name)
+    shutdown_seconds: float = 10.0  # on SIGINT/SIGTERM, answers in progress get this long to finish

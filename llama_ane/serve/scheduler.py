@@ -95,6 +95,7 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    code: str = "generation_failed"  # "shutting_down": the server stopped before the answer ended
 
 
 class Handle:
@@ -104,6 +105,8 @@ class Handle:
     def __init__(self, request: Request):
         self.request = request
         self.cancelled = False
+        self.tokens = 0  # the Token events taken so far
+        self.end: Finished | Failed | None = None  # the last event, once taken
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
             self._events: asyncio.Queue | queue.Queue = asyncio.Queue()
@@ -119,6 +122,12 @@ class Handle:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
+    def _took(self, event) -> None:
+        if isinstance(event, Token):
+            self.tokens += 1
+        else:
+            self.end = event
+
     def cancel(self) -> None:
         """Stop generating for this request (its branch frees at the next step)."""
         self.cancelled = True
@@ -126,6 +135,7 @@ class Handle:
     def __iter__(self) -> Iterator[Token | Finished | Failed]:
         while True:
             event = self._events.get()
+            self._took(event)
             yield event
             if not isinstance(event, Token):
                 return
@@ -133,6 +143,7 @@ class Handle:
     async def __aiter__(self) -> AsyncIterator[Token | Finished | Failed]:
         while True:
             event = await self._events.get()
+            self._took(event)
             yield event
             if not isinstance(event, Token):
                 return
