@@ -6,32 +6,57 @@ its checkpoints give their tensors, and how llama.cpp stores it (see `base.Famil
 package asks the registry (`FAMILIES`, `family`) rather than naming a model_type.
 
 To add a family: write its module here (a `FAMILY = Family(...)` built from the traits and hooks it
-needs, every other one left at the Llama block's default), add it to the registry below, and name it
-in SUPPORTED_DESCRIPTION. Nothing here imports torch, transformers or another part of the package.
+needs, every other one left at the Llama block's default). The registry finds every module of this
+package that defines FAMILY; nothing else names it. Nothing here imports torch, transformers or
+another part of the package.
 """
 
 from __future__ import annotations
 
-from . import (gemma3_text, gemma4_text, granite, lfm2, llama, mistral, olmo2, phi3, qwen2, qwen3, qwen3_5_text,
-               smollm3)
+import importlib
+import pkgutil
+
 from .base import MOE, Family, GGUFArch
 from .fields import ConfigError, Fields, json_type
 
-# model_type -> its family, in the order the supported lines name them
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, granite.FAMILY, olmo2.FAMILY,
-    phi3.FAMILY, gemma3_text.FAMILY, lfm2.FAMILY, gemma4_text.FAMILY, qwen3_5_text.FAMILY)}
+_HELPERS = {"base", "fields"}
+
+
+def _discover() -> dict[str, Family]:
+    """model_type -> its family, from every module of this package with a FAMILY: the Llama block
+    first, the others by model_type."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name not in _HELPERS and not info.name.startswith("_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            if isinstance(getattr(module, "FAMILY", None), Family):
+                found.append(module.FAMILY)
+    found.sort(key=lambda f: (f.model_type != "llama", f.model_type))
+    return {f.model_type: f for f in found}
+
+
+FAMILIES: dict[str, Family] = _discover()
 PLAIN = Family("", "")  # the Llama block alone: what a config of a model_type built by hand computes with
 
-SUPPORTED_DESCRIPTION = (
-    "supported: model_type 'llama' (Llama 2, 3, 3.1, 3.2, SmolLM2), 'mistral', 'qwen2' (Qwen2, Qwen2.5), "
-    "'qwen3' (dense Qwen3), 'smollm3', 'granite' (dense Granite 3.x), 'olmo2' (OLMo 2), 'phi3' "
-    "(Phi-3, Phi-3.5, Phi-4-mini), 'gemma3_text' (Gemma 3's text model), 'gemma4_text' (Gemma 4's text model), "
-    "'lfm2' (LFM2) and 'qwen3_5_text' (Qwen3.5's text model), and the text model of a multimodal checkpoint "
-    "('qwen3_5', 'gemma3', 'gemma4': its text_config), with RoPE type "
-    "default, linear or "
-    "llama3 (phi3: default or longrope), silu MLP (gemma3_text, gemma4_text: gelu_pytorch_tanh), no MLP bias"
-)
+
+def _supported() -> str:
+    """The supported line, from the families' own labels, RoPE types and activations."""
+    names = [f"'{t}'" + (f" ({f.label})" if f.label else "") for t, f in FAMILIES.items()]
+    multimodal = [f.multimodal[0] for f in FAMILIES.values() if f.multimodal]
+    default = ("default", "llama3", "linear")
+    rope = [f"{t}: {' or '.join(f.rope_types)}" for t, f in FAMILIES.items() if f.rope_types != default]
+    act = {}
+    for t, f in FAMILIES.items():
+        if f.activation != "silu":
+            act.setdefault(f.activation, []).append(t)
+    return (f"supported: model_type {', '.join(names[:-1])} and {names[-1]}, and the text model of a multimodal "
+            f"checkpoint ({', '.join(repr(m) for m in multimodal)}: its text_config), with RoPE type default, linear "
+            f"or llama3" + (f" ({'; '.join(rope)})" if rope else "") + ", silu MLP"
+            + "".join(f" ({', '.join(ts)}: {a})" for a, ts in act.items()) + ", no MLP bias")
+
+
+SUPPORTED_DESCRIPTION = _supported()
+
 # Families transformers has that the export does not build, with what they need that it lacks
 # (other model_types get the plain "unsupported" line).
 REFUSED = {

@@ -42,6 +42,7 @@ class Family:
 
     model_type: str
     class_prefix: str  # of its transformers classes: LlamaForCausalLM, Qwen2DecoderLayer, ...
+    label: str = ""  # the models it holds, as the supported line names them ("": the model_type says it)
     module: str = ""  # transformers' module of the family, where it is not the model_type
     classes: Mapping[str, str] = field(default_factory=dict)  # part -> transformers' class, where not prefix + part
     multimodal: tuple[str, str] | None = None  # the multimodal model_type whose text model it is, and what that is

@@ -94,3 +94,18 @@ class Fields:
         if not (isinstance(types, list) and len(types) == layers and all(t in kinds for t in types)):
             raise ConfigError(f"{self.origin}: layer_types is {json_type(types)}; it must list num_hidden_layers "
                               f"({layers}) entries, each \"{kinds[0]}\" or \"{kinds[1]}\"")
+
+
+def layer_type_rope(f: Fields, rope: dict[str, Any], full_theta: float,
+                    sliding_theta: float) -> tuple[dict[str, Any], float]:
+    """transformers 5's `rope_parameters` per layer type, as the global RoPE (its base and scaling, in
+    the form the other families use) and the sliding layers' base, each type's default base where it
+    gives none. The sliding layers' RoPE must be the default one."""
+    where = f"{f.origin} rope_parameters"
+    local = Fields(rope, where).mapping("sliding_attention")
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"{f.origin}: rope_parameters.sliding_attention has rope_type "
+                          f"{local.get('rope_type')!r}; the sliding layers' RoPE must be the default one")
+    full = Fields(rope, where).mapping("full_attention")
+    full.setdefault("rope_theta", full_theta)
+    return full, Fields(local, f"{where}.sliding_attention").number("rope_theta", sliding_theta)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Family, GGUFArch
-from .fields import ConfigError, Fields, filled, json_type
+from .fields import ConfigError, Fields, filled, json_type, layer_type_rope
 
 # transformers' Gemma3TextConfig defaults, where config.json leaves a field out
 DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
@@ -44,14 +44,7 @@ def rope(f: Fields, rope: dict[str, Any]) -> tuple[dict[str, Any], float]:
     and the local base of the sliding layers, from transformers 5's `rope_parameters` per layer type
     or transformers 4's rope_theta / rope_scaling / rope_local_base_freq."""
     if "full_attention" in rope or "sliding_attention" in rope:
-        local = Fields(rope, f"{f.origin} rope_parameters").mapping("sliding_attention")
-        lf = Fields(local, f"{f.origin} rope_parameters.sliding_attention")
-        if local.get("rope_type", local.get("type", "default")) != "default":
-            raise ConfigError(f"{f.origin}: rope_parameters.sliding_attention has rope_type "
-                              f"{local.get('rope_type')!r}; the sliding layers' RoPE must be the default one")
-        full = Fields(rope, f"{f.origin} rope_parameters").mapping("full_attention")
-        full.setdefault("rope_theta", ROPE["full_attention"])
-        return full, lf.number("rope_theta", ROPE["sliding_attention"])
+        return layer_type_rope(f, rope, ROPE["full_attention"], ROPE["sliding_attention"])
     if f.number("rope_theta", None) is None:
         rope = {**rope, "rope_theta": ROPE["full_attention"]}
     return rope, f.number("rope_local_base_freq", ROPE["sliding_attention"])
@@ -113,7 +106,8 @@ def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
     cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
 
 
-FAMILY = Family("gemma3_text", "Gemma3", module="gemma3", multimodal=("gemma3", "Gemma 3's text model"),
+FAMILY = Family("gemma3_text", "Gemma3", label="Gemma 3's text model", module="gemma3",
+                multimodal=("gemma3", "Gemma 3's text model"),
                 activation="gelu_pytorch_tanh", activation_field="hidden_activation", attention_bias_flag=True,
                 qk_norm=True, sandwich_norms=True, unit_offset_norms=True, local_rope=True, stream_scale=STREAM_SCALE,
                 window_layers=window_pattern, prepare=prepare, rope=rope, extras=scales, write=write,

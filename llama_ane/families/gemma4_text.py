@@ -232,7 +232,7 @@ def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
             "rope_type": "default", "rope_theta": m("rope.freq_base_swa", LOCAL_THETA)}})
 
 
-FAMILY = Family("gemma4_text", "Gemma4", module="gemma4",
+FAMILY = Family("gemma4_text", "Gemma4", label="Gemma 4's text model", module="gemma4",
                 classes={"DecoderLayer": "Gemma4TextDecoderLayer", "RotaryEmbedding": "Gemma4TextRotaryEmbedding"},
                 multimodal=("gemma4", "Gemma 4's text model"), activation="gelu_pytorch_tanh",
                 activation_field="hidden_activation", qk_norm=True, sandwich_norms=True, stream_scale=STREAM_SCALE,

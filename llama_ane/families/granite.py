@@ -34,6 +34,7 @@ def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
     cfg["logits_scaling"] = m("logit_scale") or 1.0
 
 
-FAMILY = Family("granite", "Granite", attention_bias_flag=True, extras=multipliers, write=write,
+FAMILY = Family("granite", "Granite", label="dense Granite 3.x", attention_bias_flag=True,
+                extras=multipliers, write=write,
                 quality_model=False,  # embeddings and logits scaled outside the decoder layers
                 gguf=GGUFArch("granite", "dense Granite 3.x", permuted=True, read=read_gguf))

@@ -5,5 +5,6 @@ from __future__ import annotations
 
 from .base import Family, GGUFArch
 
-FAMILY = Family("llama", "Llama", attention_bias_flag=True, window=False,
+FAMILY = Family("llama", "Llama", label="Llama 2, 3, 3.1, 3.2, SmolLM2", attention_bias_flag=True,
+                window=False,
                 gguf=GGUFArch("llama", "Llama 2/3.x, Mistral, SmolLM2", permuted=True, rope_freqs="llama3"))

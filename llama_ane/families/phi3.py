@@ -52,7 +52,8 @@ def read_gguf_longrope(g: Any, cfg: dict[str, Any], tensors: dict[str, Any]) -> 
     return out
 
 
-FAMILY = Family("phi3", "Phi3", fused_projections=True, rope_types=("default", "longrope"), rope_aliases=ROPE_ALIASES,
+FAMILY = Family("phi3", "Phi3", label="Phi-3, Phi-3.5, Phi-4-mini", fused_projections=True,
+                rope_types=("default", "longrope"), rope_aliases=ROPE_ALIASES,
                 write=write, writes_rotary_factor=True, quality_model=False,  # fused projections
                 gguf=GGUFArch("phi3", "Phi-3, Phi-3.5, Phi-4-mini", partial_rope=True, read=read_gguf,
                               read_longrope=read_gguf_longrope))

@@ -21,5 +21,6 @@ def write_window(cfg: Any, d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-FAMILY = Family("qwen2", "Qwen2", qkv_bias=True, window_flag="use_sliding_window", window_layers=max_window_layers,
+FAMILY = Family("qwen2", "Qwen2", label="Qwen2, Qwen2.5", qkv_bias=True, window_flag="use_sliding_window",
+                window_layers=max_window_layers,
                 write=write_window, gguf=GGUFArch("qwen2", "Qwen2, Qwen2.5"))

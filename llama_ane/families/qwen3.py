@@ -8,6 +8,6 @@ from .qwen2 import max_window_layers, write_window
 
 HEAD_DIM = 128  # transformers' Qwen3Config default
 
-FAMILY = Family("qwen3", "Qwen3", attention_bias_flag=True, qk_norm=True, head_dim=HEAD_DIM,
+FAMILY = Family("qwen3", "Qwen3", label="dense Qwen3", attention_bias_flag=True, qk_norm=True, head_dim=HEAD_DIM,
                 window_flag="use_sliding_window", window_layers=max_window_layers, write=write_window,
                 gguf=GGUFArch("qwen3", "dense Qwen3"))
