@@ -1,4 +1,4 @@
-"""SmolLM3, Granite 3.x, OLMo 2, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and Qwen3.5 (text) checkpoints, and a
+"""SmolLM3, Granite 3.x, OLMo 2 and 3, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and Qwen3.5 (text) checkpoints, and a
 Mistral window shorter than the context, end to end on tiny random models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
@@ -66,6 +66,16 @@ CASES = {
     "olmo2_untied": {"model_type": "olmo2", "head_dim": 32},
     "olmo2_tied_mha_attention_bias": {"model_type": "olmo2", "num_key_value_heads": 4, "tie_word_embeddings": True,
                                       "attention_bias": True},
+    # OLMo 3: OLMo 2's block with sliding layers, windows shorter than the 150 tokens compared; each layer
+    # type with its own RoPE base (as transformers reads a top-level rope_theta: the global layers' only),
+    # and the default layout (every fourth layer global) with a linear RoPE factor on the global layers
+    "olmo3_tied_gqa": {"model_type": "olmo3", "head_dim": 32, "tie_word_embeddings": True, "sliding_window": 40,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "olmo3_untied_mha_attention_bias": {"model_type": "olmo3", "num_key_value_heads": 4, "num_hidden_layers": 4,
+                                        "attention_bias": True, "sliding_window": 24, "rope_parameters": {
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 500_000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     # Phi-3.5/Phi-4-mini style: fused projections, partial rotary, longrope; a 256-token context is
     # just within an original context of 256 (short factors, though the tables run past it) and past
     # one of 64 (long factors)
@@ -118,10 +128,10 @@ CASES = {
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
-            "qwen35_untied_mha"]  # one fp16 export each
+            "qwen35_untied_mha", "olmo3_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
-           "gemma4_kv_shared", "qwen35_tied_gqa"]
+           "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -131,6 +141,8 @@ TEMPLATES = {
     "granite": ("{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{{ m['content'] }}<|endoftext|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "olmo3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
@@ -404,7 +416,7 @@ def test_the_exported_sliding_mask_hides_what_is_outside_the_window(export, posi
     import llama_ane
 
     name, out = export
-    if not name.endswith("window") and not name.startswith("gemma"):
+    if "sliding_window" not in CASES[name]:
         pytest.skip("the windowed exports")
     model = llama_ane.load(out, backend="mil")
     window, ring = model.manifest["config"]["sliding_window"], model.manifest["cache"]["sliding"]["length"]

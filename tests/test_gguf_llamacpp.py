@@ -4,15 +4,14 @@ tests/fixtures/llamacpp_gguf/ holds, per case of its make.py, a tiny checkpoint 
 transformers' class of the family and the .gguf llama.cpp's convert_hf_to_gguf.py made of it
 (--outtype f32; make.py's docstring says how to make them again). The lazy reader must give back the
 checkpoint's config and every tensor exactly, and load_checkpoint a tokenizer that splits text as the
-checkpoint's does; both Gemma 4 files and the LFM2 one export and match transformers' logits. A file
-llama.cpp wrote of a model llama-ane does not export (OLMo 3, written as 'olmo2') is refused by name.
+checkpoint's does; both Gemma 4 files, the LFM2 one and OLMo 3's (written as 'olmo2' with a sliding
+window) export and match transformers' logits.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,7 @@ gguf = pytest.importorskip("gguf")
 
 from llama_ane.checkpoint.gguf_lazy import open_gguf  # noqa: E402
 from llama_ane.checkpoint.loader import load_checkpoint  # noqa: E402
-from llama_ane.checkpoint.gguf_lazy import GGUFError  # noqa: E402
 from llama_ane.config import LlamaConfig  # noqa: E402
-from llama_ane.errors import LlamaANEError  # noqa: E402
 from llama_ane.testing import _CORPUS  # noqa: E402
 
 from test_gguf_families import check_gguf_export_matches_transformers, f32  # noqa: E402
@@ -90,20 +87,8 @@ def test_the_files_tokenizer_splits_text_as_the_checkpoints(name):
     assert ours.decode(ids) == theirs.decode(ids)
 
 
-def test_olmo3_as_llamacpp_writes_it_is_refused_by_name():
-    """llama.cpp writes OLMo 3 as 'olmo2' with a sliding window and a layer pattern; exporting it as
-    OLMo 2 would drop the window, so the file is refused, naming what it is."""
-    _, file, config = source("olmo3_sliding")
-    assert REFUSED["olmo3_sliding"]["model_type"] == config["model_type"] == "olmo3"
-    words = "is an 'olmo2' file with sliding-window layers (OLMo 3), which llama-ane does not export"
-    with pytest.raises(GGUFError, match=re.escape(words)):
-        open_gguf(file)
-    with pytest.raises(LlamaANEError, match=re.escape(words)):  # the one line the CLI prints
-        load_checkpoint(file)
-
-
 @pytest.mark.export
-@pytest.mark.parametrize("name", ["gemma4_e2b_shape", "gemma4_k_eq_v", "lfm2_tied"])
+@pytest.mark.parametrize("name", ["gemma4_e2b_shape", "gemma4_k_eq_v", "lfm2_tied", "olmo3_sliding"])
 def test_a_llamacpp_gguf_exports_and_matches_transformers(tmp_path, name):
     folder, file, config = source(name)
     check_gguf_export_matches_transformers(file, folder, tmp_path / "out", config["model_type"])
