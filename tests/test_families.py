@@ -1,5 +1,6 @@
-"""SmolLM3, Granite 3.x, OLMo 2 and 3, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and Qwen3.5 (text) checkpoints, and a
-Mistral window shorter than the context, end to end on tiny random models.
+"""SmolLM3, Granite 3.x, OLMo 2 and 3, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and
+Qwen3.5 (text) checkpoints, and a Mistral window shorter than the context, end to end on tiny random
+models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
 with the tiny test tokenizer and a small chat template in the family's style, written here. The
@@ -66,6 +67,15 @@ CASES = {
     "olmo2_untied": {"model_type": "olmo2", "head_dim": 32},
     "olmo2_tied_mha_attention_bias": {"model_type": "olmo2", "num_key_value_heads": 4, "tie_word_embeddings": True,
                                       "attention_bias": True},
+    # EXAONE 4.0: OLMo 2's norm placement, per-head q/k norms; with a window, the global layers leave RoPE
+    # out (a window shorter than the 150 tokens compared); without one, every layer global and rotating,
+    # with llama3 RoPE scaling as the published models have
+    "exaone4_tied_gqa": {"model_type": "exaone4", "head_dim": 32, "tie_word_embeddings": True, "sliding_window": 40,
+                         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "exaone4_untied_mha_no_window": {"model_type": "exaone4", "num_key_value_heads": 4, "sliding_window": None,
+                                     "layer_types": ["full_attention"] * 3, "rope_scaling": {
+                                         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     # OLMo 3: OLMo 2's block with sliding layers, windows shorter than the 150 tokens compared; each layer
     # type with its own RoPE base (as transformers reads a top-level rope_theta: the global layers' only),
     # and the default layout (every fourth layer global) with a linear RoPE factor on the global layers
@@ -128,10 +138,11 @@ CASES = {
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
-            "qwen35_untied_mha", "olmo3_tied_gqa"]  # one fp16 export each
+            "qwen35_untied_mha", "olmo3_tied_gqa", "exaone4_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
-           "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias"]
+           "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias",
+           "exaone4_untied_mha_no_window"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -142,6 +153,9 @@ TEMPLATES = {
                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    # EXAONE 4.0 style: a marker opening each turn and one closing it ([|user|] ... [|endofturn|])
+    "exaone4": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "olmo3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
