@@ -169,7 +169,6 @@ def quality_model(ckpt):
     from .reference import _with_weights, family_classes, hf_config
 
     hf, (DecoderLayer, RMSNorm, Rotary) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
-    hf._attn_implementation = "sdpa"
     layers = []
     for n in range(hf.num_hidden_layers):
         with torch.device("meta"):

@@ -28,7 +28,9 @@ UNIT_OFFSET_NORMS = tuple(t for t, f in FAMILIES.items() if f.unit_offset_norms)
 ACTIVATIONS = tuple(dict.fromkeys(f.activation for f in FAMILIES.values()))
 GEMMA4_FIELDS = FAMILIES["gemma4_text"].own_fields
 DELTA_FIELDS = FAMILIES["qwen3_5_text"].own_fields
-OWN_FIELDS = tuple(name for f in FAMILIES.values() for name in f.own_fields)  # see LlamaConfig.to_dict
+# fields of a layer variant no family default has, written (like the families' own) only where set
+VARIANT_FIELDS = ("attention_sinks",)
+OWN_FIELDS = tuple(name for f in FAMILIES.values() for name in f.own_fields) + VARIANT_FIELDS  # see LlamaConfig.to_dict
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class LlamaConfig:
     delta_key_dim: int = 0
     delta_value_dim: int = 0
     attn_output_gate: bool = False
+    # a learned logit per query head beside each softmax's keys (GPT-OSS's, Granite SWA's sinks): it takes
+    # a share of the probability and attends to nothing
+    attention_sinks: bool = False
     # Gemma 4: the weightless norm of each v head, V from the K projection on the global layers, the
     # per-layer inputs' width (0: none) and vocabulary, each layer's stored scalar, the logits'
     # softcap (None: none), and the global layers' RoPE: proportional, the first rope_proportion of
@@ -200,7 +205,7 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings",
-                     "sandwich_norms", "conv_bias", "value_norm", "k_eq_v", "layer_scalar"):
+                     "sandwich_norms", "conv_bias", "value_norm", "k_eq_v", "layer_scalar", "attention_sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         layers = self.num_hidden_layers
@@ -401,6 +406,7 @@ class LlamaConfig:
         extras += ("post_feedforward_layernorm.weight",) if self.post_norms or self.sandwich_norms else ()
         extras += ("per_layer_input_gate.weight", "per_layer_projection.weight",
                    "post_per_layer_input_norm.weight") if self.per_layer_input_size else ()
+        extras += ("sinks",) if self.attention_sinks else ()
         return extras + (("layer_scalar",) if self.layer_scalar else ())
 
     @property

@@ -34,8 +34,12 @@ def family_classes(model_type: str):
 
 
 def hf_config(cfg):
-    """transformers' config object of `cfg`'s family (LlamaConfig, Qwen2Config, ...)."""
-    return cfg.transformers_config()
+    """transformers' config object of `cfg`'s family (LlamaConfig, Qwen2Config, ...), attending with
+    torch's sdpa where the family's model does (else its own eager attention: Granite SWA's sinks)."""
+    hf = cfg.transformers_config()
+    hf._attn_implementation = "sdpa" if transformers_class(cfg.model_type, "PreTrainedModel")._supports_sdpa \
+        else "eager"
+    return hf
 
 
 def _with_weights(ckpt: Checkpoint, module, prefix: str):
@@ -59,7 +63,6 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     import torch
 
     hf, (DecoderLayer, _, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
-    hf._attn_implementation = "sdpa"
     with torch.no_grad(), recurrent_delta_rule(ckpt.config.model_type):
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = token_rows(ckpt, "model.embed_tokens.weight", ids).to(torch.float32)[None]  # (1, T, C)
@@ -69,12 +72,20 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         per_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3's local RoPE
         ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types)} if per_type
                  else {None: rotary(x, positions)})  # cos, sin (1, T, D)
+        bases = getattr(hf, "layer_rope_theta", None)  # a RoPE base per layer (Granite SWA; 0: no RoPE)
+        if bases is not None:
+            ropes = {theta: RotaryEmbedding(config=_with_theta(hf, theta))(x, positions) if theta else None
+                     for theta in set(bases)}
         sliding = _sliding_mask(ckpt.config, len(token_ids))
+        full = None  # sdpa's own causal attention
+        if hf._attn_implementation == "eager":  # eager attention adds its mask to the scores, and has no causal one
+            causal = torch.ones(len(token_ids), len(token_ids), dtype=torch.bool).tril()[None, None]
+            full, sliding = _additive(causal), _additive(causal if sliding is None else sliding)
         per_layer = _per_layer_inputs(ckpt, hf, ids, x)  # Gemma 4's, (1, T, L, P); None for the others
         shared: dict = {}  # Gemma 4's producers' K/V by layer type, which its KV-shared layers read
         for n in range(hf.num_hidden_layers):
-            rope = ropes[hf.layer_types[n] if per_type else None]
-            mask = sliding if ckpt.config.slides(n) else None
+            rope = ropes[bases[n] if bases is not None else hf.layer_types[n] if per_type else None]
+            mask = sliding if ckpt.config.slides(n) else full
             with torch.device("meta"):
                 layer = DecoderLayer(hf, n)
             layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
@@ -86,6 +97,15 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
                 after()
             del layer  # before the next layer's weights are read
     return final_outputs(ckpt, x[0], logits=logits)
+
+
+def _with_theta(hf, theta: float):
+    """A copy of transformers' config `hf` whose RoPE base is `theta`."""
+    import copy
+
+    out = copy.deepcopy(hf)
+    out.rope_parameters = {**hf.rope_parameters, "rope_theta": theta}
+    return out
 
 
 @contextlib.contextmanager
@@ -147,6 +167,13 @@ def _sliding_mask(cfg, length: int):
         return None
     i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
     return ((j <= i) & (i - j < cfg.sliding_window))[None, None]
+
+
+def _additive(mask):
+    """A bool mask (True: seen) as the float one eager attention adds to its scores."""
+    import torch
+
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
 
 
 def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarray:

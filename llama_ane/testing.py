@@ -82,12 +82,14 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **config_overrides: An
         cfg["architectures"] = [f"{FAMILY_CLASS_PREFIX[cfg['model_type']]}ForCausalLM"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).eval()
-    with torch.no_grad():  # norms away from 1, biases away from 0, so they are really exercised
+    with torch.no_grad():  # norms away from 1, biases and attention sinks away from 0, so they are really exercised
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.uniform_(-0.5, 0.5)
+            elif name.endswith(".sinks"):
+                p.uniform_(-1.0, 2.0)
     model.save_pretrained(str(path), safe_serialization=True)
     # save_pretrained may write the transformers-5 form; keep the plain HF fields we were given too.
     written = json.loads((path / "config.json").read_text())

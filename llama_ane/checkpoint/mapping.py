@@ -42,6 +42,7 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "per_layer_projection.weight": "per_layer_projection.weight",
     "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
     "layer_scalar": "layer_scalar",
+    "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
 }
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
@@ -72,6 +73,7 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "per_layer_projection.weight": ("hidden_size", "per_layer_input_size"),
     "post_per_layer_input_norm.weight": ("hidden_size",),
     "layer_scalar": (1,),
+    "sinks": ("num_attention_heads",),
     "o_gate.weight": ("q_channels", "hidden_size"),
     "linear_attn.in_proj_qkv.weight": ("delta_conv_channels", "hidden_size"),
     "linear_attn.in_proj_z.weight": ("delta_value_channels", "hidden_size"),

@@ -42,7 +42,7 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
              "pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,),
              "per_layer_input_gate.weight": (cfg.per_layer_input_size, c),
              "per_layer_projection.weight": (c, cfg.per_layer_input_size),
-             "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,)}
+             "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,), "sinks": (cfg.num_attention_heads,)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
     if cfg.attn_output_gate:  # Qwen3.5's output gate, the second half of its q_proj
         shapes["o_gate.weight"] = (q, c)

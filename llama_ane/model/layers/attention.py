@@ -41,6 +41,7 @@ positions, or a ring's slots, plus the window).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,12 +54,14 @@ GROUPED_ROWS = 64  # up to this many query rows (R x S), one matmul per kv head 
 
 
 def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_win: torch.Tensor,
-                      v_win: torch.Tensor, mask: torch.Tensor, group: int, cache_length: int) -> torch.Tensor:
+                      v_win: torch.Tensor, mask: torch.Tensor, group: int, cache_length: int,
+                      sink: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of all heads over the cache and the current window, grouped for GQA.
 
     q: (G, R, D, S): R = `group` query heads per kv head, already scaled by 1/sqrt(D);
     k_cache, v_cache: (G, D, T) with T = `cache_length`; k_win, v_win: (G, D, S);
-    mask: (1, 1, S, T + S) additive, cache columns first. -> (G, R, D, S).
+    mask: (1, 1, S, T + S) additive, cache columns first; sink: (G, R, 1, 1) or None, each head's
+    sink logit, one more column of the softmax that attends to nothing. -> (G, R, D, S).
 
     The cache is neither transposed nor concatenated: the scores are, and the probabilities are
     split again at T. The exported programs multiply with a broadcast batch dim (G, R); run
@@ -74,26 +77,44 @@ def grouped_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qt = q.transpose(2, 3)  # (G, R, S, D)
         kc, vc, kw, vw = (x.unsqueeze(1) for x in (k_cache, v_cache, k_win, v_win))  # (G, 1, D, *)
         scores = torch.cat([torch.matmul(qt, kc), torch.matmul(qt, kw)], dim=3) + mask  # (G, R, S, T+S)
-        p = torch.softmax(scores, dim=3)
+        p = torch.softmax(with_sink(scores, sink), dim=3)
         return (torch.matmul(vc, p[..., :cache_length].transpose(2, 3))
-                + torch.matmul(vw, p[..., cache_length:].transpose(2, 3)))
+                + torch.matmul(vw, p[..., cache_length:cache_length + s].transpose(2, 3)))
     rows = q.transpose(2, 3).reshape(g, r * s, d)  # (G, R*S, D)
     scores = torch.cat([torch.bmm(rows, k_cache), torch.bmm(rows, k_win)], dim=2).view(g, r, s, -1) + mask
-    p = torch.softmax(scores, dim=3).view(g, r * s, -1)  # (G, R*S, T+S)
+    p = torch.softmax(with_sink(scores, sink), dim=3).view(g, r * s, -1)  # (G, R*S, T+S[+1])
     out = torch.bmm(p[..., :cache_length], v_cache.transpose(1, 2))  # (G, R*S, D)
-    out = out.baddbmm_(p[..., cache_length:], v_win.transpose(1, 2))
+    out = out.baddbmm_(p[..., cache_length:cache_length + s], v_win.transpose(1, 2))
     return out.view(g, r, s, d).transpose(2, 3)
 
 
-def grouped_attention_mil(g: Graph, q, kc, vc, kw, vw, mask, t: int, s: int, shape_gr: tuple[int, int]):
+def with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """scores (..., K) with each head's sink logit (G,R,1,1) as column K, where there is one."""
+    if sink is None:
+        return scores
+    return torch.cat([scores, sink.expand(*scores.shape[:-1], 1).to(scores.dtype)], dim=-1)
+
+
+def sink_mil(g: Graph, prefix: str, gr: tuple[int, int], rows: int):
+    """The layer's sinks (`prefix`sinks, (H,)) as (G,R,rows,1), one per query head and row."""
+    gk, r = gr
+    sink = mb.reshape(x=g.weight(f"{prefix}sinks"), shape=[gk, r, 1, 1])
+    return sink if rows == 1 else mb.add(x=sink, y=g.const(np.zeros((1, 1, rows, 1)), f"{prefix}sink_rows"))
+
+
+def grouped_attention_mil(g: Graph, q, kc, vc, kw, vw, mask, t: int, s: int, shape_gr: tuple[int, int], sink=None):
     """grouped_attention in its broadcast form.
 
-    q: (G,R,D,S); kc, vc: (G,1,D,T); kw, vw: (G,1,D,S); mask: (1,1,S,T+S) -> (G,R,D,S)
+    q: (G,R,D,S); kc, vc: (G,1,D,T); kw, vw: (G,1,D,S); mask: (1,1,S,T+S); sink: (G,R,S,1) or None
+    -> (G,R,D,S)
     """
     gk, r = shape_gr
     scores = mb.concat(values=[mb.matmul(x=q, y=kc, transpose_x=True), mb.matmul(x=q, y=kw, transpose_x=True)],
                        axis=3)  # (G,R,S,T+S)
-    p = mb.softmax(x=mb.add(x=scores, y=mask), axis=3)
+    scores = mb.add(x=scores, y=mask)
+    if sink is not None:
+        scores = mb.concat(values=[scores, sink], axis=3)
+    p = mb.softmax(x=scores, axis=3)
     p_cache = g.slice(p, [0, 0, 0, 0], [gk, r, s, t])
     p_win = g.slice(p, [0, 0, 0, t], [gk, r, s, t + s])
     return mb.add(x=mb.matmul(x=vc, y=p_cache, transpose_y=True), y=mb.matmul(x=vw, y=p_win, transpose_y=True))
@@ -168,23 +189,33 @@ def suffix_state_mil(g: Graph, q, k_suffix, v_suffix, k_self, v_self, mask, gr: 
             mb.transpose(x=mb.add(x=m, y=mb.log(x=denom)), perm=[0, 2, 3, 1]))
 
 
-def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp merge of two attention states over disjoint key sets.
+def merge_states(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor,
+                 sink: torch.Tensor | None = None) -> torch.Tensor:
+    """The log-sum-exp merge of two attention states over disjoint key sets, and of the heads'
+    sink logits where there are some (a third state whose value is zero).
 
-    v_a, v_b: (..., D, B); s_a, s_b: (..., 1, B) natural-log LSE -> (..., D, B)
+    v_a, v_b: (..., D, B); s_a, s_b: (..., 1, B) natural-log LSE; sink: (..., 1, 1) -> (..., D, B)
     """
     m = torch.maximum(s_a, s_b)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     w_a = torch.exp(s_a - m)
     w_b = torch.exp(s_b - m)
-    return (v_a * w_a + v_b * w_b) / (w_a + w_b)
+    total = w_a + w_b if sink is None else w_a + w_b + torch.exp(sink - m)
+    return (v_a * w_a + v_b * w_b) / total
 
 
-def merge_states_mil(v_a, s_a, v_b, s_b):
-    """merge_states."""
+def merge_states_mil(v_a, s_a, v_b, s_b, sink=None):
+    """merge_states. sink: (G,R,1,1) or None"""
     m = mb.maximum(x=s_a, y=s_b)
+    if sink is not None:
+        m = mb.maximum(x=m, y=sink)
     w_a = mb.exp(x=mb.sub(x=s_a, y=m))
     w_b = mb.exp(x=mb.sub(x=s_b, y=m))
-    return mb.real_div(x=mb.add(x=mb.mul(x=v_a, y=w_a), y=mb.mul(x=v_b, y=w_b)), y=mb.add(x=w_a, y=w_b))
+    total = mb.add(x=w_a, y=w_b)
+    if sink is not None:
+        total = mb.add(x=total, y=mb.exp(x=mb.sub(x=sink, y=m)))
+    return mb.real_div(x=mb.add(x=mb.mul(x=v_a, y=w_a), y=mb.mul(x=v_b, y=w_b)), y=total)
 
 
 class DecoderLayer(nn.Module):
@@ -231,6 +262,15 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = nn.Parameter(torch.ones(1))
         if cfg.attn_output_gate:  # Qwen3.5: the heads gated by sigmoid(o_gate(h)) before o_proj
             self.o_gate = conv1x1(cfg.hidden_size, cfg.q_channels)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+
+    def sink(self) -> torch.Tensor | None:
+        """The heads' sink logits as (G,R,1,1), where the layer has sinks."""
+        if not self.cfg.attention_sinks:
+            return None
+        g = self.cfg.num_key_value_heads
+        return self.sinks.reshape(g, -1, 1, 1)
 
     def rope(self, cos, sin, cos_local, sin_local):
         """The RoPE tables this layer rotates with: the local ones on a local layer (Gemma 3's sliding layers)."""
@@ -322,7 +362,7 @@ class DecoderLayer(nn.Module):
         h = self.normed(x)
         q, k, v = self.project_qkv(h, cos, sin, shared)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
-                                  c.num_attention_heads // g, t)
+                                  c.num_attention_heads // g, t, self.sink())
         x = self.finish(x, self.gated(h, heads), per_layer_input)
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
@@ -423,7 +463,8 @@ def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin,
     q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, s, layer, shared)
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
-                                  mask, t, s, (gk, r))
+                                  mask, t, s, (gk, r),
+                                  sink_mil(g, prefix, (gk, r), s) if cfg.attention_sinks else None)
     x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, heads, s), s, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
 
@@ -441,7 +482,7 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     q, k, v = layer.project_qkv(h, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
-    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s)), per_layer_input)  # heads (G,R,D,B)
+    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s, layer.sink())), per_layer_input)
     return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
@@ -459,6 +500,7 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
     v_s, s_s = suffix_state_mil(g, q, g.slice(k_suffix, *rows), g.slice(v_suffix, *rows), k, v, suffix_mask,
                                 (gk, r), b, u)
-    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, merge_states_mil(v_p, s_p, v_s, s_s), b),
+    sink = sink_mil(g, prefix, (gk, r), 1) if cfg.attention_sinks else None
+    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, merge_states_mil(v_p, s_p, v_s, s_s, sink), b),
                    b, per_layer_input)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])

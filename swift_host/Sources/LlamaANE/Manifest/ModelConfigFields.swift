@@ -63,5 +63,7 @@ extension Manifest.ModelConfig {
         "delta_key_dim",
         "delta_value_dim",
         "attn_output_gate",
+        // attention sinks (Granite SWA): a learned logit per query head inside the programs' softmax
+        "attention_sinks",
     ]
 }
