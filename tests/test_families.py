@@ -1,4 +1,4 @@
-"""SmolLM3, Granite 3.x, OLMo 2 and 3, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and
+"""SmolLM3, Granite 3.x and SWA, OLMo 2 and 3, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and
 Qwen3.5 (text) checkpoints, and a Mistral window shorter than the context, end to end on tiny random
 models.
 
@@ -76,6 +76,15 @@ CASES = {
                                      "layer_types": ["full_attention"] * 3, "rope_scaling": {
                                          "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # Granite SWA: Granite's multipliers, sliding layers (windows shorter than the 150 tokens compared), a
+    # sink logit per query head; the default layout (every fourth layer global, from the first) with the
+    # global layer leaving RoPE out; and global and sliding layers with their own bases, biases, MHA
+    "granite_swa_tied_gqa": {"model_type": "granite_swa", "tie_word_embeddings": True, "head_dim": 32,
+                             "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.05,
+                             "logits_scaling": 8.0, "sliding_window": 40, "layer_rope_theta": [0, 10_000.0, 10_000.0]},
+    "granite_swa_untied_mha": {"model_type": "granite_swa", "num_key_value_heads": 4, "num_hidden_layers": 4,
+                               "attention_bias": True, "attention_multiplier": 0.125, "sliding_window": 24,
+                               "layer_rope_theta": [500_000.0, 10_000.0, 10_000.0, 10_000.0]},
     # OLMo 3: OLMo 2's block with sliding layers, windows shorter than the 150 tokens compared; each layer
     # type with its own RoPE base (as transformers reads a top-level rope_theta: the global layers' only),
     # and the default layout (every fourth layer global) with a linear RoPE factor on the global layers
@@ -138,11 +147,12 @@ CASES = {
 }
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
-            "qwen35_untied_mha", "olmo3_tied_gqa", "exaone4_tied_gqa"]  # one fp16 export each
+            "qwen35_untied_mha", "olmo3_tied_gqa", "exaone4_tied_gqa",
+            "granite_swa_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
            "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias",
-           "exaone4_untied_mha_no_window"]
+           "exaone4_untied_mha_no_window", "granite_swa_untied_mha"]
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
 # for the family's role markers): what the export must carry and apply as transformers does.
@@ -156,6 +166,8 @@ TEMPLATES = {
     # EXAONE 4.0 style: a marker opening each turn and one closing it ([|user|] ... [|endofturn|])
     "exaone4": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "granite_swa": ("{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>{{ m['content'] }}<|endoftext|>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
@@ -235,6 +247,12 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "lfm2", "layer_types": ["conv", "sliding_attention", "conv"]}, ["layer_types", "\"conv\""]),
     ({"model_type": "lfm2", "full_attn_idxs": [0], "conv_L_cache": 1}, ["conv_L_cache", ">= 2"]),
     ({"model_type": "qwen3_5_text", "linear_num_value_heads": 3}, ["linear_num_value_heads", "multiple"]),
+    ({"model_type": "granite_swa", "layer_rope_theta": [10_000.0, 10_000.0, 20_000.0]},
+     ["layer_rope_theta", "sliding layers the bases [10000.0, 20000.0]"]),
+    ({"model_type": "granite_swa", "layer_rope_theta": [10_000.0]}, ["layer_rope_theta", "a list of 1", "(3)"]),
+    ({"model_type": "granite_swa", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["'linear'", "'granite_swa'"]),
+    ({"model_type": "exaone4", "sliding_window": 16, "sliding_window_pattern": "LLG"},
+     ["sliding_window_pattern", "add layer_types"]),
 ])
 def test_family_fields_are_checked(change, words):
     with pytest.raises(ConfigError) as e:
