@@ -12,8 +12,8 @@ Variants of one program (whole key blocks, the library's online softmax):
   +ws       the key-block loop with ``warp_specialize=True`` (a producer warp for the copies)
 
 Each variant is checked against the library's output (the states merged), then timed (L2
-flushed, median of 30). The roofline of a point is max(bytes / 3.35 TB/s, flops / 989 TFLOP/s)
-of the prefix part alone.
+flushed, median of 30). The roofline of a point is max(bytes / HBM rate, flops / fp16 rate)
+of the prefix part alone, at the GPU's datasheet rates (H100 SXM: 3.35 TB/s, 989 TFLOP/s).
 
     python benchmarks/prefix_tma_gpu.py > benchmarks/results/cuda_prefix_tma.log
 """
@@ -31,6 +31,7 @@ from llama_ane.cuda.kernels import (_empty_state, _prefix_row_tile, _store_prefi
 
 D = 128
 HQ, HKV = 32, 8
+# the GPU's own datasheet peaks (cascade_gpu.DATASHEET), H100 SXM's for a name not listed there
 HBM_PEAK, FP16_PEAK = 3.35e12, 989e12
 POINTS = [(p, b) for p in (8192, 32768) for b in (16, 64, 256)]
 # (BLOCK_M cap, BLOCK_N, num_warps, num_stages)
@@ -102,10 +103,15 @@ def main() -> int:
     def log(msg):
         print(msg, flush=True)
 
+    from cascade_gpu import datasheet_peaks  # benchmarks/cascade_gpu.py, beside this script
+
+    global HBM_PEAK, FP16_PEAK
+    HBM_PEAK, FP16_PEAK = datasheet_peaks(torch.cuda.get_device_name(0)) or (HBM_PEAK, FP16_PEAK)
     timer = Timer(30)
     sms = ops.num_sms(torch.device("cuda"))
     log(f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}, "
-        f"triton {triton.__version__}; heads {HQ}/{HKV}, D={D}, fp16")
+        f"triton {triton.__version__}; heads {HQ}/{HKV}, D={D}, fp16; roofline at "
+        f"{HBM_PEAK / 1e12:.2f} TB/s and {FP16_PEAK / 1e12:.0f} TFLOP/s")
     summary = []
     for prefix, batch in POINTS:
         g = torch.Generator(device="cuda").manual_seed(prefix + batch)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H100 run behind benchmarks/results/cuda_*: kernel tests, the shared-prefix grid against
-# FlashInfer and the tree benchmark, each log written to OUT_DIR.
+# FlashInfer, the GQA study (32/8 heads, batch 256, suffix 128, prefix >= 8192) and the tree
+# benchmark, each log written to OUT_DIR. Percentages of the roofline use the GPU's own peaks.
 # Exits non-zero when any GPU test fails.
 #
 #   benchmarks/run_gpu_suite.sh OUT_DIR [WHEEL_DIR]
@@ -39,4 +40,6 @@ if [ "$tests_rc" -ne 0 ]; then
 fi
 python benchmarks/cascade_gpu.py --skip-sweep --out "$out/cuda_cascade.json" 2>&1 \
     | tee "$out/cuda_cascade.log" | tail -4
+python benchmarks/cascade_gpu.py --gqa --profile --no-flashinfer --out "$out/cuda_gqa.json" 2>&1 \
+    | tee "$out/cuda_gqa.log" | grep "^GQA"
 python benchmarks/tree_gpu.py --out "$out/cuda_tree.json" 2>&1 | tee "$out/cuda_tree.log" | tail -12

@@ -24,6 +24,11 @@ hand-off to the decode engine are exercised, NCCL is not), times the single-GPU 
 an *estimate* for ``--world`` GPUs: each rank's compute timed alone on the GPU (no communication,
 ranks one after another), whose maximum bounds KV-Runahead's TTFT from below.
 
+With ``--model-fit`` (one GPU) the partition comes from the rank cost model instead of a search:
+the fitting partitions at those lengths are timed, the model fitted, the lookup table filled for
+every context, and each model partition timed (``kvr_model_estimate``) beside the even split and
+the searched one where ``--search`` names the length.
+
 Writes ``runahead_gpu.json`` (every number, the searched partitions, the lookup table) and
 ``runahead_gpu.png`` to ``--out-dir``.
 """
@@ -336,10 +341,11 @@ def one_gpu(args, log) -> dict:
         del engine, model
         torch.cuda.empty_cache()
     engine = random_engine(device="cuda")
-    out["random_8b"] = random_logits_check(
-        engine, world, world - 1,
-        lambda ids, b: _thread_ranks(world, lambda t: runahead_prefill(engine, ids, b, t))[-1],
-        4096, log)
+    if not args.skip_checks:
+        out["random_8b"] = random_logits_check(
+            engine, world, world - 1,
+            lambda ids, b: _thread_ranks(world, lambda t: runahead_prefill(engine, ids, b, t))[-1],
+            4096, log)
     if args.skip_speed:
         return out
     timed = _timer(_LocalSync())
@@ -374,11 +380,53 @@ def one_gpu(args, log) -> dict:
             log(f"{n:6d} kvr_searched_estimate {max(ranks):9.1f} ms  bounds {res.bounds} "
                 f"per-rank compute {ranks}")
         torch.cuda.empty_cache()
+    if args.model_fit:
+        out["model"] = model_partitions(args, world, ids_all, per_rank_ms, rows, log)
     out["speed"] = dict(rows=rows, searches=searches, world=world, granule=GRANULE,
                         note="*_estimate rows: the slowest rank's compute alone on one GPU, no "
                              "communication (a lower bound of KV-Runahead's TTFT on "
                              f"{world} GPUs), not a multi-GPU measurement")
     return out
+
+
+def model_partitions(args, world, ids_all, per_rank_ms, rows, log) -> dict:
+    """The partition in seconds: time the few fitting partitions (every rank's compute), fit the
+    rank cost model, fill the lookup table for ``args.contexts`` from it, then time each model
+    partition (the check: against the even split, and against the searched one where this run
+    searched). ``choose_seconds`` counts the fitting runs and the fill."""
+    from llama_ane.cuda.runahead.partition import (fit_rank_cost_model, fitting_partitions)
+
+    started = time.perf_counter()
+    parts = fitting_partitions(args.model_fit, world, GRANULE)
+    samples = [(b, [ms / 1e3 for ms in per_rank_ms(ids_all[:b[-1]], b, args.search_reps)])
+               for b in parts]
+    model = fit_rank_cost_model(samples, world)
+    table = model.fill_table(args.contexts, GRANULE)
+    choose_s = time.perf_counter() - started
+    log(f"model for {world} GPUs from {len(parts)} timed partitions in {choose_s:.1f} s: "
+        f"{model.to_json()['coef']}")
+    checks = []
+    for n in args.contexts:
+        bounds = table.predict(n, world, GRANULE)
+        ranks = per_rank_ms(ids_all[:n], bounds)
+        rows.append(dict(context=n, method="kvr_model_estimate", bounds=bounds,
+                         per_rank_compute_ms=ranks, ttft_ms=max(ranks), estimate=True,
+                         model_predicted_ms=model.ttft(bounds) * 1e3))
+        by = {r["method"]: r for r in rows if r["context"] == n}
+        check = dict(context=n, bounds=bounds, model_ms=max(ranks),
+                     predicted_ms=model.ttft(bounds) * 1e3,
+                     even_ms=by.get("kvr_even_estimate", {}).get("ttft_ms"),
+                     searched_ms=by.get("kvr_searched_estimate", {}).get("ttft_ms"),
+                     searched_bounds=by.get("kvr_searched_estimate", {}).get("bounds"))
+        checks.append(check)
+        log(f"{n:6d} kvr_model_estimate    {max(ranks):9.1f} ms  bounds {bounds} (predicted "
+            f"{check['predicted_ms']:.1f} ms; even {check['even_ms']}; searched "
+            f"{check['searched_ms']} at {check['searched_bounds']})")
+    return dict(model.to_json(), fitting_partitions=parts,
+                fitting_ms=[[t * 1e3 for t in ts] for _, ts in samples],
+                choose_seconds=choose_s, table=table.to_json(), checks=checks,
+                note="per-rank compute of each partition timed alone on one GPU (no "
+                     "communication): the model and its check are of that estimate")
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -432,6 +480,11 @@ def main() -> int:
     ap.add_argument("--search-reps", type=int, default=1)
     ap.add_argument("--smollm2-dir", type=Path, help="folder with the SmolLM2 GGUF")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--model-fit", type=int, nargs="*", default=[],
+                    help="one GPU: fit the rank cost model from the fitting partitions at these "
+                         "lengths and time its partition at every context")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="leave out the correctness checks (logits, SmolLM2)")
     args = ap.parse_args()
 
     import torch

@@ -109,19 +109,20 @@ def _cascade_batch(batch, prefix_len, max_suffix, page_size, hq, hkv, d, dtype):
 
 
 def _attention(hq, hkv, d, page_size, path):
-    """A SharedPrefixBatch for ``path``: cascade, overlap (the cascade on two streams), decode
-    or auto."""
+    """A SharedPrefixBatch for ``path``: cascade, overlap (the cascade on two streams), fused
+    (the one-launch cascade where it applies), decode or auto."""
     from llama_ane.cuda.cascade import SharedPrefixBatch
 
+    config = {"overlap": {"overlap": True}, "fused": {"fused": True}}.get(path)
     return SharedPrefixBatch(hq, hkv, d, page_size, device="cuda",
-                             path="cascade" if path == "overlap" else path,
-                             config={"overlap": True} if path == "overlap" else None)
+                             path="cascade" if path in ("overlap", "fused") else path,
+                             config=config)
 
 
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size", CASCADE_CASES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["cascade", "overlap", "decode", "auto"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "decode", "auto"])
 def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, path):
     from llama_ane.cuda import reference as ref
 
@@ -133,18 +134,22 @@ def test_cascade_paths(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype,
     _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
 
 
-@pytest.mark.parametrize("path", ["cascade", "overlap", "decode"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "decode"])
 def test_plan_once_run_twice(path):
-    """Runs read the plan, never change it: a second run gives the first one's exact output."""
+    """Runs read the plan, never change it: a second run gives the first one's exact output
+    (the fused cascade leaves its arrival counts at zero)."""
     from llama_ane.cuda import reference as ref
 
     hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.float16
     cache, tables, q = _cascade_batch(16, 1024, 128, page_size, hq, hkv, d, dtype)
     attention = _attention(hq, hkv, d, page_size, path)
     attention.plan(*tables)
+    assert attention.fused == (path == "fused")
     o1, lse1 = attention.run(q, cache)
     o2, lse2 = attention.run(q, cache)
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    if path == "fused":
+        assert not attention.counts.any()
     _assert_state(o1, lse1, *ref.cascade_ref(q, cache, *tables), dtype)
 
 
@@ -225,7 +230,7 @@ def test_run_needs_a_matching_plan():
 
 @pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size",
                          [(16, 1024, 128, 16), (64, 4096, 7, 1), (256, 32768, 128, 16)])
-@pytest.mark.parametrize("path", ["cascade", "overlap", "decode"])
+@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "decode"])
 def test_plan_with_reserved_pages_follows_set_suffix_lengths(batch, prefix_len, max_suffix,
                                                              page_size, path):
     """A plan over pages reserved ahead, shortened by set_suffix_lengths, equals the reference
@@ -242,7 +247,8 @@ def test_plan_with_reserved_pages_follows_set_suffix_lengths(batch, prefix_len, 
     q = torch.randn(batch, hq, d, device="cuda", dtype=dtype, generator=g)
     attention = SharedPrefixBatch(hq, hkv, d, page_size, device="cuda",
                                   path="decode" if path == "decode" else "cascade",
-                                  config={"overlap": path == "overlap"})
+                                  config={"fused": True} if path == "fused" else
+                                  {"overlap": path == "overlap"})
     attention.plan(prefix_pages, prefix_len, s_indptr, s_indices, last[1:].clone())
     lengths = torch.randint(1, max_suffix + 1, (batch,), generator=torch.Generator().manual_seed(7))
     attention.set_suffix_lengths(lengths.to(torch.int32).cuda())
@@ -453,3 +459,109 @@ def test_shared_prefix_on_ordered_pages(prefix_len, page_size, hq, hkv, dtype):
     o, lse = ops.shared_prefix_attention(q, cache, None, prefix_len)
     pages = torch.arange(n_pages, device="cuda", dtype=torch.int32)
     _assert_state(o, lse, *ref.shared_prefix_ref(q, cache, pages, prefix_len), dtype)
+
+
+def _consecutive_prefix_batch(batch, prefix_len, max_suffix, page_size, hq, hkv, dtype, first):
+    """A cache whose prefix lies on the consecutive pages ``first, first + 1, ...`` (the engine's
+    layout, moved by ``first``) and whose suffixes lie on shuffled pages around it."""
+    g = torch.Generator(device="cuda").manual_seed(prefix_len + first + page_size)
+    n_prefix = -(-prefix_len // page_size)
+    suffix = torch.randint(1, max_suffix + 1, (batch,),
+                           generator=torch.Generator().manual_seed(batch)).tolist()
+    n_suffix = [-(-n // page_size) for n in suffix]
+    total = first + n_prefix + sum(n_suffix) + 2
+    cache = torch.randn(total, 2, page_size, hkv, 128, device="cuda", dtype=dtype, generator=g)
+    others = torch.cat([torch.arange(first), torch.arange(first + n_prefix, total)])
+    others = others[torch.randperm(others.numel(), generator=torch.Generator().manual_seed(1))]
+    s_indices = others[: sum(n_suffix)].to(torch.int32).cuda()
+    s_indptr = torch.tensor([0] + n_suffix, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    s_last = torch.tensor([n - (p - 1) * page_size for n, p in zip(suffix, n_suffix)],
+                          dtype=torch.int32, device="cuda")
+    prefix_pages = torch.arange(first, first + n_prefix, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, 128, device="cuda", dtype=dtype, generator=g)
+    return cache, (prefix_pages, prefix_len, s_indptr, s_indices, s_last), q
+
+
+@pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size,first",
+                         [(256, 8192, 128, 16, 5), (16, 4096, 300, 16, 0), (7, 2048, 64, 64, 3),
+                          (33, 1024, 17, 1, 11), (4, 4096 + 16, 128, 16, 2),
+                          (256, 32768, 128, 16, 1)])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["cascade", "overlap", "fused", "auto"])
+def test_cascade_on_consecutive_prefix_pages(batch, prefix_len, max_suffix, page_size, first,
+                                             hq, hkv, dtype, path):
+    """A prefix on consecutive pages is read by bulk tensor copies (whole 64-key blocks) from its
+    first page on, and gives the reference's states; other prefixes take the paged kernel."""
+    from llama_ane.cuda import reference as ref
+
+    cache, tables, q = _consecutive_prefix_batch(batch, prefix_len, max_suffix, page_size, hq,
+                                                 hkv, dtype, first)
+    attention = _attention(hq, hkv, 128, page_size, path)
+    attention.plan(*tables)
+    o, lse = attention.run(q, cache)
+    if attention.path == "cascade":
+        assert attention.prefix_page0 == (first if prefix_len % 64 == 0 else None)
+    _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
+
+
+@pytest.mark.parametrize("kernel", ["paged", "ordered"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_kernel_choice(kernel, overlap):
+    """``prefix_kernel`` forces either prefix kernel on consecutive pages (same states within
+    rounding); 'ordered' on shuffled pages is refused."""
+    from llama_ane.cuda import reference as ref
+    from llama_ane.cuda.cascade import SharedPrefixBatch
+
+    hq, hkv, dtype = 32, 8, torch.float16
+    cache, tables, q = _consecutive_prefix_batch(64, 4096, 128, 16, hq, hkv, dtype, 9)
+    attention = SharedPrefixBatch(hq, hkv, 128, 16, path="cascade",
+                                  config={"prefix_kernel": kernel, "overlap": overlap})
+    attention.plan(*tables)
+    assert attention.prefix_page0 == (9 if kernel == "ordered" else None)
+    _assert_state(*attention.run(q, cache), *ref.cascade_ref(q, cache, *tables), dtype)
+    shuffled_cache, shuffled, q = _cascade_batch(64, 4096, 128, 16, hq, hkv, 128, dtype)
+    if kernel == "ordered":
+        with pytest.raises(ValueError, match="consecutive pages"):
+            attention.plan(*shuffled)
+    else:
+        attention.plan(*shuffled)
+        _assert_state(*attention.run(q, shuffled_cache),
+                      *ref.cascade_ref(q, shuffled_cache, *shuffled), dtype)
+
+
+@pytest.mark.parametrize("batch,prefix_len,max_suffix,page_size",
+                         [(256, 8192, 128, 16), (3, 64, 1, 1), (100, 4096, 256, 64),
+                          (33, 2048, 200, 16), (256, 32768, 128, 16), (1, 1024, 17, 16)])
+@pytest.mark.parametrize("hq,hkv", HEADS + [(28, 4)])
+@pytest.mark.parametrize("layout", ["shuffled", "consecutive"])
+def test_fused_cascade(batch, prefix_len, max_suffix, page_size, hq, hkv, layout):
+    """The one-launch cascade (prefix, suffixes and the last program's merge) equals the
+    reference on both prefix layouts, runs again to the same bits, and leaves its counts at
+    zero; it is the default for GQA with short suffixes and a large prefix."""
+    from llama_ane.cuda import reference as ref
+
+    dtype = torch.float16
+    if layout == "shuffled":
+        cache, tables, q = _cascade_batch(batch, prefix_len, max_suffix, page_size, hq, hkv, 128,
+                                          dtype)
+    else:
+        cache, tables, q = _consecutive_prefix_batch(batch, prefix_len, max_suffix, page_size,
+                                                     hq, hkv, dtype, 4)
+    attention = _attention(hq, hkv, 128, page_size, "fused")
+    attention.plan(*tables)
+    group = hq // hkv
+    # a group that does not divide the 64-row tile would split a request over two tiles
+    assert attention.fused == (64 % group == 0)
+    assert (attention.prefix_page0 is not None) == (layout == "consecutive")
+    o, lse = attention.run(q, cache)
+    _assert_state(o, lse, *ref.cascade_ref(q, cache, *tables), dtype)
+    o2, lse2 = attention.run(q, cache)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    if attention.fused:
+        assert not attention.counts.any()
+    auto = _attention(hq, hkv, 128, page_size, "auto")
+    auto.plan(*tables)
+    flops = 4.0 * batch * hq * prefix_len * 128
+    assert auto.fused == (auto.path == "cascade" and 4 <= group and 64 % group == 0
+                          and flops >= 2e10 and layout == "consecutive")

@@ -14,7 +14,7 @@ from llama_ane.cuda import reference as ref
 from llama_ane.cuda.cost_model import CostModel
 from llama_ane.cuda.lse import lse_base2_to_natural, lse_natural_to_base2
 from llama_ane.cuda.splits import (choose_decode_splits, choose_overlap_prefix_splits,
-                                   choose_prefix_splits, overlap_time)
+                                   choose_prefix_splits, consecutive_first_page, overlap_time)
 from llama_ane.cuda.tree import build_tree_plan
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cuda_cascade.json"
@@ -151,6 +151,17 @@ def test_splits_cover_the_sequence():
         splits, chunk = choose_prefix_splits(batch, 128, hkv, length, H100_SMS)
         assert splits >= 1 and splits * chunk >= length and (splits - 1) * chunk < length
     assert choose_decode_splits(1, 8, 32768, 132)[0] > 1  # one long request must be split
+
+
+def test_consecutive_first_page():
+    """Only a run of consecutive pages can be read without its page table (bulk copies)."""
+    assert consecutive_first_page([0, 1, 2, 3]) == 0
+    assert consecutive_first_page(torch.arange(7, 4103, dtype=torch.int32).tolist()) == 7
+    assert consecutive_first_page([5]) == 5
+    assert consecutive_first_page([]) is None
+    assert consecutive_first_page([0, 1, 3, 4]) is None
+    assert consecutive_first_page([3, 2, 1]) is None
+    assert consecutive_first_page([4, 4, 5]) is None
 
 
 def test_overlap_model():

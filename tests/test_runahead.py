@@ -156,3 +156,129 @@ def test_lookup_table_interpolates_between_searched_lengths(tmp_path):
     assert loaded.predict(32768, 2, 256) == [0, 19456, 32768]
     assert loaded.predict(1000, 3, 8) == partition.even_bounds(1000, 3, 8)
     assert loaded.predict(80, 4, 1) == [0, 30, 50, 70, 80]
+
+
+# -- the partition cost model ---------------------------------------------------------------------
+
+# a synthetic GPU: 2 ms fixed, 30 us a token, 1.3 ns per attended query-key pair, 1 us per
+# prefix token received (seconds); shaped like the committed H100 one-GPU estimates
+TRUE_COEF = (2e-3, 3e-5, 1.3e-9, 1e-6)
+
+
+def _synthetic(world, coef=TRUE_COEF, noise=0.0, seed=0):
+    """``timed(bounds)`` -> every rank's seconds under ``coef`` (relative noise ``noise``)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def timed(bounds):
+        return [sum(c * f for c, f in zip(coef, partition.rank_features(lo, hi - lo)))
+                * (1 + rng.uniform(-noise, noise)) for lo, hi in zip(bounds, bounds[1:])]
+    return timed
+
+
+def _brute_force(context, world, granule, cost):
+    """The best partition over every granule-aligned choice (small worlds only)."""
+    import itertools
+
+    steps = range(granule, context, granule)
+    best = None
+    for inner in itertools.combinations(steps, world - 1):
+        b = [0, *inner, context]
+        c = cost(b)
+        if best is None or c < best[0]:
+            best = (c, b)
+    return best
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cost_model_fit_recovers_the_coefficients(world):
+    timed = _synthetic(world, noise=0.01)
+    parts = partition.fitting_partitions([8192, 16384], world, granule=256)
+    assert len(parts) == 4  # a few timed points, not a search
+    model = partition.fit_rank_cost_model([(b, timed(b)) for b in parts])
+    assert model.world == world and model.samples == 4 * world
+    # the per-token and attention terms carry the time (the 2 ms fixed cost is within the noise)
+    for got, want in zip(model.coef[1:3], TRUE_COEF[1:3]):
+        assert got == pytest.approx(want, rel=0.15)
+    # its predictions hold at lengths it was not fitted on
+    exact = _synthetic(world)
+    for n in (4096, 32768, 65536):
+        b = partition.even_bounds(n, world, 256)
+        assert model.ranks(b) == pytest.approx(exact(b), rel=0.05)
+
+
+@pytest.mark.parametrize("world,context,granule", [(2, 32768, 256), (3, 16384, 512),
+                                                   (2, 65536, 1024), (4, 8192, 512)])
+def test_cost_model_partition_is_the_best_partition(world, context, granule):
+    """The model's partition is the true optimum (within a granule's worth of time), far better
+    than the even split, and its slowest rank is what it predicted."""
+    timed = _synthetic(world)
+    model = partition.fit_rank_cost_model(
+        [(b, timed(b)) for b in partition.fitting_partitions([4096, 16384], world, 256)])
+
+    def truth(b):
+        return max(timed(b))
+
+    bounds = model.partition(context, granule)
+    partition.check_bounds(bounds, context, world, granule)
+    best_s, best = _brute_force(context, world, granule, truth)
+    assert truth(bounds) <= best_s * 1.01, (bounds, best)
+    even = partition.even_bounds(context, world, granule)
+    assert truth(bounds) < 0.95 * truth(even)
+    assert model.ttft(bounds) == pytest.approx(truth(bounds), rel=0.02)
+    # KV-Runahead's shape: every later rank attends to more, so it takes fewer tokens
+    slabs = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    assert slabs == sorted(slabs, reverse=True)
+
+
+def test_cost_model_fills_the_table_and_checks_against_the_search(tmp_path):
+    world, granule = 2, 256
+    timed = _synthetic(world, noise=0.005, seed=3)
+    model = partition.fit_rank_cost_model(
+        [(b, timed(b)) for b in partition.fitting_partitions([8192, 16384], world, granule)])
+    table = model.fill_table([8192, 16384, 32768, 65536], granule)
+    assert sorted(table.entries[2]) == [8192, 16384, 32768, 65536]
+    for n in (8192, 32768):
+        assert table.predict(n, 2, granule) == model.partition(n, granule)
+    table.save(tmp_path / "t.json")
+    assert partition.PartitionTable.load(tmp_path / "t.json").entries == table.entries
+    again = partition.RankCostModel.from_json(model.to_json())
+    assert again == model
+    # the measured search is the check: the model's partition is within 1% of what it finds,
+    # and the fit timed fewer partitions (4, for every length) than the search at one length
+    exact = _synthetic(world)
+    check = partition.check_model_against_search(model, 32768, lambda b: max(exact(b)),
+                                                 granule=granule)
+    assert check["model_vs_search"] <= 1.01
+    assert check["search_measured"] > 4
+
+
+def test_cost_model_on_the_committed_h100_estimates():
+    """Fitted to the even splits of the committed one-GPU H100 run (per-rank compute of 2
+    ranks at 4k-32k, runahead_gpu.json), the model finds the searched partitions of that run:
+    the same bound at 16k, within 4 granules at 32k."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "runahead_gpu.json"
+    if not path.exists():
+        pytest.skip("no committed KV-Runahead results")
+    rows = json.loads(path.read_text())["speed"]["rows"]
+    even = [(r["bounds"], [t / 1e3 for t in r["per_rank_compute_ms"]]) for r in rows
+            if r["method"] == "kvr_even_estimate"]
+    searched = {r["context"]: r["bounds"] for r in rows if r["method"] == "kvr_searched_estimate"}
+    assert len(even) >= 3 and searched
+    model = partition.fit_rank_cost_model(even)
+    for n, bounds in searched.items():
+        got = model.partition(n, 256)
+        assert abs(got[1] - bounds[1]) <= 4 * 256, (n, got, bounds)
+
+
+def test_cost_model_rejects_bad_samples():
+    with pytest.raises(ValueError, match="ranks but"):
+        partition.fit_rank_cost_model([([0, 10, 20], [1.0])])
+    with pytest.raises(ValueError, match="at least"):
+        partition.fit_rank_cost_model([([0, 10, 20], [1.0, 2.0])])
+    with pytest.raises(ValueError, match="every sample"):
+        partition.fit_rank_cost_model([([0, 10, 20], [1.0, 2.0]), ([0, 5, 10, 20], [1, 1, 1])])

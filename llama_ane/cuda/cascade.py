@@ -17,13 +17,20 @@ from ..errors import InvalidArgumentError, LlamaANEError
 from . import ops
 from .cost_model import DEFAULT_COST_MODEL, CostModel
 from .splits import (choose_decode_splits, choose_overlap_prefix_splits, choose_prefix_splits,
-                     prefix_block_m)
+                     consecutive_first_page, prefix_block_m)
 
 PATHS = ("auto", "cascade", "decode")
+PREFIX_KERNELS = ("auto", "paged", "ordered")
 # Prefix work above which the prefix tiles run on a side stream next to the suffix decode (three
 # launches) instead of before a decode that merges their states (two launches): ~50 us of tensor
 # work, enough to hide the third launch behind the overlap.
 OVERLAP_MIN_FLOPS = 2e10
+# The one-launch (fused) cascade for short suffixes when the kv groups have at least this many
+# query heads: with few suffix bytes per prefix flop the suffix streams behind the other
+# program's tensor work on the same SM (benchmarks/results/cuda_notes.md).
+FUSED_MIN_GROUP = 4
+# the paged prefix tile of the fused cascade (a 128-row tile with the suffix part spills)
+FUSED_PAGED_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 class SharedPrefixBatch:
@@ -43,7 +50,12 @@ class SharedPrefixBatch:
     elem_bytes : bytes per cache element, for the cost model
     config, prefix_splits, decode_splits : launch overrides for tuning runs (default: the tuned
         choices; ``decode_splits`` applies to the suffix of the cascade and to plain decode):
-        ``{"prefix": {...}, "decode": {...}, "overlap": bool}``
+        ``{"prefix": {...}, "decode": {...}, "overlap": bool, "prefix_kernel": str,
+        "fused": bool}``, where ``prefix_kernel`` is ``"auto"`` (bulk tensor copies when the
+        prefix lies on consecutive pages, the paged kernel otherwise), ``"paged"`` or
+        ``"ordered"`` (consecutive pages required), ``prefix`` is the tile of whichever prefix
+        kernel runs, and ``fused`` asks for (or refuses) the one-launch cascade where it
+        applies (whole 64-key prefix blocks, suffixes of at most ``ops.FUSED_MAX_SUFFIX``)
 
     Plain decode needs one page list per request, prefix pages first; that requires a prefix that
     ends on a page boundary. Otherwise ``auto`` uses the cascade and ``decode`` is refused.
@@ -141,15 +153,54 @@ class SharedPrefixBatch:
                 f"plain decode needs a page-aligned prefix; prefix_len {self.prefix_len} is not a "
                 f"multiple of page_size {page_size} (use path 'cascade' or 'auto')")
 
-        self.overlap = False
+        self.overlap = self.fused = False
         self.o_buf = self.lse_buf = None
+        self.prefix_page0 = None  # first page of a prefix on consecutive pages (bulk copies)
         if path == "cascade":
-            rows = self.batch * (num_qo_heads // num_kv_heads)
+            group = num_qo_heads // num_kv_heads
+            rows = self.batch * group
             flops = 4.0 * rows * num_kv_heads * self.prefix_len * head_dim
-            self.overlap = bool((config or {}).get("overlap", flops >= OVERLAP_MIN_FLOPS))
+            fused = (config or {}).get("fused")
+            auto_fused = fused is None
+            if auto_fused:  # an explicit overlap choice keeps its two-kernel schedule
+                fused = ("overlap" not in (config or {}) and group >= FUSED_MIN_GROUP
+                         and flops >= OVERLAP_MIN_FLOPS)
+            self.fused = bool(fused and 0 < self.prefix_len and self.prefix_len % 64 == 0
+                              and self.max_suffix <= ops.FUSED_MAX_SUFFIX)
+            kernel = (config or {}).get("prefix_kernel", "auto")
+            if kernel not in PREFIX_KERNELS:
+                raise InvalidArgumentError(f"prefix_kernel must be one of {PREFIX_KERNELS}, "
+                                           f"got {kernel!r}")
+            tile = (config or {}).get("prefix") or {}
+            if kernel != "paged":
+                n_pages = -(-self.prefix_len // page_size)
+                block_n = tile.get("BLOCK_N", ops.ORDERED_PREFIX_CONFIG["BLOCK_N"])
+                if self.prefix_len > 0 and self.prefix_len % block_n == 0:
+                    self.prefix_page0 = consecutive_first_page(
+                        prefix_indices[:n_pages].tolist())
+                if kernel == "ordered" and self.prefix_page0 is None:
+                    raise InvalidArgumentError(
+                        "prefix_kernel 'ordered' needs the prefix on consecutive pages and whole "
+                        f"{ops.ORDERED_PREFIX_CONFIG['BLOCK_N']}-key blocks")
+            if auto_fused and self.prefix_page0 is None:
+                # the fused cascade's paged prefix tile (64 rows) is slower than the paged
+                # kernel's 128-row tile by more than the fusion saves
+                self.fused = False
+            if self.fused and not tile:
+                tile = ops.ORDERED_PREFIX_CONFIG if self.prefix_page0 is not None else \
+                    FUSED_PAGED_CONFIG
+            self.fused_tile = tile if self.fused else None
+            if self.prefix_page0 is not None:
+                block_m = tile.get("BLOCK_M") or ops.ORDERED_PREFIX_CONFIG["BLOCK_M"]
+            else:
+                block_m = tile.get("BLOCK_M") or prefix_block_m(rows)
+            if block_m % group:
+                # a request's rows would straddle two tiles, whose merges then race
+                self.fused = False
+            self.overlap = not self.fused and bool((config or {}).get(
+                "overlap", flops >= OVERLAP_MIN_FLOPS))
             if self.overlap and self.side_stream is None:
                 self.side_stream = torch.cuda.Stream(device, priority=-1)
-            block_m = ((config or {}).get("prefix") or {}).get("BLOCK_M") or prefix_block_m(rows)
             if self.overlap and self._prefix_splits is None:
                 # as many prefix programs as leave the suffix decode room to run beside them
                 self.prefix_splits, self.prefix_chunk = choose_overlap_prefix_splits(
@@ -161,9 +212,21 @@ class SharedPrefixBatch:
             else:
                 self.prefix_splits, self.prefix_chunk = choose_prefix_splits(
                     rows, block_m, num_kv_heads, self.prefix_len, sms, self._prefix_splits)
-            self.suffix_splits, self.suffix_chunk = choose_decode_splits(
-                self.batch, num_kv_heads, self.max_suffix, sms, self._decode_splits)
-            self._state_buffers(self.prefix_splits + self.suffix_splits)
+            if self.prefix_chunk % tile.get("BLOCK_N", ops.ORDERED_PREFIX_CONFIG["BLOCK_N"]):
+                # a split would end inside a key block (no choice of splits makes one)
+                self.prefix_page0 = None
+                self.fused = False
+            if not self.fused:
+                self.fused_tile = None
+            if self.fused:
+                self.suffix_splits, self.suffix_chunk = 1, self.max_suffix
+                self._state_buffers(self.prefix_splits + 1)
+                tiles = -(-rows // block_m) * num_kv_heads
+                self.counts = self._buffer("counts", (tiles,), torch.int32).zero_()
+            else:
+                self.suffix_splits, self.suffix_chunk = choose_decode_splits(
+                    self.batch, num_kv_heads, self.max_suffix, sms, self._decode_splits)
+                self._state_buffers(self.prefix_splits + self.suffix_splits)
         else:
             # one page list per request: the shared prefix pages, then its own suffix pages
             n_prefix_pages = self.prefix_len // page_size
@@ -221,10 +284,32 @@ class SharedPrefixBatch:
             # full lists: the prefix's whole pages, then the same suffix pages
             self.full_last.copy_(self.suffix[2])
 
+    def _launch_prefix(self, q, kv_cache, pre_cfg) -> None:
+        """The prefix kernel into state slots ``[0, prefix_splits)``: bulk tensor copies when the
+        plan found the prefix on consecutive pages and this cache's layout allows them."""
+        ps, pc = self.prefix_splits, self.prefix_chunk
+        if self.prefix_page0 is not None and ops.ordered_prefix_fits(kv_cache, self.prefix_len,
+                                                                     self.prefix_page0):
+            ops.launch_ordered_prefix(q, kv_cache, self.prefix_len, self.o_buf, self.lse_buf, 0,
+                                      ps, pc, self.sm_scale, self.prefix_page0, pre_cfg)
+        else:
+            ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
+                                     self.o_buf, self.lse_buf, 0, ps, pc, self.sm_scale,
+                                     pre_cfg)
+
     def _run_cascade(self, q, kv_cache, out, lse) -> None:
         cfg = self.config or {}
         pre_cfg, dec_cfg = cfg.get("prefix"), cfg.get("decode")
-        ps, pc = self.prefix_splits, self.prefix_chunk
+        ps = self.prefix_splits
+        if self.fused:
+            page0 = self.prefix_page0
+            if page0 is not None and not ops.ordered_prefix_fits(kv_cache, self.prefix_len, page0):
+                page0 = None
+            ops.launch_fused_cascade(q, kv_cache, self.prefix_indices, page0, self.prefix_len,
+                                     *self.suffix, self.max_suffix, out, lse, self.o_buf,
+                                     self.lse_buf, self.counts, ps, self.prefix_chunk,
+                                     self.sm_scale, self.fused_tile)
+            return
         if self.overlap:
             # prefix tiles (tensor cores) on a high-priority side stream, suffix decode (HBM) on
             # this one: the scheduler fills SM slots the prefix leaves free with decode programs
@@ -235,16 +320,13 @@ class SharedPrefixBatch:
             cur = torch.cuda.current_stream(q.device)
             self.side_stream.wait_stream(cur)
             with torch.cuda.stream(self.side_stream):
-                ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len,
-                                         self.o_buf, self.lse_buf, 0, ps, pc, self.sm_scale,
-                                         pre_cfg)
+                self._launch_prefix(q, kv_cache, pre_cfg)
             ops.launch_decode(q, kv_cache, *self.suffix, self.o_buf, self.lse_buf, ps,
                               self.suffix_splits, self.suffix_chunk, self.sm_scale, dec_cfg)
             cur.wait_stream(self.side_stream)
             ops.launch_merge(self.o_buf, self.lse_buf, out, lse)
             return
-        ops.launch_shared_prefix(q, kv_cache, self.prefix_indices, self.prefix_len, self.o_buf,
-                                 self.lse_buf, 0, ps, pc, self.sm_scale, pre_cfg)
+        self._launch_prefix(q, kv_cache, pre_cfg)
         if self.suffix_splits == 1:
             # two launches: the decode program merges the prefix states into its own
             ops.launch_decode(q, kv_cache, *self.suffix, out.unsqueeze(1), lse.unsqueeze(1), 0,

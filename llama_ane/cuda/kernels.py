@@ -90,6 +90,17 @@ def _store_state(o_ptrs, lse_ptrs, acc, m_i, l_i, row_mask):
 
 
 @triton.jit
+def _merge_rows(m_i, l_i, acc, lse2, o):
+    """Fold a stored state (log2-scaled ``lse2`` [M], normalised ``o`` [M, D]) into the running
+    state of M rows (max ``m_i``, sum ``l_i``, unnormalised ``acc``); an empty state adds nothing."""
+    m_new = tl.maximum(m_i, lse2)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    w = tl.exp2(lse2 - m_ref)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+@triton.jit
 def _whole_block_step(s, m_i, l_i, acc, v, sm_scale_log2):
     """Online-softmax step over a key block every row sees (raw scores ``s`` [M, N]): the running
     max stays finite, so no -inf guard. The scale is applied to the row max and inside the exp2's
@@ -218,13 +229,7 @@ def paged_decode_kernel(
                 o_pre = tl.load(pre_o_ptr + b * stride_pb + i * stride_ps
                                 + heads[:, None] * stride_ph + offs_d[None, :],
                                 mask=g_mask[:, None], other=0.0).to(tl.float32)
-                m_new = tl.maximum(m_i, lse2)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_ref)
-                w = tl.exp2(lse2 - m_ref)
-                l_i = l_i * alpha + w
-                acc = acc * alpha[:, None] + o_pre * w[:, None]
-                m_i = m_new
+                m_i, l_i, acc = _merge_rows(m_i, l_i, acc, lse2, o_pre)
         o_ptrs = o_ptr + b * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
             + offs_d[None, :]
         lse_ptrs = lse_ptr + b * stride_lb + slot * stride_ls + heads
@@ -291,14 +296,15 @@ def shared_prefix_kernel(
 
 @triton.jit
 def ordered_prefix_kernel(
-    q_ptr, kv_desc, prefix_len, n_rows, o_ptr, lse_ptr,
+    q_ptr, kv_desc, page_offset, prefix_len, n_rows, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
     state_offset, sm_scale_log2, chunk_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """``shared_prefix_kernel`` for a prefix that fills the cache's first pages in order (the
-    engine's and KV-Runahead's layout): every key block is one bulk tensor copy (TMA) through
+    """``shared_prefix_kernel`` for a prefix on consecutive pages of the cache, from page
+    ``page_offset`` on (the engine's and KV-Runahead's layout, with ``page_offset`` 0): every key
+    block is one bulk tensor copy (TMA) through
     ``kv_desc`` over the whole cache ``[pages, 2, page_size, Hkv, D]``, with no page table and no
     per-element addresses. The descriptor's block is ``[BLOCK_N // PAGE_SIZE, 1, PAGE_SIZE, 1,
     D]`` for pages of at most ``BLOCK_N`` tokens, ``[1, 1, BLOCK_N, 1, D]`` for larger ones.
@@ -313,20 +319,189 @@ def ordered_prefix_kernel(
                                            BLOCK_M, HEAD_DIM)
     start = split * chunk_len
     end = tl.minimum(start + chunk_len, prefix_len)
-    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM)
-    for n0 in range(start, end, BLOCK_N):
-        if PAGE_SIZE <= BLOCK_N:
-            k = kv_desc.load([n0 // PAGE_SIZE, 0, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
-            v = kv_desc.load([n0 // PAGE_SIZE, 1, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            k = kv_desc.load([n0 // PAGE_SIZE, 0, n0 % PAGE_SIZE, kvh, 0]).reshape(
-                BLOCK_N, HEAD_DIM)
-            v = kv_desc.load([n0 // PAGE_SIZE, 1, n0 % PAGE_SIZE, kvh, 0]).reshape(
-                BLOCK_N, HEAD_DIM)
-        m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
-                                          sm_scale_log2)
+    m_i, l_i, acc = _ordered_prefix_loop(q, kv_desc, page_offset, kvh, start, end, sm_scale_log2,
+                                         HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N)
     _store_prefix_state(o_ptr, lse_ptr, b, heads, state_offset + split, stride_ob, stride_os,
                         stride_oh, stride_lb, stride_ls, acc, m_i, l_i, r_mask, HEAD_DIM)
+
+
+@triton.jit
+def _ordered_prefix_loop(q, kv_desc, page_offset, kvh, start, end, sm_scale_log2,
+                         HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """The state of row tile ``q`` over prefix tokens ``[start, end)`` (whole key blocks) of kv
+    head ``kvh``, by bulk tensor copies from consecutive pages starting at ``page_offset``."""
+    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        page = page_offset + n0 // PAGE_SIZE
+        if PAGE_SIZE <= BLOCK_N:
+            k = kv_desc.load([page, 0, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = kv_desc.load([page, 1, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            k = kv_desc.load([page, 0, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = kv_desc.load([page, 1, n0 % PAGE_SIZE, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+        m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
+                                          sm_scale_log2)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_prefix_loop(q, kv_head, indices_ptr, start, end, sm_scale_log2, stride_page,
+                       stride_kv, stride_tok, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_ordered_prefix_loop`` through the prefix's page table (paged gathers)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        krow = _whole_page_rows(indices_ptr, n0 + offs_n, PAGE_SIZE, stride_page, stride_tok)
+        k = tl.load(kv_head + krow[:, None] + offs_d[None, :])
+        v = tl.load(kv_head + stride_kv + krow[:, None] + offs_d[None, :])
+        m_i, l_i, acc = _whole_block_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, v,
+                                          sm_scale_log2)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _suffix_states(q_ptr, kv_head, indptr_ptr, indices_ptr, last_len_ptr, o_ptr, lse_ptr,
+                   r_lo, r_hi, kvh, n_blocks, slot, stride_qb, stride_qh, stride_page, stride_kv,
+                   stride_tok, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   sm_scale_log2, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MAX_REQUESTS: tl.constexpr, STAGES: tl.constexpr):
+    """The states of requests ``[r_lo, r_hi)`` (at most ``MAX_REQUESTS``) over their own paged
+    suffixes (the query heads of kv head ``kvh``), stored in state slot ``slot``. One flat loop
+    over (request, key block) with ``n_blocks`` blocks per request, so that the loads of the
+    next request are in flight while this one computes; a request's state restarts at its first
+    block and is stored after its last. The requests' page-table rows are read before the loop:
+    a scalar load inside it would wait for memory on every iteration."""
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, MAX_REQUESTS)
+    r_ok = offs_r < r_hi - r_lo
+    starts = tl.load(indptr_ptr + r_lo + offs_r, mask=r_ok, other=0)
+    ends = tl.load(indptr_ptr + r_lo + offs_r + 1, mask=r_ok, other=0)
+    lengths = tl.maximum((ends - starts - 1) * PAGE_SIZE
+                         + tl.load(last_len_ptr + r_lo + offs_r, mask=r_ok, other=0), 0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for it in tl.range(0, (r_hi - r_lo) * n_blocks, num_stages=STAGES):
+        i = it // n_blocks
+        r = r_lo + i
+        j = it % n_blocks
+        page_start = tl.sum(tl.where(offs_r == i, starts, 0), 0)
+        seq_len = tl.sum(tl.where(offs_r == i, lengths, 0), 0)
+        first = j == 0
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        q = tl.load(q_ptr + r * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None], other=0.0)
+        tok = j * BLOCK_N + offs_n
+        n_mask = tok < seq_len
+        rows = _page_rows(indices_ptr + page_start, tok, n_mask, PAGE_SIZE, stride_page,
+                          stride_tok)
+        k, v = _load_kv(kv_head, rows, offs_d, stride_kv, n_mask)
+        s = tl.where(n_mask[None, :], tl.dot(q, tl.trans(k)) * sm_scale_log2, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v)
+        o_ptrs = o_ptr + r * stride_ob + slot * stride_os + heads[:, None] * stride_oh \
+            + offs_d[None, :]
+        _store_state(o_ptrs, lse_ptr + r * stride_lb + slot * stride_ls + heads, acc, m_i, l_i,
+                     g_mask & (j == n_blocks - 1))
+
+
+@triton.jit
+def fused_cascade_kernel(
+    q_ptr, kv_ptr, kv_desc, prefix_indices_ptr, page_offset, prefix_len, n_rows,
+    s_indptr_ptr, s_indices_ptr, s_last_ptr, suffix_blocks,
+    out_ptr, out_lse_ptr, st_o_ptr, st_lse_ptr, count_ptr,
+    stride_qb, stride_qh, stride_page, stride_kv, stride_tok,
+    stride_ob, stride_oh, stride_olb,
+    stride_sb, stride_ss, stride_sh, stride_slb, stride_sls,
+    sm_scale_log2, chunk_len, n_splits, batch,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUFFIX_BLOCK_N: tl.constexpr, SUFFIX_STAGES: tl.constexpr, ORDERED: tl.constexpr,
+    ORDER: tl.constexpr,
+):
+    """The whole two-level cascade in one launch, for short suffixes: program (row tile ``mb``,
+    kv head, split) computes its prefix chunk's state (slot ``split``), the suffix states of its
+    share of the tile's requests (slot ``n_splits``), and the last of the tile's ``n_splits``
+    programs to finish merges the ``n_splits + 1`` states into ``out``/``out_lse``.
+
+    The prefix part is tensor-core work and the suffix part streams from HBM. The later half of
+    the programs (in launch order, the second program on each SM) does its suffix part first,
+    so that the two programs on an SM are in different parts for most of their time
+    (``ORDER`` 0; 1: every program starts with its prefix part, 2: with its suffix part).
+    ``ORDERED``: the prefix lies on consecutive pages from ``page_offset`` (bulk copies through
+    ``kv_desc``); else its page table is ``prefix_indices``. ``prefix_len`` and ``chunk_len``
+    are whole ``BLOCK_N`` blocks. ``count_ptr`` holds one zero per (tile, kv head) before the
+    launch and is left zero after it.
+    """
+    mb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_mb = tl.num_programs(0)
+    n_kvh = tl.num_programs(1)
+    pid = mb + n_mb * (kvh + n_kvh * split)
+    if ORDER == 0:
+        suffix_first = 2 * pid >= n_mb * n_kvh * n_splits
+    else:
+        suffix_first = ORDER == 2
+    req_per_tile: tl.constexpr = BLOCK_M // GROUP
+    share = tl.cdiv(req_per_tile, n_splits)
+    r_lo = tl.minimum(mb * req_per_tile + split * share, batch)
+    r_hi = tl.minimum(tl.minimum(r_lo + share, (mb + 1) * req_per_tile), batch)
+    kv_head = kv_ptr + kvh * HEAD_DIM
+    if suffix_first:
+        _suffix_states(q_ptr, kv_head, s_indptr_ptr, s_indices_ptr, s_last_ptr, st_o_ptr,
+                       st_lse_ptr, r_lo, r_hi, kvh, suffix_blocks, n_splits, stride_qb,
+                       stride_qh, stride_page, stride_kv, stride_tok, stride_sb, stride_ss,
+                       stride_sh, stride_slb, stride_sls, sm_scale_log2, GROUP, BLOCK_G,
+                       HEAD_DIM, PAGE_SIZE, SUFFIX_BLOCK_N, BLOCK_M // GROUP, SUFFIX_STAGES)
+    r_mask, b, heads, q = _prefix_row_tile(q_ptr, mb, kvh, n_rows, stride_qb, stride_qh, GROUP,
+                                           BLOCK_M, HEAD_DIM)
+    start = split * chunk_len
+    end = tl.minimum(start + chunk_len, prefix_len)
+    if ORDERED:
+        m_i, l_i, acc = _ordered_prefix_loop(q, kv_desc, page_offset, kvh, start, end,
+                                             sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_M,
+                                             BLOCK_N)
+    else:
+        m_i, l_i, acc = _paged_prefix_loop(q, kv_head, prefix_indices_ptr, start, end,
+                                           sm_scale_log2, stride_page, stride_kv, stride_tok,
+                                           HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N)
+    _store_prefix_state(st_o_ptr, st_lse_ptr, b, heads, split, stride_sb, stride_ss, stride_sh,
+                        stride_slb, stride_sls, acc, m_i, l_i, r_mask, HEAD_DIM)
+    if not suffix_first:
+        _suffix_states(q_ptr, kv_head, s_indptr_ptr, s_indices_ptr, s_last_ptr, st_o_ptr,
+                       st_lse_ptr, r_lo, r_hi, kvh, suffix_blocks, n_splits, stride_qb,
+                       stride_qh, stride_page, stride_kv, stride_tok, stride_sb, stride_ss,
+                       stride_sh, stride_slb, stride_sls, sm_scale_log2, GROUP, BLOCK_G,
+                       HEAD_DIM, PAGE_SIZE, SUFFIX_BLOCK_N, BLOCK_M // GROUP, SUFFIX_STAGES)
+    # every thread's state stores happen before the release of the arrival count (the barrier),
+    # and the last program's loads after its acquire, past the L1 (.cg)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + mb * n_kvh + kvh, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_splits - 1:
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for slot in range(0, n_splits + 1):
+            lse2 = tl.load(st_lse_ptr + b * stride_slb + slot * stride_sls + heads, mask=r_mask,
+                           other=float("-inf"), cache_modifier=".cg") * LOG2E_C
+            o_s = tl.load(st_o_ptr + b[:, None] * stride_sb + slot * stride_ss
+                          + heads[:, None] * stride_sh + offs_d[None, :], mask=r_mask[:, None],
+                          other=0.0, cache_modifier=".cg")
+            m_i, l_i, acc = _merge_rows(m_i, l_i, acc, lse2, o_s)
+        o_ptrs = out_ptr + b[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_state(o_ptrs, out_lse_ptr + b * stride_olb + heads, acc, m_i, l_i, r_mask)
+        tl.atomic_xchg(count_ptr + mb * n_kvh + kvh, 0)
 
 
 @triton.jit

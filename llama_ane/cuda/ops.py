@@ -153,7 +153,7 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     returns Triton's compiled-kernel handle (registers, spills, shared memory).
 
     ``config`` overrides :func:`prefix_config` (BLOCK_N, num_warps, num_stages and optionally
-    BLOCK_M) for tuning runs.
+    BLOCK_M and maxnreg) for tuning runs.
     """
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
@@ -163,13 +163,14 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
     block_m = cfg.get("BLOCK_M") or prefix_block_m(n_rows)
     block_n = cfg["BLOCK_N"]
     grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
     return kernels.shared_prefix_kernel[grid](
         q, kv_cache, prefix_indices, prefix_len, n_rows, o_buf, lse_buf,
         *_layout_args(q, kv_cache, o_buf, lse_buf),
         state_offset, sm_scale * LOG2E, chunk_len,
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         WHOLE_BLOCKS=prefix_len % block_n == 0 and chunk_len % block_n == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
 
 
@@ -178,41 +179,110 @@ def launch_shared_prefix(q, kv_cache, prefix_indices, prefix_len: int, o_buf, ls
 ORDERED_PREFIX_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def ordered_prefix_fits(kv_cache: torch.Tensor, prefix_len: int) -> bool:
-    """Whether the bulk-copy prefix kernel can read ``prefix_len`` tokens of this cache: whole
-    64-key blocks, pages of a power-of-two size, and strides a copy descriptor accepts."""
+def ordered_prefix_fits(kv_cache: torch.Tensor, prefix_len: int, page_offset: int = 0) -> bool:
+    """Whether the bulk-copy prefix kernel can read ``prefix_len`` tokens of this cache from page
+    ``page_offset`` on: whole 64-key blocks, pages of a power-of-two size, strides a copy
+    descriptor accepts, and the pages inside the cache."""
     page_size = kv_cache.shape[2]
     block_n = ORDERED_PREFIX_CONFIG["BLOCK_N"]
     elem = kv_cache.element_size()
     return (prefix_len % block_n == 0 and page_size & (page_size - 1) == 0
             and (page_size <= block_n or page_size % block_n == 0)
+            and 0 <= page_offset and page_offset * page_size + prefix_len
+            <= kv_cache.shape[0] * page_size
             and kv_cache.stride(4) == 1 and kv_cache.data_ptr() % 16 == 0
             and all(kv_cache.stride(i) * elem % 16 == 0 for i in range(4)))
 
 
 def launch_ordered_prefix(q, kv_cache, prefix_len: int, o_buf, lse_buf, state_offset: int,
-                          num_splits: int, chunk_len: int, sm_scale: float) -> None:
-    """Launch the ordered-pages prefix kernel (the prefix is the cache's first pages, in order;
-    :func:`ordered_prefix_fits` holds and ``chunk_len`` is a multiple of 64)."""
+                          num_splits: int, chunk_len: int, sm_scale: float, page_offset: int = 0,
+                          config: dict | None = None):
+    """Launch the ordered-pages prefix kernel (the prefix is the cache's pages ``page_offset``,
+    ``page_offset + 1``, ... in order; :func:`ordered_prefix_fits` holds and ``chunk_len`` is a
+    multiple of the key block); returns Triton's compiled-kernel handle.
+
+    ``config`` overrides :data:`ORDERED_PREFIX_CONFIG` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+    ``num_stages`` and optionally ``maxnreg``) for tuning runs.
+    """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_cache.shape
     group = hq // hkv
     n_rows = batch * group
-    cfg = ORDERED_PREFIX_CONFIG
+    cfg = ORDERED_PREFIX_CONFIG if config is None else config
     block_n = cfg["BLOCK_N"]
     block = [block_n // page_size, 1, page_size, 1, d] if page_size <= block_n else \
         [1, 1, block_n, 1, d]
     desc = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), block)
     grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), hkv, num_splits)
-    kernels.ordered_prefix_kernel[grid](
-        q, desc, prefix_len, n_rows, o_buf, lse_buf,
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    return kernels.ordered_prefix_kernel[grid](
+        q, desc, page_offset, prefix_len, n_rows, o_buf, lse_buf,
         q.stride(0), q.stride(1), o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
         lse_buf.stride(0), lse_buf.stride(1),
         state_offset, sm_scale * LOG2E, chunk_len,
         GROUP=group, HEAD_DIM=d, PAGE_SIZE=page_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+    )
+
+
+# the fused cascade (prefix, short suffixes and merge in one launch): suffixes up to this many
+# tokens, read in key blocks of FUSED_SUFFIX_BLOCK_N with a pipeline of FUSED_SUFFIX_STAGES (the
+# best of the block and depth sweep of benchmarks/results/cuda_notes.md; deeper K/V buffers of
+# the suffix loop leave room for only one program an SM)
+FUSED_MAX_SUFFIX = 256
+FUSED_SUFFIX_BLOCK_N = 128
+FUSED_SUFFIX_STAGES = 2
+
+
+def launch_fused_cascade(q, kv_cache, prefix_indices, page_offset: int | None, prefix_len: int,
+                         suffix_indptr, suffix_indices, suffix_last_page_len, max_suffix: int,
+                         out, out_lse, st_o, st_lse, counts, num_splits: int, chunk_len: int,
+                         sm_scale: float, config: dict | None = None):
+    """Launch the one-launch cascade (``kernels.fused_cascade_kernel``): the prefix by bulk
+    copies from consecutive pages starting at ``page_offset``, or through ``prefix_indices``
+    when ``page_offset`` is None. ``st_o``/``st_lse`` are ``[batch, num_splits + 1, Hq(, D)]``
+    fp32 state buffers, ``counts`` an int32 zero per (row tile, kv head), left zero. Whole
+    64-key blocks only (``prefix_len`` and ``chunk_len``). ``config`` is the prefix tile, with
+    optional ``suffix_block_n``, ``suffix_stages`` and ``order`` (the kernel's ``ORDER``).
+    Returns Triton's compiled-kernel handle."""
+    batch, hq, d = q.shape
+    _, _, page_size, hkv, _ = kv_cache.shape
+    group = hq // hkv
+    n_rows = batch * group
+    ordered = page_offset is not None
+    if config is None:
+        config = ORDERED_PREFIX_CONFIG if ordered else dict(prefix_config(),
+                                                            BLOCK_M=prefix_block_m(n_rows))
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    if ordered:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        block = [block_n // page_size, 1, page_size, 1, d] if page_size <= block_n else \
+            [1, 1, block_n, 1, d]
+        desc = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), block)
+    else:
+        desc = kv_cache
+    grid = (triton.cdiv(n_rows, block_m), hkv, num_splits)
+    extra = {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
+    suffix_block_n = config.get("suffix_block_n", FUSED_SUFFIX_BLOCK_N)
+    suffix_blocks = triton.cdiv(max(max_suffix, 1), suffix_block_n)
+    return kernels.fused_cascade_kernel[grid](
+        q, kv_cache, desc, prefix_indices, page_offset or 0, prefix_len, n_rows,
+        suffix_indptr, suffix_indices, suffix_last_page_len,
+        suffix_blocks,
+        out, out_lse, st_o, st_lse, counts,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        out.stride(0), out.stride(1), out_lse.stride(0),
+        st_o.stride(0), st_o.stride(1), st_o.stride(2), st_lse.stride(0), st_lse.stride(1),
+        sm_scale * LOG2E, chunk_len, num_splits, batch,
+        GROUP=group, BLOCK_G=_decode_block_g(group), HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        SUFFIX_BLOCK_N=suffix_block_n,
+        SUFFIX_STAGES=config.get("suffix_stages", FUSED_SUFFIX_STAGES), ORDERED=ordered,
+        ORDER=config.get("order", 0),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **extra,
     )
 
 

@@ -28,6 +28,15 @@ def prefix_block_m(n_rows: int) -> int:
     return min(128, max(16, 1 << max(0, (n_rows - 1).bit_length())))
 
 
+def consecutive_first_page(pages) -> int | None:
+    """The first of ``pages`` when they are consecutive (``p0, p0 + 1, ...``), else None: such
+    a prefix can be read by bulk tensor copies without its page table."""
+    pages = [int(p) for p in pages]
+    if not pages or any(b != a + 1 for a, b in zip(pages, pages[1:])):
+        return None
+    return pages[0]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

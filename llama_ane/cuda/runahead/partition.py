@@ -11,7 +11,13 @@ the last one waits for all the others' K/V. The paper finds the TTFT-minimising 
 halved at each level) over measured TTFTs, and serves other lengths from a lookup table of
 searched partitions, interpolated linearly in the slab fractions between the two nearest lengths.
 
-Pure Python: no torch, testable anywhere.
+Searching every length is slow (each candidate is a timed prefill), so the table can also be
+filled from a cost model instead: :func:`fit_rank_cost_model` fits each rank's time to a few timed
+partitions (:func:`fitting_partitions`) as a function of its slab, and
+:meth:`RankCostModel.partition` minimises the modelled TTFT in milliseconds of host time. The
+search stays as the model's check (:func:`check_model_against_search`).
+
+No torch: testable anywhere.
 """
 
 from __future__ import annotations
@@ -191,3 +197,181 @@ class PartitionTable:
     @classmethod
     def load(cls, path: str | Path) -> "PartitionTable":
         return cls(json.loads(Path(path).read_text())["entries"])
+
+
+# -- the partition in seconds: a cost model fitted from a few timed partitions --------------------
+
+RANK_FEATURES = ("fixed", "tokens", "attention", "prefix")
+
+
+def rank_features(start: int, length: int) -> tuple[float, float, float, float]:
+    """What one rank's time is modelled from, for the slab ``[start, start + length)``: a fixed
+    cost, the slab's tokens (projections and MLP), its causal attention work (each token attends
+    to every token before it: ``length * (start + length / 2)`` query-key pairs) and the prefix
+    it receives and waits for (``start`` tokens of K/V)."""
+    return (1.0, float(length), float(length) * (start + length / 2.0), float(start))
+
+
+def _nonnegative_least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
+    """``argmin |X c - y|`` over ``c >= 0`` for a few columns: every subset of the columns is
+    solved by least squares and the best non-negative solution kept (2^4 subsets here)."""
+    import numpy as np
+
+    x, target = np.asarray(rows, np.float64), np.asarray(y, np.float64)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    x = x / scale
+    best, best_err = np.zeros(x.shape[1]), float(target @ target)
+    for subset in itertools.product((False, True), repeat=x.shape[1]):
+        cols = np.flatnonzero(subset)
+        if not len(cols):
+            continue
+        sol = np.linalg.lstsq(x[:, cols], target, rcond=None)[0]
+        if (sol < 0).any():
+            continue
+        c = np.zeros(x.shape[1])
+        c[cols] = sol
+        err = float(((x @ c - target) ** 2).sum())
+        if err < best_err - 1e-15:
+            best, best_err = c, err
+    return [float(v) for v in best / scale]
+
+
+@dataclass
+class RankCostModel:
+    """Seconds of each KV-Runahead rank as a non-negative combination of :func:`rank_features`,
+    fitted to timed partitions on ``world`` GPUs. The modelled TTFT of a partition is its slowest
+    rank; :meth:`partition` minimises it in milliseconds of host time, and :meth:`fill_table`
+    fills a :class:`PartitionTable` from it."""
+
+    world: int
+    coef: tuple[float, float, float, float]
+    samples: int = 0  # timed ranks the fit used
+
+    def rank_seconds(self, start: int, length: int) -> float:
+        return sum(c * f for c, f in zip(self.coef, rank_features(start, length)))
+
+    def ranks(self, bounds: Sequence[int]) -> list[float]:
+        return [self.rank_seconds(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+
+    def ttft(self, bounds: Sequence[int]) -> float:
+        return max(self.ranks(bounds))
+
+    def _longest_slab(self, start: int, limit: float, context_len: int) -> float:
+        """The longest slab from ``start`` whose modelled time stays within ``limit`` (time grows
+        with the slab: every coefficient is non-negative)."""
+        lo, hi = 0.0, float(context_len - start)
+        if self.rank_seconds(start, hi) <= limit:
+            return hi
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if self.rank_seconds(start, mid) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def partition(self, context_len: int, granule: int = 1) -> list[int]:
+        """The bounds that minimise the modelled TTFT: the smallest time limit under which
+        consecutive slabs, each the longest within the limit, cover the context (bisection), the
+        inner bounds rounded to ``granule`` and then refined by the grid search on the model."""
+        world = self.world
+        base = even_bounds(context_len, world, granule)
+        if world == 1:
+            return base
+        lo, hi = 0.0, self.ttft(base)
+
+        def covers(limit: float) -> tuple[bool, list[float]]:
+            inner, start = [], 0.0
+            for _ in range(world - 1):
+                start += self._longest_slab(int(start), limit, context_len)
+                inner.append(start)
+            return self.rank_seconds(int(start), context_len - int(start)) <= limit, inner
+
+        inner = None
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            ok, cand = covers(mid)
+            if ok:
+                hi, inner = mid, cand
+            else:
+                lo = mid
+        if inner is None:
+            return base
+        bounds = [0] + [max(granule, round(x / granule) * granule) for x in inner] + [context_len]
+        try:
+            check_bounds(bounds, context_len, world, granule)
+        except ValueError:
+            bounds = base
+        return hierarchical_grid_search(context_len, world, self.ttft, granule=granule,
+                                        points=3, start=bounds, stride=granule).bounds
+
+    def fill_table(self, context_lens: Sequence[int], granule: int = 1,
+                   table: PartitionTable | None = None) -> PartitionTable:
+        """A lookup table (new, or ``table`` extended) with this model's partition at each of
+        ``context_lens`` for its GPU count."""
+        table = PartitionTable() if table is None else table
+        for n in context_lens:
+            table.add(self.partition(n, granule))
+        return table
+
+    def to_json(self) -> dict:
+        return dict(world=self.world, coef=dict(zip(RANK_FEATURES, self.coef)),
+                    samples=self.samples)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RankCostModel":
+        return cls(int(data["world"]), tuple(float(data["coef"][k]) for k in RANK_FEATURES),
+                   int(data.get("samples", 0)))
+
+
+def fitting_partitions(context_lens: Sequence[int], world: int,
+                       granule: int = 1) -> list[list[int]]:
+    """The few partitions to time for a fit: at each length the even split and one that gives
+    the earlier ranks more (their attention is cheaper), so that every feature varies."""
+    out = []
+    for n in context_lens:
+        out.append(even_bounds(n, world, granule))
+        skew = bounds_from_fractions([2 * world - r for r in range(world)], n, granule)
+        if skew not in out:
+            out.append(skew)
+    return out
+
+
+def fit_rank_cost_model(samples: Sequence[tuple[Sequence[int], Sequence[float]]],
+                        world: int | None = None) -> RankCostModel:
+    """Fit :class:`RankCostModel` to timed partitions: ``samples`` are ``(bounds, seconds of
+    each rank)``, every rank one row of the least-squares fit. All samples share one GPU
+    count."""
+    rows, y = [], []
+    for bounds, seconds in samples:
+        if len(seconds) != len(bounds) - 1:
+            raise ValueError(f"bounds {list(bounds)} have {len(bounds) - 1} ranks but "
+                             f"{len(seconds)} timings")
+        if world is None:
+            world = len(seconds)
+        if len(seconds) != world:
+            raise ValueError(f"every sample must have {world} ranks, got {len(seconds)}")
+        for lo, hi, s in zip(bounds, bounds[1:], seconds):
+            rows.append(rank_features(lo, hi - lo))
+            y.append(float(s))
+    if len(rows) < len(RANK_FEATURES):
+        raise ValueError(f"need at least {len(RANK_FEATURES)} timed ranks, got {len(rows)}")
+    return RankCostModel(int(world), tuple(_nonnegative_least_squares(rows, y)), len(rows))
+
+
+def check_model_against_search(model: RankCostModel, context_len: int,
+                               measure: Callable[[list[int]], float], *, granule: int = 1,
+                               **search_kw) -> dict:
+    """The search as a check of the model: the measured TTFT of the model's partition against
+    the partition the hierarchical grid search finds by measuring (``measure(bounds)`` seconds)."""
+    bounds = model.partition(context_len, granule)
+    res = hierarchical_grid_search(context_len, model.world, measure, granule=granule,
+                                   **search_kw)
+    model_s = res.evaluated.get(tuple(bounds))
+    if model_s is None:
+        model_s = float(measure(list(bounds)))
+    return dict(context=context_len, world=model.world, model_bounds=bounds,
+                model_predicted_s=model.ttft(bounds), model_measured_s=model_s,
+                search_bounds=res.bounds, search_s=res.seconds,
+                search_measured=len(res.evaluated), model_vs_search=model_s / res.seconds)
