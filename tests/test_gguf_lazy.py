@@ -235,7 +235,7 @@ def test_unreadable_or_unsupported_files_say_what_is_supported(tmp_path):
     moe = tmp_path / "lfm2moe.gguf"
     write_tiny(moe, arch="lfm2moe")
     with pytest.raises(GGUFError, match="holds a 'lfm2moe' model, which llama-ane does not export; supported: "
-                                        "general.architecture 'llama'.*'qwen3'.*'gemma3'"):
+                                        "general.architecture 'llama'.*'gemma3'.*'qwen3'"):
         open_gguf(moe)
     yarn = tmp_path / "yarn.gguf"
     write_tiny(yarn, scaling=("yarn", 4.0))
