@@ -9,7 +9,7 @@ OUT    ?= out/smollm2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 FIXTURES := swift_host/Tests/LlamaANETests/Fixtures
 
-.PHONY: setup run test test-quick test-long test-python test-swift check-transformers bench-branches bench-report clean
+.PHONY: setup run test test-quick test-long test-python test-swift check-transformers bench-branches bench-report clean tag
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,20 @@ bench-branches: setup
 # benchmarks/README.md from the committed results in benchmarks/results/*.json
 bench-report: setup
 	$(PY) benchmarks/report.py
+
+# The release tag (docs/release.md): vX.Y.Z from llama_ane/_version.py, the version SwiftPM and Xcode
+# resolve the Swift package by. Made here, on a clean work tree, and never pushed: publish it with
+# `git push origin vX.Y.Z`.
+VERSION = $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' llama_ane/_version.py)
+
+tag:
+	@test -n "$(VERSION)" || { echo "no __version__ = \"X.Y.Z\" in llama_ane/_version.py"; exit 1; }
+	@echo "$(VERSION)" | grep -Eq '^[0-9]+\.[0-9]+\.[0-9]+$$' || { echo "$(VERSION) is not X.Y.Z (SemVer, as SwiftPM needs)"; exit 1; }
+	@git diff --quiet HEAD -- || { echo "commit or stash your changes first: the tag names the last commit"; exit 1; }
+	@if git rev-parse -q --verify "refs/tags/v$(VERSION)" >/dev/null; then \
+	  echo "v$(VERSION) exists: bump __version__ in llama_ane/_version.py first"; exit 1; fi
+	git tag -a "v$(VERSION)" -m "llama-ane $(VERSION)"
+	@echo "tagged v$(VERSION); publish it with: git push origin v$(VERSION)"
 
 clean:
 	rm -rf $(VENV) out .build swift_host/.build

@@ -31,7 +31,10 @@ class ExportError(LlamaANEError, RuntimeError):
 
 
 class _Progress:
-    """A progress bar over the bytes of weights to build, so its ETA follows the real work."""
+    """A progress bar in bytes of the export as written: its total is the weights' bytes as stored
+    (compressed ones at their packed size), which is about the folder's size. Each package's share
+    fills as its work is done (its compression units, then its build), so the ETA follows the real
+    work; a built package's share is complete."""
 
     def __init__(self, plan, enabled: bool):
         self.bar = None
@@ -40,27 +43,36 @@ class _Progress:
 
             from .export.convert import compression_units
 
-            total = sum(p.dense_bytes + OVERHEAD_BYTES for p in plan.packages)
-            total += sum(COMPRESS_BYTES * u.weights for u in compression_units(plan))
+            self.share = {p.file: p.weight_bytes for p in plan.packages}  # bytes of the bar each package fills
+            self.work = {p.file: p.dense_bytes + OVERHEAD_BYTES for p in plan.packages}  # its work, in build bytes
+            for u in compression_units(plan):
+                self.work[u.spec.file] += COMPRESS_BYTES * u.weights
+            self.filled = dict.fromkeys(self.share, 0.0)
+            total = sum(self.share.values())
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
+
+    def _fill(self, file: str, amount: float) -> None:
+        amount = min(amount, self.share[file] - self.filled[file])
+        self.filled[file] += amount
+        self.bar.update(amount)
 
     def compressed(self, spec, weights: int) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"compressing for {spec.file}")
-            self.bar.update(COMPRESS_BYTES * weights)
+            self._fill(spec.file, self.share[spec.file] * COMPRESS_BYTES * weights / self.work[spec.file])
 
     def built(self, spec) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(f"built {spec.file}")
-            self.bar.update(spec.dense_bytes + OVERHEAD_BYTES)
+            self._fill(spec.file, self.share[spec.file])
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-OVERHEAD_BYTES = 20_000_000  # a package's fixed cost in the progress bar (graph building, hashing)
-COMPRESS_BYTES = 4  # a compressed weight's cost in the progress bar: its k-means is a few times its build
+OVERHEAD_BYTES = 20_000_000  # a package's fixed work beside its weights' bytes (graph building, hashing)
+COMPRESS_BYTES = 4  # a compressed weight's work in build bytes: its k-means is a few times its build
 
 
 @contextlib.contextmanager

@@ -78,11 +78,24 @@ def _one_thread_a_worker() -> None:
     torch.set_num_threads(1)
 
 
+def _own_cache_folder() -> None:
+    """The user cache folder (chat history, info's remembered hashes) in a temporary folder of this
+    process, removed at its exit: tests never write into the real one."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="llama-ane-test-cache-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["XDG_CACHE_HOME"] = folder
+
+
 def pytest_configure(config):
     """In the unit tier (`make test-quick`), exporting a model or starting a process fails at once,
     in a test or in any fixture it uses, naming the mark the test lacks: the tier stays quick
     because nothing slips into it."""
     _signals_as_at_a_terminal()
+    _own_cache_folder()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         _one_thread_a_worker()
     if not _unit_tier(config):

@@ -229,6 +229,24 @@ def test_without_a_chip_off_macos_nothing_is_modelled(bucket_export):
     assert got["prefill"][0]["timings"]["warmup_s"] == []
 
 
+@pytest.mark.export
+def test_a_default_export_benches_its_cascade_through_the_prefill_window(tiny_checkpoint, tmp_path):
+    """The default export decodes and cascades through its prefill window (no decode_branches):
+    bench measures the branches as generate_branches runs them, calls as the device model counts."""
+    from llama_ane.api import export_model
+    from llama_ane.contract.manifest import read_manifest
+
+    out = export_model(tiny_checkpoint(num_hidden_layers=2, head_dim=32), tmp_path / "default", context_length=256,
+                       prefill_length=32, branch_width=WIDTH, progress=False, verify=False)
+    m = read_manifest(out)
+    assert m["cascade"] == "window"
+    got = bench.run_bench(out, "torch", bench.BenchOptions(prompt_lengths=(3,), filled=(40,), branches=6,
+                                                           repeats=1, warmup=0))
+    [c] = got["cascade"]
+    assert c["function"] == "prefill" and c["groups"] == 2 and c["tokens_per_s"] > 0
+    assert c["calls_per_step"] == dm.cascade_cost(m, 40, 6).calls
+
+
 # ---- macOS: Core ML and its compute plan ----------------------------------------------------------------------------
 
 @pytest.mark.macos

@@ -157,7 +157,7 @@ def test_cli_export_of_the_default_model(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "passed" in proc.stdout  # the parity check ran on the exported programs
     converted = re.search(r"converted in (\d+\.\d) s", proc.stdout)
-    done = re.search(r"done in (\d+\.\d) s", proc.stdout)
+    done = re.search(r"exported .* in (\d+\.\d) s", proc.stdout)  # the export's closing line
     assert converted and done, proc.stdout
     printed = float(done.group(1))
     print(f"llama-ane export of the default model: conversion {converted.group(1)} s, "

@@ -18,9 +18,8 @@ from pathlib import Path
 import click
 
 from ..errors import InvalidArgumentError
-from ..runtime.model import BACKENDS
 from .errors import user_errors
-from .options import OptionError, PathOrRepo, flag_of, revision_option
+from .options import BACKEND, OptionError, PathOrRepo, flag_of, revision_option
 
 
 class IntList(click.ParamType):
@@ -42,7 +41,7 @@ class IntList(click.ParamType):
 @click.command("bench")
 @click.argument("out", type=PathOrRepo())
 @revision_option("OUT")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS (device numbers), torch elsewhere (labelled: not device numbers).")
 @click.option("--prompt-lengths", type=IntList(), default=None, metavar="P[,P...]",
               help="Prompt lengths whose time to first token and prefill tokens/s are measured "

@@ -48,7 +48,10 @@ HINT = "/help for commands"
               help="Most drafted tokens per verify step [default: the export's verify window - 1].")
 def command(out, system, max_new_tokens, revision, backend, precision, temperature, top_k, top_p, min_p,
             repetition_penalty, seed, stop, prompt_cache, speculative, draft_tokens):
-    """Chat with the export in OUT, a folder or a Hugging Face repo id (reads turns from standard input)."""
+    """Chat with the export in OUT, a folder or a Hugging Face repo id (reads turns from standard input).
+
+    OUT `default` is the embedded SmolLM2-135M-Instruct, run unexported by the torch backend (as a
+    checkpoint folder is): a check of the model before an export, not a fast runtime."""
     from ..errors import InvalidArgumentError
 
     if draft_tokens is not None and speculative is None:

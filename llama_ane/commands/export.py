@@ -43,13 +43,12 @@ def command(model, out, revision, workers, max_memory, force, no_verify, no_tran
         export_model(model, out, force=force, verify=not no_verify, with_transformers=not no_transformers,
                      workers=workers, max_memory_gb=max_memory, progress=not quiet,
                      log=_log_to_stderr if as_json else _log, revision=revision, **options)
+    # the log's last line closes the export ("exported OUT in S s, peak memory ..."); --json adds the result
     if as_json:
         import json
 
         click.echo(json.dumps({"out": str(out), "seconds": round(time.perf_counter() - t0, 3),
                                "verified": not no_verify}))
-        return
-    click.echo(f"done in {time.perf_counter() - t0:.1f} s")
 
 
 def _log(line: str) -> None:

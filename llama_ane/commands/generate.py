@@ -2,6 +2,7 @@
 
     llama-ane generate OUT --prompt "..."                          one reply, streamed (the export's
                         chat template wraps the prompt when it has one; --raw continues the text itself)
+    llama-ane generate default --prompt "..."                      the embedded SmolLM2, unexported (torch)
     llama-ane generate OUT --prompt-file doc.txt --question A --question B   document QA (cascade)
     llama-ane generate OUT --prompt "..." --samples 8 --temperature 0.8      N samples (cascade)
     llama-ane generate OUT --prompt-file doc.txt --question A --prompt-cache doc.npz
@@ -73,7 +74,10 @@ STREAM_SECONDS = 0.5
 def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max_new_tokens, revision, backend,
             precision, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, overflow, keep,
             prompt_cache, speculative, draft_tokens, as_json):
-    """Generate text from the export in OUT (a folder or a Hugging Face repo id)."""
+    """Generate text from the export in OUT (a folder or a Hugging Face repo id).
+
+    OUT `default` is the embedded SmolLM2-135M-Instruct, run unexported by the torch backend (as a
+    checkpoint folder is): a check of the model before an export, not a fast runtime."""
     started = time.perf_counter()
     _check_options(prompt, prompt_file, questions, samples, raw, chat, system, speculative,
                    draft_tokens, repetition_penalty, overflow, keep)

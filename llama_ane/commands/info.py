@@ -9,8 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..contract.plan import FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
-from ..contract.options import DECODE_CHOICES, EXPORT_OPTIONS
+from ..contract.options import DECODE_CHOICES, EXPORT_OPTIONS, FOLD_CHOICES, KV_CACHE_CHOICES, TARGETS
 from ..errors import InvalidArgumentError
 from .errors import user_errors
 from .options import FiniteFloat, PathOrRepo, revision_option
@@ -58,15 +57,19 @@ def command(out, config_path, revision, context_length, quantize, target, kv_cac
     models, weights, the bytes and Core ML calls of one decode step, and its modelled tokens/s per
     Apple chip.
 
+    What it reads of OUT's files (their sha256, the bytes each function adds) is remembered in the
+    user's cache folder for each file as it is, so a second `info` reads no file again.
+
     OUT may be a Hugging Face repo id of an export, and --config one of a checkpoint."""
     from ..contract.device_model import CHIPS, chip as find_chip, manifest_from_config, read_config, report
-    from ..contract.manifest import decode_function as decoded_by, kv_cache_kind, read_manifest
+    from ..contract.manifest import decode_function as decoded_by, kv_cache_kind
     from ..contract.resident import resident
     from ..contract.traffic import decode_step_traffic
     from ..hub import locate
 
     given = {"context_length": context_length, "quantize": quantize, "target": target, "kv_cache": kv_cache,
              "fold_lm_head": fold_lm_head, "decode_function": decode_function}
+    known = None  # what an earlier `info` of the same files computed (an export folder's only)
     with user_errors():
         if (out is None) == (config_path is None):
             raise InvalidArgumentError("give an export folder OUT or --config CONFIG.json (one of them)")
@@ -81,7 +84,9 @@ def command(out, config_path, revision, context_length, quantize, target, kv_cac
                 raise InvalidArgumentError(f"{out} is not a llama-ane export (manifest.json is missing) but a "
                                            f"checkpoint folder: model the export it would make with "
                                            f"`llama-ane info --config {out}`, or export it first")
-            m = read_manifest(out)
+            known = Remembered.load()
+            m = checked_manifest(out, known)
+            known.save()
         else:
             options = {k: v for k, v in given.items() if v is not None}
             m = manifest_from_config(read_config(locate(config_path, revision, "config")), **options)
@@ -102,7 +107,9 @@ def command(out, config_path, revision, context_length, quantize, target, kv_cac
         click.echo(json.dumps({**m, **extra}, indent=2))
         return
     _describe(m, config_path)
-    _functions(m, out)
+    _functions(m, out, known)
+    if known is not None:
+        known.save()
     _resident(wired)
     _traffic(m, traffic, n, bandwidth)
     _modelled(model, prompt_length, branches)
@@ -272,10 +279,11 @@ def _span(lo: float, hi: float, fmt: str) -> str:
     return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-def _functions(m: dict, out: Path | None) -> None:
+def _functions(m: dict, out: Path | None, known: "Remembered | None") -> None:
     """Per package, the functions it holds and, for an export folder, the bytes each adds: its own
-    constants in the weight blob (those no other function of the package shares). A modelled
-    export (--config) has no packages to read: it shows the functions only."""
+    constants in the weight blob (those no other function of the package shares), remembered in
+    `known` from an earlier look at the same package. A modelled export (--config) has no packages
+    to read: it shows the functions only."""
     from ..limits import MAX_FUNCTIONS_PER_PACKAGE
 
     files: dict[str, list[str]] = {}
@@ -283,9 +291,12 @@ def _functions(m: dict, out: Path | None) -> None:
         for fn, spec in entry["functions"].items():
             files.setdefault(spec.get("file") or f"{model}.mlpackage", []).append(spec.get("function_name") or fn)
     click.echo(f"  functions per package (at most {MAX_FUNCTIONS_PER_PACKAGE} in a package of weights)"
-               + ("; bytes each adds beyond the shared weights" if out is not None else ""))
+               + ("; bytes each adds beyond the shared weights" if out is not None
+                  and any(file.endswith(".mlpackage") for file in files) else ""))
     for file, functions in files.items():
-        own = function_bytes(out / file) if out is not None else {}
+        own = {}
+        if out is not None and known is not None and file.endswith(".mlpackage"):  # a Core AI asset: not read
+            own = known.get(out / file, "function_bytes", function_bytes)
         listed = ", ".join(f"{fn} +{own[fn] / 1e3:.1f} kB" if fn in own else fn for fn in functions)
         click.echo(f"    {file:<28} {len(functions):>2}: {listed}")
 
@@ -314,3 +325,87 @@ def function_bytes(package: Path) -> dict[str, int]:
                 f.seek(offset + 8)  # the entry's header: sentinel, dtype, then its size in bytes
                 own[next(iter(fns))] += struct.unpack("<Q", f.read(8))[0]
     return own
+
+
+class Remembered:
+    """What `info` computed about an export's files, kept between runs in the user's cache folder
+    (`info.json` in platformdirs' user_cache_dir("llama-ane"), e.g. ~/.cache/llama-ane on Linux):
+    each file's or package's sha256 and the bytes each function of a package adds. An entry is
+    keyed by the file's absolute path and holds the signature it was computed for (each file's
+    size, inode, modification and change times: a write changes the change time, which cannot be
+    set back), so a file that changed in any way is read again. Nothing is written into the
+    export folder. At most MAX_ENTRIES paths are kept, the most recently used."""
+
+    MAX_ENTRIES = 512
+    FILE = "info.json"
+
+    def __init__(self, path: Path | None, entries: dict):
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def load(cls) -> "Remembered":
+        try:
+            from platformdirs import user_cache_dir
+
+            path = Path(user_cache_dir("llama-ane")) / cls.FILE
+        except Exception:  # no home folder to find a cache folder in: remember nothing
+            return cls(None, {})
+        try:
+            entries = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(entries, dict):
+                entries = {}
+        except (OSError, ValueError):  # none yet, unreadable or not JSON: start again
+            entries = {}
+        return cls(path, entries)
+
+    def get(self, path: Path, key: str, compute):
+        """`key` of `path` as remembered for the path's current state, else compute(path), remembered."""
+        from ..contract.manifest import _signature
+
+        def sign() -> list:
+            return json.loads(json.dumps(_signature(Path(path))))  # as it reads back from the file
+
+        name, signature = str(Path(path).resolve()), sign()
+        entry = self.entries.pop(name, None)
+        if not isinstance(entry, dict) or entry.get("signature") != signature:
+            entry = {"signature": signature}
+            self.changed = True
+        if key not in entry:
+            value = compute(Path(path))
+            after = sign()
+            if after != signature:  # computing it wrote the files (coremltools rewrites a package's Manifest.json)
+                entry = {"signature": after}
+            entry[key] = value
+            self.changed = True
+        self.entries[name] = entry  # the most recently used last
+        return entry[key]
+
+    def save(self) -> None:
+        """Write what changed (best effort: a cache folder that cannot be written is skipped)."""
+        if self.path is None or not self.changed:
+            return
+        import os
+        import tempfile
+
+        keep = dict(list(self.entries.items())[-self.MAX_ENTRIES:])
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".info-", suffix=".json", dir=self.path.parent)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(keep, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            return
+        self.changed = False
+
+
+def checked_manifest(out: Path, known: Remembered) -> dict:
+    """OUT's manifest, read and checked as `read_manifest` does, each file's sha256 computed only if
+    `known` does not remember it for the file as it is now. A file whose sha256 does not match is
+    refused as read_manifest refuses it."""
+    from ..contract.manifest import read_manifest, sha256_path
+
+    m = read_manifest(out, check_hashes=False)
+    if any(known.get(out / name, "sha256", sha256_path) != digest for name, digest in m["files"].items()):
+        read_manifest(out)  # raises naming the file
+    return m

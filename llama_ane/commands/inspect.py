@@ -16,7 +16,7 @@ from .options import LazyChoice, PathOrRepo, revision_option
 @revision_option("PATH")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit with status 1 if there is any ANE rule violation.")
-@click.option("--target", type=LazyChoice("llama_ane.contract.plan", "TARGETS"), default=None,
+@click.option("--target", type=LazyChoice("llama_ane.contract.options", "TARGETS"), default=None,
               help="Deployment target for the file-size rule (e.g. iOS18, macOS15); default: the manifest's, "
                    "or iOS18 for a single package.")
 def command(path: str, revision: str | None, as_json: bool, strict: bool, target: str | None) -> None:

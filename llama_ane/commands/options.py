@@ -159,10 +159,33 @@ def sampling_options(max_new_tokens: int) -> Decorator:
     ])
 
 
+def literal_constant(module: str, name: str) -> Any:
+    """The value of the module-level constant `name` of `module` when its source assigns it a literal
+    (a tuple of strings, ...), read without importing the module (None if it is not a literal)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    return None
+
+
 class LazyChoice(click.Choice):
     """A choice among the values of a constant (`BACKENDS`, `TARGETS`) that lives in a module the
-    command only needs once it runs: the module is imported to show --help or to check a value the
-    user typed, never for a default nor for another option's error, so those answer without torch."""
+    command only needs once it runs. A literal constant is read from the module's source, so --help
+    and a check of a typed value answer without importing it (and torch with it); any other is
+    imported then. A default is never checked, nor is anything read for another option's error."""
 
     def __init__(self, module: str, name: str):
         self._where = (module, name)
@@ -172,9 +195,12 @@ class LazyChoice(click.Choice):
     @property
     def choices(self) -> tuple[str, ...]:
         if self._choices is None:
-            import importlib
+            value = literal_constant(*self._where)
+            if value is None:
+                import importlib
 
-            self._choices = tuple(getattr(importlib.import_module(self._where[0]), self._where[1]))
+                value = getattr(importlib.import_module(self._where[0]), self._where[1])
+            self._choices = tuple(value)
         return self._choices
 
     @choices.setter

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import click
 
-from ..runtime.model import BACKENDS
 from .errors import user_errors
 from ..serve.options import ServeOptions as DEFAULTS
-from .options import FiniteFloat, PathOrRepo, Utf8File, revision_option
+from .options import BACKEND, FiniteFloat, PathOrRepo, Utf8File, revision_option
 
 def _serve_extra():
     """The serve package, or a one-line error naming the extra to install."""
@@ -74,7 +73,7 @@ def _server_class(uvicorn):
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 serves other machines: set --api-key).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+@click.option("--backend", type=BACKEND, default="auto", show_default=True,
               help="auto = coreml on macOS, torch elsewhere.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32"]), default=None,
               help="torch/mil compute precision [default: fp32 for torch on CPU, else the export's].")

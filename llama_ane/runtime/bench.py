@@ -297,8 +297,8 @@ def measure_decode(model: LlamaANEModel, filled: int, opts: BenchOptions, rng: n
 def measure_cascade(model: LlamaANEModel, prefix: int, branches: int, opts: BenchOptions,
                     rng: np.random.Generator, chip: "dm.Chip | None") -> dict:
     """Tokens/s of `branches` branches decoding over a `prefix`-token shared prefix: groups of the
-    exported width, each a few "decode_branches" steps (one token per branch each), as
-    `generate_branches` runs them."""
+    exported width, each a few steps (one token per branch each, through "decode_branches" or the
+    prefill window, as the export cascades), as `generate_branches` runs them."""
     from .cascade import CascadeDecoder
 
     fill_to(model, prefix, rng)
@@ -306,13 +306,15 @@ def measure_cascade(model: LlamaANEModel, prefix: int, branches: int, opts: Benc
     width = decoder.width
     groups = math.ceil(branches / width)
     steps = max(1, min(opts.decode_tokens, decoder.suffix_length))
-    suffixes = [decoder.new_suffixes(i) for i in range(len(model.manifest["chunks"]))]
+    while steps > 1 and not decoder.fits(prefix, 0, steps, width):  # through the window: the context bounds it
+        steps -= 1
     tokens = _ids(rng, model.manifest["config"]["vocab_size"], width)
 
     def run() -> None:
         for _ in range(groups):
+            state = decoder.new_state()
             for s in range(steps):
-                decoder.step(tokens, np.full(width, s, np.int32), prefix, suffixes)
+                decoder.step(tokens, np.full(width, s, np.int32), prefix, state)
         model.pipeline.wait()
 
     counter = CallCounter(model.backend)
@@ -321,7 +323,7 @@ def measure_cascade(model: LlamaANEModel, prefix: int, branches: int, opts: Benc
     per_step = t["median_s"] / steps  # every branch's next token
     predicted = dm.cascade_cost(model.manifest, prefix, branches)
     return {"prefix": prefix, "branches": branches, "width": width, "groups": groups, "steps_per_sample": steps,
-            "function": BRANCHES, "tokens_per_s": branches / per_step, "ms_per_step": per_step * 1e3,
+            "function": "prefill" if decoder.in_window else BRANCHES, "tokens_per_s": branches / per_step, "ms_per_step": per_step * 1e3,
             "calls_per_step": counter.count / ((opts.warmup + opts.repeats) * steps), "timings": t,
             "modelled": _modelled(chip, predicted)}
 
