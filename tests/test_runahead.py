@@ -1,6 +1,8 @@
 """KV-Runahead on the CPU: gloo process groups (one thread per rank, or one process per rank),
-a tiny random Llama in fp32. The logits of every rank's slab equal one process's prefill, and the
-last rank's cache holds the whole prompt's K/V. Also the partition search and its lookup table."""
+a tiny random Llama in fp32. The logits of every rank's slab equal one process's prefill, with
+every hand-off and both sequence-parallel layouts, and the rank holding the last token has the
+whole prompt's K/V. SmolLM2's greedy tokens after KV-Runahead equal those after one process's
+prefill. Also the partition search, its lookup table and the cost model."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import torch.distributed as dist
 
 from llama_ane.cuda.runahead import partition
 from llama_ane.cuda.runahead.launch import run_thread_ranks
-from llama_ane.cuda.runahead.prefill import (Transport, runahead_prefill,
-                                             sequence_parallel_prefill, single_prefill)
+from llama_ane.cuda.runahead.prefill import (HANDOFFS, Transport, greedy_after_prefill,
+                                             runahead_prefill, sequence_parallel_prefill,
+                                             single_prefill)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +36,9 @@ def tiny():
     return model, GPUEngine(model, dtype=torch.float32, page_size=4, device="cpu")
 
 
-def run_ranks(world: int, fn):
+def run_ranks(world: int, fn, handoff: str = "unbatched"):
     """``fn(transport)`` on ``world`` gloo ranks, one thread each; the results by rank."""
-    return run_thread_ranks(world, fn, timeout_s=120)
+    return run_thread_ranks(world, fn, handoff=handoff, timeout_s=120)
 
 
 def _tokens(cache, n):
@@ -48,13 +51,29 @@ def _prompt(n, seed=1):
     return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _in_token_order(results):
+    """Every rank's ``all_logits`` rows put back in token order by their spans."""
+    rows = [(s, r.logits[i:i + e - s]) for r in results
+            for s, e, i in _span_rows(r.spans)]
+    return torch.cat([x for _, x in sorted(rows, key=lambda t: t[0])])
+
+
+def _span_rows(spans):
+    row = 0
+    for s, e in spans:
+        yield s, e, row
+        row += e - s
+
+
+@pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("world,bounds", [(2, [0, 28, 45]), (4, [0, 16, 28, 36, 45]),
                                           (4, [0, 4, 8, 40, 45])])
-def test_runahead_logits_equal_single_process_prefill(tiny, world, bounds):
+def test_runahead_logits_equal_single_process_prefill(tiny, world, bounds, handoff):
     model, engine = tiny
     ids = _prompt(45)
     results = run_ranks(world, lambda t: runahead_prefill(engine, ids, bounds, t,
-                                                          all_logits=True))
+                                                          all_logits=True), handoff)
+    assert [r.spans for r in results] == [[(lo, hi)] for lo, hi in zip(bounds, bounds[1:])]
     got = torch.cat([r.logits for r in results])
     want = engine.prefill_logits(ids.tolist())
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -67,16 +86,51 @@ def test_runahead_logits_equal_single_process_prefill(tiny, world, bounds):
     torch.testing.assert_close(results[-1].logits[-1], single.logits)
 
 
+@pytest.mark.parametrize("layout", ["even", "zigzag"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_logits_equal_single_process_prefill(tiny, world):
+def test_sequence_parallel_logits_equal_single_process_prefill(tiny, world, layout):
     _, engine = tiny
-    ids = _prompt(48, seed=2)
-    results = run_ranks(world, lambda t: sequence_parallel_prefill(engine, ids, t,
+    ids = _prompt(64, seed=2)
+    results = run_ranks(world, lambda t: sequence_parallel_prefill(engine, ids, t, layout=layout,
                                                                    all_logits=True))
-    torch.testing.assert_close(torch.cat([r.logits for r in results]),
-                               engine.prefill_logits(ids.tolist()), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(_tokens(results[-1].cache, 48),
-                               _tokens(single_prefill(engine, ids).cache, 48))
+    assert [r.spans for r in results] == partition.sequence_parallel_spans(64, world, layout, 4)
+    torch.testing.assert_close(_in_token_order(results), engine.prefill_logits(ids.tolist()),
+                               atol=1e-4, rtol=1e-4)
+    # the rank holding the last token (zigzag: rank 0) has the whole prompt's K/V
+    holder = 0 if layout == "zigzag" else world - 1
+    torch.testing.assert_close(_tokens(results[holder].cache, 64),
+                               _tokens(single_prefill(engine, ids).cache, 64))
+    first = run_ranks(world, lambda t: sequence_parallel_prefill(engine, ids, t, layout=layout))
+    assert [r.logits is not None for r in first] == [r == holder for r in range(world)]
+    torch.testing.assert_close(first[holder].logits, single_prefill(engine, ids).logits,
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("world,n", [(2, 64), (4, 256), (3, 96)])
+def test_zigzag_spans_balance_causal_attention(world, n):
+    """Every token once; zigzag gives every rank the same query-key pairs, the even split
+    does not."""
+    def pairs(spans):
+        return sum(t + 1 for s, e in spans for t in range(s, e))
+
+    for layout in ("even", "zigzag"):
+        spans = partition.sequence_parallel_spans(n, world, layout)
+        assert sorted(t for r in spans for s, e in r for t in range(s, e)) == list(range(n))
+        assert len({e - s for r in spans for s, e in r}) == 1
+        work = [pairs(r) for r in spans]
+        assert (len(set(work)) == 1) == (layout == "zigzag"), (layout, work)
+
+
+def test_greedy_after_prefill_follows_the_plain_forward(tiny):
+    """The check decode continues a prefill's cache as a plain causal forward over the growing
+    prompt would."""
+    _, engine = tiny
+    ids = _prompt(23, seed=4).tolist()
+    got = greedy_after_prefill(engine, single_prefill(engine, ids), len(ids), 6)
+    want = list(ids)
+    for _ in range(6):
+        want.append(int(engine.prefill_logits(want)[-1].argmax()))
+    assert got == want[len(ids):]
 
 
 def test_bad_partitions_are_refused(tiny):
@@ -94,23 +148,107 @@ def test_bad_partitions_are_refused(tiny):
         runahead_prefill(engine, ids, [0, 45], method="flash")
     with pytest.raises(ValueError, match="divisible"):
         run_ranks(2, lambda t: sequence_parallel_prefill(engine, ids, t))
+    with pytest.raises(ValueError, match="divisible by 8 chunks"):
+        run_ranks(4, lambda t: sequence_parallel_prefill(engine, _prompt(48), t, layout="zigzag"))
+    with pytest.raises(ValueError, match="layout"):
+        partition.sequence_parallel_spans(48, 2, "ring")
+    with pytest.raises(ValueError, match="hand-off"):
+        run_ranks(2, lambda t: None, handoff="nccl")
 
 
 def _rank_program(rank, world, engine, ids, bounds, out):
-    """One process per rank (launch.spawn): the real torch.distributed default group."""
-    result = runahead_prefill(engine, ids, bounds, Transport(dist.group.WORLD), all_logits=True)
-    torch.save(result.logits, f"{out}/rank{rank}.pt")
+    """One process per rank (launch.spawn): the real torch.distributed default group of 4 ranks
+    and a group of its first 2, every hand-off (``batched``: batch_isend_irecv), and the zigzag
+    sequence-parallel baseline."""
+    pair = dist.new_group([0, 1])
+    pair_links = (dist.new_group([0, 1]), dist.new_group([0, 1]))
+    for handoff in HANDOFFS:
+        # new_group is collective: every process builds the links transport, then runs
+        t4 = Transport(dist.group.WORLD, handoff=handoff)
+        r = runahead_prefill(engine, ids, bounds[4], t4, all_logits=True)
+        torch.save(r.logits, f"{out}/kvr4-{handoff}-{rank}.pt")
+        if rank < 2:
+            t2 = Transport(pair, handoff=handoff,
+                           links=pair_links if handoff == "links" else None)
+            r = runahead_prefill(engine, ids, bounds[2], t2, all_logits=True)
+            torch.save(r.logits, f"{out}/kvr2-{handoff}-{rank}.pt")
+    r = sequence_parallel_prefill(engine, ids[:32], Transport(dist.group.WORLD), layout="zigzag",
+                                  all_logits=True)
+    torch.save((r.spans, r.logits), f"{out}/sp4-zigzag-{rank}.pt")
 
 
-@pytest.mark.slow  # a process per rank, each importing torch: ~50 s on a small CPU
+@pytest.mark.slow  # a process per rank, each importing torch: ~60 s on a small CPU
 def test_runahead_across_processes_with_gloo(tiny, tmp_path):
     from llama_ane.cuda.runahead.launch import spawn
 
     _, engine = tiny
     ids = _prompt(37, seed=3)
-    spawn(_rank_program, 2, "gloo", (engine, ids, [0, 24, 37], str(tmp_path)))
-    got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
-    torch.testing.assert_close(got, engine.prefill_logits(ids.tolist()), atol=1e-4, rtol=1e-4)
+    bounds = {2: [0, 24, 37], 4: [0, 12, 20, 28, 37]}
+    spawn(_rank_program, 4, "gloo", (engine, ids, bounds, str(tmp_path)))
+    want = engine.prefill_logits(ids.tolist())
+    for handoff in HANDOFFS:
+        for world in (2, 4):
+            got = torch.cat([torch.load(tmp_path / f"kvr{world}-{handoff}-{r}.pt")
+                             for r in range(world)])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
+                                       msg=f"{world} ranks, {handoff}")
+    sp = [torch.load(tmp_path / f"sp4-zigzag-{r}.pt") for r in range(4)]
+    rows = sorted((s, logits[i:i + e - s]) for spans, logits in sp
+                  for s, e, i in _span_rows(spans))
+    torch.testing.assert_close(torch.cat([x for _, x in rows]),
+                               engine.prefill_logits(ids[:32].tolist()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # loads the embedded SmolLM2 GGUF (~40 s)
+def test_smollm2_greedy_tokens_after_runahead_equal_one_process_prefill():
+    """SmolLM2-135M, fp32 on the CPU, 2 gloo ranks: 16 greedy tokens after a KV-Runahead prefill
+    of 320 tokens equal those after one process's prefill; every hand-off leaves the same cache
+    and logits, bit for bit."""
+    import importlib.resources
+
+    from llama_ane.cuda.engine import GPUEngine, load_hf_model
+
+    model, tok = load_hf_model()
+    engine = GPUEngine(model, dtype=torch.float32, device="cpu")
+    text = (importlib.resources.files("llama_ane") / "eval_text.txt").read_text()
+    ids = tok(text)["input_ids"][:320]
+    assert len(ids) == 320
+    want = greedy_after_prefill(engine, single_prefill(engine, ids), len(ids), 16)
+    last = {h: run_ranks(2, lambda t: runahead_prefill(engine, ids, [0, 176, 320], t), h)[-1]
+            for h in HANDOFFS}
+    got = greedy_after_prefill(engine, last["batched"], len(ids), 16)
+    print("SmolLM2 after KV-Runahead:", tok.decode(got))
+    assert got == want
+    for handoff, res in last.items():
+        assert torch.equal(res.cache, last["batched"].cache), handoff
+        assert torch.equal(res.logits, last["batched"].logits), handoff
+
+
+@pytest.mark.slow  # two processes, each importing torch and transformers
+def test_benchmark_dry_run_on_the_cpu(tmp_path):
+    """benchmarks/runahead_gpu.py's multi-GPU path on gloo processes: every baseline, with every
+    hand-off, lands in the JSON, and the checks agree with one process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "runahead_gpu.py"
+    subprocess.run([sys.executable, str(script), "--cpu", "--world", "2", "--out-dir",
+                    str(tmp_path), "--contexts", "1024", "--model-fit", "512", "1024",
+                    "--reps", "1"], check=True, timeout=600)
+    report = json.loads((tmp_path / "runahead_cpu_dryrun.json").read_text())
+    assert report["mode"].startswith("CPU dry run") and report["env"]["NCCL_NVLS_ENABLE"] == "0"
+    methods = {r["method"] for r in report["speed"]["rows"]}
+    assert methods == {"single", "sequence_parallel", "sequence_parallel_zigzag",
+                       *(f"kvr_{p}:{h}" for p in ("even", "model") for h in HANDOFFS)}
+    for row in report["speed"]["rows"]:
+        assert row["ttft_ms"] > 0 and len(row["per_rank_ms"]) == 2
+    assert set(report["speed"]["models"]) == set(HANDOFFS)
+    checks = report["random_8b"]
+    for name in ("kvr", "kvr_batched", "kvr_links", "sp", "sp_zigzag"):
+        assert checks[f"{name}_vs_single"]["rel_l2"] < 1e-5, name
+    assert (tmp_path / "runahead_cpu_dryrun.png").exists()
 
 
 # -- partition search and lookup table --------------------------------------------------------

@@ -48,12 +48,14 @@ def spawn(fn, world: int, backend: str, args: tuple = ()) -> None:
     mp.spawn(_worker, args=(fn, world, backend, free_port(), args), nprocs=world, join=True)
 
 
-def run_thread_ranks(world: int, fn, *, host_staging: bool = False,
+def run_thread_ranks(world: int, fn, *, host_staging: bool = False, handoff: str = "unbatched",
                      timeout_s: float = 300.0) -> list:
     """``fn(transport)`` on ``world`` gloo ranks that are threads of this process.
 
     For checks without a process per rank (CI on a CPU, several ranks sharing one GPU with
-    ``host_staging``). Returns each rank's result in rank order; re-raises the first error.
+    ``host_staging``). ``handoff`` is the transport's (the ``links`` groups are two more gloo
+    groups on the same store). Returns each rank's result in rank order; re-raises the first
+    error.
     """
     import threading
 
@@ -66,8 +68,13 @@ def run_thread_ranks(world: int, fn, *, host_staging: bool = False,
 
     def work(rank: int) -> None:
         try:
-            group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
-            results[rank] = fn(Transport(group, host_staging=host_staging))
+            timeout = timedelta(seconds=timeout_s)
+            group = dist.ProcessGroupGloo(store, rank, world, timeout)
+            links = tuple(dist.ProcessGroupGloo(dist.PrefixStore(f"link{i}/", store), rank, world,
+                                                timeout)
+                          for i in range(2)) if handoff == "links" else None
+            results[rank] = fn(Transport(group, host_staging=host_staging, handoff=handoff,
+                                         links=links))
         except Exception as exc:  # re-raised in the caller's thread
             errors.append(exc)
 

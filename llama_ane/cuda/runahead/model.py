@@ -16,6 +16,11 @@ LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                                 "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192})
 
+# a few layers of the same kind, small enough for CPU dry runs of the multi-process benchmark
+TINY_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192)
+
 
 class _RandomCheckpoint:
     """Stands in for a ``LlamaForCausalLM``: ``config``, ``state_dict()``, ``model.rotary_emb``."""

@@ -70,6 +70,31 @@ def bounds_from_fractions(fractions: Sequence[float], context_len: int,
     return bounds
 
 
+SP_LAYOUTS = ("even", "zigzag")
+
+
+def sequence_parallel_spans(context_len: int, world: int, layout: str = "even",
+                            granule: int = 1) -> list[list[tuple[int, int]]]:
+    """The token ranges ``(start, end)`` each rank of sequence parallelism computes, by rank.
+
+    ``even``: ``world`` equal slabs in order; a later rank's causal attention covers more keys.
+    ``zigzag`` (load-balanced): ``2 * world`` equal chunks, rank ``r`` takes chunks ``r`` and
+    ``2 * world - 1 - r``, so every rank attends over the same number of query-key pairs. Every
+    range is a multiple of ``granule`` long (the context must divide into them).
+    """
+    if layout not in SP_LAYOUTS:
+        raise ValueError(f"sequence-parallel layout must be one of {SP_LAYOUTS}, got {layout!r}")
+    chunks = world if layout == "even" else 2 * world
+    if context_len % (chunks * granule):
+        raise ValueError(f"{layout} sequence-parallel prefill needs a prompt length divisible by "
+                         f"{chunks} chunks x page size {granule}, got {context_len}")
+    c = context_len // chunks
+    if layout == "even":
+        return [[(r * c, (r + 1) * c)] for r in range(world)]
+    return [[(r * c, (r + 1) * c), ((chunks - 1 - r) * c, (chunks - r) * c)]
+            for r in range(world)]
+
+
 def fractions_of(bounds: Sequence[int]) -> list[float]:
     """Slab sizes as fractions of the context."""
     total = bounds[-1]
