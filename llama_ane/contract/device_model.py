@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
-from ..model.layers.delta_net import squarings
+from ..model.functions import BRANCHES, VERIFY, squarings
 from .manifest import decode_function, window_cascade
-from .specs import BRANCHES, VERIFY
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
 

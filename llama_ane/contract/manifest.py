@@ -263,7 +263,7 @@ def _check_delta_shapes(manifest: dict[str, Any]) -> None:
     """Every linear-attention state tensor (delta_state, delta_new, delta_branches) is (rows,
     cache.delta.heads * key_dim, 1, value_dim), and there is one exactly where cache.delta says the
     export has linear-attention layers."""
-    from ..model.layers.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
+    from ..model.functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
 
     delta = manifest["cache"].get("delta")
     read = False

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
-from ..model.embeddings import per_layer_rows
+from ..model.functions import per_layer_rows
 from ..model.lm_head import ROW_UNIT, vocab_splits
 from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig

@@ -48,9 +48,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import LlamaConfig
-from ..model.layers.delta_net import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE
-from ..model.embeddings import per_layer_rows
-from ..model.functions import RING_CACHES
+from ..model.functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, RING_CACHES, per_layer_rows
 from .manifest import decode_function, function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}

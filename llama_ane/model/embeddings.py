@@ -54,7 +54,8 @@ from torch import nn
 import dataclasses
 
 from ..config import LlamaConfig, inv_freq
-from .functions import BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, shape_of, tensor, window_masks
+from .functions import (BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, per_layer_rows, shape_of, tensor,
+                        window_masks)
 from .layers import MASK_VALUE, Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil
 
 
@@ -181,16 +182,6 @@ class PerLayerInputs(nn.Module):
         projected = self.per_layer_model_projection(hidden).reshape(self.layers, self.size, 1, s)
         projected = self.per_layer_projection_norm(projected).reshape(1, self.layers * self.size, 1, s)
         return (projected + tokens) * 2 ** -0.5
-
-
-def per_layer_rows(cfg: LlamaConfig, rows: tuple[int, int]) -> tuple[int, int]:
-    """[start, end) rows of Gemma 4's per-layer table in the embeddings file of vocabulary rows
-    `rows`: the same rows, those the table has (it may have fewer than the vocabulary); a file of the
-    whole vocabulary holds the whole table."""
-    vp = cfg.per_layer_vocab_size
-    if tuple(rows) == (0, cfg.vocab_size):
-        return 0, vp
-    return min(rows[0], vp), min(rows[1], vp)
 
 
 def per_layer_names(cfg: LlamaConfig, rows: tuple[int, int], project: bool) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ manifest, which every consumer reads them back from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -43,6 +44,25 @@ RING_CACHES = ("k_ring", "v_ring")
 # The real tokens of a window (1,) int32, which a chunk writing its conv state itself (state caches)
 # takes the state at: a padded prefill window's last ones are not the window's end.
 WINDOW_TOKENS = "window_tokens"
+# Qwen3.5's linear-attention layers' recurrent state (layers.delta_net): as a chunk's input or state,
+# after the window, and each cascade branch's
+DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = "delta_state", "delta_new", "delta_branches"
+
+
+def squarings(s: int) -> int:
+    """How many factors (I + N^(2^i)) the delta rule's inverse over a window of S tokens needs: N^S = 0
+    (layers.delta_net)."""
+    return math.ceil(math.log2(s)) if s > 1 else 0
+
+
+def per_layer_rows(cfg: "LlamaConfig", rows: tuple[int, int]) -> tuple[int, int]:
+    """[start, end) rows of Gemma 4's per-layer table in the embeddings file of vocabulary rows
+    `rows`: the same rows, those the table has (it may have fewer than the vocabulary); a file of the
+    whole vocabulary holds the whole table."""
+    vp = cfg.per_layer_vocab_size
+    if tuple(rows) == (0, cfg.vocab_size):
+        return 0, vp
+    return min(rows[0], vp), min(rows[1], vp)
 
 
 def bucket_function(function: str, bucket: int, context_length: int) -> str:

@@ -62,23 +62,18 @@ import torch
 from torch import nn
 
 from ...config import LlamaConfig
+from ..functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, squarings  # noqa: F401 (the layer's names)
 from .ops import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
 # A chunk's linear-attention layers' recurrent states (L_d, H*Dk, 1, Dv), and the states after its
 # window it returns (with state caches, writes); the cascade's per-branch states (L_d*B, H*Dk, 1, Dv)
-DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = "delta_state", "delta_new", "delta_branches"
 
 
 def triangles(s: int) -> tuple[np.ndarray, np.ndarray]:
     """(S,S) 0/1 matrices: `lower` [j <= t] and `strict` [j < t] (row t, column j)."""
     t, j = np.arange(s).reshape(-1, 1), np.arange(s).reshape(1, -1)
     return (j <= t).astype(np.float32), (j < t).astype(np.float32)
-
-
-def squarings(s: int) -> int:
-    """How many factors (I + N^(2^i)) the inverse of a window of S tokens needs: N^S = 0."""
-    return math.ceil(math.log2(s)) if s > 1 else 0
 
 
 def l2_normed(x: torch.Tensor, heads: int, d: int) -> torch.Tensor:
