@@ -166,14 +166,15 @@ def test_lut4_export_runs_and_passes_its_gate(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_smollm2_coreai_export_passes_its_parity_gate(tmp_path):
     """The default model (SmolLM2-135M-Instruct) to Core AI in one command, whose parity gate runs
-    the assets on the coreai backend against the torch modules and transformers."""
+    the assets on the coreai backend against the torch modules and transformers. In fp32: Core AI's
+    runtime on Linux computes fp16 assets far slower than fp32 ones (the gate's 128 tokens of an fp16
+    SmolLM2 take over a quarter of an hour here); fp16 assets pass their gate on the tiny exports above."""
     out = tmp_path / "smollm2"
     done = subprocess.run([sys.executable, "-m", "llama_ane", "export", "-o", str(out), "--target", "coreai",
-                           "--context-length", "256", "--prefill-length", "64", "--branches", "0"],
-                          capture_output=True, text=True, timeout=3600)
+                           "--precision", "fp32", "--context-length", "256", "--prefill-length", "64",
+                           "--branches", "0"], capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = done.stdout + done.stderr
     assert "backend coreai" in report and "passed" in report

@@ -167,12 +167,3 @@ def test_top1_agreement_counts_ties_at_the_resolution_of_the_logits():
     assert c.max_abs_diff == pytest.approx(2.0)
     with pytest.raises(ValueError):
         compare_logits(got[:, :2], want, "x")
-
-
-@pytest.mark.slow
-@pytest.mark.long  # the same gate runs in test_smollm2's CLI export
-def test_verify_passes_on_smollm2(smollm2_export):
-    report = verify_export(smollm2_export)
-    print(report)
-    assert report.passed, str(report)
-    assert report.n_tokens == 128
