@@ -625,7 +625,7 @@ MULTILINE_TEMPLATE = """{%- set ns = namespace(system='') -%}
 
 # Chat templates in the style of the families exported since Llama and Qwen, written here (each
 # family's markers and the Jinja features its published template relies on); see also
-# test_families.TEMPLATES, the small ones the family exports carry, added to the fixture too.
+# support.families.TEMPLATES, the small ones the family exports carry, added to the fixture too.
 #
 # Gemma 3: BOS first, the system message folded into the first user turn, roles that must
 # alternate (raise_exception), "assistant" spoken as "model", trimmed contents.
@@ -728,9 +728,9 @@ FAMILY_TEMPLATES = {
 
 def family_templates() -> dict[str, tuple[str, str, str]]:
     """Every family chat template the fixture renders: FAMILY_TEMPLATES, and the templates the family
-    exports carry (test_families.TEMPLATES, with the tiny tokenizer's BOS and EOS), as
+    exports carry (support.families.TEMPLATES, with the tiny tokenizer's BOS and EOS), as
     ``family_<model_type>``."""
-    from test_families import TEMPLATES
+    from support.families import TEMPLATES
 
     out = {f"{name}_style": value for name, value in FAMILY_TEMPLATES.items()}
     out.update({f"family_{name}": (template, "<|im_start|>", "<|im_end|>") for name, template in TEMPLATES.items()})
@@ -852,7 +852,7 @@ def write_manifest_fixture(fixtures_dir: Path) -> Path:
     return out
 
 
-# Family exports for the Swift tests: name -> (the test_families case it starts from, its checkpoint
+# Family exports for the Swift tests: name -> (the support.families case it starts from, its checkpoint
 # overrides, its export options, the manifest's `cache` entry the host must run). The windowed ones'
 # windows are shorter than the prompt plus the generated tokens, so the sliding layers' own masks
 # decide what the steps attend to, and than the context, so the sliding layers keep a ring buffer
@@ -1121,7 +1121,7 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
     `_recorded_generation`)."""
     from transformers import AutoTokenizer
 
-    from test_families import CASES, make_family_checkpoint
+    from support.families import CASES, make_family_checkpoint
 
     common = dict(target="iOS18", precision="fp16", force=True, verify=False, progress=False, decode_function="decode")
     path = Path(fixtures_dir) / "families.json"

@@ -22,7 +22,7 @@ from typing import Callable
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.cli import ROOT, assert_clear_error, assert_nothing_left_looking_complete, run_cli
 
 
 @dataclass
@@ -47,33 +47,9 @@ class Inputs:
         return copy
 
 
-def run_cli(args: list, tmpdir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    tmpdir.mkdir(exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "llama_ane", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
-
-
 def leftover_packages(folder: Path) -> list[str]:
     """Temporary Core ML packages (or their weight folders) under `folder`."""
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.suffix in (".mlpackage", ".mlmodelc"))
-
-
-def assert_nothing_left_looking_complete(tmp: Path) -> None:
-    for manifest in tmp.rglob("manifest.json"):
-        assert manifest.parent.name == "export", f"{manifest} was written"  # the copied input only
-    partial = [p.name for p in tmp.rglob("*") if ".partial-" in p.name or ".old-" in p.name]
-    assert partial == []
-
-
-def assert_clear_error(proc: subprocess.CompletedProcess, words: list[str], code: int) -> None:
-    both = proc.stdout + proc.stderr
-    assert proc.returncode == code, both[-3000:]
-    assert "Traceback" not in both, both[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for word in words:
-        assert word in errors[0], (word, errors[0])
 
 
 def _json_broken(export: Path) -> None:

@@ -12,6 +12,7 @@ from llama_ane.runtime.cascade import split_shared_prefix
 from llama_ane.runtime.pipeline import ContextFullError
 
 from conftest import LLAMA3_ROPE, NEAR_TIE
+from support.parity import branch_inputs
 
 pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
 
@@ -51,15 +52,10 @@ def _top1(branch_model, alone_model, prefix, conts, exact=None) -> float:
     return agree / total
 
 
-def _inputs(seed=0, prefix_len=70, lengths=(1, 3, 7, 2, 5, 9)):
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3, 300, prefix_len)], [[int(t) for t in rng.integers(3, 300, k)] for k in lengths]
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_branches_equal_decoding_alone_fp32(tiny_checkpoint, shape):
     model = _load(tiny_checkpoint(num_hidden_layers=3, **SHAPES[shape]))
-    prefix, conts = _inputs()  # 6 branches over width 4: two groups; own texts of different lengths
+    prefix, conts = branch_inputs()  # 6 branches over width 4: two groups; own texts of different lengths
     out = model.generate_branches(prefix, conts, max_new_tokens=12)
     assert [r.index for r in out.branches] == list(range(len(conts)))
     for r, cont in zip(out.branches, conts):
@@ -70,7 +66,7 @@ def test_branches_equal_decoding_alone_fp32(tiny_checkpoint, shape):
 
 def test_teacher_forced_branch_logits_match_score(tiny_checkpoint):
     model = _load(tiny_checkpoint(num_hidden_layers=3))
-    prefix, conts = _inputs(seed=1, lengths=(20, 5, 33))
+    prefix, conts = branch_inputs(seed=1, lengths=(20, 5, 33))
     for logits, cont in zip(model.score_branches(prefix, conts), conts):
         ref = model.score(prefix + cont)[len(prefix):]
         assert logits.shape == ref.shape
@@ -80,7 +76,7 @@ def test_teacher_forced_branch_logits_match_score(tiny_checkpoint):
 def test_fp16_top1_agreement(tiny_checkpoint):
     folder = tiny_checkpoint(num_hidden_layers=3)
     m16, m32 = _load(folder, precision="fp16"), _load(folder)
-    prefix, conts = _inputs(seed=2, lengths=(40, 25, 30, 41))
+    prefix, conts = branch_inputs(seed=2, lengths=(40, 25, 30, 41))
     assert _top1(m16, m32, prefix, conts) >= 0.99
 
 
@@ -100,7 +96,7 @@ def test_text_branches_are_user_turns_of_prefix_plus_continuation(tiny_checkpoin
 
 def test_samples_share_the_prefix_and_are_seeded(tiny_checkpoint):
     model = _load(tiny_checkpoint(num_hidden_layers=3))
-    prefix, _ = _inputs(seed=3)
+    prefix, _ = branch_inputs(seed=3)
     a = model.generate_branches(prefix, n=5, max_new_tokens=6, temperature=1.0, seed=7)
     b = model.generate_branches(prefix, n=5, max_new_tokens=6, temperature=1.0, seed=7)
     assert [r.token_ids for r in a.branches] == [r.token_ids for r in b.branches]
@@ -137,7 +133,7 @@ def test_prefix_cache_exists_once_whatever_b(tiny_checkpoint, width):
     model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width, decode_function="decode")
     rec = _Recorder(model.backend)
     model.backend = model.pipeline.backend = rec
-    prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6))
+    prefix, conts = branch_inputs(seed=4, lengths=(2, 3, 4, 5, 6))
     out = model.generate_branches(prefix, conts, max_new_tokens=4)
     chunks = len(model.manifest["chunks"])
     assert len(rec.prefix_buffers) == 2 * chunks  # one K and one V prefix buffer per chunk, for all groups
@@ -153,7 +149,7 @@ def test_prefix_bytes_passed_per_step_do_not_grow_with_b(tiny_checkpoint):
         model = _load(tiny_checkpoint(num_hidden_layers=3), branch_width=width, decode_function="decode")
         rec = _Recorder(model.backend)
         model.backend = model.pipeline.backend = rec
-        prefix, conts = _inputs(seed=4, lengths=(2, 3, 4, 5, 6, 7, 8, 9))
+        prefix, conts = branch_inputs(seed=4, lengths=(2, 3, 4, 5, 6, 7, 8, 9))
         model.generate_branches(prefix, conts, max_new_tokens=4)
         measured[width] = (rec.prefix_bytes / rec.branch_calls, rec.suffix_bytes / rec.branch_calls)
     assert measured[2][0] == measured[8][0] > 0
@@ -170,7 +166,7 @@ def test_split_shared_prefix():
 def test_bad_branch_input(tiny_checkpoint):
     folder = tiny_checkpoint(num_hidden_layers=3)
     model = _load(folder)
-    prefix, conts = _inputs()
+    prefix, conts = branch_inputs()
     with pytest.raises(ValueError, match="empty"):
         model.generate_branches(prefix, [], max_new_tokens=4)
     with pytest.raises(ValueError, match="at least 1"):
@@ -190,7 +186,7 @@ def test_bad_branch_input(tiny_checkpoint):
 def test_branches_on_converted_export(tiny_export):
     """The exported tiny model (branch width 8 by default), run with the torch backend."""
     model = llama_ane.load(tiny_export, backend="torch", precision="fp32")
-    prefix, conts = _inputs(seed=5)
+    prefix, conts = branch_inputs(seed=5)
     out = model.generate_branches(prefix, conts, max_new_tokens=8)
     for r, cont in zip(out.branches, conts):
         assert r.token_ids == model.generate(prefix + cont, max_new_tokens=8).token_ids
@@ -201,7 +197,7 @@ def test_branches_mil_backend_top1(tiny_export):
     against the same backend decoding each branch alone through the prefill/decode programs."""
     pytest.importorskip("llama_ane.runtime.backends.mil_backend")
     mil = llama_ane.load(tiny_export, backend="mil")
-    prefix, conts = _inputs(seed=6, lengths=(30, 20, 25))
+    prefix, conts = branch_inputs(seed=6, lengths=(30, 20, 25))
     assert _top1(mil, mil, prefix, conts, exact=llama_ane.load(tiny_export, backend="torch", precision="fp32")) >= 0.99
 
 

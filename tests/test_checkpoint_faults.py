@@ -269,7 +269,7 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(tiny_checkpoint, tmp
 
 def test_a_gguf_without_tokenizer_metadata_is_refused(tmp_path, private_tmp):
     pytest.importorskip("gguf")
-    from test_gguf_lazy import write_tiny
+    from support.gguf import write_tiny
 
     path = tmp_path / "notok.gguf"
     write_tiny(path)  # a complete llama GGUF whose metadata has no tokenizer.ggml.* keys
@@ -393,7 +393,7 @@ def test_export_without_verify_refuses_nan_weights(base, tmp_path, private_tmp):
 @pytest.mark.export
 @pytest.mark.parametrize("case", ["tokenizer: tokenizer.json not JSON", "tensor: integer projection"])
 def test_refusals_through_the_command_line(case, base, tmp_path):
-    from test_bad_input import assert_clear_error, assert_nothing_left_looking_complete, run_cli
+    from support.cli import assert_clear_error, assert_nothing_left_looking_complete, run_cli
 
     damage, words = CASES[case]
     folder = tmp_path / "ckpt"
@@ -408,7 +408,7 @@ def test_refusals_through_the_command_line(case, base, tmp_path):
 
 @pytest.mark.export
 def test_nan_weights_through_the_command_line(base, tmp_path):
-    from test_bad_input import assert_clear_error, assert_nothing_left_looking_complete, run_cli
+    from support.cli import assert_clear_error, assert_nothing_left_looking_complete, run_cli
 
     name = LAYER0 + "mlp.gate_proj.weight"
     folder = poisoned(base, tmp_path / "ckpt", name, float("inf"))

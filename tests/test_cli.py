@@ -17,22 +17,12 @@ import llama_ane
 from llama_ane.cli import main
 from llama_ane.export.validate import validate_export
 
+from support.cli import assert_one_error_line
+
 
 def run_cli(*args: str):
     """Invoke the CLI in-process; returns click's Result (stdout and stderr kept apart)."""
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_one_error_line(result, *words: str) -> str:
-    """A non-zero exit, no traceback, one `Error: ...` line on stderr naming the problem."""
-    assert result.exit_code != 0
-    err = result.stderr.strip()
-    assert "Traceback" not in err + result.stdout
-    error_lines = [line for line in err.splitlines() if line.startswith("Error:")]
-    assert len(error_lines) == 1, err
-    for w in words:
-        assert w in error_lines[0], (w, error_lines[0])
-    return error_lines[0]
 
 
 def assert_nothing_complete(parent: Path, name: str = "out") -> None:

@@ -325,8 +325,7 @@ def test_buckets_are_entry_points_per_context_and_query_length(state_export):
 def test_state_export_of_conv_state_and_ring(family, tmp_path):
     """LFM2's conv state and Gemma 3's sliding ring (64 slots, wrapped by the gate's 128 tokens) as
     states: the export passes its parity gate on the coreai backend and decodes torch's tokens."""
-    from test_families import CASES
-    from test_lfm2 import LFM2_CHECKPOINT
+    from support.families import CASES, LFM2_CHECKPOINT
 
     from llama_ane.runtime.model import load
     from llama_ane.testing import make_tiny_checkpoint
@@ -355,7 +354,7 @@ def test_qwen35_export_passes_its_gate_and_decodes_as_torch(kv_cache, tmp_path):
     functions write: the export passes its parity gate on the coreai backend, decodes torch's
     tokens after a padded prompt window, holds torch's states after it, and its cascade equals
     decoding each branch alone (the cascade's function takes only the K/V states)."""
-    from test_families import CASES
+    from support.families import CASES
 
     from llama_ane.testing import make_tiny_checkpoint
 

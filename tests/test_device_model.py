@@ -12,15 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from llama_ane.cli import main
-from llama_ane.config import LlamaConfig
 from llama_ane.contract import device_model as dm
 from llama_ane.contract.traffic import bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes
 from llama_ane.errors import InvalidArgumentError
 
-# the tiny_export fixture's shapes: 5 layers, 2 kv heads x 32, hidden 64, in chunks of 2 layers
-TINY = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
-CTX = 256
+from support.traffic import CTX, TINY
+
 KV_COLUMN = 5 * 64 * 2  # bytes of one position of every layer's K (or V) cache: 5 layers x 64 channels, fp16
 
 

@@ -11,7 +11,7 @@ import pytest
 from llama_ane.config import ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG
 
-from test_families import CASES, GEMMA
+from support.families import CASES, GEMMA
 
 
 # --- the config --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from llama_ane.config import ConfigError, LlamaConfig
 from llama_ane.testing import TINY_CONFIG
 
-from test_families import CASES, GEMMA4
+from support.families import CASES, E2B, E4B
 
 BASE = dict(TINY_CONFIG, vocab_size=320)
 K_EQ_V = dict(BASE, **CASES["gemma4_untied_mha"], attention_k_eq_v=True)
@@ -302,18 +302,6 @@ def test_a_gemma4_manifest_config_names_its_own_fields():
     assert not set(GEMMA4_FIELDS) & set(llama.to_dict()) and LlamaConfig.from_dict(llama.to_dict()) == llama
 
 
-def gemma4_e(hidden: int, inter: int, layers: int, kv: int, pattern: int, shared: int, double_wide: bool) -> dict:
-    """A Gemma 4 E-series text config as its checkpoint's config.json gives it."""
-    return dict(GEMMA4, vocab_size=262_144, vocab_size_per_layer_input=262_144, hidden_size=hidden,
-                intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=kv,
-                head_dim=256, global_head_dim=512, hidden_size_per_layer_input=256, sliding_window=512,
-                max_position_embeddings=131_072, num_kv_shared_layers=shared, use_double_wide_mlp=double_wide,
-                layer_types=(["sliding_attention"] * (pattern - 1) + ["full_attention"]) * (layers // pattern))
-
-
-E2B, E4B = gemma4_e(1536, 6144, 35, 1, 5, 20, True), gemma4_e(2560, 10240, 42, 2, 6, 18, False)
-
-
 def test_the_per_layer_table_shares_the_embedding_files_rows():
     """The per-layer table is cut by the embedding table's vocabulary rows: each embeddings file holds
     the same rows of both, the last one the projection of the (then whole) embedding, the first the
@@ -395,7 +383,7 @@ SPLIT = dict(CASES["gemma4_kv_shared"])
 
 @pytest.fixture(scope="module")
 def split_folder(tmp_path_factory):
-    from test_families import make_family_checkpoint
+    from support.families import make_family_checkpoint
 
     return make_family_checkpoint(tmp_path_factory.mktemp("gemma4_split"), **SPLIT)
 
@@ -412,7 +400,7 @@ def _small_budget(budget: int):
 def test_a_split_per_layer_table_computes_what_transformers_does(split_folder):
     """torch fp32 with the embedding and per-layer tables in three files: logits within 1e-3 of
     Gemma4ForCausalLM, its 32 greedy tokens, and the per-layer inputs as its own."""
-    from test_architectures import check_greedy, check_logits, load_fp32, reference
+    from support.checks import check_greedy, check_logits, load_fp32, reference
 
     mp = _small_budget(215_000)  # fp32: 384 bytes a row of both tables, 155 kB of RoPE tables and projection
     try:
@@ -430,9 +418,9 @@ def test_a_split_per_layer_table_computes_what_transformers_does(split_folder):
 def test_a_per_layer_table_shorter_than_the_vocabulary_splits_too(tmp_path):
     """A per-layer table of fewer rows than the vocabulary (100 of 320): the files past its rows hold
     none of it and hand the lookup on; five files give the logits of one, bit for bit."""
-    from test_architectures import load_fp32
-    from test_families import make_family_checkpoint
-    from test_parity_tiny import random_ids
+    from support.checks import load_fp32
+    from support.families import make_family_checkpoint
+    from support.parity import random_ids
 
     folder = make_family_checkpoint(tmp_path / "short", **dict(SPLIT, vocab_size_per_layer_input=100))
     whole = load_fp32(folder, branch_width=0)
@@ -457,8 +445,8 @@ def test_a_split_per_layer_table_exports(split_folder, tmp_path):
     import llama_ane
     from llama_ane.api import export_model
 
-    from test_architectures import check_inspect_strict, check_mil_fp16
-    from test_parity_tiny import random_ids
+    from support.checks import check_inspect_strict, check_mil_fp16
+    from support.parity import random_ids
 
     mp = _small_budget(115_000)  # fp16: 192 bytes a row of both tables, 86 kB of RoPE tables and projection
     try:
@@ -495,7 +483,7 @@ def test_a_split_per_layer_table_exports(split_folder, tmp_path):
 def inputs_export(request, tmp_path_factory):
     from llama_ane.api import export_model
 
-    from test_families import make_family_checkpoint
+    from support.families import make_family_checkpoint
 
     folder = make_family_checkpoint(tmp_path_factory.mktemp(request.param), **CASES[request.param])
     # KV-shared layers 2 and 3 in chunks [0, 1, 2] and [3]: one producer in the layer's chunk, one in another
@@ -515,8 +503,8 @@ def test_wider_and_kv_shared_layers_with_input_caches(inputs_export):
     speculative decoding (the verify programs) gives plain decoding's tokens."""
     import llama_ane
 
-    from test_architectures import _inputs, check_inspect_strict, check_mil_branches, check_mil_fp16, load_fp32
-    from test_parity_tiny import random_ids
+    from support.checks import check_inspect_strict, check_mil_branches, check_mil_fp16, load_fp32
+    from support.parity import branch_inputs, random_ids
 
     name, folder, out = inputs_export
     manifest = json.loads((out / "manifest.json").read_text())
@@ -526,7 +514,7 @@ def test_wider_and_kv_shared_layers_with_input_caches(inputs_export):
     check_mil_fp16(name, out, top1=0.98)
     check_mil_branches(name, out)
     model = load_fp32(folder, branch_width=2, suffix_length=32, direct_cache=False)
-    prefix, conts = _inputs(seed=3)
+    prefix, conts = branch_inputs(seed=3)
     for r, cont in zip(model.generate_branches(prefix, conts[:4], max_new_tokens=10).branches, conts):  # two groups
         assert r.token_ids == model.generate(prefix + cont, max_new_tokens=10).token_ids
     model.close()
@@ -546,7 +534,7 @@ def test_streamed_scoring_with_kv_shared_layers_holds_one_model(inputs_export, b
     in every bucket's functions too, and never two models with weights loaded at once."""
     import llama_ane
 
-    from test_parity_tiny import random_ids
+    from support.parity import random_ids
 
     name, _, out = inputs_export
     model = llama_ane.load(out, backend=backend, precision=precision)

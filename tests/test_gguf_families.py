@@ -28,8 +28,8 @@ from llama_ane.config import LlamaConfig  # noqa: E402
 from llama_ane.errors import LlamaANEError  # noqa: E402
 from llama_ane.testing import make_tiny_checkpoint  # noqa: E402
 
-from test_families import GEMMA4, longrope  # noqa: E402
-from test_gguf_lazy import llamacpp_permute  # noqa: E402
+from support.families import GEMMA4, longrope  # noqa: E402
+from support.gguf import check_gguf_export_matches_transformers, f32, llamacpp_permute, scale_layers  # noqa: E402
 
 
 GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
@@ -256,26 +256,6 @@ def write_gemma4_keys(w, hp: dict) -> None:
         w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (full // 2 - rotated), np.float32))
 
 
-def f32(v):
-    """`v` with every float in it rounded to float32."""
-    if isinstance(v, dict):
-        return {k: f32(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [f32(x) for x in v]
-    return float(np.float32(v)) if isinstance(v, float) else v
-
-
-def scale_layers(folder: Path) -> None:
-    """Give Gemma 4's layer scalars (1 in a fresh model) values of their own, so that reading them wrong shows."""
-    from safetensors.numpy import load_file, save_file
-
-    state = load_file(str(folder / "model.safetensors"))
-    for name in state:
-        if name.endswith("layer_scalar"):
-            state[name] = np.array([0.5 + int(name.split(".")[2]) / 8], np.float32)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     made: dict[str, tuple[Path, Path, dict]] = {}
@@ -451,27 +431,6 @@ def test_what_a_gemma4_file_cannot_say_is_refused_by_name(tmp_path, converted, c
     _, file, _ = converted("gemma4_kv_shared_wide")
     with pytest.raises(GGUFError, match=words):
         open_gguf(copy_gguf(file, tmp_path / "bad.gguf", **change))
-
-
-def check_gguf_export_matches_transformers(file: Path, folder: Path, out: Path, model_type: str) -> None:
-    """Export `file` (load_checkpoint, tokenizer included) and hold the torch backend's fp32 logits to
-    within 1e-3 of transformers' model of `folder`, the checkpoint the file was converted from."""
-    import llama_ane
-    from llama_ane.api import export_model
-    from transformers import AutoModelForCausalLM
-
-    out = export_model(file, out, context_length=128, prefill_length=32, layers_per_chunk=2,
-                       precision="fp32", progress=False, verify=False)
-    model = llama_ane.load(out, backend="torch", precision="fp32")
-    assert model.manifest["config"]["model_type"] == model_type and model.manifest["source"]["kind"] == "gguf"
-    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = [int(i) for i in np.random.default_rng(1).integers(3, ref.config.vocab_size, 100)]
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    got = model.score(ids)
-    model.close()
-    assert got.shape == want.shape and np.abs(want).max() > 1.0
-    assert float(np.abs(got - want).max()) <= 1e-3
 
 
 @pytest.mark.export

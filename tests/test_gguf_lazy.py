@@ -4,7 +4,6 @@ clear errors, llama3/linear RoPE scaling from the file, and (slow) the embedded 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,16 +14,12 @@ gguf = pytest.importorskip("gguf")
 from llama_ane.config import LlamaConfig, inv_freq  # noqa: E402
 from llama_ane.checkpoint.gguf_lazy import GGUFError, open_gguf  # noqa: E402
 
+from support.gguf import (CTX, EPS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, VOCAB,  # noqa: E402
+                          write_tiny)
+
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
                "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
-VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, CTX = 64, 32, 48, 2, 4, 2, 8, 256
-EPS = float(np.float32(1e-5))  # GGUF stores it as float32
-
-
-def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert script on q/k rows: each head's (2, D/2) halves -> (D/2, 2) pairs."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def llamacpp_rope_freqs(theta: float, factor: float, low: float, high: float, ctx: int) -> np.ndarray:
@@ -40,67 +35,6 @@ def llamacpp_rope_freqs(theta: float, factor: float, low: float, high: float, ct
             smooth = (ctx / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
-
-
-def write_tiny(path: Path, *, untied: bool = False, arch: str = "llama", theta: float = 10000.0,
-               rope_freqs: np.ndarray | None = None, scaling: tuple[str, float] | None = None,
-               int8: str | None = None) -> dict[str, np.ndarray]:
-    """A 2-layer Llama GGUF: layer 0 and the norms in F32, layer 1, embeddings and head in F16
-    (`int8`: the GGUF name of one tensor stored as I8 instead).
-
-    Returns the HF tensors as the file should give them back (F16 ones already rounded to fp16).
-    """
-    rng = np.random.default_rng(0)
-    hf: dict[str, np.ndarray] = {}
-    tensors: list[tuple[str, np.ndarray]] = []
-
-    def add(hf_name: str, gguf_name: str, shape: tuple[int, ...], f16: bool, permute_heads: int = 0):
-        w = rng.standard_normal(shape).astype(np.float16 if f16 else np.float32)
-        hf[hf_name] = w.astype(np.float32)
-        tensors.append((gguf_name, llamacpp_permute(w, permute_heads) if permute_heads else w))
-
-    add("model.embed_tokens.weight", "token_embd.weight", (VOCAB, HIDDEN), True)
-    for i in range(LAYERS):
-        p, b, f16 = f"model.layers.{i}.", f"blk.{i}.", i == 1
-        add(p + "input_layernorm.weight", b + "attn_norm.weight", (HIDDEN,), False)
-        add(p + "self_attn.q_proj.weight", b + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), f16, HEADS)
-        add(p + "self_attn.k_proj.weight", b + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), f16, KV_HEADS)
-        add(p + "self_attn.v_proj.weight", b + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), f16)
-        add(p + "self_attn.o_proj.weight", b + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), f16)
-        add(p + "post_attention_layernorm.weight", b + "ffn_norm.weight", (HIDDEN,), False)
-        add(p + "mlp.gate_proj.weight", b + "ffn_gate.weight", (INTER, HIDDEN), f16)
-        add(p + "mlp.up_proj.weight", b + "ffn_up.weight", (INTER, HIDDEN), f16)
-        add(p + "mlp.down_proj.weight", b + "ffn_down.weight", (HIDDEN, INTER), f16)
-    add("model.norm.weight", "output_norm.weight", (HIDDEN,), False)
-    if untied:
-        add("lm_head.weight", "output.weight", (VOCAB, HIDDEN), True)
-    if rope_freqs is not None:
-        tensors.append(("rope_freqs.weight", rope_freqs))
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_context_length(CTX)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_block_count(LAYERS)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(EPS)
-    w.add_vocab_size(VOCAB)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    if scaling is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType(scaling[0]))
-        w.add_rope_scaling_factor(scaling[1])
-    for name, t in tensors:
-        w.add_tensor(name, t.astype(np.int8) if name == int8 else t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return hf
 
 
 @pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])

@@ -25,7 +25,7 @@ from llama_ane.checkpoint.loader import load_checkpoint  # noqa: E402
 from llama_ane.config import LlamaConfig  # noqa: E402
 from llama_ane.testing import _CORPUS  # noqa: E402
 
-from test_gguf_families import check_gguf_export_matches_transformers, f32  # noqa: E402
+from support.gguf import check_gguf_export_matches_transformers, f32  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp_gguf"
 _spec = importlib.util.spec_from_file_location("llamacpp_gguf_make", FIXTURES / "make.py")

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Lfm2Config  # noqa: E402
 from transformers.models.lfm2.modeling_lfm2 import Lfm2DecoderLayer  # noqa: E402
 from conftest import convert_to  # noqa: E402
+from support.families import LFM2_CHECKPOINT  # noqa: E402
 
 C, K, EPS, TOKENS = 16, 3, 1e-5, 11
 RENAMED = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
@@ -128,10 +129,7 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path):
     np.testing.assert_allclose(got[1], state.numpy(), rtol=1e-5, atol=1e-6)
 
 
-# The config and the checkpoint's tensors, the chunks and the pipeline
-LFM2_CHECKPOINT = {"model_type": "lfm2", "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
-                   "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "conv_L_cache": K, "tie_word_embeddings": True}
-
+# The config and the checkpoint's tensors (LFM2_CHECKPOINT: its kernel is K), the chunks and the pipeline
 
 @pytest.fixture(scope="module")
 def lfm2_folder(tmp_path_factory):

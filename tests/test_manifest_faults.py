@@ -239,7 +239,7 @@ def test_write_manifest_then_read_agree(tiny_export, tmp_path):
     ("manifest_is_list", ["inspect"]),
 ])
 def test_process_exits_with_one_error_line(name, args, bad_export, tmp_path):
-    from test_bad_input import assert_clear_error, run_cli
+    from support.cli import assert_clear_error, run_cli
 
     export = bad_export(name)
     proc = run_cli([args[0], export, *args[1:]], tmp_path / "tmpdir")

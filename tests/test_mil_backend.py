@@ -14,6 +14,7 @@ from llama_ane.verify import compare_logits, default_text
 from llama_ane.runtime.backends.base import BackendError
 from llama_ane.runtime.backends.mil_backend import MilBackend
 from conftest import convert_to
+from support.checks import mil_vs_torch_fp16_on_text
 
 ct = pytest.importorskip("coremltools")
 
@@ -65,18 +66,6 @@ def test_every_function_of_every_package_matches_torch(tiny_export, precision, t
     # the functions of each package were compiled from one load of it
     assert len(mil._executors) == len({e["file"] for m in torch_model.manifest["models"].values()
                                        for e in m["functions"].values()})
-
-
-def mil_vs_torch_fp16_on_text(export, label: str, **options):
-    """Score the first 128 tokens of the verify text with mil (fp16, `options`) and torch (fp16); print the numbers."""
-    mil = llama_ane.load(export, backend="mil", precision="fp16", **options)
-    ids = mil.encode(default_text())[:128]
-    assert len(ids) == 128
-    torch_model = llama_ane.load(export, backend="torch", precision="fp16")
-    c = compare_logits(mil.score(ids), torch_model.score(ids), "torch", resolution=np.float16)  # fp16 against fp16
-    print(f"{label}: max |logit diff| {c.max_abs_diff:.4f}, mean cosine {c.mean_cosine:.6f}, "
-          f"top-1 {c.top1_agreement:.4f}")
-    return c
 
 
 def test_tiny_mil_fp16_matches_torch_fp16_on_real_text(tiny_export):

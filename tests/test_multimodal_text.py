@@ -294,7 +294,7 @@ def test_the_export_follows_the_multimodal_class_on_text(checkpoints, exports, f
     import llama_ane
     from llama_ane.contract.manifest import read_manifest
 
-    from test_parity_tiny import MAX_LOGIT_DIFF, assert_same_greedy, random_ids, reference_greedy, reference_logits
+    from support.parity import MAX_LOGIT_DIFF, assert_same_greedy, random_ids, reference_greedy, reference_logits
 
     folder, out = checkpoints(family), exports(family)
     manifest = read_manifest(out)
@@ -320,6 +320,6 @@ def test_the_export_follows_the_multimodal_class_on_text(checkpoints, exports, f
 @pytest.mark.export
 def test_the_mil_program_follows_torch_fp16(exports):
     """The Gemma 3 export's programs (mil, fp16) pick torch fp16's top-1 token on real text."""
-    from test_architectures import check_mil_fp16
+    from support.checks import check_mil_fp16
 
     check_mil_fp16("gemma3", exports("gemma3"), top1=0.98)

@@ -15,12 +15,10 @@ import torch
 
 import llama_ane
 from conftest import LLAMA3_ROPE
+from support.parity import (GREEDY_TOKENS, MAX_LOGIT_DIFF, SEQ_LEN, assert_same_greedy, random_ids,
+                            reference_greedy, reference_logits)
 
 pytestmark = pytest.mark.export  # exports or runs models end to end: outside the quick unit tier
-
-SEQ_LEN = 150          # crosses several prefill windows
-GREEDY_TOKENS = 32
-MAX_LOGIT_DIFF = 1e-3
 
 # name -> (checkpoint overrides, load options)
 CASES = {
@@ -40,33 +38,6 @@ def reference(folder):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def reference_logits(ref, ids) -> np.ndarray:
-    return ref(torch.tensor([list(ids)], dtype=torch.long)).logits[0].float().numpy()
-
-
-@torch.no_grad()
-def reference_greedy(ref, prompt, n) -> list[int]:
-    """Greedy tokens by full recomputation: argmax of the last position, no cache, no stopping."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(reference_logits(ref, ids)[-1].argmax()))
-    return ids[len(prompt):]
-
-
-def random_ids(vocab: int, n: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]  # no special tokens
-
-
-def assert_same_greedy(ours, want, eos_ids):
-    """`ours` stops at EOS; up to there it must equal the reference, which does not stop."""
-    assert ours.token_ids == want[:len(ours.token_ids)]
-    if len(ours.token_ids) < len(want):
-        assert ours.finish_reason == "eos" and want[len(ours.token_ids)] in eos_ids
-    else:
-        assert ours.finish_reason == "length"
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

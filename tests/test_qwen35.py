@@ -13,7 +13,7 @@ from llama_ane.model.layers.delta_net import DeltaLayer, DeltaShape, delta_layer
 from llama_ane.model.layers import Graph
 from llama_ane.model.layers.short_conv import conv_state_after, conv_state_after_mil
 
-from test_families import CASES
+from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen3_5TextConfig  # noqa: E402
@@ -352,7 +352,7 @@ def test_a_qwen35_gguf_is_refused_by_name(tmp_path):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from test_architectures import made_once
+    from support.checks import made_once
 
     from llama_ane.testing import make_tiny_checkpoint
 
@@ -446,7 +446,7 @@ def test_the_fp16_export_passes_inspect_and_runs_in_mil(exported):
     backend's top-1 tokens (>= 0.98) and their decode_branches the tokens of decoding alone; with
     input caches the chunks return the states after the window's real tokens (delta_new), with
     state caches they write them."""
-    from test_architectures import check_inspect_strict, check_mil_branches, check_mil_fp16
+    from support.checks import check_inspect_strict, check_mil_branches, check_mil_fp16
 
     import llama_ane
 

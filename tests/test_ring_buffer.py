@@ -23,9 +23,9 @@ from llama_ane.model.functions import ring_length, ring_rewind_limit
 from llama_ane.runtime.kv_cache import PromptCacheError
 from llama_ane.testing import TINY_CONFIG
 
-from test_architectures import check_inspect_strict, check_mil_branches, check_mil_fp16, reference
-from test_families import CASES, make_family_checkpoint
-from test_parity_tiny import MAX_LOGIT_DIFF, random_ids, reference_logits
+from support.checks import check_inspect_strict, check_mil_branches, check_mil_fp16, reference
+from support.families import CASES, make_family_checkpoint
+from support.parity import MAX_LOGIT_DIFF, random_ids, reference_logits
 
 NAME = "gemma3_tied_gqa"
 CONFIG = dict(TINY_CONFIG, vocab_size=320, **CASES[NAME])

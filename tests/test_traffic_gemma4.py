@@ -10,12 +10,9 @@ same sums hold for the families before Gemma 4, whose numbers these changes leav
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-from click.testing import CliRunner
 
-from llama_ane.cli import main
 from llama_ane.config import LlamaConfig
 from llama_ane.contract import device_model as dm
 from llama_ane.contract.specs import bucket_function
@@ -23,59 +20,11 @@ from llama_ane.contract.traffic import (decode_step_traffic, kv_read_bytes, kv_w
                                         weight_read_bytes, window_io_bytes)
 from llama_ane.testing import TINY_CONFIG
 
-from test_device_model import TINY
-from test_families import CASES
-from test_gemma4 import E2B
-
-ITEM = {"float16": 2, "float32": 4, "int32": 4}
-# KV-shared layers 2 and 3 (chunk_1) reading layers 0 (sliding, a ring of 1 x 32 channels) and 1 (global,
-# a cache of 1 x 64) in chunk_0: the two kinds' widths differ, as E2B's do (256 and 512)
-KV_SHARED_WIDE = dict(TINY_CONFIG, vocab_size=320, **CASES["gemma4_kv_shared"], num_key_value_heads=1)
-CTX = 256
-
-
-def nbytes(spec: dict) -> int:
-    return math.prod(spec["shape"]) * ITEM[spec["dtype"]]
-
+from support.families import CASES, E2B
+from support.traffic import (CTX, KV_SHARED_WIDE, TINY, cache_inputs, chunk_tensors, dense_params, every_tensor, nbytes,
+                             run_info, tiny)
 
 CONV = ("conv_state", "conv_branches")  # LFM2's conv states, a cascade's per branch
-
-
-def is_cache(name: str) -> bool:
-    """A chunk's cache input, its own or (shared_...) a producer's: k_cache, v_ring, shared_k_cache,
-    k_ring_suffix, shared_v_suffix, ... (not the new K/V of the step, shared_k_new)."""
-    return name.endswith(("_cache", "_ring", "_suffix"))
-
-
-def cache_inputs(m: dict, fn: str, shared: bool | None = None) -> list[dict]:
-    """The caches the chunks' `fn` functions take (`shared`: only KV-shared ones, or only their own)."""
-    return [t for c in m["chunks"] for t in m["models"][c["model"]]["functions"][fn]["inputs"]
-            if is_cache(t["name"]) and (shared is None or t["name"].startswith("shared_") == shared)]
-
-
-def chunk_tensors(m: dict, fn: str, kind: str, names: tuple[str, ...]) -> list[dict]:
-    """The chunks' `fn` tensors of `kind` ("inputs", "outputs", "states") called one of `names`."""
-    return [t for c in m["chunks"] for t in m["models"][c["model"]]["functions"][fn].get(kind, [])
-            if t["name"] in names]
-
-
-def every_tensor(m: dict, fn: str) -> int:
-    """Bytes of every input and output of a step's functions: embeddings files, chunks, LM head files
-    (the later embeddings files and the heads run their plain function in every bucket)."""
-    models = [*m["embeddings"]["models"], *(c["model"] for c in m["chunks"]), *m["lm_head"]["models"]]
-    total = 0
-    for model in models:
-        functions = m["models"][model]["functions"]
-        spec = functions.get(fn) or functions[fn.split("_")[0]]
-        total += sum(nbytes(t) for t in spec["inputs"] + spec["outputs"])
-    return total
-
-
-def tiny(case: dict = KV_SHARED_WIDE, **options) -> dict:
-    options = {"context_length": CTX, "prefill_length": 64, "layers_per_chunk": 2, "kv_cache": "inputs",
-               "verify_window": 8, "branch_width": 2, "suffix_length": 32, "fold_lm_head": "no",
-               "decode_function": "decode", **options}
-    return dm.manifest_from_config(LlamaConfig.from_hf_dict(case), **options)
 
 
 def e2b() -> dict:
@@ -202,17 +151,6 @@ def test_attention_flops_take_each_layers_heads():
     assert dm.step_cost(m, "prefill", 0).flops == pytest.approx(window * (2 * params + 4 * attention))
 
 
-def dense_params(m: dict) -> float:
-    """Weights a step reads (decompressed): the chunks, the LM head files and an embedding row, and
-    with per-layer inputs (one embeddings file here) a row of L x P and the projection (and its norm)."""
-    c = m["config"]
-    stepped = [x["model"] for x in m["chunks"]] + m["lm_head"]["models"]
-    per_layer = c["num_hidden_layers"] * (c.get("per_layer_input_size") or 0)
-    assert not per_layer or len(m["embeddings"]["models"]) == 1
-    table = per_layer + c["hidden_size"] * per_layer + (c.get("per_layer_input_size") or 0)
-    return sum(m["weights"][x]["dense_bytes"] for x in stepped) / 2 + c["hidden_size"] + table
-
-
 @pytest.mark.parametrize("family, fn", [(family, fn) for family in ("gemma3", "mistral_window", "gemma4_kv_shared", "lfm2")
                                         for fn in ("prefill", "decode", "verify", "decode_branches")
                                         if (family, fn) != ("lfm2", "verify")])
@@ -294,12 +232,6 @@ def test_the_conv_states_other_kind_is_the_other_exports():
 
 # ---- llama-ane info --------------------------------------------------------------------------------------------------
 
-def run_info(*args) -> str:
-    r = CliRunner().invoke(main, ["info", *map(str, args)], catch_exceptions=False)
-    assert r.exit_code == 0, r.stderr
-    return r.stdout
-
-
 def test_info_shows_the_per_layer_table(tmp_path):
     (tmp_path / "tiny.json").write_text(json.dumps(KV_SHARED_WIDE))
     out = run_info("--config", tmp_path / "tiny.json", "--context-length", CTX, "--kv-cache", "inputs", "--chip", "M4")
@@ -343,7 +275,7 @@ def test_an_exports_traffic_and_info(tmp_path):
     from llama_ane.api import export_model
     from llama_ane.contract.manifest import read_manifest
 
-    from test_families import make_family_checkpoint
+    from support.families import make_family_checkpoint
 
     folder = make_family_checkpoint(tmp_path / "ckpt", **KV_SHARED_WIDE)
     out = export_model(folder, tmp_path / "out", context_length=CTX, prefill_length=64, layers_per_chunk=2,

@@ -20,9 +20,8 @@ from llama_ane.contract.traffic import decode_step_traffic, kv_read_bytes, kv_wr
 from llama_ane.model.layers.delta_net import gated_delta
 from llama_ane.testing import TINY_CONFIG
 
-from test_families import CASES
-from test_traffic_gemma4 import (CTX, cache_inputs, chunk_tensors, dense_params, every_tensor, nbytes, run_info,
-                                 tiny)
+from support.families import CASES
+from support.traffic import CTX, cache_inputs, chunk_tensors, dense_params, every_tensor, nbytes, run_info, tiny
 
 # layers 0, 2, 3 linear (chunk_1 of linear layers only), 1 attention; 2 key heads, 4 value heads of 16 x 32
 QWEN35 = dict(TINY_CONFIG, vocab_size=320, **CASES["qwen35_tied_gqa"])
@@ -184,7 +183,7 @@ def test_an_exports_traffic(tmp_path, kind):
     from llama_ane.api import export_model
     from llama_ane.contract.manifest import read_manifest
 
-    from test_families import make_family_checkpoint
+    from support.families import make_family_checkpoint
 
     folder = make_family_checkpoint(tmp_path / "ckpt", **QWEN35)
     out = export_model(folder, tmp_path / "out", context_length=CTX, prefill_length=64, layers_per_chunk=2,
