@@ -212,10 +212,11 @@ def merge_states_mil(v_a, s_a, v_b, s_b, sink=None):
         m = mb.maximum(x=m, y=sink)
     w_a = mb.exp(x=mb.sub(x=s_a, y=m))
     w_b = mb.exp(x=mb.sub(x=s_b, y=m))
+    weighted = mb.add(x=mb.mul(x=v_a, y=w_a), y=mb.mul(x=v_b, y=w_b))  # before the sum: the ops' order names them
     total = mb.add(x=w_a, y=w_b)
     if sink is not None:
         total = mb.add(x=total, y=mb.exp(x=mb.sub(x=sink, y=m)))
-    return mb.real_div(x=mb.add(x=mb.mul(x=v_a, y=w_a), y=mb.mul(x=v_b, y=w_b)), y=total)
+    return mb.real_div(x=weighted, y=total)
 
 
 class DecoderLayer(nn.Module):
