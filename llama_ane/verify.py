@@ -308,21 +308,10 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
             depth[i], allowed[i] = depth[p] + 1, allowed[i] | allowed[p]
     model = load(out_dir, backend=backend, **options)
     try:
-        pipe, dtype = model.pipeline, model.backend.dtype
+        pipe, dtype = model.pipeline, model.backend.dtype  # a new pipeline: its caches are empty
         inputs = {"input_ids": np.array([tokens], np.int32), "position": np.zeros(1, np.int32), "depths": depth,
                   "tree_mask": np.where(allowed, 0.0, -1.0e4).astype(dtype).reshape(1, 1, len(ids), len(ids))}
-        emb = pipe.embed("verify", inputs)
-        for name in pipe.embedding_models:
-            model.backend.release(name)
-        hidden, outs = emb["hidden_states"], []
-        for i, chunk in enumerate(pipe.chunks):
-            pool = {**emb, "hidden_states": hidden, **pipe.empty_cache_inputs(i), **pipe.per_layer_input(i, emb),
-                    **pipe.shared_inputs(i, "verify", outs, pipe._empty)}
-            out = model.backend.predict(chunk["model"], "verify", pipe._inputs(chunk["model"], "verify", pool))
-            outs.append(out)
-            hidden = out.get("hidden_states_out")  # none from a last chunk carrying the LM head
-            model.backend.release(chunk["model"])
-        return pipe.logits_of("verify", out)
+        return pipe.forward("verify", inputs, lambda *_: None, visible=0, release=True)
     finally:
         model.close()
 

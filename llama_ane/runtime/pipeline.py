@@ -166,10 +166,6 @@ class Pipeline:
         return np.zeros((layers, channels or self.manifest["cache"]["channels"], 1, length or self.cache_length),
                         self.backend.dtype)
 
-    def empty_cache_inputs(self, i: int) -> dict[str, np.ndarray]:
-        """Chunk i's cache inputs by manifest name, empty (a window at position 0)."""
-        return self.cache_inputs(self._empty(i))
-
     @staticmethod
     def cache_inputs(caches: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A chunk's caches {"k", "v", "k_ring", "v_ring"} by the names its functions read them."""
@@ -326,18 +322,23 @@ class Pipeline:
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
                 visible: int, state: Callable[[int], dict[str, np.ndarray]] | None = None,
-                host: dict[str, np.ndarray] | None = None) -> np.ndarray:
+                host: dict[str, np.ndarray] | None = None, release: bool = False) -> np.ndarray:
         """One step of function `fn` through every model: the one forward pass of every decoder.
 
         embed_inputs: the embeddings function's int32 inputs (input_ids and its positions);
         write(i, update_function, chunk_outputs): stores chunk i's new K/V (see `write_window`);
         visible: cache positions that hold tokens (with direct caches, the chunks read only these);
         state(i): chunk i's own extra inputs by name (a cascade's suffix caches);
-        host: what the chunks read that the host makes (`host_inputs`: masks, the write position).
+        host: what the chunks read that the host makes (`host_inputs`: masks, the write position);
+        release: drop each embeddings and chunk model once it has run (`Backend.release`), so that
+        one model's weights are held at a time (the verify gate's one pass).
         Each chunk's inputs are taken by the names the manifest gives them. Returns the logits,
         float32 [S, vocab] (S = the function's query length).
         """
         emb = self.embed(fn, embed_inputs)  # hidden (1,C,1,S), cos, sin, masks
+        if release:
+            for name in self.embedding_models:
+                self.backend.release(name)
         if host:
             emb.update(host)
         if self.direct:
@@ -347,15 +348,28 @@ class Pipeline:
         outs: list[dict[str, np.ndarray]] = []
         for i, chunk in enumerate(self.chunks):
             self.updates.wait(i)
-            caches = self.chunk_caches(i, visible, bucket)
-            pool = {**embed_inputs, **emb, "hidden_states": hidden, **self.cache_inputs(caches),
-                    **self.per_layer_input(i, emb), **(state(i) if state else {}),
-                    **self.shared_inputs(i, fn, outs, lambda c: self.chunk_caches(c, visible, bucket), state)}
-            out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
+            out = self.run_chunk(i, fn, {**embed_inputs, **emb}, hidden, self.chunk_caches(i, visible, bucket),
+                                 outs, lambda c: self.chunk_caches(c, visible, bucket), state)
             outs.append(out)
             hidden = out.get("hidden_states_out")
             write(i, chunk["cache_update"].get(fn), out)
+            if release:
+                self.backend.release(chunk["model"])
         return self.logits_of(fn, out)
+
+    def run_chunk(self, i: int, fn: str, inputs: dict[str, np.ndarray], hidden: np.ndarray,
+                  caches: dict[str, np.ndarray], outs: list[dict[str, np.ndarray]],
+                  caches_of: Callable[[int], dict[str, np.ndarray]],
+                  state: Callable[[int], dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+        """Chunk i's function `fn` on hidden states `hidden` and its caches `caches` as it reads them
+        (`chunk_caches`); `inputs`: the step's other named inputs (the embeddings' outputs, the
+        host's masks and positions); `outs`, `caches_of`, `state`: what its KV-shared layers read of
+        earlier chunks (`shared_inputs`), `state(i)` also its own extra inputs. Every loop over the
+        chunks (`forward`, `score_streamed`) runs a chunk through here. Returns its outputs by name."""
+        model = self.chunks[i]["model"]
+        pool = {**inputs, "hidden_states": hidden, **self.cache_inputs(caches), **self.per_layer_input(i, inputs),
+                **(state(i) if state else {}), **self.shared_inputs(i, fn, outs, caches_of, state)}
+        return self.backend.predict(model, fn, self._inputs(model, fn, pool))
 
     def shared_inputs(self, i: int, fn: str, outs: list[dict[str, np.ndarray]],
                       caches_of: Callable[[int], dict[str, np.ndarray]],
@@ -607,10 +621,9 @@ class Pipeline:
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
                 outs = [kept[c][w][1] if c in kept else {} for c in range(i)]
-                pool = {**embs[w], "hidden_states": hidden[w], "position": position, **self.cache_inputs(read),
-                        WINDOW_TOKENS: np.array([len(parts[w])], np.int32), **self.per_layer_input(i, embs[w]),
-                        **self.shared_inputs(i, fn, outs, lambda c: kept[c][w][0])}
-                out = self.backend.predict(chunk["model"], fn, self._inputs(chunk["model"], fn, pool))
+                out = self.run_chunk(i, fn, {**embs[w], "position": position,
+                                             WINDOW_TOKENS: np.array([len(parts[w])], np.int32)},
+                                     hidden[w], read, outs, lambda c: kept[c][w][0])
                 if i in producers:  # copies: the writes below change the caches in place
                     kept.setdefault(i, []).append(({k: a.copy() for k, a in read.items()},
                                                    {k: a.copy() for k, a in out.items() if k.endswith("_new")}))
