@@ -6,10 +6,11 @@ model.functions and are exported from here for the layers above."""
 from __future__ import annotations
 
 from ..config import LlamaConfig
-from ..model import cache_update, chunk, embeddings, lm_head
+from ..model.kinds import KINDS
 from ..model.functions import (BRANCHES, CACHES, DECODE_FUNCTIONS, FUNCTIONS, KV_CACHE_KINDS, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, base_function, bucket_function,
                                attention_rows, bucket_of, cache_update_function, cascades_in_window, chunk_rows, conv_state_width, ring_length, ring_rewind_limit, state_length,
-                               shared_rows, suffix_groups, suffix_names, suffix_update_counts, window_of)
+                               shared_rows, suffix_groups, suffix_names, suffix_update_counts, window_of,
+                               model_kind)
 from ..model.lm_head import vocab_splits
 
 __all__ = ["BRANCHES", "CACHES", "DECODE_FUNCTIONS", "RING_CACHES", "FUNCTIONS", "KV_CACHE_KINDS", "VERIFY", "WINDOW_TOKENS", "base_function", "bucket_function", "bucket_of",
@@ -34,23 +35,6 @@ def lm_head_model_name(part: int) -> str:
     return "lm_head" if part == 0 else f"lm_head_{part}"
 
 
-def model_kind(model: str) -> str:
-    """What a manifest model computes: "embeddings" (lookup of the first rows, RoPE, masks),
-    "embeddings_part" (lookup of later rows, added to the hidden states), "chunk", "lm_head" or
-    "cache_update"."""
-    if model == "embeddings":
-        return "embeddings"
-    if model.startswith("embeddings_"):
-        return "embeddings_part"
-    if model.startswith("chunk_"):
-        return "chunk"
-    if model == "lm_head" or model.startswith("lm_head_"):
-        return "lm_head"
-    if model == "cache_update":
-        return "cache_update"
-    raise ValueError(f"no model kind for {model!r}")
-
-
 def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, prefill_length: int,
                 float_dtype: str, branch_width: int = 0, suffix_length: int = 0,
                 embedding_parts: int = 1, head_groups: list[list[int]] | None = None,
@@ -58,7 +42,7 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                 buckets: tuple[int, ...] = (), fold_head: bool = False,
                 decode_function: str = "decode") -> dict[str, dict[str, dict]]:
     """{model: {function: {"inputs": [...], "outputs": [...]}}} for the whole export, each model's
-    as its kind declares them (llama_ane.model).
+    as its kind declares them (llama_ane.model.kinds).
 
     With `branch_width` B > 0, every model also gets a "decode_branches" function (cascade). The
     embedding table is cut into `embedding_parts` files: the first ("embeddings") looks up its
@@ -92,14 +76,14 @@ def model_specs(cfg: LlamaConfig, plan: list[list[int]], context_length: int, pr
                     verify_window, kv_cache, ring, decode_function,
                     cascades_in_window(cfg, decode_function, branch_width, ring, prefill_length))
     groups = head_groups or [list(range(len(vocab_splits(cfg.vocab_size))))]
-    specs = {"embeddings": embeddings.functions(cfg, layout)}
-    specs.update({embeddings_model_name(k): embeddings.part_functions(cfg, layout) for k in range(1, embedding_parts)})
+    specs = {"embeddings": KINDS["embeddings"].functions(cfg, layout)}
+    specs.update({embeddings_model_name(k): KINDS["embeddings_part"].functions(cfg, layout) for k in range(1, embedding_parts)})
     folded = [j for heads in groups for j in heads] if fold_head else None
-    specs.update({chunk_model_name(i): chunk.functions(cfg, layout, layers, folded if i == len(plan) - 1 else None)
+    specs.update({chunk_model_name(i): KINDS["chunk"].functions(cfg, layout, layers, folded if i == len(plan) - 1 else None)
                   for i, layers in enumerate(plan)})
     if not fold_head:
-        specs.update({lm_head_model_name(k): lm_head.functions(cfg, layout, heads) for k, heads in enumerate(groups)})
-    updates = cache_update.functions(cfg, layout, plan)
+        specs.update({lm_head_model_name(k): KINDS["lm_head"].functions(cfg, layout, heads) for k, heads in enumerate(groups)})
+    updates = KINDS["cache_update"].functions(cfg, layout, plan)
     if updates:
         specs["cache_update"] = updates
     return specs

@@ -5,7 +5,7 @@ model (prefill, decode, decode_branches, ...) and each weight is a const whose `
 parameter name, so the functions share one copy in the weight blob without any deduplication pass.
 On older targets each function becomes a program of its own.
 
-The graphs come from the builders in `llama_ane.model`, written op for op like the torch modules
+The graphs come from the builders in `llama_ane.model` (each kind's in `model.kinds`), written op for op like the torch modules
 beside them; they are built in the export dtype and saved with no graph passes, so what is saved is
 what was built. The mil executor runs them and `verify` compares them with the torch modules.
 """
@@ -22,8 +22,8 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import Function, Program
 
 from ..config import LlamaConfig
-from ..contract.specs import BRANCHES, VERIFY, model_kind
-from ..model import cache_update, chunk, embeddings, lm_head
+from ..model.functions import Site
+from ..model.kinds import kind_of
 from ..model.layers import Graph, Weights
 from ..precision import mil_type
 from ..quantize import Compression
@@ -67,29 +67,6 @@ def _named(var, name: str):
     return var
 
 
-def function_body(model: str, function: str, g: Graph, cfg: LlamaConfig, io: dict, *, layers: list[int],
-                  context_length: int, suffix_length: int, rows: tuple[int, int] | None = None):
-    """The builder of one (model, function) of the export, from its kind's file; `rows` are the
-    vocabulary rows of an embeddings file."""
-    kind = model_kind(model)
-    if kind == "embeddings":
-        if function == BRANCHES:
-            return embeddings.build_branch_embeddings(g, cfg, io, context_length, suffix_length, rows)
-        if function == VERIFY:
-            return embeddings.build_verify_embeddings(g, cfg, io, context_length, rows)
-        return embeddings.build_embeddings(g, cfg, io, rows)
-    if kind == "embeddings_part":
-        return embeddings.build_embeddings_part(g, cfg, rows)
-    if kind == "lm_head":
-        return lm_head.build_lm_head(g, cfg, io)
-    if kind == "cache_update":
-        return (cache_update.build_suffix_update(g, cfg, io) if function.startswith(BRANCHES)
-                else cache_update.build_cache_update(g, io))
-    if function == BRANCHES:  # the last chunk may carry the LM head (chunk.with_head)
-        return chunk.with_head(g, cfg, io, chunk.build_branch_chunk(g, cfg, io, layers, context_length, suffix_length))
-    return chunk.with_head(g, cfg, io, chunk.build_chunk(g, cfg, io, layers))
-
-
 def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weights: Weights, *, dtype: type,
                   opset, layers: list[int], context_length: int, suffix_length: int,
                   rows: tuple[int, int] | None = None, compressions=lambda name: None,
@@ -109,9 +86,9 @@ def build_program(model: str, functions: dict[str, dict], cfg: LlamaConfig, weig
     g = CompressedGraph(dtype, weights, compressions=compressions, ios18=opset >= ct.target.iOS18,
                         importance=importance)
     prog = Program()
+    site = Site(context_length, suffix_length=suffix_length, layers=tuple(layers), rows=rows)
     for fn, io in functions.items():
-        body = function_body(model, fn, g, cfg, io, layers=layers, context_length=context_length,
-                             suffix_length=suffix_length, rows=rows)
+        body = kind_of(model).program(g, cfg, fn, io, site)
         with Function(_placeholders(io), opset_version=opset) as func:
             outs = body(func.inputs)
             func.set_outputs([_named(outs[t["name"]], t["name"]) for t in io["outputs"]])

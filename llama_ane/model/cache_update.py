@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
-from .functions import (BRANCHES, CACHES, VERIFY, Layout, cache_update_function, chunk_rows, shape_of, suffix_groups,
+from .functions import (BRANCHES, CACHES, VERIFY, Layout, Site, cache_update_function, chunk_rows, shape_of, suffix_groups,
                         suffix_names, suffix_update_counts, tensor)
 from .layers import Graph, mb
 
@@ -201,3 +201,16 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
         where = [tensor("slots", [w], "int32")] + ([tensor("ring_slots", [w], "int32")] if nr else [])
         out[cache_update_function(VERIFY, nf, nr)] = _window_io(cfg, layout, r, w, t, where)
     return out
+
+
+def program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
+    """The MIL builder of a cache-update function (model.kinds)."""
+    return build_suffix_update(g, cfg, io) if function.startswith(BRANCHES) else build_cache_update(g, io)
+
+
+def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], site: Site,
+            dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The torch module of each cache-update function: a cascade's suffix update, or a window of S
+    at the positions of its bucket (and the ring's slots), or verify's. They hold no weights."""
+    return {fn: SuffixUpdate(site.suffix_length) if any(t["name"] == "k_suffix" for t in io["inputs"])
+            else ChunkUpdate(site.ring) for fn, io in functions.items()}

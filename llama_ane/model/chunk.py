@@ -81,10 +81,10 @@ from torch import nn
 from ..config import LlamaConfig
 from . import lm_head
 from .cache_update import onehot_write_mil, window_slots_mil
-from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, branch_masks, chunk_rows,
+from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, Site, branch_masks, chunk_rows,
                         conv_rows, conv_state_width, layer_inputs, shape_of, shared_rows, suffix_groups, suffix_names,
                         tensor, window_masks)
-from .layers import Graph, mb, stack_mil
+from .layers import Graph, mb, stack_mil, with_state
 from .layers.attention import DecoderLayer, branch_layer, branch_layer_mil, decoder_layer_read_mil
 from .layers.delta_net import (DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, DeltaLayer, delta_layer_mil, delta_rows,
                                delta_shape)
@@ -696,4 +696,30 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             + _shared_io(cfg, layout, layers, t, w),
             "outputs": [tensor("hidden_states_out", [1, c, 1, w], f)] + new,
         }
+    return out
+
+
+def program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
+    """The MIL builder of a chunk's `function` (model.kinds); the last chunk may carry the LM head."""
+    layers = list(site.layers)
+    if function == BRANCHES:
+        return with_head(g, cfg, io, build_branch_chunk(g, cfg, io, layers, site.context_length, site.suffix_length))
+    return with_head(g, cfg, io, build_chunk(g, cfg, io, layers))
+
+
+def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], site: Site,
+            dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The torch modules of a chunk: one BlockChunk for its window functions (the verify window too:
+    the tree is in its mask), a BranchChunk on it for the cascade, each with the LM head after it
+    where the chunk carries the head."""
+    layers = list(site.layers)
+    block = with_state(lambda: BlockChunk(cfg, layers, site.context_length, site.ring),
+                       weights.chunk(model, layers, dtype))
+    out: dict[str, nn.Module] = {fn: block for fn in functions}
+    if BRANCHES in functions:
+        out[BRANCHES] = BranchChunk(block, site.suffix_length)
+    if site.head:
+        head = lm_head.head_module(weights, model, cfg, next(iter(functions.values())), dtype)
+        out = {fn: HeadedBranchChunk(module, head) if fn == BRANCHES else HeadedChunk(module, head)
+               for fn, module in out.items()}
     return out

@@ -54,9 +54,9 @@ from torch import nn
 import dataclasses
 
 from ..config import LlamaConfig, inv_freq
-from .functions import (BRANCHES, VERIFY, Layout, branch_masks, layer_inputs, per_layer_rows, shape_of, tensor,
-                        window_masks)
-from .layers import MASK_VALUE, Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil
+from .functions import (BRANCHES, VERIFY, Layout, Site, branch_masks, bucket_of, layer_inputs, per_layer_rows, shape_of,
+                        tensor, window_masks, window_of)
+from .layers import MASK_VALUE, Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, with_state
 
 
 def rope_tables(cfg: LlamaConfig, positions: int,
@@ -654,3 +654,66 @@ def part_functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
             out[fn]["inputs"].append(tensor("per_layer_inputs", [1, cfg.per_layer_channels, 1, s], f))
             out[fn]["outputs"].append(tensor("per_layer_inputs_out", [1, cfg.per_layer_channels, 1, s], f))
     return out
+
+
+def program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
+    """The MIL builder of the first embeddings file's `function` (model.kinds)."""
+    if function == BRANCHES:
+        return build_branch_embeddings(g, cfg, io, site.context_length, site.suffix_length, site.rows)
+    if function == VERIFY:
+        return build_verify_embeddings(g, cfg, io, site.context_length, site.rows)
+    return build_embeddings(g, cfg, io, site.rows)
+
+
+def part_program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
+    """The MIL builder of a later embeddings file's functions (model.kinds)."""
+    return build_embeddings_part(g, cfg, site.rows)
+
+
+def _table(weights, model: str, cfg: LlamaConfig, site: Site, dtype: torch.dtype) -> tuple[nn.Embedding, nn.Module | None]:
+    """An embeddings file's rows of the table, and Gemma 4's per-layer inputs of those rows (one
+    module for every function; the last file projects the whole embedding), or None."""
+    start, end = site.rows
+    table = nn.Embedding.from_pretrained(weights.table(model, (start, end), dtype), freeze=False)
+    if not cfg.per_layer_input_size:
+        return table, None
+    last = end == cfg.vocab_size
+    return table, with_state(lambda: PerLayerInputs(cfg, (start, end), last),
+                             weights.per_layer(model, (start, end), last, dtype))
+
+
+def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], site: Site,
+            dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The torch modules of the first embeddings file, {function: module}, each following its
+    specs `functions[function]`, with `weights`' table (runtime.backends.torch_modules)."""
+    table, per_layer = _table(weights, model, cfg, site, dtype)
+    out: dict[str, nn.Module] = {}
+    for fn, io in functions.items():
+        if fn == BRANCHES:
+            out[fn] = BranchEmbeddings(cfg, table, site.context_length, site.branch_width, site.suffix_length,
+                                       site.ring)
+        elif fn == VERIFY:
+            out[fn] = VerifyEmbeddings(cfg, table, site.context_length, site.verify_window, site.ring)
+        else:  # a one-row placeholder table, replaced by the shared one
+            sliding = any(o["name"] == "sliding_mask" for o in io["outputs"])
+            kind = WindowEmbeddings if any(i["name"] == "positions" for i in io["inputs"]) else Embeddings
+            e = kind(cfg, bucket_of(fn, site.context_length), window_of(fn, site.prefill_length), rows=1,
+                     windowed=sliding, ring=site.ring)
+            e.embed_tokens = table
+            out[fn] = e
+    stored = weights.rope(model)
+    for module in out.values():
+        if stored is not None:  # the tables the export holds (one size for every function)
+            module.cos_table, module.sin_table = stored
+        module.per_layer = per_layer
+    return out
+
+
+def part_modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], site: Site,
+                 dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The torch module of a later embeddings file, for each of its functions."""
+    table, per_layer = _table(weights, model, cfg, site, dtype)
+    part = EmbeddingsPart(cfg, site.rows[0], 1)
+    part.embed_tokens = table  # the one-row placeholder replaced by the part's rows
+    part.per_layer = per_layer
+    return {fn: part for fn in functions}

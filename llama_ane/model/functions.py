@@ -49,6 +49,39 @@ WINDOW_TOKENS = "window_tokens"
 DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = "delta_state", "delta_new", "delta_branches"
 
 
+def model_kind(model: str) -> str:
+    """What a manifest model computes: "embeddings" (lookup of the first rows, RoPE, masks),
+    "embeddings_part" (lookup of later rows, added to the hidden states), "chunk", "lm_head" or
+    "cache_update"."""
+    if model == "embeddings":
+        return "embeddings"
+    if model.startswith("embeddings_"):
+        return "embeddings_part"
+    if model.startswith("chunk_"):
+        return "chunk"
+    if model == "lm_head" or model.startswith("lm_head_"):
+        return "lm_head"
+    if model == "cache_update":
+        return "cache_update"
+    raise ValueError(f"no model kind for {model!r}")
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a model sits in its export: what its functions are built with besides the config and
+    their specs (the exporter's programs and the torch backend's modules alike, `model.kinds`)."""
+
+    context_length: int
+    prefill_length: int = 0
+    suffix_length: int = 0
+    branch_width: int = 0
+    verify_window: int = 0
+    ring: int = 0
+    layers: tuple[int, ...] = ()  # a chunk's decoder layers
+    rows: tuple[int, int] | None = None  # an embeddings file's vocabulary rows [start, end)
+    head: bool = False  # a chunk that carries the LM head (--fold-lm-head)
+
+
 def squarings(s: int) -> int:
     """How many factors (I + N^(2^i)) the delta rule's inverse over a window of S tokens needs: N^S = 0
     (layers.delta_net)."""

@@ -7,12 +7,13 @@ exceeds 16384; the torch module with its MIL builder below it.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..config import LlamaConfig
 from ..limits import MAX_DIM
-from .functions import Layout, tensor
-from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, softcap, softcap_mil
+from .functions import Layout, Site, tensor
+from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, softcap, softcap_mil, with_state
 
 ROW_UNIT = 64  # vocabulary parts are cut at multiples of this many rows (a LUT group divides them)
 
@@ -86,3 +87,26 @@ def functions(cfg: LlamaConfig, layout: Layout, heads: list[int]) -> dict[str, d
     return {fn: {"inputs": [tensor("hidden_states", [1, cfg.hidden_size, 1, s], layout.dtype)],
                  "outputs": logits_outputs(cfg, layout, heads, s)}
             for fn, s in (*layout.full_windows(), *layout.extra_windows())}
+
+
+def program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
+    """The MIL builder of an LM head file's functions (model.kinds)."""
+    return build_lm_head(g, cfg, io)
+
+
+def heads_of(io: dict) -> list[int]:
+    """The vocabulary splits a function's logits_j outputs are."""
+    return [int(o["name"].removeprefix("logits_")) for o in io["outputs"] if o["name"].startswith("logits_")]
+
+
+def head_module(weights, model: str, cfg: LlamaConfig, io: dict, dtype: torch.dtype) -> LMHead:
+    """The LMHead of the splits function `io` outputs, with `weights`' rows of them."""
+    heads = heads_of(io)
+    return with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
+
+
+def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], site: Site,
+            dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The torch module of an LM head file, for each of its functions."""
+    head = head_module(weights, model, cfg, next(iter(functions.values())), dtype)
+    return {fn: head for fn in functions}

@@ -9,10 +9,10 @@ from .attention import (GROUPED_ROWS, MASK_VALUE, grouped_attention, grouped_att
                         merge_states_mil, prefix_state, prefix_state_mil, suffix_state, suffix_state_mil)
 from .ops import (MLP, Conv1x1, Graph, RMSNorm, Weights, activation, activation_mil, apply_rope, apply_rope_mil,
                   conv1x1, conv_mil, head_norm, head_norm_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softcap,
-                  softcap_mil, softplus_mil, stack_mil)
+                  softcap_mil, softplus_mil, stack_mil, with_state)
 
 __all__ = ["GROUPED_ROWS", "MASK_VALUE", "MLP", "Conv1x1", "Graph", "RMSNorm", "Weights", "activation",
            "activation_mil", "apply_rope", "apply_rope_mil", "conv1x1", "conv_mil", "grouped_attention",
            "grouped_attention_mil", "head_norm", "head_norm_mil", "mb", "merge_states", "merge_states_mil",
            "mlp_mil", "prefix_state", "prefix_state_mil", "rms_norm_mil", "silu_mil", "softcap", "softcap_mil",
-           "softplus_mil", "stack_mil", "suffix_state", "suffix_state_mil"]
+           "softplus_mil", "stack_mil", "suffix_state", "suffix_state_mil", "with_state"]

@@ -27,6 +27,19 @@ from ...precision import precision_of
 Weights = Callable[[str], np.ndarray]  # our parameter name -> array in the export dtype
 
 
+def with_state(make: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:
+    """`make()` built on the meta device and given `state`'s tensors as its parameters.
+
+    Nothing is initialised at random only to be overwritten, so building a model costs one copy
+    of its weights, not two (a chunk of an 8B model is gigabytes in fp32). Only for modules whose
+    every tensor is in the state dict (no buffers): strict loading checks the names.
+    """
+    with torch.device("meta"):
+        module = make()
+    module.load_state_dict(state, strict=True, assign=True)
+    return module
+
+
 class _Builder:
     """coremltools' MIL `Builder`, imported on first use: `mb.conv(...)` as in coremltools' own code."""
 

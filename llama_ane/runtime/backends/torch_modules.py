@@ -13,36 +13,19 @@ weights come from one of two sources with the same three methods:
 
 from __future__ import annotations
 
-from typing import Callable
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from ...checkpoint.loader import Checkpoint
 from ...checkpoint.mapping import (chunk_state_dict, embeddings_state_dict, layer_tensors,
                                    lm_head_state_dict, per_layer_state_dict)
-from ...model.cache_update import ChunkUpdate, SuffixUpdate
-from ...model.chunk import BlockChunk, BranchChunk, HeadedBranchChunk, HeadedChunk
-from ...model.embeddings import (BranchEmbeddings, Embeddings, EmbeddingsPart, PerLayerInputs, VerifyEmbeddings, WindowEmbeddings,
-                                 per_layer_names, per_layer_rows)
-from ...model.lm_head import LMHead, vocab_splits
+from ...model.embeddings import per_layer_names, per_layer_rows
+from ...model.functions import Site, model_kind
+from ...model.kinds import KINDS
+from ...model.lm_head import vocab_splits
 from ...config import LlamaConfig
 from ...contract.manifest import model_names, ring_of
-from ...contract.specs import BRANCHES, VERIFY, bucket_of, model_kind, window_of
-
-
-def _with_state(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """`make()` built on the meta device and given `state`'s tensors as its parameters.
-
-    Nothing is initialised at random only to be overwritten, so building a model costs one copy
-    of its weights, not two (a chunk of an 8B model is gigabytes in fp32). Only for modules whose
-    every tensor is in the state dict (no buffers): strict loading checks the names.
-    """
-    with torch.device("meta"):
-        module = make()
-    module.load_state_dict(state, strict=True, assign=True)
-    return module
 
 
 class CheckpointWeights:
@@ -140,67 +123,17 @@ def build_model(weights: CheckpointWeights | ExportWeights | Checkpoint, manifes
         weights = CheckpointWeights(weights)
     cfg = LlamaConfig.from_dict(manifest["config"])
     m = manifest
-    context, prefill, ring = m["context_length"], m["prefill_length"], ring_of(m)
     if model not in model_names(m):
         raise KeyError(f"no model {model!r} in this export")
     functions = m["models"][model]["functions"]  # each function's module follows its specs
     kind = model_kind(model)
-    if kind in ("embeddings", "embeddings_part"):
-        start, end = m["embeddings"]["vocab_ranges"][m["embeddings"]["models"].index(model)]
-        table = torch.nn.Embedding.from_pretrained(weights.table(model, (start, end), dtype), freeze=False)
-        per_layer = None
-        if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs of the file's rows, one module for every function
-            last = end == cfg.vocab_size  # the last file projects the whole embedding
-            per_layer = _with_state(lambda: PerLayerInputs(cfg, (start, end), last),
-                                    weights.per_layer(model, (start, end), last, dtype))
-        if kind == "embeddings_part":
-            part = EmbeddingsPart(cfg, start, 1)
-            part.embed_tokens = table  # the one-row placeholder replaced by the part's rows
-            part.per_layer = per_layer
-            return {fn: part.eval() for fn in functions}
-        modules: dict[str, torch.nn.Module] = {}
-        for fn in functions:
-            if fn == BRANCHES:
-                modules[fn] = BranchEmbeddings(cfg, table, context, m["branch_width"], m["suffix_length"], ring)
-            elif fn == VERIFY:
-                modules[fn] = VerifyEmbeddings(cfg, table, context, m["verify_window"], ring)
-            else:  # a one-row placeholder table, replaced by the shared one
-                sliding = any(o["name"] == "sliding_mask" for o in functions[fn]["outputs"])
-                kind = WindowEmbeddings if any(i["name"] == "positions" for i in functions[fn]["inputs"]) \
-                    else Embeddings
-                e = kind(cfg, bucket_of(fn, context), window_of(fn, prefill), rows=1, windowed=sliding, ring=ring)
-                e.embed_tokens = table
-                modules[fn] = e
-        stored = weights.rope(model)
-        if stored is not None:  # the tables the export holds (one size for every function)
-            for module in modules.values():
-                module.cos_table, module.sin_table = stored
-        for module in modules.values():
-            module.per_layer = per_layer
-    elif kind == "lm_head":
-        heads = [int(o["name"].removeprefix("logits_")) for o in next(iter(functions.values()))["outputs"]]
-        head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
-        modules = {fn: head for fn in functions}
-    elif kind == "cache_update":
-        modules = {}
-        for fn, io in functions.items():
-            shape = {t["name"]: t["shape"] for t in io["inputs"]}
-            if "k_suffix" in shape:
-                modules[fn] = SuffixUpdate(m["suffix_length"])
-            else:  # a window of S at the positions of its bucket (and the ring's slots), or verify's
-                modules[fn] = ChunkUpdate(ring)
-    else:
-        layers = next(c["layers"] for c in m["chunks"] if c["model"] == model)
-        chunk = _with_state(lambda: BlockChunk(cfg, layers, context, ring), weights.chunk(model, layers, dtype))
-        modules = {fn: chunk for fn in functions}  # the verify window too: the tree is in its mask
-        if BRANCHES in functions:
-            modules[BRANCHES] = BranchChunk(chunk, m["suffix_length"])
-        if m["lm_head"].get("folded_into") == model:  # the last chunk carries the LM head
-            heads = [int(o["name"].removeprefix("logits_")) for o in next(iter(functions.values()))["outputs"]
-                     if o["name"].startswith("logits_")]
-            head = _with_state(lambda: LMHead(cfg, heads), weights.head(model, heads, dtype))
-            modules = {fn: HeadedBranchChunk(module, head) if fn == BRANCHES else HeadedChunk(module, head)
-                       for fn, module in modules.items()}
+    rows = m["embeddings"]["vocab_ranges"][m["embeddings"]["models"].index(model)] \
+        if kind in ("embeddings", "embeddings_part") else None
+    layers = next((c["layers"] for c in m["chunks"] if c["model"] == model), ())
+    site = Site(m["context_length"], m["prefill_length"], m.get("suffix_length", 0), m.get("branch_width", 0),
+                m.get("verify_window", 0), ring_of(m), tuple(layers), None if rows is None else tuple(rows),
+                head=m["lm_head"].get("folded_into") == model)
+    modules = KINDS[kind].modules(weights, model, cfg, functions, site, dtype)
     for module in modules.values():
         module.eval()
     return modules
