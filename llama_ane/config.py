@@ -29,7 +29,7 @@ ACTIVATIONS = tuple(dict.fromkeys(f.activation for f in FAMILIES.values()))
 GEMMA4_FIELDS = FAMILIES["gemma4_text"].own_fields
 DELTA_FIELDS = FAMILIES["qwen3_5_text"].own_fields
 # fields of a layer variant no family default has, written (like the families' own) only where set
-VARIANT_FIELDS = ("attention_sinks",)
+VARIANT_FIELDS = ("attention_sinks", "attn_head_gate")
 OWN_FIELDS = tuple(name for f in FAMILIES.values() for name in f.own_fields) + VARIANT_FIELDS  # see LlamaConfig.to_dict
 
 
@@ -78,6 +78,9 @@ class LlamaConfig:
     # a learned logit per query head beside each softmax's keys (GPT-OSS's, Granite SWA's sinks): it takes
     # a share of the probability and attends to nothing
     attention_sinks: bool = False
+    # a sigmoid gate per query head on attention's output, from the layer's normed input (LFM3's
+    # g_proj): each head's values scaled by one number a token before o_proj
+    attn_head_gate: bool = False
     # Gemma 4: the weightless norm of each v head, V from the K projection on the global layers, the
     # per-layer inputs' width (0: none) and vocabulary, each layer's stored scalar, the logits'
     # softcap (None: none), and the global layers' RoPE: proportional, the first rope_proportion of
@@ -205,7 +208,8 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("qk_norm", "qk_norm_across_heads", "post_norms", "fused_projections", "tie_word_embeddings",
-                     "sandwich_norms", "conv_bias", "value_norm", "k_eq_v", "layer_scalar", "attention_sinks"):
+                     "sandwich_norms", "conv_bias", "value_norm", "k_eq_v", "layer_scalar", "attention_sinks",
+                     "attn_head_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         layers = self.num_hidden_layers
@@ -407,6 +411,7 @@ class LlamaConfig:
         extras += ("per_layer_input_gate.weight", "per_layer_projection.weight",
                    "post_per_layer_input_norm.weight") if self.per_layer_input_size else ()
         extras += ("sinks",) if self.attention_sinks else ()
+        extras += ("g_proj.weight",) if self.attn_head_gate else ()
         return extras + (("layer_scalar",) if self.layer_scalar else ())
 
     @property

@@ -205,11 +205,11 @@ def transformers_logits(token_ids: list[int], checkpoint: Checkpoint) -> np.ndar
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-# Qwen3.5's linear-attention layers' projections (model.layers.delta_net's names are the checkpoint's), and
-# its output gate, whose input is q_proj's (both are rows of the checkpoint's q_proj)
+# Qwen3.5's linear-attention layers' projections (model.layers.delta_net's names are the checkpoint's); the
+# output gates, whose input is q_proj's (Qwen3.5's o_gate, rows of the checkpoint's q_proj; LFM3's g_proj)
 DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                      "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-SAME_INPUT = {"q_proj": ("o_gate",)}
+SAME_INPUT = {"q_proj": ("o_gate", "g_proj")}
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],

@@ -14,9 +14,10 @@ from llama_ane.model.layers import Graph
 from llama_ane.model.layers.short_conv import ConvLayer, conv_layer_mil, conv_state_after, conv_state_after_mil
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, Lfm2Config  # noqa: E402
+from transformers import Lfm2Config  # noqa: E402
 from transformers.models.lfm2.modeling_lfm2 import Lfm2DecoderLayer  # noqa: E402
 from conftest import convert_to  # noqa: E402
+from support.conv import channels_first, conv_pair, random_layer, with_weights_of  # noqa: E402
 from support.families import LFM2_CHECKPOINT  # noqa: E402
 
 C, K, EPS, TOKENS = 16, 3, 1e-5, 11
@@ -28,41 +29,18 @@ def reference(bias: bool) -> tuple[Lfm2Config, Lfm2DecoderLayer]:
     cfg = Lfm2Config(hidden_size=C, num_hidden_layers=2, layer_types=["conv", "full_attention"], num_attention_heads=2,
                      num_key_value_heads=1, vocab_size=32, intermediate_size=48, conv_L_cache=K, conv_bias=bias,
                      norm_eps=EPS, block_multiple_of=8)
-    torch.manual_seed(0)
-    module = Lfm2DecoderLayer(cfg, 0).eval()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
-    return cfg, module
+    return cfg, random_layer(Lfm2DecoderLayer, cfg)
 
 
 def ours(hf: Lfm2DecoderLayer, bias: bool) -> ConvLayer:
     """ConvLayer with hf's weights, renamed and reshaped."""
-    intermediate = hf.feed_forward.w1.out_features
-    module = ConvLayer(C, intermediate, K, EPS, bias).eval()
-    shapes = {name: t.shape for name, t in module.state_dict().items()}
-    state = {}
-    for name, t in hf.state_dict().items():
-        for theirs, our in RENAMED.items():
-            name = name.replace(theirs, our)
-        state[name] = t.reshape(shapes[name])
-    module.load_state_dict(state)
-    return module
-
-
-def channels_first(x: torch.Tensor) -> torch.Tensor:
-    """(1, S, C) -> (1, C, 1, S)"""
-    return x.transpose(1, 2).unsqueeze(2)
+    return with_weights_of(ConvLayer(C, hf.feed_forward.w1.out_features, K, EPS, bias).eval(), hf, RENAMED)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no_bias", "bias"])
 def pair(request):
     cfg, hf = reference(request.param)
-    x = torch.randn(1, TOKENS, C, generator=torch.Generator().manual_seed(1))
-    cache = DynamicCache(config=cfg)
-    with torch.no_grad():
-        y = hf(x, cache=cache)
-    return hf, ours(hf, request.param), x, y, cache.get_conv_state(0, state_idx=0)
+    return conv_pair(cfg, hf, ours(hf, request.param), TOKENS)
 
 
 def test_whole_sequence_and_state_match_transformers(pair):

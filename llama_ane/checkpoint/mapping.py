@@ -43,6 +43,7 @@ FAMILY_TENSORS = {  # what other families add, where their config has them (Llam
     "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
     "layer_scalar": "layer_scalar",
     "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
+    "g_proj.weight": "self_attn.g_proj.weight",  # an output gate per query head
 }
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
@@ -74,6 +75,7 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "post_per_layer_input_norm.weight": ("hidden_size",),
     "layer_scalar": (1,),
     "sinks": ("num_attention_heads",),
+    "g_proj.weight": ("num_attention_heads", "hidden_size"),
     "o_gate.weight": ("q_channels", "hidden_size"),
     "linear_attn.in_proj_qkv.weight": ("delta_conv_channels", "hidden_size"),
     "linear_attn.in_proj_z.weight": ("delta_value_channels", "hidden_size"),

@@ -32,6 +32,8 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
                   "conv.conv.weight": (c, cfg.conv_kernel), "conv.out_proj.weight": (c, c),
                   "post_attention_layernorm.weight": (c,), "mlp.gate_proj.weight": (i, c),
                   "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
+        if cfg.sandwich_norms:  # the operator's and the MLP's outputs normalized too (LFM3)
+            shapes.update({"pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,)})
         biases = {"conv.in_proj.bias": (3 * c,), "conv.conv.bias": (c,), "conv.out_proj.bias": (c,)}
         return {**shapes, **(biases if cfg.conv_bias else {})}
     shapes = {"input_layernorm.weight": (c,), "q_proj.weight": (q, c), "k_proj.weight": (kv, c),
@@ -42,7 +44,8 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
              "pre_feedforward_layernorm.weight": (c,), "post_feedforward_layernorm.weight": (c,),
              "per_layer_input_gate.weight": (cfg.per_layer_input_size, c),
              "per_layer_projection.weight": (c, cfg.per_layer_input_size),
-             "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,), "sinks": (cfg.num_attention_heads,)}
+             "post_per_layer_input_norm.weight": (c,), "layer_scalar": (1,), "sinks": (cfg.num_attention_heads,),
+             "g_proj.weight": (cfg.num_attention_heads, c)}
     shapes.update({name: extra[name] for name in cfg.layer_extras})
     if cfg.attn_output_gate:  # Qwen3.5's output gate, the second half of its q_proj
         shapes["o_gate.weight"] = (q, c)

@@ -112,7 +112,8 @@ class BlockChunk(nn.Module):
         self.layer_indices = list(layer_indices)
         self.layers = nn.ModuleList(
             DeltaLayer(cfg.hidden_size, cfg.intermediate_size, delta_shape(cfg)) if cfg.linear(n)
-            else ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias)
+            else ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias,
+                           cfg.sandwich_norms)
             if cfg.convolves(n) else DecoderLayer(cfg.at(n), context_length, n) for n in layer_indices)
         self.conv = conv_rows(cfg, self.layer_indices)  # the conv layers' and the linear-attention layers'
         self.delta = delta_rows(cfg, self.layer_indices)
@@ -288,7 +289,7 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             if cfg.convolves(n):
                 x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
                                        f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
-                                       cfg.conv_bias)
+                                       cfg.conv_bias, cfg.sandwich_norms)
                 gated.append(gx)
                 ks.append(None)
                 vs.append(None)
@@ -445,7 +446,7 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
                     states.append(state)
                 else:
                     x, gx = conv_layer_mil(g, x, conv, f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel,
-                                           cfg.stream_eps, b, cfg.conv_bias)
+                                           cfg.stream_eps, b, cfg.conv_bias, cfg.sandwich_norms)
                 gated.append(gx)
                 continue
             cos, sin = layer_rope_mil(cfg, inputs, n)

@@ -222,7 +222,8 @@ def merge_states_mil(v_a, s_a, v_b, s_b, sink=None):
 class DecoderLayer(nn.Module):
     """Decoder layer `layer` of the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with
     per-head q/k norms, SmolLM3 with layers without RoPE, OLMo 2 with norms after attention and MLP
-    and q/k norms across heads, Gemma 3 with norms before and after both and a GeGLU MLP). The
+    and q/k norms across heads, Gemma 3 with norms before and after both and a GeGLU MLP, Qwen3.5 and
+    LFM3 with their output gates). The
     attention scale is folded into q_proj's weights (into q_norm's where there is one). The norms
     over the hidden size use `stream_eps` (see LlamaConfig.stream_scale)."""
 
@@ -263,6 +264,8 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = nn.Parameter(torch.ones(1))
         if cfg.attn_output_gate:  # Qwen3.5: the heads gated by sigmoid(o_gate(h)) before o_proj
             self.o_gate = conv1x1(cfg.hidden_size, cfg.q_channels)
+        if cfg.attn_head_gate:  # LFM3: each head scaled by sigmoid(g_proj(h)), one gate a head
+            self.g_proj = conv1x1(cfg.hidden_size, cfg.num_attention_heads)
         if cfg.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
 
@@ -287,7 +290,11 @@ class DecoderLayer(nn.Module):
 
     def gated(self, h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """The attention heads (G,R,D,S) times sigmoid(o_gate(h)) where the layer gates its output
-        (Qwen3.5), else as they are; h: the normed input (1,C,1,S)."""
+        (Qwen3.5), or times sigmoid(g_proj(h)), one gate a head over its D channels (LFM3), else as
+        they are; h: the normed input (1,C,1,S)."""
+        if self.cfg.attn_head_gate:
+            g, r = heads.shape[:2]
+            return heads * torch.sigmoid(self.g_proj(h)).reshape(g, r, 1, -1)
         if not self.cfg.attn_output_gate:
             return heads
         return heads * torch.sigmoid(self.o_gate(h)).reshape(heads.shape)
@@ -383,9 +390,12 @@ def normed_mil(g: Graph, cfg: LlamaConfig, prefix: str, x):
 
 def gated_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, heads, s: int):
     """DecoderLayer.gated. hn: the normed input (1,C,1,S); heads: (G,R,D,S) -> (G,R,D,S)"""
+    gk, d = cfg.num_key_value_heads, cfg.head_dim
+    if cfg.attn_head_gate:  # (1,H,1,S) as (G,R,1,S), broadcast over each head's D channels
+        gate = mb.sigmoid(x=conv_mil(g, hn, f"{prefix}g_proj.weight"))
+        return mb.mul(x=heads, y=mb.reshape(x=gate, shape=[gk, cfg.num_attention_heads // gk, 1, s]))
     if not cfg.attn_output_gate:
         return heads
-    gk, d = cfg.num_key_value_heads, cfg.head_dim
     gate = mb.sigmoid(x=conv_mil(g, hn, f"{prefix}o_gate.weight"))
     return mb.mul(x=heads, y=mb.reshape(x=gate, shape=[gk, cfg.num_attention_heads // gk, d, s]))
 

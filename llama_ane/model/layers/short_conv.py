@@ -1,8 +1,9 @@
-"""LFM2's short convolution, the operator of its conv layers, in the ANE layout: the torch module and,
+"""LFM2's short convolution, the operator of its conv layers (and LFM3's), in the ANE layout: the torch module and,
 below it, its MIL builder, op for op.
 
     ShortConv        x (1,C,1,S), conv_state (1,C,1,W) -> y (1,C,1,S), gated (1,C,1,S)
-    ConvLayer        the whole decoder layer around it: x, conv_state -> x_out (1,C,1,S), gated
+    ConvLayer        the whole decoder layer around it (LFM3's with sandwich norms): x, conv_state
+                     -> x_out (1,C,1,S), gated
     ConvLayer.branches  B sequences of one token each (the cascade): x (1,C,1,B), their states
                      (1,C,B,K-1) -> x_out (1,C,1,B), gated (1,C,1,B)
     conv_state_after conv_state (1,C,1,W), gated (1,C,1,S), n -> the next conv_state (1,C,1,W)
@@ -125,28 +126,44 @@ class ConvLayer(nn.Module):
     """An LFM2 conv layer: norm, ShortConv, residual, norm, SwiGLU MLP, residual. The norms and the
     MLP take the names of the attention layers' (`input_layernorm`, `post_attention_layernorm`,
     `mlp.*`), so one mapping renames LFM2's `operator_norm`, `ffn_norm` and `feed_forward.w1/w3/w2`
-    for both kinds of layer."""
+    for both kinds of layer.
 
-    def __init__(self, channels: int, intermediate: int, kernel: int, eps: float, bias: bool = False):
+    With `sandwich` (LFM3), the ShortConv's and the MLP's outputs are normalized too before their
+    residual adds, with the names of DecoderLayer's sandwich norms: `input_layernorm`, ShortConv,
+    `post_attention_layernorm`, residual, `pre_feedforward_layernorm`, MLP,
+    `post_feedforward_layernorm`, residual."""
+
+    def __init__(self, channels: int, intermediate: int, kernel: int, eps: float, bias: bool = False,
+                 sandwich: bool = False):
         super().__init__()
+        self.sandwich = sandwich
         self.input_layernorm = RMSNorm(channels, eps)
         self.conv = ShortConv(channels, kernel, bias)
         self.post_attention_layernorm = RMSNorm(channels, eps)
+        if sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(channels, eps)
+            self.post_feedforward_layernorm = RMSNorm(channels, eps)
         self.mlp = MLP(channels, intermediate)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (1,C,1,S); conv_state: (1,C,1,K-1) -> x_out (1,C,1,S), gated (1,C,1,S)"""
         y, gated = self.conv(self.input_layernorm(x), conv_state)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(y)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), gated
         x = x + y
         return x + self.mlp(self.post_attention_layernorm(x)), gated
 
 
 def conv_layer_mil(g: Graph, x, conv_state, prefix: str, channels: int, kernel: int, eps: float, s: int,
-                   bias: bool = False):
+                   bias: bool = False, sandwich: bool = False):
     """ConvLayer of the parameters under `prefix` ("layers.0."). x: (1,C,1,S); conv_state: (1,C,1,K-1)
     -> x_out (1,C,1,S), gated (1,C,1,S)"""
-    h = rms_norm_mil(g, x, f"{prefix}input_layernorm.weight", eps, channels)
-    y, gated = short_conv_mil(g, h, conv_state, f"{prefix}conv.", channels, kernel, s, bias)
+    norm = lambda v, name: rms_norm_mil(g, v, f"{prefix}{name}.weight", eps, channels)  # noqa: E731
+    y, gated = short_conv_mil(g, norm(x, "input_layernorm"), conv_state, f"{prefix}conv.", channels, kernel, s, bias)
+    if sandwich:
+        x = mb.add(x=x, y=norm(y, "post_attention_layernorm"))
+        y = mlp_mil(g, norm(x, "pre_feedforward_layernorm"), f"{prefix}mlp.")
+        return mb.add(x=x, y=norm(y, "post_feedforward_layernorm")), gated
     x = mb.add(x=x, y=y)
-    h = rms_norm_mil(g, x, f"{prefix}post_attention_layernorm.weight", eps, channels)
-    return mb.add(x=x, y=mlp_mil(g, h, f"{prefix}mlp.")), gated
+    return mb.add(x=x, y=mlp_mil(g, norm(x, "post_attention_layernorm"), f"{prefix}mlp.")), gated

@@ -65,5 +65,7 @@ extension Manifest.ModelConfig {
         "attn_output_gate",
         // attention sinks (Granite SWA): a learned logit per query head inside the programs' softmax
         "attention_sinks",
+        // a sigmoid gate per query head on attention's output (LFM3), inside the programs
+        "attn_head_gate",
     ]
 }
