@@ -183,8 +183,7 @@ class LlamaConfig:
             sliding_layers=sliding,
             rope_local_theta=local_theta,
             hidden_act=act,
-            sandwich_norms=fam.sandwich_norms,
-            **(fam.extras(f) if fam.extras is not None else {}),
+            **{"sandwich_norms": fam.sandwich_norms, **(fam.extras(f) if fam.extras is not None else {})},
         )
         cfg.validate()
         return cfg
@@ -548,7 +547,7 @@ def _sliding_window(f: Fields, fam: Family) -> tuple[int | None, list[int]]:
         return None, []
     types = f.d.get("layer_types")
     if types is not None:
-        f.layer_types(types, ("sliding_attention", "full_attention"))
+        f.layer_types(types, ("sliding_attention", "full_attention", *fam.other_layer_types))
     if types is not None and fam.window_layer_types:
         sliding = [n for n, t in enumerate(types) if t == "sliding_attention"]
     elif fam.window_layers is not None:

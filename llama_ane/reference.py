@@ -70,7 +70,8 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         positions = torch.arange(len(token_ids))[None]  # (1, T)
         rotary = RotaryEmbedding(config=hf)
         per_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3's local RoPE
-        ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types)} if per_type
+        rotated = getattr(rotary, "layer_types", hf.layer_types if per_type else ())  # not LFM3's conv layers
+        ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types) & set(rotated)} if per_type
                  else {None: rotary(x, positions)})  # cos, sin (1, T, D)
         bases = getattr(hf, "layer_rope_theta", None)  # a RoPE base per layer (Granite SWA; 0: no RoPE)
         if bases is not None:
@@ -84,7 +85,7 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
         per_layer = _per_layer_inputs(ckpt, hf, ids, x)  # Gemma 4's, (1, T, L, P); None for the others
         shared: dict = {}  # Gemma 4's producers' K/V by layer type, which its KV-shared layers read
         for n in range(hf.num_hidden_layers):
-            rope = ropes[bases[n] if bases is not None else hf.layer_types[n] if per_type else None]
+            rope = ropes.get(bases[n] if bases is not None else hf.layer_types[n] if per_type else None)
             mask = sliding if ckpt.config.slides(n) else full
             with torch.device("meta"):
                 layer = DecoderLayer(hf, n)
@@ -210,6 +211,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_
 DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                      "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SAME_INPUT = {"q_proj": ("o_gate", "g_proj")}
+CONV_PROJECTIONS = ("conv.in_proj", "conv.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # LFM's conv layers
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],
@@ -233,7 +235,8 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
     def on_layer(n: int, layer) -> Callable[[], None]:
         handles = []
         names = layer_tensors(ckpt.config, n)
-        for name in DELTA_PROJECTIONS if ckpt.config.linear(n) else PROJECTIONS:
+        cfg = ckpt.config
+        for name in DELTA_PROJECTIONS if cfg.linear(n) else CONV_PROJECTIONS if cfg.convolves(n) else PROJECTIONS:
             # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
             module = layer.get_submodule(names[f"{name}.weight"].removesuffix(".weight"))
             also = [other for other in SAME_INPUT.get(name, ()) if f"{other}.weight" in names]

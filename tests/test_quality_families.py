@@ -13,12 +13,14 @@ from llama_ane.families import FAMILIES
 from llama_ane.quantize import QuantizeOptions
 from llama_ane.quantize.schemes import QuantizeError
 
+from support.families import LFM2_CHECKPOINT
+
 
 UNMEASURED_FAMILIES = [t for t, f in FAMILIES.items() if not f.quality_model]
 
 
-def test_the_unmeasured_families_are_phi3_and_the_granites():
-    assert sorted(UNMEASURED_FAMILIES) == ["granite", "granite_swa", "phi3"]
+def test_the_unmeasured_families_are_phi3_the_granites_and_lfm():
+    assert sorted(UNMEASURED_FAMILIES) == ["granite", "granite_swa", "lfm2", "phi3"]
 
 
 @pytest.mark.parametrize("family", UNMEASURED_FAMILIES)
@@ -29,3 +31,27 @@ def test_auto_refuses_and_the_check_says_it_did_not_measure(family):
     said = []
     assert math.isnan(check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append))
     assert said == [f"quality: not measured for {family} checkpoints; check it with llama-ane eval"]
+
+
+# checkpoints with conv layers beside attention (support/families.py)
+CONV_CASES = {"lfm2": LFM2_CHECKPOINT}
+
+
+@pytest.mark.parametrize("name", list(CONV_CASES))
+def test_calibration_weighs_every_compressed_weight_of_conv_layers(name, tmp_path):
+    """The calibration (which fixed LUT and int4 schemes are weighted by) runs through conv layers and
+    gives an importance for every weight the export compresses, in conv and attention layers alike."""
+    from llama_ane.api import calibrate
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import layer_tensors
+    from llama_ane.contract.sizing import weight_part
+    from llama_ane.testing import make_tiny_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / name, **CONV_CASES[name]))
+    cfg = ckpt.config
+    found = calibrate(ckpt, lambda _: None)
+    want = {key for n in range(cfg.num_hidden_layers) for ours in layer_tensors(cfg, n)
+            if weight_part(key := f"layers.{n}.{ours}") is not None}
+    assert {f"layers.{n}.conv.in_proj.weight" for n in cfg.conv_layers} <= want
+    assert want <= set(found)
+    assert all(found[k].shape == (cfg.hidden_size,) for k in want if "down_proj" not in k and "o_proj" not in k)

@@ -128,8 +128,8 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
     if cfg.linear(layer):  # Qwen3.5's linear-attention layers
         return dict(DELTA_TENSORS)
-    if cfg.convolves(layer):  # LFM2's conv layers
-        return {**CONV_TENSORS, **(CONV_BIASES if cfg.conv_bias else {})}
+    if cfg.convolves(layer):  # LFM2's conv layers (a family's own names of them: LFM3's)
+        return {**(cfg.family.conv_names or CONV_TENSORS), **(CONV_BIASES if cfg.conv_bias else {})}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
     if cfg.value_from_key(layer):  # Gemma 4's global layers: V from the K projection
         del block["v_proj.weight"]

@@ -76,16 +76,19 @@ class Family:
     window_flag: str | None = None  # the config.json field that turns the window on (None: always on)
     window_layer_types: bool = True  # layer_types names the sliding layers (else every layer slides)
     window_layers: Callable[[Fields, int], list[int]] | None = None  # the sliding layers where layer_types is absent
+    other_layer_types: tuple[str, ...] = ()  # layer_types' other entries, layers without attention (LFM3's "conv")
 
     # hooks of config.json
     prepare: Callable[[Fields], dict[str, Any]] | None = None  # its config.json as the other families' fields
     rope: Callable[[Fields, dict[str, Any]], tuple[dict[str, Any], float]] | None = None  # global RoPE, local base
-    extras: Callable[[Fields], dict[str, Any]] | None = None  # its own LlamaConfig fields
+    extras: Callable[[Fields], dict[str, Any]] | None = None  # its own LlamaConfig fields (a trait's, where
+    # the config turns it off)
     write: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None  # LlamaConfig.to_hf_dict's own fields
     writes_rotary_factor: bool = False  # its transformers config reads partial_rotary_factor at the top level
 
     # checkpoints
     final_norm: str = "model.norm.weight"
+    conv_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its name in a conv layer ({}: LFM2's)
     attention_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its own name in an attention layer
     gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
 

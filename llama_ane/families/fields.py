@@ -88,12 +88,13 @@ class Fields:
             raise self.refuse(key, value, "a token id or a list of token ids (integers >= 0)")
         return list(ids)
 
-    def layer_types(self, types: Any, kinds: tuple[str, str]) -> None:
+    def layer_types(self, types: Any, kinds: tuple[str, ...]) -> None:
         """Refuse `types` unless it lists num_hidden_layers entries, each one of `kinds`."""
         layers = self.integer("num_hidden_layers")
         if not (isinstance(types, list) and len(types) == layers and all(t in kinds for t in types)):
+            named = [f'"{k}"' for k in kinds]
             raise ConfigError(f"{self.origin}: layer_types is {json_type(types)}; it must list num_hidden_layers "
-                              f"({layers}) entries, each \"{kinds[0]}\" or \"{kinds[1]}\"")
+                              f"({layers}) entries, each {', '.join(named[:-1])} or {named[-1]}")
 
 
 def layer_type_rope(f: Fields, rope: dict[str, Any], full_theta: float,

@@ -89,5 +89,6 @@ def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
 
 
 FAMILY = Family("lfm2", "Lfm2", label="LFM2", qk_norm=True, prepare=prepare, extras=conv_fields, write=write,
+                quality_model=False,  # the measuring model has attention layers only, and model.norm
                 final_norm="model.embedding_norm.weight", attention_names=ATTENTION_NAMES,
                 gguf=GGUFArch("lfm2", "LFM2, LFM2.5", squeezed_conv=True, conv_kv=True, read=read_gguf))
