@@ -43,10 +43,16 @@ def hf_config(cfg):
 
 
 def _with_weights(ckpt: Checkpoint, module, prefix: str):
-    """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`, in float32."""
+    """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`, in float32
+    (a name as the checkpoint stores it: Family.stored_names)."""
     import torch
 
-    state = {name: ckpt.tensor(prefix + name).to(torch.float32).reshape(t.shape)
+    def stored(name: str) -> str:
+        for theirs, kept in ckpt.config.family.stored_names.items():
+            name = name.replace(theirs, kept)
+        return name
+
+    state = {name: ckpt.tensor(prefix + stored(name)).to(torch.float32).reshape(t.shape)
              for name, t in module.state_dict().items()}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()

@@ -89,6 +89,8 @@ class Family:
     # checkpoints
     final_norm: str = "model.norm.weight"
     conv_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its name in a conv layer ({}: LFM2's)
+    # transformers' module names -> the checkpoint's, where its loader renames them (a part of the name each)
+    stored_names: Mapping[str, str] = field(default_factory=dict)
     attention_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its own name in an attention layer
     gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
 
