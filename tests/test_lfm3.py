@@ -155,3 +155,11 @@ def test_head_gate_mil_matches_torch(gate, tmp_path):
     with torch.no_grad():
         want = layer.gated(h, heads)
     np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_head_gate_is_left_uncompressed():
+    """Its (heads, C) weight has too few rows for a LUT group (and is a few KB): kept as it is."""
+    from llama_ane.contract.sizing import weight_part
+
+    assert weight_part("layers.1.g_proj.weight") is None
+    assert weight_part("layers.1.q_proj.weight") == weight_part("layers.0.conv.in_proj.weight") == "attention"

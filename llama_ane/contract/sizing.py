@@ -59,11 +59,14 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
 def weight_part(name: str) -> str | None:
     """The part of the model a parameter belongs to, for compression: "embeddings" (the token
     table), "attention" (q/k/v/o projections), "mlp", "lm_head" (the vocabulary heads), or None
-    (norms, RoPE tables: never compressed). `name` as in the modules: "layers.3.q_proj.weight"."""
+    (norms, RoPE tables, the gate per attention head, one row a head: never compressed). `name` as
+    in the modules: "layers.3.q_proj.weight"."""
     if name == "embed_tokens.weight":
         return "embeddings"
     if name.startswith("heads."):
         return "lm_head"
+    if name.endswith(".g_proj.weight"):  # (heads, C): too few rows for a LUT group, and a few KB
+        return None
     if name.startswith("layers.") and (name.endswith("proj.weight") or name.endswith(".o_gate.weight")
                                        or name.rsplit(".", 2)[-2] in ("in_proj_qkv", "in_proj_z")):
         return "mlp" if ".mlp." in name else "attention"
