@@ -1,6 +1,7 @@
 """GGUF files the tests write and what they are held to: a tiny 2-layer Llama GGUF with q/k rows interleaved
 as llama.cpp's convert script stores them, float32 rounding of a config, Gemma 4's layer scalars made
-distinct, and a GGUF's export against transformers' model of its checkpoint."""
+distinct, a GGUF's export against transformers' model of its checkpoint, and a file that says only
+which architecture it holds."""
 
 from __future__ import annotations
 
@@ -121,3 +122,16 @@ def check_gguf_export_matches_transformers(file: Path, folder: Path, out: Path, 
     model.close()
     assert got.shape == want.shape and np.abs(want).max() > 1.0
     assert float(np.abs(got - want).max()) <= 1e-3
+
+
+def write_bare(path: Path, arch: str) -> Path:
+    """A GGUF of general.architecture `arch` with a token table only: what a reader refuses by that name."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
