@@ -1,5 +1,5 @@
-"""SmolLM3, Granite 3.x and SWA, OLMo 2 and 3, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2 and
-Qwen3.5 (text) checkpoints, and a Mistral window shorter than the context, end to end on tiny random
+"""SmolLM3, Granite 3.x and SWA, OLMo 2 and 3, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4 (text), LFM2, LFM3
+and Qwen3.5 (text) checkpoints, and a Mistral window shorter than the context, end to end on tiny random
 models.
 
 Each checkpoint is written by transformers' own class of its family (SmolLM3ForCausalLM, ...)
@@ -31,11 +31,11 @@ pytestmark = pytest.mark.export  # exports or runs models end to end: outside th
 EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrope_short", "gemma3_tied_gqa",
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
             "qwen35_untied_mha", "olmo3_tied_gqa", "exaone4_tied_gqa",
-            "granite_swa_tied_gqa"]  # one fp16 export each
+            "granite_swa_tied_gqa", "lfm3_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
            "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias",
-           "exaone4_untied_mha_no_window", "granite_swa_untied_mha"]
+           "exaone4_untied_mha_no_window", "granite_swa_untied_mha", "lfm3_untied_mha_bias"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,17 @@ def test_smollm3_layers_without_rope_as_transformers_reads_them():
     ({"model_type": "gemma4_text", "global_head_dim": 16, "num_kv_shared_layers": 1}, ["num_kv_shared_layers"]),
     ({"model_type": "lfm2", "layer_types": ["conv", "sliding_attention", "conv"]}, ["layer_types", "\"conv\""]),
     ({"model_type": "lfm2", "full_attn_idxs": [0], "conv_L_cache": 1}, ["conv_L_cache", ">= 2"]),
+    ({"model_type": "lfm3", "use_sandwich_norm": False}, ["use_sandwich_norm is false", "true"]),
+    ({"model_type": "lfm3", "layer_types": ["conv", "sliding_attention", "conv"], "sliding_window": None},
+     ["sliding_window is null", "set sliding_window"]),
+    ({"model_type": "lfm3", "layer_types": ["conv", "linear_attention", "conv"]},
+     ["layer_types", '"conv", "sliding_attention" or "full_attention"']),
+    ({"model_type": "lfm3", "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     ["rope_parameters.full_attention", "'yarn'", "proportional"]),
+    ({"model_type": "lfm3", "layer_types": ["conv", "sliding_attention", "full_attention"],
+      "rope_parameters": {"full_attention": {"rope_type": "default"}}}, ["rope_parameters", "sliding_attention"]),
+    ({"model_type": "lfm3", "rope_parameters": {"full_attention": {"rope_type": "default", "partial_rotary_factor": 0.5}}},
+     ["partial_rotary_factor", "proportional"]),
     ({"model_type": "qwen3_5_text", "linear_num_value_heads": 3}, ["linear_num_value_heads", "multiple"]),
     ({"model_type": "granite_swa", "layer_rope_theta": [10_000.0, 10_000.0, 20_000.0]},
      ["layer_rope_theta", "sliding layers the bases [10000.0, 20000.0]"]),

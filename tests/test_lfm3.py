@@ -163,3 +163,56 @@ def test_the_head_gate_is_left_uncompressed():
 
     assert weight_part("layers.1.g_proj.weight") is None
     assert weight_part("layers.1.q_proj.weight") == weight_part("layers.0.conv.in_proj.weight") == "attention"
+
+
+# --- the family: its config and tensors as transformers builds them, and GGUF ----------------------
+
+def test_lfm3_config_and_tensors_as_transformers_builds_them():
+    """Lfm3Config's defaults (its layer layout, its RoPE per layer type, the kernel, the gate, tied
+    embeddings) read as transformers reads them, written back as an equal Lfm3Config, and every
+    tensor of its model (the gate as its checkpoints store it) expected at its shape."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llama_ane.checkpoint.mapping import expected_shape, expected_tensors
+    from llama_ane.families.lfm3 import STORED
+    from llama_ane.testing import TINY_CONFIG
+
+    d = {k: v for k, v in TINY_CONFIG.items() if k not in ("tie_word_embeddings", "rope_theta")}  # theirs by default
+    d.update(vocab_size=320, model_type="lfm3", num_hidden_layers=6, head_dim=32, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+    cfg, hf = LlamaConfig.from_hf_dict(d), AutoConfig.for_model(**d)
+    assert [("conv" if cfg.convolves(n) else "sliding_attention" if cfg.slides(n) else "full_attention")
+            for n in range(6)] == hf.layer_types == ["conv", "conv", "full_attention", "conv", "sliding_attention", "conv"]
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (cfg.rope_theta, cfg.rope_proportion, cfg.rope_scaling) == (full["rope_theta"], 0.5, None)
+    assert cfg.rope_local_theta == local["rope_theta"] and cfg.sliding_window == hf.sliding_window == 256
+    assert (cfg.conv_kernel, cfg.attn_head_gate, cfg.sandwich_norms, cfg.tie_word_embeddings) == (7, True, True, hf.tie_word_embeddings)
+    assert hf.tie_word_embeddings
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # the manifest's copy
+    rebuilt = cfg.transformers_config()
+    assert (rebuilt.layer_types, rebuilt.rope_parameters, rebuilt.conv_L_cache) == (
+        hf.layer_types, hf.rope_parameters, hf.conv_L_cache)
+    rebuilt.pad_token_id = 0  # Lfm3Config's default is outside this vocabulary
+    model = AutoModelForCausalLM.from_config(rebuilt)
+    theirs = {}
+    for name, p in model.named_parameters():
+        for module, stored in STORED.items():
+            name = name.replace(module, stored)
+        theirs[name] = tuple(p.shape)
+    ours = {name: expected_shape(cfg, name, dims) for name, dims in expected_tensors(cfg).items()}
+    assert ours == theirs
+
+
+def test_an_lfm3_gguf_is_refused_by_name(tmp_path):
+    """llama.cpp has no LFM3 architecture; a file that says it holds one is refused by that name."""
+    pytest.importorskip("gguf")
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.errors import LlamaANEError
+    from support.gguf import write_bare
+
+    path = write_bare(tmp_path / "lfm3.gguf", "lfm3")
+    with pytest.raises(LlamaANEError, match="'lfm3' model, which llama-ane does not export; supported: "
+                                            "general.architecture"):
+        load_checkpoint(path)

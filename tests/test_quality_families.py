@@ -13,14 +13,14 @@ from llama_ane.families import FAMILIES
 from llama_ane.quantize import QuantizeOptions
 from llama_ane.quantize.schemes import QuantizeError
 
-from support.families import LFM2_CHECKPOINT
+from support.families import CASES, LFM2_CHECKPOINT
 
 
 UNMEASURED_FAMILIES = [t for t, f in FAMILIES.items() if not f.quality_model]
 
 
 def test_the_unmeasured_families_are_phi3_the_granites_and_lfm():
-    assert sorted(UNMEASURED_FAMILIES) == ["granite", "granite_swa", "lfm2", "phi3"]
+    assert sorted(UNMEASURED_FAMILIES) == ["granite", "granite_swa", "lfm2", "lfm3", "phi3"]
 
 
 @pytest.mark.parametrize("family", UNMEASURED_FAMILIES)
@@ -34,7 +34,7 @@ def test_auto_refuses_and_the_check_says_it_did_not_measure(family):
 
 
 # checkpoints with conv layers beside attention (support/families.py)
-CONV_CASES = {"lfm2": LFM2_CHECKPOINT}
+CONV_CASES = {"lfm2": LFM2_CHECKPOINT, "lfm3": CASES["lfm3_tied_gqa"]}
 
 
 @pytest.mark.parametrize("name", list(CONV_CASES))

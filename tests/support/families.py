@@ -28,6 +28,9 @@ GEMMA4 = {"model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh",
 LFM2 = {"model_type": "lfm2", "tie_word_embeddings": True, "intermediate_size": 96, "block_multiple_of": 16,
         "block_ffn_dim_multiplier": 1.5, "conv_L_cache": 3, "rope_theta": 1_000_000.0}
 
+# LFM3: LFM2's conv layers with sandwich norms, a gate per attention head, sliding layers beside the global ones
+LFM3 = {"model_type": "lfm3", "intermediate_size": 96, "conv_L_cache": 3}
+
 # Qwen3.5's text model: Gated DeltaNet layers beside output-gated attention with a quarter of each head
 # rotated; value heads 32 wide, as the ANE keeps a state
 QWEN35 = {"model_type": "qwen3_5_text", "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -120,6 +123,19 @@ CASES = {
     "lfm2_tied_gqa": dict(LFM2, head_dim=32, layer_types=["conv", "full_attention", "conv"]),
     "lfm2_tied_mha_conv_bias": dict(LFM2, num_key_value_heads=4, num_hidden_layers=4, conv_bias=True,
                                     layer_types=["conv", "conv", "full_attention", "conv"]),
+    # LFM3: conv, global and sliding layers (windows shorter than the 150 tokens compared), the global
+    # layers' proportional RoPE (half the frequencies rotating, as its default); MHA, untied, biases on
+    # the conv and attention projections, the default layout over five layers with a quarter of the
+    # frequencies rotating and a factor; and one without the attention gate
+    "lfm3_tied_gqa": dict(LFM3, head_dim=32, tie_word_embeddings=True, sliding_window=40, num_hidden_layers=4,
+                          layer_types=["conv", "full_attention", "sliding_attention", "conv"]),
+    "lfm3_untied_mha_bias": dict(LFM3, num_key_value_heads=4, tie_word_embeddings=False, num_hidden_layers=5,
+                                 conv_bias=True, attention_bias=True, sliding_window=24, rope_parameters={
+                                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                        "rope_theta": 500_000.0, "factor": 2.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    "lfm3_no_gate": dict(LFM3, head_dim=32, tie_word_embeddings=True, use_attention_gate=False, sliding_window=40,
+                         layer_types=["sliding_attention", "conv", "full_attention"]),
     # Qwen3.5: linear-attention layers beside attention ones (a chunk of linear layers only, too), GQA
     # attention and two value heads per key head; MHA attention, one value head per key head, untied,
     # the layers as full_attention_interval lays them out
@@ -156,6 +172,8 @@ TEMPLATES = {
                     "<|im_start|>{{ role }}\n{{ m['content'] | trim }}{% if not loop.last or m['role'] != 'assistant' %}"
                     "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"),
     "lfm2": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "lfm3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     # Qwen3.5 style: ChatML turns, the assistant's turn opening with an empty thinking block (thinking off)
     "qwen3_5_text": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
