@@ -183,7 +183,8 @@ class LlamaConfig:
             sliding_layers=sliding,
             rope_local_theta=local_theta,
             hidden_act=act,
-            **{"sandwich_norms": fam.sandwich_norms, **(fam.extras(f) if fam.extras is not None else {})},
+            sandwich_norms=fam.sandwich_norms,
+            **(fam.extras(f) if fam.extras is not None else {}),
         )
         cfg.validate()
         return cfg

@@ -81,8 +81,7 @@ class Family:
     # hooks of config.json
     prepare: Callable[[Fields], dict[str, Any]] | None = None  # its config.json as the other families' fields
     rope: Callable[[Fields, dict[str, Any]], tuple[dict[str, Any], float]] | None = None  # global RoPE, local base
-    extras: Callable[[Fields], dict[str, Any]] | None = None  # its own LlamaConfig fields (a trait's, where
-    # the config turns it off)
+    extras: Callable[[Fields], dict[str, Any]] | None = None  # its own LlamaConfig fields
     write: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None  # LlamaConfig.to_hf_dict's own fields
     writes_rotary_factor: bool = False  # its transformers config reads partial_rotary_factor at the top level
 
