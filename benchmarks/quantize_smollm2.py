@@ -68,17 +68,17 @@ def package_bytes(out: Path) -> int:
 def auto_recipes(budgets: dict[str, float], folder: Path) -> dict[str, dict]:
     """Measure every unit once and choose a recipe per budget, as `--quantize auto` does;
     name -> {"file": recipe path, "seconds": ..., "recipe": its JSON}."""
-    from llama_ane import api
     from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import quality
     from llama_ane.quantize.auto import CANDIDATES, CHECK_TOKENS, SENSITIVITY_TOKENS
     from llama_ane.quantize.sensitivity import choose_recipe, measure_units
 
     t0 = time.perf_counter()
     ckpt = load_checkpoint(None)
-    importance = api.calibrate(ckpt, print)
-    model = api.quality_model(ckpt)
-    ids = api.text_ids(ckpt, api.calibration_text(), SENSITIVITY_TOKENS)
-    check = api.text_ids(ckpt, api._shipped_text("eval_text.txt"), CHECK_TOKENS)
+    importance = quality.calibrate(ckpt, print)
+    model = quality.quality_model(ckpt)
+    ids = quality.text_ids(ckpt, quality.calibration_text(), SENSITIVITY_TOKENS)
+    check = quality.text_ids(ckpt, quality.eval_text(), CHECK_TOKENS)
     found = measure_units(model, ids, CANDIDATES, importance, print)
     measured_s = time.perf_counter() - t0
     out = {}

@@ -31,7 +31,7 @@ ALLOWED = {
     "quantize": set(),
     "model": set(),
     "contract": {"model", "checkpoint", "quantize"},
-    "export": {"model", "checkpoint", "contract", "mil", "quantize"},
+    "export": {"model", "checkpoint", "contract", "mil", "quantize", "reference"},  # quality: the fp32 reference
     "runtime": {"model", "checkpoint", "contract", "mil"},
     "reference": {"checkpoint"},
     "verify": {"model", "checkpoint", "contract", "reference", "runtime"},

@@ -296,3 +296,40 @@ def test_multifunction_package_runs_every_function_on_shared_weights(tmp_path, m
     assert ex.held_weight_bytes() == PackageExecutor(one).held_weight_bytes() > 0
     with pytest.raises(Exception, match="no function 'verify'"):
         ex.run("verify", {"x": x})
+
+
+def test_reading_a_package_leaves_it_as_it_was(tmp_path):
+    """Opening a package (its spec, its description, its program) writes nothing into it: coremltools'
+    load_spec writes Manifest.json back, which made every load of an export hash its packages again.
+    A Manifest.json that does not name a model file of the package is refused, saying which."""
+    import json
+    import shutil
+
+    from llama_ane.mil import MilPackage, PackageError
+    from llama_ane.mil.package import read_spec
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 4))])
+    def prog(x):
+        return mb.add(x=x, y=np.arange(4, dtype=np.float32).reshape(1, 4))
+
+    path = save_program(prog, tmp_path / "add.mlpackage")
+
+    def state():
+        return {p.relative_to(path).as_posix(): (p.read_bytes(), p.stat().st_ino, p.stat().st_mtime_ns,
+                                                 p.stat().st_ctime_ns) for p in path.rglob("*") if p.is_file()}
+    before = state()
+    package = MilPackage(path)
+    package.describe()
+    PackageExecutor(package, precision="fp32").run("main", {"x": np.zeros((1, 4), np.float32)})
+    assert state() == before
+    assert read_spec(path) == ct.utils.load_spec(str(shutil.copytree(path, tmp_path / "copy.mlpackage")))
+
+    manifest = json.loads((path / "Manifest.json").read_text())
+    root = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]
+    root["path"] = "com.apple.CoreML/missing.mlmodel"
+    (path / "Manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match=r"names the model 'com.apple.CoreML/missing.mlmodel', which is not a file"):
+        MilPackage(path)
+    (path / "Manifest.json").write_text("{}")
+    with pytest.raises(PackageError, match=r"Manifest.json does not name the package's model \(KeyError"):
+        MilPackage(path)

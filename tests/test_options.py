@@ -11,7 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from llama_ane.api import export_model, signature_with_options
+from llama_ane.api import export_model
+from llama_ane.contract.options import signature_with_options
 from llama_ane.cli import main
 from llama_ane.commands import chat, export, generate
 from llama_ane.commands.options import options_from

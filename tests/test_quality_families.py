@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llama_ane.api import auto_recipe, check_quality
+from llama_ane.export.quality import auto_recipe, check_quality
 from llama_ane.families import FAMILIES
 from llama_ane.quantize import QuantizeOptions
 from llama_ane.quantize.schemes import QuantizeError

@@ -627,7 +627,7 @@ def test_calibration_runs_beside_the_compression_it_feeds(tiny_checkpoint, tmp_p
     waiting on them, gives the packages that statistics known beforehand give."""
     import functools
 
-    from llama_ane.api import calibrate
+    from llama_ane.export.quality import calibrate
     from llama_ane.contract.plan import ExportOptions, plan_export
     from llama_ane.checkpoint.loader import load_checkpoint
     from llama_ane.export import convert
@@ -897,12 +897,12 @@ def test_device_paths_read_from_a_manifest():
 
 @pytest.fixture(scope="module")
 def tiny_quality(tiny_checkpoint):
-    from llama_ane import api
     from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.export import quality
 
     ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
-    ids = api.text_ids(ckpt, api.calibration_text(), 48)
-    return ckpt, api.quality_model(ckpt), ids, api.calibrate(ckpt, lambda _: None)
+    ids = quality.text_ids(ckpt, quality.calibration_text(), 48)
+    return ckpt, quality.quality_model(ckpt), ids, quality.calibrate(ckpt, lambda _: None)
 
 
 def test_the_float32_model_is_transformers_model(tiny_quality):
@@ -992,17 +992,17 @@ def test_bad_auto_options_are_one_error_line(tiny_checkpoint, tmp_path, options,
 
 
 def test_a_lossy_scheme_is_measured_and_said_plainly(tiny_quality, monkeypatch):
-    from llama_ane import api
+    from llama_ane.export.quality import check_quality
     from llama_ane.quantize import auto
 
     ckpt = tiny_quality[0]
     said = []
-    change = api.check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
+    change = check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
     assert any(f"perplexity {change:+.2f}% against fp16" in s for s in said), said
     assert not any(s.startswith("warning") for s in said) or change > auto.WARN_PCT
     monkeypatch.setattr(auto, "WARN_PCT", change - 1)  # a model this scheme costs more than the limit
     said.clear()
-    api.check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
+    check_quality(ckpt, QuantizeOptions.from_cli("lut4"), "iOS18", said.append)
     warning = [s for s in said if s.startswith("warning")]
     assert len(warning) == 1 and "--quantize auto" in warning[0] and "--lut-block-size 32" in warning[0]
 

@@ -131,15 +131,15 @@ def test_the_remembered_entries_are_bounded_and_survive_a_bad_cache_file(tmp_pat
 # ---- an export: one closing line, a bar in bytes ---------------------------------------------------------------
 
 def test_the_export_bar_counts_the_exports_bytes(monkeypatch):
-    from llama_ane import api
     from llama_ane.export import convert
+    from llama_ane.export.progress import ExportProgress
 
     specs = [types.SimpleNamespace(file="embeddings.mlpackage", weight_bytes=3_000_000, dense_bytes=6_000_000),
              types.SimpleNamespace(file="chunk_0.mlpackage", weight_bytes=20_000_000, dense_bytes=80_000_000)]
     units = [types.SimpleNamespace(spec=specs[1], weights=10_000_000), types.SimpleNamespace(spec=specs[1],
                                                                                             weights=30_000_000)]
     monkeypatch.setattr(convert, "compression_units", lambda plan: units)
-    bar = api._Progress(types.SimpleNamespace(packages=specs), enabled=True)
+    bar = ExportProgress(types.SimpleNamespace(packages=specs), enabled=True)
     try:
         assert bar.bar.total == 23_000_000  # the weights as stored: what the export holds, not the work
         for unit in units:

@@ -133,6 +133,41 @@ def test_a_reference_that_cannot_be_built_fails_the_export(tiny_checkpoint, tmp_
     assert (out / "manifest.json").exists()
 
 
+@pytest.mark.export
+def test_the_export_and_its_gate_hash_each_package_once(tiny_checkpoint, tmp_path, monkeypatch):
+    """The manifest's hashes, the gate's check of them and each of the gate's loads (the tokenizer,
+    the programs in fp16 and fp32, the torch modules, the verify tree on both) share one read of
+    each file: nothing the loads do to a package changes it, so the hash of its first read holds."""
+    import collections
+    from pathlib import Path
+
+    from llama_ane.api import export_model
+    from llama_ane.contract import manifest as contract_manifest
+
+    hashed, asked = collections.Counter(), collections.Counter()
+    read_file, hash_path = contract_manifest._sha256_file, contract_manifest.sha256_path
+
+    def counted_read(path):
+        hashed[Path(path).relative_to(tmp_path).as_posix().split("/", 1)[1]] += 1
+        return read_file(path)
+
+    def counted_hash(path):
+        asked[Path(path).name] += 1
+        return hash_path(path)
+    monkeypatch.setattr(contract_manifest, "_sha256_file", counted_read)
+    monkeypatch.setattr(contract_manifest, "sha256_path", counted_hash)
+    out = export_model(tiny_checkpoint(num_hidden_layers=2, head_dim=32), tmp_path / "out", context_length=64,
+                       prefill_length=16, layers_per_chunk=1, verify_window=16, progress=False, workers=1)
+    files = read_manifest(out, check_hashes=False)["files"]
+    packages = sorted(name for name in files if name.endswith(".mlpackage"))
+    assert len(packages) >= 3, packages
+    for package in packages:
+        assert asked[package] >= 5, (package, asked)  # the gate checks it on every load...
+        inside = [name for name in hashed if name.startswith(package + "/")]
+        assert len(inside) == len([p for p in (out / package).rglob("*") if p.is_file()]) >= 3, inside
+    assert set(hashed.values()) == {1}, hashed  # ...and each file of the export is read for it once
+
+
 def test_the_reference_error_says_which_transformers_is_tested(monkeypatch):
     """Outside the range pyproject.toml declares, the error says how to install one inside it."""
     from importlib import metadata

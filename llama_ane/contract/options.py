@@ -10,9 +10,10 @@ table to answer `--help` or refuse a mistyped value at once.
 from __future__ import annotations
 
 import difflib
+import inspect
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import LlamaANEError
 from ..precision import PRECISIONS as PRECISION_FORMS
@@ -305,6 +306,18 @@ class ExportOptions:
 
 EXPORT_OPTIONS = options_of(ExportOptions)
 QUANTIZE_OPTIONS = options_of(QuantizeRequest)
+
+
+def signature_with_options(f: Callable, table: Sequence[Option] = EXPORT_OPTIONS) -> Callable:
+    """`f`, its signature showing the options of `table` as keywords with their defaults in place of
+    its **options (for help(), IDEs and inspect.signature)."""
+    sig = inspect.signature(f)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                                 annotation=o.type if o.default is not None else o.type | None)
+               for o in table]
+    f.__signature__ = sig.replace(parameters=params)
+    return f
 
 
 def export_settings(given: Mapping[str, Any], caller: str = "export_model",

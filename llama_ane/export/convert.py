@@ -609,7 +609,7 @@ def convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, *, workers: in
     at the end.
 
     LUT and int4 fits are weighted by the calibration's statistics: `importance` when they are
-    known, or `calibration(on_found=...)` (api.calibrate) run as the first job, each unit starting
+    known, or `calibration(on_found=...)` (export.quality.calibrate) run as the first job, each unit starting
     as soon as the statistics of its weight are saved (the layers in order, the LM head last).
 
     Workers start by `method` ("fork" or "spawn"; default: start_method()); spawned ones need

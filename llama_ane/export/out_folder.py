@@ -1,4 +1,5 @@
-"""The output folder of an export: who is writing it, and what earlier exports left beside it.
+"""The output folder of an export: whether it may be written, who is writing it, and what earlier
+exports left beside it (and, in the temporary directory, what the export's imports leave).
 
 An export writes into a hidden partial folder next to OUT (`.OUT.partial-*`) and renames it to OUT
 at the end. While it runs it holds a lock on OUT (the file `.OUT.lock` next to it, locked with
@@ -11,6 +12,8 @@ by the next export to the same OUT.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
 import shutil
@@ -18,10 +21,15 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import LlamaANEError
 
 OWNER_FILE = ".owner.json"  # inside a partial folder; removed once the folder has become OUT
+
+
+class ExportError(LlamaANEError, RuntimeError):
+    """The export could not be written; the message says why and what to do."""
 
 
 class OutFolderError(LlamaANEError, RuntimeError):
@@ -162,3 +170,41 @@ def overlap(out: Path, source: Path) -> str | None:
     if out in source.parents:
         return "contains"
     return None
+
+
+def check_not_source(out: Path, source: str | Path | None) -> None:
+    """Refuse an OUT that is the checkpoint, lies inside it or contains it, --force or not: the
+    export would replace or write into the model it reads."""
+    if source is None or not Path(source).expanduser().exists():
+        return
+    how = overlap(out, Path(source).expanduser())
+    if how is not None:
+        raise ExportError(f"-o/--out {out} {how} the checkpoint {Path(source).expanduser().resolve()}, which the "
+                          "export would overwrite; choose an output folder outside the checkpoint")
+
+
+def check_writable_parent(out: Path) -> None:
+    """Refuse an OUT whose parent folder cannot be created or written, before any work."""
+    parent = out.parent
+    existing = parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {out}: {existing} is not a writable folder; choose another -o/--out")
+
+
+@contextlib.contextmanager
+def no_inductor_leftover() -> Iterator[None]:
+    """Remove the empty `torchinductor_<user>` folder that importing transformers' Llama modules makes
+    in the temporary directory, if it was not there before: an export leaves nothing in /tmp."""
+    try:
+        folder = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name to build it from: torch cannot make it either
+        yield
+        return
+    existed = folder.exists()
+    try:
+        yield
+    finally:
+        if not existed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()

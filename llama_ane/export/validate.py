@@ -6,13 +6,11 @@ from pathlib import Path
 
 from ..limits import COREML_ARRAY_DTYPES, MAX_DIM
 from ..contract.manifest import ManifestError, read_manifest
+from ..mil.package import read_spec
 
 
-def _features(package: Path, function_name: str) -> tuple[dict, dict, dict]:
+def _features(package: Path, spec, function_name: str) -> tuple[dict, dict, dict]:
     """{name: (shape, dtype)} of a package function's inputs, outputs and states, from its Model spec."""
-    import coremltools as ct
-
-    spec = ct.utils.load_spec(str(package))
     desc = spec.description
     if desc.functions:
         matches = [f for f in desc.functions if f.name == function_name]
@@ -28,9 +26,12 @@ def _features(package: Path, function_name: str) -> tuple[dict, dict, dict]:
 def validate_export(out: Path) -> dict:
     """Check an export folder; raise ManifestError naming the first problem. Returns the manifest."""
     manifest = read_manifest(out, check_hashes=True)
+    specs: dict[str, object] = {}  # each package's spec read once, whatever number of functions it holds
     for model, entry in manifest["models"].items():
         for fn, f in entry["functions"].items():
-            inputs, outputs, states = _features(out / f["file"], f["function_name"])
+            if f["file"] not in specs:
+                specs[f["file"]] = read_spec(out / f["file"])
+            inputs, outputs, states = _features(out / f["file"], specs[f["file"]], f["function_name"])
             if {t["name"] for t in f.get("states", [])} != set(states):
                 raise ManifestError(f"{f['file']} ({fn}) has states {sorted(states)}, the manifest says "
                                     f"{sorted(t['name'] for t in f.get('states', []))}")

@@ -266,8 +266,8 @@ class PackageExecutor:
 
     Parameters
     ----------
-    path : Path
-        The `.mlpackage`.
+    path : Path or MilPackage
+        The `.mlpackage`, or the package already opened (its spec is not read again).
     precision : {"fp16", "fp32"}
         Storage of fp16 tensors (see `llama_ane.mil.numerics`).
     ane_numerics : bool
@@ -286,8 +286,9 @@ class PackageExecutor:
         If the package cannot be read.
     """
 
-    def __init__(self, path: Path, precision: str = "fp16", widen_weights: bool = True, ane_numerics: bool = False):
-        self.package = MilPackage(Path(path))
+    def __init__(self, path: Path | MilPackage, precision: str = "fp16", widen_weights: bool = True,
+                 ane_numerics: bool = False):
+        self.package = path if isinstance(path, MilPackage) else MilPackage(Path(path))
         self.numerics = Numerics(precision, ane_numerics)
         self._weights: dict = {}
         self.functions: dict[str, CompiledFunction] = {}

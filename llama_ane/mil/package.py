@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -77,6 +78,34 @@ def _feature_desc(feature) -> TensorDesc:
     )
 
 
+def read_spec(path: Path):
+    """The protobuf model spec (`Model_pb2.Model`) of the package at `path`, read without writing.
+
+    coremltools' `load_spec` opens a package through its ModelPackage class, which writes the
+    package's Manifest.json back when it is done (a new file: a new inode and times), so every
+    reader changed the package and its sha256 had to be computed again. This reads the root model
+    that Manifest.json names, and nothing else."""
+    from coremltools.proto import Model_pb2
+
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "Manifest.json").read_text())
+        entry = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]
+        relative = Path(entry["path"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackageError(f"{path}/Manifest.json does not name the package's model ({type(exc).__name__}: "
+                           f"{exc}); re-export it") from exc
+    data = path / "Data"
+    spec_file = data / relative
+    if relative.is_absolute() or ".." in relative.parts or not spec_file.is_file():
+        raise PackageError(f"{path}/Manifest.json names the model {str(relative)!r}, which is not a file in "
+                           f"{data}; re-export it")
+    try:
+        return Model_pb2.Model.FromString(spec_file.read_bytes())
+    except Exception as exc:  # the protobuf reader gives terse errors (DecodeError and others)
+        raise PackageError(f"cannot read the model spec of {path}: {exc}") from exc
+
+
 class MilPackage:
     """A saved `.mlpackage` holding an mlprogram (one function or several).
 
@@ -100,13 +129,7 @@ class MilPackage:
                 f"{self.path} is not an .mlpackage (no Manifest.json). Pass a folder saved by "
                 "coremltools' MLModel.save or ct.utils.save_multifunction."
             )
-        import coremltools as ct
-
-        with _quiet():
-            try:
-                self.spec = ct.utils.load_spec(str(self.path))
-            except Exception as exc:  # the protobuf reader gives terse errors
-                raise PackageError(f"cannot read the model spec of {self.path}: {exc}") from exc
+        self.spec = read_spec(self.path)
         if self.spec.WhichOneof("Type") != "mlProgram":
             raise PackageError(
                 f"{self.path} holds a neural network model, not an mlprogram; re-export with "

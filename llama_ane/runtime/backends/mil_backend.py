@@ -70,8 +70,9 @@ class MilBackend(Backend):
                 try:
                     # the description first: a package that disagrees with the manifest is refused
                     # before its weights are read
-                    check_package_io(self.manifest, file, MilPackage(path).describe())
-                    self._executors[file] = PackageExecutor(path, precision=self.precision,
+                    package = MilPackage(path)
+                    check_package_io(self.manifest, file, package.describe())
+                    self._executors[file] = PackageExecutor(package, precision=self.precision,
                                                            widen_weights=self.widen_weights,
                                                            ane_numerics=self.ane_numerics)
                 except (UnsupportedOpError, PackageError) as exc:
