@@ -452,6 +452,11 @@ class LlamaConfig:
         return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
 
     @property
+    def delta_key_channels(self) -> int:
+        """Rows of a Gated DeltaNet's q (or k) projection: its key heads times their width."""
+        return self.delta_key_heads * self.delta_key_dim
+
+    @property
     def delta_value_channels(self) -> int:
         """A Gated DeltaNet's value heads times their width: in_proj_z's rows, out_proj's columns."""
         return self.delta_value_heads * self.delta_value_dim
