@@ -1,0 +1,141 @@
+"""OLMo-Hybrid's linear-attention layer as model.layers.delta_net's DeltaLayer (beta scaled by 2, the gated
+norm's own eps, q, k and v projected apart) held to transformers' OlmoHybridLinearAttentionDecoderLayer:
+over a sequence, over padded prefill windows then decoding (the same states), in fp16 (the delta rule
+in spans, where beta reaches 2), and the MIL builder run by the MIL executor on a padded window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llama_ane.model.layers.delta_net import SPAN, DeltaLayer, DeltaShape, gated_delta
+from llama_ane.reference import token_by_token
+
+from support.delta import (check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
+                           check_padded_windows, check_whole_sequence)
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, OlmoHybridConfig  # noqa: E402
+from transformers.models.olmo_hybrid.modeling_olmo_hybrid import (  # noqa: E402
+    OlmoHybridLinearAttentionDecoderLayer, torch_recurrent_gated_delta_rule)
+
+MODELING = "transformers.models.olmo_hybrid.modeling_olmo_hybrid"
+C, EPS, TOKENS, K = 32, 1e-6, 40, 4
+# (key heads, value heads, Dk, Dv, linear_allow_neg_eigval): value heads per key head, beta in [0, 2]
+# or [0, 1]
+SHAPES = {"grouped": (2, 4, 16, 8, True), "one_each": (3, 3, 8, 16, False)}
+
+
+def reference(shape: str) -> tuple[OlmoHybridConfig, OlmoHybridLinearAttentionDecoderLayer]:
+    gk, h, dk, dv, neg = SHAPES[shape]
+    cfg = OlmoHybridConfig(hidden_size=C, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=32, intermediate_size=48,
+                           linear_conv_kernel_dim=K, linear_key_head_dim=dk, linear_value_head_dim=dv,
+                           linear_num_key_heads=gk, linear_num_value_heads=h, rms_norm_eps=EPS,
+                           linear_allow_neg_eigval=neg, pad_token_id=None)
+    torch.manual_seed(0)
+    module = OlmoHybridLinearAttentionDecoderLayer(cfg, 0).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):  # decays from slow to fast, as trained checkpoints hold
+                p.copy_(torch.linspace(-2.0, 1.5, h))
+            elif name.endswith("b_proj.weight"):  # beta near its ends as well as between
+                p.normal_(0.0, 1.5)
+            else:
+                p.normal_(0.0 if p.dim() > 1 else 0.2, 0.3)
+    return cfg, module
+
+
+def delta_shape(shape: str) -> DeltaShape:
+    gk, h, dk, dv, neg = SHAPES[shape]
+    return DeltaShape(gk, h, dk, dv, K, EPS, 2.0 if neg else 1.0, 1e-5)
+
+
+def ours(hf: OlmoHybridLinearAttentionDecoderLayer, shape: str) -> DeltaLayer:
+    """DeltaLayer with hf's weights: q, k and v projections stacked as in_proj_qkv, 1x1 convs."""
+    net = delta_shape(shape)
+    module = DeltaLayer(C, hf.mlp.gate_proj.out_features, net).eval()
+    a = hf.linear_attn
+    theirs = {"input_layernorm.weight": hf.input_layernorm.weight,
+              "linear_attn.in_proj_qkv.weight": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+              "linear_attn.in_proj_z.weight": a.g_proj.weight, "linear_attn.in_proj_b.weight": a.b_proj.weight,
+              "linear_attn.in_proj_a.weight": a.a_proj.weight, "linear_attn.conv1d.weight": a.conv1d.weight,
+              "linear_attn.dt_bias": a.dt_bias, "linear_attn.A_log": a.A_log, "linear_attn.norm.weight": a.o_norm.weight,
+              "linear_attn.out_proj.weight": a.o_proj.weight,
+              "post_attention_layernorm.weight": hf.post_attention_layernorm.weight,
+              **{f"mlp.{p}.weight": getattr(hf.mlp, p).weight for p in ("gate_proj", "up_proj", "down_proj")}}
+    shapes = {name: t.shape for name, t in module.state_dict().items()}
+    assert set(shapes) == set(theirs)
+    module.load_state_dict({name: t.detach().reshape(shapes[name]) for name, t in theirs.items()})
+    return module
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def pair(request):
+    cfg, hf = reference(request.param)
+    x = torch.randn(1, TOKENS, C, generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad(), token_by_token(MODELING):
+        y = hf(x, cache=cache)
+    states = cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0)
+    return hf, ours(hf, request.param), delta_shape(request.param), x, y, states
+
+
+@pytest.mark.parametrize("span", [0, SPAN])
+@pytest.mark.parametrize("s", [2, 8, 13, 64])
+def test_chunked_rule_in_spans_matches_the_recurrent_one(s, span):
+    """gated_delta over one window of S tokens, whole or in spans, with beta in [0, 2], equals
+    transformers' token loop."""
+    check_chunked_rule(s, 2.0, span)
+
+
+def test_whole_sequence_and_states_match_transformers(pair):
+    hf, module, net, x, y_ref, (conv_ref, state_ref) = pair
+    check_whole_sequence(module, net, x, y_ref, conv_ref, state_ref)
+
+
+@pytest.mark.parametrize("window", [1, 4, 16, 32])
+def test_padded_windows_then_decode_carry_the_states(pair, window):
+    """Prefill windows of `window` columns (spans of 4 and a shorter last one), the last one padded
+    with garbage, then decode one token at a time: the real columns equal the whole sequence's and
+    both states end at the last real token."""
+    hf, module, net, x, y_ref, (conv_ref, state_ref) = pair
+    check_padded_windows(module, net, x, y_ref, conv_ref, state_ref, window, 29)
+
+
+def test_fp16_window_stays_near_fp32(pair):
+    """A 40-token window in fp16 (the exported precision) stays finite and within 1% of fp32's scale;
+    with beta up to 2 the delta rule runs in spans (DeltaShape.span), a window of beta up to 1 whole."""
+    hf, module, net, x, _, _ = pair
+    assert net.span == (SPAN if net.beta_scale > 1 else 0)
+    check_fp16_window(module, net, x)
+
+
+def test_spans_keep_the_inverse_in_fp16_range():
+    """Keys that nearly agree and beta near 2 (each token nearly a reflection): over a whole 64-token
+    window the inverse's powers leave fp16's range and the fp16 rule breaks down; in spans it stays
+    within 1% of transformers' token loop."""
+    gen = torch.Generator().manual_seed(3)
+    s, dk, dv = 64, 16, 16
+    base = torch.randn(dk, generator=gen)
+    q = torch.nn.functional.normalize(torch.randn(1, s, 1, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(base + 0.3 * torch.randn(1, s, 1, dk, generator=gen), dim=-1)
+    v = torch.randn(1, s, 1, dv, generator=gen)
+    g = -0.01 * torch.rand(1, s, 1, generator=gen)
+    beta = 1.9 + 0.1 * torch.rand(1, s, 1, generator=gen)
+    want, _ = torch_recurrent_gated_delta_rule(*(t.double() for t in (q, k, v, g, beta)), output_final_state=True)
+    args = ((q / dk ** 0.5).permute(2, 0, 3, 1), k.permute(2, 0, 3, 1), v.permute(2, 0, 3, 1),
+            g.reshape(1, 1, 1, s), beta.reshape(1, 1, 1, s), torch.zeros(1, 1, dk, dv))
+    want, scale = want.permute(2, 0, 3, 1), want.abs().max().item()
+    whole, _ = gated_delta(*(t.half() for t in args))
+    spans, _ = gated_delta(*(t.half() for t in args), span=SPAN)
+    assert not ((whole.double() - want).abs().max().item() < 0.01 * scale)  # NaN or far off
+    torch.testing.assert_close(spans.double(), want, rtol=0, atol=0.01 * scale)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path, precision):
+    """18 columns, 17 real: where beta reaches 2, spans of 4 and a last one of 2."""
+    hf, module, net, x, _, _ = pair
+    check_mil_builder_on_a_padded_window(module, net, C, tmp_path, precision, 18, 17)
