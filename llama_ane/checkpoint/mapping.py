@@ -212,10 +212,11 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
                 names = [f"model.layers.{n}.{hf}" for hf, _ in stacked]
                 got = [sum(tensors[x].shape[0] for x in names), *tensors[names[0]].shape[1:]]
                 want = list(expected_shape(cfg, names[0], SHAPES[ours]))
+                formula = ", ".join(str(DERIVED.get(d, d)) for d in SHAPES[ours])
                 if got != want:
                     raise CheckpointError(f"checkpoint {checkpoint}: tensors {names} stack to shape {got}, but the "
-                                          f"config gives {list(want)} ({', '.join(str(DERIVED.get(d, d)) for d in SHAPES[ours])}); "
-                                          "the weights and the config do not belong together")
+                                          f"config gives {want} ({formula}); the weights and the config do not "
+                                          "belong together")
     layers = {int(parts[2]) for name in tensors if (parts := name.split(".", 3))[:2] == ["model", "layers"]
               and len(parts) > 3 and parts[2].isdigit()}
     if layers and max(layers) >= cfg.num_hidden_layers:
