@@ -29,7 +29,8 @@ from llama_ane.errors import LlamaANEError  # noqa: E402
 from llama_ane.testing import make_tiny_checkpoint  # noqa: E402
 
 from support.families import GEMMA4, longrope  # noqa: E402
-from support.gguf import check_gguf_export_matches_transformers, f32, llamacpp_permute, scale_layers  # noqa: E402
+from support.gguf import (check_gguf_export_matches_transformers, f32, llamacpp_permute, scale_layers,  # noqa: E402
+                          write_bare)
 
 
 GEMMA = {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
@@ -329,13 +330,7 @@ def test_gemma4_tensors_equal_transformers_gguf_load(converted, name):
 def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
     for arch, words in (("lfm2moe", "'lfm2moe' model, which llama-ane does not export"),
                         ("gemma3n", "'gemma3n' model, which llama-ane does not export")):
-        path = tmp_path / f"{arch}.gguf"
-        w = gguf.GGUFWriter(str(path), arch)
-        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        path = write_bare(tmp_path / f"{arch}.gguf", arch)
         with pytest.raises(GGUFError) as e:
             open_gguf(path)
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",

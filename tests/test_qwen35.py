@@ -245,17 +245,12 @@ def test_multimodal_checkpoint_and_speculative_window_refused_by_name():
 
 def test_a_qwen35_gguf_is_refused_by_name(tmp_path):
     """llama.cpp's Qwen3.5 architecture ('qwen35') is not read from GGUF: one error naming it."""
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
     from llama_ane.checkpoint.loader import load_checkpoint
     from llama_ane.errors import LlamaANEError
+    from support.gguf import write_bare
 
-    path = tmp_path / "qwen35.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen35")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_bare(tmp_path / "qwen35.gguf", "qwen35")
     with pytest.raises(LlamaANEError, match="'qwen35' model, which llama-ane does not export"):
         load_checkpoint(path)
 
