@@ -13,6 +13,7 @@ from llama_ane.reference import token_by_token
 
 from support.delta import (check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
                            check_padded_windows, check_whole_sequence)
+from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, OlmoHybridConfig  # noqa: E402
@@ -139,3 +140,166 @@ def test_mil_builder_matches_torch_on_a_padded_window(pair, tmp_path, precision)
     """18 columns, 17 real: where beta reaches 2, spans of 4 and a last one of 2."""
     hf, module, net, x, _, _ = pair
     check_mil_builder_on_a_padded_window(module, net, C, tmp_path, precision, 18, 17)
+
+
+# --- the config, the checkpoint's tensors, the whole model --------------------------------------------
+
+# the tiny OLMo-Hybrid checkpoints test_families.py runs end to end (written by OlmoHybridForCausalLM),
+# whose torch fp32 logits, greedy tokens, cascade, fp16 export, inspect and mil runs it checks
+CHECKPOINTS = {name.removeprefix("olmo_hybrid_"): case for name, case in CASES.items()
+               if name.startswith("olmo_hybrid_")}
+
+
+def tiny_config(case: str = "tied_gqa", **change):
+    """The config of checkpoint `case` with `change`, as LlamaConfig reads it."""
+    from llama_ane.config import LlamaConfig
+    from llama_ane.testing import TINY_CONFIG
+
+    return LlamaConfig.from_hf_dict({**TINY_CONFIG, "vocab_size": 320, **CHECKPOINTS[case], **change})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from support.checks import made_once
+    from support.families import make_family_checkpoint
+
+    return made_once(tmp_path_factory, {n: dict(c) for n, c in CHECKPOINTS.items()}, make_family_checkpoint)
+
+
+def test_config_as_transformers_reads_it():
+    """The layers, their sizes (OlmoHybridConfig's defaults where absent), beta's scale, the gated norm's
+    eps and a null RoPE base read as OlmoHybridConfig reads them; the manifest's copy reads back, and
+    written back for transformers it is the same config."""
+    import json
+
+    from llama_ane.config import LlamaConfig
+
+    for name, case in CHECKPOINTS.items():
+        cfg = tiny_config(name)
+        hf = OlmoHybridConfig(**{k: v for k, v in {**case, "hidden_size": 64, "num_hidden_layers": 4}.items()
+                                 if k not in ("model_type", "head_dim")})
+        assert [cfg.linear(n) for n in range(4)] == [t == "linear_attention" for t in hf.layer_types]
+        assert (cfg.conv_kernel, cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim) \
+            == (hf.linear_conv_kernel_dim, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
+                hf.linear_value_head_dim)
+        assert cfg.delta_beta_scale == (2.0 if hf.linear_allow_neg_eigval else 1.0) and cfg.delta_norm_eps == 1e-5
+        rotates = hf.rope_parameters["rope_theta"] is not None
+        assert [cfg.rotary(n) for n in range(4) if not cfg.linear(n)] == [rotates]
+        assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+        back = cfg.transformers_config()
+        for field in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_allow_neg_eigval", "rope_parameters"):
+            assert getattr(back, field) == getattr(hf, field), field
+    default = tiny_config(layer_types=None, num_hidden_layers=8, linear_num_key_heads=None,
+                          linear_key_head_dim=None, linear_value_head_dim=None)
+    assert default.delta_layers == [0, 1, 2, 4, 5, 6]  # every fourth layer attention
+    assert (default.delta_key_heads, default.delta_key_dim, default.delta_value_dim) == (2, 24, 48)  # as transformers
+    assert tiny_config(layer_types=None, num_hidden_layers=2).delta_layers == [0]  # the last layer attention
+    llama = LlamaConfig.from_hf_dict(dict(tiny_config().to_hf_dict(), model_type="llama"))
+    assert "delta_beta_scale" not in llama.to_dict() and "delta_norm_eps" not in llama.to_dict()
+
+
+@pytest.mark.export
+def test_tensors_are_those_transformers_saves(folders):
+    """Every tensor an export reads is in the checkpoint OlmoHybridForCausalLM saved (its stored names:
+    attention_layer_norm, feedforward_layer_norm, the kernel in three parts), of the shape the config
+    gives, and nothing else is there."""
+    from safetensors import safe_open
+
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.checkpoint.mapping import expected_shape, expected_tensors
+
+    for name in CHECKPOINTS:
+        folder = folders(name)
+        ckpt = load_checkpoint(folder)
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        ours = {n: dims and expected_shape(ckpt.config, n, dims) for n, dims in expected_tensors(ckpt.config).items()}
+        assert set(ours) == set(stored)
+        assert all(stored[n] == shape for n, shape in ours.items() if shape)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"layer_types": ["linear_attention"] * 4}, ["layer_types", "only \"linear_attention\""]),
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]},
+     ["layer_types", "\"linear_attention\" or \"full_attention\""]),
+    ({"linear_num_value_heads": 3}, ["linear_num_value_heads (3)", "multiple of linear_num_key_heads (2)"]),
+    ({"linear_allow_neg_eigval": "yes"}, ["linear_allow_neg_eigval", "true or false"]),
+    ({"head_dim": 16}, ["head_dim", "hidden_size / num_attention_heads (32)"]),
+    ({"linear_conv_kernel_dim": 1}, ["linear_conv_kernel_dim", ">= 2"]),
+])
+def test_bad_fields_are_refused_by_name(change, words):
+    from llama_ane.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny_config(**change)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("delta_beta_scale", 0), ("delta_beta_scale", "2"), ("delta_norm_eps", -1.0)])
+def test_a_manifest_config_with_a_bad_variant_field_is_refused(field, value):
+    from llama_ane.config import ConfigError, LlamaConfig
+
+    with pytest.raises(ConfigError, match=field):
+        LlamaConfig.from_dict(dict(tiny_config().to_dict(), **{field: value}))
+
+
+def test_a_gguf_of_it_is_refused_by_name(tmp_path):
+    """llama.cpp has no OLMo-Hybrid architecture (gguf-py lists none): a file naming one is refused
+    with its name, as any architecture the export does not read."""
+    gguf = pytest.importorskip("gguf")
+    from llama_ane.checkpoint.loader import load_checkpoint
+    from llama_ane.errors import LlamaANEError
+    from support.gguf import write_bare
+
+    assert not any("hybrid" in name for name in gguf.MODEL_ARCH_NAMES.values() if "olmo" in name)
+    path = write_bare(tmp_path / "olmo_hybrid.gguf", "olmo_hybrid")
+    with pytest.raises(LlamaANEError, match="'olmo_hybrid' model, which llama-ane does not export"):
+        load_checkpoint(path)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("prefill", [8, 32])
+def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders, prefill):
+    """Prefill in windows of `prefill` (the last one padded), then decoding: every linear-attention
+    layer's recurrent state and convolution state, held per chunk, are OlmoHybridForCausalLM's after
+    the same tokens (its token-by-token delta rule)."""
+    import llama_ane
+    from transformers import OlmoHybridForCausalLM
+
+    folder = folders("tied_gqa")
+    model = llama_ane.load(folder, backend="torch", precision="fp32", context_length=256, prefill_length=prefill,
+                           layers_per_chunk=2)
+    ref = OlmoHybridForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = list(range(9, 9 + 45))
+    pipeline = model.pipeline
+    pipeline.reset()
+    pipeline.prefill(ids[:40])
+    for t in ids[40:]:
+        pipeline.run_window([t])
+    cache = DynamicCache(config=ref.config)
+    with torch.no_grad(), token_by_token(MODELING):
+        ref(torch.tensor([ids]), cache=cache, use_cache=True)
+    cfg = pipeline.config
+    checked = 0
+    for c, chunk in enumerate(pipeline.chunks):
+        for j, n in enumerate([n for n in chunk["layers"] if cfg.linear(n)]):
+            state = pipeline.cache.caches[c]["delta"][j].reshape(cfg.delta_value_heads, cfg.delta_key_dim, -1)
+            torch.testing.assert_close(torch.from_numpy(state), cache.get_recurrent_state(n, state_idx=0)[0],
+                                       rtol=1e-4, atol=1e-4)
+            conv = pipeline.cache.caches[c]["conv"][j, :, 0, -(K - 1):]
+            torch.testing.assert_close(torch.from_numpy(conv), cache.get_conv_state(n, state_idx=0)[0, :, 1:],
+                                       rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked == len(cfg.delta_layers) == 3
+    model.close()
+
+
+def test_a_verify_window_is_refused_by_name():
+    """A speculative verify window, which its linear-attention states cannot serve, is refused by name."""
+    from llama_ane.contract.options import ExportOptions, ExportOptionsError
+    from llama_ane.contract.plan import plan_export
+
+    with pytest.raises(ExportOptionsError, match="--verify-window 16.*linear-attention layers.*--verify-window 0"):
+        plan_export(tiny_config(), ExportOptions(context_length=256, verify_window=16))
