@@ -303,3 +303,26 @@ def test_a_verify_window_is_refused_by_name():
 
     with pytest.raises(ExportOptionsError, match="--verify-window 16.*linear-attention layers.*--verify-window 0"):
         plan_export(tiny_config(), ExportOptions(context_length=256, verify_window=16))
+
+
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+@pytest.mark.parametrize("s", [1, 18, 64])
+def test_the_delta_rules_flops_are_the_programs_in_spans(beta_scale, s):
+    """The device model's delta-rule flops for a window of S tokens are those torch's counter sees
+    gated_delta run, whole (beta up to 1) or in spans of SPAN (beta up to 2)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llama_ane.contract import device_model as dm
+    from llama_ane.model.functions import delta_span
+
+    h, gk, dk, dv = 4, 2, 16, 32
+    r = h // gk
+    manifest = {"config": {"delta_key_heads": gk, "delta_beta_scale": beta_scale},
+                "cache": {"delta": {"heads": h, "key_dim": dk, "value_dim": dv, "layers": [0, 2]}},
+                "chunks": [{"model": "chunk_0"}],
+                "models": {"chunk_0": {"functions": {"prefill": {"inputs": [
+                    {"name": "hidden_states", "shape": [1, 64, 1, s]}]}}}}}
+    with FlopCounterMode(display=False) as counter:
+        gated_delta(torch.randn(gk, 1, dk, s), torch.randn(gk, 1, dk, s), torch.randn(gk, r, dv, s),
+                    -torch.rand(gk, r, 1, s), torch.rand(gk, r, 1, s), torch.randn(gk, r, dk, dv), delta_span(beta_scale))
+    assert dm.delta_flops(manifest, "prefill") == 2 * counter.get_total_flops()

@@ -66,10 +66,10 @@ from torch import nn
 
 from ...config import LlamaConfig
 from ..functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, squarings  # noqa: F401 (the layer's names)
+from ..functions import SPAN, delta_span  # noqa: F401 (SPAN: the span's length, for its tests)
 from .ops import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
-SPAN = 4  # tokens per span of the delta rule where beta reaches 2 (DeltaShape.span)
 # A chunk's linear-attention layers' recurrent states (L_d, H*Dk, 1, Dv), and the states after its
 # window it returns (with state caches, writes); the cascade's per-branch states (L_d*B, H*Dk, 1, Dv)
 
@@ -200,7 +200,7 @@ class DeltaShape:
         away fp16's precision. In spans of SPAN = 4 tokens the only power taken, N^2, stays within
         2^2 * 2 = 8, and the fp16 rule is as close to the float64 one as fp16's token loop
         (tests/test_olmo_hybrid.py; spans of 8 were 9% off on keys that nearly agree)."""
-        return SPAN if self.beta_scale > 1 else 0
+        return delta_span(self.beta_scale)
 
     @property
     def gate_eps(self) -> float:
