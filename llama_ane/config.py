@@ -29,7 +29,7 @@ ACTIVATIONS = tuple(dict.fromkeys(f.activation for f in FAMILIES.values()))
 GEMMA4_FIELDS = FAMILIES["gemma4_text"].own_fields
 DELTA_FIELDS = FAMILIES["qwen3_5_text"].own_fields
 # fields of a layer variant no family default has, written (like the families' own) only where set
-VARIANT_FIELDS = ("attention_sinks", "attn_head_gate")
+VARIANT_FIELDS = ("attention_sinks", "attn_head_gate", "delta_beta_scale", "delta_norm_eps")
 OWN_FIELDS = tuple(name for f in FAMILIES.values() for name in f.own_fields) + VARIANT_FIELDS  # see LlamaConfig.to_dict
 
 
@@ -75,6 +75,10 @@ class LlamaConfig:
     delta_key_dim: int = 0
     delta_value_dim: int = 0
     attn_output_gate: bool = False
+    # the Gated DeltaNet's variant: beta's scale (OLMo-Hybrid's allow_neg_eigval: 2, beta in [0, 2]) and
+    # its gated norm's eps (None: rms_norm_eps; OLMo-Hybrid's 1e-5)
+    delta_beta_scale: float = 1.0
+    delta_norm_eps: float | None = None
     # a learned logit per query head beside each softmax's keys (GPT-OSS's, Granite SWA's sinks): it takes
     # a share of the probability and attends to nothing
     attention_sinks: bool = False
@@ -306,6 +310,10 @@ class LlamaConfig:
         for name in sizes:
             if not getattr(self, name):
                 raise ConfigError(f"{name} must be positive where delta_layers are given")
+        for name in ("delta_beta_scale",) + (("delta_norm_eps",) if self.delta_norm_eps is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.delta_value_heads % self.delta_key_heads:
             raise ConfigError(f"linear_num_value_heads ({self.delta_value_heads}) must be a multiple of "
                               f"linear_num_key_heads ({self.delta_key_heads})")
@@ -455,6 +463,11 @@ class LlamaConfig:
     def delta_conv_channels(self) -> int:
         """Rows of a Gated DeltaNet's in_proj_qkv (and channels of its convolution): q, k, then v."""
         return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    @property
+    def delta_key_channels(self) -> int:
+        """Rows of a Gated DeltaNet's q (or k) projection: its key heads times their width."""
+        return self.delta_key_heads * self.delta_key_dim
 
     @property
     def delta_value_channels(self) -> int:

@@ -33,6 +33,22 @@ def family_classes(model_type: str):
     return tuple(transformers_class(model_type, part) for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
 
 
+def linear_layer_class(model_type: str):
+    """transformers' class of a family's linear-attention decoder layers where it is not its DecoderLayer
+    (OLMo-Hybrid's OlmoHybridLinearAttentionDecoderLayer), else None."""
+    from .families import FAMILIES
+
+    return transformers_class(model_type, "LinearDecoderLayer") if "LinearDecoderLayer" in FAMILIES[
+        model_type].classes else None
+
+
+def _rope_theta(hf):
+    """The RoPE base transformers' config `hf` gives its model (None: the model rotates nothing);
+    0 where its rope_parameters are per layer type."""
+    rope = getattr(hf, "rope_parameters", None) or {}
+    return rope.get("rope_theta", 0)
+
+
 def hf_config(cfg):
     """transformers' config object of `cfg`'s family (LlamaConfig, Qwen2Config, ...), attending with
     torch's sdpa where the family's model does (else its own eager attention: Granite SWA's sinks)."""
@@ -42,18 +58,18 @@ def hf_config(cfg):
     return hf
 
 
-def _with_weights(ckpt: Checkpoint, module, prefix: str):
-    """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`, in float32
-    (a name as the checkpoint stores it: Family.stored_names)."""
+def _with_weights(ckpt: Checkpoint, module, prefix: str, stored=None):
+    """`module` (built on the meta device: no random init) given checkpoint tensors `prefix + name`, in
+    float32; `stored` (Family.stored_names) names those the checkpoint stores under another name, or
+    as parts to concatenate."""
     import torch
 
-    def stored(name: str) -> str:
-        for theirs, kept in ckpt.config.family.stored_names.items():
-            name = name.replace(theirs, kept)
-        return name
+    def read(name: str):
+        where = (stored or {}).get(name, name)
+        parts = [where] if isinstance(where, str) else list(where)
+        return torch.cat([ckpt.tensor(prefix + part).to(torch.float32) for part in parts])
 
-    state = {name: ckpt.tensor(prefix + stored(name)).to(torch.float32).reshape(t.shape)
-             for name, t in module.state_dict().items()}
+    state = {name: read(name).reshape(t.shape) for name, t in module.state_dict().items()}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
@@ -69,16 +85,20 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
     import torch
 
     hf, (DecoderLayer, _, RotaryEmbedding) = hf_config(ckpt.config), family_classes(ckpt.config.model_type)
+    LinearLayer = linear_layer_class(ckpt.config.model_type)
     with torch.no_grad(), recurrent_delta_rule(ckpt.config.model_type):
         ids = torch.tensor(token_ids, dtype=torch.long)
         x = token_rows(ckpt, "model.embed_tokens.weight", ids).to(torch.float32)[None]  # (1, T, C)
         x = x * ckpt.config.embedding_multiplier  # Granite's and Gemma's, in their models' forward
         positions = torch.arange(len(token_ids))[None]  # (1, T)
-        rotary = RotaryEmbedding(config=hf)
-        per_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3's local RoPE
-        rotated = getattr(rotary, "layer_types", hf.layer_types if per_type else ())  # not LFM3's conv layers
-        ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types) & set(rotated)} if per_type
-                 else {None: rotary(x, positions)})  # cos, sin (1, T, D)
+        if _rope_theta(hf) is None:  # no RoPE at all (OLMo-Hybrid's released models): no cos, sin
+            per_type, ropes = False, {None: None}
+        else:
+            rotary = RotaryEmbedding(config=hf)
+            per_type = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3's local RoPE
+            rotated = getattr(rotary, "layer_types", hf.layer_types if per_type else ())  # not LFM3's conv layers
+            ropes = ({t: rotary(x, positions, layer_type=t) for t in set(hf.layer_types) & set(rotated)} if per_type
+                     else {None: rotary(x, positions)})  # cos, sin (1, T, D)
         bases = getattr(hf, "layer_rope_theta", None)  # a RoPE base per layer (Granite SWA; 0: no RoPE)
         if bases is not None:
             ropes = {theta: RotaryEmbedding(config=_with_theta(hf, theta))(x, positions) if theta else None
@@ -94,8 +114,8 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
             rope = ropes.get(bases[n] if bases is not None else hf.layer_types[n] if per_type else None)
             mask = sliding if ckpt.config.slides(n) else full
             with torch.device("meta"):
-                layer = DecoderLayer(hf, n)
-            layer = _with_weights(ckpt, layer, f"model.layers.{n}.")
+                layer = (LinearLayer or DecoderLayer)(hf, n) if ckpt.config.linear(n) else DecoderLayer(hf, n)
+            layer = _with_weights(ckpt, layer, f"model.layers.{n}.", ckpt.config.family.stored_names)
             after = on_layer(n, layer) if on_layer is not None else None
             extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, n], "shared_kv_states": shared}
             x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope, **extra)
@@ -117,14 +137,23 @@ def _with_theta(hf, theta: float):
 
 @contextlib.contextmanager
 def recurrent_delta_rule(model_type: str) -> Iterator[None]:
-    """Within it, transformers' Qwen3.5 linear-attention layers run the delta rule token by token
-    (its reference loop) where they would run the chunked form; nothing changes for other families."""
+    """Within it, transformers' linear-attention layers of `model_type` (Family.delta_rule_module) run the
+    delta rule token by token (its reference loop) where they would run the chunked form; nothing
+    changes for families without them."""
     from .families import FAMILIES
 
     name = FAMILIES[model_type].delta_rule_module if model_type in FAMILIES else ""
     if not name:
         yield
         return
+    with token_by_token(name):
+        yield
+
+
+@contextlib.contextmanager
+def token_by_token(name: str) -> Iterator[None]:
+    """Within it, transformers' module `name` runs its torch_recurrent_gated_delta_rule where it would
+    run its torch_chunk_gated_delta_rule."""
     import importlib
 
     modeling = importlib.import_module(name)

@@ -898,6 +898,12 @@ FAMILY_EXPORTS = {
     "export_qwen35_state": ("qwen35_untied_mha", {}, dict(
         context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="state",
         fold_lm_head="yes", layers_per_chunk=2), "delta"),
+    # OLMo-Hybrid with input caches and a cascade: Qwen3.5's linear-attention layers in their variant (beta
+    # in [0, 2], its delta rule in spans; the gated norm's eps) beside OLMo 3's attention without RoPE; the
+    # config's variant fields the host knows and leaves to the programs.
+    "export_olmo_hybrid": ("olmo_hybrid_untied_mha_nope", dict(linear_allow_neg_eigval=True), dict(
+        context_length=64, prefill_length=8, branch_width=2, suffix_length=32, verify_window=0, kv_cache="inputs",
+        fold_lm_head="no", layers_per_chunk=2), "delta"),
     # The prefill window decodes (format_version 4): the embeddings take each row's position and the
     # host makes the masks; states a window longer than the context, a cascade of 2 branches through
     # the window ("cascade": "window") and the head folded into the last chunk.

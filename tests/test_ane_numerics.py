@@ -56,7 +56,8 @@ def test_the_ane_mode_breaks_the_ops_and_not_the_forms(tmp_path):
     silu form gives 0 below about -9, where silu is smaller than 1.2e-3.)"""
     x = X.astype(np.float16)
     exact = {name: reference(torch.from_numpy(x.astype(np.float32))).numpy() for name, (_, _, reference) in FORMS.items()}
-    floor = {"silu": 1.2e-3, "softplus": 5e-4}  # the forms' fp16 tails: silu below -9, log(1 + e) for e < 2^-11
+    # the forms' fp16 tails: silu below -9; softplus where exp(-|x|) is an fp16 subnormal, which the mode flushes
+    floor = {"silu": 1.2e-3, "softplus": 6.2e-5}
     near = np.abs(X) <= 0.05
     for name, (op, form, _) in FORMS.items():
         op_package = package(op, tmp_path / f"{name}_op.mlpackage", np.float16)

@@ -132,10 +132,10 @@ FIXTURES = Path(__file__).resolve().parent.parent / "swift_host" / "Tests" / "Ll
 # BLAS build may round float32 results differently in the last bits, which the Swift tests' own
 # tolerances absorb. Ids, texts, names, shapes and flags are compared exactly.
 FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-6
-# Logits the mil backend computed through fp16 programs: numpy's fp16 reductions round by the CPU's
-# SIMD width, so another machine's run lands a few fp16 steps away (a hidden state one step off moves
-# a logit of 2 by up to 0.01). The tokens they pick are compared exactly.
-LOGITS_RTOL, LOGITS_ATOL = 1e-2, 1e-2
+# Logits the mil backend computed through fp16 programs: numpy's fp16 reductions round by the CPU
+# (export_gemma3's came out up to 0.012 apart on two machines), so they are held to the tolerance the
+# Swift tests compare Core ML's logits with (FamilyExportTests: 0.05). The tokens they pick are compared exactly.
+LOGITS_RTOL, LOGITS_ATOL = 0.0, 0.05
 # Manifest fields that record the tools, the run or the bytes rather than what the Swift tests read.
 IGNORED_MANIFEST_FIELDS = {"created_by", "files", "source"}
 REGENERATE = "regenerate them: python tests/swift_fixtures.py swift_host/Tests/LlamaANETests/Fixtures"

@@ -14,7 +14,7 @@ from ..config import LlamaConfig
 from ..families.gemma4_text import PER_LAYER_TENSORS
 from ..families.lfm2 import CONV_BIASES, CONV_TENSORS
 from ..families.phi3 import FUSED_SHAPES, FUSED_TENSORS
-from ..families.qwen3_5_text import DELTA_TENSORS, GATED_HALF
+from ..families.qwen3_5_text import GATED_HALF
 from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
@@ -103,6 +103,7 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "per_layer_channels": "num_hidden_layers*hidden_size_per_layer_input",
            "gated_q_channels": "2*num_attention_heads*head_dim",
            "delta_conv_channels": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
+           "delta_key_channels": "linear_num_key_heads*linear_key_head_dim",
            "delta_value_channels": "linear_num_value_heads*linear_value_head_dim",
            "delta_value_heads": "linear_num_value_heads", "delta_value_dim": "linear_value_head_dim"}
 KV_TENSORS = ("k_proj.weight", "v_proj.weight", "k_norm.weight")  # what a KV-shared layer has none of
@@ -126,8 +127,8 @@ PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3.5's gated norm scales by w, 
 def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     """Our parameter names of decoder layer `layer` (a DecoderLayer, or a ConvLayer where the layer
     convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
-    if cfg.linear(layer):  # Qwen3.5's linear-attention layers
-        return dict(DELTA_TENSORS)
+    if cfg.linear(layer):  # linear-attention layers (a tensor stored as parts: its first part's name)
+        return {**cfg.family.delta_tensors, **{ours: parts[0][0] for ours, parts in cfg.family.delta_parts.items()}}
     if cfg.convolves(layer):  # LFM2's conv layers (a family's own names of them: LFM3's)
         return {**(cfg.family.conv_names or CONV_TENSORS), **(CONV_BIASES if cfg.conv_bias else {})}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
@@ -144,12 +145,23 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     return {ours: names.get(ours, hf) for ours, hf in out.items()} if names else out
 
 
+def layer_sources(cfg: LlamaConfig, layer: int) -> list[str]:
+    """Every HF name inside model.layers.N that decoder layer `layer` reads: layer_tensors', and each
+    part of a tensor stored as parts."""
+    parts = cfg.family.delta_parts if cfg.linear(layer) else {}
+    return [hf for ours, hf in layer_tensors(cfg, layer).items() if ours not in parts] + [
+        hf for stacked in parts.values() for hf, _ in stacked]
+
+
 def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
-    """Every HF tensor an export of `cfg` reads -> its shape as LlamaConfig attribute names."""
+    """Every HF tensor an export of `cfg` reads -> its shape as LlamaConfig attribute names (None for a
+    part whose rows the checkpoint may split as it likes: `check_tensors` checks the parts' total)."""
     shapes = {"model.embed_tokens.weight": GLOBAL_SHAPES["model.embed_tokens.weight"]}
     for n in range(cfg.num_hidden_layers):
+        parts = cfg.family.delta_parts if cfg.linear(n) else {}
         shapes.update({f"model.layers.{n}.{hf}": FUSED_SHAPES.get(hf) or SHAPES[ours]
-                       for ours, hf in layer_tensors(cfg, n).items()})
+                       for ours, hf in layer_tensors(cfg, n).items() if ours not in parts})
+        shapes.update({f"model.layers.{n}.{hf}": dims for stacked in parts.values() for hf, dims in stacked})
         if cfg.attn_output_gate and not cfg.linear(n):
             shapes[f"model.layers.{n}.self_attn.q_proj.weight"] = GATED_Q_SHAPE
     shapes[final_norm_name(cfg)] = GLOBAL_SHAPES["model.norm.weight"]
@@ -188,12 +200,25 @@ def check_tensors(cfg: LlamaConfig, tensors: dict[str, TensorInfo], checkpoint: 
         if info.dtype not in dtypes:
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} is stored as {info.dtype}; "
                                   f"only {allowed} weights can be exported (dequantize the checkpoint first)")
+        if dims is None:
+            continue
         want = expected_shape(cfg, name, dims)
         if info.shape != want:
             formula = ", ".join(str(DERIVED.get(d, d)) for d in dims)
             raise CheckpointError(f"checkpoint {checkpoint}: tensor {name!r} has shape {list(info.shape)}, but the "
                                   f"config gives it {list(want)} ({formula}); the weights and the config do "
                                   "not belong together")
+    for n in cfg.delta_layers:  # parts of free rows: their total is the tensor the config gives
+        for ours, stacked in cfg.family.delta_parts.items():
+            if all(dims is None for _, dims in stacked):
+                names = [f"model.layers.{n}.{hf}" for hf, _ in stacked]
+                got = [sum(tensors[x].shape[0] for x in names), *tensors[names[0]].shape[1:]]
+                want = list(expected_shape(cfg, names[0], SHAPES[ours]))
+                formula = ", ".join(str(DERIVED.get(d, d)) for d in SHAPES[ours])
+                if got != want:
+                    raise CheckpointError(f"checkpoint {checkpoint}: tensors {names} stack to shape {got}, but the "
+                                          f"config gives {want} ({formula}); the weights and the config do not "
+                                          "belong together")
     layers = {int(parts[2]) for name in tensors if (parts := name.split(".", 3))[:2] == ["model", "layers"]
               and len(parts) > 3 and parts[2].isdigit()}
     if layers and max(layers) >= cfg.num_hidden_layers:
@@ -217,7 +242,10 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
     """
     cfg = ckpt.config
     hf = f"model.layers.{layer}.{layer_tensors(cfg, layer)[ours]}"
-    if cfg.fused_projections and ours in FUSED_TENSORS:  # our rows of the fused projection, read alone
+    parts = cfg.family.delta_parts.get(ours) if cfg.linear(layer) else None
+    if parts:  # stored as parts, stacked by rows (OLMo-Hybrid's q, k and v projections)
+        w = torch.cat([ckpt.tensor(f"model.layers.{layer}.{name}").to(torch.float32) for name, _ in parts])
+    elif cfg.fused_projections and ours in FUSED_TENSORS:  # our rows of the fused projection, read alone
         _, before, size = FUSED_TENSORS[ours]
         start = sum(getattr(cfg, b) for b in before)
         w = ckpt.rows(hf, start, start + getattr(cfg, size)).to(torch.float32)

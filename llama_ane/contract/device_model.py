@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
-from ..model.functions import BRANCHES, VERIFY, squarings
+from ..model.functions import BRANCHES, VERIFY, delta_span, squarings
 from .manifest import decode_function, window_cascade
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -178,9 +178,10 @@ def delta_flops(manifest: dict, function: str) -> float:
         2*H*Dv*S^2     the deltas solved, and read out by q
 
     So a decode step (S = 1) costs 6*H*Dk*Dv + 4*H*Dv + 4*G*Dk + 4*H flops a layer, and a window grows with
-    S^3 log2(S). A cascade step ("decode_branches") runs it with S = 1 for each of its B branches,
-    each from its own state. The projections, the convolution and the gated norm are weights,
-    counted by `_flops`."""
+    S^3 log2(S). Where the layer runs its window in spans (DeltaShape.span: beta up to 2), each span
+    costs this with S its own length. A cascade step ("decode_branches") runs it with S = 1 for each
+    of its B branches, each from its own state. The projections, the convolution and the gated norm
+    are weights, counted by `_flops`."""
     delta = manifest["cache"].get("delta")
     if not delta:
         return 0.0
@@ -188,8 +189,9 @@ def delta_flops(manifest: dict, function: str) -> float:
     h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
     s = window_tokens(manifest, function)
     sequences, s = (s, 1) if function == BRANCHES else (1, s)
-    macs = (h * s * s + h * s ** 3 + 2 * g * s * s * dk + 2 * h * s ** 3 * max(squarings(s) - 1, 0)
-            + 3 * h * dk * dv * s + 2 * h * dv * s * s)
+    span = delta_span(manifest["config"].get("delta_beta_scale", 1.0)) or s
+    macs = sum(h * t * t + h * t ** 3 + 2 * g * t * t * dk + 2 * h * t ** 3 * max(squarings(t) - 1, 0)
+               + 3 * h * dk * dv * t + 2 * h * dv * t * t for t in [min(span, s - a) for a in range(0, s, span)])
     return 2.0 * macs * sequences * len(delta["layers"])
 
 

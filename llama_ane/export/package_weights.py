@@ -19,8 +19,8 @@ from ..config import LlamaConfig
 from ..contract.specs import model_kind
 from ..model.embeddings import per_layer_rows, rope_weights
 from ..checkpoint.loader import Checkpoint, CheckpointError
-from ..checkpoint.mapping import (PER_LAYER_TENSORS, as_conv, final_norm, final_norm_name, layer_tensor, layer_tensors,
-                                  per_layer_state_dict)
+from ..checkpoint.mapping import (PER_LAYER_TENSORS, as_conv, final_norm, final_norm_name, layer_sources, layer_tensor,
+                                  layer_tensors, per_layer_state_dict)
 
 ROW_BLOCK = 1 << 24  # elements converted at a time: bounds the fp32 temporary of a 1 GB table
 
@@ -80,7 +80,7 @@ def model_hf_names(cfg: LlamaConfig, model: str, layers: list[int], rows: tuple[
         return {"model.embed_tokens.weight"}
     if kind == "lm_head":
         return head
-    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_tensors(cfg, n).values()} | (head if rows else set())
+    return {f"model.layers.{n}.{hf}" for n in layers for hf in layer_sources(cfg, n)} | (head if rows else set())
 
 
 class PackageWeights:

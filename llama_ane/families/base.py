@@ -88,9 +88,16 @@ class Family:
     # checkpoints
     final_norm: str = "model.norm.weight"
     conv_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its name in a conv layer ({}: LFM2's)
-    # transformers' module names -> the checkpoint's, where its loader renames them (a part of the name each)
-    stored_names: Mapping[str, str] = field(default_factory=dict)
     attention_names: Mapping[str, str] = field(default_factory=dict)  # ours -> its own name in an attention layer
+    # its linear-attention layers' tensors: our name in model.layers.delta_net.DeltaLayer -> its name inside
+    # model.layers.N; and ours that it stores as parts, stacked by rows: ours -> ((its name, shape as
+    # LlamaConfig attribute names, or None for rows the checkpoint may split as it likes), ...)
+    # (OLMo-Hybrid's q, k and v projections, our in_proj_qkv)
+    delta_tensors: Mapping[str, str] = field(default_factory=dict)
+    delta_parts: Mapping[str, tuple[tuple[str, tuple[str, ...] | None], ...]] = field(default_factory=dict)
+    # transformers' name of a tensor inside model.layers.N -> the name its checkpoints store it under, or
+    # the names of the parts it concatenates (its conversion mapping), where they differ
+    stored_names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
 
     @property

@@ -33,7 +33,7 @@ NORMS_AND_MLP = {  # our name -> its name inside model.layers.N, conv and attent
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
 ATTENTION_NAMES = {**NORMS_AND_MLP, "g_proj.weight": "self_attn.gate_proj.weight"}  # as its checkpoints store it
-STORED = {"self_attn.g_proj.": "self_attn.gate_proj."}  # Lfm3Attention's name -> its checkpoints'
+STORED = {f"self_attn.g_proj.{p}": f"self_attn.gate_proj.{p}" for p in ("weight", "bias")}  # Lfm3Attention's -> its checkpoints'
 CONV_NAMES = {**NORMS_AND_MLP, **{name: name for name in ("conv.in_proj.weight", "conv.conv.weight",
                                                           "conv.out_proj.weight")}}
 

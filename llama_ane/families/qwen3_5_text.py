@@ -81,4 +81,5 @@ FAMILY = Family("qwen3_5_text", "Qwen3_5", label="Qwen3.5's text model", module=
                 classes={"RotaryEmbedding": "Qwen3_5TextRotaryEmbedding"},
                 multimodal=("qwen3_5", "Qwen3.5's text model: Gated DeltaNet and attention layers"), qk_norm=True,
                 unit_offset_norms=True, partial_rotary_factor=ROTARY, own_fields=OWN_FIELDS, prepare=prepare,
-                extras=delta_fields, write=write, delta_rule_module="transformers.models.qwen3_5.modeling_qwen3_5")
+                extras=delta_fields, write=write, delta_rule_module="transformers.models.qwen3_5.modeling_qwen3_5",
+                delta_tensors=DELTA_TENSORS)

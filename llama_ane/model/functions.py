@@ -88,6 +88,15 @@ def squarings(s: int) -> int:
     return math.ceil(math.log2(s)) if s > 1 else 0
 
 
+def delta_span(beta_scale: float) -> int:
+    """Tokens per span of the delta rule's chunked form where beta is scaled by `beta_scale`
+    (layers.delta_net.DeltaShape.span): SPAN where beta reaches past 1, else 0 (a window is one span)."""
+    return SPAN if beta_scale > 1 else 0
+
+
+SPAN = 4  # tokens per span of the delta rule where beta reaches 2 (layers.delta_net.DeltaShape.span)
+
+
 def per_layer_rows(cfg: "LlamaConfig", rows: tuple[int, int]) -> tuple[int, int]:
     """[start, end) rows of Gemma 4's per-layer table in the embeddings file of vocabulary rows
     `rows`: the same rows, those the table has (it may have fewer than the vocabulary); a file of the

@@ -36,6 +36,13 @@ LFM3 = {"model_type": "lfm3", "intermediate_size": 96, "conv_L_cache": 3}
 QWEN35 = {"model_type": "qwen3_5_text", "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
           "linear_key_head_dim": 16, "linear_value_head_dim": 32, "num_hidden_layers": 4}
 
+# OLMo-Hybrid: Gated DeltaNet layers (their own q, k, v projections, beta in [0, 2]) beside OLMo 3's
+# attention layers (heads hidden_size / num_attention_heads = 32 wide); value heads 32 wide, as the ANE
+# keeps a state
+OLMO_HYBRID = {"model_type": "olmo_hybrid", "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 32, "num_hidden_layers": 4}
+
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
     "smollm3_tied": {"model_type": "smollm3", "tie_word_embeddings": True, "head_dim": 32,
@@ -143,6 +150,15 @@ CASES = {
                             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"]),
     "qwen35_untied_mha": dict(QWEN35, tie_word_embeddings=False, num_key_value_heads=4, linear_num_value_heads=2,
                               full_attention_interval=2),
+    # OLMo-Hybrid: linear-attention layers beside a rotating GQA attention layer, two value heads per key
+    # head, tied; the default layout (every fourth layer attention) without RoPE (a null rope_theta, as
+    # the released models), MHA with biases, one value head per key head, beta in [0, 1], untied
+    "olmo_hybrid_tied_gqa": dict(OLMO_HYBRID, tie_word_embeddings=True,
+                                 layer_types=["linear_attention", "full_attention", "linear_attention",
+                                              "linear_attention"]),
+    "olmo_hybrid_untied_mha_nope": dict(OLMO_HYBRID, tie_word_embeddings=False, num_key_value_heads=2,
+                                        linear_num_value_heads=2, attention_bias=True, rope_theta=None,
+                                        linear_allow_neg_eigval=False),
 }
 
 # A small chat template per family, in the style of its own (the tiny tokenizer's specials stand in
@@ -161,6 +177,8 @@ TEMPLATES = {
                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "olmo_hybrid": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n"
+                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "gemma3_text": ("{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "

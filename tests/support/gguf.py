@@ -83,6 +83,20 @@ def write_tiny(path: Path, *, untied: bool = False, arch: str = "llama", theta: 
     return hf
 
 
+def write_bare(path: Path, arch: str) -> Path:
+    """A GGUF of general.architecture `arch` holding only a token embedding table: enough for a reader
+    to refuse an architecture by name."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def f32(v):
     """`v` with every float in it rounded to float32."""
     if isinstance(v, dict):
@@ -122,16 +136,3 @@ def check_gguf_export_matches_transformers(file: Path, folder: Path, out: Path, 
     model.close()
     assert got.shape == want.shape and np.abs(want).max() > 1.0
     assert float(np.abs(got - want).max()) <= 1e-3
-
-
-def write_bare(path: Path, arch: str) -> Path:
-    """A GGUF of general.architecture `arch` with a token table only: what a reader refuses by that name."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path

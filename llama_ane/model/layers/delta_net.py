@@ -1,4 +1,4 @@
-"""Qwen3.5's linear-attention layers (Gated DeltaNet) in the ANE layout: the torch module and, below
+"""Qwen3.5's and OLMo-Hybrid's linear-attention layers (Gated DeltaNet) in the ANE layout: the torch module and, below
 each piece, its MIL builder, op for op.
 
     gated_delta      q, k (G,1,Dk,S), v (G,R,Dv,S), g, beta (G,R,1,S), state (G,R,Dk,Dv)
@@ -12,11 +12,14 @@ each piece, its MIL builder, op for op.
 C = hidden size; G key heads, R value heads per key head, H = G*R value heads; Dk, Dv their widths;
 Q = 2*G*Dk + H*Dv, the channels of in_proj_qkv that the causal depthwise convolution runs over;
 S = the window, n <= S its real tokens. The layer: in_proj_qkv -> convolution (kernel K, SiLU) ->
-q, k, v; q and k l2-normalized per head, q also scaled by 1/sqrt(Dk); beta = sigmoid(in_proj_b),
-the decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); per value head the state (Dk x Dv) goes
+q, k, v; q and k l2-normalized per head, q also scaled by 1/sqrt(Dk); beta = sigmoid(in_proj_b)
+(times DeltaShape.beta_scale: OLMo-Hybrid's 2, beta in [0, 2]), the decay
+g = -exp(A_log) * softplus(in_proj_a + dt_bias); per value head the state (Dk x Dv) goes
     S = S * exp(g);  S += k (x) beta * (v - S^T k);  o = S^T q
-and o goes through a norm gated by silu(in_proj_z) (per value head, over Dv) and out_proj. Key
-heads serve R consecutive value heads (transformers repeats them; here they broadcast).
+and o goes through a norm gated by silu(in_proj_z) (per value head, over Dv; its eps
+DeltaShape.gate_eps) and out_proj. Key heads serve R consecutive value heads (transformers repeats
+them; here they broadcast). OLMo-Hybrid's layer is this one: its q, k and v projections are the
+rows of in_proj_qkv, its gate projection in_proj_z (its family names them).
 
 The convolution's state is LFM2's (short_conv): the last K-1 values of in_proj_qkv's output, kept
 W wide and right-aligned, and `mixed` are the window's values the next state is taken from
@@ -63,6 +66,7 @@ from torch import nn
 
 from ...config import LlamaConfig
 from ..functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, squarings  # noqa: F401 (the layer's names)
+from ..functions import SPAN, delta_span  # noqa: F401 (SPAN: the span's length, for its tests)
 from .ops import MLP, Graph, RMSNorm, conv1x1, conv_mil, mb, mlp_mil, rms_norm_mil, silu_mil, softplus_mil
 
 L2_EPS = 1e-6  # transformers' l2norm (the FLA kernels' eps)
@@ -91,13 +95,20 @@ def l2_normed_mil(g: Graph, x, heads: int, d: int, s: int):
 
 
 def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one window, chunked (see the module docstring).
+                state: torch.Tensor, span: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one window, chunked (see the module docstring); with `span`, over
+    consecutive spans of that many tokens, each from the state the one before left (DeltaShape.span).
 
     q, k: (G,1,Dk,S), q already scaled; v: (G,R,Dv,S); g, beta: (G,R,1,S), both 0 at padded tokens;
     state: (G,R,Dk,Dv) -> o (G,R,Dv,S), the state after the window (G,R,Dk,Dv)
     """
     s, dtype = q.shape[-1], q.dtype
+    if span and s > span:
+        outs = []
+        for a in range(0, s, span):
+            o, state = gated_delta(*(t[..., a:a + span] for t in (q, k, v, g, beta)), state)
+            outs.append(o)
+        return torch.cat(outs, dim=3), state
     lower, strict = (torch.from_numpy(m).to(dtype) for m in triangles(s))
     cum = torch.matmul(g, lower.t())  # (G,R,1,S): G_t
     decays = torch.exp(torch.matmul(lower, g.transpose(2, 3) * strict)) * lower  # (G,R,S,S): exp(D_tj), j <= t
@@ -117,10 +128,20 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o, new
 
 
-def gated_delta_mil(g: Graph, q, k, v, decay, beta, state, shape: tuple[int, int, int, int, int], name: str):
+def gated_delta_mil(g: Graph, q, k, v, decay, beta, state, shape: tuple[int, int, int, int, int], name: str,
+                    span: int = 0):
     """gated_delta. q, k: (G,1,Dk,S); v: (G,R,Dv,S); decay, beta: (G,R,1,S); state: (G,R,Dk,Dv);
     shape: (G, R, Dk, Dv, S); name: a prefix for its consts -> o (G,R,Dv,S), state (G,R,Dk,Dv)"""
-    gk, r, _, _, s = shape
+    gk, r, dk, dv, s = shape
+    if span and s > span:
+        outs = []
+        for a in range(0, s, span):
+            e = min(a + span, s)
+            part = [g.slice(t, [0, 0, 0, a], [gk, rows, width, e])
+                    for t, rows, width in ((q, 1, dk), (k, 1, dk), (v, r, dv), (decay, r, 1), (beta, r, 1))]
+            o, state = gated_delta_mil(g, *part, state, (gk, r, dk, dv, e - a), f"{name}span{a}_")
+            outs.append(o)
+        return mb.concat(values=outs, axis=3), state
     lower, strict = triangles(s)
     lower_c, strict_c = g.const(lower, f"{name}lower"), g.const(strict, f"{name}strict")
     cum = mb.matmul(x=decay, y=g.const(lower.T, f"{name}upper"))
@@ -167,6 +188,24 @@ class DeltaShape:
     dv: int
     kernel: int
     eps: float
+    beta_scale: float = 1.0  # beta = beta_scale * sigmoid(in_proj_b): OLMo-Hybrid's 2, for beta in [0, 2]
+    norm_eps: float | None = None  # the gated norm's eps, where not `eps` (OLMo-Hybrid's 1e-5)
+
+    @property
+    def span(self) -> int:
+        """Tokens per span of the chunked delta rule (gated_delta; 0: a window is one span). With beta
+        up to 2 the entries of N (-A) reach 2 in size, and the inverse's powers N^(2^i) over a whole
+        window grow past fp16's range (65504) long before their sum settles (the tiny OLMo-Hybrid
+        test checkpoint's fp16 logits held NaN), and in range they still cancel away fp16's
+        precision. In spans of SPAN = 4 tokens the only power taken, N^2, stays within 2^2 * 2 = 8,
+        and the fp16 rule stays within 1% of the token loop where whole windows and spans of 8 do
+        not (tests/test_olmo_hybrid.py, keys that nearly agree)."""
+        return delta_span(self.beta_scale)
+
+    @property
+    def gate_eps(self) -> float:
+        """The eps of the norm gated by silu(in_proj_z)."""
+        return self.eps if self.norm_eps is None else self.norm_eps
 
     @property
     def conv_channels(self) -> int:
@@ -208,9 +247,9 @@ def columns_mil(o, channels: int, s: int, branches: bool):
 
 
 def delta_shape(cfg: LlamaConfig) -> DeltaShape:
-    """The linear-attention layers' sizes of a Qwen3.5 config."""
+    """The linear-attention layers' sizes of a config, and their variant (beta's scale, the gated norm's eps)."""
     return DeltaShape(cfg.delta_key_heads, cfg.delta_value_heads, cfg.delta_key_dim, cfg.delta_value_dim,
-                      cfg.conv_kernel, cfg.rms_norm_eps)
+                      cfg.conv_kernel, cfg.rms_norm_eps, cfg.delta_beta_scale, cfg.delta_norm_eps)
 
 
 def delta_rows(cfg: LlamaConfig, layers: list[int]) -> list[int]:
@@ -237,7 +276,7 @@ class GatedDeltaNet(nn.Module):
                                 groups=self.conv_channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(v_heads))
         self.A_log = nn.Parameter(torch.zeros(v_heads))
-        self.norm = RMSNorm(dv, net.eps)
+        self.norm = RMSNorm(dv, net.gate_eps)
         self.out_proj = conv1x1(v_heads * dv, channels)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor, n: torch.Tensor | int | None):
@@ -261,13 +300,16 @@ class GatedDeltaNet(nn.Module):
         k = heads(l2_normed(qkv[:, keys:2 * keys], gk, dk).reshape(1, keys, 1, s), gk, 1, dk, branches)
         v = heads(qkv[:, 2 * keys:], gk, r, dv, branches)
         beta = torch.sigmoid(self.in_proj_b(x))
+        if net.beta_scale != 1.0:
+            beta = beta * net.beta_scale
         decay = -torch.exp(self.A_log).view(1, h, 1, 1) * nn.functional.softplus(
             self.in_proj_a(x) + self.dt_bias.view(1, h, 1, 1))
         if not branches:  # padded tokens leave the state as it is
             real = real_tokens(n, s, x.dtype)
             beta, decay = beta * real, decay * real
         state = state.to(x.dtype).reshape(-1, r, dk, dv)  # (G,R,Dk,Dv), or (S*G,R,Dk,Dv)
-        o, new = gated_delta(q, k, v, heads(decay, gk, r, 1, branches), heads(beta, gk, r, 1, branches), state)
+        o, new = gated_delta(q, k, v, heads(decay, gk, r, 1, branches), heads(beta, gk, r, 1, branches), state,
+                             net.span)
         z = self.in_proj_z(x).reshape(h, dv, 1, s)
         o = self.norm(columns(o, h * dv, s, branches).reshape(h, dv, 1, s)) * nn.functional.silu(z)
         return self.out_proj(o.reshape(1, h * dv, 1, s)), mixed, new.reshape(-1, h * dk, 1, dv)
@@ -292,6 +334,8 @@ def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: Del
     k = heads_mil(mb.reshape(x=k, shape=[1, keys, 1, s]), gk, 1, dk, s, branches)
     v = heads_mil(g.slice(qkv, [0, 2 * keys, 0, 0], [1, q_ch, 1, s]), gk, r, dv, s, branches)
     beta = mb.sigmoid(x=conv_mil(g, x, f"{prefix}in_proj_b.weight"))
+    if net.beta_scale != 1.0:
+        beta = mb.mul(x=beta, y=g.scalar(net.beta_scale))
     a = mb.add(x=conv_mil(g, x, f"{prefix}in_proj_a.weight"),
                y=mb.reshape(x=g.weight(f"{prefix}dt_bias"), shape=[1, h, 1, 1]))
     rate = mb.mul(x=mb.exp(x=mb.reshape(x=g.weight(f"{prefix}A_log"), shape=[1, h, 1, 1])), y=g.scalar(-1.0))
@@ -302,10 +346,10 @@ def gated_delta_net_mil(g: Graph, x, conv_state, state, n, prefix: str, net: Del
     batch = s * gk if branches else gk
     o, new = gated_delta_mil(g, q, k, v, heads_mil(decay, gk, r, 1, s, branches), heads_mil(beta, gk, r, 1, s, branches),
                              mb.reshape(x=state, shape=[batch, r, dk, dv]), (batch, r, dk, dv, 1 if branches else s),
-                             prefix.replace(".", "_"))
+                             prefix.replace(".", "_"), net.span)
     z = mb.reshape(x=conv_mil(g, x, f"{prefix}in_proj_z.weight"), shape=[h, dv, 1, s])
     o = mb.reshape(x=columns_mil(o, h * dv, s, branches), shape=[h, dv, 1, s])
-    o = mb.mul(x=rms_norm_mil(g, o, f"{prefix}norm.weight", net.eps, dv), y=silu_mil(g, z))
+    o = mb.mul(x=rms_norm_mil(g, o, f"{prefix}norm.weight", net.gate_eps, dv), y=silu_mil(g, z))
     y = conv_mil(g, mb.reshape(x=o, shape=[1, h * dv, 1, s]), f"{prefix}out_proj.weight")
     return y, mixed, mb.reshape(x=new, shape=[s if branches else 1, h * dk, 1, dv])
 

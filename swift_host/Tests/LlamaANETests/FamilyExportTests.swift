@@ -18,8 +18,9 @@ import CoreML
 final class FamilyExportTests: XCTestCase {
     static let windowed = ["export_gemma3", "export_mistral_window", "export_gemma4"]
     static let conv = ["export_lfm2", "export_lfm2_state"]
-    /// Qwen3.5's: linear-attention layers (a conv and a recurrent state each) beside gated attention.
-    static let delta = ["export_qwen35", "export_qwen35_state"]
+    /// Qwen3.5's: linear-attention layers (a conv and a recurrent state each) beside gated attention;
+    /// OLMo-Hybrid's, their variant (its beta scale and gated norm's eps config fields), beside OLMo 3's.
+    static let delta = ["export_qwen35", "export_qwen35_state", "export_olmo_hybrid"]
     static let exports = windowed + conv + delta
 
     struct Step {

@@ -63,6 +63,10 @@ extension Manifest.ModelConfig {
         "delta_key_dim",
         "delta_value_dim",
         "attn_output_gate",
+        // the linear-attention variant (OLMo-Hybrid's): beta's scale and the gated norm's eps live in
+        // the programs
+        "delta_beta_scale",
+        "delta_norm_eps",
         // attention sinks (Granite SWA): a learned logit per query head inside the programs' softmax
         "attention_sinks",
         // a sigmoid gate per query head on attention's output (LFM3), inside the programs
