@@ -162,11 +162,15 @@ def long_context(d: dict) -> tuple[list[str], list[Row]]:
 
 
 def serve(d: dict) -> tuple[list[str], list[Row]]:
-    header = ["model", "clients", "same answers", "sequential tok/s", "concurrent tok/s", "speedup",
-              "model calls (sequential / concurrent)"]
-    return header, [([d], [d.get("model", "-"), r["clients"], _num(r["same_answers"]),
-                           _num(r["sequential_tok_per_s"], 1), _num(r["concurrent_tok_per_s"], 1),
-                           _num(r["speedup"]) + "x", f"{r['sequential_model_calls']} / {r['concurrent_model_calls']}"])
+    header = ["model", "batching", "prompt cache", "clients", "same answers", "sequential s", "concurrent s",
+              "concurrent / sequential", "model calls (sequential / concurrent)", "batches run / declined"]
+    batching, cache = d.get("batching", "always"), _num(d.get("prompt_cache"))
+    return header, [([d], [d.get("model", "-"), batching, cache, r["clients"], _num(r["same_answers"]),
+                           _num(r["sequential_s"]), _num(r["concurrent_s"]),
+                           _num(r["concurrent_s"] / r["sequential_s"]) + "x",
+                           f"{r['sequential_model_calls']} / {r['concurrent_model_calls']}",
+                           f"{r['concurrent_batches']} / {r['batches_declined']}"
+                           if "concurrent_batches" in r else "-"])
                     for r in d["rows"]]
 
 
@@ -274,7 +278,8 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                          "with the fp16 export.", [quantize_smollm2]),
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
-              "once against one after another; greedy answers of equal length.", [serve]),
+              "once against one after another; greedy answers of equal length, the fastest of the runs. "
+              "Results before `--batching` existed batched always.", [serve]),
     "coreai_memory": ("Core AI: memory over a long decode", "python benchmarks/coreai_memory.py",
                       "PSS of a process decoding 2000 tokens greedily on the coreai backend (tiny random "
                       "Llama, --target coreai, fp32), with each cache kind, beside the bytes of outputs the "
