@@ -116,7 +116,10 @@ def main() -> None:
     ap.add_argument("--no-prompt-cache", action="store_true", help="serve without the prompt cache")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: benchmarks/results/serve.json (serve_smollm2.json with --smollm2)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        __import__("torch").set_num_threads(args.threads)
     args.out = args.out or RESULTS / ("serve_smollm2.json" if args.smollm2 else "serve.json")
     import openai
 

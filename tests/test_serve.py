@@ -31,7 +31,7 @@ from llama_ane.contract.manifest import window_cascade  # noqa: E402
 from llama_ane.runtime.sampling import SamplingParams  # noqa: E402
 from llama_ane.serve.app import create_app, serve_in_thread  # noqa: E402
 from llama_ane.serve.options import ServeOptions  # noqa: E402
-from llama_ane.serve.pricing import WINDOW, Prices  # noqa: E402
+from llama_ane.serve.pricing import BATCH, WINDOW, Prices  # noqa: E402
 from llama_ane.serve.scheduler import Finished, Request, Scheduler, Token  # noqa: E402
 
 from conftest import no_eos  # noqa: E402
@@ -538,7 +538,7 @@ def test_requests_sharing_a_prefix_batch_only_where_it_pays(model, batching, bat
 @pytest.mark.export
 def test_torch_times_its_steps_and_runs_one_slot_per_request(model):
     """On torch the prices are the steps measured: a request alone times its prefill window and its
-    decode steps; a batch of two through the prefill window runs two rows a step, not the
+    decode steps; a batch of two through the prefill window runs two slots a step, not the
     exported width."""
     rng = np.random.default_rng(6)
     prefix = [int(t) for t in rng.integers(3, 300, 70)]
@@ -554,8 +554,8 @@ def test_torch_times_its_steps_and_runs_one_slot_per_request(model):
         finally:
             scheduler.close()
     assert model.manifest["branch_width"] == 8 and scheduler.metrics.cascade_batches == 1
-    assert (WINDOW, 2) in seen and (WINDOW, 8) not in seen
-    assert model.pipeline.forward.__name__ == "forward"  # closing the scheduler stops timing
+    assert (BATCH, 2) in seen and (BATCH, 8) not in seen
+    assert model.pipeline.run_window.__name__ == "run_window"  # closing the scheduler stops timing
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import pytest
 
 from llama_ane.contract import device_model as dm
 from llama_ane.errors import InvalidArgumentError
-from llama_ane.serve.pricing import (CASCADE, WINDOW, DevicePrices, Group, MeasuredPrices, check_batching,
+from llama_ane.serve.pricing import (BATCH, WINDOW, DevicePrices, Group, MeasuredPrices, check_batching,
                                      prices_for)
 
 from support.traffic import TINY
@@ -42,7 +42,7 @@ def test_a_step_is_priced_at_its_fastest_measurement_and_between_rows_on_a_line(
     assert prices.measured(WINDOW, 2) == pytest.approx(1.0 + 3.0 / 63)
     assert prices.measured(WINDOW, 64) == 4.0
     assert prices.measured(WINDOW, 128) == 8.0  # past the rows measured: scaled by the rows
-    assert prices.measured(CASCADE, 8) is None  # no cascade function step measured
+    assert prices.measured(BATCH, 8) is None  # no batch step measured
 
 
 def test_two_requests_run_one_after_another_where_two_rows_cost_twice_one():
@@ -76,19 +76,26 @@ def test_what_is_cached_is_left_out_of_both():
 def test_padded_windows_are_priced_whole():
     """A backend that pads every window to the prefill length (not torch's direct caches) computes
     the whole window for a short prompt, and for a batch step through the window."""
-    prices = measured({1: 1.0, 64: 4.0}, direct=False)
-    assert prices.decodes == "prefill"  # a token decodes through the prefill window too
+    prices = measured({64: 4.0, 1: 4.5}, direct=False)
+    assert prices.decodes == "prefill"  # a token decodes through the prefill window too: 64 rows
+    assert set(prices._known(WINDOW)) == {64}
     assert prices.window(10, 0) == 4.0 and prices.window(1, 0) == 4.0
     assert prices.cascade(2, 100) == 4.0
     with_decode = measured({1: 1.0, 64: 4.0}, direct=False, decode_function="decode")
     assert with_decode.window(10, 0) == 4.0 and with_decode.window(1, 0) == 1.0
 
 
-def test_the_cascade_function_is_priced_by_its_own_steps():
-    prices = measured({1: 1.0, 64: 4.0}, decode_function="decode")
-    assert prices.cascade(8, 100) is None
-    prices.observe(CASCADE, 8, 1.5)
-    assert prices.cascade(8, 100) == 1.5
+def test_a_batch_step_is_priced_by_the_batch_steps_measured():
+    """Before any batch, a batch step of 8 slots is priced as a window of 8 rows; once one has run,
+    at its own time, and other slot counts as their window times what a batch step cost over its
+    window (the host's work of a step: masks, each branch's tokens)."""
+    prices = measured({1: 1.0, 64: 4.0}, decode_function="decode")  # with the cascade's function
+    w8, w4 = 1.0 + 3.0 * 7 / 63, 1.0 + 3.0 * 3 / 63
+    assert prices.cascade(8, 100) == pytest.approx(w8)
+    prices.observe(BATCH, 8, 2 * w8)
+    assert prices.cascade(8, 100) == pytest.approx(2 * w8)
+    assert prices.cascade(4, 100) == pytest.approx(2 * w4)
+    assert MeasuredPrices(manifest(), direct=True).cascade(8, 100) is None  # no window measured
 
 
 def test_device_prices_batch_where_the_neural_engine_pays():

@@ -16,13 +16,15 @@ costs is priced per backend:
 
 * on Core ML and Core AI by the device model (contract/device_model.py) of one chip: a step of the
   prefill window, of the decode function or of the cascade's function after the filled positions;
-* elsewhere (torch, mil) by the step times measured on this machine: every model step the server
-  runs is timed, by its kind (a window of the pipeline, or the cascade's function) and its rows (the
-  tokens it computes), and a step is priced at the fastest of its last measurements (a machine
-  shared with other work only ever slows a step down, and what a step costs when nothing does is
-  what both plans are priced at), or, for rows not measured yet, on the line between the nearest
-  rows measured. Until a window has been measured
-  nothing is known and requests run one after the other, which costs no more than it did before.
+* elsewhere (torch, mil) by the step times measured on this machine: every step the server runs is
+  timed, a window of the pipeline by its rows (the tokens it computes), a batch step by its
+  branch slots, and a step is priced at the fastest of its last measurements (a machine shared
+  with other work only ever slows a step down, and what a step costs when nothing does is what
+  both plans are priced at). A window of rows not measured yet is priced on the line between the
+  nearest rows measured; a batch step of slots not measured yet as a window of its rows, times
+  what a batch step of the nearest slots measured cost over such a window (1 before any batch has
+  run). Until a window has been measured nothing is known, and requests run one after the other,
+  which costs no more than it did before.
 
 Answers that end early (end of sequence, a stop string) cost less either way; the rule prices both
 at their longest.
@@ -40,11 +42,10 @@ from typing import Sequence
 
 from ..contract import device_model as dm
 from ..contract.manifest import decode_function, window_cascade
-from ..contract.specs import BRANCHES
 from ..errors import InvalidArgumentError
 from .options import BATCHING
 
-WINDOW, CASCADE = "window", "cascade"  # what a measured step ran: a pipeline window, the cascade's function
+WINDOW, BATCH = "window", "batch"  # what a measured step ran: a pipeline window, a batch's step
 DEFAULT_CHIP = "M4"  # the device model's chip when the host's is not one it knows
 
 
@@ -109,8 +110,9 @@ class Prices:
         batch, alone = self.batch_seconds(g), self.sequential_seconds(g)
         return batch is not None and alone is not None and batch < alone
 
-    def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """A step the server ran (only measured prices use it)."""
+    def observe(self, kind: str, size: int, seconds: float) -> None:
+        """A step the server ran: a WINDOW of `size` tokens, or a BATCH step of `size` branch slots
+        (only measured prices use it)."""
 
 
 class DevicePrices(Prices):
@@ -141,19 +143,23 @@ class MeasuredPrices(Prices):
         self.prefill_length = int(manifest["prefill_length"])
         self.direct = direct
         self.decodes = decode_function(manifest)
-        self.cascade_kind = WINDOW if window_cascade(manifest) else CASCADE
+        self.in_window = window_cascade(manifest)  # a batch step is a window of the pipeline
         self._seen: dict[tuple[str, int], deque[float]] = {}
         self._lock = threading.Lock()
 
-    def observe(self, kind: str, rows: int, seconds: float) -> None:
+    def observe(self, kind: str, size: int, seconds: float) -> None:
+        key = (kind, self.rows(size) if kind == WINDOW else size)
         with self._lock:
-            self._seen.setdefault((kind, rows), deque(maxlen=self.KEEP)).append(seconds)
+            self._seen.setdefault(key, deque(maxlen=self.KEEP)).append(seconds)
+
+    def _known(self, kind: str) -> dict[int, float]:
+        with self._lock:
+            return {r: min(times) for (k, r), times in self._seen.items() if k == kind}
 
     def measured(self, kind: str, rows: int) -> float | None:
         """The fastest of the last measurements of `kind` at `rows`; between rows measured, on the line
         between the nearest; past them, the nearest's time scaled by the rows (None: none of `kind`)."""
-        with self._lock:
-            known = {r: min(times) for (k, r), times in self._seen.items() if k == kind}
+        known = self._known(kind)
         if not known:
             return None
         if rows in known:
@@ -175,9 +181,20 @@ class MeasuredPrices(Prices):
     def window(self, tokens: int, filled: int) -> float | None:
         return self.measured(WINDOW, self.rows(tokens))
 
+    def batch_rows(self, lanes: int) -> int:
+        """The rows a batch step of `lanes` slots computes: a padded window's through the window
+        (but on torch), else one per slot."""
+        return self.prefill_length if self.in_window and not self.direct else lanes
+
     def cascade(self, lanes: int, prefix: int) -> float | None:
-        rows = lanes if self.direct or self.cascade_kind == CASCADE else self.prefill_length
-        return self.measured(self.cascade_kind, rows)
+        window = self.measured(WINDOW, self.batch_rows(lanes))
+        batches = self._known(BATCH)
+        if lanes in batches or window is None:
+            return batches.get(lanes)
+        if not batches:
+            return window
+        nearest = min(batches, key=lambda n: (abs(n - lanes), n))
+        return window * batches[nearest] / self.measured(WINDOW, self.batch_rows(nearest))
 
 
 def host_chip() -> dm.Chip:
@@ -198,8 +215,3 @@ def prices_for(backend, manifest: dict) -> Prices:
     if getattr(backend, "name", None) in ("coreml", "coreai"):
         return DevicePrices(manifest, host_chip())
     return MeasuredPrices(manifest, bool(getattr(backend, "direct_cache", False)))
-
-
-def step_kind(function: str) -> str:
-    """What a pipeline function's step is priced as."""
-    return CASCADE if function == BRANCHES else WINDOW

@@ -51,7 +51,7 @@ from ..runtime.kv_cache import KVCache, common_prefix
 from ..runtime.sampling import SamplingParams, SeededRandom, sample
 from ..runtime.text_stream import TextStream
 from .constraints import Constraint
-from .pricing import Group, Prices, check_batching, prices_for, step_kind
+from .pricing import BATCH, WINDOW, Group, Prices, check_batching, prices_for
 from .prompt_cache import PromptCache
 
 log = logging.getLogger(__name__)
@@ -291,18 +291,17 @@ class Scheduler:
         self._uncount = lambda: setattr(backend, "predict", predict) if backend.predict is counted else None
 
     def _time_steps(self, pipeline) -> None:
-        """Time every model step the worker runs, for the measured prices: its kind and its rows (the
-        tokens it computes)."""
-        forward = pipeline.forward
+        """Time every window of the pipeline the worker runs (prefill windows and decode steps), by
+        its tokens, for the measured prices (a batch's steps are timed in `_run_batch`)."""
+        run_window = pipeline.run_window
 
-        def timed(function, embed_inputs, *args, **kwargs):
+        def timed(token_ids):
             t0 = time.perf_counter()
-            out = forward(function, embed_inputs, *args, **kwargs)
-            self.prices.observe(step_kind(function), int(embed_inputs["input_ids"].shape[-1]),
-                                time.perf_counter() - t0)
+            out = run_window(token_ids)
+            self.prices.observe(WINDOW, len(token_ids), time.perf_counter() - t0)
             return out
-        pipeline.forward = timed
-        self._untime = lambda: setattr(pipeline, "forward", forward) if pipeline.forward is timed else None
+        pipeline.run_window = timed
+        self._untime = lambda: setattr(pipeline, "run_window", run_window) if pipeline.run_window is timed else None
 
     @property
     def waiting(self) -> int:
@@ -580,7 +579,9 @@ class Scheduler:
             cached = np.zeros(len(slots), np.int32)
             for j in active:
                 tokens[j], cached[j] = slots[j].own[0], slots[j].cached
+            t0 = time.perf_counter()
             logits = decoder.step(tokens, cached, len(prefix), suffixes)
+            self.prices.observe(BATCH, len(slots), time.perf_counter() - t0)
             self._steps += 1
             self.metrics.cascade_steps += 1
             for j in active:
