@@ -43,6 +43,8 @@ def test_a_step_is_priced_at_its_fastest_measurement_and_between_rows_on_a_line(
     assert prices.measured(WINDOW, 64) == 4.0
     assert prices.measured(WINDOW, 128) == 8.0  # past the rows measured: scaled by the rows
     assert prices.measured(BATCH, 8) is None  # no batch step measured
+    prices.observe(WINDOW, 13, 50.0)  # measured once, slowed: priced as no more than a larger window
+    assert prices.measured(WINDOW, 13) == 4.0
 
 
 def test_two_requests_run_one_after_another_where_two_rows_cost_twice_one():

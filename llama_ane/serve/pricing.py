@@ -20,11 +20,11 @@ costs is priced per backend:
   timed, a window of the pipeline by its rows (the tokens it computes), a batch step by its
   branch slots, and a step is priced at the fastest of its last measurements (a machine shared
   with other work only ever slows a step down, and what a step costs when nothing does is what
-  both plans are priced at). A window of rows not measured yet is priced on the line between the
-  nearest rows measured; a batch step of slots not measured yet as a window of its rows, times
-  what a batch step of the nearest slots measured cost over such a window (1 before any batch has
-  run). Until a window has been measured nothing is known, and requests run one after the other,
-  which costs no more than it did before.
+  both plans are priced at), and never above a step of more rows. A window of rows not measured
+  yet is priced on the line between the nearest rows measured; a batch step of slots not measured
+  yet as a window of its rows, times what a batch step of the nearest slots measured cost over
+  such a window (1 before any batch has run). Until a window has been measured nothing is known,
+  and requests run one after the other, which costs no more than it did before.
 
 Answers that end early (end of sequence, a stop string) cost less either way; the rule prices both
 at their longest.
@@ -153,12 +153,20 @@ class MeasuredPrices(Prices):
             self._seen.setdefault(key, deque(maxlen=self.KEEP)).append(seconds)
 
     def _known(self, kind: str) -> dict[int, float]:
+        """Each size of `kind` measured: the fastest of its times, and no more than any larger size's
+        (a step of fewer rows costs no more: a size measured a few times, each slowed by other work,
+        is priced by the larger ones measured more often)."""
         with self._lock:
-            return {r: min(times) for (k, r), times in self._seen.items() if k == kind}
+            fastest = {r: min(times) for (k, r), times in self._seen.items() if k == kind}
+        known, cap = {}, float("inf")
+        for r in sorted(fastest, reverse=True):
+            cap = known[r] = min(fastest[r], cap)
+        return known
 
     def measured(self, kind: str, rows: int) -> float | None:
-        """The fastest of the last measurements of `kind` at `rows`; between rows measured, on the line
-        between the nearest; past them, the nearest's time scaled by the rows (None: none of `kind`)."""
+        """The price of a step of `kind` at `rows` measured (`_known`); between rows measured, on the
+        line between the nearest; past them, the nearest's time scaled by the rows (None: none of
+        `kind`)."""
         known = self._known(kind)
         if not known:
             return None
