@@ -276,7 +276,7 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
                          "Perplexity on the shipped held-out prose (mil backend) and agreement "
                          "with the fp16 export.", [quantize_smollm2]),
-    "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
+    "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length, the fastest of the runs. "
               "Results before `--batching` existed batched always.", [serve]),
@@ -295,8 +295,9 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "transformers_floor": ("transformers: the oldest release in the declared range",
                            "python benchmarks/transformers_latest.py --version 5.15.0 --name transformers_floor",
                            "As above, at the floor of pyproject.toml's range.", [generic]),
-    "serve_smollm2": ("Server: concurrent clients on SmolLM2", "python benchmarks/serve.py --smollm2",
-                      "As above, on the embedded SmolLM2-135M-Instruct.", [serve]),
+    "serve_smollm2": ("Server: concurrent clients on SmolLM2",
+                      "python benchmarks/serve.py --smollm2 --prefix-tokens 600 --repeats 3 --threads 1",
+                      "As above, on the embedded SmolLM2-135M-Instruct, the prompts sharing 600 tokens.", [serve]),
     "palettize_compare": ("LUT fitting against coremltools",
                           "python benchmarks/palettize_compare.py --layers 1",
                           "Seconds and relative error of palettizing 8M of SmolLM2's weights.",
