@@ -59,6 +59,9 @@ def test_two_requests_run_one_after_another_where_two_rows_cost_twice_one():
     assert prices.batch_seconds(two) == pytest.approx(batch)
     assert prices.sequential_seconds(two) == pytest.approx(alone)
     assert batch > alone and not prices.batch_pays(two)
+    # without a prompt cache the second prefills the prefix again (the same 110 tokens as the first)
+    assert prices.sequential_seconds(Group(100, [10, 10], [20, 20], lanes=2, reused=False)) == pytest.approx(
+        2 * (w[64] + w46) + 2 * 19 * w[1])
 
     eight = Group(100, [10] * 8, [20] * 8, lanes=8)
     batch8, alone8 = w[64] + w36 + 29 * w[8], (w[64] + w46) + 7 * w10 + 8 * 19 * w[1]

@@ -11,7 +11,8 @@ So for requests over a `prefix`-token prefix with `own` tokens after it and answ
     batch      = prefill(prefix) + max(own + new - 1) x step(branches)
     one by one = prefill(prefix + own[0]) + sum over the rest of prefill(own) + sum(new - 1) x step(1)
 
-(its cached part of the prefix left out of both). A batch runs when it costs less. What a step
+(its cached part of the prefix left out of both; without a prompt cache every request prefills the
+prefix again one after the other). A batch runs when it costs less. What a step
 costs is priced per backend:
 
 * on Core ML and Core AI by the device model (contract/device_model.py) of one chip: a step of the
@@ -58,14 +59,16 @@ def check_batching(value: str) -> str:
 @dataclass(frozen=True)
 class Group:
     """Requests that could run as one batch: the shared prefix's tokens (`cached` of them already
-    held), each request's own tokens after it and its answer's largest length, and the branch
-    slots the batch would run (`lanes`: the rows of each step)."""
+    held), each request's own tokens after it and its answer's largest length, the branch slots
+    the batch would run (`lanes`: the rows of each step), and whether one after the other each
+    request after the first reuses the prefix (`reused`: there is a prompt cache)."""
 
     prefix: int
     own: Sequence[int]
     new: Sequence[int]
     lanes: int
     cached: int = 0
+    reused: bool = True
 
 
 class Prices:
@@ -98,7 +101,7 @@ class Prices:
 
     def sequential_seconds(self, g: Group) -> float | None:
         first = self.prefill(g.prefix - g.cached + g.own[0], g.cached)
-        rest = [self.prefill(o, g.prefix) for o in g.own[1:]]
+        rest = [self.prefill(o, g.prefix) if g.reused else self.prefill(g.prefix + o, 0) for o in g.own[1:]]
         step = self.window(1, g.prefix + max(g.own))
         if first is None or step is None or None in rest:
             return None

@@ -449,7 +449,8 @@ class Scheduler:
         n = len(prefix)
         cached = self.prompt_cache.shared(prefix) if self.prompt_cache is not None else 0
         return self.prices.batch_pays(Group(n, [len(j.ids) - n for j in jobs], [j.request.max_tokens for j in jobs],
-                                            self._lanes_for(jobs, n), min(cached, n - 1)))
+                                            self._lanes_for(jobs, n), min(cached, n - 1),
+                                            reused=self.prompt_cache is not None))
 
     def _lanes_for(self, jobs: list[_Job], prefix: int) -> int:
         """The branch slots of a batch of `jobs` over `prefix` tokens: the exported width, or through
