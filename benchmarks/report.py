@@ -162,11 +162,15 @@ def long_context(d: dict) -> tuple[list[str], list[Row]]:
 
 
 def serve(d: dict) -> tuple[list[str], list[Row]]:
-    header = ["model", "clients", "same answers", "sequential tok/s", "concurrent tok/s", "speedup",
-              "model calls (sequential / concurrent)"]
-    return header, [([d], [d.get("model", "-"), r["clients"], _num(r["same_answers"]),
-                           _num(r["sequential_tok_per_s"], 1), _num(r["concurrent_tok_per_s"], 1),
-                           _num(r["speedup"]) + "x", f"{r['sequential_model_calls']} / {r['concurrent_model_calls']}"])
+    header = ["model", "batching", "prompt cache", "clients", "same answers", "sequential s", "concurrent s",
+              "concurrent / sequential", "model calls (sequential / concurrent)", "batches run / declined"]
+    batching, cache = d.get("batching", "always"), _num(d.get("prompt_cache"))
+    return header, [([d], [d.get("model", "-"), batching, cache, r["clients"], _num(r["same_answers"]),
+                           _num(r["sequential_s"]), _num(r["concurrent_s"]),
+                           _num(r["concurrent_s"] / r["sequential_s"]) + "x",
+                           f"{r['sequential_model_calls']} / {r['concurrent_model_calls']}",
+                           f"{r['concurrent_batches']} / {r['batches_declined']}"
+                           if "concurrent_batches" in r else "-"])
                     for r in d["rows"]]
 
 
@@ -272,9 +276,10 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
                          "Perplexity on the shipped held-out prose (mil backend) and agreement "
                          "with the fp16 export.", [quantize_smollm2]),
-    "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py",
+    "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
-              "once against one after another; greedy answers of equal length.", [serve]),
+              "once against one after another; greedy answers of equal length, the fastest of the runs. "
+              "Results before `--batching` existed batched always.", [serve]),
     "coreai_memory": ("Core AI: memory over a long decode", "python benchmarks/coreai_memory.py",
                       "PSS of a process decoding 2000 tokens greedily on the coreai backend (tiny random "
                       "Llama, --target coreai, fp32), with each cache kind, beside the bytes of outputs the "
@@ -290,8 +295,9 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "transformers_floor": ("transformers: the oldest release in the declared range",
                            "python benchmarks/transformers_latest.py --version 5.15.0 --name transformers_floor",
                            "As above, at the floor of pyproject.toml's range.", [generic]),
-    "serve_smollm2": ("Server: concurrent clients on SmolLM2", "python benchmarks/serve.py --smollm2",
-                      "As above, on the embedded SmolLM2-135M-Instruct.", [serve]),
+    "serve_smollm2": ("Server: concurrent clients on SmolLM2",
+                      "python benchmarks/serve.py --smollm2 --prefix-tokens 600 --repeats 3 --threads 1",
+                      "As above, on the embedded SmolLM2-135M-Instruct, the prompts sharing 600 tokens.", [serve]),
     "palettize_compare": ("LUT fitting against coremltools",
                           "python benchmarks/palettize_compare.py --layers 1",
                           "Seconds and relative error of palettizing 8M of SmolLM2's weights.",

@@ -31,6 +31,7 @@ from llama_ane.contract.manifest import window_cascade  # noqa: E402
 from llama_ane.runtime.sampling import SamplingParams  # noqa: E402
 from llama_ane.serve.app import create_app, serve_in_thread  # noqa: E402
 from llama_ane.serve.options import ServeOptions  # noqa: E402
+from llama_ane.serve.pricing import BATCH, WINDOW, Prices  # noqa: E402
 from llama_ane.serve.scheduler import Finished, Request, Scheduler, Token  # noqa: E402
 
 from conftest import no_eos  # noqa: E402
@@ -254,7 +255,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(model):
 def test_concurrent_clients_sharing_a_prefix_get_their_answers_in_half_the_calls(model):
     docs = [f"{DOCUMENT}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
     assert len(model.encode(DOCUMENT)) >= 200
-    with no_eos(model), serving(model, prompt_cache_bytes=0) as url:
+    # requests sent at once arrive within 0.2 s on a loaded machine too: they start as one batch
+    with no_eos(model), serving(model, prompt_cache_bytes=0, batching="always", gather_seconds=0.2) as url:
         c = client(url)
         start = model.calls
         sequential = [c.completions.create(model="x", prompt=d, max_tokens=12, temperature=0).choices[0].text
@@ -380,7 +382,7 @@ def test_scheduler_without_http_batches_and_isolates_a_failing_request(model):
 
     with no_eos(model):
         alone = [model.generate(prefix + o, max_new_tokens=6).token_ids for o in own]
-        scheduler = Scheduler(model, max_queue=8)
+        scheduler = Scheduler(model, max_queue=8, batching="always")
         try:
             handles = scheduler.submit([Request(prefix + o, 6) for o in own] +
                                        [Request(prefix + own[0], 6, constraint=Broken())])
@@ -406,7 +408,7 @@ def test_a_request_joins_the_running_batch_only_in_its_turn(which, request):
     prompts = [prefix + [11], prefix + [12, 13], prefix + [14], other, prefix + [15]]
     with no_eos(model):
         alone = [model.generate(ids, max_new_tokens=20).token_ids for ids in prompts]
-        scheduler = Scheduler(model)
+        scheduler = Scheduler(model, batching="always")
         try:
             first = scheduler.submit([Request(ids, 20) for ids in prompts[:2]])
             events = iter(first[0])
@@ -435,7 +437,7 @@ def test_a_branch_leaves_its_prompt_and_answer_in_the_prompt_cache(which, reques
     prefix = [int(t) for t in rng.integers(3, 300, 75)]
     prompts = [prefix + [21, 22], prefix + [23]]
     with no_eos(model):
-        scheduler = Scheduler(model, PromptCache(model.pipeline.new_cache, model.manifest, 2**30))
+        scheduler = Scheduler(model, PromptCache(model.pipeline.new_cache, model.manifest, 2**30), batching="always")
         try:
             answers = [list(h)[-1] for h in scheduler.submit([Request(ids, 10) for ids in prompts])]
             assert scheduler.metrics.cascade_batches == 1
@@ -479,13 +481,82 @@ def test_sampled_branch_equals_sampling_alone(model):
     with no_eos(model):
         alone = [model.generate(prefix + [7 + i], max_new_tokens=8, temperature=0.9, top_k=40, seed=i).token_ids
                  for i in range(3)]
-        scheduler = Scheduler(model)
+        scheduler = Scheduler(model, batching="always")
         try:
             handles = scheduler.submit([Request(prefix + [7 + i], 8, params, seed=i) for i in range(3)])
             got = [[e.token_id for e in h if isinstance(e, Token)] for h in handles]
         finally:
             scheduler.close()
     assert got == alone and scheduler.metrics.cascade_batches == 1
+
+
+class FixedPrices(Prices):
+    """Steps at set prices: a window 1 (one token) or 4 (more), a batch step `batch_step`."""
+
+    prefill_length = 64
+
+    def __init__(self, batch_step: float):
+        self.batch_step = batch_step
+
+    def window(self, tokens, filled):
+        return 1.0 if tokens == 1 else 4.0
+
+    def cascade(self, lanes, prefix):
+        return self.batch_step
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("batching, batch_step, batched", [("auto", 3.0, False), ("auto", 1.0, True),
+                                                           ("never", 1.0, False), ("always", 3.0, True)])
+def test_requests_sharing_a_prefix_batch_only_where_it_pays(model, batching, batch_step, batched):
+    """Two requests over a 70-token prefix with 1 and 2 tokens of their own, 8 answer tokens each.
+    Batched: the prefix's two windows (8), then 2 + 8 - 1 = 9 steps of `batch_step`; one after the
+    other: the first's two windows (8), the second's own tokens in one window (4: the prefix it
+    reuses from the prompt cache) and 7 + 7 decode steps of 1, 26 in all. So a step of 3 (35) is
+    declined and a step of 1 (17) pays. Declined, they run one after the other, the second
+    continuing from the prefix the first left; either way each gets the answer it gets alone."""
+    from llama_ane.serve.prompt_cache import PromptCache
+
+    rng = np.random.default_rng(5)
+    prefix = [int(t) for t in rng.integers(3, 300, 70)]
+    prompts = [prefix + [11], prefix + [12, 13]]
+    with no_eos(model):
+        alone = [model.generate(ids, max_new_tokens=8).token_ids for ids in prompts]
+        scheduler = Scheduler(model, PromptCache(model.pipeline.new_cache, model.manifest, 2**30),
+                              batching=batching, prices=FixedPrices(batch_step))
+        try:
+            ends = [list(h)[-1] for h in scheduler.submit([Request(ids, 8) for ids in prompts])]
+        finally:
+            scheduler.close()
+    m = scheduler.metrics
+    assert [e.token_ids for e in ends] == alone
+    assert (m.cascade_batches, m.single_runs) == ((1, 0) if batched else (0, 2))
+    assert m.batches_declined == (batching == "auto" and not batched)
+    if not batched:
+        assert ends[1].cached_tokens == len(prefix)  # the prefix was computed once
+
+
+@pytest.mark.export
+def test_torch_times_its_steps_and_runs_one_slot_per_request(model):
+    """On torch the prices are the steps measured: a request alone times its prefill window and its
+    decode steps; a batch of two through the prefill window runs two slots a step, not the
+    exported width."""
+    rng = np.random.default_rng(6)
+    prefix = [int(t) for t in rng.integers(3, 300, 70)]
+    with no_eos(model):
+        scheduler = Scheduler(model, batching="always")
+        try:
+            list(scheduler.submit([Request(prefix, 4)])[0])
+            assert scheduler.prices.window(1, 0) > 0 and scheduler.prices.window(64, 0) > 0
+            assert scheduler.prices.measured(WINDOW, 2) is not None  # interpolated
+            for h in scheduler.submit([Request(prefix + [11], 4), Request(prefix + [12], 4)]):
+                list(h)
+            seen = set(scheduler.prices._seen)
+        finally:
+            scheduler.close()
+    assert model.manifest["branch_width"] == 8 and scheduler.metrics.cascade_batches == 1
+    assert (BATCH, 2) in seen and (BATCH, 8) not in seen
+    assert model.pipeline.run_window.__name__ == "run_window"  # closing the scheduler stops timing
 
 
 @contextlib.contextmanager
@@ -727,7 +798,8 @@ def test_serve_command_refuses_bad_options_in_one_line(tmp_path):
                          ([str(tmp_path), "--port", str(busy.getsockname()[1])], "--port"),
                          ([str(tmp_path), "--host", "256.0.0.1", "--port", "0"], "--host"),
                          ([str(tmp_path), "--prompt-cache-dir", str(tmp_path / "nope")], "--prompt-cache-dir"),
-                         ([str(tmp_path), "--max-queue", "0"], "--max-queue")]:
+                         ([str(tmp_path), "--max-queue", "0"], "--max-queue"),
+                         ([str(tmp_path), "--batching", "sometimes"], "--batching")]:
         r = CliRunner().invoke(main, ["serve", *args])
         assert r.exit_code != 0 and "Traceback" not in r.output
         assert needle in r.output, r.output

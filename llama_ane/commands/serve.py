@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from .errors import user_errors
-from ..serve.options import ServeOptions as DEFAULTS
+from ..serve.options import BATCHING, ServeOptions as DEFAULTS
 from .options import BACKEND, FiniteFloat, PathOrRepo, Utf8File, revision_option
 
 def _serve_extra():
@@ -89,11 +89,15 @@ def _server_class(uvicorn):
               help="An existing folder: prefixes evicted from RAM are kept there as prompt-cache files.")
 @click.option("--chat-template", type=Utf8File(), default=None,
               help="A Jinja chat template file replacing the model's (e.g. one that renders tools).")
+@click.option("--batching", type=click.Choice(BATCHING), default=DEFAULTS.batching,
+              show_default=True, help="Run requests sharing a prompt prefix as one batch: auto = only where it is "
+                                      "faster than one after the other on this backend (priced by the device model "
+                                      "on Core ML and Core AI, by measured step times elsewhere).")
 @click.option("--shutdown-timeout", type=FiniteFloat(minimum=0), default=DEFAULTS.shutdown_seconds, show_default=True,
               metavar="SECONDS", help="On Ctrl-C or SIGTERM, how long open answers get to finish before they "
                                       "end with an error.")
 def command(out, revision, host, port, backend, precision, api_key, max_queue, max_tokens_limit, prompt_cache_bytes,
-            prompt_cache_dir, chat_template, shutdown_timeout):
+            prompt_cache_dir, chat_template, batching, shutdown_timeout):
     """Serve the export in OUT (a folder or a Hugging Face repo id) with OpenAI's API (chat, completions,
     models) over HTTP."""
     uvicorn, create_app = _serve_extra()
@@ -119,7 +123,7 @@ def command(out, revision, host, port, backend, precision, api_key, max_queue, m
         options = DEFAULTS(api_key=api_key, max_queue=max_queue, max_tokens_limit=max_tokens_limit,
                            prompt_cache_bytes=prompt_cache_bytes, prompt_cache_dir=prompt_cache_dir,
                            chat_template=None if chat_template is None else chat_template.read_text("utf-8"),
-                           shutdown_seconds=shutdown_timeout)
+                           batching=batching, shutdown_seconds=shutdown_timeout)
         app = create_app(model, options)
     _log_requests()
     url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"

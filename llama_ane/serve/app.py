@@ -79,7 +79,8 @@ class Server:
         if o.prompt_cache_bytes > 0 or o.prompt_cache_dir is not None:
             cache = PromptCache(self.model.pipeline.new_cache, self.model.manifest, o.prompt_cache_bytes,
                                 o.prompt_cache_dir)
-        self.scheduler = Scheduler(self.model, cache, max_queue=o.max_queue, gather_seconds=o.gather_seconds)
+        self.scheduler = Scheduler(self.model, cache, max_queue=o.max_queue, gather_seconds=o.gather_seconds,
+                                   batching=o.batching)
         self.loop = asyncio.get_running_loop()
 
     def stop_serving(self, seconds: float) -> None:

@@ -74,6 +74,13 @@ class PromptCache:
                 continue
             self._disk[tuple(cache.tokens)] = path
 
+    def shared(self, ids: Sequence[int]) -> int:
+        """The most tokens of `ids` an entry holds (what `lookup` would reuse), copying nothing."""
+        ids = list(ids)
+        with self._lock:
+            keys = list(self._ram) + list(self._disk)
+        return max((common_prefix(list(key), ids) for key in keys), default=0)
+
     def lookup(self, ids: Sequence[int]) -> tuple[KVCache, int]:
         """A working cache holding the cached entry that shares the longest prefix with `ids`
         (a fresh, empty one when none does), and that shared length."""
@@ -107,6 +114,11 @@ class PromptCache:
                 target[name][..., :held.shape[-1]] = held
         cache.tokens = list(best.tokens)
         return cache, shared
+
+    def clear(self) -> None:
+        """Forget every entry held in RAM (files in the folder stay)."""
+        with self._lock:
+            self._ram.clear()
 
     def put(self, cache: KVCache) -> None:
         """Remember the tokens `cache` holds and their K/V (copied: the caller goes on using it).

@@ -9,8 +9,14 @@ How the worker picks what to run, each time it is free:
   with it form a batch, the prefix chosen so that the most of them fit (then the longest); up to
   the export's branch width run as branches over that prefix (cascade attention, `CascadeDecoder`):
   the prefix is prefilled once (reusing the prompt cache), each branch feeds its own tokens one per
-  step, then samples. While the batch runs, a waiting request takes a freed branch slot if its
-  prompt starts with the batch's prefix and nothing older than it waits (first come, first served);
+  step, then samples. The batch runs only where it pays (`batching` "auto", the default): where
+  pricing.py prices it below the same requests one after the other on the backend in use (by the
+  device model on Core ML and Core AI, by the step times measured here elsewhere); else the head
+  runs alone, and the others after it reuse the prefix it leaves in the prompt cache. Through the
+  prefill window on torch, where a step computes only its rows, the batch has one branch slot per
+  request; elsewhere the exported width. While the batch runs, a waiting request takes a freed
+  branch slot if its prompt starts with the batch's prefix and nothing older than it waits (first
+  come, first served);
 * a request with nothing to share (or that would not fit a branch: its own tokens longer than a
   prefill window, or with its answer past the suffix length, or, where the branches step through
   the prefill window, past the context the batch's steps leave), and every request on an export
@@ -45,6 +51,7 @@ from ..runtime.kv_cache import KVCache, common_prefix
 from ..runtime.sampling import SamplingParams, SeededRandom, sample
 from ..runtime.text_stream import TextStream
 from .constraints import Constraint
+from .pricing import BATCH, WINDOW, Group, Prices, check_batching, prices_for
 from .prompt_cache import PromptCache
 
 log = logging.getLogger(__name__)
@@ -164,6 +171,7 @@ class Metrics:
     model_calls: int = 0
     cascade_steps: int = 0
     cascade_batches: int = 0
+    batches_declined: int = 0  # shared-prefix requests run one after the other: a batch would cost more
     single_runs: int = 0
 
 
@@ -239,13 +247,15 @@ class Scheduler:
 
     `max_queue`: waiting requests at most (`submit` refuses more with QueueFullError);
     `gather_seconds`: how long the worker waits, when it picks up work, for requests sent at the
-    same moment to arrive, so they can share a batch.
+    same moment to arrive, so they can share a batch; `batching`: "auto" (batch where it pays, by
+    `prices`, default the backend's: pricing.prices_for), "always" or "never".
     """
 
     def __init__(self, model, prompt_cache: PromptCache | None = None, max_queue: int = 64,
-                 gather_seconds: float = 0.01):
+                 gather_seconds: float = 0.01, batching: str = "auto", prices: Prices | None = None):
         if max_queue < 1:
             raise InvalidArgumentError(f"the queue must hold at least one request, got {max_queue}")
+        self.batching = check_batching(batching)
         self.model = model
         self.pipeline = model.pipeline
         self.manifest = model.manifest
@@ -261,11 +271,13 @@ class Scheduler:
         self.max_queue = max_queue
         self.gather_seconds = gather_seconds
         self.metrics = Metrics()
+        self.prices = prices or prices_for(model.backend, self.manifest)
         self._waiting: deque[_Job] = deque()
         self._running: list[_Job] = []
         self._cv = threading.Condition()
         self._closing = False
         self._count_calls(model.backend)
+        self._time_steps(self.pipeline)
         self._thread = threading.Thread(target=self._run, name="llama-ane-serve", daemon=True)
         self._thread.start()
 
@@ -277,6 +289,19 @@ class Scheduler:
             return predict(*args, **kwargs)
         backend.predict = counted
         self._uncount = lambda: setattr(backend, "predict", predict) if backend.predict is counted else None
+
+    def _time_steps(self, pipeline) -> None:
+        """Time every window of the pipeline the worker runs (prefill windows and decode steps), by
+        its tokens, for the measured prices (a batch's steps are timed in `_run_batch`)."""
+        run_window = pipeline.run_window
+
+        def timed(token_ids):
+            t0 = time.perf_counter()
+            out = run_window(token_ids)
+            self.prices.observe(WINDOW, len(token_ids), time.perf_counter() - t0)
+            return out
+        pipeline.run_window = timed
+        self._untime = lambda: setattr(pipeline, "run_window", run_window) if pipeline.run_window is timed else None
 
     @property
     def waiting(self) -> int:
@@ -336,6 +361,7 @@ class Scheduler:
             self._cv.notify()
         self._thread.join(timeout)
         self._uncount()
+        self._untime()
 
     # ---- the worker -------------------------------------------------------------------------
 
@@ -395,7 +421,7 @@ class Scheduler:
         """Take the next work off the queue: (shared prefix, its branches) or ([], [the head alone])."""
         head, others = self._waiting[0], list(self._waiting)[1:]
         best: tuple[int, list[_Job]] = (0, [head])
-        if self.decoder is not None and others:
+        if self.decoder is not None and others and self.batching != "never":
             lengths = {min(common_prefix(head.ids, r.ids), len(head.ids) - 1) for r in others}
             for n in sorted(lengths, reverse=True):
                 if n < 1 or not self._fits(head, n, 2):
@@ -409,9 +435,32 @@ class Scheduler:
                 if len(group) > len(best[1]):
                     best = (n, group)
         n, jobs = best
+        if len(jobs) > 1 and not self._pays(head.ids[:n], jobs):
+            self.metrics.batches_declined += 1
+            n, jobs = 0, [head]
         for job in jobs:
             self._waiting.remove(job)
         return (head.ids[:n] if len(jobs) > 1 else []), jobs
+
+    def _pays(self, prefix: list[int], jobs: list[_Job]) -> bool:
+        """Whether `jobs` should run as one batch over `prefix` (`batching`, pricing.py)."""
+        if self.batching != "auto":
+            return self.batching == "always"
+        n = len(prefix)
+        cached = self.prompt_cache.shared(prefix) if self.prompt_cache is not None else 0
+        return self.prices.batch_pays(Group(n, [len(j.ids) - n for j in jobs], [j.request.max_tokens for j in jobs],
+                                            self._lanes_for(jobs, n), min(cached, n - 1),
+                                            reused=self.prompt_cache is not None))
+
+    def _lanes_for(self, jobs: list[_Job], prefix: int) -> int:
+        """The branch slots of a batch of `jobs` over `prefix` tokens: the exported width, or through
+        the prefill window as many as leave its branches the context they need (at least one per
+        branch it starts with; the rest take requests that join), and on torch, whose window computes
+        only its rows, one per request."""
+        if not self.decoder.in_window:
+            return self.width
+        top = len(jobs) if self.pipeline.direct else self.width
+        return next(n for n in range(top, len(jobs) - 1, -1) if all(self._fits(job, prefix, n) for job in jobs))
 
     def _start(self, tokens: list[int]) -> tuple[np.ndarray, int]:
         """Make the pipeline hold `tokens` (from the prompt cache's best entry if any): the logits
@@ -511,12 +560,7 @@ class Scheduler:
         self._remember()
         suffixes = decoder.new_state()
         self._steps = 0
-        # the branch slots: the exported width, or through the prefill window as many as leave the context
-        # its branches need (at least one per branch it starts with; the rest take requests that join)
-        self._lanes = self.width
-        if decoder.in_window:
-            self._lanes = next(n for n in range(self.width, len(jobs) - 1, -1)
-                               if all(self._fits(job, len(prefix), n) for job in jobs))
+        self._lanes = self._lanes_for(jobs, len(prefix))
         slots: list[_Job | None] = [None] * self._lanes
         for j, job in enumerate(jobs):
             self._seat(job, len(prefix), reused)
@@ -536,7 +580,9 @@ class Scheduler:
             cached = np.zeros(len(slots), np.int32)
             for j in active:
                 tokens[j], cached[j] = slots[j].own[0], slots[j].cached
+            t0 = time.perf_counter()
             logits = decoder.step(tokens, cached, len(prefix), suffixes)
+            self.prices.observe(BATCH, len(slots), time.perf_counter() - t0)
             self._steps += 1
             self.metrics.cascade_steps += 1
             for j in active:
