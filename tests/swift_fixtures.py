@@ -1205,6 +1205,36 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     return data
 
 
+def write_tensor_names_fixture(path: Path) -> dict[str, Any]:
+    """``tensor_names.json``: the tensor names of llama_ane.model.names, the exporter's and the Python
+    runtime's, for every role the Swift host's TensorNames declares (by its Swift name), the names made
+    from others (`updated`, `shared`, `logits`) on sample inputs, and each carried state's names and
+    moves. The Swift host's TensorNamesTests must find its own the same; tests/test_tensor_names.py
+    checks Python's against the committed file."""
+    import re
+
+    from llama_ane.model import names
+
+    swift = (Path(__file__).resolve().parent.parent / "swift_host/Sources/LlamaANE/Runtime/TensorNames.swift")
+    data: dict[str, Any] = {"names": {}, "sets": {}}
+    for role in re.findall(r"static let (\w+)", swift.read_text("utf-8")):
+        value = getattr(names, re.sub(r"(?<!^)(?=[A-Z])", "_", role).upper())
+        if isinstance(value, str):
+            data["names"][role] = value
+        else:
+            data["sets"][role] = sorted(value)
+    data["made"] = {
+        "updated": {x: names.updated(x) for x in ("k_cache", "v_cache", "k_ring", "v_ring", "k_suffix", "v_ring_suffix")},
+        "shared": {x: names.shared(x) for x in ("k_cache", "v_ring", "k_new", "v_ring_new", "k_suffix", "v_ring_suffix")},
+        "logits": {str(j): names.logits(j) for j in (0, 1, 12)},
+    }
+    data["carried"] = {c.key: {"state": c.state, "new": c.new, "branches": c.branches, "afterWindow": c.after_window,
+                               "afterBranchStep": c.after_branch_step, "copyToBranches": c.copy_to_branches}
+                       for c in names.CARRIED}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
 class _BigramPipeline:
     """The part of runtime.pipeline.Pipeline that `LlamaANEModel.stream` drives, over a bigram table:
     the logits after a window are the table's row of its last token."""
@@ -1588,12 +1618,13 @@ def write_swift_fixtures(fixtures_dir: Path) -> None:
     write_speculative_fixture(fixtures_dir / "speculative.json", export / "manifest.json")
     write_family_exports(fixtures_dir)
     write_conv_state_fixture(fixtures_dir / "conv_state.json")
+    write_tensor_names_fixture(fixtures_dir / "tensor_names.json")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families", "conv"],
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families", "conv", "names"],
                         help="write one part only (speculative reads the export's manifest)")
     parser.add_argument("--family", action="append", choices=list(FAMILY_EXPORTS),
                         help="with --only families: export this one (repeatable), keeping the others' fixtures")
@@ -1619,6 +1650,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "conv"):
         data = write_conv_state_fixture(args.fixtures_dir / "conv_state.json")
         print("conv state:", len(data["windows"]), "windows,", len(data["branches"]), "branch steps")
+    if args.only in (None, "names"):
+        data = write_tensor_names_fixture(args.fixtures_dir / "tensor_names.json")
+        print("tensor names:", len(data["names"]), "names,", len(data["sets"]), "sets")
 
 
 if __name__ == "__main__":
