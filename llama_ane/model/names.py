@@ -51,6 +51,9 @@ K_CACHE, V_CACHE = "k_cache", "v_cache"
 K_CACHE_OUT, V_CACHE_OUT = "k_cache_out", "v_cache_out"  # the cache update's (`updated`)
 K_RING, V_RING = "k_ring", "v_ring"
 RINGS = (K_RING, V_RING)
+# a window's new K/V the chunk returns (`new`), and a cascade's suffix caches (`suffix`)
+K_NEW, V_NEW, K_RING_NEW, V_RING_NEW = "k_new", "v_new", "k_ring_new", "v_ring_new"
+K_SUFFIX, V_SUFFIX, K_RING_SUFFIX, V_RING_SUFFIX = "k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix"
 # the conv layers' state (cache.conv): the chunk's input or state, the window's values the chunk
 # returns (input caches), the window's real tokens from which a chunk writes its state itself (state
 # caches, and the linear-attention layers' every window function), the cascade branches' own states
@@ -120,6 +123,11 @@ def suffix(key: str) -> str:
 def cache(key: str) -> str:
     """The chunk's cache of stem `key` (`kv`): k -> k_cache, k_ring -> k_ring (a ring is named by its stem)."""
     return key if key.endswith("_ring") else key + "_cache"
+
+
+# the stems of a chunk's K/V (`kv`): the full caches' K and V, the ring's; and their suffix caches
+KV_STEMS = (kv("k"), kv("v"), kv("k", ring=True), kv("v", ring=True))
+SUFFIXES = tuple(suffix(key) for key in KV_STEMS)
 
 
 def is_ring(name: str) -> bool:
