@@ -1153,15 +1153,14 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
 
 def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     """``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
-    on, on fixed random arrays: the state after a window of n real tokens (`Pipeline.carry_states`), and
-    each cascade branch's, copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on
-    by one step (`CascadeDecoder._write`). The Swift host's StateCarry must give the same."""
-    from types import SimpleNamespace
-
+    on, on fixed random arrays, by each state's carry rules (`CarriedState`, run by runtime.carry, as
+    `Pipeline.carry_states` and the cascade run them): the state after a window of n real tokens, and
+    each cascade branch's, copied from the prefix's and then moved on by one step. The Swift host's
+    StateCarry must give the same."""
     import numpy as np
 
-    from llama_ane.runtime.cascade import CascadeDecoder
-    from llama_ane.runtime.pipeline import Pipeline
+    from llama_ane.model.names import CONV, DELTA
+    from llama_ane.runtime.carry import branch_copies, move
 
     rng = np.random.default_rng(7)
 
@@ -1172,34 +1171,27 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     for layers, channels, width, length, n in ((2, 3, 4, 5, 1), (2, 3, 4, 5, 3), (1, 2, 6, 8, 8), (3, 2, 32, 8, 5),
                                                (1, 2, 4, 8, 7)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, length)
-        caches = {"conv": state.copy()}
-        Pipeline.carry_states(caches, {"conv_new": new}, n)
-        windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": caches["conv"].tolist()})
-    def branch_step(key: str, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
-        """Each branch's state {key} of a chunk of such layers only: copied from the prefix's, then
-        one step on by {key}_new."""
-        decoder = SimpleNamespace(
-            width=width_b, manifest={"chunks": [{"layers": list(range(prefix.shape[0]))}]}, backend=SimpleNamespace(),
-            pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True, wide_global=False), ring=0,
-                                     cache=SimpleNamespace(caches=[{key: prefix}])))
-        suffixes = [CascadeDecoder.new_suffixes(decoder, 0)]
-        start = suffixes[0][key].copy()
-        CascadeDecoder._write(decoder, 0, "decode_branches", {f"{key}_new": new}, suffixes, np.zeros(width_b, np.int32))
-        return {"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(), "after": suffixes[0][key].tolist()}
+        after = move(CONV.after_window, state.copy(), new, n)
+        windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": after.tolist()})
+    def branch_step(carried, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
+        """Each branch's state of a chunk of such layers only: copied from the prefix's, then one
+        step on by the chunk's new value."""
+        start = branch_copies(carried.copy_to_branches, prefix, width_b)
+        after = move(carried.after_branch_step, start.copy(), new)
+        return {"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(), "after": after.tolist()}
 
-    branches = [branch_step("conv", values(layers, channels, 1, width), values(layers, channels, 1, width_b), width_b)
+    branches = [branch_step(CONV, values(layers, channels, 1, width), values(layers, channels, 1, width_b), width_b)
                 for layers, channels, width, width_b in ((2, 3, 4, 2), (1, 2, 32, 3))]
     # Qwen3.5's recurrent states (cache.delta): a window's delta_new replaces the state; the cascade's
     # branches are layer-major copies of the prefix's, replaced by a step's delta_new
     delta_windows, delta_branches = [], []
     for layers, channels, width in ((2, 4, 3), (1, 6, 32)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, width)
-        caches = {"delta": state.copy()}
-        Pipeline.carry_states(caches, {"delta_new": new}, 1)
-        delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": caches["delta"].tolist()})
+        after = move(DELTA.after_window, state.copy(), new, 1)
+        delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": after.tolist()})
     for layers, channels, width, width_b in ((2, 4, 3, 2), (3, 2, 32, 3)):
         prefix, new = values(layers, channels, 1, width), values(layers * width_b, channels, 1, width)
-        delta_branches.append(branch_step("delta", prefix, new, width_b))
+        delta_branches.append(branch_step(DELTA, prefix, new, width_b))
     data = {"windows": windows, "branches": branches, "delta_windows": delta_windows, "delta_branches": delta_branches}
     path.write_text(json.dumps(data, indent=1))
     return data
