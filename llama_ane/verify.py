@@ -298,6 +298,7 @@ def text_tree(ids: list[int]) -> tuple[list[int], list[int]]:
 def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.ndarray:
     """Logits [W, vocab] of the "verify" function on `text_tree(ids)` at position 0 (an empty
     cache), one model in memory at a time."""
+    from .model import names as N
     from .runtime.model import load
 
     tokens, parents = text_tree(ids)
@@ -309,8 +310,8 @@ def _tree_logits(out_dir: Path, backend: str, ids: list[int], **options) -> np.n
     model = load(out_dir, backend=backend, **options)
     try:
         pipe, dtype = model.pipeline, model.backend.dtype  # a new pipeline: its caches are empty
-        inputs = {"input_ids": np.array([tokens], np.int32), "position": np.zeros(1, np.int32), "depths": depth,
-                  "tree_mask": np.where(allowed, 0.0, -1.0e4).astype(dtype).reshape(1, 1, len(ids), len(ids))}
+        inputs = {N.INPUT_IDS: np.array([tokens], np.int32), N.POSITION: np.zeros(1, np.int32), N.DEPTHS: depth,
+                  N.TREE_MASK: np.where(allowed, 0.0, -1.0e4).astype(dtype).reshape(1, 1, len(ids), len(ids))}
         return pipe.forward("verify", inputs, lambda *_: None, visible=0, release=True)
     finally:
         model.close()

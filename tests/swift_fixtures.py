@@ -1159,15 +1159,14 @@ def write_family_exports(fixtures_dir: Path, names: list[str] | None = None) -> 
 
 def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     """``conv_state.json``: how Python's runtime moves LFM2's conv state and Qwen3.5's recurrent state
-    on, on fixed random arrays: the state after a window of n real tokens (`Pipeline.carry_states`), and
-    each cascade branch's, copied from the prefix's (`CascadeDecoder.new_suffixes`) and then moved on
-    by one step (`CascadeDecoder._write`). The Swift host's StateCarry must give the same."""
-    from types import SimpleNamespace
-
+    on, on fixed random arrays, by each state's carry rules (`CarriedState`, run by runtime.carry, as
+    `Pipeline.carry_states` and the cascade run them): the state after a window of n real tokens, and
+    each cascade branch's, copied from the prefix's and then moved on by one step. The Swift host's
+    StateCarry must give the same."""
     import numpy as np
 
-    from llama_ane.runtime.cascade import CascadeDecoder
-    from llama_ane.runtime.pipeline import Pipeline
+    from llama_ane.model.names import CONV, DELTA
+    from llama_ane.runtime.carry import branch_copies, move
 
     rng = np.random.default_rng(7)
 
@@ -1178,36 +1177,59 @@ def write_conv_state_fixture(path: Path) -> dict[str, Any]:
     for layers, channels, width, length, n in ((2, 3, 4, 5, 1), (2, 3, 4, 5, 3), (1, 2, 6, 8, 8), (3, 2, 32, 8, 5),
                                                (1, 2, 4, 8, 7)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, length)
-        caches = {"conv": state.copy()}
-        Pipeline.carry_states(caches, {"conv_new": new}, n)
-        windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": caches["conv"].tolist()})
-    def branch_step(key: str, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
-        """Each branch's state {key} of a chunk of such layers only: copied from the prefix's, then
-        one step on by {key}_new."""
-        decoder = SimpleNamespace(
-            width=width_b, manifest={"chunks": [{"layers": list(range(prefix.shape[0]))}]}, backend=SimpleNamespace(),
-            pipeline=SimpleNamespace(config=SimpleNamespace(convolves=lambda n: True, wide_global=False), ring=0,
-                                     cache=SimpleNamespace(caches=[{key: prefix}])))
-        suffixes = [CascadeDecoder.new_suffixes(decoder, 0)]
-        start = suffixes[0][key].copy()
-        CascadeDecoder._write(decoder, 0, "decode_branches", {f"{key}_new": new}, suffixes, np.zeros(width_b, np.int32))
-        return {"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(), "after": suffixes[0][key].tolist()}
+        after = move(CONV.after_window, state.copy(), new, n)
+        windows.append({"state": state.tolist(), "new": new.tolist(), "real_tokens": n, "after": after.tolist()})
+    def branch_step(carried, prefix: np.ndarray, new: np.ndarray, width_b: int) -> dict[str, Any]:
+        """Each branch's state of a chunk of such layers only: copied from the prefix's, then one
+        step on by the chunk's new value."""
+        start = branch_copies(carried.copy_to_branches, prefix, width_b)
+        after = move(carried.after_branch_step, start.copy(), new)
+        return {"prefix": prefix.tolist(), "copied": start.tolist(), "new": new.tolist(), "after": after.tolist()}
 
-    branches = [branch_step("conv", values(layers, channels, 1, width), values(layers, channels, 1, width_b), width_b)
+    branches = [branch_step(CONV, values(layers, channels, 1, width), values(layers, channels, 1, width_b), width_b)
                 for layers, channels, width, width_b in ((2, 3, 4, 2), (1, 2, 32, 3))]
     # Qwen3.5's recurrent states (cache.delta): a window's delta_new replaces the state; the cascade's
     # branches are layer-major copies of the prefix's, replaced by a step's delta_new
     delta_windows, delta_branches = [], []
     for layers, channels, width in ((2, 4, 3), (1, 6, 32)):
         state, new = values(layers, channels, 1, width), values(layers, channels, 1, width)
-        caches = {"delta": state.copy()}
-        Pipeline.carry_states(caches, {"delta_new": new}, 1)
-        delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": caches["delta"].tolist()})
+        after = move(DELTA.after_window, state.copy(), new, 1)
+        delta_windows.append({"state": state.tolist(), "new": new.tolist(), "after": after.tolist()})
     for layers, channels, width, width_b in ((2, 4, 3, 2), (3, 2, 32, 3)):
         prefix, new = values(layers, channels, 1, width), values(layers * width_b, channels, 1, width)
-        delta_branches.append(branch_step("delta", prefix, new, width_b))
+        delta_branches.append(branch_step(DELTA, prefix, new, width_b))
     data = {"windows": windows, "branches": branches, "delta_windows": delta_windows, "delta_branches": delta_branches}
     path.write_text(json.dumps(data, indent=1))
+    return data
+
+
+def write_tensor_names_fixture(path: Path) -> dict[str, Any]:
+    """``tensor_names.json``: the tensor names of llama_ane.model.names, the exporter's and the Python
+    runtime's, for every role the Swift host's TensorNames declares (by its Swift name), the names made
+    from others (`updated`, `shared`, `logits`) on sample inputs, and each carried state's names and
+    moves. The Swift host's TensorNamesTests must find its own the same; tests/test_tensor_names.py
+    checks Python's against the committed file."""
+    import re
+
+    from llama_ane.model import names
+
+    swift = (Path(__file__).resolve().parent.parent / "swift_host/Sources/LlamaANE/Runtime/TensorNames.swift")
+    data: dict[str, Any] = {"names": {}, "sets": {}}
+    for role in re.findall(r"static let (\w+)", swift.read_text("utf-8")):
+        value = getattr(names, re.sub(r"(?<!^)(?=[A-Z])", "_", role).upper())
+        if isinstance(value, str):
+            data["names"][role] = value
+        else:
+            data["sets"][role] = sorted(value)
+    data["made"] = {
+        "updated": {x: names.updated(x) for x in ("k_cache", "v_cache", "k_ring", "v_ring", "k_suffix", "v_ring_suffix")},
+        "shared": {x: names.shared(x) for x in ("k_cache", "v_ring", "k_new", "v_ring_new", "k_suffix", "v_ring_suffix")},
+        "logits": {str(j): names.logits(j) for j in (0, 1, 12)},
+    }
+    data["carried"] = {c.key: {"state": c.state, "new": c.new, "branches": c.branches, "afterWindow": c.after_window,
+                               "afterBranchStep": c.after_branch_step, "copyToBranches": c.copy_to_branches}
+                       for c in names.CARRIED}
+    path.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
 
@@ -1594,12 +1616,13 @@ def write_swift_fixtures(fixtures_dir: Path) -> None:
     write_speculative_fixture(fixtures_dir / "speculative.json", export / "manifest.json")
     write_family_exports(fixtures_dir)
     write_conv_state_fixture(fixtures_dir / "conv_state.json")
+    write_tensor_names_fixture(fixtures_dir / "tensor_names.json")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("fixtures_dir", type=Path, help="e.g. swift_host/Tests/LlamaANETests/Fixtures")
-    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families", "conv"],
+    parser.add_argument("--only", choices=["tokenizers", "generation", "manifest", "speculative", "families", "conv", "names"],
                         help="write one part only (speculative reads the export's manifest)")
     parser.add_argument("--family", action="append", choices=list(FAMILY_EXPORTS),
                         help="with --only families: export this one (repeatable), keeping the others' fixtures")
@@ -1625,6 +1648,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "conv"):
         data = write_conv_state_fixture(args.fixtures_dir / "conv_state.json")
         print("conv state:", len(data["windows"]), "windows,", len(data["branches"]), "branch steps")
+    if args.only in (None, "names"):
+        data = write_tensor_names_fixture(args.fixtures_dir / "tensor_names.json")
+        print("tensor names:", len(data["names"]), "names,", len(data["sets"]), "sets")
 
 
 if __name__ == "__main__":

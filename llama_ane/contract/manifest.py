@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 from ..errors import LlamaANEError
+from ..model import names as N
 from ..precision import PRECISIONS
 from .schema import schema_problem
 
@@ -175,8 +176,8 @@ def _check_references(manifest: dict[str, Any]) -> None:
                             f"config.vocab_size {manifest['config']['vocab_size']}; {REEXPORT}")
 
 
-CACHE_TENSORS = ("k_cache", "v_cache", "k_cache_out", "v_cache_out")
-RING_TENSORS = ("k_ring", "v_ring", "k_ring_out", "v_ring_out")
+CACHE_TENSORS = (N.K_CACHE, N.V_CACHE, N.K_CACHE_OUT, N.V_CACHE_OUT)
+RING_TENSORS = (N.K_RING, N.V_RING, N.updated(N.K_RING), N.updated(N.V_RING))
 
 
 def ring_of(manifest: dict[str, Any]) -> int:
@@ -243,7 +244,7 @@ def _check_conv_shapes(manifest: dict[str, Any]) -> None:
     is one exactly where cache.conv says the export has conv layers."""
     conv = manifest["cache"].get("conv")
     read = False
-    for where, t in _tensors_named(manifest, ("conv_state",), ("inputs", "states")):
+    for where, t in _tensors_named(manifest, (N.CONV_STATE,), ("inputs", "states")):
         read = True
         if conv is None:
             raise ManifestError(f"{MANIFEST}: {where} reads a conv state (conv_state), but there is no cache.conv; "
@@ -454,7 +455,7 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                  for fn in specs[chunk_model_name(i)]}
         chunks.append({"model": chunk_model_name(i), "layers": layers,
                        "cache_update": {fn: name for fn, name in names.items() if name in updates}})
-    lm_outputs = ([o for o in specs[head_folded_into][decode_function]["outputs"] if o["name"].startswith("logits_")]
+    lm_outputs = ([o for o in specs[head_folded_into][decode_function]["outputs"] if N.logits_split(o["name"]) is not None]
                   if head_folded_into else
                   [o for k in range(len(head_groups)) for o in specs[lm_head_model_name(k)][decode_function]["outputs"]])
     return {

@@ -48,20 +48,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import LlamaConfig
+from ..model import names as N
 from ..model.functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, RING_CACHES, per_layer_rows
 from .manifest import decode_function, function_states, kv_cache_kind
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
-MAIN_CACHES = ("k_cache", "v_cache")  # (layers, kv channels, 1, context): read up to the bucket that runs
-SUFFIX_CACHES = ("k_suffix", "v_suffix", "k_ring_suffix", "v_ring_suffix")  # a cascade's per-branch caches: read whole
+MAIN_CACHES = (N.K_CACHE, N.V_CACHE)  # (layers, kv channels, 1, context): read up to the bucket that runs
+SUFFIX_CACHES = (N.K_SUFFIX, N.V_SUFFIX, N.K_RING_SUFFIX, N.V_RING_SUFFIX)  # a cascade's per-branch caches: read whole
 # RING_CACHES: the sliding layers' ring buffers (R slots), read whole
-CONV_STATES = ("conv_state", "conv_branches")  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
+CONV_STATES = (N.CONV_STATE, N.CONV_BRANCHES)  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
 #                                                (L_c, C, B, W): read whole
-CONV_NEW = "conv_new"  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches
+CONV_NEW = N.CONV_NEW  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches
 DELTA_STATES = (DELTA_STATE, DELTA_BRANCHES)  # Qwen3.5's recurrent states (L_d, H*Dk, 1, Dv), a cascade's per
 #                                               branch (L_d*B, H*Dk, 1, Dv): read whole, written whole (delta_new)
 CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + CONV_STATES + DELTA_STATES
-SHARED = "shared_"  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
+SHARED = N.SHARED_PREFIX  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def bucket_for(manifest: dict, filled: int) -> int:
 def window_tokens(manifest: dict, function: str) -> int:
     """Tokens one step of `function` computes (its query length S, padding included)."""
     fn = manifest["models"][manifest["chunks"][0]["model"]]["functions"][function]
-    return next(t["shape"][-1] for t in fn["inputs"] if t["name"] == "hidden_states")
+    return next(t["shape"][-1] for t in fn["inputs"] if t["name"] == N.HIDDEN_STATES)
 
 
 def ring_bytes(manifest: dict) -> int:
@@ -183,7 +184,7 @@ def per_layer_table(manifest: dict) -> PerLayerTable | None:
     vocabulary ranges."""
     first = manifest["embeddings"]["models"][0]
     spec = next((t for t in manifest["models"][first]["functions"][decode_function(manifest)]["outputs"]
-                 if t["name"] == "per_layer_inputs"), None)
+                 if t["name"] == N.PER_LAYER_INPUTS), None)
     if spec is None:
         return None
     cfg = LlamaConfig.from_dict(manifest["config"])
@@ -257,7 +258,7 @@ def conv_write_bytes(spec: dict, tokens: int, kind: str) -> int:
     one-hot write of conv_state, which reads and rewrites it whole, as a ring's; otherwise (input
     caches, and a cascade step's conv_branches, inputs with either kind) the chunk's output of the
     window's values, conv_new (L_c, C, 1, `tokens`), from which the host keeps the next state."""
-    if kind == "state" and spec["name"] == "conv_state":
+    if kind == "state" and spec["name"] == N.CONV_STATE:
         return 2 * _nbytes(spec)
     return spec["shape"][0] * spec["shape"][1] * tokens * DTYPE_BYTES[spec["dtype"]]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..limits import CACHE_MULTIPLE, FILE_LIMIT_BYTES, MAX_DIM, platform_of
+from ..model import names as N
 
 IOS18_COMPRESSION = {  # constexpr op (form) -> what it is, for the message
     "constexpr_blockwise_shift_scale": "blockwise or 4-bit integer weights",
@@ -165,7 +166,7 @@ def _first_checked_axis(desc) -> int:
 
 # what sets a cache's axes, for the fix a cache-multiple violation names
 CACHE_HINTS = {None: "pick a context length (and kv channels) that are",
-               "delta_state": "a linear-attention layer's state is linear_num_value_heads * linear_key_head_dim "
+               N.DELTA_STATE: "a linear-attention layer's state is linear_num_value_heads * linear_key_head_dim "
                               "x linear_value_head_dim: the checkpoint's sizes must be"}
 
 

@@ -27,6 +27,7 @@ import torch
 from ..contract.options import COREAI_INSTALL_HINT
 from ..contract.plan import ExportPlan, PackageSpec
 from ..errors import LlamaANEError
+from ..model import names as N
 from ..model.cache_update import onehot_write, window_slots
 from ..model.layers.delta_net import DELTA_STATE
 from ..model.functions import RING_CACHES, WINDOW_TOKENS, shape_of
@@ -83,16 +84,16 @@ class StateFunction(torch.nn.Module):
         self.inputs = [t["name"] for t in io["inputs"]]
         self.states = [t["name"] for t in io["states"]]
         self.outputs = len(io["outputs"])
-        self.writes = "position" in self.inputs  # the single-sequence windows; the cascade reads only
-        mask = shape_of(io, "mask") if self.writes else None
+        self.writes = N.POSITION in self.inputs  # the single-sequence windows; the cascade reads only
+        mask = shape_of(io, N.MASK) if self.writes else None
         self.bucket = mask[3] - mask[2] if mask else None
-        self.window = shape_of(io, "hidden_states")[3]
+        self.window = shape_of(io, N.HIDDEN_STATES)[3]
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         named = dict(zip(self.inputs + self.states, args))
-        position, tokens = named.pop("position", None), named.pop(WINDOW_TOKENS, None)
+        position, tokens = named.pop(N.POSITION, None), named.pop(WINDOW_TOKENS, None)
         states = {n: named.pop(n) for n in self.states}
-        whole = RING_CACHES + ("conv_state", DELTA_STATE)
+        whole = RING_CACHES + (N.CONV_STATE, DELTA_STATE)
         reads = {n: s if n in whole or self.bucket is None else s[..., :self.bucket] for n, s in states.items()}
         if DELTA_STATE in states:  # the recurrent state is taken after the window's real tokens
             named[WINDOW_TOKENS] = tokens
@@ -102,7 +103,7 @@ class StateFunction(torch.nn.Module):
                 state[..., :1] = state[..., :1].clone()
             return outs
         for (name, state), new in zip(states.items(), outs[self.outputs:], strict=True):
-            if name == "conv_state":
+            if name == N.CONV_STATE:
                 state.copy_(conv_state_after(state, new, tokens))
             elif name == DELTA_STATE:
                 state.copy_(new)

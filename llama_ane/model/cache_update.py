@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import LlamaConfig
+from . import names as N
 from .functions import (BRANCHES, CACHES, VERIFY, Layout, Site, cache_update_function, chunk_rows, shape_of, suffix_groups,
                         suffix_names, suffix_update_counts, tensor)
 from .layers import Graph, mb
@@ -92,17 +93,17 @@ def build_cache_update(g: Graph, io: dict):
     """ChunkUpdate of the caches the function names (k_cache/v_cache, k_ring/v_ring)."""
     def body(inputs):
         out = {}
-        for cache in ("k_cache", "v_cache", "k_ring", "v_ring"):
+        for cache in (N.K_CACHE, N.V_CACHE, N.K_RING, N.V_RING):
             if cache not in inputs:
                 continue
             new = CACHES[cache]
             t, s = shape_of(io, cache)[3], shape_of(io, new)[3]
-            ring = t if cache.endswith("_ring") else 0
-            if "slots" in inputs:
-                where = mb.reshape(x=inputs["ring_slots" if ring else "slots"], shape=[s, 1])  # (S,1)
+            ring = t if N.is_ring(cache) else 0
+            if N.SLOTS in inputs:
+                where = mb.reshape(x=inputs[N.RING_SLOTS if ring else N.SLOTS], shape=[s, 1])  # (S,1)
             else:
-                where = window_slots_mil(inputs["position"], s, ring)
-            out[f"{cache}_out"] = onehot_write_mil(g, inputs[cache], inputs[new], where, t)
+                where = window_slots_mil(inputs[N.POSITION], s, ring)
+            out[N.updated(cache)] = onehot_write_mil(g, inputs[cache], inputs[new], where, t)
         return out
     return body
 
@@ -132,18 +133,18 @@ class SuffixUpdate(nn.Module):
 def build_suffix_update(g: Graph, cfg: LlamaConfig, io: dict):
     """SuffixUpdate."""
     def body(inputs):
-        b = shape_of(io, "suffix_positions")[0]
-        u = next(t["shape"][3] for t in io["inputs"] if t["name"].endswith("_suffix"))
+        b = shape_of(io, N.SUFFIX_POSITIONS)[0]
+        u = next(t["shape"][3] for t in io["inputs"] if t["name"] in N.SUFFIXES)
         slot = mb.equal(x=np.arange(u, dtype=np.int32).reshape(1, 1, 1, u),
-                        y=mb.reshape(x=inputs["suffix_positions"], shape=[1, b, 1, 1]))  # (1,B,1,U)
+                        y=mb.reshape(x=inputs[N.SUFFIX_POSITIONS], shape=[1, b, 1, 1]))  # (1,B,1,U)
         out = {}
-        for n in ("k", "v", "k_ring", "v_ring"):
-            if f"{n}_suffix" not in inputs:
+        for n in N.KV_STEMS:
+            if N.suffix(n) not in inputs:
                 continue
-            rows, _, d, _ = shape_of(io, f"{n}_suffix")
-            new = mb.expand_dims(x=mb.transpose(x=mb.reshape(x=inputs[f"{n}_new"], shape=[rows, d, b]), perm=[0, 2, 1]),
+            rows, _, d, _ = shape_of(io, N.suffix(n))
+            new = mb.expand_dims(x=mb.transpose(x=mb.reshape(x=inputs[N.new(n)], shape=[rows, d, b]), perm=[0, 2, 1]),
                                  axes=[3])  # (L*G,B,D,1)
-            out[f"{n}_suffix_out"] = mb.select(cond=slot, a=new, b=inputs[f"{n}_suffix"])
+            out[N.updated(N.suffix(n))] = mb.select(cond=slot, a=new, b=inputs[N.suffix(n)])
         return out
     return body
 
@@ -154,12 +155,12 @@ def _window_io(cfg: LlamaConfig, layout: Layout, rows: tuple[list[int], list[int
     slots) and new K/V in, the caches out; `where` the int32 inputs saying where they go."""
     f = layout.dtype
     caches, new, out = [], [], []
-    for n, names, width, kv in ((len(rows[0]), ("k_cache", "v_cache"), t, cfg.global_layers.kv_channels),
-                                (len(rows[1]), ("k_ring", "v_ring"), layout.ring, cfg.kv_channels)):
+    for n, names, width, kv in ((len(rows[0]), (N.K_CACHE, N.V_CACHE), t, cfg.global_layers.kv_channels),
+                                (len(rows[1]), (N.K_RING, N.V_RING), layout.ring, cfg.kv_channels)):
         for name in names if n else ():
             caches.append(tensor(name, [n, kv, 1, width], f))
             new.append(tensor(CACHES[name], [n, kv, 1, s], f))
-            out.append(tensor(f"{name}_out", [n, kv, 1, width], f))
+            out.append(tensor(N.updated(name), [n, kv, 1, width], f))
     return {"inputs": caches + new + where, "outputs": out}
 
 
@@ -179,7 +180,7 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
             if not nf + nr:  # a chunk of conv layers only keeps no K/V
                 continue
             out[cache_update_function(fn, nf, nr)] = _window_io(cfg, layout, r, s, t,
-                                                               [tensor("position", [1], "int32")])
+                                                               [tensor(N.POSITION, [1], "int32")])
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     suffixes = {suffix_update_counts(cfg, layers, layout.ring): layers for layers in chunk_layers} \
         if b and not layout.window_cascade else {}
@@ -192,13 +193,13 @@ def functions(cfg: LlamaConfig, layout: Layout, chunk_layers: list[list[int]]) -
             caches += [tensor(name, [len(r) * g, b, at.head_dim, u], f) for name in names[:2]]
             new += [tensor(name, [len(r), at.kv_channels, 1, b], f) for name in names[2:]]
         out[cache_update_function(BRANCHES, *counts)] = {
-            "inputs": caches + new + [tensor("suffix_positions", [b], "int32")],
-            "outputs": [dict(t, name=f"{t['name']}_out") for t in caches],
+            "inputs": caches + new + [tensor(N.SUFFIX_POSITIONS, [b], "int32")],
+            "outputs": [dict(t, name=N.updated(t["name"])) for t in caches],
         }
     for (nf, nr), r in rows.items() if w else ():
         if not nf + nr:
             continue
-        where = [tensor("slots", [w], "int32")] + ([tensor("ring_slots", [w], "int32")] if nr else [])
+        where = [tensor(N.SLOTS, [w], "int32")] + ([tensor(N.RING_SLOTS, [w], "int32")] if nr else [])
         out[cache_update_function(VERIFY, nf, nr)] = _window_io(cfg, layout, r, w, t, where)
     return out
 
@@ -212,5 +213,5 @@ def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], s
             dtype: torch.dtype) -> dict[str, nn.Module]:
     """The torch module of each cache-update function: a cascade's suffix update, or a window of S
     at the positions of its bucket (and the ring's slots), or verify's. They hold no weights."""
-    return {fn: SuffixUpdate(site.suffix_length) if any(t["name"] == "k_suffix" for t in io["inputs"])
+    return {fn: SuffixUpdate(site.suffix_length) if any(t["name"] == N.K_SUFFIX for t in io["inputs"])
             else ChunkUpdate(site.ring) for fn, io in functions.items()}

@@ -80,6 +80,7 @@ from torch import nn
 
 from ..config import LlamaConfig
 from . import lm_head
+from . import names as N
 from .cache_update import onehot_write_mil, window_slots_mil
 from .functions import (BRANCHES, CACHES, RING_CACHES, VERIFY, WINDOW_TOKENS, Layout, Site, branch_masks, chunk_rows,
                         conv_rows, conv_state_width, layer_inputs, shape_of, shared_rows, suffix_groups, suffix_names,
@@ -94,7 +95,7 @@ from .layers.short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
 def per_layer_slice_mil(g: Graph, cfg: LlamaConfig, inputs: dict, i: int, s: int):
     """Chunk layer i's per-layer input (1,P,1,S) of the chunk's (1,L*P,1,S), or None where the model has none."""
     p = cfg.per_layer_input_size
-    return g.slice(inputs["per_layer_input"], [0, i * p, 0, 0], [1, (i + 1) * p, 1, s]) if p else None
+    return g.slice(inputs[N.PER_LAYER_INPUT], [0, i * p, 0, 0], [1, (i + 1) * p, 1, s]) if p else None
 
 
 def _layer_cache_mil(g: Graph, cfg: LlamaConfig, cache, i: int, t: int):
@@ -215,7 +216,7 @@ class BlockChunk(nn.Module):
 
 def layer_rope_mil(cfg: LlamaConfig, inputs: dict, layer: int):
     """DecoderLayer.rope: the cos and sin inputs decoder layer `layer` rotates with."""
-    return (inputs["cos_local"], inputs["sin_local"]) if cfg.local_rope(layer) else (inputs["cos"], inputs["sin"])
+    return (inputs[N.COS_LOCAL], inputs[N.SIN_LOCAL]) if cfg.local_rope(layer) else (inputs[N.COS], inputs[N.SIN])
 
 
 def layer_mask_mil(cfg: LlamaConfig, inputs: dict, layer: int, name: str):
@@ -247,7 +248,7 @@ def write_window_mil(states: dict, values: dict, new: dict, position, window: in
 
 def _ring_of(io: dict) -> int:
     """The ring's slots a chunk function reads (0: no ring), its own or a KV-shared layer's producer's."""
-    ring = [t["shape"][3] for t in io["inputs"] + io.get("states", []) if t["name"] in ("k_ring", "shared_k_ring")]
+    ring = [t["shape"][3] for t in io["inputs"] + io.get("states", []) if t["name"] in (N.K_RING, N.shared(N.K_RING))]
     return ring[0] if ring else 0
 
 
@@ -255,7 +256,7 @@ def _layer_reads_mil(g: Graph, cfg: LlamaConfig, values: dict, layers: list[int]
     """Per chunk layer: its (k, v) cache rows as (G,1,D,T) or, in the ring, (G,1,D,R)."""
     full, sliding = chunk_rows(cfg, layers, ring)
     reads = {}
-    for rows, (k, v), width in ((full, ("k_cache", "v_cache"), t), (sliding, RING_CACHES, ring)):
+    for rows, (k, v), width in ((full, (N.K_CACHE, N.V_CACHE), t), (sliding, RING_CACHES, ring)):
         for j, i in enumerate(rows):
             at = cfg.at(layers[i])
             reads[i] = (_layer_cache_mil(g, at, values[k], j, width), _layer_cache_mil(g, at, values[v], j, width))
@@ -270,15 +271,15 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
     the full cache, a one-hot write at the slots (position + s) mod R in the ring (a window may
     wrap around its end)."""
     def body(inputs):
-        mask = shape_of(io, "mask")
-        s, context_length = shape_of(io, "hidden_states")[3], mask[3] - mask[2]
+        mask = shape_of(io, N.MASK)
+        s, context_length = shape_of(io, N.HIDDEN_STATES)[3], mask[3] - mask[2]
         ring = _ring_of(io)
         values = read_states_mil(inputs, io)
         reads, full, sliding = _layer_reads_mil(g, cfg, values, layers, ring, context_length)
-        x, ks, vs, gated, states = inputs["hidden_states"], [], [], [], []
+        x, ks, vs, gated, states = inputs[N.HIDDEN_STATES], [], [], [], []
         for i, n in enumerate(layers):
             if cfg.linear(n):
-                x, gx, state = delta_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
+                x, gx, state = delta_layer_mil(g, x, _conv_state_row_mil(g, cfg, values[N.CONV_STATE], len(gated)),
                                                _delta_state_row_mil(g, cfg, values[DELTA_STATE], len(states)),
                                                inputs[WINDOW_TOKENS], f"layers.{i}.", cfg.hidden_size, delta_shape(cfg), s)
                 gated.append(gx)
@@ -287,7 +288,7 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
                 vs.append(None)
                 continue
             if cfg.convolves(n):
-                x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values["conv_state"], len(gated)),
+                x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values[N.CONV_STATE], len(gated)),
                                        f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
                                        cfg.conv_bias, cfg.sandwich_norms)
                 gated.append(gx)
@@ -300,29 +301,29 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
                 rows, width, shared, _ = _producer_mil(g, cfg, values, layers, ring, (reads, full, ks, vs), n,
                                                        context_length, s)
             x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
-                                             layer_mask_mil(cfg, inputs, n, "mask"), *rows, width, s, n,
+                                             layer_mask_mil(cfg, inputs, n, N.MASK), *rows, width, s, n,
                                              per_layer_slice_mil(g, cfg, inputs, i, s), shared)
             ks.append(k)
             vs.append(v)
-        new = {"conv_state": stack_mil(gated)} if gated else {}
+        new = {N.CONV_STATE: stack_mil(gated)} if gated else {}
         if states:
             new[DELTA_STATE] = stack_mil(states)
-        for rows, (k, v) in ((full, ("k_cache", "v_cache")), (sliding, RING_CACHES)):
+        for rows, (k, v) in ((full, (N.K_CACHE, N.V_CACHE)), (sliding, RING_CACHES)):
             if rows:
                 new[k], new[v] = stack_mil([ks[i] for i in rows]), stack_mil([vs[i] for i in rows])
         if io.get("states"):
-            full_new = {n: new[n] for n in ("k_cache", "v_cache") if n in new}
-            write_window_mil({n: inputs[n] for n in full_new}, values, full_new, inputs["position"], s)
-            where = window_slots_mil(inputs["position"], s, ring) if sliding else None
+            full_new = {n: new[n] for n in (N.K_CACHE, N.V_CACHE) if n in new}
+            write_window_mil({n: inputs[n] for n in full_new}, values, full_new, inputs[N.POSITION], s)
+            where = window_slots_mil(inputs[N.POSITION], s, ring) if sliding else None
             for n in RING_CACHES if sliding else ():
                 mb.coreml_update_state(state=inputs[n], value=onehot_write_mil(g, values[n], new[n], where, ring))
             if gated:  # the state after the window's real tokens
-                mb.coreml_update_state(state=inputs["conv_state"], value=conv_state_after_mil(
-                    g, values["conv_state"], new["conv_state"], inputs[WINDOW_TOKENS], cfg.conv_kernel, s))
+                mb.coreml_update_state(state=inputs[N.CONV_STATE], value=conv_state_after_mil(
+                    g, values[N.CONV_STATE], new[N.CONV_STATE], inputs[WINDOW_TOKENS], cfg.conv_kernel, s))
             if states:  # computed after the window's real tokens
                 mb.coreml_update_state(state=inputs[DELTA_STATE], value=new[DELTA_STATE])
-            return {"hidden_states_out": x}
-        return {"hidden_states_out": x, **{CACHES[n]: value for n, value in new.items()}}
+            return {N.HIDDEN_STATES_OUT: x}
+        return {N.HIDDEN_STATES_OUT: x, **{CACHES[n]: value for n, value in new.items()}}
     return body
 
 
@@ -338,10 +339,10 @@ def _producer_mil(g: Graph, cfg: LlamaConfig, inputs: dict, layers: list[int], r
         j = layers.index(p)
         return reads[j], (t if j in full else ring), (ks[j], vs[j]), ("local", j)
     rows_full, rows_ring = shared_rows(cfg, layers, ring)
-    kind, rows, width, tail = ("cache", rows_full, t, "") if p in rows_full else ("ring", rows_ring, ring, "_ring")
-    j, at = rows.index(p), cfg.at(p)
-    cache = tuple(_layer_cache_mil(g, at, inputs[f"shared_{kv}_{kind}"], j, width) for kv in "kv")
-    new = tuple(g.slice(inputs[f"shared_{kv}{tail}_new"], [j, 0, 0, 0], [j + 1, at.kv_channels, 1, s]) for kv in "kv")
+    kind, rows, width = ("cache", rows_full, t) if p in rows_full else ("ring", rows_ring, ring)
+    j, at, stems = rows.index(p), cfg.at(p), [N.kv(kv, kind == "ring") for kv in "kv"]
+    cache = tuple(_layer_cache_mil(g, at, inputs[N.shared(N.cache(key))], j, width) for key in stems)
+    new = tuple(g.slice(inputs[N.shared(N.new(key))], [j, 0, 0, 0], [j + 1, at.kv_channels, 1, s]) for key in stems)
     return cache, width, new, (kind, j)
 
 
@@ -372,7 +373,7 @@ class BranchChunk(nn.Module):
                 shared_k_suffix=None, shared_v_suffix=None, shared_k_ring_suffix=None, shared_v_ring_suffix=None,
                 delta_branches=None):
         caches = {"cache": (k_cache, v_cache), "ring": (k_ring, v_ring)}
-        suffixes = {"k": (k_suffix, v_suffix), "k_ring": (k_ring_suffix, v_ring_suffix)}
+        suffixes = {N.kv("k"): (k_suffix, v_suffix), N.kv("k", ring=True): (k_ring_suffix, v_ring_suffix)}
         shared = {"cache": (shared_k_cache, shared_v_cache), "ring": (shared_k_ring, shared_v_ring),
                   "cache_new": (shared_k_new, shared_v_new), "ring_new": (shared_k_ring_new, shared_v_ring_new),
                   "cache_suffix": (shared_k_suffix, shared_v_suffix),
@@ -425,7 +426,7 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
                        suffix_length: int):
     """BranchChunk of decoder layers `layers` (the prefix caches, states or inputs, are only read)."""
     def body(inputs):
-        b = shape_of(io, "hidden_states")[3]
+        b = shape_of(io, N.HIDDEN_STATES)[3]
         inputs = read_states_mil(inputs, io)
         ring = _ring_of(io)
         reads, full, _ = _layer_reads_mil(g, cfg, inputs, layers, ring, context_length)
@@ -433,11 +434,11 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         where = {i: (key, j) for key, rows, _ in groups for j, i in enumerate(rows)}
         new = {key: ([], []) for key, _, _ in groups}
         own_k, own_v = {}, {}  # chunk layer -> its K/V of this step, for the KV-shared layers after it
-        x, gated, states = inputs["hidden_states"], [], []
+        x, gated, states = inputs[N.HIDDEN_STATES], [], []
         for i, n in enumerate(layers):
             if cfg.convolves(n):  # each branch from its own conv state (1,Q,B,W), a linear-attention layer's
                 # from its own recurrent state too (B,H*Dk,1,Dv)
-                conv = g.slice(inputs["conv_branches"], [len(gated), 0, 0, 0],
+                conv = g.slice(inputs[N.CONV_BRANCHES], [len(gated), 0, 0, 0],
                                [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
                 if cfg.linear(n):
                     x, gx, state = delta_layer_mil(g, x, conv, _delta_state_row_mil(g, cfg, inputs[DELTA_BRANCHES],
@@ -458,24 +459,23 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
                     key, j = where[j]
                     suffix = tuple(inputs[name] for name in suffix_names(key)[:2])
                 else:
-                    tail = "_ring" if kind == "ring" else ""
-                    suffix = tuple(inputs[f"shared_{kv}{tail}_suffix"] for kv in "kv")
+                    suffix = tuple(inputs[N.shared(N.suffix(N.kv(kv, kind == "ring")))] for kv in "kv")
             else:
                 key, j = where[i]
                 suffix = tuple(inputs[name] for name in suffix_names(key)[:2])
-            x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, "prefix_mask"),
-                                       layer_mask_mil(cfg, inputs, n, "suffix_mask"), *rows, *suffix, j, b,
+            x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, N.PREFIX_MASK),
+                                       layer_mask_mil(cfg, inputs, n, N.SUFFIX_MASK), *rows, *suffix, j, b,
                                        suffix_length, n, per_layer_slice_mil(g, cfg, inputs, i, b), shared)
             if cfg.shares_kv(n):
                 continue
             own_k[i], own_v[i] = k, v
             new[key][0].append(k)
             new[key][1].append(v)
-        out = {"hidden_states_out": x}
+        out = {N.HIDDEN_STATES_OUT: x}
         for key, (ks, vs) in new.items():
             _, _, k_new, v_new = suffix_names(key)
             out.update({k_new: stack_mil(ks), v_new: stack_mil(vs)})
-        return {**out, **({"conv_new": stack_mil(gated)} if gated else {}),
+        return {**out, **({N.CONV_NEW: stack_mil(gated)} if gated else {}),
                 **({DELTA_NEW: stack_mil(states)} if states else {})}
     return body
 
@@ -490,13 +490,13 @@ def _cache_io(io: dict, layout: Layout) -> dict:
     caches = [t for t in io["inputs"] if t["name"] in CACHES]
     inputs = [t for t in io["inputs"] if t not in caches]
     outputs = io["outputs"]
-    if not any(t["name"] == "suffix_mask" for t in inputs):  # single-sequence windows write their K/V
-        inputs.append(tensor("position", [1], "int32"))
-        if any(t["name"] == "conv_state" for t in caches):  # and their conv state, after the real tokens
+    if not any(t["name"] == N.SUFFIX_MASK for t in inputs):  # single-sequence windows write their K/V
+        inputs.append(tensor(N.POSITION, [1], "int32"))
+        if any(t["name"] == N.CONV_STATE for t in caches):  # and their conv state, after the real tokens
             inputs.append(tensor(WINDOW_TOKENS, [1], "int32"))
         outputs = [t for t in outputs if t["name"] not in CACHES.values()]
     for state in caches:
-        if state["name"] not in RING_CACHES + ("conv_state", DELTA_STATE):  # the ring is R slots in every bucket,
+        if state["name"] not in RING_CACHES + (N.CONV_STATE, DELTA_STATE):  # the ring is R slots in every bucket,
             # the conv state K-1 values, the recurrent state one per layer
             state["shape"][3] = layout.state_length
     return {"inputs": inputs, "states": caches, "outputs": outputs}
@@ -518,15 +518,15 @@ def carry_head(cfg: LlamaConfig, layout: Layout, functions: dict[str, dict], hea
     hidden_states_out, first, then what else it outputs. One Core ML call per step fewer."""
     out = {}
     for fn, io in functions.items():
-        s = shape_of(io, "hidden_states_out", "outputs")[3]
-        rest = [t for t in io["outputs"] if t["name"] != "hidden_states_out"]
+        s = shape_of(io, N.HIDDEN_STATES_OUT, "outputs")[3]
+        rest = [t for t in io["outputs"] if t["name"] != N.HIDDEN_STATES_OUT]
         out[fn] = {**io, "outputs": lm_head.logits_outputs(cfg, layout, heads, s) + rest}
     return out
 
 
 def carries_head(io: dict) -> bool:
     """Whether a chunk function outputs logits (the last chunk carrying the LM head)."""
-    return any(t["name"].startswith("logits_") for t in io["outputs"])
+    return any(N.logits_split(t["name"]) is not None for t in io["outputs"])
 
 
 def with_head(g: Graph, cfg: LlamaConfig, io: dict, body):
@@ -538,7 +538,7 @@ def with_head(g: Graph, cfg: LlamaConfig, io: dict, body):
 
     def headed(inputs):
         out = dict(body(inputs))
-        out.update(head({"hidden_states": out.pop("hidden_states_out")}))
+        out.update(head({N.HIDDEN_STATES: out.pop(N.HIDDEN_STATES_OUT)}))
         return out
     return headed
 
@@ -592,7 +592,7 @@ def _caches(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: int)
     f = layout.dtype
     full, sliding = chunk_rows(cfg, layers, layout.ring)
     inputs, outputs = [], []
-    for rows, names, width, kv in ((full, ("k_cache", "v_cache"), t, cfg.global_layers.kv_channels),
+    for rows, names, width, kv in ((full, (N.K_CACHE, N.V_CACHE), t, cfg.global_layers.kv_channels),
                                    (sliding, RING_CACHES, layout.ring, cfg.kv_channels)):
         for name in names if rows else ():
             inputs.append(tensor(name, [len(rows), kv, 1, width], f))
@@ -609,12 +609,12 @@ def _shared_io(cfg: LlamaConfig, layout: Layout, layers: list[int], t: int, s: i
     for rows, kind, width in zip(shared_rows(cfg, layers, layout.ring), ("cache", "ring"), (t, layout.ring)):
         if not rows:
             continue
-        at, ring = cfg.at(rows[0]), "_ring" if kind == "ring" else ""
-        for kv in "kv":
-            caches.append(tensor(f"shared_{kv}_{kind}", [len(rows), at.kv_channels, 1, width], f))
-            new.append(tensor(f"shared_{kv}{ring}_new", [len(rows), at.kv_channels, 1, s], f))
-            suffixes.append(tensor(f"shared_{kv}{ring}_suffix", [len(rows) * at.num_key_value_heads, s, at.head_dim,
-                                                                  layout.suffix_length], f))
+        at = cfg.at(rows[0])
+        for key in (N.kv(kv, kind == "ring") for kv in "kv"):
+            caches.append(tensor(N.shared(N.cache(key)), [len(rows), at.kv_channels, 1, width], f))
+            new.append(tensor(N.shared(N.new(key)), [len(rows), at.kv_channels, 1, s], f))
+            suffixes.append(tensor(N.shared(N.suffix(key)), [len(rows) * at.num_key_value_heads, s, at.head_dim,
+                                                            layout.suffix_length], f))
     return caches + new + (suffixes if suffix else [])
 
 
@@ -622,7 +622,7 @@ def _per_layer_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -
     """A chunk function's per-layer inputs (Gemma 4): its layers' slices of the embeddings'
     per_layer_inputs, (1, L*P, 1, S), where the model has them."""
     p = cfg.per_layer_input_size
-    return [tensor("per_layer_input", [1, len(layers) * p, 1, s], layout.dtype)] if p else []
+    return [tensor(N.PER_LAYER_INPUT, [1, len(layers) * p, 1, s], layout.dtype)] if p else []
 
 
 def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tuple[list[dict], list[dict]]:
@@ -632,8 +632,8 @@ def _conv_io(cfg: LlamaConfig, layout: Layout, layers: list[int], s: int) -> tup
     if not rows:
         return [], []
     c, f = cfg.conv_channels, layout.dtype
-    return ([tensor("conv_state", [len(rows), c, 1, conv_state_width(cfg)], f)],
-            [tensor("conv_new", [len(rows), c, 1, s], f)])
+    return ([tensor(N.CONV_STATE, [len(rows), c, 1, conv_state_width(cfg)], f)],
+            [tensor(N.CONV_NEW, [len(rows), c, 1, s], f)])
 
 
 def _delta_io(cfg: LlamaConfig, layout: Layout, layers: list[int], branches: int = 0) -> tuple[list[dict], list[dict]]:
@@ -662,11 +662,11 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
         conv_state, conv_new = _conv_io(cfg, layout, layers, s)
         delta_state, delta_new = _delta_io(cfg, layout, layers)
         out[fn] = _cache_io({
-            "inputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
-                       tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)] + caches
+            "inputs": [tensor(N.HIDDEN_STATES, [1, c, 1, s], f), tensor(N.COS, [1, d, 1, s], f),
+                       tensor(N.SIN, [1, d, 1, s], f), tensor(N.MASK, [1, 1, s, t + s], f)] + caches
             + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_io(cfg, layout, layers, s)
             + conv_state + _shared_io(cfg, layout, layers, t, s) + delta_state,
-            "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)] + new + conv_new + delta_new,
+            "outputs": [tensor(N.HIDDEN_STATES_OUT, [1, c, 1, s], f)] + new + conv_new + delta_new,
         }, layout)
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b and not layout.window_cascade:
@@ -677,25 +677,25 @@ def _functions(cfg: LlamaConfig, layout: Layout, layers: list[int] | int) -> dic
             suffixes += [tensor(name, [len(rows) * g, b, at.head_dim, u], f) for name in names[:2]]
             new += [tensor(name, [len(rows), at.kv_channels, 1, b], f) for name in names[2:]]
         out[BRANCHES] = _cache_io({
-            "inputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
-                       tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                       tensor("suffix_mask", [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0] + suffixes
+            "inputs": [tensor(N.HIDDEN_STATES, [1, c, 1, b], f), tensor(N.COS, [1, d, 1, b], f),
+                       tensor(N.SIN, [1, d, 1, b], f), tensor(N.PREFIX_MASK, [1, 1, 1, t], f),
+                       tensor(N.SUFFIX_MASK, [1, b, 1, u + 1], f)] + _caches(cfg, layout, layers, t, b)[0] + suffixes
             + layer_inputs(cfg, layout, branch_masks(layout), b) + _per_layer_io(cfg, layout, layers, b)
             # each branch's own conv state, a copy of the prefix's at its first token
-            + ([tensor("conv_branches", [convs, cfg.conv_channels, b, conv_state_width(cfg)], f)] if convs else [])
+            + ([tensor(N.CONV_BRANCHES, [convs, cfg.conv_channels, b, conv_state_width(cfg)], f)] if convs else [])
             + _shared_io(cfg, layout, layers, t, b, suffix=True) + delta_branches,
             # every attention layer's new K/V: the suffix caches hold them all
-            "outputs": [tensor("hidden_states_out", [1, c, 1, b], f)] + new
-            + ([tensor("conv_new", [convs, cfg.conv_channels, 1, b], f)] if convs else []) + delta_new,
+            "outputs": [tensor(N.HIDDEN_STATES_OUT, [1, c, 1, b], f)] + new
+            + ([tensor(N.CONV_NEW, [convs, cfg.conv_channels, 1, b], f)] if convs else []) + delta_new,
         }, layout)
     if w:
         caches, new = _caches(cfg, layout, layers, t, w)
         out[VERIFY] = {
-            "inputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
-                       tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)] + caches
+            "inputs": [tensor(N.HIDDEN_STATES, [1, c, 1, w], f), tensor(N.COS, [1, d, 1, w], f),
+                       tensor(N.SIN, [1, d, 1, w], f), tensor(N.MASK, [1, 1, w, t + w], f)] + caches
             + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_io(cfg, layout, layers, w)
             + _shared_io(cfg, layout, layers, t, w),
-            "outputs": [tensor("hidden_states_out", [1, c, 1, w], f)] + new,
+            "outputs": [tensor(N.HIDDEN_STATES_OUT, [1, c, 1, w], f)] + new,
         }
     return out
 

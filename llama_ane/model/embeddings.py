@@ -54,6 +54,7 @@ from torch import nn
 import dataclasses
 
 from ..config import LlamaConfig, inv_freq
+from . import names as N
 from .functions import (BRANCHES, VERIFY, Layout, Site, branch_masks, bucket_of, layer_inputs, per_layer_rows, shape_of,
                         tensor, window_masks, window_of)
 from .layers import MASK_VALUE, Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, with_state
@@ -222,7 +223,7 @@ def _per_layer(module: nn.Module, input_ids: torch.Tensor, hidden: torch.Tensor)
 
 def _per_layer_output(cfg: LlamaConfig, layout: Layout, s: int) -> list[dict]:
     """The embeddings functions' per_layer_inputs output (1,L*P,1,S), where the model has them."""
-    return [tensor("per_layer_inputs", [1, cfg.per_layer_channels, 1, s], layout.dtype)] \
+    return [tensor(N.PER_LAYER_INPUTS, [1, cfg.per_layer_channels, 1, s], layout.dtype)] \
         if cfg.per_layer_input_size else []
 
 
@@ -236,7 +237,7 @@ def _rope_rows_mil(g: Graph, cfg: LlamaConfig, positions, s: int) -> dict:
     "sin_local" where the tables hold local columns too."""
     d, dl, local = cfg.global_layers.head_dim, cfg.head_dim, cfg.rope_local_theta is not None
     out = {}
-    for name in ("cos", "sin"):
+    for name in (N.COS, N.SIN):
         rows = mb.transpose(x=mb.gather(x=g.weight(f"{name}_table"), indices=positions, axis=0), perm=[1, 0])
         if local:  # (D+D_local,S): the global rows, then the local ones
             out[f"{name}_local"] = mb.reshape(x=g.slice(rows, [d, 0], [d + dl, s]), shape=[1, dl, 1, s])
@@ -249,7 +250,7 @@ def _rope_rows(cfg: LlamaConfig, cos_table: torch.Tensor, sin_table: torch.Tenso
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """_rope_rows_mil in torch: positions (S,) -> {"cos", "sin"[, "cos_local", "sin_local"]} (1,D,1,S)."""
     d, out = cfg.global_layers.head_dim, {}
-    for name, table in (("cos", cos_table), ("sin", sin_table)):
+    for name, table in ((N.COS, cos_table), (N.SIN, sin_table)):
         rows = table[positions].t().unsqueeze(0).unsqueeze(2).to(dtype)  # (S,D) -> (1,D,1,S), or 2D
         out[name] = rows[:, :d]
         if cfg.rope_local_theta is not None:
@@ -259,7 +260,7 @@ def _rope_rows(cfg: LlamaConfig, cos_table: torch.Tensor, sin_table: torch.Tenso
 
 def _extras(cfg: LlamaConfig, rope: dict, sliding: dict) -> tuple:
     """The outputs after the Llama ones, in layer_inputs' order: the sliding masks, the local tables."""
-    return tuple(sliding.values()) + ((rope["cos_local"], rope["sin_local"]) if "cos_local" in rope else ())
+    return tuple(sliding.values()) + ((rope[N.COS_LOCAL], rope[N.SIN_LOCAL]) if N.COS_LOCAL in rope else ())
 
 
 def _outputs(io: dict, name: str) -> bool:
@@ -324,7 +325,7 @@ def sliding_keep_mil(cfg: LlamaConfig, position, queries, t: int, ring: int):
 def _ring_of(io: dict, name: str, t: int) -> int:
     """The ring's slots a function's sliding mask `name` covers (0: the cache positions, T)."""
     shape = shape_of(io, name, "outputs")
-    cols = shape[3] - (shape[2] if name == "sliding_mask" else 0)
+    cols = shape[3] - (shape[2] if name == N.SLIDING_MASK else 0)
     return 0 if cols == t else cols
 
 
@@ -383,9 +384,9 @@ class Embeddings(nn.Module):
         sliding = {}
         if self.windowed:
             keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,S,T|R)
-            sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
+            sliding[N.SLIDING_MASK] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE,
                                                  self.sliding_window_mask[..., :s, :s].to(hidden.dtype)], dim=3)
-        return ((hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+        return ((hidden, rope[N.COS], rope[N.SIN], mask) + _extras(self.cfg, rope, sliding)
                 + _per_layer(self, input_ids, hidden))
 
 
@@ -393,29 +394,29 @@ def build_embeddings(g: Graph, cfg: LlamaConfig, io: dict, rows: tuple[int, int]
     """Embeddings, masking the cache positions of the function's context bucket; a function taking
     `positions` (S,) (WindowEmbeddings) makes the RoPE rows of those and no masks."""
     def body(inputs):
-        s = shape_of(io, "input_ids")[1]
-        if "positions" in inputs:
-            hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
-            out = {"hidden_states": hidden, **_rope_rows_mil(g, cfg, inputs["positions"], s)}
+        s = shape_of(io, N.INPUT_IDS)[1]
+        if N.POSITIONS in inputs:
+            hidden = lookup_mil(g, inputs[N.INPUT_IDS], rows, cfg.vocab_size, cfg.embedding_scale)
+            out = {N.HIDDEN_STATES: hidden, **_rope_rows_mil(g, cfg, inputs[N.POSITIONS], s)}
             if cfg.per_layer_input_size:
-                out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s, rows)
+                out[N.PER_LAYER_INPUTS] = per_layer_inputs_mil(g, cfg, inputs[N.INPUT_IDS], hidden, s, rows)
             return out
-        mask = shape_of(io, "mask", "outputs")
+        mask = shape_of(io, N.MASK, "outputs")
         t = mask[3] - mask[2]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
-        pos = mb.add(x=inputs["position"], y=np.arange(s, dtype=np.int32))  # (S,)
+        hidden = lookup_mil(g, inputs[N.INPUT_IDS], rows, cfg.vocab_size, cfg.embedding_scale)
+        pos = mb.add(x=inputs[N.POSITION], y=np.arange(s, dtype=np.int32))  # (S,)
         rope = _rope_rows_mil(g, cfg, pos, s)
-        cache_mask = _cache_mask_mil(g, inputs["position"], t)
+        cache_mask = _cache_mask_mil(g, inputs[N.POSITION], t)
         if s > 1:
             cache_mask = mb.tile(x=cache_mask, reps=[1, 1, s, 1])
         mask = mb.concat(values=[cache_mask, g.const(window_mask(s), "window_mask")], axis=3)
-        out = {"hidden_states": hidden, **rope, "mask": mask}
-        if _outputs(io, "sliding_mask"):
-            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, t, s, _ring_of(io, "sliding_mask", t))
-            out["sliding_mask"] = mb.concat(
+        out = {N.HIDDEN_STATES: hidden, **rope, N.MASK: mask}
+        if _outputs(io, N.SLIDING_MASK):
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs[N.POSITION], pos, t, s, _ring_of(io, N.SLIDING_MASK, t))
+            out[N.SLIDING_MASK] = mb.concat(
                 values=[sliding, g.const(window_mask(s, cfg.sliding_window), "sliding_window_mask")], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, s, rows)
+            out[N.PER_LAYER_INPUTS] = per_layer_inputs_mil(g, cfg, inputs[N.INPUT_IDS], hidden, s, rows)
         return out
     return body
 
@@ -430,7 +431,7 @@ class WindowEmbeddings(Embeddings):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
         hidden = lookup(self.embed_tokens, input_ids, 0, self.vocab_size, self.embedding_scale)  # (1,C,1,S)
         rope = _rope_rows(self.cfg, self.cos_table, self.sin_table, positions[:input_ids.shape[1]], hidden.dtype)
-        return (hidden, rope["cos"], rope["sin"]) + _extras(self.cfg, rope, {}) + _per_layer(self, input_ids, hidden)
+        return (hidden, rope[N.COS], rope[N.SIN]) + _extras(self.cfg, rope, {}) + _per_layer(self, input_ids, hidden)
 
 
 class EmbeddingsPart(nn.Module):
@@ -462,13 +463,13 @@ class EmbeddingsPart(nn.Module):
 def build_embeddings_part(g: Graph, cfg: LlamaConfig, rows: tuple[int, int]):
     """EmbeddingsPart of vocabulary rows `rows`."""
     def body(inputs):
-        hidden = mb.add(x=inputs["hidden_states"],
-                        y=lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale))
-        out = {"hidden_states_out": hidden}
+        hidden = mb.add(x=inputs[N.HIDDEN_STATES],
+                        y=lookup_mil(g, inputs[N.INPUT_IDS], rows, cfg.vocab_size, cfg.embedding_scale))
+        out = {N.HIDDEN_STATES_OUT: hidden}
         if cfg.per_layer_input_size:
-            tokens = inputs["per_layer_inputs"]
-            found = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, int(hidden.shape[3]), rows, tokens)
-            out["per_layer_inputs_out"] = mb.identity(x=found) if found is tokens else found
+            tokens = inputs[N.PER_LAYER_INPUTS]
+            found = per_layer_inputs_mil(g, cfg, inputs[N.INPUT_IDS], hidden, int(hidden.shape[3]), rows, tokens)
+            out[N.PER_LAYER_INPUTS_OUT] = mb.identity(x=found) if found is tokens else found
         return out
     return body
 
@@ -506,10 +507,10 @@ class BranchEmbeddings(nn.Module):
             # (1,1,B,T), or over the ring (1,1,B,R): a suffix long enough pushes prefix positions out
             # of a branch's window, and its query's position hides them like any other
             keep = sliding_keep(self.cfg, prefix_length, positions.view(1, 1, -1, 1), self.prefix_slots, self.ring)
-            sliding["sliding_prefix_mask"] = (1.0 - keep.to(hidden.dtype)) * MASK_VALUE
+            sliding[N.SLIDING_PREFIX_MASK] = (1.0 - keep.to(hidden.dtype)) * MASK_VALUE
             keep = in_suffix & near(filled, self.suffix_slots, w)  # (1,B,1,U)
-            sliding["sliding_suffix_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
-        return ((hidden, rope["cos"], rope["sin"], prefix_mask, suffix_mask) + _extras(self.cfg, rope, sliding)
+            sliding[N.SLIDING_SUFFIX_MASK] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, own], dim=3)
+        return ((hidden, rope[N.COS], rope[N.SIN], prefix_mask, suffix_mask) + _extras(self.cfg, rope, sliding)
                 + _per_layer(self, input_ids, hidden))
 
 
@@ -517,28 +518,28 @@ def build_branch_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length
                             rows: tuple[int, int]):
     """BranchEmbeddings."""
     def body(inputs):
-        b = shape_of(io, "input_ids")[1]
+        b = shape_of(io, N.INPUT_IDS)[1]
         t, u = context_length, suffix_length
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
-        rope = _rope_rows_mil(g, cfg, inputs["positions"], b)
-        plen = mb.reshape(x=inputs["prefix_length"], shape=[1, 1, 1, 1])
+        hidden = lookup_mil(g, inputs[N.INPUT_IDS], rows, cfg.vocab_size, cfg.embedding_scale)
+        rope = _rope_rows_mil(g, cfg, inputs[N.POSITIONS], b)
+        plen = mb.reshape(x=inputs[N.PREFIX_LENGTH], shape=[1, 1, 1, 1])
         prefix_slots, suffix_slots = (np.arange(n, dtype=np.int32).reshape(1, 1, 1, n) for n in (t, u))
         in_prefix = mb.less(x=prefix_slots, y=plen)  # (1,1,1,T)
-        filled = mb.reshape(x=mb.sub(x=inputs["positions"], y=inputs["prefix_length"]), shape=[1, b, 1, 1])
+        filled = mb.reshape(x=mb.sub(x=inputs[N.POSITIONS], y=inputs[N.PREFIX_LENGTH]), shape=[1, b, 1, 1])
         in_suffix = mb.less(x=suffix_slots, y=filled)  # (1,B,1,U)
         own = g.const(np.zeros((1, b, 1, 1)), "self_column")
-        out = {"hidden_states": hidden, **rope, "prefix_mask": mask_from_mil(g, in_prefix),
-               "suffix_mask": mb.concat(values=[mask_from_mil(g, in_suffix), own], axis=3)}
-        if _outputs(io, "sliding_prefix_mask"):
+        out = {N.HIDDEN_STATES: hidden, **rope, N.PREFIX_MASK: mask_from_mil(g, in_prefix),
+               N.SUFFIX_MASK: mb.concat(values=[mask_from_mil(g, in_suffix), own], axis=3)}
+        if _outputs(io, N.SLIDING_PREFIX_MASK):
             w = cfg.sliding_window
-            query = mb.reshape(x=inputs["positions"], shape=[1, 1, b, 1])
-            ring = _ring_of(io, "sliding_prefix_mask", t)
-            out["sliding_prefix_mask"] = mask_from_mil(g, sliding_keep_mil(
-                cfg, inputs["prefix_length"], query, t, ring))  # (1,1,B,T) or (1,1,B,R)
+            query = mb.reshape(x=inputs[N.POSITIONS], shape=[1, 1, b, 1])
+            ring = _ring_of(io, N.SLIDING_PREFIX_MASK, t)
+            out[N.SLIDING_PREFIX_MASK] = mask_from_mil(g, sliding_keep_mil(
+                cfg, inputs[N.PREFIX_LENGTH], query, t, ring))  # (1,1,B,T) or (1,1,B,R)
             keep = mb.logical_and(x=in_suffix, y=near_mil(filled, suffix_slots, w))  # (1,B,1,U)
-            out["sliding_suffix_mask"] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
+            out[N.SLIDING_SUFFIX_MASK] = mb.concat(values=[mask_from_mil(g, keep), own], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, b, rows)
+            out[N.PER_LAYER_INPUTS] = per_layer_inputs_mil(g, cfg, inputs[N.INPUT_IDS], hidden, b, rows)
         return out
     return body
 
@@ -574,30 +575,30 @@ class VerifyEmbeddings(nn.Module):
             w = self.cfg.sliding_window
             keep = sliding_keep(self.cfg, position, pos.view(1, 1, -1, 1), self.cache_positions, self.ring)  # (1,1,W,T|R)
             far = (1.0 - near(depths.view(1, 1, -1, 1), depths.view(1, 1, 1, -1), w).to(hidden.dtype)) * MASK_VALUE
-            sliding["sliding_mask"] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, tree + far], dim=3)
-        return ((hidden, rope["cos"], rope["sin"], mask) + _extras(self.cfg, rope, sliding)
+            sliding[N.SLIDING_MASK] = torch.cat([(1.0 - keep.to(hidden.dtype)) * MASK_VALUE, tree + far], dim=3)
+        return ((hidden, rope[N.COS], rope[N.SIN], mask) + _extras(self.cfg, rope, sliding)
                 + _per_layer(self, input_ids, hidden))
 
 
 def build_verify_embeddings(g: Graph, cfg: LlamaConfig, io: dict, context_length: int, rows: tuple[int, int]):
     """VerifyEmbeddings."""
     def body(inputs):
-        w = shape_of(io, "input_ids")[1]
-        hidden = lookup_mil(g, inputs["input_ids"], rows, cfg.vocab_size, cfg.embedding_scale)
-        pos = mb.add(x=inputs["position"], y=inputs["depths"])  # (W,)
+        w = shape_of(io, N.INPUT_IDS)[1]
+        hidden = lookup_mil(g, inputs[N.INPUT_IDS], rows, cfg.vocab_size, cfg.embedding_scale)
+        pos = mb.add(x=inputs[N.POSITION], y=inputs[N.DEPTHS])  # (W,)
         rope = _rope_rows_mil(g, cfg, pos, w)
-        cache_mask = mb.tile(x=_cache_mask_mil(g, inputs["position"], context_length), reps=[1, 1, w, 1])
-        out = {"hidden_states": hidden, **rope, "mask": mb.concat(values=[cache_mask, inputs["tree_mask"]], axis=3)}
-        if _outputs(io, "sliding_mask"):
-            sliding = _sliding_cache_mask_mil(g, cfg, inputs["position"], pos, context_length, w,
-                                              _ring_of(io, "sliding_mask", context_length))
-            depths = inputs["depths"]
+        cache_mask = mb.tile(x=_cache_mask_mil(g, inputs[N.POSITION], context_length), reps=[1, 1, w, 1])
+        out = {N.HIDDEN_STATES: hidden, **rope, N.MASK: mb.concat(values=[cache_mask, inputs[N.TREE_MASK]], axis=3)}
+        if _outputs(io, N.SLIDING_MASK):
+            sliding = _sliding_cache_mask_mil(g, cfg, inputs[N.POSITION], pos, context_length, w,
+                                              _ring_of(io, N.SLIDING_MASK, context_length))
+            depths = inputs[N.DEPTHS]
             near_tree = near_mil(mb.reshape(x=depths, shape=[1, 1, w, 1]), mb.reshape(x=depths, shape=[1, 1, 1, w]),
                                  cfg.sliding_window)
-            tree = mb.add(x=inputs["tree_mask"], y=mask_from_mil(g, near_tree))
-            out["sliding_mask"] = mb.concat(values=[sliding, tree], axis=3)
+            tree = mb.add(x=inputs[N.TREE_MASK], y=mask_from_mil(g, near_tree))
+            out[N.SLIDING_MASK] = mb.concat(values=[sliding, tree], axis=3)
         if cfg.per_layer_input_size:
-            out["per_layer_inputs"] = per_layer_inputs_mil(g, cfg, inputs["input_ids"], hidden, w, rows)
+            out[N.PER_LAYER_INPUTS] = per_layer_inputs_mil(g, cfg, inputs[N.INPUT_IDS], hidden, w, rows)
         return out
     return body
 
@@ -609,33 +610,33 @@ def functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
     out = {}
     for fn, _, s, t in layout.windows():
         if layout.host_masks:  # positions in, no masks out: the host makes them (runtime/masks.py)
-            out[fn] = {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("positions", [s], "int32")],
-                       "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
-                                   tensor("sin", [1, d, 1, s], f)]
+            out[fn] = {"inputs": [tensor(N.INPUT_IDS, [1, s], "int32"), tensor(N.POSITIONS, [s], "int32")],
+                       "outputs": [tensor(N.HIDDEN_STATES, [1, c, 1, s], f), tensor(N.COS, [1, d, 1, s], f),
+                                   tensor(N.SIN, [1, d, 1, s], f)]
                        + layer_inputs(cfg, layout, {}, s) + _per_layer_output(cfg, layout, s)}
             continue
         out[fn] = {
-            "inputs": [tensor("input_ids", [1, s], "int32"), tensor("position", [1], "int32")],
-            "outputs": [tensor("hidden_states", [1, c, 1, s], f), tensor("cos", [1, d, 1, s], f),
-                        tensor("sin", [1, d, 1, s], f), tensor("mask", [1, 1, s, t + s], f)]
+            "inputs": [tensor(N.INPUT_IDS, [1, s], "int32"), tensor(N.POSITION, [1], "int32")],
+            "outputs": [tensor(N.HIDDEN_STATES, [1, c, 1, s], f), tensor(N.COS, [1, d, 1, s], f),
+                        tensor(N.SIN, [1, d, 1, s], f), tensor(N.MASK, [1, 1, s, t + s], f)]
             + layer_inputs(cfg, layout, window_masks(layout, s, t), s) + _per_layer_output(cfg, layout, s),
         }
     t, b, u, w = layout.context_length, layout.branch_width, layout.suffix_length, layout.verify_window
     if b and not layout.window_cascade:
         out[BRANCHES] = {
-            "inputs": [tensor("input_ids", [1, b], "int32"), tensor("positions", [b], "int32"),
-                       tensor("prefix_length", [1], "int32")],
-            "outputs": [tensor("hidden_states", [1, c, 1, b], f), tensor("cos", [1, d, 1, b], f),
-                        tensor("sin", [1, d, 1, b], f), tensor("prefix_mask", [1, 1, 1, t], f),
-                        tensor("suffix_mask", [1, b, 1, u + 1], f)] + layer_inputs(cfg, layout, branch_masks(layout), b)
+            "inputs": [tensor(N.INPUT_IDS, [1, b], "int32"), tensor(N.POSITIONS, [b], "int32"),
+                       tensor(N.PREFIX_LENGTH, [1], "int32")],
+            "outputs": [tensor(N.HIDDEN_STATES, [1, c, 1, b], f), tensor(N.COS, [1, d, 1, b], f),
+                        tensor(N.SIN, [1, d, 1, b], f), tensor(N.PREFIX_MASK, [1, 1, 1, t], f),
+                        tensor(N.SUFFIX_MASK, [1, b, 1, u + 1], f)] + layer_inputs(cfg, layout, branch_masks(layout), b)
             + _per_layer_output(cfg, layout, b),
         }
     if w:
         out[VERIFY] = {
-            "inputs": [tensor("input_ids", [1, w], "int32"), tensor("position", [1], "int32"),
-                       tensor("depths", [w], "int32"), tensor("tree_mask", [1, 1, w, w], f)],
-            "outputs": [tensor("hidden_states", [1, c, 1, w], f), tensor("cos", [1, d, 1, w], f),
-                        tensor("sin", [1, d, 1, w], f), tensor("mask", [1, 1, w, t + w], f)]
+            "inputs": [tensor(N.INPUT_IDS, [1, w], "int32"), tensor(N.POSITION, [1], "int32"),
+                       tensor(N.DEPTHS, [w], "int32"), tensor(N.TREE_MASK, [1, 1, w, w], f)],
+            "outputs": [tensor(N.HIDDEN_STATES, [1, c, 1, w], f), tensor(N.COS, [1, d, 1, w], f),
+                        tensor(N.SIN, [1, d, 1, w], f), tensor(N.MASK, [1, 1, w, t + w], f)]
             + layer_inputs(cfg, layout, window_masks(layout, w, t), w) + _per_layer_output(cfg, layout, w),
         }
     return out
@@ -648,11 +649,11 @@ def part_functions(cfg: LlamaConfig, layout: Layout) -> dict[str, dict]:
     c, f = cfg.hidden_size, layout.dtype
     out = {}
     for fn, s in (*layout.full_windows(), *layout.extra_windows()):
-        out[fn] = {"inputs": [tensor("input_ids", [1, s], "int32"), tensor("hidden_states", [1, c, 1, s], f)],
-                   "outputs": [tensor("hidden_states_out", [1, c, 1, s], f)]}
+        out[fn] = {"inputs": [tensor(N.INPUT_IDS, [1, s], "int32"), tensor(N.HIDDEN_STATES, [1, c, 1, s], f)],
+                   "outputs": [tensor(N.HIDDEN_STATES_OUT, [1, c, 1, s], f)]}
         if cfg.per_layer_input_size:
-            out[fn]["inputs"].append(tensor("per_layer_inputs", [1, cfg.per_layer_channels, 1, s], f))
-            out[fn]["outputs"].append(tensor("per_layer_inputs_out", [1, cfg.per_layer_channels, 1, s], f))
+            out[fn]["inputs"].append(tensor(N.PER_LAYER_INPUTS, [1, cfg.per_layer_channels, 1, s], f))
+            out[fn]["outputs"].append(tensor(N.PER_LAYER_INPUTS_OUT, [1, cfg.per_layer_channels, 1, s], f))
     return out
 
 
@@ -695,8 +696,8 @@ def modules(weights, model: str, cfg: LlamaConfig, functions: dict[str, dict], s
         elif fn == VERIFY:
             out[fn] = VerifyEmbeddings(cfg, table, site.context_length, site.verify_window, site.ring)
         else:  # a one-row placeholder table, replaced by the shared one
-            sliding = any(o["name"] == "sliding_mask" for o in io["outputs"])
-            kind = WindowEmbeddings if any(i["name"] == "positions" for i in io["inputs"]) else Embeddings
+            sliding = any(o["name"] == N.SLIDING_MASK for o in io["outputs"])
+            kind = WindowEmbeddings if any(i["name"] == N.POSITIONS for i in io["inputs"]) else Embeddings
             e = kind(cfg, bucket_of(fn, site.context_length), window_of(fn, site.prefill_length), rows=1,
                      windowed=sliding, ring=site.ring)
             e.embed_tokens = table

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from . import names as N
+
 if TYPE_CHECKING:
     from ..config import LlamaConfig
 
@@ -38,15 +40,15 @@ KV_CACHE_KINDS = ("inputs", "state")
 # The conv layers' state (LFM2's short convolutions: the last K-1 values each convolves over) is
 # carried the same way, with the window's values it is taken from (layers.short_conv.conv_state_after);
 # Qwen3.5's linear-attention layers' recurrent state with the state after the window (layers.delta_net).
-CACHES = {"k_cache": "k_new", "v_cache": "v_new", "k_ring": "k_ring_new", "v_ring": "v_ring_new",
-          "conv_state": "conv_new", "delta_state": "delta_new"}
-RING_CACHES = ("k_ring", "v_ring")
+CACHES = {**{N.cache(key): N.new(key) for key in N.KV_STEMS},
+          **{c.state: c.new for c in N.CARRIED}}
+RING_CACHES = N.RINGS
 # The real tokens of a window (1,) int32, which a chunk writing its conv state itself (state caches)
 # takes the state at: a padded prefill window's last ones are not the window's end.
-WINDOW_TOKENS = "window_tokens"
+WINDOW_TOKENS = N.WINDOW_TOKENS
 # Qwen3.5's linear-attention layers' recurrent state (layers.delta_net): as a chunk's input or state,
 # after the window, and each cascade branch's
-DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = "delta_state", "delta_new", "delta_branches"
+DELTA_STATE, DELTA_NEW, DELTA_BRANCHES = N.DELTA_STATE, N.DELTA_NEW, N.DELTA_BRANCHES
 
 
 def model_kind(model: str) -> str:
@@ -207,15 +209,16 @@ def suffix_groups(cfg: "LlamaConfig", layers: list[int], ring: int) -> list[tupl
     always with a ring): the global layers' pair, then the ring layers'."""
     if not cfg.wide_global:
         rows = attention_rows(cfg, layers)
-        return [("k", rows, cfg)] if rows else []
+        return [(N.kv("k"), rows, cfg)] if rows else []
     full, sliding = chunk_rows(cfg, layers, ring)
-    return [(key, rows, at) for key, rows, at in (("k", full, cfg.global_layers), ("k_ring", sliding, cfg)) if rows]
+    return [(key, rows, at) for key, rows, at in ((N.kv("k"), full, cfg.global_layers), (N.kv("k", True), sliding, cfg))
+            if rows]
 
 
 def suffix_names(key: str) -> tuple[str, str, str, str]:
     """k_suffix, v_suffix, k_new, v_new of suffix_groups' `key` ("k" or "k_ring")."""
-    v = "v" + key[1:]
-    return f"{key}_suffix", f"{v}_suffix", f"{key}_new", f"{v}_new"
+    v = N.kv("v", N.is_ring(key))
+    return N.suffix(key), N.suffix(v), N.new(key), N.new(v)
 
 
 def suffix_update_counts(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[int, int]:
@@ -324,7 +327,7 @@ def cascades_in_window(cfg: "LlamaConfig", decode_function: str, branch_width: i
 def window_masks(layout: Layout, s: int, t: int) -> dict[str, list[int]]:
     """The sliding twin's shape of the mask of a window of S queries over T cache positions: over
     the ring's slots where the export has one."""
-    return {"mask": [1, 1, s, (layout.ring or t) + s]}
+    return {N.MASK: [1, 1, s, (layout.ring or t) + s]}
 
 
 def layer_inputs(cfg: "LlamaConfig", layout: Layout, masks: dict[str, list[int]], s: int) -> list[dict]:
@@ -336,7 +339,7 @@ def layer_inputs(cfg: "LlamaConfig", layout: Layout, masks: dict[str, list[int]]
     out = [tensor(f"sliding_{name}", shape, f) for name, shape in masks.items()] \
         if cfg.windowed(layout.context_length) else []
     if cfg.rope_local_theta is not None:
-        out += [tensor("cos_local", [1, d, 1, s], f), tensor("sin_local", [1, d, 1, s], f)]
+        out += [tensor(N.COS_LOCAL, [1, d, 1, s], f), tensor(N.SIN_LOCAL, [1, d, 1, s], f)]
     return out
 
 
@@ -345,4 +348,4 @@ def branch_masks(layout: Layout) -> dict[str, list[int]]:
     prefix's per branch (1,1,B,T), or over the ring (1,1,B,R), as each branch's query sits at its
     own position, and the suffixes' (1,B,1,U+1)."""
     b, t, u = layout.branch_width, layout.ring or layout.context_length, layout.suffix_length
-    return {"prefix_mask": [1, 1, b, t], "suffix_mask": [1, b, 1, u + 1]}
+    return {N.PREFIX_MASK: [1, 1, b, t], N.SUFFIX_MASK: [1, b, 1, u + 1]}

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import LlamaConfig
 from ..limits import MAX_DIM
+from . import names as N
 from .functions import Layout, Site, tensor
 from .layers import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, softcap, softcap_mil, with_state
 
@@ -66,25 +67,24 @@ def build_lm_head(g: Graph, cfg: LlamaConfig, io: dict):
     """LMHead of the splits the function's outputs name (logits_j; a chunk carrying the head has
     other outputs too)."""
     def body(inputs):
-        h = rms_norm_mil(g, inputs["hidden_states"], "norm.weight", cfg.stream_eps, cfg.hidden_size)
+        h = rms_norm_mil(g, inputs[N.HIDDEN_STATES], "norm.weight", cfg.stream_eps, cfg.hidden_size)
         if cfg.logits_scaling != 1.0:
             h = mb.mul(x=h, y=g.scalar(1.0 / cfg.logits_scaling))
-        return {t["name"]: softcap_mil(g, conv_mil(g, h, f"heads.{t['name'].removeprefix('logits_')}.weight"),
-                                       cfg.final_logit_softcapping)
-                for t in io["outputs"] if t["name"].startswith("logits_")}
+        return {name: softcap_mil(g, conv_mil(g, h, f"heads.{j}.weight"), cfg.final_logit_softcapping)
+                for name, j in ((t["name"], N.logits_split(t["name"])) for t in io["outputs"]) if j is not None}
     return body
 
 
 def logits_outputs(cfg: LlamaConfig, layout: Layout, heads: list[int], s: int) -> list[dict]:
     """The logits_j (1,V_j,1,S) outputs of vocabulary splits `heads` for a window of S tokens."""
     splits = vocab_splits(cfg.vocab_size)
-    return [tensor(f"logits_{j}", [1, splits[j], 1, s], layout.dtype) for j in heads]
+    return [tensor(N.logits(j), [1, splits[j], 1, s], layout.dtype) for j in heads]
 
 
 def functions(cfg: LlamaConfig, layout: Layout, heads: list[int]) -> dict[str, dict]:
     """{function: io} of an LM head file computing vocabulary splits `heads`: hidden_states
     (1,C,1,S) -> its logits_j (1,V_j,1,S), one function for every bucket (it reads no cache)."""
-    return {fn: {"inputs": [tensor("hidden_states", [1, cfg.hidden_size, 1, s], layout.dtype)],
+    return {fn: {"inputs": [tensor(N.HIDDEN_STATES, [1, cfg.hidden_size, 1, s], layout.dtype)],
                  "outputs": logits_outputs(cfg, layout, heads, s)}
             for fn, s in (*layout.full_windows(), *layout.extra_windows())}
 
@@ -96,7 +96,7 @@ def program(g: Graph, cfg: LlamaConfig, function: str, io: dict, site: Site):
 
 def heads_of(io: dict) -> list[int]:
     """The vocabulary splits a function's logits_j outputs are."""
-    return [int(o["name"].removeprefix("logits_")) for o in io["outputs"] if o["name"].startswith("logits_")]
+    return [j for j in (N.logits_split(o["name"]) for o in io["outputs"]) if j is not None]
 
 
 def head_module(weights, model: str, cfg: LlamaConfig, io: dict, dtype: torch.dtype) -> LMHead:

@@ -29,15 +29,16 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..contract.manifest import window_cascade
 from ..contract.specs import BRANCHES, bucket_function, suffix_groups
-from ..model.layers.delta_net import DELTA_BRANCHES, DELTA_NEW
-from .kv_cache import KVCache
+from ..model import names as N
+from .carry import BRANCHES as CARRIED_BY_BRANCH, branch_copies, move
+from .kv_cache import KV_KEYS, RING_KV_KEYS, KVCache
 from .pipeline import ContextFullError, Pipeline
 from .sampling import SamplingParams, SeededRandom, branch_seed, sample
 from .text_stream import TextStream
 
 # a branch's per-branch states (cache keys) -> the cascade function's inputs they are read as; the
 # other keys are suffix caches ("k" -> "k_suffix")
-BRANCH_STATES = {"conv": "conv_branches", "delta": DELTA_BRANCHES}
+BRANCH_STATES = {c.key: c.branches for c in N.CARRIED}
 
 
 @dataclass
@@ -186,20 +187,22 @@ class CascadeDecoder:
     def new_suffixes(self, i: int) -> dict[str, np.ndarray]:
         """Chunk i's suffix caches {"k", "v"} over its attention layers (where the global layers are
         wider, over those, with {"k_ring", "v_ring"} over the ring's: specs.suffix_groups), and its
-        conv layers' state per branch {"conv"} (L_c, C, B, K-1), each branch's a copy of the prefix's."""
+        states beside the K/V per branch, each branch's a copy of the prefix's
+        (`CarriedState.copy_to_branches`): the conv layers' {"conv"} (L_c, C, B, W), Qwen3.5's
+        recurrent states {"delta"} (L_d*B, H*Dk, 1, Dv)."""
         out = {}
         for key, rows, at in suffix_groups(self.pipeline.config, self.manifest["chunks"][i]["layers"],
                                            self.pipeline.ring):
-            for name in (key, "v" + key[1:]):
+            for name in (N.kv("k", key in RING_KV_KEYS), N.kv("v", key in RING_KV_KEYS)):
                 out[name] = self.new_suffix(len(rows), at.num_key_value_heads, at.head_dim)
         prefix = self.pipeline.cache.caches[i]
-        if "conv" in prefix:
+        if any(c.key in prefix for c in N.CARRIED):
             sync = getattr(self.backend, "sync_states", None)
-            if sync is not None:  # a program's states hold the prefix's conv state
+            if sync is not None:  # a program's states hold the prefix's states
                 sync()
-            out["conv"] = np.repeat(prefix["conv"], self.width, axis=2)
-        if "delta" in prefix:  # Qwen3.5's recurrent states, per layer each branch's (L_d*B, H*Dk, 1, Dv)
-            out["delta"] = np.repeat(prefix["delta"], self.width, axis=0)
+        for carried in N.CARRIED:
+            if carried.key in prefix:
+                out[carried.key] = branch_copies(carried.copy_to_branches, prefix[carried.key], self.width)
         return out
 
     def _write(self, i: int, function: str, out: dict[str, np.ndarray], suffixes: list[dict],
@@ -208,22 +211,21 @@ class CascadeDecoder:
         caches; a slot past the suffix length is dropped, as the cache-update model drops it) or by
         the cache-update model in the background."""
         suffix = suffixes[i]
-        if "conv_new" in out:  # each branch's conv state moves on by its one token
-            conv = suffix["conv"]
-            suffix["conv"] = np.concatenate([conv[..., 1:], out["conv_new"].reshape(*conv.shape[:3], 1)], axis=-1)
-        if DELTA_NEW in out:  # and its recurrent states, after its token
-            suffix["delta"] = out[DELTA_NEW]
-        if "k_new" not in out and "k_ring_new" not in out:  # a chunk of conv layers only has no suffix caches
+        # each branch's states beside the K/V move on by its one token (`CarriedState.after_branch_step`)
+        for carried, mode in self.pipeline.carry_modes(i, BRANCHES).items():
+            if mode == CARRIED_BY_BRANCH:
+                suffix[carried.key] = move(carried.after_branch_step, suffix[carried.key], out[carried.new])
+        if not any(N.new(key) in out for key in KV_KEYS + RING_KV_KEYS):  # a chunk of conv layers only has no suffix caches
             return
         if self.pipeline.direct:
-            for name in (key for key in ("k", "v", "k_ring", "v_ring") if key in suffix):
-                new = out[f"{name}_new"].reshape(-1, suffix[name].shape[2], self.width)  # (L*G, D, B)
+            for name in (key for key in KV_KEYS + RING_KV_KEYS if key in suffix):
+                new = out[N.new(name)].reshape(-1, suffix[name].shape[2], self.width)  # (L*G, D, B)
                 for b, slot in enumerate(slots):
                     if slot < self.suffix_length:
                         suffix[name][:, b, :, slot] = new[:, :, b]
             return
         self.pipeline.updates.submit(i, functools.partial(
-            self.pipeline.update, function, suffix, out, {"suffix_positions": slots}))
+            self.pipeline.update, function, suffix, out, {N.SUFFIX_POSITIONS: slots}))
 
     def new_state(self) -> "list[dict] | WindowSteps":
         """What a group's steps keep between them: each chunk's suffix caches (`new_suffixes`), or,
@@ -256,11 +258,11 @@ class CascadeDecoder:
         ids, positions = np.zeros((1, width), np.int32), np.full(width, prefix_tokens, np.int32)
         ids[0, :g], positions[:g] = tokens, prefix_tokens + seen
         bucket = p.bucket(base + g)
-        host = {"position": np.array([base], np.int32),
+        host = {N.POSITION: np.array([base], np.int32),
                 **p.masks.branch_masks(prefix_tokens, g, seen, steps, width, bucket)}
         fn = bucket_function("prefill", bucket, p.context_length)
-        return p.forward(fn, {"input_ids": ids, "positions": positions},
-                         lambda i, function, out: p.write_window(i, function, out, base, g), visible=base,
+        return p.forward(fn, {N.INPUT_IDS: ids, N.POSITIONS: positions},
+                         lambda i, function, out: p.write_window(i, fn, function, out, base, g), visible=base,
                          host=host)[:g]
 
     def step(self, tokens: np.ndarray, cached: np.ndarray, prefix_tokens: int,
@@ -275,10 +277,10 @@ class CascadeDecoder:
         positions = (prefix_tokens + cached).astype(np.int32)
         slots = cached.astype(np.int32)
         return self.pipeline.forward(
-            BRANCHES, {"input_ids": tokens.reshape(1, -1).astype(np.int32), "positions": positions,
-                       "prefix_length": np.array([prefix_tokens], np.int32)},
+            BRANCHES, {N.INPUT_IDS: tokens.reshape(1, -1).astype(np.int32), N.POSITIONS: positions,
+                       N.PREFIX_LENGTH: np.array([prefix_tokens], np.int32)},
             lambda i, function, out: self._write(i, function, out, suffixes, slots), visible=prefix_tokens,
-            state=lambda i: {BRANCH_STATES.get(key, f"{key}_suffix"): a for key, a in suffixes[i].items()})
+            state=lambda i: {BRANCH_STATES.get(key) or N.suffix(key): a for key, a in suffixes[i].items()})
 
     def run_group(self, branches: list[_Branch], prefix_tokens: int, max_new_tokens: int,
                   params: SamplingParams, on_token: Callable[[int, int, str], None] | None, record_logits: bool = False) -> int:

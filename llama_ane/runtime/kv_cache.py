@@ -33,11 +33,14 @@ from typing import Callable
 import numpy as np
 
 from ..errors import LlamaANEError
+from ..model import names as N
 
 CACHE_FILE_VERSION = 1
 # saved whole: a chunk's ring buffer (its slots hold the last R positions), its conv layers' state
 # (the last K-1 values of each, LFM2) and its linear-attention layers' recurrent state (Qwen3.5)
-RING_KEYS = ("k_ring", "v_ring", "conv", "delta")
+# the keys of a chunk's K/V in its cache dict (`names.kv`): the full caches' and the ring's
+KV_KEYS, RING_KV_KEYS = N.KV_STEMS[:2], N.KV_STEMS[2:]
+RING_KEYS = (*RING_KV_KEYS, *(c.key for c in N.CARRIED))
 WRAPPINGS = ("chat", "raw")  # the prompt wrapped by the export's chat template, or given as it is
 
 
@@ -61,7 +64,7 @@ class KVCache:
 
 def _ring_length(cache: KVCache) -> int:
     """Slots of the ring buffer `cache` holds, 0 where it has none."""
-    return next((c["k_ring"].shape[-1] for c in cache.caches if "k_ring" in c), 0)
+    return next((c[RING_KV_KEYS[0]].shape[-1] for c in cache.caches if RING_KV_KEYS[0] in c), 0)
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -91,7 +94,7 @@ def save_cache(cache: KVCache, manifest: dict, path: str | Path) -> Path:
                                "choose another file name for the prompt cache")
     n = cache.position
     arrays = {f"{name}_{i}": c[name] if name in RING_KEYS else c[name][..., :n]
-              for i, c in enumerate(cache.caches) for name in ("k", "v", *RING_KEYS) if name in c}
+              for i, c in enumerate(cache.caches) for name in (*KV_KEYS, *RING_KEYS) if name in c}
     meta = {"version": CACHE_FILE_VERSION, "manifest_sha256": manifest_digest(manifest), "name": manifest["name"],
             "tokens": [int(t) for t in cache.tokens]}
     ring = _ring_length(cache)
@@ -248,7 +251,7 @@ def _messages(path: Path, data, context: int) -> list[dict[str, str]] | None:
 
 def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
     """`empty` given the tokens and K/V of the open prompt-cache file `data`, after checking it."""
-    context = next((c["k"].shape[-1] for c in empty.caches if "k" in c), manifest["context_length"])
+    context = next((c[KV_KEYS[0]].shape[-1] for c in empty.caches if KV_KEYS[0] in c), manifest["context_length"])
     meta = _meta(path, data, manifest, context)
     tokens = meta["tokens"]
     ring = _ring_length(empty)
@@ -258,7 +261,7 @@ def _fill(path: Path, data, manifest: dict, empty: KVCache) -> KVCache:
     messages = _messages(path, data, context)
     n = len(tokens)
     for i, c in enumerate(empty.caches):
-        for name in ("k", "v", *RING_KEYS):
+        for name in (*KV_KEYS, *RING_KEYS):
             if name not in c:
                 continue
             key, want = f"{name}_{i}", c[name].shape if name in RING_KEYS else c[name][..., :n].shape

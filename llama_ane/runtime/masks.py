@@ -22,6 +22,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..model.embeddings import window_mask
 from ..model.layers import MASK_VALUE
+from ..model.names import MASK, SLIDING_MASK
 
 
 def _additive(keep: np.ndarray, dtype) -> np.ndarray:
@@ -47,12 +48,12 @@ class HostMasks:
         """{"mask"[, "sliding_mask"]} of a window of S rows at `position` over T cache columns."""
         rows = position + np.arange(s)[:, None]  # (S,1) each row's position
         cols = np.arange(t)[None, :]
-        out = {"mask": np.concatenate([_additive(np.broadcast_to(cols < position, (s, t)), self.dtype),
+        out = {MASK: np.concatenate([_additive(np.broadcast_to(cols < position, (s, t)), self.dtype),
                                        window_mask(s).reshape(s, s).astype(self.dtype)], axis=1)}
         if self.window is not None:
             held = held_positions(position, self.ring)[None, :] if self.ring else np.where(cols < position, cols, -1)
             keep = (held >= 0) & (rows - held < self.window)
-            out["sliding_mask"] = np.concatenate([_additive(keep, self.dtype),
+            out[SLIDING_MASK] = np.concatenate([_additive(keep, self.dtype),
                                                   window_mask(s, self.window).reshape(s, s).astype(self.dtype)], axis=1)
         return {name: m.reshape(1, 1, *m.shape) for name, m in out.items()}
 
@@ -72,10 +73,10 @@ class HostMasks:
         mine = (lane[None, :] == rows) & (step[None, :] >= steps - seen_rows) & (step[None, :] < steps)
         keep = ((cols[None, :] < prefix) | mine) & (rows < width)
         own = np.eye(s, dtype=bool)
-        out = {"mask": keep}
+        out = {MASK: keep}
         if self.window is not None:
             # each column's position as its row sees it: a branch's tokens count from the step it began
             held = np.where(cols[None, :] < prefix, cols[None, :], prefix + step[None, :] - (steps - seen_rows))
-            out["sliding_mask"] = keep & (prefix + seen_rows - held < self.window)
+            out[SLIDING_MASK] = keep & (prefix + seen_rows - held < self.window)
         return {name: np.concatenate([_additive(m, self.dtype), _additive(own, self.dtype)], axis=1)
                 .reshape(1, 1, s, t + s) for name, m in out.items()}

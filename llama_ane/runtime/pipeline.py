@@ -39,6 +39,9 @@ where the table is cut by rows, each later file adds to them and the last comple
 `Pipeline.score_streamed` scores a fixed sequence in the other order (every window through one
 model, then the next model), with the same per-window steps, so only one model's weights need to
 be loaded at a time.
+
+Every tensor name comes from `model.names`; the conv and recurrent states move on by the manifest's
+carry rules (`runtime.carry`: what each function reads and returns for them), as in the Swift host.
 """
 
 from __future__ import annotations
@@ -49,27 +52,31 @@ from typing import Callable
 import numpy as np
 
 from ..config import LlamaConfig
-from ..model.layers.delta_net import DELTA_NEW, DELTA_STATE, delta_rows, delta_shape
+from ..model import names as N
+from ..model.layers.delta_net import delta_rows, delta_shape
 from ..model.functions import conv_rows, conv_state_width
 from ..model.layers import MASK_VALUE
 from ..errors import InvalidArgumentError, LlamaANEError
 from ..contract.manifest import (cache_length, context_buckets, decode_function, function_entry, function_states,
                                  kv_cache_kind, ring_channels, ring_of)
-from ..contract.specs import (BRANCHES, VERIFY, WINDOW_TOKENS, base_function, bucket_function, bucket_of, chunk_rows,
+from ..contract.specs import (BRANCHES, VERIFY, base_function, bucket_function, bucket_of, chunk_rows,
                               ring_rewind_limit, shared_rows, suffix_groups)
 from .async_updates import AsyncUpdates, CacheUpdateError  # noqa: F401  (re-exported for callers)
 from .backends.base import Backend
-from .kv_cache import KVCache, common_prefix
+from .carry import FROM_OUTPUT, IN_STATE, carry_mode, move
+from .kv_cache import KV_KEYS, RING_KEYS, RING_KV_KEYS, KVCache, common_prefix
 from .masks import HostMasks
 
 #: embeddings outputs that mask cache positions, and where their cache columns are (a sliding
 #: layer's mask like the mask it is the twin of)
-CACHE_MASKS = {"mask": "leading", "prefix_mask": "all", "sliding_mask": "leading", "sliding_prefix_mask": "all"}
+CACHE_MASKS = {N.MASK: "leading", N.PREFIX_MASK: "all", N.SLIDING_MASK: "leading", N.SLIDING_PREFIX_MASK: "all"}
 #: a chunk's cache tensors (manifest names) -> their keys in a KVCache's per-chunk dict
-CACHE_KEYS = {"k_cache": "k", "v_cache": "v", "k_ring": "k_ring", "v_ring": "v_ring", "conv_state": "conv",
-              DELTA_STATE: "delta"}
-WHOLE_KEYS = ("conv", "delta")  # caches of no context length: read whole in every bucket
-RING_MASKS = ("sliding_mask", "sliding_prefix_mask")  # over the ring's slots where there is one
+CACHE_KEYS = {**{N.cache(key): key for key in KV_KEYS + RING_KV_KEYS}, **{c.state: c.key for c in N.CARRIED}}
+#: a cascade's suffix caches (manifest names) -> the keys of the caches they hold a branch's K/V of
+SUFFIX_KEYS = {N.suffix(key): key for key in KV_KEYS + RING_KV_KEYS}
+#: the outputs of a window's new K/V (k_new, k_ring_new, ...)
+NEW_KV = tuple(N.new(key) for key in KV_KEYS + RING_KV_KEYS)
+RING_MASKS = (N.SLIDING_MASK, N.SLIDING_PREFIX_MASK)  # over the ring's slots where there is one
 
 
 class ContextFullError(LlamaANEError, RuntimeError):
@@ -108,7 +115,7 @@ class Pipeline:
         self.decode_function = decode_function(manifest)
         self.lm_outputs = [o["name"] for model in (self.head_models or [self.folded])
                            for o in manifest["models"][model]["functions"][self.decode_function]["outputs"]
-                           if o["name"].startswith("logits_")]
+                           if N.logits_split(o["name"]) is not None]
         self.direct = bool(getattr(backend, "direct_cache", False))
         self.stateful = kv_cache_kind(manifest) == "state"
         self.ring = ring_of(manifest)  # the sliding layers' ring slots, 0: none
@@ -137,6 +144,8 @@ class Pipeline:
                                for c in self.chunks]
         self.rewind_limit = ring_rewind_limit(cfg, self.ring, self.prefill_length) if self.ring else None
         self.updates = AsyncUpdates([c["model"] for c in self.chunks])
+        # per (chunk, function): how it carries each state beside the K/V (`runtime.carry`)
+        self._carry: dict[tuple[int, str], dict[N.CarriedState, str]] = {}
         self.cache = self.new_cache()
         # the last `verify_tree` until `accept`: (start, window size, token ids, each chunk's pending write)
         self._tree: tuple[int, int, np.ndarray, list[tuple[int, str, dict]]] | None = None
@@ -153,13 +162,13 @@ class Pipeline:
 
     def _empty(self, i: int) -> dict[str, np.ndarray]:
         full, ring = self.rows[i]
-        out = {key: self._zeros(len(full)) for key in ("k", "v") if full}
+        out = {key: self._zeros(len(full)) for key in KV_KEYS if full}
         out.update({key: self._zeros(len(ring), self.ring, ring_channels(self.manifest))
-                    for key in ("k_ring", "v_ring") if ring})
+                    for key in RING_KV_KEYS if ring})
         if self.conv_layers[i]:
-            out["conv"] = np.zeros((self.conv_layers[i], *self.conv_shape), self.backend.dtype)
+            out[N.CONV.key] = np.zeros((self.conv_layers[i], *self.conv_shape), self.backend.dtype)
         if self.delta_layers[i]:
-            out["delta"] = np.zeros((self.delta_layers[i], *self.delta_shape), self.backend.dtype)
+            out[N.DELTA.key] = np.zeros((self.delta_layers[i], *self.delta_shape), self.backend.dtype)
         return out
 
     def _zeros(self, layers: int, length: int | None = None, channels: int | None = None) -> np.ndarray:
@@ -240,27 +249,27 @@ class Pipeline:
         context bucket: they run the bucket's base function)."""
         out = dict(self.backend.predict(self.embedding_models[0], fn, inputs))
         for part in self.embedding_models[1:]:
-            self._embed_part(part, base_function(fn), inputs["input_ids"], out)
+            self._embed_part(part, base_function(fn), inputs[N.INPUT_IDS], out)
         return out
 
     def _embed_part(self, part: str, fn: str, input_ids: np.ndarray, emb: dict[str, np.ndarray]) -> None:
         """Embeddings file `part` on the files' before it outputs `emb`, updated in place: its rows'
         lookup added to the hidden states (and Gemma 4's per_layer_inputs, which the last file
         completes)."""
-        inputs = {"input_ids": input_ids, "hidden_states": emb["hidden_states"]}
-        if "per_layer_inputs" in emb:
-            inputs["per_layer_inputs"] = emb["per_layer_inputs"]
+        inputs = {N.INPUT_IDS: input_ids, N.HIDDEN_STATES: emb[N.HIDDEN_STATES]}
+        if N.PER_LAYER_INPUTS in emb:
+            inputs[N.PER_LAYER_INPUTS] = emb[N.PER_LAYER_INPUTS]
         out = self.backend.predict(part, fn, inputs)
-        emb["hidden_states"] = out["hidden_states_out"]
-        if "per_layer_inputs_out" in out:
-            emb["per_layer_inputs"] = out["per_layer_inputs_out"]
+        emb[N.HIDDEN_STATES] = out[N.HIDDEN_STATES_OUT]
+        if N.PER_LAYER_INPUTS_OUT in out:
+            emb[N.PER_LAYER_INPUTS] = out[N.PER_LAYER_INPUTS_OUT]
 
     def window_inputs(self, window: np.ndarray, position: int) -> dict[str, np.ndarray]:
         """The embeddings' inputs of a window at `position`: its tokens and the position, or (host
         masks) each row's position."""
         if self.masks is not None:
-            return {"input_ids": window, "positions": position + np.arange(window.shape[1], dtype=np.int32)}
-        return {"input_ids": window, "position": np.array([position], np.int32)}
+            return {N.INPUT_IDS: window, N.POSITIONS: position + np.arange(window.shape[1], dtype=np.int32)}
+        return {N.INPUT_IDS: window, N.POSITION: np.array([position], np.int32)}
 
     def host_inputs(self, fn: str, position: int, s: int) -> dict[str, np.ndarray]:
         """What the chunks of a window of S rows at `position` read besides the embeddings' outputs
@@ -268,7 +277,7 @@ class Pipeline:
         the function's context bucket. {} for the others."""
         if self.masks is None:
             return {}
-        return {"position": np.array([position], np.int32),
+        return {N.POSITION: np.array([position], np.int32),
                 **self.masks.window_masks(position, s, bucket_of(fn, self.context_length))}
 
     def logits(self, fn: str, hidden: np.ndarray) -> np.ndarray:
@@ -276,7 +285,7 @@ class Pipeline:
         vocabulary order: float32 [S, vocab]."""
         parts: dict[str, np.ndarray] = {}
         for model in self.head_models:
-            parts.update(self.backend.predict(model, base_function(fn), {"hidden_states": hidden}))
+            parts.update(self.backend.predict(model, base_function(fn), {N.HIDDEN_STATES: hidden}))
         return self._join(parts)
 
     def _join(self, parts: dict[str, np.ndarray]) -> np.ndarray:
@@ -317,7 +326,7 @@ class Pipeline:
             return caches
         else:
             cut = bucket
-        return {key: cache if key.endswith("_ring") or key in WHOLE_KEYS else cache[..., :cut]
+        return {key: cache if key in RING_KEYS else cache[..., :cut]
                 for key, cache in caches.items()}
 
     def forward(self, fn: str, embed_inputs: dict[str, np.ndarray], write: Callable[[int, str, dict], None],
@@ -343,7 +352,7 @@ class Pipeline:
             emb.update(host)
         if self.direct:
             emb = self.visible(emb, visible)
-        hidden = emb["hidden_states"]
+        hidden = emb[N.HIDDEN_STATES]
         bucket = bucket_of(fn, self.context_length)
         outs: list[dict[str, np.ndarray]] = []
         for i, chunk in enumerate(self.chunks):
@@ -351,7 +360,7 @@ class Pipeline:
             out = self.run_chunk(i, fn, {**embed_inputs, **emb}, hidden, self.chunk_caches(i, visible, bucket),
                                  outs, lambda c: self.chunk_caches(c, visible, bucket), state)
             outs.append(out)
-            hidden = out.get("hidden_states_out")
+            hidden = out.get(N.HIDDEN_STATES_OUT)
             write(i, chunk["cache_update"].get(fn), out)
             if release:
                 self.backend.release(chunk["model"])
@@ -367,7 +376,7 @@ class Pipeline:
         earlier chunks (`shared_inputs`), `state(i)` also its own extra inputs. Every loop over the
         chunks (`forward`, `score_streamed`) runs a chunk through here. Returns its outputs by name."""
         model = self.chunks[i]["model"]
-        pool = {**inputs, "hidden_states": hidden, **self.cache_inputs(caches), **self.per_layer_input(i, inputs),
+        pool = {**inputs, N.HIDDEN_STATES: hidden, **self.cache_inputs(caches), **self.per_layer_input(i, inputs),
                 **(state(i) if state else {}), **self.shared_inputs(i, fn, outs, caches_of, state)}
         return self.backend.predict(model, fn, self._inputs(model, fn, pool))
 
@@ -380,39 +389,38 @@ class Pipeline:
         suffix caches (`state(c)`). {} for a chunk without such layers."""
         out: dict[str, np.ndarray] = {}
         cfg = self.config
-        for rows, kind in zip(self.shared[i], ("cache", "ring")):
+        for rows, ring in zip(self.shared[i], (False, True)):
             parts: dict[str, list[np.ndarray]] = {}
-            ring = "_ring" if kind == "ring" else ""
             for p in rows:
                 c, j = self.home[p]
                 full, in_ring = self.rows[c]
-                key, row = ("k", full.index(j)) if j in full else ("k_ring", in_ring.index(j))
+                key, row = (KV_KEYS[0], full.index(j)) if j in full else (RING_KV_KEYS[0], in_ring.index(j))
                 caches, new_key, new_row = caches_of(c), key, row
                 if fn == BRANCHES:  # its K/V of this step and its suffix caches, by the suffix groups
                     new_key, rows_c, at = next((k, r, a) for k, r, a in suffix_groups(cfg, self.chunks[c]["layers"],
                                                                                       self.ring) if j in r)
                     new_row, g = rows_c.index(j), at.num_key_value_heads
                     suffixes = state(c)
-                for kv in "kv":
-                    k_name = kv + key[1:]
-                    parts.setdefault(f"shared_{kv}_{kind}", []).append(caches[k_name][row:row + 1])
-                    parts.setdefault(f"shared_{kv}{ring}_new", []).append(
-                        outs[c][f"{kv}{new_key[1:]}_new"][new_row:new_row + 1])
+                for kv in "kv":  # this chunk's name of the producer's tensor; the producer's K or V
+                    mine = N.kv(kv, ring)
+                    held, new = (N.kv(kv, ring=k in RING_KV_KEYS) for k in (key, new_key))
+                    parts.setdefault(N.shared(N.cache(mine)), []).append(caches[held][row:row + 1])
+                    parts.setdefault(N.shared(N.new(mine)), []).append(outs[c][N.new(new)][new_row:new_row + 1])
                     if fn == BRANCHES:
-                        parts.setdefault(f"shared_{kv}{ring}_suffix", []).append(
-                            suffixes[f"{kv}{new_key[1:]}_suffix"][new_row * g:(new_row + 1) * g])
+                        parts.setdefault(N.shared(N.suffix(mine)), []).append(
+                            suffixes[N.suffix(new)][new_row * g:(new_row + 1) * g])
             out.update({name: np.concatenate(arrays, axis=0) for name, arrays in parts.items()})
         return out
 
     def per_layer_input(self, i: int, emb: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Chunk i's rows of the embeddings' per-layer inputs {"per_layer_input": (1, L*P, 1, S)}, or {}."""
         rows = self.per_layer_rows[i]
-        return {} if rows is None else {"per_layer_input": emb["per_layer_inputs"][:, rows]}
+        return {} if rows is None else {N.PER_LAYER_INPUT: emb[N.PER_LAYER_INPUTS][:, rows]}
 
     def logits_of(self, fn: str, out: dict[str, np.ndarray]) -> np.ndarray:
         """The logits after the last chunk's outputs `out` of function `fn`: its own logits_j when
         it carries the LM head, else every LM head file on its hidden states. float32 [S, vocab]."""
-        return self._join(out) if self.folded else self.logits(fn, out["hidden_states_out"])
+        return self._join(out) if self.folded else self.logits(fn, out[N.HIDDEN_STATES_OUT])
 
     def _inputs(self, model: str, fn: str, pool: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The inputs and states of `fn` of `model`, by the manifest's names, from `pool`."""
@@ -437,7 +445,7 @@ class Pipeline:
         out = self.backend.predict("cache_update", function,
                                    self._inputs("cache_update", function, {**named, **chunk_out, **values}))
         for name, key in keys.items():
-            new = out[name + "_out"]
+            new = out[N.updated(name)]
             if new.shape == state[key].shape:
                 state[key] = new
             else:  # a context bucket's first positions of the whole cache
@@ -447,52 +455,65 @@ class Pipeline:
     def _state_keys(entry: dict) -> dict[str, str]:
         """The tensors a cache update rewrites (outputs X_out of inputs X), each with the key of
         its array in a state dict: "k_cache" -> "k", "v_suffix" -> "v", "k_ring" -> "k_ring",
-        "k_ring_suffix" -> "k_ring"."""
+        "k_ring_suffix" -> "k_ring" (`CACHE_KEYS`, `SUFFIX_KEYS`)."""
         outputs = {t["name"] for t in entry["outputs"]}
-        return {t["name"]: CACHE_KEYS.get(t["name"], t["name"].removesuffix("_suffix")) for t in entry["inputs"]
-                if t["name"] + "_out" in outputs}
+        keys = {**CACHE_KEYS, **SUFFIX_KEYS}
+        rewritten = [t["name"] for t in entry["inputs"] if N.updated(t["name"]) in outputs]
+        unknown = [name for name in rewritten if name not in keys]
+        if unknown:
+            raise UnwiredInputError(f"a cache update rewrites {', '.join(unknown)}, which this runtime does not hold; "
+                                    "is the export from a newer llama-ane?")
+        return {name: keys[name] for name in rewritten}
 
     def ring_slots(self, positions: np.ndarray) -> np.ndarray:
         """The ring slots of cache positions (int32), -1 (dropped) staying -1."""
         positions = np.asarray(positions, np.int32)
         return np.where(positions >= 0, positions % max(self.ring, 1), -1).astype(np.int32)
 
-    def write_window(self, i: int, function: str | None, out: dict[str, np.ndarray], position: int, n: int) -> None:
-        """Store chunk i's k_new/v_new (layers, kv, 1, S) for the window at `position` (n real tokens,
-        which fit in the context): in place (direct caches, or a stateful export's K/V handed back by
-        the torch modules), not at all (the program updated its states), or by the cache-update
-        model `function` in the background."""
+    def write_window(self, i: int, fn: str, function: str | None, out: dict[str, np.ndarray], position: int,
+                     n: int) -> None:
+        """Store chunk i's k_new/v_new (layers, kv, 1, S) of its function `fn` for the window at
+        `position` (n real tokens, which fit in the context): in place (direct caches, or a stateful
+        export's K/V handed back by the torch modules), not at all (the program updated its states),
+        or by the cache-update model `function` in the background. Its conv and recurrent states
+        move on first (`carry_states`)."""
         caches = self.cache.caches[i]
-        self.carry_states(caches, out, n)
-        if self.stateful and "k_new" not in out and "k_ring_new" not in out:
+        self.carry_states(i, fn, caches, out, n)
+        if self.stateful and not any(name in out for name in NEW_KV):
             return
         if function is None and not (self.direct or self.stateful):  # a chunk of conv layers only keeps no K/V
             return
         if self.direct or self.stateful:
-            for key in ("k", "v"):
-                if f"{key}_new" in out:
-                    caches[key][..., position:position + n] = out[f"{key}_new"][..., :n]
-                if f"{key}_ring_new" in out:  # n <= R: no slot written twice
-                    caches[f"{key}_ring"][..., self.ring_slots(position + np.arange(n))] = \
-                        out[f"{key}_ring_new"][..., :n]
+            for key, ring in zip(KV_KEYS + RING_KV_KEYS, (False, False, True, True)):
+                if N.new(key) not in out:
+                    continue
+                # n <= R: no ring slot written twice
+                columns = self.ring_slots(position + np.arange(n)) if ring else slice(position, position + n)
+                caches[key][..., columns] = out[N.new(key)][..., :n]
             return
         self.updates.submit(i, functools.partial(
-            self.update, function, caches, out, {"position": np.array([position], np.int32)}))
+            self.update, function, caches, out, {N.POSITION: np.array([position], np.int32)}))
 
-    @staticmethod
-    def carry_states(caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
-        """The conv and recurrent states after a window of n real tokens, taken on the host from
-        the chunk's outputs (a program with state caches writes its own and returns neither): the
-        conv state from conv_new, the last W values up to the n-th real one, a slice here (the
-        programs pick them with short_conv's one-hot); the linear-attention layers' recurrent state
-        from delta_new, as it is after the window's real tokens."""
-        if DELTA_NEW in out:
-            caches["delta"] = np.array(out[DELTA_NEW], caches["delta"].dtype)
-        if "conv_new" in out:
-            gated = out["conv_new"]
-            state = caches["conv"]
-            caches["conv"] = np.concatenate([state.astype(gated.dtype, copy=False), gated],
-                                            axis=-1)[..., n:n + state.shape[-1]].copy()
+    def carry_modes(self, i: int, fn: str) -> dict[N.CarriedState, str]:
+        """How chunk i's function `fn` carries each state beside the K/V (`carry.carry_mode`), from
+        the manifest: what the function reads and returns for it."""
+        modes = self._carry.get((i, fn))
+        if modes is None:
+            model = self.chunks[i]["model"]
+            entry = function_entry(self.manifest, model, fn)
+            modes = self._carry[(i, fn)] = {c: carry_mode(entry, c, f"{model} ({fn})") for c in N.CARRIED}
+        return modes
+
+    def carry_states(self, i: int, fn: str, caches: dict[str, np.ndarray], out: dict[str, np.ndarray], n: int) -> None:
+        """Chunk i's conv and recurrent states after its function `fn` ran a window of n real tokens,
+        by the manifest's carry rules: a state the function reads as an input moves on by what it
+        returns (`CarriedState.after_window`: the conv state by the window's values, the last W up
+        to the n-th real one, a slice here where the programs pick them with short_conv's one-hot;
+        the recurrent state replaced by the one after the window's real tokens); a state the program
+        holds it writes itself, unless the backend handed the write back (the torch modules)."""
+        for carried, mode in self.carry_modes(i, fn).items():
+            if mode == FROM_OUTPUT or (mode == IN_STATE and carried.new in out):
+                caches[carried.key] = move(carried.after_window, caches[carried.key], out[carried.new], n)
 
     def run_window(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """Advance by up to `prefill_length` tokens; return their logits, float32 [n, vocab].
@@ -511,8 +532,8 @@ class Pipeline:
             return np.concatenate([self.run_window(ids[j:j + 1]) for j in range(len(ids))], axis=0)
         fn = bucket_function(fn, self.bucket(start + len(ids)), self.context_length)
         logits = self.forward(fn, self.window_inputs(window, start),
-                              lambda i, function, out: self.write_window(i, function, out, start, len(ids)),
-                              visible=start, state=lambda i: {WINDOW_TOKENS: np.array([len(ids)], np.int32)},
+                              lambda i, function, out: self.write_window(i, fn, function, out, start, len(ids)),
+                              visible=start, state=lambda i: {N.WINDOW_TOKENS: np.array([len(ids)], np.int32)},
                               host=self.host_inputs(fn, start, window.shape[1]))[:len(ids)]
         self.cache.tokens.extend(int(t) for t in ids)
         return logits
@@ -540,7 +561,7 @@ class Pipeline:
         mask[0, 0, np.arange(size), np.arange(size)] = 0
         mask[..., :n, :n] = tree_mask
         pending: list[tuple[int, str, dict]] = []
-        inputs = {"input_ids": ids, "position": np.array([start], np.int32), "depths": pos, "tree_mask": mask}
+        inputs = {N.INPUT_IDS: ids, N.POSITION: np.array([start], np.int32), N.DEPTHS: pos, N.TREE_MASK: mask}
         logits = self.forward(VERIFY, inputs, lambda i, function, out: pending.append((i, function, out)),
                               visible=start)[:n]
         self._tree = (start, size, np.asarray(token_ids, np.int32), pending)
@@ -557,15 +578,14 @@ class Pipeline:
             raise ValueError(f"an accepted path starts at the root (index 0), got {path}")
         slots = np.full(size, -1, np.int32)
         slots[path] = start + np.arange(len(path), dtype=np.int32)
-        where = {"slots": slots, **({"ring_slots": self.ring_slots(slots)} if self.ring else {})}
+        where = {N.SLOTS: slots, **({N.RING_SLOTS: self.ring_slots(slots)} if self.ring else {})}
         for i, function, out in pending:
             caches = self.cache.caches[i]
             if self.direct:
-                for key in ("k", "v"):
-                    if f"{key}_new" in out:
-                        caches[key][..., start:start + len(path)] = out[f"{key}_new"][..., path]
-                    if f"{key}_ring_new" in out:
-                        caches[f"{key}_ring"][..., where["ring_slots"][path]] = out[f"{key}_ring_new"][..., path]
+                for key, ring in zip(KV_KEYS + RING_KV_KEYS, (False, False, True, True)):
+                    if N.new(key) in out:
+                        columns = where[N.RING_SLOTS][path] if ring else slice(start, start + len(path))
+                        caches[key][..., columns] = out[N.new(key)][..., path]
             else:
                 self.updates.submit(i, functools.partial(self.update, function, caches, out, where))
         self.cache.tokens.extend(int(t) for t in ids[path])
@@ -611,7 +631,7 @@ class Pipeline:
             self.backend.release(part)
         if self.direct:  # as `forward` reads them: the masks up to the filled positions
             embs = [self.visible(emb, start) for emb, start in zip(embs, starts)]
-        hidden = [emb["hidden_states"] for emb in embs]  # per window (1, C, 1, S)
+        hidden = [emb[N.HIDDEN_STATES] for emb in embs]  # per window (1, C, 1, S)
         producers = {self.home[p][0] for shared in self.shared for rows in shared for p in rows}
         # per producer chunk, per window: its caches as read and its window K/V (what shared_inputs takes)
         kept: dict[int, list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]] = {}
@@ -621,27 +641,27 @@ class Pipeline:
                 read = self.chunk_caches(i, start, bucket_of(fn, self.context_length))
                 position = np.array([start], np.int32)
                 outs = [kept[c][w][1] if c in kept else {} for c in range(i)]
-                out = self.run_chunk(i, fn, {**embs[w], "position": position,
-                                             WINDOW_TOKENS: np.array([len(parts[w])], np.int32)},
+                out = self.run_chunk(i, fn, {**embs[w], N.POSITION: position,
+                                             N.WINDOW_TOKENS: np.array([len(parts[w])], np.int32)},
                                      hidden[w], read, outs, lambda c: kept[c][w][0])
                 if i in producers:  # copies: the writes below change the caches in place
                     kept.setdefault(i, []).append(({k: a.copy() for k, a in read.items()},
-                                                   {k: a.copy() for k, a in out.items() if k.endswith("_new")}))
-                hidden[w] = out["hidden_states_out"] if chunk["model"] != self.folded else out
+                                                   {k: a.copy() for k, a in out.items() if k in NEW_KV}))
+                hidden[w] = out[N.HIDDEN_STATES_OUT] if chunk["model"] != self.folded else out
                 # synchronous: the next window of this chunk reads the updated caches at once
                 if self.direct or self.stateful:
-                    self.write_window(i, None, out, start, len(parts[w]))
+                    self.write_window(i, fn, None, out, start, len(parts[w]))
                 else:
-                    self.carry_states(caches, out, len(parts[w]))
+                    self.carry_states(i, fn, caches, out, len(parts[w]))
                     if fn in chunk["cache_update"]:
-                        self.update(chunk["cache_update"][fn], caches, out, {"position": position})
+                        self.update(chunk["cache_update"][fn], caches, out, {N.POSITION: position})
             self.cache.caches[i] = None  # chunk i has seen every window
             self.backend.release(chunk["model"])
         # the LM head files, unless the last chunk carried the head (then `hidden` holds its outputs)
         outputs: list[dict[str, np.ndarray]] = [{} for _ in windows] if not self.folded else hidden
         for model in self.head_models:
             for out, (fn, _), h in zip(outputs, windows, hidden):
-                out.update(self.backend.predict(model, base_function(fn), {"hidden_states": h}))
+                out.update(self.backend.predict(model, base_function(fn), {N.HIDDEN_STATES: h}))
             self.backend.release(model)  # the cache-update model holds no weights and stays
         self.reset()
         return np.concatenate([self._join(out)[:len(part)] for out, part in zip(outputs, parts)], axis=0)

@@ -1,5 +1,7 @@
 /// Tensor names of the pipeline roles, as docs/manifest.md defines them. Shapes and dtypes always
 /// come from the manifest; only these role names are shared knowledge between exporter and host.
+/// The exporter's twin is `llama_ane/model/names.py`; both are checked against one table,
+/// `Fixtures/tensor_names.json` (TensorNamesTests here, tests/test_tensor_names.py there).
 enum TensorNames {
     static let inputIds = "input_ids"
     static let position = "position"
@@ -53,4 +55,11 @@ enum TensorNames {
     static let logitsPrefix = "logits_"
     /// A cache-update output `X_out` is the new value of its input `X`.
     static let updatedSuffix = "_out"
+
+    /// The cache update's output that is the new value of its input `name` (k_cache -> k_cache_out).
+    static func updated(_ name: String) -> String { name + updatedSuffix }
+    /// A KV-shared chunk's input of its producer's tensor `name` (k_cache -> shared_k_cache).
+    static func shared(_ name: String) -> String { sharedPrefix + name }
+    /// The LM head's output of vocabulary split `split` (logits_0, logits_1, ...).
+    static func logits(_ split: Int) -> String { "\(logitsPrefix)\(split)" }
 }
