@@ -720,6 +720,32 @@ def test_prompt_cache_finds_the_longest_shared_prefix_and_evicts_by_bytes():
     assert lru.lookup([7])[1] == 0 and lru.lookup([7])[0].tokens == []
 
 
+def test_prompt_cache_keeps_rings_and_carried_states_whole():
+    """A conv state (the last K-1 inputs) and a recurrent state have no token axis: an entry of fewer
+    tokens than their last axis keeps them whole, as it keeps a ring."""
+    from llama_ane.runtime.kv_cache import KVCache
+    from llama_ane.serve.prompt_cache import PromptCache
+
+    rng = np.random.default_rng(0)
+    states = {"conv": rng.standard_normal((1, 6, 1, 3)), "delta": rng.standard_normal((1, 2, 4, 4)),
+              "k_ring": rng.standard_normal((1, 8, 1, 16))}
+
+    def new_cache():
+        return KVCache([], [{"k": np.zeros((2, 8, 1, 64), np.float32),
+                             **{name: np.zeros_like(a, np.float32) for name, a in states.items()}}])
+
+    cache = new_cache()
+    cache.tokens = [5, 6]  # fewer than every state's last axis
+    for name, a in states.items():
+        cache.caches[0][name][:] = a
+    lru = PromptCache(new_cache, {"name": "fake"}, max_bytes=2**20)
+    lru.put(cache)
+    got, shared = lru.lookup([5, 6, 7])
+    assert shared == 2
+    for name, a in states.items():
+        np.testing.assert_array_equal(got.caches[0][name], a.astype(np.float32), err_msg=name)
+
+
 def test_request_bodies_are_checked_with_the_bad_field_named():
     from llama_ane.serve import protocol as p
 

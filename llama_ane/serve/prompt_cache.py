@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..runtime.kv_cache import KVCache, PromptCacheError, common_prefix, load_cache, save_cache
+from ..runtime.kv_cache import RING_KEYS, KVCache, PromptCacheError, common_prefix, load_cache, save_cache
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class PromptCache:
         if not tokens or self.max_bytes == 0 and self.folder is None:
             return
         n = len(tokens)
-        entry = _Entry(tokens, [{name: (a if name.endswith("_ring") else a[..., :n]).copy() for name, a in c.items()}
-                                for c in cache.caches])
+        entry = _Entry(tokens, [{name: (a if name in RING_KEYS else a[..., :n]).copy() for name, a in c.items()}
+                                for c in cache.caches])  # rings and carried states (conv, delta) whole
         spill: list[_Entry] = []
         with self._lock:
             for key in list(self._ram):
