@@ -96,7 +96,7 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
         from .quantize.auto import DEFAULT_BUDGET_PCT
 
         budget = request.quantize_budget
-        chosen = auto_recipe(ckpt, DEFAULT_BUDGET_PCT if budget is None else budget, say)
+        chosen = auto_recipe(ckpt, DEFAULT_BUDGET_PCT if budget is None else budget, say, progress)
         opts = dataclasses.replace(opts, quantize=QuantizeOptions.from_recipe(chosen))
         opts.check()
     plan = plan_export(ckpt.config, opts)

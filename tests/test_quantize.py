@@ -961,6 +961,7 @@ def test_quantize_auto_records_its_recipe_which_an_export_reuses(tiny_checkpoint
     r = run_export(ckpt, "-o", tmp_path / "auto", "--quantize", "auto", "--quantize-budget", "50", *common)
     assert r.exit_code == 0, r.output
     assert "auto:" in r.output and "measured on" in r.output
+    assert "ETA" not in r.output and "auto: choice 1: " in r.output  # --quiet: no progress, the choice still said
     m = read_manifest(tmp_path / "auto")
     recipe = m["quantization"]["recipe"]
     assert recipe["budget_pct"] == 50 and recipe["measured_pct"] is not None
@@ -972,6 +973,59 @@ def test_quantize_auto_records_its_recipe_which_an_export_reuses(tiny_checkpoint
     assert again["quantization"]["recipe"]["units"] == recipe["units"] and again["weights"] == m["weights"]
     r = CliRunner().invoke(__import__("llama_ane.cli", fromlist=["main"]).main, ["info", str(tmp_path / "auto")])
     assert r.exit_code == 0 and "quality   perplexity" in r.output and "just-in-time" in r.output, r.output
+
+
+@pytest.mark.export
+def test_quantize_auto_shows_each_phase_with_counts_and_an_eta(tiny_checkpoint, tmp_path):
+    """Off a terminal, each phase says its steps done of its total and an ETA, a line at a time;
+    each choice is said before it is checked."""
+    ckpt = tiny_checkpoint(num_hidden_layers=2, head_dim=32)
+    r = run_export(ckpt, "-o", tmp_path / "auto", "--quantize", "auto", "--quantize-budget", "50", "--no-verify",
+                   "--context-length", "64", "--prefill-length", "16", "--branches", "0")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    for phase, total, unit in (("calibrating", 2, "layers"), ("measuring", 6, "units"),
+                               ("checking choice 1", 7, "steps")):
+        shown = [ln for ln in lines if ln.startswith(f"auto: {phase}: ")]
+        assert shown and all("ETA" in ln for ln in shown), (phase, r.output)
+        assert shown[0].startswith(f"auto: {phase}: 1/{total} {unit}, "), shown
+        assert shown[-1].startswith(f"auto: {phase}: {total}/{total} {unit}, "), shown
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(p))
+             for p in ("auto: calibrating", "auto: measuring", "auto: choice 1: ", "auto: checking choice 1")]
+    assert order == sorted(order), r.output
+    assert "units" in next(ln for ln in lines if ln.startswith("auto: choice 1: "))
+
+
+def test_step_progress_lines_off_a_terminal_and_a_bar_on_one(monkeypatch):
+    import io
+
+    from llama_ane.export import progress
+
+    said = []
+    clock = iter(range(0, 1000, 2))  # each look at the clock 2 s later
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    p = progress.StepProgress("phase", 10, enabled=True, say=said.append, unit="unit", stream=io.StringIO())
+    for n in range(10):
+        p.advance(f"unit {n}")
+    p.close()
+    assert said[0].startswith("phase: 1/10 units, 2 s, ETA 18 s (unit 0)"), said
+    assert said[-1].startswith("phase: 10/10 units, ") and "ETA 0 s" in said[-1]
+    assert 3 <= len(said) < 10  # a line every few seconds, not one a step
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    said.clear()
+    screen = Terminal()
+    p = progress.StepProgress("phase", 3, enabled=True, say=said.append, stream=screen)
+    for _ in range(3):
+        p.advance()
+    p.close()
+    assert not said and "phase" in screen.getvalue()
+    quiet = progress.StepProgress("phase", 3, enabled=False, say=said.append, stream=screen)
+    quiet.advance()
+    assert not said and quiet.bar is None
+    assert progress.duration(185) == "3 min 05 s" and progress.duration(3720) == "1 h 02 min"
 
 
 @pytest.mark.parametrize("options, words", [

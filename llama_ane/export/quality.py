@@ -98,20 +98,39 @@ def quality_model(ckpt):
     return Float32Model(table, layers, _with_weights(ckpt, norm, "model.norm."), head, Rotary(config=hf))
 
 
-def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None]):
+def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: bool = False):
     """`--quantize auto`: the recipe of fewest bytes within `budget_pct` (quantize.auto), measured
-    on the calibration text and checked on the eval text."""
+    on the calibration text and checked on the eval text. `progress`: each phase (calibration, the
+    units' measurement, each choice's check) shows its steps done and an ETA (export.progress.StepProgress)."""
+    import functools
+
     from ..quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
     from ..quantize.schemes import QuantizeError
+    from .progress import StepProgress
 
     if unmeasured(ckpt):
         raise QuantizeError(f"--quantize auto cannot measure a {ckpt.config.model_type} checkpoint yet; choose a "
                             "scheme (e.g. --quantize lut6) and check it with llama-ane eval")
     from ..quantize.sensitivity import choose_recipe
 
-    importance = calibrate(ckpt, say)
+    phase = functools.partial(StepProgress, enabled=progress, say=say)
+    layers = ckpt.config.num_hidden_layers
+    bar = phase("auto: calibrating", layers, unit="layer")
+    seen: set[str] = set()
+
+    def on_found(key: str, _value) -> None:  # a layer's first key: the one before it is done; "heads": the last
+        layer = key.split(".")[1] if key.startswith("layers.") else key
+        if layer not in seen:
+            seen.add(layer)
+            if len(seen) > 1:
+                bar.advance(f"layer {len(seen) - 1} of {layers}")
+    try:
+        importance = calibrate(ckpt, say, on_found)
+    finally:
+        bar.close()
     return choose_recipe(quality_model(ckpt), text_ids(ckpt, calibration_text(), SENSITIVITY_TOKENS),
-                         text_ids(ckpt, eval_text(), CHECK_TOKENS), importance, budget_pct, "the eval text", say)
+                         text_ids(ckpt, eval_text(), CHECK_TOKENS), importance, budget_pct, "the eval text", say,
+                         phase=phase)
 
 
 def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[str], None]) -> float:

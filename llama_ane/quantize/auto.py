@@ -250,6 +250,25 @@ def most_lossy(forms: list[Compression | None]) -> Compression | None:
     return min(compressed, key=lambda c: (c.bits, c.kind != "lut"), default=None)
 
 
+def short(c: Compression | None) -> str:
+    """A form by its scheme alone: "lut6", "lut4", "fp16"."""
+    return "fp16" if c is None else c.scheme
+
+
+def tally(forms: dict[str, Compression | None]) -> str:
+    """How many units take each scheme, most first: "55 of 60 units lut6, 5 lut4" (every unit
+    counted; "all 60 units lut6" when they agree)."""
+    counts: dict[str, int] = {}
+    for c in forms.values():
+        counts[short(c)] = counts.get(short(c), 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    total = len(forms)
+    if len(ranked) == 1:
+        return f"all {total} units {ranked[0][0]}" if total > 1 else f"1 unit {ranked[0][0]}"
+    head = f"{ranked[0][1]} of {total} units {ranked[0][0]}"
+    return ", ".join([head] + [f"{n} {scheme}" for scheme, n in ranked[1:]])
+
+
 def summary(forms: dict[str, Compression | None], part: str) -> dict[str, int]:
     """How many of `part`'s units take each form ("lut6 group 8": 12, ...)."""
     counts: dict[str, int] = {}
