@@ -1028,6 +1028,53 @@ def test_step_progress_lines_off_a_terminal_and_a_bar_on_one(monkeypatch):
     assert progress.duration(185) == "3 min 05 s" and progress.duration(3720) == "1 h 02 min"
 
 
+@pytest.fixture
+def no_calibration(monkeypatch):
+    """Fail the test if anything calibrates (the first work --quantize auto does)."""
+    from llama_ane import api
+    from llama_ane.export import quality
+
+    def refused(*_args, **_kwargs):
+        pytest.fail("the calibration ran before the refusal")
+    monkeypatch.setattr(quality, "calibrate", refused)
+    monkeypatch.setattr(api, "calibrate", refused)
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--target", "coreai"], ["--target coreai", "drop --quantize auto"]),
+    (["--target", "iOS16"], ["--quantize auto", "--target iOS18", "iOS16 has one LUT per tensor"]),
+    (["--target", "iOS17"], ["--quantize auto", "--target iOS18", "iOS17 has one LUT per tensor"]),
+    (["--target", "macOS13"], ["--quantize auto", "--target macOS15", "macOS13 has one LUT per tensor"]),
+    (["--target", "macOS14"], ["--quantize auto", "--target macOS15", "macOS14 has one LUT per tensor"]),
+    (["--precision", "fp32"], ["--quantize", "drop --precision fp32"]),
+])
+def test_quantize_auto_refuses_what_it_cannot_make_before_it_calibrates(tiny_checkpoint, tmp_path, no_calibration,
+                                                                        options, words):
+    out = tmp_path / "out"
+    r = run_export(tiny_checkpoint(), "-o", out, "--context-length", "64", "--prefill-length", "32",
+                   "--quantize", "auto", *options)
+    assert r.exit_code != 0
+    error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1 and all(w in error[0] for w in words), r.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["lfm2_tied_gqa", "lfm3_tied_gqa", "olmo_hybrid_tied_gqa", "phi3_plain",
+                                  "granite_tied"])
+def test_quantize_auto_refuses_a_family_it_cannot_measure_before_it_calibrates(tmp_path, no_calibration, case):
+    from support.families import CASES, make_family_checkpoint
+
+    ckpt = make_family_checkpoint(tmp_path / case, **CASES[case])
+    r = run_export(ckpt, "-o", tmp_path / "out", "--context-length", "64", "--prefill-length", "32",
+                   "--quantize", "auto")
+    assert r.exit_code != 0
+    error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    family = CASES[case]["model_type"]
+    assert len(error) == 1 and "--quantize auto" in error[0] and family in error[0] and "--quantize lut6" in error[0], \
+        r.output
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("options, words", [
     (["--quantize", "auto", "--quantize-mlp", "lut4"], ["--quantize auto gives every part", "--quantize-embeddings"]),
     (["--quantize", "lut4", "--quantize-budget", "3"], ["--quantize-budget", "--quantize auto"]),

@@ -158,7 +158,7 @@ class QuantizeRequest:
         if recipe is not None:
             return QuantizeOptions.from_recipe(recipe)
         if self.quantize == "auto":
-            return QuantizeOptions()
+            return QuantizeOptions(auto=True)
         return QuantizeOptions.from_cli(self.quantize, **self.per_part, group_size=self.group_size,
                                         block_size=self.block_size, lut_block_size=self.lut_block_size)
 
@@ -366,6 +366,10 @@ def check_coreai(opts: ExportOptions) -> None:
     """Refuse what --target coreai does not build: compression other than one LUT scheme for every
     part (coreai-opt palettization), and scaled or blockwise forms."""
     q = opts.quantize
+    if q.auto:
+        raise ExportOptionsError("--target coreai compresses every part with one LUT scheme, not a form per layer: "
+                                 "drop --quantize auto, use --quantize lut8, lut6 or lut4 (or an iOS18/macOS15 "
+                                 "target for auto)")
     if q.recipe is not None:
         raise ExportOptionsError("--target coreai compresses every part with one LUT scheme: drop --quantize auto "
                                  "and --quantize-recipe, use --quantize lut8, lut6 or lut4")

@@ -116,13 +116,15 @@ class QuantizeOptions:
     """The scheme of each part, and the group and block sizes; `None` sizes mean the defaults
     (`lut_block_size` None: LUTs without scales). A `recipe` (quantize.auto.Recipe: `--quantize
     auto` or `--quantize-recipe`) instead gives every layer's attention and MLP, the embeddings
-    and the LM head a form of their own."""
+    and the LM head a form of their own. `auto`: `--quantize auto` before its recipe is chosen,
+    checked against the target like the forms it chooses from (quantize.auto.CANDIDATES)."""
 
     schemes: dict[str, str] = field(default_factory=lambda: {p: "none" for p in PARTS})
     group_size: int | None = None
     block_size: int | None = None
     lut_block_size: int | None = None
     recipe: "Recipe | None" = None
+    auto: bool = False
 
     @classmethod
     def from_cli(cls, quantize: str = "none", *, embeddings: str | None = None, attention: str | None = None,
@@ -143,6 +145,8 @@ class QuantizeOptions:
 
     @property
     def active(self) -> bool:
+        if self.auto:
+            return True
         if self.recipe is not None:
             return any(c is not None for c in self.recipe.forms.values())
         return any(s != "none" for s in self.schemes.values())
@@ -177,6 +181,10 @@ class QuantizeOptions:
         if target in GROUPED_TARGETS or not self.active:
             return
         platform = "macOS15" if target.startswith("macOS") else "iOS18"
+        if self.auto:
+            raise QuantizeError(f"--quantize auto chooses LUTs per group of channels (lut4 also scaled per channel), "
+                                f"which need --target {platform}: {target} has one LUT per tensor; use --target "
+                                f"{platform}, or a scheme such as --quantize lut6 on {target}")
         if self.recipe is not None:
             for unit, c in self.recipe.forms.items():
                 if c is not None and (c.group_size or c.scaled or c.kind == "int" and (c.bits < 8 or c.block_size
