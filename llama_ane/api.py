@@ -114,19 +114,11 @@ def export_model(source: str | Path | None, out: str | Path, *, force: bool = Fa
         + (f", KV caches in {'Core AI' if target == COREAI else 'Core ML'} states" if opts.kv_cache == "state" else "")
         + (f", verify window {opts.verify_window}" if opts.verify_window else ""))
     if opts.quantize.active:
-        def granularity(d: dict) -> str:
-            sizes = []  # the LUT's group, then the block of its scales or of the integers' scales
-            if "group_size" in d:
-                sizes.append("one LUT per tensor" if d["group_size"] == 0 else f"group {d['group_size']}")
-            if "block_size" in d:
-                sizes.append("per channel" if d["block_size"] == 0 else f"block {d['block_size']}")
-            return f" ({', scaled per '.join(sizes)})" if sizes else ""
+        from .quantize.auto import weights_label
+
         stored, dense = sum(p.weight_bytes for p in plan.packages), sum(p.dense_bytes for p in plan.packages)
-        described = opts.quantize.describe(target)
-        say("weights: " + ", ".join(f"{part} {d['scheme']}{granularity(d)}" if "units" not in d else
-                                    f"{part} " + " + ".join(f"{n} x {form}" for form, n in d["units"].items())
-                                    for part, d in described.items() if part in PARTS)
-            + f"; {stored / 1e6:.1f} MB in packages ({dense / 1e6:.1f} MB dense)")
+        say(f"weights: {weights_label(opts.quantize.describe(target))}; {stored / 1e6:.1f} MB in packages "
+            f"({dense / 1e6:.1f} MB dense)")
     say(f"memory: {memory.describe()}")
 
     gate = {"with_transformers": with_transformers} if verify else None

@@ -49,7 +49,9 @@ class EvalReport:
         return asdict(self)
 
     def __str__(self) -> str:
-        schemes = ", ".join(f"{part} {d['scheme']}" for part, d in (self.quantization or {}).items())
+        from .quantize.auto import weights_label
+
+        schemes = weights_label(self.quantization) if self.quantization else ""
         lines = [f"eval {self.export_dir}: backend {self.backend} ({self.precision})"
                  + (f"; weights: {schemes}" if schemes else ""),
                  f"  {self.tokens} tokens in {self.windows} window(s), {self.predictions} predictions",

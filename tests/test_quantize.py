@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import shutil
 from pathlib import Path
@@ -895,6 +896,67 @@ def test_device_paths_read_from_a_manifest():
     assert device_paths(mixed)["mlp"] == "1 x lut4 group 16: just-in-time, 1 x lut6 group 8: just-in-time"
 
 
+def test_forms_are_labelled_in_plain_words():
+    from llama_ane.quantize.auto import CANDIDATES, _parse_label, label
+
+    assert [label(c) for c in CANDIDATES] == ["lut4 group 16, scaled per channel", "lut6 group 8", "lut8 group 16"]
+    assert label(Compression("lut4", group_size=0, block_size=32, scaled=True)) == "lut4 per tensor, scaled per block 32"
+    assert label(Compression("int8", block_size=0, symmetric=True)) == "int8 per channel"
+    assert label(Compression("int4", block_size=32)) == "int4 block 32" and label(None) == "fp16"
+    for c in CANDIDATES:
+        assert _parse_label(label(c)) == c
+    assert _parse_label("lut4 group 16, scaled per per channel") == CANDIDATES[0]  # as earlier exports wrote it
+
+
+def sixty_units() -> dict:
+    """A recipe of 29 layers (60 units): every unit lut6 but 5 MLPs at lut4."""
+    from llama_ane.quantize.auto import CANDIDATES, units
+
+    lut4, lut6 = CANDIDATES[:2]
+    return {u: lut4 if u in {f"layers.{n}.mlp" for n in range(5)} else lut6 for u in units(29)}
+
+
+def test_a_recipe_is_labelled_exactly():
+    from llama_ane.quantize.auto import CANDIDATES, Recipe, recipe_label, units, weights_label
+
+    text = recipe_label(sixty_units())
+    assert text.startswith("55 of 60 units lut6, 5 lut4 ("), text
+    assert "attention lut6;" in text and "mlp 24 lut6, 5 lut4;" in text and "embeddings lut6;" in text
+    assert "lut6: group 8" in text and "lut4: group 16, scaled per channel" in text
+    assert text in (Path(__file__).parents[1] / "docs" / "quantization.md").read_text()  # the docs' example
+    described = QuantizeOptions.from_recipe(Recipe(sixty_units(), budget_pct=5.0)).describe("iOS18")
+    assert weights_label(described) == f"auto recipe: {text}"
+    assert "attention lut4" not in weights_label(described)  # not each part's most lossy form
+    same = recipe_label({u: CANDIDATES[1] for u in units(2)})
+    assert same.startswith("all 6 units lut6 (embeddings lut6; attention lut6; mlp lut6; lm_head lut6"), same
+    # two forms of one scheme are spelled out in full
+    mixed = recipe_label({"layers.0.mlp": CANDIDATES[0], "layers.1.mlp": Compression("lut4", group_size=8)})
+    assert mixed.startswith("1 of 2 units lut4 group 16, scaled per channel, 1 lut4 group 8 (mlp "), mixed
+
+
+def test_fixed_schemes_are_labelled_per_part():
+    from llama_ane.quantize.auto import weights_label
+
+    assert weights_label(QuantizeOptions.from_cli("lut4").describe("iOS18")) == \
+        "lut4 group 16, scaled per channel (every part)"
+    assert weights_label(QuantizeOptions.from_cli("lut6").describe("iOS17")) == "lut6 per tensor (every part)"
+    assert weights_label(QuantizeOptions.from_cli("lut4", embeddings="lut8", lm_head="none").describe("iOS18")) == \
+        ("embeddings lut8 group 16; attention lut4 group 16, scaled per channel; mlp lut4 group 16, scaled per "
+         "channel; lm_head fp16")
+    assert weights_label(QuantizeOptions().describe("iOS18")) == "fp16"
+
+
+def test_eval_labels_a_recipe_exactly():
+    from llama_ane.evaluate import EvalReport
+    from llama_ane.quantize.auto import Recipe, recipe_label
+
+    described = QuantizeOptions.from_recipe(Recipe(sixty_units(), budget_pct=5.0)).describe("iOS18")
+    report = EvalReport("out", "mil", "fp32", 100, 1, 99, 12.5, quantization=described)
+    first = str(report).splitlines()[0]
+    assert first.endswith(f"; weights: auto recipe: {recipe_label(sixty_units())}"), first
+    assert "per per" not in str(report)
+
+
 @pytest.fixture(scope="module")
 def tiny_quality(tiny_checkpoint):
     from llama_ane.checkpoint.loader import load_checkpoint
@@ -962,6 +1024,7 @@ def test_quantize_auto_records_its_recipe_which_an_export_reuses(tiny_checkpoint
     assert r.exit_code == 0, r.output
     assert "auto:" in r.output and "measured on" in r.output
     assert "ETA" not in r.output and "auto: choice 1: " in r.output  # --quiet: no progress, the choice still said
+    assert "weights: auto recipe: " in r.output and "per per" not in r.output, r.output
     m = read_manifest(tmp_path / "auto")
     recipe = m["quantization"]["recipe"]
     assert recipe["budget_pct"] == 50 and recipe["measured_pct"] is not None
@@ -973,6 +1036,11 @@ def test_quantize_auto_records_its_recipe_which_an_export_reuses(tiny_checkpoint
     assert again["quantization"]["recipe"]["units"] == recipe["units"] and again["weights"] == m["weights"]
     r = CliRunner().invoke(__import__("llama_ane.cli", fromlist=["main"]).main, ["info", str(tmp_path / "auto")])
     assert r.exit_code == 0 and "quality   perplexity" in r.output and "just-in-time" in r.output, r.output
+    from llama_ane.quantize.auto import recipe_forms, recipe_label
+
+    exact = recipe_label(recipe_forms(m["quantization"]))
+    assert re.match(r"(all 6 units|\d of 6 units) lut\d", exact), exact
+    assert f"recipe    {exact}" in r.output and "per per" not in r.output, r.output
 
 
 @pytest.mark.export

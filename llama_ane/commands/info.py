@@ -187,12 +187,15 @@ def _describe(m: dict, config_path: str | None) -> None:
     if m["lm_head"].get("folded_into"):
         click.echo(f"  {'lm_head':<12} computed in {m['lm_head']['folded_into']} (vocab splits "
                    f"{m['lm_head']['vocab_splits']}): no call of its own")
-    from ..quantize.auto import device_paths
+    from ..quantize.auto import device_paths, recipe_forms, recipe_label
 
     quantization = m.get("quantization", {})
     paths = device_paths(quantization)  # each form with how the Neural Engine runs it
     if any(p != "fp16" for p in paths.values()):
         click.echo("  weights   " + "; ".join(f"{part} {p}" for part, p in paths.items()))
+    forms = recipe_forms(quantization)
+    if forms:
+        click.echo(f"  recipe    {recipe_label(forms)}")
     if any(d.get("scheme", "").startswith("lut") or "lut" in str(d.get("units", "")) for d in quantization.values()
            if isinstance(d, dict)):
         from ..contract.device_model import CHIPS

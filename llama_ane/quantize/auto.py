@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .schemes import SCHEMES, Compression, QuantizeError
+from .schemes import PARTS, SCHEMES, Compression, QuantizeError
 
 DEFAULT_BUDGET_PCT = 5.0  # --quantize-budget: perplexity increase allowed, percent
 WARN_PCT = 10.0  # a measured increase beyond this is said plainly at export
@@ -68,16 +68,16 @@ def part_of_unit(unit: str) -> str:
 
 
 def label(c: Compression | None) -> str:
-    """A form in a few words: "lut4 group 16", "lut4 group 16, scaled per block 32", "fp16"."""
+    """A form in a few words: "lut6 group 8", "lut4 group 16, scaled per channel", "lut4 per tensor,
+    scaled per block 32", "int8 per channel", "int4 block 32", "fp16"."""
     if c is None:
         return "fp16"
-    d = c.to_dict()
-    sizes = []
-    if "group_size" in d:
-        sizes.append("per tensor" if d["group_size"] == 0 else f"group {d['group_size']}")
-    if "block_size" in d:
-        sizes.append("per channel" if d["block_size"] == 0 else f"block {d['block_size']}")
-    return c.scheme + (" " + ", scaled per ".join(sizes) if sizes else "")
+    if c.kind == "lut":
+        text = f"{c.scheme} " + ("per tensor" if c.group_size == 0 else f"group {c.group_size}")
+        if c.scaled:
+            text += ", scaled per " + ("channel" if c.block_size == 0 else f"block {c.block_size}")
+        return text
+    return f"{c.scheme} " + ("per channel" if c.block_size == 0 else f"block {c.block_size}")
 
 
 def from_dict(d: object, where: str) -> Compression | None:
@@ -255,18 +255,76 @@ def short(c: Compression | None) -> str:
     return "fp16" if c is None else c.scheme
 
 
-def tally(forms: dict[str, Compression | None]) -> str:
-    """How many units take each scheme, most first: "55 of 60 units lut6, 5 lut4" (every unit
-    counted; "all 60 units lut6" when they agree)."""
+def tally(forms: dict[str, Compression | None], name=short) -> str:
+    """How many units take each form (by `name`: its scheme, or `label`), most first: "55 of 60
+    units lut6, 5 lut4" (every unit counted; "all 60 units lut6" when they agree)."""
     counts: dict[str, int] = {}
     for c in forms.values():
-        counts[short(c)] = counts.get(short(c), 0) + 1
+        counts[name(c)] = counts.get(name(c), 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     total = len(forms)
     if len(ranked) == 1:
         return f"all {total} units {ranked[0][0]}" if total > 1 else f"1 unit {ranked[0][0]}"
     head = f"{ranked[0][1]} of {total} units {ranked[0][0]}"
-    return ", ".join([head] + [f"{n} {scheme}" for scheme, n in ranked[1:]])
+    return ", ".join([head] + [f"{n} {form}" for form, n in ranked[1:]])
+
+
+def recipe_label(forms: dict[str, Compression | None]) -> str:
+    """A recipe exactly: its units per form, then per part, then what each scheme's form is:
+    "5 of 8 units lut6, 2 lut8, 1 lut4 (embeddings lut8; attention lut6; mlp 2 lut6, 1 lut4;
+    lm_head lut8; lut8: group 16; lut6: group 8; lut4: group 16, scaled per channel)". Forms are
+    named by their scheme where each scheme has one form in the recipe, else in full."""
+    schemes: dict[str, set] = {}
+    for c in forms.values():
+        schemes.setdefault(short(c), set()).add(c)
+    name = short if all(len(v) == 1 for v in schemes.values()) else label
+    parts = []
+    for part in PARTS:
+        mine = {u: c for u, c in forms.items() if part_of_unit(u) == part}
+        if mine:
+            counts = tally(mine, name)
+            parts.append(f"{part} " + (name(next(iter(mine.values()))) if counts.startswith(("all ", "1 unit"))
+                                       else counts.replace(f" of {len(mine)} units", "")))
+    spelled = [f"{c.scheme}: {label(c).removeprefix(c.scheme + ' ')}" for c in dict.fromkeys(forms.values())
+               if c is not None] if name is short else []
+    return f"{tally(forms, name)} ({'; '.join(parts + spelled)})"
+
+
+def recipe_forms(quantization: dict) -> dict[str, Compression | None] | None:
+    """Each unit's form under the recipe of a manifest's quantization section; None without one
+    (or with one this reader cannot parse)."""
+    recipe = quantization.get("recipe")
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("units"), dict):
+        return None
+    try:
+        return {u: from_dict(d, u) for u, d in recipe["units"].items()} or None
+    except QuantizeError:
+        return None
+
+
+def weights_label(quantization: dict) -> str:
+    """How an export's weights are compressed, exactly, from its manifest's quantization section
+    (QuantizeOptions.describe): under a recipe `recipe_label` ("auto recipe: ..."), else each part's
+    form ("lut6 group 8 (every part)", "embeddings lut8 group 16; attention lut4 group 16, scaled
+    per channel; ..."), "fp16" when none is compressed. What this reader cannot parse is shown by
+    its scheme."""
+    forms = recipe_forms(quantization)
+    if forms:
+        return f"{'auto ' if quantization['recipe'].get('budget_pct') is not None else ''}recipe: {recipe_label(forms)}"
+    described = {}
+    for part, d in quantization.items():
+        if part == "recipe" or not isinstance(d, dict):
+            continue
+        try:
+            described[part] = label(from_dict({k: v for k, v in d.items()
+                                               if k in ("scheme", "group_size", "block_size", "symmetric")}, part))
+        except QuantizeError:
+            described[part] = str(d.get("scheme"))
+    if not described or all(v == "fp16" for v in described.values()):
+        return "fp16"
+    if len(set(described.values())) == 1 and len(described) == len(PARTS):
+        return f"{next(iter(described.values()))} (every part)"
+    return "; ".join(f"{part} {form}" for part, form in described.items())
 
 
 def summary(forms: dict[str, Compression | None], part: str) -> dict[str, int]:
@@ -291,7 +349,7 @@ def device_paths(quantization: dict) -> dict[str, str]:
             forms = []
             for form, n in d["units"].items():
                 c = _parse_label(form)
-                forms.append(f"{n} x {form}" + (f": {c.device_path}" if c is not None else ""))
+                forms.append(f"{n} x {form if c is None else label(c)}" + (f": {c.device_path}" if c is not None else ""))
             out[part] = ", ".join(forms)
             continue
         try:
@@ -309,7 +367,8 @@ def _parse_label(text: str) -> Compression | None:
     for c in _LABELLED:
         if label(c) == text:
             return c
-    m = re.fullmatch(r"(lut\d) (?:group (\d+)|per tensor)(?:, scaled per (?:block (\d+)|channel))?", text)
+    m = re.fullmatch(r"(lut\d) (?:group (\d+)|per tensor)(?:, scaled per (?:block (\d+)|(?:per )?channel))?", text)
+    # ("scaled per per channel": how exports before the fix spelled a per-channel scale)
     if m is None or m.group(1) not in SCHEMES:
         return None
     group = int(m.group(2) or 0)
