@@ -35,7 +35,7 @@ ALLOWED = {
     "runtime": {"model", "checkpoint", "contract", "mil"},
     "reference": {"checkpoint"},
     "verify": {"model", "checkpoint", "contract", "reference", "runtime"},
-    "evaluate": {"contract", "runtime", "verify"},
+    "evaluate": {"contract", "quantize", "runtime", "verify"},
     "serve": {"contract", "runtime"},
     "api": {"checkpoint", "contract", "export", "quantize", "reference", "verify"},
 }
