@@ -1,7 +1,7 @@
 # llama-ane: set up, run, test.  `make run` exports the default model and generates;
-# `make test` runs the test suite (Python, notebooks, Swift) as CI does, the Python tests on every core;
+# `make test` runs the whole test suite (Python, every tier, notebooks, Swift) as CI does, the Python tests on every core;
 # `make test-quick` (or a plain `pytest`) runs the unit tier only (no export, no subprocess, no SmolLM2);
-# `make test-long` runs the long tier the default run leaves out (real-weights runs of many minutes).
+# `make test-long` runs the long tier alone (real-weights runs of many minutes).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -31,7 +31,7 @@ test: test-python test-swift
 
 # pytest-xdist: one worker a core, each test file on one worker (its module fixtures made once)
 test-python: setup
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not long"
+	$(PY) -m pytest -q -n auto --dist loadfile -m ""
 
 test-long: setup
 	$(PY) -m pytest -q -m long
