@@ -12,7 +12,7 @@ from llama_ane.model.layers.delta_net import SPAN, DeltaLayer, DeltaShape, gated
 from llama_ane.reference import token_by_token
 
 from support.delta import (check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
-                           check_padded_windows, check_whole_sequence)
+                           check_padded_windows, check_whole_sequence, reference_run)
 from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
@@ -74,11 +74,8 @@ def ours(hf: OlmoHybridLinearAttentionDecoderLayer, shape: str) -> DeltaLayer:
 @pytest.fixture(scope="module", params=list(SHAPES))
 def pair(request):
     cfg, hf = reference(request.param)
-    x = torch.randn(1, TOKENS, C, generator=torch.Generator().manual_seed(1))
-    cache = DynamicCache(config=cfg)
-    with torch.no_grad(), token_by_token(MODELING):
-        y = hf(x, cache=cache)
-    states = cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0)
+    with token_by_token(MODELING):
+        x, y, states = reference_run(cfg, hf, TOKENS, C)
     return hf, ours(hf, request.param), delta_shape(request.param), x, y, states
 
 

@@ -12,12 +12,12 @@ import torch
 from llama_ane.model.layers.delta_net import DeltaLayer, DeltaShape, delta_layer_mil
 from llama_ane.model.layers import Graph
 
-from support.delta import (channels_first, check_chunked_rule, check_fp16_window,
-                           check_mil_builder_on_a_padded_window, check_padded_windows, check_whole_sequence)
+from support.delta import (channels_first, check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
+                           check_padded_windows, check_whole_sequence, reference_run)
 from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, Qwen3_5TextConfig  # noqa: E402
+from transformers import Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer  # noqa: E402
 from conftest import convert_to  # noqa: E402
 
@@ -62,11 +62,7 @@ def ours(hf: Qwen3_5DecoderLayer, shape: str) -> DeltaLayer:
 @pytest.fixture(scope="module", params=list(SHAPES))
 def pair(request):
     cfg, hf = reference(request.param)
-    x = torch.randn(1, TOKENS, C, generator=torch.Generator().manual_seed(1))
-    cache = DynamicCache(config=cfg)
-    with torch.no_grad():
-        y = hf(x, position_embeddings=None, cache=cache)
-    states = cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0)
+    x, y, states = reference_run(cfg, hf, TOKENS, C, position_embeddings=None)
     return hf, ours(hf, request.param), delta_shape(request.param), x, y, states
 
 

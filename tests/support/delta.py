@@ -29,6 +29,18 @@ def carried(state: torch.Tensor, net: DeltaShape) -> torch.Tensor:
     return state.reshape(1, net.v_heads, net.dk, net.dv)
 
 
+def reference_run(cfg, hf, tokens: int, channels: int, **call):
+    """transformers' linear-attention decoder layer `hf` over `tokens` random inputs (seed 1) from
+    empty states: the inputs, its outputs and its conv and recurrent states after them."""
+    from transformers import DynamicCache
+
+    x = torch.randn(1, tokens, channels, generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=cfg)
+    with torch.no_grad():
+        y = hf(x, cache=cache, **call)
+    return x, y, (cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0))
+
+
 def check_chunked_rule(s: int, beta_max: float, span: int = 0) -> None:
     """gated_delta over one window of S tokens (in spans of `span`) from a random state, with beta in
     [0, beta_max], equals transformers' token loop (torch_recurrent_gated_delta_rule)."""
