@@ -484,11 +484,12 @@ class Pipeline:
         if function is None and not (self.direct or self.stateful):  # a chunk of conv layers only keeps no K/V
             return
         if self.direct or self.stateful:
-            for key, ring in zip(KV_KEYS + RING_KV_KEYS, (False, False, True, True)):
+            for key in KV_KEYS + RING_KV_KEYS:
                 if N.new(key) not in out:
                     continue
                 # n <= R: no ring slot written twice
-                columns = self.ring_slots(position + np.arange(n)) if ring else slice(position, position + n)
+                columns = (self.ring_slots(position + np.arange(n)) if key in RING_KV_KEYS
+                           else slice(position, position + n))
                 caches[key][..., columns] = out[N.new(key)][..., :n]
             return
         self.updates.submit(i, functools.partial(
@@ -582,9 +583,9 @@ class Pipeline:
         for i, function, out in pending:
             caches = self.cache.caches[i]
             if self.direct:
-                for key, ring in zip(KV_KEYS + RING_KV_KEYS, (False, False, True, True)):
+                for key in KV_KEYS + RING_KV_KEYS:
                     if N.new(key) in out:
-                        columns = where[N.RING_SLOTS][path] if ring else slice(start, start + len(path))
+                        columns = where[N.RING_SLOTS][path] if key in RING_KV_KEYS else slice(start, start + len(path))
                         caches[key][..., columns] = out[N.new(key)][..., path]
             else:
                 self.updates.submit(i, functools.partial(self.update, function, caches, out, where))
