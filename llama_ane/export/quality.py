@@ -53,17 +53,19 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
     return [i for i in ids if i < ckpt.config.vocab_size]
 
 
-def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None) -> dict:
+def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None,
+              grams: bool = False) -> dict:
     """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
     float32, one layer at a time, on the first `calibration_tokens(config)` tokens of
-    `calibration_text`.
+    `calibration_text` (with `grams`, also each projection's input second moments, which
+    error-compensated LUT codes are chosen against).
     `on_found(key, array)` gets each layer's as soon as it is known (see activation_importance).
     The exporter runs it as one of its worker jobs, beside the compression it feeds."""
     from ..reference import activation_importance
 
     t0 = time.perf_counter()
     ids = text_ids(ckpt, calibration_text(), calibration_tokens(ckpt.config))
-    importance = activation_importance(ckpt, ids, on_found)
+    importance = activation_importance(ckpt, ids, on_found, grams)
     say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
 
