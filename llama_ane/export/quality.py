@@ -106,7 +106,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
     units' measurement, each choice's check) shows its steps done and an ETA (export.progress.StepProgress)."""
     import functools
 
-    from ..quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
+    from ..quantize.auto import CANDIDATES, CHECK_TOKENS, SENSITIVITY_TOKENS
     from ..quantize.schemes import QuantizeError
     from .progress import StepProgress
 
@@ -127,7 +127,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
             if len(seen) > 1:
                 bar.advance(f"layer {len(seen) - 1} of {layers}")
     try:
-        importance = calibrate(ckpt, say, on_found)
+        importance = calibrate(ckpt, say, on_found, grams=any(c.compensated for c in CANDIDATES))
     finally:
         bar.close()
     return choose_recipe(quality_model(ckpt), text_ids(ckpt, calibration_text(), SENSITIVITY_TOKENS),
@@ -147,7 +147,8 @@ def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[s
     forms = {u: quantize.compression(part_of_unit(u), target, None if quantize.recipe is None else u)
              for u in units(ckpt.config.num_hidden_layers)}
     ids = text_ids(ckpt, eval_text(), CHECK_TOKENS)
-    change = perplexity_change(quality_model(ckpt), forms, ids, calibrate(ckpt, say))
+    grams = any(c is not None and c.compensated for c in forms.values())
+    change = perplexity_change(quality_model(ckpt), forms, ids, calibrate(ckpt, say, grams=grams))
     say(f"quality: perplexity {change:+.2f}% against fp16 on {len(ids)} tokens of the eval text")
     if change > WARN_PCT:
         say(f"warning: these weights lose {change:.0f}% perplexity (more than {WARN_PCT:g}%). Use --quantize auto "
