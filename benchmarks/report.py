@@ -276,6 +276,11 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
                          "Perplexity on the shipped held-out prose (mil backend) and agreement "
                          "with the fp16 export.", [quantize_smollm2]),
+    "quantize_sensitivity": ("`--quantize auto`: the sensitivity phase alone",
+                             "python benchmarks/quantize_sensitivity.py",
+                             "Seconds to measure every unit (quantize.sensitivity.measure_units) on SmolLM2 and on a "
+                             "Llama-3.2-1B-shaped model with random weights (some of its layers, the 16-layer time "
+                             "extrapolated and labelled so), with the load average when the row started.", [generic]),
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length, the fastest of the runs. "

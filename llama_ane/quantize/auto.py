@@ -3,8 +3,9 @@
 The model is cut into units: "embeddings", "lm_head", and "layers.N.attention" / "layers.N.mlp"
 for every decoder layer N. Each unit may take any of CANDIDATES (forms the Neural Engine
 decompresses just in time: grouped LUTs of 4, 6 and 8 bits) or stay fp16. What a unit costs in
-quality is measured (quantize.sensitivity): the KL divergence of the model's next-token
-distribution from fp16's when that unit alone is compressed, on calibration text. For small
+quality is estimated (quantize.sensitivity): the KL divergence of the model's next-token
+distribution from fp16's when that unit alone is compressed, on calibration text, as its layer's
+output error times that layer's measured gain. For small
 errors the extra negative log-likelihood of text is about that KL, and the units' KLs add, so a
 recipe's perplexity increase is estimated as exp(sum of its units' KL) - 1.
 
@@ -39,7 +40,7 @@ FORM_FIELDS = ("scheme", "group_size", "block_size", "symmetric", "compensated")
 RECIPE_FORMAT = "llama-ane-quantize-recipe"
 RECIPE_VERSION = 1
 MAX_RETRIES = 3  # re-choices after a measured increase over the budget
-SENSITIVITY_TOKENS = 128  # of the calibration text, each unit's KL is measured on (one pass per unit and form)
+SENSITIVITY_TOKENS = 128  # of the calibration text, each unit's KL is estimated on
 CHECK_TOKENS = 512  # of the eval text, a whole recipe is measured on
 
 _LAYER_WEIGHT = re.compile(r"layers\.(\d+)\.(mlp\.)?\w*proj\.weight")

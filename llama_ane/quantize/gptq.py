@@ -32,10 +32,10 @@ def inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Ten
 def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor, damping: float = DAMPING) -> np.ndarray:
     """Codes (uint8, weight's shape (out, in)) into each row's ascending `values` (out, K), chosen
     column by column with each column's rounding error compensated in the later ones."""
-    w = torch.from_numpy(np.asarray(weight, np.float32)).to(torch.float64).clone()
-    grid = torch.from_numpy(np.asarray(values, np.float64))
+    w = torch.from_numpy(np.array(weight, np.float32))  # float32 updates (the factor is found in float64)
+    grid = torch.from_numpy(np.asarray(values, np.float32))
     midpoints = ((grid[:, 1:] + grid[:, :-1]) / 2).contiguous()
-    factor = inverse_factor(hessian, damping)
+    factor = inverse_factor(hessian, damping).to(torch.float32)
     rows, cols = w.shape
     codes = torch.empty(rows, cols, dtype=torch.long)
     for start in range(0, cols, BLOCK):

@@ -163,7 +163,8 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
     of its MLP (the largest error): the KL it causes over that error is the layer's gain, and
     every unit of the layer is estimated as gain x its error (a small error's KL grows with its
     square, which the error is). The LM head is measured directly (only the head runs). The table
-    takes the candidates without compensation (it is looked up: no inputs to compensate). So a
+    (looked up: no inputs to compensate) and the head (a vocabulary of rows, slow to compensate)
+    take the candidates without compensation. So a
     model of N layers costs N + 1 partial passes and one run of a single layer per unit and form,
     instead of a pass per unit and form. `on_unit(note)` follows each unit ("layers.3.mlp: lut4
     KL 0.0123")."""
@@ -176,7 +177,7 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
         _, fp16_bytes = compressed_unit(model, unit, None, importance)
         costs[unit] = {None: (fp16_bytes, 0.0)}
         layer = layer_of(unit, n)
-        for c in (candidates if layer >= 0 else [replace(c, compensated=False) for c in candidates]):
+        for c in (candidates if 0 <= layer < n else [replace(c, compensated=False) for c in candidates]):
             values, size = compressed_unit(model, unit, c, importance)
             with model.swapped({unit: values}):
                 if layer == n:
