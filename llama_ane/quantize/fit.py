@@ -41,6 +41,25 @@ def fit(value: np.ndarray, c: Compression, importance: np.ndarray | None = None)
     return data, scale, offset, None
 
 
+_FACTORS: list[tuple[np.ndarray, object]] = []  # the last few (second moments, their inverse factor)
+FACTORS_KEPT = 8  # a layer's inputs: the forms of one unit, and the row blocks of one weight, share one
+
+
+def _factor(gram: np.ndarray):
+    """quantize.gptq's inverse factor of `gram`, found once for the last few arrays asked for."""
+    import torch
+
+    from .gptq import inverse_factor
+
+    for seen, factor in _FACTORS:
+        if seen is gram or seen.shape == gram.shape and np.array_equal(seen, gram):
+            return factor
+    factor = inverse_factor(torch.from_numpy(gram), COMPENSATION_DAMPING)
+    _FACTORS.append((gram, factor))
+    del _FACTORS[:-FACTORS_KEPT]
+    return factor
+
+
 def compensated_codes(value: np.ndarray, c: Compression, lut: np.ndarray, offset: np.ndarray | None,
                       scale: np.ndarray | None, gram: np.ndarray) -> np.ndarray:
     """LUT indices of `value` (out, in, 1, ...) chosen by quantize.gptq against the inputs' second
@@ -58,7 +77,7 @@ def compensated_codes(value: np.ndarray, c: Compression, lut: np.ndarray, offset
         values = (values - offset.reshape(rows, 1).astype(np.float32)) * scale.reshape(rows, 1).astype(np.float32)
     order = np.argsort(values, axis=1, kind="stable")
     ranked = assign(value.reshape(rows, -1), np.take_along_axis(values, order, 1), torch.from_numpy(gram),
-                    COMPENSATION_DAMPING)
+                    factor=_factor(gram))
     return np.take_along_axis(order, ranked.astype(np.int64), 1).astype(np.uint8).reshape(value.shape)
 
 
