@@ -102,7 +102,8 @@ def statistics(model, ids) -> dict:
     inputs, _ = model.trace(ids)
     for h in hooks:
         h.remove()
-    h = model.norm(inputs[-1][0]).to(torch.float64)
+    with torch.no_grad():
+        h = model.norm(inputs[-1][0]).to(torch.float64)
     found["heads"], found["heads.gram"] = (h * h).mean(0).float().numpy(), (h.T @ h / len(h)).float().numpy()
     return found
 
@@ -125,8 +126,8 @@ def llama_1b(layers: int) -> dict:
                 if p.ndim == 2:
                     p.normal_(0, 0.02)
         table = torch.randn(config.vocab_size, config.hidden_size) * 0.02
-    model = Float32Model(table, decoder, LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps), table.clone(),
-                         LlamaRotaryEmbedding(config=config))
+    norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps).requires_grad_(False)
+    model = Float32Model(table, decoder, norm, table.clone(), LlamaRotaryEmbedding(config=config))
     ids = torch.randint(0, config.vocab_size, (SENSITIVITY_TOKENS,)).tolist()
     importance = statistics(model, ids)
     seconds, per_unit, passes = timed(model, ids, importance)
