@@ -30,13 +30,9 @@ reads the prefix's caches and each branch's suffix cache k_suffix/v_suffix (L*G,
 every layer's new K/V for the suffix caches. Gemma 4's KV-shared layers keep none: they read their
 producer's.
 
-Costs (contract/). `traffic.kv_read_bytes` counts a step's reads of these caches: k_cache/v_cache
-up to the bucket that runs, rings and suffix caches whole (`traffic._cache_bytes`);
-`traffic.kv_write_bytes` counts writing them (the cache update's read and rewrite, or the states'
-slice update), `traffic.ring_bytes` gives the rings' size. The projections and the MLP are weights
-(`traffic.weight_read_bytes`). `device_model._flops` counts 2 flops per weight per token and the
-attention's 4 per query channel per key, its keys `device_model.attention_keys` (the bucket's
-positions, or a ring's slots, plus the window).
+Costs: `contract.layer_costs.Attention` (the keys a query reads, 4 flops per query channel per
+key); `traffic` counts a step's reads of these caches (k_cache/v_cache up to the bucket that runs,
+rings and suffix caches whole) and their writes. The projections and the MLP are weights.
 """
 
 from __future__ import annotations

@@ -46,13 +46,10 @@ carried as it is: the host keeps it (input caches), or the chunk writes it into 
 cascade reads each branch's, delta_branches (L_d*B,H*Dk,1,Dv), and returns them after its token as
 delta_new. Neither state depends on the context length.
 
-Costs (contract/). `traffic.state_bytes` gives the recurrent states' bytes (the manifest's
-cache.delta: L_d x H x Dk x Dv), which `traffic.kv_read_bytes` reads whole every step and
-`traffic.delta_write_bytes` writes whole; the conv state is costed as the conv layers'
-(`traffic.conv_write_bytes`). `device_model.delta_flops` counts the delta rule's matmuls
-(`gated_delta`, its inverse taking `squarings` steps); `device_model._flops` counts the
-projections, the convolution and the gated norm as weights, and `device_model.attention_keys`
-gives the layer no keys.
+Costs: `contract.layer_costs.DeltaNet` (the recurrent states' bytes, read and written whole every
+step, and the delta rule's matmuls, `gated_delta`'s inverse taking `squarings` steps); the conv
+state is costed as the conv layers' (`ShortConv`). The projections, the convolution and the gated
+norm are weights.
 """
 
 from __future__ import annotations
