@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import LlamaConfig
+from ..families.base import FAMILY_TENSORS, LAYER_TENSORS
 from ..families.gemma4_text import PER_LAYER_TENSORS
 from ..families.lfm2 import CONV_BIASES, CONV_TENSORS
 from ..families.phi3 import FUSED_SHAPES, FUSED_TENSORS
@@ -18,33 +19,6 @@ from ..families.qwen3_5_text import GATED_HALF
 from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
-LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N (the Llama block)
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "q_proj.weight": "self_attn.q_proj.weight",
-    "k_proj.weight": "self_attn.k_proj.weight",
-    "v_proj.weight": "self_attn.v_proj.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
-FAMILY_TENSORS = {  # what other families add, where their config has them (LlamaConfig.layer_extras)
-    "q_proj.bias": "self_attn.q_proj.bias",
-    "k_proj.bias": "self_attn.k_proj.bias",
-    "v_proj.bias": "self_attn.v_proj.bias",
-    "o_proj.bias": "self_attn.o_proj.bias",
-    "q_norm.weight": "self_attn.q_norm.weight",
-    "k_norm.weight": "self_attn.k_norm.weight",
-    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
-    "per_layer_input_gate.weight": "per_layer_input_gate.weight",  # Gemma 4's per-layer input
-    "per_layer_projection.weight": "per_layer_projection.weight",
-    "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
-    "layer_scalar": "layer_scalar",
-    "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
-    "g_proj.weight": "self_attn.g_proj.weight",  # an output gate per query head
-}
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),

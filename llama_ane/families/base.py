@@ -15,6 +15,35 @@ from .fields import Fields
 
 MOE = "a mixture-of-experts MLP (routed experts)"  # what the refused families (and Gemma 4's MoE block) need
 
+# The Llama block's tensors, every family's unless it names them otherwise (Family.attention_names)
+LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+FAMILY_TENSORS = {  # what other families add, where their config has them (LlamaConfig.layer_extras)
+    "q_proj.bias": "self_attn.q_proj.bias",
+    "k_proj.bias": "self_attn.k_proj.bias",
+    "v_proj.bias": "self_attn.v_proj.bias",
+    "o_proj.bias": "self_attn.o_proj.bias",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "per_layer_input_gate.weight": "per_layer_input_gate.weight",  # Gemma 4's per-layer input
+    "per_layer_projection.weight": "per_layer_projection.weight",
+    "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
+    "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
+    "g_proj.weight": "self_attn.g_proj.weight",  # an output gate per query head
+}
+
 
 @dataclass(frozen=True)
 class GGUFArch:
