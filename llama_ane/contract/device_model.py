@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
-from ..model.functions import BRANCHES, VERIFY, delta_span, squarings
+from ..model.functions import BRANCHES, VERIFY, delta_span, squarings, ssd_macs
 from .manifest import decode_function, window_cascade
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -181,7 +181,8 @@ def delta_flops(manifest: dict, function: str) -> float:
     S^3 log2(S). Where the layer runs its window in spans (DeltaShape.span: beta up to 2), each span
     costs this with S its own length. A cascade step ("decode_branches") runs it with S = 1 for each
     of its B branches, each from its own state. The projections, the convolution and the gated norm
-    are weights, counted by `_flops`."""
+    are weights, counted by `_flops`. Falcon-H1's Mamba-2 mixers keep their states in cache.delta too
+    (N as Dk, P as Dv); their SSD form solves nothing (functions.ssd_macs)."""
     delta = manifest["cache"].get("delta")
     if not delta:
         return 0.0
@@ -189,6 +190,8 @@ def delta_flops(manifest: dict, function: str) -> float:
     h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
     s = window_tokens(manifest, function)
     sequences, s = (s, 1) if function == BRANCHES else (1, s)
+    if manifest["config"].get("mamba_layers"):
+        return 2.0 * ssd_macs(h, g, dk, dv, s) * sequences * len(delta["layers"])
     span = delta_span(manifest["config"].get("delta_beta_scale", 1.0)) or s
     macs = sum(h * t * t + h * t ** 3 + 2 * g * t * t * dk + 2 * h * t ** 3 * max(squarings(t) - 1, 0)
                + 3 * h * dk * dv * t + 2 * h * dv * t * t for t in [min(span, s - a) for a in range(0, s, span)])
@@ -205,7 +208,7 @@ def attention_keys(manifest: dict, attended: int, new: int, cfg: LlamaConfig | N
     the caller has read it."""
     cfg = cfg or LlamaConfig.from_dict(manifest["config"])
     ring = (manifest["cache"].get("sliding") or {}).get("length", 0)
-    return [0 if cfg.convolves(n) else (ring if ring and cfg.slides(n) else attended) + new
+    return [0 if not cfg.attends(n) else (ring if ring and cfg.slides(n) else attended) + new
             for n in range(cfg.num_hidden_layers)]
 
 
