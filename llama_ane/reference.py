@@ -252,6 +252,7 @@ DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear
                      "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SAME_INPUT = {"q_proj": ("o_gate", "g_proj")}
 CONV_PROJECTIONS = ("conv.in_proj", "conv.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # LFM's conv layers
+MAMBA_PROJECTIONS = ("mamba.in_proj", "mamba.out_proj")  # a Mamba-2 mixer's beside attention (Falcon-H1)
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],
@@ -276,7 +277,8 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
         handles = []
         names = layer_tensors(ckpt.config, n)
         cfg = ckpt.config
-        for name in DELTA_PROJECTIONS if cfg.linear(n) else CONV_PROJECTIONS if not cfg.attends(n) else PROJECTIONS:
+        kind = DELTA_PROJECTIONS if cfg.linear(n) else CONV_PROJECTIONS if not cfg.attends(n) else PROJECTIONS
+        for name in kind + (MAMBA_PROJECTIONS if cfg.mamba(n) else ()):
             # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
             module = layer.get_submodule(names[f"{name}.weight"].removesuffix(".weight"))
             also = [other for other in SAME_INPUT.get(name, ()) if f"{other}.weight" in names]

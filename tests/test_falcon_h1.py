@@ -397,3 +397,20 @@ def test_each_cache_kind_passes_inspect_and_runs_in_mil(exported):
     assert where["delta_state"] == where["k_cache"] == ("states" if kind == "state" else "inputs")
     assert ("delta_new" in where) == (kind == "inputs") and where["window_tokens"] == "inputs"
     check_mil_states_follow_torch_fp16(out)
+    # the device model reads every layer's states: its K/V besides
+    from llama_ane.contract.traffic import state_bytes
+    from llama_ane.model.layers.mamba2 import mamba_shape
+
+    manifest = llama_ane.load(out, backend="mil").manifest
+    cfg = tiny_config("falcon_h1_untied_mha")
+    layers = cfg.num_hidden_layers
+    assert manifest["cache"]["delta"]["layers"] == manifest["cache"]["conv"]["layers"] == list(range(layers))
+    assert state_bytes(manifest)[1] == layers * mamba_shape(cfg).state_bytes()
+
+
+@pytest.mark.export
+def test_cascade_branches_equal_decoding_alone(folders):
+    """Cascade branches (torch fp32), each from a copy of the prefix's states, decode as each branch alone."""
+    from support.checks import check_cascade
+
+    check_cascade("falcon_h1_untied_mha", folders("falcon_h1_untied_mha"))
