@@ -414,3 +414,4 @@ def test_cascade_branches_equal_decoding_alone(folders):
     from support.checks import check_cascade
 
     check_cascade("falcon_h1_untied_mha", folders("falcon_h1_untied_mha"))
+
