@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
 from ..model.functions import BRANCHES, VERIFY
-from .layer_costs import ATTENTION, STATE_KINDS
+from .layer_costs import ATTENTION, WINDOW_KINDS
 from .manifest import decode_function, window_cascade
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -156,8 +156,7 @@ def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) 
     """2 flops per weight per token (Gemma 4's per-layer projection among them; a conv layer's
     C x kernel taps among them), each attention layer's over its keys (`attention_keys`,
     `layer_costs.Attention.flops`) per token, and what each layer kind keeping a fixed-size state
-    runs besides its weights over the step's window (`layer_costs.STATE_KINDS`' flops: the
-    linear-attention layers' delta rule)."""
+    runs besides its weights over the step's window (`delta_flops`)."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
     keys = attention_keys(manifest, attended, new, cfg)
@@ -166,10 +165,10 @@ def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) 
 
 
 def delta_flops(manifest: dict, function: str) -> float:
-    """Flops the layer kinds keeping fixed-size states run besides their weights in one step of
-    `function` (`layer_costs.DeltaNet.flops`: the delta rule's matmuls)."""
+    """Flops the layer kinds with recurrent states run besides their weights in one step of
+    `function` (`layer_costs.WINDOW_KINDS`: the delta rule's matmuls, the Mamba-2 mixers' SSD form)."""
     tokens = window_tokens(manifest, function)
-    return sum(k.flops(manifest, function, tokens) for k in STATE_KINDS)
+    return sum(k.flops(manifest, function, tokens) for k in WINDOW_KINDS)
 
 
 def attention_keys(manifest: dict, attended: int, new: int, cfg: LlamaConfig | None = None) -> list[int]:

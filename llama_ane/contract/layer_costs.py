@@ -1,7 +1,8 @@
 """What each kind of decoder layer costs one step on the device, one class per layer kind: the keys
 its queries read, the states it keeps and reads whole, what writing them moves, and the flops of
 what it runs besides its weights. `traffic` and `device_model` add these up over an export's
-layers; a new layer kind (a file in model/layers/) adds its class here and to `STATE_KINDS`.
+layers; a new layer kind (a file in model/layers/) adds its class here, to `STATE_KINDS` where it
+keeps a state of its own and to `WINDOW_KINDS` where its window runs flops besides its weights.
 
 The classes read the manifest only (its config and cache sections, its tensor specs) and import
 no torch: `info`, `inspect` and the device model run without it, where the layer files' torch
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from ..config import LlamaConfig
 from ..model import names as N
-from ..model.functions import BRANCHES, DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, delta_span, squarings
+from ..model.functions import BRANCHES, DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, delta_span, squarings, ssd_macs
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 
@@ -43,7 +44,7 @@ class Attention:
         suffix): a global layer `attended` + `new`, a sliding layer with a ring of `ring` slots
         (KV-shared layers reading their producer's among them) `ring` + `new` whatever the bucket,
         a layer of another kind none."""
-        if cfg.convolves(layer):
+        if not cfg.attends(layer):
             return 0
         return (ring if ring and cfg.slides(layer) else attended) + new
 
@@ -76,9 +77,6 @@ class ShortConv:
         if kind == "state" and spec["name"] == N.CONV_STATE:
             return 2 * nbytes(spec)
         return spec["shape"][0] * spec["shape"][1] * tokens * DTYPE_BYTES[spec["dtype"]]
-
-    def flops(self, manifest: dict, function: str, tokens: int) -> float:
-        return 0.0
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,8 @@ class DeltaNet:
         costs this with S its own length. A cascade step ("decode_branches") runs it with S = 1 for each
         of its B branches, each from its own state."""
         delta = manifest["cache"].get("delta")
-        if not delta:
+        layers = len(set(delta["layers"]) - set(manifest["config"].get("mamba_layers") or [])) if delta else 0
+        if not layers:
             return 0.0
         g = manifest["config"]["delta_key_heads"]
         h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
@@ -130,11 +129,30 @@ class DeltaNet:
         span = delta_span(manifest["config"].get("delta_beta_scale", 1.0)) or s
         macs = sum(h * t * t + h * t ** 3 + 2 * g * t * t * dk + 2 * h * t ** 3 * max(squarings(t) - 1, 0)
                    + 3 * h * dk * dv * t + 2 * h * dv * t * t for t in [min(span, s - a) for a in range(0, s, span)])
-        return 2.0 * macs * sequences * len(delta["layers"])
+        return 2.0 * macs * sequences * layers
+
+
+@dataclass(frozen=True)
+class Mamba2:
+    """Falcon-H1's Mamba-2 mixers (model/layers/mamba2.py), beside attention in their layers. They keep
+    their states as the Gated DeltaNet's, in cache.delta (its heads x N as Dk, x P as Dv) and the
+    conv states, costed by `DeltaNet` and `ShortConv`; what is their own is the SSD form's flops."""
+
+    def flops(self, manifest: dict, function: str, tokens: int) -> float:
+        """2 per multiply-add of the SSD form over the step's window (functions.ssd_macs: it solves
+        nothing, unlike the delta rule), per mixer; a cascade step runs it with S = 1 for each branch."""
+        delta = manifest["cache"].get("delta")
+        layers = len(set(delta["layers"]) & set(manifest["config"].get("mamba_layers") or [])) if delta else 0
+        if not layers:
+            return 0.0
+        sequences, s = (tokens, 1) if function == BRANCHES else (1, tokens)
+        macs = ssd_macs(delta["heads"], manifest["config"]["delta_key_heads"], delta["key_dim"], delta["value_dim"], s)
+        return 2.0 * macs * sequences * layers
 
 
 ATTENTION = Attention()
 STATE_KINDS = (ShortConv(), DeltaNet())  # the kinds keeping fixed-size states, each in its own cache section
+WINDOW_KINDS = (DeltaNet(), Mamba2())  # the kinds whose window runs flops of its own besides the weights
 STATES = tuple(name for k in STATE_KINDS for name in k.states)  # their state tensors, read whole every step
 STATE_WRITES = tuple(k.new for k in STATE_KINDS)  # the chunks' outputs of them (counted as their writes)
 

@@ -127,6 +127,14 @@ class Family:
     # transformers' name of a tensor inside model.layers.N -> the name its checkpoints store it under, or
     # the names of the parts it concatenates (its conversion mapping), where they differ
     stored_names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
+    # a Mamba-2 mixer's tensors in a layer of a config (model.layers.mamba2): our name -> its name inside
+    # model.layers.N; and the factor folded into a decoder layer's tensor (our name; a list: one per row;
+    # None: none), where the family's multipliers fold into its weights (Falcon-H1's)
+    mamba_tensors: Callable[[Any], dict[str, str]] | None = None
+    # buffers transformers' model class gives each decoder layer, which the reference (one layer at a time)
+    # gives it too: buffer path in the layer -> the part (`classes`) of its module computing it from the config
+    layer_buffers: Mapping[str, str] = field(default_factory=dict)
+    weight_scale: Callable[[Any, str], float | list[float] | None] | None = None
     gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
 
     @property
