@@ -335,7 +335,7 @@ def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
             open_gguf(path)
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
                      "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'",
-                     "'lfm2' (LFM2, LFM2.5)", "'gemma4' (Gemma 4's text model)"):
+                     "'lfm2' (LFM2, LFM2.5)", "'gemma4' (Gemma 4's text model)", "'falcon-h1' (Falcon-H1)"):
             assert what in str(e.value)
         with pytest.raises(LlamaANEError, match=words):  # the one line the CLI prints
             load_checkpoint(path)
