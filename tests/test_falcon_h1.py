@@ -259,18 +259,6 @@ def test_granite_4_h_is_refused_by_name():
         tiny_config(model_type="granitemoehybrid")
 
 
-def test_a_gguf_of_it_is_refused_by_name(tmp_path):
-    """llama.cpp's falcon-h1 architecture is not read: a file naming it is refused with its name."""
-    gguf = pytest.importorskip("gguf")
-    from llama_ane.checkpoint.loader import load_checkpoint
-    from llama_ane.errors import LlamaANEError
-    from support.gguf import write_bare
-
-    assert "falcon-h1" in gguf.MODEL_ARCH_NAMES.values()
-    with pytest.raises(LlamaANEError, match="'falcon-h1' model, which llama-ane does not export"):
-        load_checkpoint(write_bare(tmp_path / "falcon_h1.gguf", "falcon-h1"))
-
-
 def test_a_verify_window_is_refused_by_name():
     """A speculative verify window, which the mixers' states cannot serve, is refused by name."""
     from llama_ane.contract.options import ExportOptions, ExportOptionsError

@@ -63,6 +63,11 @@ class GGUFArch:
     auto_tokenizer: bool = True  # transformers' AutoTokenizer reads its files (where its GGUF reader has the arch)
     read: Callable[[Any, dict[str, Any]], None] | None = None  # the file's own metadata into the config dict
     read_longrope: Callable[[Any, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None  # from factor tensors
+    # a tensor the converter renames before its table maps it: the end of our name -> the converter's
+    # (Falcon-H1's mamba.dt_bias, which it maps as mamba.dt_proj.bias)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    reshaped: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None  # HF name, file's shape -> HF shape
+    restore: Callable[[str, Any], Any] | None = None  # HF name, the file's values in the HF shape -> the HF values
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,21 @@ its input's, attention's input multiplier into q, k and v and the key multiplier
 output multiplier into its last projection, the MLP's into gate_proj and down_proj. The embedding and
 LM-head multipliers are Granite's (LlamaConfig.embedding_multiplier, logits_scaling).
 
-Refused by name: biases on the mixer's projections or on attention (no released model has them), a
-time-step limit other than none, and a GGUF of it (llama.cpp's falcon-h1 architecture is not read)."""
+A GGUF of it (llama.cpp's falcon-h1 architecture) holds its weights with every multiplier already folded
+in, the embedding's and the LM head's too, and none of them in its metadata: it reads as the same model
+with its multipliers 1. Its mixer's gated norm, where the file has one, runs after the gate, as llama.cpp
+runs it; its A as -exp(A_log) (read back as log(-A)), D and A as (H, 1), the norm's weight as (groups,
+width) and the conv kernel without its middle 1.
+
+Refused by name: biases on the mixer's projections or on attention (no released model has them) and a
+time-step limit other than none."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from .base import Family
+from .base import Family, GGUFArch
 from .fields import ConfigError, Fields
 
 # its own LlamaConfig fields: a manifest holds them only where they differ from their defaults
@@ -131,9 +137,47 @@ def write(cfg: Any, d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def read_gguf(g: Any, cfg: dict[str, Any]) -> None:
+    """The mixer's sizes from {arch}.ssm.* (its heads are ssm.time_step_rank), its conv bias and gated
+    norm where the file holds them (the norm after the gate); the multipliers are in the weights."""
+    ssm = lambda key: g.meta(f"{g.arch_name}.ssm.{key}")  # noqa: E731
+    inner, heads = ssm("inner_size"), ssm("time_step_rank")
+    if not heads or inner % heads:
+        raise g.error(f"{g.path}: {g.arch_name}.ssm.inner_size ({inner}) is not a multiple of "
+                      f"{g.arch_name}.ssm.time_step_rank ({heads}, the mixer's heads); convert the model again")
+    norm = any(n.endswith(".ssm_norm.weight") for n in g.file_names)
+    cfg.update(mamba_d_ssm=inner, mamba_n_heads=heads, mamba_d_head=inner // heads,
+               mamba_n_groups=ssm("group_count"), mamba_d_state=ssm("state_size"), mamba_d_conv=ssm("conv_kernel"),
+               mamba_conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in g.file_names), mamba_rms_norm=norm,
+               mamba_norm_before_gate=False)
+
+
+FLAT = ("mamba.A_log", "mamba.D", "mamba.norm.weight")  # stored (H, 1), (H, 1) and (groups, width)
+
+
+def gguf_shape(hf: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of a tensor of the file's shape: A, D and the norm flat, the conv kernel (C, 1, K)."""
+    if hf.endswith(FLAT):
+        return (math.prod(shape),)
+    if hf.endswith("mamba.conv1d.weight") and len(shape) == 2:
+        return (shape[0], 1, shape[1])
+    return shape
+
+
+def gguf_restore(hf: str, w: Any) -> Any:
+    """A_log from the file's A = -exp(A_log)."""
+    if not hf.endswith("mamba.A_log"):
+        return w
+    import numpy as np
+
+    return np.log(-w)
+
+
 FAMILY = Family("falcon_h1", "FalconH1", label="Falcon-H1: attention and a Mamba-2 mixer side by side",
                 window=False, own_fields=OWN_FIELDS, extras=mamba_fields, write=write,
                 final_norm="model.final_layernorm.weight", attention_names=ATTENTION_NAMES,
                 quality_model=False,  # embeddings and logits scaled outside the decoder layers
                 mamba_tensors=mamba_tensors, weight_scale=weight_scale,
-                classes={"MupVector": "compute_mup_vector"}, layer_buffers={"mamba.mup_vector": "MupVector"})
+                classes={"MupVector": "compute_mup_vector"}, layer_buffers={"mamba.mup_vector": "MupVector"},
+                gguf=GGUFArch("falcon-h1", "Falcon-H1", auto_tokenizer=False, renamed={"mamba.dt_bias": "mamba.dt_proj.bias"},
+                              reshaped=gguf_shape, restore=gguf_restore, read=read_gguf))
