@@ -1,7 +1,7 @@
 """Wall time, peak memory, output size and /tmp leftovers of `llama-ane export` at real model scales.
 
 Writes random bf16 checkpoints shaped exactly like Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B, or
-Gemma-3-1B, Gemma-3-4B, Gemma-4-E2B, Qwen3-1.7B, Qwen3-4B, Qwen3.5-4B, SmolLM3-3B and Phi-4-mini (the
+Gemma-3-1B, Gemma-3-4B, Gemma-4-E2B, Qwen3-1.7B, Qwen3-4B, Qwen3.5-4B, SmolLM3-3B, Phi-4-mini and Falcon-H1-1.5B (the
 text models of their published configs; sharded safetensors, as the hub ships them) into --workdir,
 runs the real CLI on each as a subprocess and measures it: peak memory is the summed PSS of its
 process tree (forked workers count once). Optionally: `inspect --strict` (default for 8b), a second export compared hash for hash
@@ -17,7 +17,7 @@ Each run records its wall time, the CPU seconds of the export's process tree (th
 other load on the machine barely changes), the 1-minute load average before and after, and the peak.
 
 Presets: 1b, 3b, 8b, tiny (2 layers, seconds), gemma3-1b, gemma3-4b, gemma4-e2b, qwen3-1.7b, qwen3-4b,
-qwen3.5-4b, smollm3-3b, phi4-mini, smollm2 (the embedded default model). Arguments after `--` go to
+qwen3.5-4b, smollm3-3b, phi4-mini, falcon-h1-1.5b, smollm2 (the embedded default model). Arguments after `--` go to
 the new exporter only.
 Checkpoints are kept unless --clean, exports removed unless --keep.
 Exit status 1 if any export (or inspect) failed.
@@ -49,14 +49,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 SHARD_LIMIT = 2 * GIB
 NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B", "tiny": "tiny-llama",
          "gemma3-1b": "Gemma-3-1B", "gemma3-4b": "Gemma-3-4B", "gemma4-e2b": "Gemma-4-E2B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B",
-         "qwen3.5-4b": "Qwen3.5-4B", "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini"}
+         "qwen3.5-4b": "Qwen3.5-4B", "smollm3-3b": "SmolLM3-3B", "phi4-mini": "Phi-4-mini",
+         "falcon-h1-1.5b": "Falcon-H1-1.5B"}
 PRESETS = (*NAMES, "smollm2")
 MARKER = ".complete"
 INIT = 2  # how write_shard fills tensors: a checkpoint written by another rule is written again
 TAIL = 40
 # vectors a layer multiplies by w, not (1 + w): Gemma 4's layer scalars, Gated DeltaNet's gated norm
-# (whatever norm the family's other norms use) and its dt_bias
-ONES = ("layer_scalar", "linear_attn.norm.weight", "linear_attn.dt_bias")
+# (whatever norm the family's other norms use) and its dt_bias; a Mamba-2 mixer's dt_bias and D skip
+# (as transformers initializes them)
+ONES = ("layer_scalar", "linear_attn.norm.weight", "linear_attn.dt_bias", "mamba.dt_bias", "mamba.D")
 
 
 class BenchError(RuntimeError):
@@ -134,6 +136,16 @@ FAMILY_PRESETS: dict[str, tuple[str, dict]] = {
         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "attention_bias": False,
         "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 248046}),
+    # attention and a Mamba-2 mixer side by side in all 24 layers (the published sizes; the muP
+    # multipliers left at 1, which changes no shape)
+    "falcon-h1-1.5b": ("FalconH1Config", {
+        "model_type": "falcon_h1", "vocab_size": 65537, "hidden_size": 2048, "intermediate_size": 4608,
+        "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 100000000000.0, "max_position_embeddings": 131072,
+        "mamba_d_ssm": 3072, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 256,
+        "mamba_d_conv": 4, "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False, "attention_bias": False, "projectors_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 11, "pad_token_id": 0}),
     "smollm3-3b": ("SmolLM3Config", {
         "model_type": "smollm3", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
         "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu",

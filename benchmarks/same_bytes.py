@@ -1,12 +1,14 @@
 """Are this tree's Core ML exports the bytes an earlier commit writes?
 
-Exports one tiny random Llama checkpoint (llama_ane.testing, seed 0) with the Core ML target, once
-with this tree and once with COMMIT (a git worktree in a temporary folder), and compares every
+Exports one tiny random Llama checkpoint (llama_ane.testing, seed 0), or the checkpoint folder
+`--checkpoint` names, with the Core ML target, once with this tree and once with COMMIT (a git
+worktree in a temporary folder), and compares every
 file of the two export folders by SHA-256. manifest.json is compared with its source path and
 tool-version fields left out, since those name the run rather than the program.
 
     python benchmarks/same_bytes.py --against 08947d9
     python benchmarks/same_bytes.py --against d811f95~1 --options "--kv-cache state"
+    python benchmarks/same_bytes.py --against HEAD~1 --checkpoint /tmp/tiny-qwen35   # any checkpoint folder
 
 Exits 0 when every package file is the same, 1 otherwise (naming the files that differ).
 """
@@ -61,6 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", required=True, help="the earlier commit")
     ap.add_argument("--options", default="", help="more export options, e.g. \"--kv-cache state\"")
+    ap.add_argument("--checkpoint", type=Path, help="a checkpoint folder to export (default: a tiny random Llama)")
     args = ap.parse_args()
     options = shlex.split(args.options)
     with tempfile.TemporaryDirectory(prefix="llama-ane-same-bytes-") as tmp:
@@ -72,7 +75,7 @@ def main() -> int:
             sys.path.insert(0, str(ROOT))
             from llama_ane.testing import make_tiny_checkpoint
 
-            ckpt = make_tiny_checkpoint(tmp / "tiny", seed=0)
+            ckpt = args.checkpoint.resolve() if args.checkpoint else make_tiny_checkpoint(tmp / "tiny", seed=0)
             export(worktree, ckpt, tmp / "then_out", options)
             export(ROOT, ckpt, tmp / "now_out", options)
             then, now = digests(tmp / "then_out"), digests(tmp / "now_out")
@@ -81,7 +84,8 @@ def main() -> int:
     differ = sorted(k for k in then.keys() & now.keys() if then[k] != now[k])
     only = sorted(then.keys() ^ now.keys())
     same = len(then.keys() & now.keys()) - len(differ)
-    print(f"tiny Llama, Core ML{' ' + args.options if options else ''}: {same} files the same, "
+    source = args.checkpoint or "tiny Llama"
+    print(f"{source}, Core ML{' ' + args.options if options else ''}: {same} files the same, "
           f"{len(differ)} differ, {len(only)} in one export only (against {args.against})")
     for name in differ + only:
         print("  " + name)

@@ -79,6 +79,15 @@ class LlamaConfig:
     # its gated norm's eps (None: rms_norm_eps; OLMo-Hybrid's 1e-5)
     delta_beta_scale: float = 1.0
     delta_norm_eps: float | None = None
+    # Falcon-H1: the layers with a Mamba-2 mixer beside their attention (both read the layer's normed
+    # input, their outputs summed), its sizes those of the Gated DeltaNet's fields (delta_key_heads: its
+    # groups of B and C, delta_key_dim: its state size N, delta_value_heads/dim: its heads and their
+    # width), its convolution's kernel conv_kernel and bias conv_bias; where its gated norm sits
+    # (model.layers.mamba2.GATES: None, "before" or "after" the gate); and its multipliers, folded into
+    # the weights (families.falcon_h1.weight_scale)
+    mamba_layers: list[int] = field(default_factory=list)
+    mamba_gate: str | None = None
+    mamba_multipliers: dict[str, Any] = field(default_factory=dict)
     # a learned logit per query head beside each softmax's keys (GPT-OSS's, Granite SWA's sinks): it takes
     # a share of the probability and attends to nothing
     attention_sinks: bool = False
@@ -295,6 +304,17 @@ class LlamaConfig:
                 and all(type(n) is int and 0 <= n < layers for n in self.delta_layers)):
             raise ConfigError(f"delta_layers must be a list of layer indices below num_hidden_layers ({layers}), "
                               f"got {self.delta_layers!r}")
+        if not (isinstance(self.mamba_layers, list)
+                and all(type(n) is int and 0 <= n < layers for n in self.mamba_layers)):
+            raise ConfigError(f"mamba_layers must be a list of layer indices below num_hidden_layers ({layers}), "
+                              f"got {self.mamba_layers!r}")
+        if set(self.mamba_layers) & (set(self.delta_layers) | set(self.conv_layers)):
+            raise ConfigError("a layer in mamba_layers has attention beside its mixer: it cannot be in delta_layers "
+                              "or conv_layers")
+        if self.mamba_gate not in (None, "before", "after"):
+            raise ConfigError(f"mamba_gate must be null, \"before\" or \"after\", got {self.mamba_gate!r}")
+        if not isinstance(self.mamba_multipliers, dict):
+            raise ConfigError(f"mamba_multipliers must be an object, got {self.mamba_multipliers!r}")
         if set(self.delta_layers) & set(self.conv_layers):
             raise ConfigError("a layer cannot be both in delta_layers and conv_layers: a model has short-convolution "
                               "or linear-attention layers")
@@ -305,11 +325,11 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        if not self.delta_layers:
+        if not self.recurrent_layers:
             return
         for name in sizes:
             if not getattr(self, name):
-                raise ConfigError(f"{name} must be positive where delta_layers are given")
+                raise ConfigError(f"{name} must be positive where delta_layers or mamba_layers are given")
         for name in ("delta_beta_scale",) + (("delta_norm_eps",) if self.delta_norm_eps is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -323,9 +343,28 @@ class LlamaConfig:
         return layer not in self.nope_layers
 
     def convolves(self, layer: int) -> bool:
-        """Whether decoder layer `layer` keeps a short convolution's state and no K/V: LFM2's conv layers,
-        and Qwen3.5's linear-attention layers (`linear`), whose Gated DeltaNet convolves q, k and v."""
-        return layer in self.conv_layers or layer in self.delta_layers
+        """Whether decoder layer `layer` keeps a short convolution's state: LFM2's conv layers, Qwen3.5's
+        linear-attention layers (`linear`), whose Gated DeltaNet convolves q, k and v, and Falcon-H1's
+        layers (`mamba`), whose Mamba-2 mixer convolves x, B and C."""
+        return layer in self.conv_layers or layer in self.delta_layers or layer in self.mamba_layers
+
+    def attends(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has attention (and so a K/V cache, unless it shares one): every
+        layer but LFM2's conv layers and the linear-attention layers (a Mamba-2 layer has it beside)."""
+        return layer not in self.conv_layers and layer not in self.delta_layers
+
+    def mamba(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a Mamba-2 mixer beside its attention (Falcon-H1)."""
+        return layer in self.mamba_layers
+
+    def recurrent(self, layer: int) -> bool:
+        """Whether decoder layer `layer` keeps a recurrent state (delta_state): a Gated DeltaNet's or a Mamba-2 mixer's."""
+        return layer in self.delta_layers or layer in self.mamba_layers
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """The layers that keep a recurrent state, in order."""
+        return sorted(set(self.delta_layers) | set(self.mamba_layers))
 
     def linear(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a linear-attention layer (Qwen3.5's Gated DeltaNet) rather than attention."""
@@ -457,7 +496,7 @@ class LlamaConfig:
     @property
     def conv_channels(self) -> int:
         """Channels of a layer's short-convolution state: LFM2's hidden size, Qwen3.5's in_proj_qkv rows."""
-        return self.delta_conv_channels if self.delta_layers else self.hidden_size
+        return self.delta_conv_channels if self.recurrent_layers else self.hidden_size
 
     @property
     def delta_conv_channels(self) -> int:
@@ -473,6 +512,12 @@ class LlamaConfig:
     def delta_value_channels(self) -> int:
         """A Gated DeltaNet's value heads times their width: in_proj_z's rows, out_proj's columns."""
         return self.delta_value_heads * self.delta_value_dim
+
+    @property
+    def mamba_in_channels(self) -> int:
+        """Rows of a Mamba-2 mixer's in_proj: z (its heads times their width), x, B and C (the channels
+        its convolution runs over), then dt (one a head)."""
+        return self.delta_value_channels + self.delta_conv_channels + self.delta_value_heads
 
     @property
     def gated_q_channels(self) -> int:

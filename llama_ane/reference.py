@@ -116,6 +116,10 @@ def run_layers(ckpt: Checkpoint, token_ids: list[int], *, logits: bool = True,
             with torch.device("meta"):
                 layer = (LinearLayer or DecoderLayer)(hf, n) if ckpt.config.linear(n) else DecoderLayer(hf, n)
             layer = _with_weights(ckpt, layer, f"model.layers.{n}.", ckpt.config.family.stored_names)
+            for path, maker in ckpt.config.family.layer_buffers.items():  # what its model gives each layer
+                owner, _, buffer = path.rpartition(".")
+                layer.get_submodule(owner).register_buffer(
+                    buffer, transformers_class(ckpt.config.model_type, maker)(hf), persistent=False)
             after = on_layer(n, layer) if on_layer is not None else None
             extra = {} if per_layer is None else {"per_layer_input": per_layer[:, :, n], "shared_kv_states": shared}
             x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope, **extra)
@@ -229,6 +233,7 @@ def final_outputs(ckpt: Checkpoint, hidden, *, logits: bool = True) -> np.ndarra
         out = torch.cat([h @ head[s:s + HEAD_BLOCK].to(torch.float32).T for s in range(0, head.shape[0], HEAD_BLOCK)],
                         dim=1)  # (T, V)
         out = out / getattr(hf, "logits_scaling", 1.0)  # Granite's, in its ForCausalLM's forward
+        out = out * getattr(hf, "lm_head_multiplier", 1.0)  # Falcon-H1's, in its ForCausalLM's forward
         cap = getattr(hf, "final_logit_softcapping", None)  # Gemma 4's
         if cap is not None:
             out = torch.tanh(out / cap) * cap
@@ -247,6 +252,7 @@ DELTA_PROJECTIONS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear
                      "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SAME_INPUT = {"q_proj": ("o_gate", "g_proj")}
 CONV_PROJECTIONS = ("conv.in_proj", "conv.out_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # LFM's conv layers
+MAMBA_PROJECTIONS = ("mamba.in_proj", "mamba.out_proj")  # a Mamba-2 mixer's beside attention (Falcon-H1)
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],
@@ -274,7 +280,8 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
         handles = []
         names = layer_tensors(ckpt.config, n)
         cfg = ckpt.config
-        for name in DELTA_PROJECTIONS if cfg.linear(n) else CONV_PROJECTIONS if cfg.convolves(n) else PROJECTIONS:
+        kind = DELTA_PROJECTIONS if cfg.linear(n) else CONV_PROJECTIONS if not cfg.attends(n) else PROJECTIONS
+        for name in kind + (MAMBA_PROJECTIONS if cfg.mamba(n) else ()):
             # a fused projection (Phi-3's qkv_proj) is the input of each of its parts
             module = layer.get_submodule(names[f"{name}.weight"].removesuffix(".weight"))
             also = [other for other in SAME_INPUT.get(name, ()) if f"{other}.weight" in names]

@@ -1,4 +1,4 @@
-"""SmolLM3, Granite 3.x and SWA, OLMo 2 and 3, OLMo-Hybrid, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4
+"""SmolLM3, Granite 3.x and SWA, OLMo 2 and 3, OLMo-Hybrid, Falcon-H1, EXAONE 4.0, Phi-3/3.5/4-mini, Gemma 3 and 4
 (text), LFM2, LFM3 and Qwen3.5 (text) checkpoints, and a Mistral window shorter than the context, end to
 end on tiny random models.
 
@@ -32,12 +32,12 @@ EXPORTED = ["smollm3_tied", "granite_tied", "olmo2_untied", "phi3_untied_longrop
             "mistral_window", "lfm2_tied_gqa", "gemma4_tied_gqa_k_eq_v", "gemma4_wide_global",
             "qwen35_untied_mha", "olmo3_tied_gqa", "exaone4_tied_gqa",
             "granite_swa_tied_gqa", "lfm3_tied_gqa",
-            "olmo_hybrid_tied_gqa"]  # one fp16 export each
+            "olmo_hybrid_tied_gqa", "falcon_h1_tied_gqa"]  # one fp16 export each
 CASCADE = ["smollm3_untied_mha", "granite_tied", "olmo2_tied_mha_attention_bias", "phi3_tied_mha_longrope_long",
            "gemma3_untied_mha", "mistral_window", "lfm2_tied_mha_conv_bias", "gemma4_untied_mha", "gemma4_wide_global",
            "gemma4_kv_shared", "qwen35_tied_gqa", "olmo3_untied_mha_attention_bias",
            "exaone4_untied_mha_no_window", "granite_swa_untied_mha", "lfm3_untied_mha_bias",
-           "olmo_hybrid_untied_mha_nope"]
+           "olmo_hybrid_untied_mha_nope", "falcon_h1_untied_mha"]
 
 
 @pytest.fixture(scope="module")

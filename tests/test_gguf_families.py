@@ -335,7 +335,7 @@ def test_a_family_we_do_not_export_is_refused_by_name(tmp_path):
             open_gguf(path)
         for what in (words, "supported: general.architecture 'llama'", "'phi3' (Phi-3, Phi-3.5, Phi-4-mini)",
                      "'gemma3' (Gemma 3's text model)", "'olmo2'", "'granite'", "'smollm3'",
-                     "'lfm2' (LFM2, LFM2.5)", "'gemma4' (Gemma 4's text model)"):
+                     "'lfm2' (LFM2, LFM2.5)", "'gemma4' (Gemma 4's text model)", "'falcon-h1' (Falcon-H1)"):
             assert what in str(e.value)
         with pytest.raises(LlamaANEError, match=words):  # the one line the CLI prints
             load_checkpoint(path)
@@ -435,3 +435,13 @@ def test_a_gguf_exports_and_matches_transformers(converted, tmp_path, name):
     backend in fp32 against transformers' model of the checkpoint the file was converted from."""
     folder, file, _ = converted(name)
     check_gguf_export_matches_transformers(file, folder, tmp_path / "out", CASES[name]["model_type"])
+
+
+def test_falcon_h1_mixer_heads_that_do_not_divide_its_width_are_refused_by_name(tmp_path):
+    """A falcon-h1 file whose ssm.time_step_rank (the mixer's heads) does not divide ssm.inner_size."""
+    file = Path(__file__).parent / "fixtures" / "llamacpp_gguf" / "falcon_h1_untied" / "model.gguf"
+    assert open_gguf(copy_gguf(file, tmp_path / "same.gguf")).config_dict["mamba_n_heads"] == 4
+    path = copy_gguf(file, tmp_path / "heads.gguf", values={"falcon-h1.ssm.time_step_rank": 3})
+    with pytest.raises(GGUFError, match=r"falcon-h1.ssm.inner_size \(128\) is not a multiple of "
+                                        r"falcon-h1.ssm.time_step_rank \(3, the mixer's heads\)"):
+        open_gguf(path)

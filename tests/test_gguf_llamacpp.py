@@ -4,8 +4,11 @@ tests/fixtures/llamacpp_gguf/ holds, per case of its make.py, a tiny checkpoint 
 transformers' class of the family and the .gguf llama.cpp's convert_hf_to_gguf.py made of it
 (--outtype f32; make.py's docstring says how to make them again). The lazy reader must give back the
 checkpoint's config and every tensor exactly, and load_checkpoint a tokenizer that splits text as the
-checkpoint's does; both Gemma 4 files, the LFM2 one and OLMo 3's (written as 'olmo2' with a sliding
-window) export and match transformers' logits.
+checkpoint's does; both Gemma 4 files, the LFM2 one, OLMo 3's (written as 'olmo2' with a sliding
+window) and Falcon-H1's export and match transformers' logits. Falcon-H1's converter folds its muP
+multipliers into the weights and writes none of them: its file gives back the checkpoint's config
+with the multipliers 1, its tensors with the multipliers folded in as llama-ane folds them, and the
+export is transformers' model.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _spec = importlib.util.spec_from_file_location("llamacpp_gguf_make", FIXTURES / 
 make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 CASES, REFUSED = make.CASES, make.REFUSED
+FOLDED = ("falcon_h1_untied",)  # cases whose converter folds the config's multipliers into the weights
 TEXT = _CORPUS + " Unseen wörds: ünïcode 🦙, two  spaces,\n\nnewlines and 12345."
 
 
@@ -49,7 +53,7 @@ def test_every_case_has_its_checkpoint_and_gguf():
             assert (FIXTURES / name / file).is_file(), f"{name}/{file}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in FOLDED])
 def test_config_and_every_tensor_equal_the_checkpoint(name):
     from safetensors.numpy import load_file
 
@@ -73,6 +77,42 @@ def test_config_and_every_tensor_equal_the_checkpoint(name):
             assert torch.equal(got, torch.from_numpy(t)), hf
 
 
+def test_falcon_h1_reads_as_its_checkpoint_with_the_multipliers_folded():
+    """The config without its multipliers (and the gated norm after the gate, as the checkpoint has it);
+    each tensor the checkpoint's times the factors the export folds into it (families.falcon_h1.weight_scale,
+    the embedding and LM-head multipliers), the rest exactly, A_log too (the file holds -exp(A_log))."""
+    from safetensors.numpy import load_file
+
+    from llama_ane.checkpoint.mapping import layer_tensors
+    from llama_ane.families.falcon_h1 import MULTIPLIERS
+
+    folder, file, config = source("falcon_h1_untied")
+    lazy = open_gguf(file)
+    hf = LlamaConfig.from_hf_dict(config)
+    plain = {k: v for k, v in config.items() if k not in (*MULTIPLIERS, "embedding_multiplier", "lm_head_multiplier")}
+    assert f32(LlamaConfig.from_hf_dict(lazy.config_dict).to_dict()) == f32(LlamaConfig.from_hf_dict(plain).to_dict())
+    assert hf.mamba_gate == "after" and hf.mamba_multipliers != LlamaConfig.from_hf_dict(plain).mamba_multipliers
+    state = load_file(str(folder / "model.safetensors"))
+    assert sorted(lazy.names()) == sorted(state)
+    assert {i.dtype for i in lazy.tensor_info().values()} == {"F32"}
+    factors = {"model.embed_tokens.weight": config["embedding_multiplier"], "lm_head.weight": config["lm_head_multiplier"]}
+    for layer in range(hf.num_hidden_layers):
+        for ours, theirs in layer_tensors(hf, layer).items():
+            scale = hf.family.weight_scale(hf, ours)
+            if scale is not None:
+                factors[f"model.layers.{layer}.{theirs}"] = np.reshape(scale, (-1, 1)) if isinstance(scale, list) else scale
+    assert len(factors) == 2 + 8 * hf.num_hidden_layers  # q, k, v, o, in_proj, out_proj, gate, down
+    for name, t in state.items():
+        got = lazy.get(name)
+        assert got.dtype == torch.float32 and tuple(got.shape) == t.shape, name
+        if name in factors:
+            assert not np.allclose(factors[name], 1.0), name
+            want = torch.from_numpy((t * np.asarray(factors[name], np.float64)).astype(np.float32))
+            torch.testing.assert_close(got, want, rtol=2e-7, atol=0, msg=name)  # fp32 products, one rounding apart
+        else:
+            assert torch.equal(got, torch.from_numpy(t)), name
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_files_tokenizer_splits_text_as_the_checkpoints(name):
     """load_checkpoint rebuilds the tokenizer from the file's vocabulary (for SmolLM3, Granite and OLMo 2
@@ -88,7 +128,7 @@ def test_the_files_tokenizer_splits_text_as_the_checkpoints(name):
 
 
 @pytest.mark.export
-@pytest.mark.parametrize("name", ["gemma4_e2b_shape", "gemma4_k_eq_v", "lfm2_tied", "olmo3_sliding"])
+@pytest.mark.parametrize("name", ["gemma4_e2b_shape", "gemma4_k_eq_v", "lfm2_tied", "olmo3_sliding", "falcon_h1_untied"])
 def test_a_llamacpp_gguf_exports_and_matches_transformers(tmp_path, name):
     folder, file, config = source(name)
     check_gguf_export_matches_transformers(file, folder, tmp_path / "out", config["model_type"])

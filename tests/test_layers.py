@@ -92,3 +92,56 @@ def test_the_rule_catches_an_upward_import():
     path = PACKAGE / "runtime" / "backends" / "torch_backend.py"
     assert "export" not in imported_parts(path)
     assert "export" in imported_parts(path, path.read_text() + "\n\ndef f():\n    from ...export import convert\n")
+
+
+# ---- the device model imports no torch --------------------------------------------------------------------------
+
+TORCH_FREE = ("contract/device_model.py", "contract/traffic.py", "contract/layer_costs.py")  # info, inspect, bench
+
+
+def _module_file(dotted: str) -> Path | None:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()), None)
+
+
+def loaded_at_import(path: Path) -> set[str]:
+    """Every module importing `path` loads before any function runs: the top-level imports of it and
+    of each llama_ane module they load (its packages' __init__ among them), followed through; imports
+    inside functions or under `if TYPE_CHECKING` are left out. Outside modules by their top package."""
+    seen, todo, found = set(), [path], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        package = p.relative_to(PACKAGE.parent).parts[:-1]
+        for parent in range(1, len(package) + 1):  # the packages above it run their __init__ first
+            todo.append(PACKAGE.parent.joinpath(*package[:parent], "__init__.py"))
+        for node in ast.parse(p.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ((node.module,) if node.module else ()))
+                else:
+                    base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for name in names:
+                if name.split(".")[0] != "llama_ane":
+                    found.add(name.split(".")[0])
+                elif (file := _module_file(name)) is not None:
+                    todo.append(file)
+    return found
+
+
+@pytest.mark.parametrize("rel", TORCH_FREE)
+def test_the_device_model_imports_no_torch(rel):
+    """`info`, `inspect` and the device model run without torch (a second and more to import): the
+    layer kinds' costs are in contract/layer_costs.py, not beside the torch modules."""
+    assert not loaded_at_import(PACKAGE / rel) & {"torch", "coremltools", "transformers"}
+
+
+def test_the_torch_free_check_sees_torch():
+    assert "torch" in loaded_at_import(PACKAGE / "model" / "layers" / "delta_net.py")
+    assert "torch" in loaded_at_import(PACKAGE / "model" / "chunk.py")

@@ -12,7 +12,7 @@ from llama_ane.model.layers.delta_net import SPAN, DeltaLayer, DeltaShape, gated
 from llama_ane.reference import token_by_token
 
 from support.delta import (check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
-                           check_padded_windows, check_whole_sequence, reference_run)
+                           check_padded_windows, check_whole_sequence, reference_run, windows_then_decoding)
 from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
@@ -270,11 +270,7 @@ def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders,
                            layers_per_chunk=2)
     ref = OlmoHybridForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = list(range(9, 9 + 45))
-    pipeline = model.pipeline
-    pipeline.reset()
-    pipeline.prefill(ids[:40])
-    for t in ids[40:]:
-        pipeline.run_window([t])
+    pipeline = windows_then_decoding(model, ids, 40)
     cache = DynamicCache(config=ref.config)
     with torch.no_grad(), token_by_token(MODELING):
         ref(torch.tensor([ids]), cache=cache, use_cache=True)

@@ -19,8 +19,8 @@ from support.families import CASES, LFM2_CHECKPOINT
 UNMEASURED_FAMILIES = [t for t, f in FAMILIES.items() if not f.quality_model]
 
 
-def test_the_unmeasured_families_are_phi3_the_granites_lfm_and_olmo_hybrid():
-    assert sorted(UNMEASURED_FAMILIES) == ["granite", "granite_swa", "lfm2", "lfm3", "olmo_hybrid", "phi3"]
+def test_the_unmeasured_families_are_phi3_the_granites_lfm_olmo_hybrid_and_falcon_h1():
+    assert sorted(UNMEASURED_FAMILIES) == ["falcon_h1", "granite", "granite_swa", "lfm2", "lfm3", "olmo_hybrid", "phi3"]
 
 
 @pytest.mark.parametrize("family", UNMEASURED_FAMILIES)
@@ -33,8 +33,8 @@ def test_auto_refuses_and_the_check_says_it_did_not_measure(family):
     assert said == [f"quality: not measured for {family} checkpoints; check it with llama-ane eval"]
 
 
-# checkpoints with conv layers beside attention (support/families.py)
-CONV_CASES = {"lfm2": LFM2_CHECKPOINT, "lfm3": CASES["lfm3_tied_gqa"]}
+# checkpoints with conv layers beside attention, or a Mamba-2 mixer's convolution (support/families.py)
+CONV_CASES = {"lfm2": LFM2_CHECKPOINT, "lfm3": CASES["lfm3_tied_gqa"], "falcon_h1": CASES["falcon_h1_tied_gqa"]}
 
 
 @pytest.mark.parametrize("name", list(CONV_CASES))
@@ -53,5 +53,7 @@ def test_calibration_weighs_every_compressed_weight_of_conv_layers(name, tmp_pat
     want = {key for n in range(cfg.num_hidden_layers) for ours in layer_tensors(cfg, n)
             if weight_part(key := f"layers.{n}.{ours}") is not None}
     assert {f"layers.{n}.conv.in_proj.weight" for n in cfg.conv_layers} <= want
+    assert {f"layers.{n}.mamba.{p}_proj.weight" for n in cfg.mamba_layers for p in ("in", "out")} <= want
     assert want <= set(found)
-    assert all(found[k].shape == (cfg.hidden_size,) for k in want if "down_proj" not in k and "o_proj" not in k)
+    assert all(found[k].shape == (cfg.hidden_size,) for k in want
+               if "down_proj" not in k and "o_proj" not in k and "out_proj" not in k or "conv.out_proj" in k)

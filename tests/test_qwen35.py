@@ -13,7 +13,8 @@ from llama_ane.model.layers.delta_net import DeltaLayer, DeltaShape, delta_layer
 from llama_ane.model.layers import Graph
 
 from support.delta import (channels_first, check_chunked_rule, check_fp16_window, check_mil_builder_on_a_padded_window,
-                           check_padded_windows, check_whole_sequence, reference_run)
+                           check_mil_states_follow_torch_fp16, check_padded_windows, check_prompt_cache_holds_the_states,
+                           check_whole_sequence, reference_run, windows_then_decoding)
 from support.families import CASES
 
 transformers = pytest.importorskip("transformers")
@@ -287,11 +288,7 @@ def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders,
     folder = folders("tied_gqa")
     model, ref = load_fp32(folder, prefill_length=prefill), hf_model(folder)
     ids = list(range(9, 9 + 45))
-    pipeline = model.pipeline
-    pipeline.reset()
-    pipeline.prefill(ids[:40])
-    for t in ids[40:]:
-        pipeline.run_window([t])
+    pipeline = windows_then_decoding(model, ids, 40)
     cache = DynamicCache(config=ref.config)
     with torch.no_grad(), recurrent_delta_rule("qwen3_5_text"):
         ref(torch.tensor([ids]), cache=cache, use_cache=True)
@@ -313,18 +310,8 @@ def test_windows_then_decoding_leave_each_layers_states_as_transformers(folders,
 def test_a_prompt_cache_file_holds_the_states(folders, tmp_path):
     """A prompt-cache file saves each chunk's states whole: decoding on from the loaded file gives
     the logits of decoding on from the cache it was saved from."""
-    from llama_ane.runtime.kv_cache import load_cache, save_cache
-
     model = load_fp32(folders("tied_gqa"), context_length=64, prefill_length=8)
-    pipeline, ids = model.pipeline, list(range(5, 19))
-    pipeline.reset()
-    pipeline.run_window(ids[:8])
-    pipeline.run_window(ids[8:13])
-    assert all(c["delta"].any() for c in pipeline.cache.caches)
-    save_cache(pipeline.cache, model.manifest, tmp_path / "prompt.npz")
-    want = pipeline.run_window(ids[13:14])
-    pipeline.use(load_cache(tmp_path / "prompt.npz", model.manifest, pipeline.new_cache()))
-    np.testing.assert_array_equal(pipeline.run_window(ids[13:14]), want)
+    check_prompt_cache_holds_the_states(model, tmp_path)
     model.close()
 
 
@@ -366,20 +353,4 @@ def test_the_fp16_export_passes_inspect_and_runs_in_mil(exported):
 def test_mil_states_follow_torch_fp16(exported):
     """The programs' recurrent states after a padded prefill window and decoding (mil, fp16) are the
     torch backend's (fp16) within fp16 rounding."""
-    import llama_ane
-
-    kind, out = exported
-    ids = list(range(7, 47))
-    states = {}
-    for backend, options in (("mil", {}), ("torch", {"precision": "fp16"})):
-        pipeline = llama_ane.load(out, backend=backend, **options).pipeline
-        pipeline.reset()
-        pipeline.run_window(ids[:20])
-        for n in range(20, 30):
-            pipeline.run_window(ids[n:n + 1])
-        getattr(pipeline.backend, "sync_states", lambda: None)()
-        states[backend] = [c["delta"].astype(np.float32) for c in pipeline.cache.caches]
-    for mil, torch16 in zip(states["mil"], states["torch"]):
-        scale = np.abs(torch16).max()
-        assert scale > 0.01
-        np.testing.assert_allclose(mil, torch16, rtol=0, atol=0.02 * scale)
+    check_mil_states_follow_torch_fp16(exported[1])

@@ -5,6 +5,7 @@ written by tests/swift_fixtures.py (`--only names`) from llama_ane.model.names."
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -68,3 +69,38 @@ def test_kv_stems_name_the_caches():
         assert names.is_ring(names.suffix(ring)) and not names.is_ring(names.suffix(which))
     with pytest.raises(ValueError, match="'k' or 'v'"):
         names.kv("q")
+
+
+def table_names() -> set[str]:
+    """Every tensor name model.names gives: its names, and each name of its sets."""
+    found = set()
+    for key, value in vars(names).items():
+        if key.isupper() and isinstance(value, str):
+            found.add(value)
+        elif key.isupper() and isinstance(value, (tuple, frozenset, set)):
+            found.update(x for x in value if isinstance(x, str))
+    return found
+
+
+def function_modules():
+    """The torch modules that run an exported function, called with its inputs by name."""
+    import torch
+    from llama_ane.model import cache_update, chunk, embeddings, lm_head
+
+    internal = {embeddings.PerLayerInputs}  # run inside the embeddings' function, on its own tensors
+    return [c for m in (embeddings, chunk, lm_head, cache_update) for c in vars(m).values()
+            if isinstance(c, type) and issubclass(c, torch.nn.Module) and c.__module__ == m.__name__
+            and "forward" in vars(c) and c not in internal]
+
+
+def test_the_torch_modules_take_the_tables_names():
+    """A function's torch module takes each input under its manifest name (the torch backend calls it
+    by name), so every parameter of their forward is model.names' (or names.shared of one)."""
+    modules, known = function_modules(), table_names()
+    assert len(modules) >= 10
+    for module in modules:
+        params = [p for p in inspect.signature(module.forward).parameters if p != "self"]
+        odd = [p for p in params if p not in known and not (p.startswith(names.SHARED_PREFIX)
+                                                            and names.shared(p[len(names.SHARED_PREFIX):]) == p
+                                                            and p[len(names.SHARED_PREFIX):] in known)]
+        assert not odd, f"{module.__name__}.forward takes {odd}, which model.names does not name"

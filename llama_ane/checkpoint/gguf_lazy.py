@@ -11,7 +11,8 @@ the two RoPE halves of each q/k head's rows for the architectures it runs with t
 stores Gemma 3's norm weights as the (1 + w) they scale by, where transformers keeps w (Gemma 4's
 are stored as w); it squeezes LFM2's depthwise conv kernel (C, 1, K) to (C, K); and it writes Gemma 4's
 layer scalars as blk.N.layer_output_scale.weight and its proportional RoPE as a rope_freqs tensor
-(1 for each rotated frequency, 1e30 for each one left alone).
+(1 for each rotated frequency, 1e30 for each one left alone). A family's GGUFArch undoes the rest
+(Falcon-H1's renamed, reshaped and transformed Mamba-2 tensors: families/falcon_h1.py).
 
 Metadata llama.cpp does not store (Gemma 3's attention scale, local RoPE base and layer pattern
 in older files, SmolLM3's layers without RoPE) is what llama.cpp itself assumes for the
@@ -147,10 +148,19 @@ class LazyGGUF:
             stem, _, kind = hf.rpartition(".")
             if kind == "layer_scalar":  # Gemma 4's, a parameter without .weight: llama.cpp adds one
                 stem, kind = hf, "weight"
+            source = next((hf[:-len(end)] + theirs for end, theirs in self.arch.renamed.items() if hf.endswith(end)),
+                          hf)
+            if source != hf:
+                stem, _, kind = source.rpartition(".")
             name = table.get_name(stem)
+            if name is not None:
+                out[hf] = f"{name}.{kind}"
+                continue
+            # a name the table holds whole (Falcon-H1's A_log and D, which llama.cpp writes without a suffix)
+            name = table.get_name(source)
             if name is None:  # the exporter reads a tensor llama.cpp's table has no name for
                 raise GGUFError(f"{self.path}: gguf has no {self.arch_name} tensor for {hf!r}; {SUPPORTED}")
-            out[hf] = f"{name}.{kind}"
+            out[hf] = name
         return out
 
     def error(self, message: str, supported: bool = False) -> GGUFError:
@@ -301,7 +311,7 @@ class LazyGGUF:
         shape = tuple(int(d) for d in reversed(t.shape))
         if self.arch.squeezed_conv and hf_name.endswith(_CONV_KERNEL) and len(shape) == 2:
             return (shape[0], 1, shape[1])
-        return shape
+        return shape if self.arch.reshaped is None else self.arch.reshaped(hf_name, shape)
 
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Each tensor's HF shape and GGML type, from the tensor table (no data read)."""
@@ -330,6 +340,8 @@ class LazyGGUF:
             w = _unpermute(w, cfg["num_attention_heads"] if "q_proj" in hf_name else cfg["num_key_value_heads"])
         if self.arch.norm_offset and hf_name.endswith("norm.weight"):
             w = w - np.float32(self.arch.norm_offset)  # exact: the file's (1 + w) lies in [0.5, 2] wherever w is small
+        if self.arch.restore is not None:
+            w = self.arch.restore(hf_name, w)
         # F32 comes back as a view of the read-only map: copy it so callers own a writable tensor
         return torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import LlamaConfig
+from ..families.base import FAMILY_TENSORS, LAYER_TENSORS
 from ..families.gemma4_text import PER_LAYER_TENSORS
 from ..families.lfm2 import CONV_BIASES, CONV_TENSORS
 from ..families.phi3 import FUSED_SHAPES, FUSED_TENSORS
@@ -18,33 +19,6 @@ from ..families.qwen3_5_text import GATED_HALF
 from .loader import Checkpoint, CheckpointError, TensorInfo
 
 
-LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N (the Llama block)
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "q_proj.weight": "self_attn.q_proj.weight",
-    "k_proj.weight": "self_attn.k_proj.weight",
-    "v_proj.weight": "self_attn.v_proj.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
-FAMILY_TENSORS = {  # what other families add, where their config has them (LlamaConfig.layer_extras)
-    "q_proj.bias": "self_attn.q_proj.bias",
-    "k_proj.bias": "self_attn.k_proj.bias",
-    "v_proj.bias": "self_attn.v_proj.bias",
-    "o_proj.bias": "self_attn.o_proj.bias",
-    "q_norm.weight": "self_attn.q_norm.weight",
-    "k_norm.weight": "self_attn.k_norm.weight",
-    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
-    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
-    "per_layer_input_gate.weight": "per_layer_input_gate.weight",  # Gemma 4's per-layer input
-    "per_layer_projection.weight": "per_layer_projection.weight",
-    "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
-    "layer_scalar": "layer_scalar",
-    "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
-    "g_proj.weight": "self_attn.g_proj.weight",  # an output gate per query head
-}
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}
 SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (Linear weights are (out, in))
     "input_layernorm.weight": ("hidden_size",),
@@ -86,6 +60,14 @@ SHAPES = {  # our DecoderLayer name -> its HF shape, as LlamaConfig attributes (
     "linear_attn.A_log": ("delta_value_heads",),
     "linear_attn.norm.weight": ("delta_value_dim",),
     "linear_attn.out_proj.weight": ("hidden_size", "delta_value_channels"),
+    "mamba.in_proj.weight": ("mamba_in_channels", "hidden_size"),
+    "mamba.conv1d.weight": ("delta_conv_channels", 1, "conv_kernel"),
+    "mamba.conv1d.bias": ("delta_conv_channels",),
+    "mamba.dt_bias": ("delta_value_heads",),
+    "mamba.A_log": ("delta_value_heads",),
+    "mamba.D": ("delta_value_heads",),
+    "mamba.norm.weight": ("delta_value_channels",),
+    "mamba.out_proj.weight": ("hidden_size", "delta_value_channels"),
 }
 GATED_Q_SHAPE = ("gated_q_channels", "hidden_size")  # an output-gated attention's q_proj (queries and gates)
 GLOBAL_SHAPES = {  # HF name -> shape, outside the decoder layers
@@ -105,7 +87,8 @@ DERIVED = {"q_channels": "num_attention_heads*head_dim", "kv_channels": "num_key
            "delta_conv_channels": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
            "delta_key_channels": "linear_num_key_heads*linear_key_head_dim",
            "delta_value_channels": "linear_num_value_heads*linear_value_head_dim",
-           "delta_value_heads": "linear_num_value_heads", "delta_value_dim": "linear_value_head_dim"}
+           "delta_value_heads": "linear_num_value_heads", "delta_value_dim": "linear_value_head_dim",
+           "mamba_in_channels": "2*mamba_d_ssm+2*mamba_n_groups*mamba_d_state+mamba_n_heads"}
 KV_TENSORS = ("k_proj.weight", "v_proj.weight", "k_norm.weight")  # what a KV-shared layer has none of
 SCALED = ("q_proj.weight", "q_proj.bias")  # what the attention scale is folded into (no q_norm)
 RESIDUAL_SCALED = ("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight")  # the residual branches' outputs
@@ -120,7 +103,7 @@ STREAM_UNSCALED = ("per_layer_input_gate.weight",)
 CONV_WEIGHTS = ("per_layer_input_gate.weight", "per_layer_projection.weight", "o_gate.weight",  # Linear weights
                 "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
                 "linear_attn.in_proj_a.weight")  # not named *proj.weight
-DEPTHWISE = ("conv.conv.weight", "linear_attn.conv1d.weight")  # depthwise Conv1d kernels (C, 1, K)
+DEPTHWISE = ("conv.conv.weight", "linear_attn.conv1d.weight", "mamba.conv1d.weight")  # depthwise Conv1d kernels (C, 1, K)
 PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3.5's gated norm scales by w, its other norms by (1 + w)
 
 
@@ -129,7 +112,7 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     convolves) -> HF names inside model.layers.N, for `cfg`'s family. Without `layer`, an attention layer's."""
     if cfg.linear(layer):  # linear-attention layers (a tensor stored as parts: its first part's name)
         return {**cfg.family.delta_tensors, **{ours: parts[0][0] for ours, parts in cfg.family.delta_parts.items()}}
-    if cfg.convolves(layer):  # LFM2's conv layers (a family's own names of them: LFM3's)
+    if not cfg.attends(layer):  # LFM2's conv layers (a family's own names of them: LFM3's)
         return {**(cfg.family.conv_names or CONV_TENSORS), **(CONV_BIASES if cfg.conv_bias else {})}
     block = {ours: hf for ours, hf in LAYER_TENSORS.items() if cfg.input_norm or ours != "input_layernorm.weight"}
     if cfg.value_from_key(layer):  # Gemma 4's global layers: V from the K projection
@@ -142,7 +125,10 @@ def layer_tensors(cfg: LlamaConfig, layer: int = -1) -> dict[str, str]:
     if cfg.attn_output_gate:
         out["o_gate.weight"] = out["q_proj.weight"]
     names = cfg.family.attention_names  # a family's own names of the Llama block's tensors (LFM2's)
-    return {ours: names.get(ours, hf) for ours, hf in out.items()} if names else out
+    out = {ours: names.get(ours, hf) for ours, hf in out.items()} if names else out
+    if cfg.mamba(layer):  # Falcon-H1: a Mamba-2 mixer beside attention
+        out.update(cfg.family.mamba_tensors(cfg))
+    return out
 
 
 def layer_sources(cfg: LlamaConfig, layer: int) -> list[str]:
@@ -238,7 +224,7 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
     or, where q is RMS-normalized after the projection (Qwen3), into q_norm's weight; Granite's
     residual_multiplier into the last projection of each residual branch (o_proj, down_proj);
     Gemma's norm weights w become the (1 + w) they scale by, and its stream scale goes where
-    STREAM_SCALED says.
+    STREAM_SCALED says; a family's own multipliers where its weight_scale says (Falcon-H1's).
     """
     cfg = ckpt.config
     hf = f"model.layers.{layer}.{layer_tensors(cfg, layer)[ours]}"
@@ -267,6 +253,11 @@ def layer_tensor(ckpt: Checkpoint, layer: int, ours: str) -> torch.Tensor:
         w = w * cfg.query_scale
     if ours in RESIDUAL_SCALED and cfg.residual_multiplier != 1.0:
         w = w * cfg.residual_multiplier
+    scale = cfg.family.weight_scale(cfg, ours) if cfg.family.weight_scale else None
+    if isinstance(scale, list):  # one factor per row (Falcon-H1's mixer in_proj)
+        w = w * torch.tensor(scale, dtype=w.dtype).reshape(-1, *[1] * (w.dim() - 1))
+    elif scale is not None and scale != 1.0:
+        w = w * scale
     return w
 
 

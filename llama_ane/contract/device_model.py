@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..config import LlamaConfig
 from ..errors import InvalidArgumentError
-from ..model.functions import BRANCHES, VERIFY, delta_span, squarings
+from ..model.functions import BRANCHES, VERIFY
+from .layer_costs import ATTENTION, WINDOW_KINDS
 from .manifest import decode_function, window_cascade
 from .traffic import (DTYPE_BYTES, bucket_for, kv_read_bytes, kv_write_bytes, weight_read_bytes, window_io_bytes,
                       window_tokens)
@@ -152,61 +153,32 @@ def calls_per_step(manifest: dict, function: str | None = None) -> int:
 
 
 def _flops(manifest: dict, function: str, tokens: int, attended: int, new: int) -> float:
-    """2 flops per weight per token (Gemma 4's per-layer projection among them; LFM2's conv layers'
-    C x kernel taps among them: a conv layer's C x kernel multiply-adds per token), the attention's
-    4 per query channel per key per token, each layer's query channels its own (Gemma 4's global
-    layers have wider heads) and its keys its own (`attention_keys`), and the linear-attention
-    layers' delta rule over the step's window (`delta_flops`)."""
+    """2 flops per weight per token (Gemma 4's per-layer projection among them; a conv layer's
+    C x kernel taps among them), each attention layer's over its keys (`attention_keys`,
+    `layer_costs.Attention.flops`) per token, and what each layer kind keeping a fixed-size state
+    runs besides its weights over the step's window (`delta_flops`)."""
     cfg = LlamaConfig.from_dict(manifest["config"])
     params = weight_read_bytes(manifest, dense=True) / DTYPE_BYTES[manifest["cache"]["dtype"]]
     keys = attention_keys(manifest, attended, new, cfg)
-    attention = 4 * sum(cfg.at(n).q_channels * k for n, k in enumerate(keys))
+    attention = sum(ATTENTION.flops(cfg, n, k) for n, k in enumerate(keys))
     return tokens * (2 * params + attention) + delta_flops(manifest, function)
 
 
 def delta_flops(manifest: dict, function: str) -> float:
-    """Flops of the linear-attention layers' delta rule (Qwen3.5's Gated DeltaNet, cache.delta) in
-    one step of `function`, 2 per multiply-add of the matmuls the program runs (model/layers/delta_net.py's
-    gated_delta; its elementwise ops, O(S^2) or O(Dk*Dv) per head, left out as the attention's
-    softmax is). Per layer, with G key heads, H value heads of Dk x Dv and a window of S tokens:
-
-        H*S^2          the decays summed up to each token (G_t)
-        H*S^3          their pairwise sums (D_tj), from the decays themselves
-        2*G*S^2*Dk     k.k and q.k between the window's tokens
-        2*H*S^3 each   of the squarings(S) - 1 steps of the lower-triangular inverse (I+N)(I+N^2)...
-        3*H*Dk*Dv*S    the state read against k and q, and the window's k u^T added to it
-        2*H*Dv*S^2     the deltas solved, and read out by q
-
-    So a decode step (S = 1) costs 6*H*Dk*Dv + 4*H*Dv + 4*G*Dk + 4*H flops a layer, and a window grows with
-    S^3 log2(S). Where the layer runs its window in spans (DeltaShape.span: beta up to 2), each span
-    costs this with S its own length. A cascade step ("decode_branches") runs it with S = 1 for each
-    of its B branches, each from its own state. The projections, the convolution and the gated norm
-    are weights, counted by `_flops`."""
-    delta = manifest["cache"].get("delta")
-    if not delta:
-        return 0.0
-    g = manifest["config"]["delta_key_heads"]
-    h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
-    s = window_tokens(manifest, function)
-    sequences, s = (s, 1) if function == BRANCHES else (1, s)
-    span = delta_span(manifest["config"].get("delta_beta_scale", 1.0)) or s
-    macs = sum(h * t * t + h * t ** 3 + 2 * g * t * t * dk + 2 * h * t ** 3 * max(squarings(t) - 1, 0)
-               + 3 * h * dk * dv * t + 2 * h * dv * t * t for t in [min(span, s - a) for a in range(0, s, span)])
-    return 2.0 * macs * sequences * len(delta["layers"])
+    """Flops the layer kinds with recurrent states run besides their weights in one step of
+    `function` (`layer_costs.WINDOW_KINDS`: the delta rule's matmuls, the Mamba-2 mixers' SSD form)."""
+    tokens = window_tokens(manifest, function)
+    return sum(k.flops(manifest, function, tokens) for k in WINDOW_KINDS)
 
 
 def attention_keys(manifest: dict, attended: int, new: int, cfg: LlamaConfig | None = None) -> list[int]:
     """Per decoder layer, the keys a query attends over in a step with `attended` cached positions
-    read (the bucket that runs) and `new` positions of its own (the window, or a cascade's suffix):
-    a global layer `attended` + `new`; a sliding layer with a ring (cache.sliding, KV-shared
-    layers reading their producer's among them) its R slots + `new`, whatever the bucket; a conv
-    layer (LFM2) none, its short convolution being weights (`_flops`), nor a linear-attention
-    layer (Qwen3.5), whose delta rule `delta_flops` counts. `cfg`: the manifest's config, where
-    the caller has read it."""
+    read (the bucket that runs) and `new` positions of its own (the window, or a cascade's suffix),
+    as `layer_costs.Attention.keys` says, the ring's length from cache.sliding. `cfg`: the
+    manifest's config, where the caller has read it."""
     cfg = cfg or LlamaConfig.from_dict(manifest["config"])
     ring = (manifest["cache"].get("sliding") or {}).get("length", 0)
-    return [0 if cfg.convolves(n) else (ring if ring and cfg.slides(n) else attended) + new
-            for n in range(cfg.num_hidden_layers)]
+    return [ATTENTION.keys(cfg, n, attended, new, ring) for n in range(cfg.num_hidden_layers)]
 
 
 def step_cost(manifest: dict, function: str, filled: int, tokens: int | None = None, dense: bool = False) -> StepCost:

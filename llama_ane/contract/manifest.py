@@ -488,12 +488,12 @@ def new_manifest(*, name: str, source: dict, config: dict, plan: list[list[int]]
                   # last kernel - 1 columns hold the values (Qwen3.5's linear-attention layers convolve too)
                   **({"conv": {"layers": [n for n in range(cfg.num_hidden_layers) if cfg.convolves(n)],
                                "channels": cfg.conv_channels, "kernel": cfg.conv_kernel,
-                               "width": conv_state_width(cfg)}} if cfg.conv_layers or cfg.delta_layers else {}),
+                               "width": conv_state_width(cfg)}} if cfg.conv_layers or cfg.recurrent_layers else {}),
                   # the linear-attention layers' recurrent state: (their layers in a chunk, heads*key_dim, 1,
-                  # value_dim), any context
-                  **({"delta": {"layers": list(cfg.delta_layers), "heads": cfg.delta_value_heads,
+                  # value_dim), any context (Falcon-H1's Mamba-2 mixers': heads*state_size, 1, head_dim)
+                  **({"delta": {"layers": cfg.recurrent_layers, "heads": cfg.delta_value_heads,
                                 "key_dim": cfg.delta_key_dim, "value_dim": cfg.delta_value_dim}}
-                     if cfg.delta_layers else {})},
+                     if cfg.recurrent_layers else {})},
         "embeddings": {"models": [embeddings_model_name(k) for k in range(len(embedding_rows))],
                        "vocab_ranges": [list(r) for r in embedding_rows]},
         "lm_head": {"models": [] if head_folded_into else [lm_head_model_name(k) for k in range(len(head_groups))],

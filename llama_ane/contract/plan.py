@@ -168,8 +168,8 @@ def plan_export(cfg: LlamaConfig, opts: ExportOptions) -> ExportPlan:
             f"({cfg.global_layers.kv_channels} channels) than its sliding layers ({cfg.kv_channels}), which then keep "
             f"theirs in a ring buffer of the sliding window ({cfg.sliding_window}) and a prefill window: export it with "
             "a --context-length longer than that ring (sliding_window + --prefill-length, rounded up to 32)")
-    if (cfg.conv_layers or cfg.delta_layers) and opts.verify_window:
-        kind = "linear-attention" if cfg.delta_layers else "conv"
+    if (cfg.conv_layers or cfg.recurrent_layers) and opts.verify_window:
+        kind = "Mamba-2" if cfg.mamba_layers else "linear-attention" if cfg.delta_layers else "conv"
         raise ExportOptionsError(
             f"--verify-window {opts.verify_window}: this {cfg.model_type} model's {kind} layers keep a state that "
             "cannot go back to the tokens a speculative tree accepts; export it with --verify-window 0")

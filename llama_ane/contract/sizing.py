@@ -27,7 +27,7 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
                 "linear_attn.dt_bias": (h,), "linear_attn.A_log": (h,), "linear_attn.norm.weight": (cfg.delta_value_dim,),
                 "linear_attn.out_proj.weight": (c, vc), "post_attention_layernorm.weight": (c,),
                 "mlp.gate_proj.weight": (i, c), "mlp.up_proj.weight": (i, c), "mlp.down_proj.weight": (c, i)}
-    if cfg.convolves(layer):
+    if not cfg.attends(layer):
         shapes = {"input_layernorm.weight": (c,), "conv.in_proj.weight": (3 * c, c),
                   "conv.conv.weight": (c, cfg.conv_kernel), "conv.out_proj.weight": (c, c),
                   "post_attention_layernorm.weight": (c,), "mlp.gate_proj.weight": (i, c),
@@ -53,6 +53,12 @@ def layer_shapes(cfg: LlamaConfig, layer: int = -1) -> dict[str, tuple[int, ...]
         del shapes["v_proj.weight"]
     if cfg.shares_kv(layer):  # Gemma 4's KV-shared layers compute no K/V
         shapes = {k: v for k, v in shapes.items() if k not in ("k_proj.weight", "v_proj.weight", "k_norm.weight")}
+    if cfg.mamba(layer):  # Falcon-H1's Mamba-2 mixer beside attention (model.layers.mamba2.Mamba2Mixer)
+        h, qc, vc = cfg.delta_value_heads, cfg.delta_conv_channels, cfg.delta_value_channels
+        shapes.update({"mamba.in_proj.weight": (cfg.mamba_in_channels, c), "mamba.conv1d.weight": (qc, cfg.conv_kernel),
+                       "mamba.dt_bias": (h,), "mamba.A_log": (h,), "mamba.D": (h,), "mamba.out_proj.weight": (c, vc)})
+        shapes.update({"mamba.conv1d.bias": (qc,)} if cfg.conv_bias else {})
+        shapes.update({"mamba.norm.weight": (vc,)} if cfg.mamba_gate else {})
     return shapes if cfg.input_norm else {k: v for k, v in shapes.items() if k != "input_layernorm.weight"}
 
 
@@ -80,8 +86,8 @@ def layer_weight_bytes(cfg: LlamaConfig, bytes_per_weight: int = 2,
     says (compressed weights)."""
     if layer is None:
         return max(layer_weight_bytes(cfg, bytes_per_weight, stored, n)
-                   for n in {-1, *cfg.conv_layers[:1], *cfg.delta_layers[:1]})  # an attention layer's, a
-        # conv layer's, a linear-attention layer's
+                   for n in {-1, *cfg.conv_layers[:1], *cfg.delta_layers[:1], *cfg.mamba_layers[:1]})  # an
+        # attention layer's, a conv layer's, a linear-attention layer's, a Mamba-2 layer's
     shapes = layer_shapes(cfg, layer)
     if stored is None:
         return sum(math.prod(shape) for shape in shapes.values()) * bytes_per_weight

@@ -15,18 +15,10 @@ Sliding layers with a ring buffer (manifest cache.sliding) read their whole ring
 every step and bucket, whatever the context; writing it reads and rewrites the ring (a one-hot
 write: the cache-update model's, or with states the chunk's own, as a window may wrap around it).
 
-LFM2's conv layers keep a conv state (cache.conv: L_c layers x C channels x W columns, any context)
-instead of K/V, read whole by every step (a cascade's per-branch states, conv_branches, too). Its
-write is what the programs write: with input caches the chunk's output of the window's values,
-conv_new (L_c, C, 1, S), from which the host keeps the next state; with states the chunk's own
-one-hot write of the state, which reads and rewrites it as a ring's does.
-
-Qwen3.5's linear-attention layers keep such a conv state and a recurrent state besides (cache.delta:
-L_d layers x H value heads of Dk x Dv, any context): delta_state (L_d, H*Dk, 1, Dv), a cascade's
-per-branch delta_branches (L_d*B, H*Dk, 1, Dv), read whole by every step. Its write is one state
-of the same shape, whole: with input caches (and in a cascade step, either kind) the chunk's
-output delta_new, the state after the window's real tokens, which the host keeps as it is; with
-states the chunk's write of the state it computed (no one-hot write: nothing is read again).
+The conv and linear-attention layers keep fixed-size states instead of K/V (LFM2's conv states,
+cache.conv; Qwen3.5's recurrent states, cache.delta), read whole by every step, a cascade's
+per-branch states too; what each step reads and writes of them is its layer kind's
+(`layer_costs.STATE_KINDS`).
 
 Gemma 4 adds three reads, each counted from the manifest's tensor specs by name:
   * KV-shared layers: a chunk whose layers attend over another chunk's K/V takes its producers'
@@ -49,19 +41,15 @@ from dataclasses import asdict, dataclass
 
 from ..config import LlamaConfig
 from ..model import names as N
-from ..model.functions import DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, RING_CACHES, per_layer_rows
+from ..model.functions import RING_CACHES, per_layer_rows
+from .layer_costs import DTYPE_BYTES, STATE_KINDS, STATE_WRITES, STATES, nbytes, state_kind
 from .manifest import decode_function, function_states, kv_cache_kind
 
-DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 MAIN_CACHES = (N.K_CACHE, N.V_CACHE)  # (layers, kv channels, 1, context): read up to the bucket that runs
 SUFFIX_CACHES = (N.K_SUFFIX, N.V_SUFFIX, N.K_RING_SUFFIX, N.V_RING_SUFFIX)  # a cascade's per-branch caches: read whole
 # RING_CACHES: the sliding layers' ring buffers (R slots), read whole
-CONV_STATES = (N.CONV_STATE, N.CONV_BRANCHES)  # LFM2's conv states (L_c, C, 1, W), a cascade's per branch
-#                                                (L_c, C, B, W): read whole
-CONV_NEW = N.CONV_NEW  # the conv layers' window values (L_c, C, 1, S): the conv state's write with input caches
-DELTA_STATES = (DELTA_STATE, DELTA_BRANCHES)  # Qwen3.5's recurrent states (L_d, H*Dk, 1, Dv), a cascade's per
-#                                               branch (L_d*B, H*Dk, 1, Dv): read whole, written whole (delta_new)
-CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + CONV_STATES + DELTA_STATES
+# STATES: the fixed-size states of the conv and linear-attention layers (layer_costs.STATE_KINDS), read whole
+CACHES = MAIN_CACHES + SUFFIX_CACHES + RING_CACHES + STATES
 SHARED = N.SHARED_PREFIX  # a KV-shared chunk's input of its producer's tensor: "shared_" + the producer's name
 
 
@@ -93,13 +81,6 @@ class StepTraffic:
         return {**asdict(self), "total": self.total, "total_dense": self.total_dense}
 
 
-def _nbytes(spec: dict) -> int:
-    n = 1
-    for d in spec["shape"]:
-        n *= d
-    return n * DTYPE_BYTES[spec["dtype"]]
-
-
 def _own_name(name: str) -> str:
     """The name of the producer's tensor a KV-shared input copies ("shared_k_ring" -> "k_ring"); others as they are."""
     return name[len(SHARED):] if name.startswith(SHARED) else name
@@ -109,8 +90,8 @@ def _cache_bytes(spec: dict, attended: int) -> int:
     """Bytes of a cache tensor as one step reads it: a main cache (or a KV-shared chunk's rows of
     one) up to `attended` positions, a ring or suffix cache whole."""
     if _own_name(spec["name"]) in MAIN_CACHES:
-        return _nbytes(spec) // spec["shape"][-1] * attended
-    return _nbytes(spec)
+        return nbytes(spec) // spec["shape"][-1] * attended
+    return nbytes(spec)
 
 
 def _chunk_caches(manifest: dict, chunk: dict, function: str, shared: bool = False) -> list[dict]:
@@ -144,14 +125,12 @@ def ring_bytes(manifest: dict) -> int:
             * DTYPE_BYTES[manifest["cache"]["dtype"]])
 
 
-def state_bytes(manifest: dict) -> tuple[int, int]:
-    """Bytes of the conv states (cache.conv: L_c layers x C channels x W columns) and of the
-    linear-attention layers' recurrent states (cache.delta: L_d layers x H heads of Dk x Dv), (0, 0)
-    without them: what every step reads whole, whatever the context length."""
-    cache = manifest["cache"]
-    size, conv, delta = DTYPE_BYTES[cache["dtype"]], cache.get("conv"), cache.get("delta")
-    return (len(conv["layers"]) * conv["channels"] * conv["width"] * size if conv else 0,
-            len(delta["layers"]) * delta["heads"] * delta["key_dim"] * delta["value_dim"] * size if delta else 0)
+def state_bytes(manifest: dict) -> tuple[int, ...]:
+    """Bytes of the fixed-size states of each kind in `layer_costs.STATE_KINDS` (the conv states,
+    cache.conv: L_c layers x C channels x W columns; the linear-attention layers' recurrent states,
+    cache.delta: L_d layers x H heads of Dk x Dv), 0 for a kind the export lacks: what every step
+    reads whole, whatever the context length."""
+    return tuple(k.state_bytes(manifest["cache"]) for k in STATE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -230,47 +209,25 @@ def kv_write_bytes(manifest: dict, attended: int, function: str | None = None, k
     A cascade step's cache update reads and rewrites the suffix caches (the prefix is only read);
     a single-sequence window writes the main caches: the cache-update model reads and rewrites
     them up to `attended` positions ("inputs"), or the chunk writes the window's columns of each
-    state ("state"). The conv states are written as `conv_write_bytes` says, the recurrent states
-    whole (`delta_write_bytes`)."""
+    state ("state"). The fixed-size states are written as their layer kind says
+    (`layer_costs.STATE_KINDS`' write_bytes)."""
     kind = kv_cache or kv_cache_kind(manifest)
     function = function or decode_function(manifest)
     tokens = window_tokens(manifest, function)
     total = 0
     for chunk in manifest["chunks"]:
         caches = _chunk_caches(manifest, chunk, function)
-        total += sum(conv_write_bytes(t, tokens, kind) for t in caches if t["name"] in CONV_STATES)
-        total += sum(delta_write_bytes(t) for t in caches if t["name"] in DELTA_STATES)
-        caches = [t for t in caches if t["name"] not in CONV_STATES + DELTA_STATES]
+        total += sum(state_kind(t["name"]).write_bytes(t, tokens, kind) for t in caches if t["name"] in STATES)
+        caches = [t for t in caches if t["name"] not in STATES]
         suffix = [t for t in caches if t["name"] in SUFFIX_CACHES]
         if suffix:
-            total += sum(2 * _nbytes(t) for t in suffix)
+            total += sum(2 * nbytes(t) for t in suffix)
         elif kind == "state":
-            total += sum(2 * _nbytes(t) if t["name"] in RING_CACHES else
-                         _nbytes(t) // t["shape"][-1] * tokens for t in caches)
+            total += sum(2 * nbytes(t) if t["name"] in RING_CACHES else
+                         nbytes(t) // t["shape"][-1] * tokens for t in caches)
         else:
             total += sum(2 * _cache_bytes(t, attended) for t in caches)
     return total
-
-
-def conv_write_bytes(spec: dict, tokens: int, kind: str) -> int:
-    """Bytes of writing a chunk's conv state `spec` (conv_state (L_c, C, 1, W), or a cascade's
-    conv_branches (L_c, C, B, W)) in a step of `tokens` tokens: with states ("state") the chunk's
-    one-hot write of conv_state, which reads and rewrites it whole, as a ring's; otherwise (input
-    caches, and a cascade step's conv_branches, inputs with either kind) the chunk's output of the
-    window's values, conv_new (L_c, C, 1, `tokens`), from which the host keeps the next state."""
-    if kind == "state" and spec["name"] == N.CONV_STATE:
-        return 2 * _nbytes(spec)
-    return spec["shape"][0] * spec["shape"][1] * tokens * DTYPE_BYTES[spec["dtype"]]
-
-
-def delta_write_bytes(spec: dict) -> int:
-    """Bytes of writing a chunk's recurrent state `spec` (delta_state (L_d, H*Dk, 1, Dv), or a
-    cascade's delta_branches (L_d*B, H*Dk, 1, Dv)) in a step of any window: the state after the
-    window whole, once, with either kind. With input caches (and in a cascade step) that is the
-    chunk's output delta_new, which has the state's shape (the manifest's validator holds every
-    delta tensor to it), so the other kind's pricing needs no spec of it; with states the chunk
-    writes the state it computed from the one it read (counted by `kv_read_bytes`)."""
-    return _nbytes(spec)
 
 
 def decode_step_traffic(manifest: dict, kv_cache: str | None = None, filled: int | None = None) -> StepTraffic:
@@ -299,6 +256,6 @@ def window_io_bytes(manifest: dict, function: str) -> int:
     total = 0
     for model in models:
         fn = manifest["models"][model]["functions"][function]
-        total += sum(_nbytes(t) for t in fn["inputs"] + fn["outputs"]
-                     if _own_name(t["name"]) not in CACHES and t["name"] not in (CONV_NEW, DELTA_NEW))
+        total += sum(nbytes(t) for t in fn["inputs"] + fn["outputs"]
+                     if _own_name(t["name"]) not in CACHES and t["name"] not in STATE_WRITES)
     return total

@@ -61,7 +61,8 @@ SUPPORTED_DESCRIPTION = _supported()
 # (other model_types get the plain "unsupported" line).
 REFUSED = {
     "qwen3_next": "Qwen3-Next's linear-attention (Gated DeltaNet) layers and " + MOE,
-    "qwen2_moe": MOE, "qwen3_moe": MOE, "mixtral": MOE, "granitemoe": MOE, "granitemoehybrid": MOE,
+    "qwen2_moe": MOE, "qwen3_moe": MOE, "mixtral": MOE, "granitemoe": MOE,
+    "granitemoehybrid": "Granite 4.0-H's Mamba-2 layers without attention beside them and " + MOE,
     "phimoe": MOE, "olmoe": MOE,
     "olmo": "OLMo 1's layer norm without weights",
     "phi": "Phi-1/Phi-2's parallel attention and MLP with LayerNorm and a GeLU MLP",

@@ -15,6 +15,35 @@ from .fields import Fields
 
 MOE = "a mixture-of-experts MLP (routed experts)"  # what the refused families (and Gemma 4's MoE block) need
 
+# The Llama block's tensors, every family's unless it names them otherwise (Family.attention_names)
+LAYER_TENSORS = {  # our name in DecoderLayer -> HF name inside model.layers.N
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "o_proj.weight": "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+FAMILY_TENSORS = {  # what other families add, where their config has them (LlamaConfig.layer_extras)
+    "q_proj.bias": "self_attn.q_proj.bias",
+    "k_proj.bias": "self_attn.k_proj.bias",
+    "v_proj.bias": "self_attn.v_proj.bias",
+    "o_proj.bias": "self_attn.o_proj.bias",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight",
+    "per_layer_input_gate.weight": "per_layer_input_gate.weight",  # Gemma 4's per-layer input
+    "per_layer_projection.weight": "per_layer_projection.weight",
+    "post_per_layer_input_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_scalar": "layer_scalar",
+    "sinks": "self_attn.sinks",  # attention sinks, one logit per query head
+    "g_proj.weight": "self_attn.g_proj.weight",  # an output gate per query head
+}
+
 
 @dataclass(frozen=True)
 class GGUFArch:
@@ -34,6 +63,11 @@ class GGUFArch:
     auto_tokenizer: bool = True  # transformers' AutoTokenizer reads its files (where its GGUF reader has the arch)
     read: Callable[[Any, dict[str, Any]], None] | None = None  # the file's own metadata into the config dict
     read_longrope: Callable[[Any, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None  # from factor tensors
+    # a tensor the converter renames before its table maps it: the end of our name -> the converter's
+    # (Falcon-H1's mamba.dt_bias, which it maps as mamba.dt_proj.bias)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    reshaped: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None  # HF name, file's shape -> HF shape
+    restore: Callable[[str, Any], Any] | None = None  # HF name, the file's values in the HF shape -> the HF values
 
 
 @dataclass(frozen=True)
@@ -98,6 +132,14 @@ class Family:
     # transformers' name of a tensor inside model.layers.N -> the name its checkpoints store it under, or
     # the names of the parts it concatenates (its conversion mapping), where they differ
     stored_names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
+    # a Mamba-2 mixer's tensors in a layer of a config (model.layers.mamba2): our name -> its name inside
+    # model.layers.N; and the factor folded into a decoder layer's tensor (our name; a list: one per row;
+    # None: none), where the family's multipliers fold into its weights (Falcon-H1's)
+    mamba_tensors: Callable[[Any], dict[str, str]] | None = None
+    # buffers transformers' model class gives each decoder layer, which the reference (one layer at a time)
+    # gives it too: buffer path in the layer -> the part (`classes`) of its module computing it from the config
+    layer_buffers: Mapping[str, str] = field(default_factory=dict)
+    weight_scale: Callable[[Any, str], float | list[float] | None] | None = None
     gguf: GGUFArch | None = None  # how llama.cpp stores it (None: no architecture of its own)
 
     @property

@@ -89,6 +89,7 @@ from .layers import Graph, mb, stack_mil, with_state
 from .layers.attention import DecoderLayer, branch_layer, branch_layer_mil, decoder_layer_read_mil
 from .layers.delta_net import (DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, DeltaLayer, delta_layer_mil, delta_rows,
                                delta_shape)
+from .layers.mamba2 import mamba2_mixer_mil, mamba_shape
 from .layers.short_conv import ConvLayer, conv_layer_mil, conv_state_after_mil
 
 
@@ -115,7 +116,7 @@ class BlockChunk(nn.Module):
             DeltaLayer(cfg.hidden_size, cfg.intermediate_size, delta_shape(cfg)) if cfg.linear(n)
             else ConvLayer(cfg.hidden_size, cfg.intermediate_size, cfg.conv_kernel, cfg.stream_eps, cfg.conv_bias,
                            cfg.sandwich_norms)
-            if cfg.convolves(n) else DecoderLayer(cfg.at(n), context_length, n) for n in layer_indices)
+            if not cfg.attends(n) else DecoderLayer(cfg.at(n), context_length, n) for n in layer_indices)
         self.conv = conv_rows(cfg, self.layer_indices)  # the conv layers' and the linear-attention layers'
         self.delta = delta_rows(cfg, self.layer_indices)
         full, sliding = chunk_rows(cfg, self.layer_indices, ring)
@@ -175,13 +176,30 @@ class BlockChunk(nn.Module):
                 layer_caches, window = self.shared_kv(i, caches, shared, ks, vs)
             else:
                 layer_caches, window = self.layer_caches(i, caches), None
+            side = self.mixer(i, conv_state, delta_state, window_tokens, gated, states)
             hidden_states, k, v = layer(hidden_states, *layer.rope(cos, sin, cos_local, sin_local),
                                         layer.attention_mask(mask, sliding_mask), *layer_caches,
-                                        self.per_layer_slice(per_layer_input, i), window)
+                                        self.per_layer_slice(per_layer_input, i), window, side)
             ks.append(k)
             vs.append(v)
         return (hidden_states, ks, vs, (torch.cat(gated, dim=0) if gated else None),
                 torch.cat(states, dim=0) if states else None)
+
+    def mixer(self, i: int, conv_state, delta_state, n, gated: list, states: list, rows: int = 1):
+        """Chunk layer i's Mamba-2 mixer beside its attention as DecoderLayer's `side` (None where it has
+        none), reading its rows of the conv and recurrent states (`rows` of each per layer: the
+        cascade's branches) and appending its window values and new state to `gated` and `states`."""
+        layer = self.layers[i]
+        if not hasattr(layer, "mamba"):
+            return None
+        j, d = self.conv.index(i), self.delta.index(i)
+
+        def side(h):
+            y, g, new = layer.mamba(h, conv_state[j:j + 1], delta_state[d * rows:(d + 1) * rows], n)
+            gated.append(g)
+            states.append(new)
+            return y
+        return side
 
     def shared_kv(self, i: int, caches: dict, shared: dict | None, ks: list, vs: list):
         """KV-shared chunk layer i's producer's (k, v) cache rows and (k, v) of this window: from
@@ -287,7 +305,7 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
                 ks.append(None)
                 vs.append(None)
                 continue
-            if cfg.convolves(n):
+            if not cfg.attends(n):
                 x, gx = conv_layer_mil(g, x, _conv_state_row_mil(g, cfg, values[N.CONV_STATE], len(gated)),
                                        f"layers.{i}.", cfg.hidden_size, cfg.conv_kernel, cfg.stream_eps, s,
                                        cfg.conv_bias, cfg.sandwich_norms)
@@ -300,9 +318,11 @@ def build_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int]):
             if cfg.shares_kv(n):  # its producer's caches and window K/V
                 rows, width, shared, _ = _producer_mil(g, cfg, values, layers, ring, (reads, full, ks, vs), n,
                                                        context_length, s)
+            side = _mixer_mil(g, cfg, n, i, values.get(N.CONV_STATE), values.get(DELTA_STATE),
+                              inputs.get(WINDOW_TOKENS), gated, states, s)
             x, k, v = decoder_layer_read_mil(g, cfg, f"layers.{i}.", x, cos, sin,
                                              layer_mask_mil(cfg, inputs, n, N.MASK), *rows, width, s, n,
-                                             per_layer_slice_mil(g, cfg, inputs, i, s), shared)
+                                             per_layer_slice_mil(g, cfg, inputs, i, s), shared, side)
             ks.append(k)
             vs.append(v)
         new = {N.CONV_STATE: stack_mil(gated)} if gated else {}
@@ -344,6 +364,26 @@ def _producer_mil(g: Graph, cfg: LlamaConfig, inputs: dict, layers: list[int], r
     cache = tuple(_layer_cache_mil(g, at, inputs[N.shared(N.cache(key))], j, width) for key in stems)
     new = tuple(g.slice(inputs[N.shared(N.new(key))], [j, 0, 0, 0], [j + 1, at.kv_channels, 1, s]) for key in stems)
     return cache, width, new, (kind, j)
+
+
+def _mixer_mil(g: Graph, cfg: LlamaConfig, n: int, i: int, conv_state, delta_state, tokens, gated: list,
+               states: list, s: int, branches: int = 0):
+    """BlockChunk.mixer: decoder layer n's (chunk layer i's) Mamba-2 mixer as the `side` of its
+    attention (None where it has none), over a window (`tokens` real) or, with `branches` B, the
+    cascade's branches (conv_state (L_c,Q,B,W), delta_state (L_d*B,H*N,1,P))."""
+    if not cfg.mamba(n):
+        return None
+    conv = g.slice(conv_state, [len(gated), 0, 0, 0],
+                   [len(gated) + 1, cfg.conv_channels, max(branches, 1), conv_state_width(cfg)])
+    state = _delta_state_row_mil(g, cfg, delta_state, len(states), max(branches, 1))
+
+    def side(hn):
+        y, gx, new = mamba2_mixer_mil(g, hn, conv, state, None if branches else tokens, f"layers.{i}.mamba.",
+                                      mamba_shape(cfg), s)
+        gated.append(gx)
+        states.append(new)
+        return y
+    return side
 
 
 def _conv_state_row_mil(g: Graph, cfg: LlamaConfig, conv_state, j: int):
@@ -394,6 +434,7 @@ class BranchChunk(nn.Module):
                 hidden_states, g = layer(hidden_states, conv_branches[j:j + 1])
                 gated.append(g)
                 continue
+            side = self.chunk.mixer(i, conv_branches, delta_branches, None, gated, states, b)
             g, window = layer.cfg.num_key_value_heads, None
             if i in self.chunk.producer:  # a KV-shared layer: its producer's prefix, suffix and K/V
                 where, j = self.chunk.producer[i]
@@ -411,7 +452,7 @@ class BranchChunk(nn.Module):
                 layer.attention_mask(prefix_mask, sliding_prefix_mask),
                 layer.attention_mask(suffix_mask, sliding_suffix_mask), *prefix,
                 ks[a * g:(a + 1) * g], vs[a * g:(a + 1) * g], self.suffix_length,
-                self.chunk.per_layer_slice(per_layer_input, i), window)
+                self.chunk.per_layer_slice(per_layer_input, i), window, side)
             if i in self.chunk.producer:
                 continue
             own[i] = (k, v)
@@ -436,7 +477,7 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
         own_k, own_v = {}, {}  # chunk layer -> its K/V of this step, for the KV-shared layers after it
         x, gated, states = inputs[N.HIDDEN_STATES], [], []
         for i, n in enumerate(layers):
-            if cfg.convolves(n):  # each branch from its own conv state (1,Q,B,W), a linear-attention layer's
+            if not cfg.attends(n):  # each branch from its own conv state (1,Q,B,W), a linear-attention layer's
                 # from its own recurrent state too (B,H*Dk,1,Dv)
                 conv = g.slice(inputs[N.CONV_BRANCHES], [len(gated), 0, 0, 0],
                                [len(gated) + 1, cfg.conv_channels, b, conv_state_width(cfg)])
@@ -463,9 +504,11 @@ def build_branch_chunk(g: Graph, cfg: LlamaConfig, io: dict, layers: list[int], 
             else:
                 key, j = where[i]
                 suffix = tuple(inputs[name] for name in suffix_names(key)[:2])
+            side = _mixer_mil(g, cfg, n, i, inputs.get(N.CONV_BRANCHES), inputs.get(DELTA_BRANCHES), None, gated,
+                              states, b, branches=b)
             x, k, v = branch_layer_mil(g, cfg, f"layers.{i}.", x, cos, sin, layer_mask_mil(cfg, inputs, n, N.PREFIX_MASK),
                                        layer_mask_mil(cfg, inputs, n, N.SUFFIX_MASK), *rows, *suffix, j, b,
-                                       suffix_length, n, per_layer_slice_mil(g, cfg, inputs, i, b), shared)
+                                       suffix_length, n, per_layer_slice_mil(g, cfg, inputs, i, b), shared, side)
             if cfg.shares_kv(n):
                 continue
             own_k[i], own_v[i] = k, v

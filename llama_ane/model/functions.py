@@ -96,6 +96,15 @@ def delta_span(beta_scale: float) -> int:
     return SPAN if beta_scale > 1 else 0
 
 
+def ssd_macs(heads: int, groups: int, state: int, head_dim: int, s: int) -> int:
+    """Multiply-adds of a Mamba-2 mixer's SSD form over a window of S tokens (layers.mamba2.ssd), H heads
+    of width P, G groups, state size N: the decays summed up to each token (H S^2) and pairwise
+    (H S^3), C.B between the window's tokens (G S^2 N), the state read against C and the window's
+    B u^T added to it (2 H N P S), the updates read out (H P S^2)."""
+    h, g, n, p = heads, groups, state, head_dim
+    return h * s * s + h * s ** 3 + g * s * s * n + 2 * h * n * p * s + h * p * s * s
+
+
 SPAN = 4  # tokens per span of the delta rule where beta reaches 2 (layers.delta_net.DeltaShape.span)
 
 
@@ -175,7 +184,7 @@ def chunk_rows(cfg: "LlamaConfig", layers: list[int], ring: int) -> tuple[list[i
     """The chunk-local indices of decoder layers `layers` kept in the full cache and in the ring
     (the sliding layers, where the export has a ring: `ring` > 0); conv layers keep no K/V."""
     sliding = [i for i, n in enumerate(layers) if ring and cfg.slides(n) and not cfg.shares_kv(n)]
-    return [i for i, n in enumerate(layers) if i not in sliding and not cfg.convolves(n) and not cfg.shares_kv(n)], \
+    return [i for i, n in enumerate(layers) if i not in sliding and cfg.attends(n) and not cfg.shares_kv(n)], \
         sliding
 
 
@@ -198,7 +207,7 @@ def conv_state_width(cfg: "LlamaConfig") -> int:
 def attention_rows(cfg: "LlamaConfig", layers: list[int]) -> list[int]:
     """The chunk-local indices of the attention layers among decoder layers `layers` (all but the
     conv layers and the KV-shared ones, which keep no K/V): their rows in the cascade's suffix caches."""
-    return [i for i, n in enumerate(layers) if not cfg.convolves(n) and not cfg.shares_kv(n)]
+    return [i for i, n in enumerate(layers) if cfg.attends(n) and not cfg.shares_kv(n)]
 
 
 def suffix_groups(cfg: "LlamaConfig", layers: list[int], ring: int) -> list[tuple[str, list[int], "LlamaConfig"]]:
@@ -321,7 +330,7 @@ def cascades_in_window(cfg: "LlamaConfig", decode_function: str, branch_width: i
     (their states run along the window's rows), a ring (its slots follow positions) and KV-shared
     layers keep the cascade function."""
     return (decode_function == "prefill" and 0 < branch_width <= prefill_length and not ring and not cfg.conv_layers
-            and not cfg.delta_layers and not cfg.kv_shared_layers)
+            and not cfg.recurrent_layers and not cfg.kv_shared_layers)
 
 
 def window_masks(layout: Layout, s: int, t: int) -> dict[str, list[int]]:

@@ -137,7 +137,7 @@ class Pipeline:
         self.conv_shape = (cfg.conv_channels, 1, conv_state_width(cfg))
         # per chunk: its linear-attention layers' count (Qwen3.5), whose recurrent state is (H*Dk, 1, Dv) each
         self.delta_layers = [len(delta_rows(cfg, c["layers"])) for c in self.chunks]
-        self.delta_shape = delta_shape(cfg).state_shape[1:] if cfg.delta_layers else None
+        self.delta_shape = delta_shape(cfg).state_shape[1:] if cfg.recurrent_layers else None
         # per chunk: its layers' rows of the embeddings' per-layer inputs (Gemma 4), None where there are none
         p = cfg.per_layer_input_size
         self.per_layer_rows = [np.array([n * p + j for n in c["layers"] for j in range(p)]) if p else None

@@ -1,6 +1,8 @@
-"""The checks a Gated DeltaNet layer (llama_ane.model.layers.delta_net.DeltaLayer) is held to against a
-transformers decoder layer of its family (Qwen3.5's, OLMo-Hybrid's): the whole sequence and its
-states, padded prefill windows then decoding, and its MIL builder run by the MIL executor."""
+"""The checks a layer with a conv state and a recurrent state is held to against transformers: a Gated
+DeltaNet layer (llama_ane.model.layers.delta_net.DeltaLayer) against a decoder layer of its family
+(Qwen3.5's, OLMo-Hybrid's), a Mamba-2 mixer (llama_ane.model.layers.mamba2.Mamba2Mixer) against
+Falcon-H1's: the whole sequence and its states, padded prefill windows then decoding, fp16, and its MIL
+builder run by the MIL executor."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from llama_ane.model.layers import Graph
 from llama_ane.model.layers.delta_net import DeltaLayer, DeltaShape, delta_layer_mil, gated_delta
+from llama_ane.model.layers.mamba2 import Mamba2Shape
 from llama_ane.model.layers.short_conv import conv_state_after, conv_state_after_mil
 
 from conftest import convert_to
@@ -24,8 +27,11 @@ def zero_states(net: DeltaShape) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(1, net.conv_channels, 1, net.kernel - 1), torch.zeros(net.state_shape)
 
 
-def carried(state: torch.Tensor, net: DeltaShape) -> torch.Tensor:
-    """Our (1,H*Dk,1,Dv) state as transformers keeps it, (1,H,Dk,Dv)."""
+def carried(state: torch.Tensor, net: DeltaShape | Mamba2Shape) -> torch.Tensor:
+    """Our (1,H*Dk,1,Dv) state as transformers keeps it, (1,H,Dk,Dv); a Mamba-2 mixer's (1,H*N,1,P)
+    as (1,H,P,N)."""
+    if isinstance(net, Mamba2Shape):
+        return state.reshape(1, net.heads, net.state, net.head_dim).transpose(2, 3)
     return state.reshape(1, net.v_heads, net.dk, net.dv)
 
 
@@ -97,14 +103,15 @@ def check_padded_windows(module, net: DeltaShape, x, y_ref, conv_ref, state_ref,
     torch.testing.assert_close(conv_state.reshape(-1, k - 1), conv_ref[0, :, 1:], rtol=1e-5, atol=1e-6)
 
 
-def check_fp16_window(module, net: DeltaShape, x) -> None:
+def check_fp16_window(module, net: DeltaShape | Mamba2Shape, x, make=None) -> None:
     """The layer over all of `x` in fp16 (the exported precision) stays finite and within 1% of fp32's
-    scale (fp16 keeps 11 bits: the residual stream's values near 30 are 0.016 apart)."""
+    scale (fp16 keeps 11 bits: the residual stream's values near 30 are 0.016 apart). `make` builds an
+    empty module of the same kind (default: a DeltaLayer of the module's sizes)."""
     conv_state, state = zero_states(net)
     channels, tokens = x.shape[2], x.shape[1]
     with torch.no_grad():
         y32, _, s32 = module(channels_first(x), conv_state, state, tokens)
-        half = DeltaLayer(channels, module.mlp.gate_proj.out_channels, net).eval()
+        half = (make() if make else DeltaLayer(channels, module.mlp.gate_proj.out_channels, net)).eval()
         half.load_state_dict(module.state_dict())
         y16, _, s16 = half.half()(channels_first(x).half(), conv_state.half(), state.half(), tokens)
     assert torch.isfinite(y16).all() and torch.isfinite(s16).all()
@@ -112,11 +119,12 @@ def check_fp16_window(module, net: DeltaShape, x) -> None:
     torch.testing.assert_close(s16.float(), s32, rtol=0, atol=0.01 * s32.abs().max().item())
 
 
-def check_mil_builder_on_a_padded_window(module, net: DeltaShape, channels: int, folder, precision: str,
-                                         s: int, n: int) -> None:
+def check_mil_builder_on_a_padded_window(module, net: DeltaShape | Mamba2Shape, channels: int, folder, precision: str,
+                                         s: int, n: int, builder=None) -> None:
     """delta_layer_mil of the module's weights, converted and run by the MIL executor over a window
     of `s` columns, `n` of them real, from random states (a conv state kept 32 wide): the module's
-    outputs, conv state and recurrent state, within 1e-4 (fp32) or 0.03 (fp16)."""
+    outputs, conv state and recurrent state, within 1e-4 (fp32) or 0.03 (fp16). `builder` (g, x,
+    conv_state, state, n, s) -> y, mixed, state_new: the MIL builder (default: delta_layer_mil)."""
     ct = pytest.importorskip("coremltools")
     from coremltools.converters.mil import Builder as mb
     from llama_ane.mil import PackageExecutor
@@ -132,7 +140,8 @@ def check_mil_builder_on_a_padded_window(module, net: DeltaShape, channels: int,
                              mb.TensorSpec(shape=net.state_shape, dtype=fp), mb.TensorSpec(shape=(1,), dtype=int32)],
                 opset_version=ct.target.iOS18)
     def prog(x, conv_state, delta_state, n):
-        y, mixed, new = delta_layer_mil(g, x, conv_state, delta_state, n, "", channels, net, s)
+        y, mixed, new = (builder(g, x, conv_state, delta_state, n, s) if builder
+                         else delta_layer_mil(g, x, conv_state, delta_state, n, "", channels, net, s))
         return y, conv_state_after_mil(g, conv_state, mixed, n, net.kernel, s), new
 
     convert_to(prog, folder / "delta_layer.mlpackage",
@@ -150,3 +159,52 @@ def check_mil_builder_on_a_padded_window(module, net: DeltaShape, channels: int,
     np.testing.assert_allclose(got[0][..., :n], y[..., :n].numpy(), rtol=tol, atol=tol)
     np.testing.assert_allclose(got[1], conv_new.numpy(), rtol=tol, atol=tol)
     np.testing.assert_allclose(got[2], new.numpy(), rtol=tol, atol=tol)
+
+
+# --- an export's carried states -------------------------------------------------------------------
+
+def windows_then_decoding(model, ids: list[int], prompt: int):
+    """The model's pipeline after prefilling ids[:prompt] in its windows (the last one padded) and
+    decoding the rest one at a time: its caches hold every layer's states after `ids`."""
+    pipeline = model.pipeline
+    pipeline.reset()
+    pipeline.prefill(ids[:prompt])
+    for t in ids[prompt:]:
+        pipeline.run_window([t])
+    return pipeline
+
+
+def check_mil_states_follow_torch_fp16(out) -> None:
+    """The programs' recurrent states after a padded prefill window and decoding (mil, fp16) are the
+    torch backend's (fp16) within fp16 rounding."""
+    import llama_ane
+
+    ids, states = list(range(7, 47)), {}
+    for backend, options in (("mil", {}), ("torch", {"precision": "fp16"})):
+        pipeline = llama_ane.load(out, backend=backend, **options).pipeline
+        pipeline.reset()
+        pipeline.run_window(ids[:20])
+        for n in range(20, 30):
+            pipeline.run_window(ids[n:n + 1])
+        getattr(pipeline.backend, "sync_states", lambda: None)()
+        states[backend] = [c["delta"].astype(np.float32) for c in pipeline.cache.caches]
+    for mil, torch16 in zip(states["mil"], states["torch"]):
+        scale = np.abs(torch16).max()
+        assert scale > 0.01
+        np.testing.assert_allclose(mil, torch16, rtol=0, atol=0.02 * scale)
+
+
+def check_prompt_cache_holds_the_states(model, folder) -> None:
+    """A prompt-cache file (in `folder`) saves each chunk's states whole: decoding on from the loaded
+    file gives the logits of decoding on from the cache it was saved from. `model`: prefill windows of 8."""
+    from llama_ane.runtime.kv_cache import load_cache, save_cache
+
+    pipeline, ids = model.pipeline, list(range(5, 19))
+    pipeline.reset()
+    pipeline.run_window(ids[:8])
+    pipeline.run_window(ids[8:13])
+    assert all(c["delta"].any() for c in pipeline.cache.caches)
+    save_cache(pipeline.cache, model.manifest, folder / "prompt.npz")
+    want = pipeline.run_window(ids[13:14])
+    pipeline.use(load_cache(folder / "prompt.npz", model.manifest, pipeline.new_cache()))
+    np.testing.assert_array_equal(pipeline.run_window(ids[13:14]), want)

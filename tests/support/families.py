@@ -43,6 +43,14 @@ OLMO_HYBRID = {"model_type": "olmo_hybrid", "num_attention_heads": 2, "num_key_v
                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                "linear_key_head_dim": 16, "linear_value_head_dim": 32, "num_hidden_layers": 4}
 
+# Falcon-H1: attention and a Mamba-2 mixer in every layer, its muP multipliers away from 1 (in the range
+# of the published ones), heads 32 wide (the state (H*N, 1, P) as the ANE keeps it), two heads per group
+FALCON_H1 = {"model_type": "falcon_h1", "head_dim": 32, "mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32,
+             "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16,
+             "embedding_multiplier": 5.0, "lm_head_multiplier": 2.5, "attention_in_multiplier": 0.7,
+             "key_multiplier": 0.5, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.25,
+             "ssm_out_multiplier": 0.6, "ssm_multipliers": [0.7, 1.3, 0.9, 1.1, 0.8], "mlp_multipliers": [0.9, 0.6]}
+
 # name -> checkpoint overrides (TINY_CONFIG: hidden 64, 3 layers, 4 query heads, 2 kv heads: GQA)
 CASES = {
     "smollm3_tied": {"model_type": "smollm3", "tie_word_embeddings": True, "head_dim": 32,
@@ -156,6 +164,13 @@ CASES = {
     "olmo_hybrid_tied_gqa": dict(OLMO_HYBRID, tie_word_embeddings=True,
                                  layer_types=["linear_attention", "full_attention", "linear_attention",
                                               "linear_attention"]),
+    # Falcon-H1: GQA, tied, the gated norm before the gate over two groups; MHA, untied, the norm after the
+    # gate; and no norm (the gate alone), one group
+    "falcon_h1_tied_gqa": dict(FALCON_H1, tie_word_embeddings=True, mamba_rms_norm=True,
+                               mamba_norm_before_gate=True),
+    "falcon_h1_untied_mha": dict(FALCON_H1, tie_word_embeddings=False, num_key_value_heads=4, mamba_rms_norm=True,
+                                 mamba_norm_before_gate=False),
+    "falcon_h1_no_norm": dict(FALCON_H1, tie_word_embeddings=False, mamba_rms_norm=False, mamba_n_groups=1),
     "olmo_hybrid_untied_mha_nope": dict(OLMO_HYBRID, tie_word_embeddings=False, num_key_value_heads=2,
                                         linear_num_value_heads=2, attention_bias=True, rope_theta=None,
                                         linear_allow_neg_eigval=False),
@@ -177,6 +192,8 @@ TEMPLATES = {
                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>{% endif %}"),
     "olmo3": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "falcon_h1": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "olmo_hybrid": ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n"
                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     "phi3": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"

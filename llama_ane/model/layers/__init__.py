@@ -1,9 +1,10 @@
 """Decoder layers in the ANE layout, one file per layer kind: `attention` (grouped softmax attention
 over a K/V cache, the cascade's attention states, the Llama-family decoder layer), `short_conv`
-(LFM2's short convolution) and `delta_net` (Qwen3.5's Gated DeltaNet), built from the shared ops
-in `ops`. Each file names the torch module and its MIL builder, the states the layer keeps and how
-they carry over a window, and where its bytes and flops are counted. The shared ops and the
-attention operators are importable from here."""
+(LFM2's short convolution), `delta_net` (Qwen3.5's Gated DeltaNet) and `mamba2` (Falcon-H1's
+Mamba-2 mixer), built from the shared ops in `ops`. Each file names the torch module and its MIL
+builder, the states the layer keeps and how they carry over a window, and where its costs are
+counted (`contract.layer_costs`, which imports no torch). The shared ops and the attention
+operators are importable from here."""
 
 from .attention import (GROUPED_ROWS, MASK_VALUE, grouped_attention, grouped_attention_mil, merge_states,
                         merge_states_mil, prefix_state, prefix_state_mil, suffix_state, suffix_state_mil)

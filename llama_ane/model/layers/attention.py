@@ -30,13 +30,9 @@ reads the prefix's caches and each branch's suffix cache k_suffix/v_suffix (L*G,
 every layer's new K/V for the suffix caches. Gemma 4's KV-shared layers keep none: they read their
 producer's.
 
-Costs (contract/). `traffic.kv_read_bytes` counts a step's reads of these caches: k_cache/v_cache
-up to the bucket that runs, rings and suffix caches whole (`traffic._cache_bytes`);
-`traffic.kv_write_bytes` counts writing them (the cache update's read and rewrite, or the states'
-slice update), `traffic.ring_bytes` gives the rings' size. The projections and the MLP are weights
-(`traffic.weight_read_bytes`). `device_model._flops` counts 2 flops per weight per token and the
-attention's 4 per query channel per key, its keys `device_model.attention_keys` (the bucket's
-positions, or a ring's slots, plus the window).
+Costs: `contract.layer_costs.Attention` (the keys a query reads, 4 flops per query channel per
+key); `traffic` counts a step's reads of these caches (k_cache/v_cache up to the bucket that runs,
+rings and suffix caches whole) and their writes. The projections and the MLP are weights.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ import torch
 from torch import nn
 
 from ...config import LlamaConfig
+from .mamba2 import Mamba2Mixer, mamba_shape
 from .ops import (MLP, Graph, RMSNorm, activation, activation_mil, apply_rope, apply_rope_mil, conv1x1, conv_mil,
                   head_norm, head_norm_mil, mb, mlp_mil, rms_norm_mil)
 
@@ -268,6 +265,8 @@ class DecoderLayer(nn.Module):
             self.g_proj = conv1x1(cfg.hidden_size, cfg.num_attention_heads)
         if cfg.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        if cfg.mamba(layer):  # Falcon-H1: a Mamba-2 mixer beside attention, on the same normed input
+            self.mamba = Mamba2Mixer(cfg.hidden_size, mamba_shape(cfg))
 
     def sink(self) -> torch.Tensor | None:
         """The heads' sink logits as (G,R,1,1), where the layer has sinks."""
@@ -333,10 +332,14 @@ class DecoderLayer(nn.Module):
             q, k = apply_rope(q, cos, sin, half, rest), apply_rope(k, cos, sin, half, rest)
         return q.reshape(g, r, d, -1), k, v
 
-    def finish(self, x: torch.Tensor, heads: torch.Tensor, per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, heads: torch.Tensor, per_layer_input: torch.Tensor | None = None,
+               beside: torch.Tensor | None = None) -> torch.Tensor:
         """Output projection, residual, MLP and residual (then Gemma 4's per-layer input and layer
-        scalar). heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
+        scalar). heads: (G,R,D,S); per_layer_input: (1,P,1,S); beside: what a mixer beside attention
+        adds to its output (1,C,1,S) -> x_out (1,C,1,S)"""
         attention = self.o_proj(heads.reshape(1, self.cfg.q_channels, 1, -1))
+        if beside is not None:
+            attention = attention + beside
         if self.cfg.sandwich_norms:
             x = x + self.post_attention_layernorm(attention)
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -355,23 +358,26 @@ class DecoderLayer(nn.Module):
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar if self.cfg.layer_scalar else x
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None, shared=None):
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, per_layer_input=None, shared=None, side=None):
         """x: (1,C,1,S); cos, sin: (1,D,1,S); mask: (1,1,S,T+S); k_cache, v_cache: (1,KV,1,T).
 
         T is the context bucket in the exported programs; the torch backend may pass fewer cache
         positions (those holding tokens) with the mask cut to match. The mask decides: a longer cache
         (a state of the whole context read in a smaller bucket) is read up to the mask's T. Returns
         x_out (1,C,1,S) and the window's k_new, v_new (1,KV,1,S) (k after RoPE). A KV-shared layer
-        reads its producer's caches and its window's K/V (`shared`, (1,KV,1,S) each).
+        reads its producer's caches and its window's K/V (`shared`, (1,KV,1,S) each). `side` (the
+        normed input -> (1,C,1,S)) runs a mixer beside attention (Falcon-H1's Mamba-2), its output added
+        to attention's.
         """
         c = self.cfg
         g, d, t = c.num_key_value_heads, c.head_dim, mask.shape[-1] - mask.shape[-2]
         k_cache, v_cache = k_cache[..., :t], v_cache[..., :t]
         h = self.normed(x)
+        beside = side(h) if side else None
         q, k, v = self.project_qkv(h, cos, sin, shared)
         heads = grouped_attention(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), k, v, mask,
                                   c.num_attention_heads // g, t, self.sink())
-        x = self.finish(x, self.gated(h, heads), per_layer_input)
+        x = self.finish(x, self.gated(h, heads), per_layer_input, beside)
         return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
@@ -437,9 +443,11 @@ def project_qkv_mil(g: Graph, cfg: LlamaConfig, prefix: str, hn, cos, sin, s: in
     return mb.reshape(x=q, shape=[gk, h // gk, d, s]), k, v
 
 
-def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int, per_layer_input=None):
-    """DecoderLayer.finish. heads: (G,R,D,S); per_layer_input: (1,P,1,S) -> x_out (1,C,1,S)"""
+def finish_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, heads, s: int, per_layer_input=None, beside=None):
+    """DecoderLayer.finish. heads: (G,R,D,S); per_layer_input: (1,P,1,S); beside: (1,C,1,S) -> x_out (1,C,1,S)"""
     attention = _projection_mil(g, cfg, prefix, "o_proj", mb.reshape(x=heads, shape=[1, cfg.q_channels, 1, s]))
+    if beside is not None:
+        attention = mb.add(x=attention, y=beside)
     c, eps, act = cfg.hidden_size, cfg.stream_eps, cfg.hidden_act
     if cfg.post_norms or cfg.sandwich_norms:
         x = mb.add(x=x, y=rms_norm_mil(g, attention, f"{prefix}post_attention_layernorm.weight", eps, c))
@@ -462,26 +470,27 @@ def per_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, per_layer_input):
     return mb.mul(x=x, y=g.weight(f"{prefix}layer_scalar")) if cfg.layer_scalar else x
 
 def decoder_layer_read_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, mask, k_rows, v_rows, t: int,
-                           s: int, layer: int, per_layer_input=None, shared=None):
+                           s: int, layer: int, per_layer_input=None, shared=None, side=None):
     """DecoderLayer.forward over a window of S tokens (decoder layer `layer` of the model).
 
     x: (1,C,1,S); k_rows, v_rows: the layer's cache as (G,1,D,T) (T: the bucket's positions, or the
-    ring's slots) -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S)
+    ring's slots) -> x_out (1,C,1,S), k_new, v_new (1,KV,1,S); side: as DecoderLayer.forward's
     """
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     hn = normed_mil(g, cfg, prefix, x)
+    beside = side(hn) if side else None
     q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, s, layer, shared)
     heads = grouped_attention_mil(g, q, k_rows, v_rows,
                                   mb.reshape(x=k, shape=[gk, 1, d, s]), mb.reshape(x=v, shape=[gk, 1, d, s]),
                                   mask, t, s, (gk, r),
                                   sink_mil(g, prefix, (gk, r), s) if cfg.attention_sinks else None)
-    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, heads, s), s, per_layer_input)
+    x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, heads, s), s, per_layer_input, beside)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, s]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, s])
 
 
 def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_cache, v_cache,
-                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None, shared=None):
+                 k_suffix, v_suffix, suffix_length: int, per_layer_input=None, shared=None, side=None):
     """One decoder layer for B branch queries (same weights as the layer's own forward).
 
     x: (1,C,1,B); k_cache, v_cache: (1,KV,1,T); k_suffix, v_suffix: (G,B,D,U)
@@ -490,15 +499,17 @@ def branch_layer(layer: DecoderLayer, x, cos, sin, prefix_mask, suffix_mask, k_c
     c = layer.cfg
     g, d, t = c.num_key_value_heads, c.head_dim, k_cache.shape[-1]  # T, the filled prefix (torch backend), or R
     h = layer.normed(x)
+    beside = side(h) if side else None  # a mixer beside attention, each branch from its own states
     q, k, v = layer.project_qkv(h, cos, sin, shared)  # a KV-shared layer: its producer's caches and K/V
     v_p, s_p = prefix_state(q, k_cache.reshape(g, d, t), v_cache.reshape(g, d, t), prefix_mask)
     v_s, s_s = suffix_state(q, k_suffix, v_suffix, k, v, suffix_mask, suffix_length)
-    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s, layer.sink())), per_layer_input)
+    x = layer.finish(x, layer.gated(h, merge_states(v_p, s_p, v_s, s_s, layer.sink())), per_layer_input, beside)
     return x, k.reshape(1, c.kv_channels, 1, -1), v.reshape(1, c.kv_channels, 1, -1)
 
 
 def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefix_mask, suffix_mask, k_rows,
-                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None, shared=None):
+                     v_rows, k_suffix, v_suffix, i: int, b: int, u: int, layer: int, per_layer_input=None, shared=None,
+                     side=None):
     """branch_layer of decoder layer `layer`. x: (1,C,1,B); k_rows, v_rows: the layer's prefix cache
     (G,1,D,T) or ring (G,1,D,R); k_suffix, v_suffix: (L*G,B,D,U), rows of chunk layer i read
     -> x_out (1,C,1,B), k_new, v_new (1,KV,1,B)
@@ -506,6 +517,7 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
     cfg = cfg.at(layer)
     gk, d, r = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
     hn = normed_mil(g, cfg, prefix, x)
+    beside = side(hn) if side else None
     q, k, v = project_qkv_mil(g, cfg, prefix, hn, cos, sin, b, layer, shared)
     v_p, s_p = prefix_state_mil(q, k_rows, v_rows, prefix_mask)
     rows = ([i * gk, 0, 0, 0], [(i + 1) * gk, b, d, u])
@@ -513,5 +525,5 @@ def branch_layer_mil(g: Graph, cfg: LlamaConfig, prefix: str, x, cos, sin, prefi
                                 (gk, r), b, u)
     sink = sink_mil(g, prefix, (gk, r), 1) if cfg.attention_sinks else None
     x = finish_mil(g, cfg, prefix, x, gated_mil(g, cfg, prefix, hn, merge_states_mil(v_p, s_p, v_s, s_s, sink), b),
-                   b, per_layer_input)
+                   b, per_layer_input, beside)
     return x, mb.reshape(x=k, shape=[1, cfg.kv_channels, 1, b]), mb.reshape(x=v, shape=[1, cfg.kv_channels, 1, b])

@@ -46,13 +46,10 @@ carried as it is: the host keeps it (input caches), or the chunk writes it into 
 cascade reads each branch's, delta_branches (L_d*B,H*Dk,1,Dv), and returns them after its token as
 delta_new. Neither state depends on the context length.
 
-Costs (contract/). `traffic.state_bytes` gives the recurrent states' bytes (the manifest's
-cache.delta: L_d x H x Dk x Dv), which `traffic.kv_read_bytes` reads whole every step and
-`traffic.delta_write_bytes` writes whole; the conv state is costed as the conv layers'
-(`traffic.conv_write_bytes`). `device_model.delta_flops` counts the delta rule's matmuls
-(`gated_delta`, its inverse taking `squarings` steps); `device_model._flops` counts the
-projections, the convolution and the gated norm as weights, and `device_model.attention_keys`
-gives the layer no keys.
+Costs: `contract.layer_costs.DeltaNet` (the recurrent states' bytes, read and written whole every
+step, and the delta rule's matmuls, `gated_delta`'s inverse taking `squarings` steps); the conv
+state is costed as the conv layers' (`ShortConv`). The projections, the convolution and the gated
+norm are weights.
 """
 
 from __future__ import annotations
@@ -109,9 +106,7 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             o, state = gated_delta(*(t[..., a:a + span] for t in (q, k, v, g, beta)), state)
             outs.append(o)
         return torch.cat(outs, dim=3), state
-    lower, strict = (torch.from_numpy(m).to(dtype) for m in triangles(s))
-    cum = torch.matmul(g, lower.t())  # (G,R,1,S): G_t
-    decays = torch.exp(torch.matmul(lower, g.transpose(2, 3) * strict)) * lower  # (G,R,S,S): exp(D_tj), j <= t
+    strict, cum, decays = window_decays(g)
     kk = torch.matmul(k.transpose(2, 3), k)  # (G,1,S,S): k_t . k_j
     qk = torch.matmul(q.transpose(2, 3), k)  # (G,1,S,S): q_t . k_j
     n = -(beta.transpose(2, 3) * decays * kk * strict)  # (G,R,S,S): -A
@@ -122,6 +117,24 @@ def gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     grown = torch.exp(cum)  # (G,R,1,S)
     b = beta * (v - grown * torch.matmul(state.transpose(2, 3), k))  # (G,R,Dv,S)
     u = torch.matmul(b, inverse.transpose(2, 3))  # (G,R,Dv,S): the deltas
+    return decayed_updates(q, k, u, decays, qk, grown, state)
+
+
+def window_decays(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A window's decays g (...,1,S) as the chunked forms read them: the strict triangle (S,S), the
+    decay summed up to each token G_t (...,1,S) and exp(D_tj) for j <= t (...,S,S), D summed from
+    the decays themselves (see the module docstring)."""
+    lower, strict = (torch.from_numpy(m).to(g.dtype) for m in triangles(g.shape[-1]))
+    cum = torch.matmul(g, lower.t())  # (G,R,1,S): G_t
+    decays = torch.exp(torch.matmul(lower, g.transpose(2, 3) * strict)) * lower  # (G,R,S,S): exp(D_tj), j <= t
+    return strict, cum, decays
+
+
+def decayed_updates(q, k, u, decays, qk, grown, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs and the state after a window of updates u (G,R,Dv,S) written at keys k (G,1,Dk,S)
+    and read at q (G,1,Dk,S), qk = q_t . k_j (G,1,S,S), under the decays (window_decays) with
+    grown = exp(G_t) (G,R,1,S), from state (G,R,Dk,Dv) -> o (G,R,Dv,S), state (G,R,Dk,Dv)"""
+    s = q.shape[-1]
     o = grown * torch.matmul(state.transpose(2, 3), q) + torch.matmul(u, (decays * qk).transpose(2, 3))
     last = decays[..., s - 1:, :]  # (G,R,1,S): exp(D_Sj)
     new = grown[..., s - 1:] * state + torch.matmul(k * last, u.transpose(2, 3))  # (G,R,Dk,Dv)
@@ -142,11 +155,7 @@ def gated_delta_mil(g: Graph, q, k, v, decay, beta, state, shape: tuple[int, int
             o, state = gated_delta_mil(g, *part, state, (gk, r, dk, dv, e - a), f"{name}span{a}_")
             outs.append(o)
         return mb.concat(values=outs, axis=3), state
-    lower, strict = triangles(s)
-    lower_c, strict_c = g.const(lower, f"{name}lower"), g.const(strict, f"{name}strict")
-    cum = mb.matmul(x=decay, y=g.const(lower.T, f"{name}upper"))
-    d = mb.matmul(x=lower_c, y=mb.mul(x=mb.reshape(x=decay, shape=[gk, r, s, 1]), y=strict_c))
-    decays = mb.mul(x=mb.exp(x=d), y=lower_c)  # (G,R,S,S)
+    strict_c, cum, decays = window_decays_mil(g, decay, (gk, r, s), name)
     kk = mb.matmul(x=k, y=k, transpose_x=True)  # (G,1,S,S)
     qk = mb.matmul(x=q, y=k, transpose_x=True)
     a = mb.mul(x=mb.mul(x=mb.mul(x=mb.reshape(x=beta, shape=[gk, r, s, 1]), y=decays), y=kk), y=strict_c)
@@ -158,6 +167,23 @@ def gated_delta_mil(g: Graph, q, k, v, decay, beta, state, shape: tuple[int, int
     grown = mb.exp(x=cum)
     b = mb.mul(x=beta, y=mb.sub(x=v, y=mb.mul(x=grown, y=mb.matmul(x=state, y=k, transpose_x=True))))
     u = mb.matmul(x=b, y=inverse, transpose_y=True)
+    return decayed_updates_mil(g, q, k, u, decays, qk, grown, state, (gk, r, s))
+
+
+def window_decays_mil(g: Graph, decay, shape: tuple[int, int, int], name: str):
+    """window_decays. decay: (G,R,1,S); shape: (G, R, S); name: a prefix for its consts
+    -> the strict triangle (a const), G_t (G,R,1,S), exp(D_tj) (G,R,S,S)"""
+    gk, r, s = shape
+    lower, strict = triangles(s)
+    lower_c, strict_c = g.const(lower, f"{name}lower"), g.const(strict, f"{name}strict")
+    cum = mb.matmul(x=decay, y=g.const(lower.T, f"{name}upper"))
+    d = mb.matmul(x=lower_c, y=mb.mul(x=mb.reshape(x=decay, shape=[gk, r, s, 1]), y=strict_c))
+    return strict_c, cum, mb.mul(x=mb.exp(x=d), y=lower_c)
+
+
+def decayed_updates_mil(g: Graph, q, k, u, decays, qk, grown, state, shape: tuple[int, int, int]):
+    """decayed_updates. shape: (G, R, S)"""
+    gk, r, s = shape
     o = mb.add(x=mb.mul(x=grown, y=mb.matmul(x=state, y=q, transpose_x=True)),
                y=mb.matmul(x=u, y=mb.mul(x=decays, y=qk), transpose_y=True))
     last = g.slice(decays, [0, 0, s - 1, 0], [gk, r, s, s])
@@ -253,9 +279,10 @@ def delta_shape(cfg: LlamaConfig) -> DeltaShape:
 
 
 def delta_rows(cfg: LlamaConfig, layers: list[int]) -> list[int]:
-    """The chunk-local indices of the linear-attention layers among decoder layers `layers`: their
-    rows in the chunk's recurrent states."""
-    return [i for i, n in enumerate(layers) if cfg.linear(n)]
+    """The chunk-local indices of the layers with a recurrent state among decoder layers `layers` (the
+    linear-attention layers, and Falcon-H1's Mamba-2 mixers, whose states are of the same shapes):
+    their rows in the chunk's recurrent states."""
+    return [i for i, n in enumerate(layers) if cfg.recurrent(n)]
 
 
 class GatedDeltaNet(nn.Module):

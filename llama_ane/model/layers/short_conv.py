@@ -32,11 +32,9 @@ its token's values. Carried over a window: with input caches the host keeps the 
 Pipeline.carry_states, as a slice); with state caches the chunk writes `conv_state_after_mil` of
 them into its state itself, at `window_tokens`.
 
-Costs (contract/). `traffic.state_bytes` gives the conv states' bytes (the manifest's cache.conv:
-L_c x C x W), which `traffic.kv_read_bytes` reads whole every step; `traffic.conv_write_bytes`
-counts their write (conv_new, or with states the one-hot write, which reads and rewrites the state).
-`device_model._flops` counts the projections and the convolution's C x K taps as weights, 2 flops
-per weight per token; `device_model.attention_keys` gives a conv layer no keys.
+Costs: `contract.layer_costs.ShortConv` (the states' bytes, read whole every step, and their
+write: conv_new, or with states the one-hot write, which reads and rewrites the state). The
+projections and the convolution's C x K taps are weights.
 """
 
 from __future__ import annotations

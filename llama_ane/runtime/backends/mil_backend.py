@@ -8,6 +8,7 @@ torch source it was converted from. Packages load lazily on first use, once each
 
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -114,8 +115,12 @@ class MilBackend(Backend):
         too and reloads on that model's next use."""
         files = {f["file"] for f in self.manifest["models"].get(model, {}).get("functions", {}).values()}
         with self._lock:
-            for file in files:
-                self._executors.pop(file, None)
+            dropped = [self._executors.pop(file, None) for file in files]
+        if any(x is not None for x in dropped):
+            # an executor's compiled steps refer to one another, so its weights are freed only at a
+            # collection: collect now, so that streamed scoring holds one package's weights at a time
+            del dropped
+            gc.collect()
 
     def close(self) -> None:
         with self._lock:

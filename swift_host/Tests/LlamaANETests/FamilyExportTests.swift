@@ -107,6 +107,20 @@ final class FamilyExportTests: XCTestCase {
         }
     }
 
+    func testAFalconH1ExportIsRefusedByItsFieldName() throws {
+        let url = try Fixtures.url("export_gemma3").appendingPathComponent(Manifest.fileName)
+        var object = try XCTUnwrap(JSONSerialization.jsonObject(with: Data(contentsOf: url)) as? [String: Any])
+        var config = try XCTUnwrap(object["config"] as? [String: Any])
+        config["mamba_layers"] = [0, 1]
+        config["mamba_multipliers"] = ["key_multiplier": 0.5]
+        object["config"] = config
+        XCTAssertThrowsError(try Manifest.decode(JSONSerialization.data(withJSONObject: object))) { error in
+            XCTAssertEqual(error as? ManifestError, .unsupportedConfigField(
+                "mamba_layers", lacks: "Falcon-H1's Mamba-2 mixers beside attention in the same layer"))
+            XCTAssertTrue("\(error)".contains("config.mamba_layers"), "\(error)")
+        }
+    }
+
     func testPromptAndChatPromptIdsArePythons() throws {
         for name in Self.exports {
             let model = try ExportedModel(folder: Fixtures.url(name))

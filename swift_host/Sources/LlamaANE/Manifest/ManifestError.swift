@@ -16,6 +16,8 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
     case hashMismatch(String)
     case inconsistent(String)
     case unknownConfigField(String)
+    /// A config field of an export this host does not run (`ModelConfig.refusedFields`), with what it lacks.
+    case unsupportedConfigField(String, lacks: String)
 
     public var description: String {
         switch self {
@@ -66,6 +68,9 @@ public enum ManifestError: Error, CustomStringConvertible, Equatable {
             return "manifest.json: config.\(name) is a model setting this LlamaANE does not know, so it cannot tell "
                 + "whether it would run the export right. Update the Swift package, or re-export with the llama-ane "
                 + "release that matches it."
+        case let .unsupportedConfigField(name, lacks):
+            return "manifest.json: config.\(name) belongs to an export this LlamaANE does not run: it has no \(lacks). "
+                + "Run the export from Python (llama_ane.load), or export a model this host runs."
         case let .inconsistent(reason):
             return "manifest.json is inconsistent: \(reason). Re-export the model with `llama-ane export`."
         }

@@ -34,6 +34,10 @@ extension Manifest {
             throw ManifestError.unsupportedFormatVersion(found: probe.formatVersion, supported: supportedFormatVersions)
         }
         if let config = object["config"] as? [String: Any],
+           let refused = config.keys.filter({ ModelConfig.refusedFields[$0] != nil }).min() {
+            throw ManifestError.unsupportedConfigField(refused, lacks: ModelConfig.refusedFields[refused] ?? "")
+        }
+        if let config = object["config"] as? [String: Any],
            let unknown = config.keys.filter({ !ModelConfig.knownFields.contains($0) }).min() {
             throw ManifestError.unknownConfigField(unknown)
         }

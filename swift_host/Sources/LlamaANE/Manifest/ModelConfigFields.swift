@@ -72,4 +72,13 @@ extension Manifest.ModelConfig {
         // a sigmoid gate per query head on attention's output (LFM3), inside the programs
         "attn_head_gate",
     ]
+
+    /// `config` fields of exports this host does not run, each with what it lacks: `Manifest.decode`
+    /// refuses a manifest holding one by its name (the exporter writes them only for those exports).
+    /// tests/test_swift_fixtures.py reads this list beside `knownFields`.
+    public static let refusedFields: [String: String] = [
+        "mamba_layers": "Falcon-H1's Mamba-2 mixers beside attention in the same layer",
+        "mamba_gate": "Falcon-H1's Mamba-2 mixers beside attention in the same layer",
+        "mamba_multipliers": "Falcon-H1's Mamba-2 mixers beside attention in the same layer",
+    ]
 }
