@@ -75,7 +75,7 @@ def auto_recipes(budgets: dict[str, float], folder: Path) -> dict[str, dict]:
 
     t0 = time.perf_counter()
     ckpt = load_checkpoint(None)
-    importance = quality.calibrate(ckpt, print)
+    importance = quality.calibrate(ckpt, print, grams=True)
     model = quality.quality_model(ckpt)
     ids = quality.text_ids(ckpt, quality.calibration_text(), SENSITIVITY_TOKENS)
     check = quality.text_ids(ckpt, quality.eval_text(), CHECK_TOKENS)

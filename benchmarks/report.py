@@ -193,6 +193,16 @@ def quantize_smollm2(d: dict) -> tuple[list[str], list[Row]]:
     return header, rows
 
 
+def quantize_sensitivity(d: dict) -> tuple[list[str], list[Row]]:
+    header = ["model", "load average", "units", "tokens", "partial passes", "seconds", "16 layers, seconds"]
+    rows = []
+    for r in d["rows"]:
+        full = "-" if "seconds_16_layers" not in r else f"{_num(r['seconds_16_layers'], 1)} ({r['seconds_16_layers_kind']})"
+        rows.append(([r], [r["model"], _num(r.get("load_average_1min")), r["units"], r["tokens"], r["passes"],
+                           _num(r["seconds"], 1), full]))
+    return header, rows
+
+
 def runahead_gpu(d: dict) -> tuple[list[str], list[Row]]:
     header = ["context", "method", "TTFT ms", "kind", "bounds"]
     return header, [([r, d], [r["context"], r["method"], _num(r["ttft_ms"], 1),
@@ -276,6 +286,12 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
     "quantize_smollm2": ("Quantization of SmolLM2", "python benchmarks/quantize_smollm2.py",
                          "Perplexity on the shipped held-out prose (mil backend) and agreement "
                          "with the fp16 export.", [quantize_smollm2]),
+    "quantize_sensitivity": ("`--quantize auto`: the sensitivity phase alone",
+                             "python benchmarks/quantize_sensitivity.py",
+                             "Seconds to measure every unit (quantize.sensitivity.measure_units) on SmolLM2 and on a "
+                             "Llama-3.2-1B-shaped model with random weights (some of its layers, the 16-layer time "
+                             "extrapolated and labelled so), with the load average when the row started.",
+                             [quantize_sensitivity]),
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length, the fastest of the runs. "

@@ -156,7 +156,9 @@ def _build(ckpt, out: Path, opts: ExportOptions, plan, memory, target: str, gate
     if any(c.weighted for part in PARTS if (c := opts.quantize.compression(part, target))):
         # the calibration runs in a worker, which a log that does not pickle cannot reach when workers
         # spawn (macOS): that worker prints its line instead
-        calibration = functools.partial(calibrate, ckpt, say if _pickles(say) else print)
+        recipe = opts.quantize.recipe
+        grams = recipe is not None and any(c is not None and c.compensated for c in recipe.forms.values())
+        calibration = functools.partial(calibrate, ckpt, say if _pickles(say) else print, grams=grams)
     out.parent.mkdir(parents=True, exist_ok=True)
     with OutLock(out):
         if out.exists() and not force:  # written by an export that finished since the first look

@@ -256,9 +256,12 @@ MAMBA_PROJECTIONS = ("mamba.in_proj", "mamba.out_proj")  # a Mamba-2 mixer's bes
 
 
 def activation_importance(ckpt: Checkpoint, token_ids: list[int],
-                          on_found: Callable[[str, np.ndarray], None] | None = None) -> dict[str, np.ndarray]:
+                          on_found: Callable[[str, np.ndarray], None] | None = None,
+                          grams: bool = False) -> dict[str, np.ndarray]:
     """The mean square of each input channel of every projection over `token_ids`: how much an
-    error in that column of the weight moves the layer's output (its diagonal part).
+    error in that column of the weight moves the layer's output (its diagonal part). With
+    `grams`, also the whole second-moment matrix of its inputs, X^T X / T (in, in), under KEY + ".gram"
+    (what error-compensated LUT codes are chosen against, see quantize.gptq).
 
     Keys are parameter names as in the exported modules, with the HF layer index: "layers.3.q_proj.weight",
     ..., and "heads" for the LM head (the final norm's output). float32 arrays (in_channels,).
@@ -286,11 +289,16 @@ def activation_importance(ckpt: Checkpoint, token_ids: list[int],
             def hook(_module, inputs, _output, keys=[f"layers.{n}.{x}.weight" for x in (name, *also)]):
                 x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float64)
                 power = (x * x).mean(0).to(torch.float32).numpy()
+                gram = (x.T @ x / x.shape[0]).to(torch.float32).numpy() if grams else None
                 for key in keys:
                     found_one(key, power)
+                    if grams:
+                        found_one(f"{key}.gram", gram)
             handles.append(module.register_forward_hook(hook))
         return lambda: [h.remove() for h in handles]
 
     h = run_layers(ckpt, token_ids, logits=False, on_layer=on_layer).astype(np.float64)
     found_one("heads", (h * h).mean(0).astype(np.float32))
+    if grams:
+        found_one("heads.gram", (h.T @ h / h.shape[0]).astype(np.float32))
     return found

@@ -899,13 +899,15 @@ def test_device_paths_read_from_a_manifest():
 def test_forms_are_labelled_in_plain_words():
     from llama_ane.quantize.auto import CANDIDATES, _parse_label, label
 
-    assert [label(c) for c in CANDIDATES] == ["lut4 group 16, scaled per channel", "lut6 group 8", "lut8 group 16"]
+    assert [label(c) for c in CANDIDATES] == ["lut4 group 16, scaled per channel, compensated",
+                                              "lut6 group 8, compensated", "lut8 group 16"]
     assert label(Compression("lut4", group_size=0, block_size=32, scaled=True)) == "lut4 per tensor, scaled per block 32"
     assert label(Compression("int8", block_size=0, symmetric=True)) == "int8 per channel"
     assert label(Compression("int4", block_size=32)) == "int4 block 32" and label(None) == "fp16"
     for c in CANDIDATES:
         assert _parse_label(label(c)) == c
-    assert _parse_label("lut4 group 16, scaled per per channel") == CANDIDATES[0]  # as earlier exports wrote it
+    assert _parse_label("lut4 group 16, scaled per per channel") == Compression(
+        "lut4", group_size=16, scaled=True)  # as earlier exports wrote it
 
 
 def sixty_units() -> dict:
@@ -922,7 +924,7 @@ def test_a_recipe_is_labelled_exactly():
     text = recipe_label(sixty_units())
     assert text.startswith("55 of 60 units lut6, 5 lut4 ("), text
     assert "attention lut6;" in text and "mlp 24 lut6, 5 lut4;" in text and "embeddings lut6;" in text
-    assert "lut6: group 8" in text and "lut4: group 16, scaled per channel" in text
+    assert "lut6: group 8, compensated" in text and "lut4: group 16, scaled per channel, compensated" in text
     assert text in (Path(__file__).parents[1] / "docs" / "quantization.md").read_text()  # the docs' example
     described = QuantizeOptions.from_recipe(Recipe(sixty_units(), budget_pct=5.0)).describe("iOS18")
     assert weights_label(described) == f"auto recipe: {text}"
@@ -931,7 +933,7 @@ def test_a_recipe_is_labelled_exactly():
     assert same.startswith("all 6 units lut6 (embeddings lut6; attention lut6; mlp lut6; lm_head lut6"), same
     # two forms of one scheme are spelled out in full
     mixed = recipe_label({"layers.0.mlp": CANDIDATES[0], "layers.1.mlp": Compression("lut4", group_size=8)})
-    assert mixed.startswith("1 of 2 units lut4 group 16, scaled per channel, 1 lut4 group 8 (mlp "), mixed
+    assert mixed.startswith("1 of 2 units lut4 group 16, scaled per channel, compensated, 1 lut4 group 8 (mlp "), mixed
 
 
 def test_fixed_schemes_are_labelled_per_part():
@@ -964,7 +966,7 @@ def tiny_quality(tiny_checkpoint):
 
     ckpt = load_checkpoint(tiny_checkpoint(num_hidden_layers=2, head_dim=32))
     ids = quality.text_ids(ckpt, quality.calibration_text(), 48)
-    return ckpt, quality.quality_model(ckpt), ids, quality.calibrate(ckpt, lambda _: None)
+    return ckpt, quality.quality_model(ckpt), ids, quality.calibrate(ckpt, lambda _: None, grams=True)
 
 
 def test_the_float32_model_is_transformers_model(tiny_quality):
@@ -990,9 +992,12 @@ def test_unit_measurements_swap_weights_back_and_grow_with_fewer_bits(tiny_quali
     assert set(costs) == set(units(2))
     for u, options in costs.items():
         assert options[None][1] == 0 and all(k >= 0 for _, k in options.values())
-        sizes = [options[c][0] for c in CANDIDATES]
+        forms = [c for c in options if c is not None]
+        assert [c.scheme for c in forms] == [c.scheme for c in CANDIDATES]
+        assert all(not c.compensated for c in forms) == (u in ("embeddings", "lm_head"))
+        sizes = [options[c][0] for c in forms]
         assert sizes == sorted(sizes) and sizes[-1] < options[None][0]
-        assert options[CANDIDATES[0]][1] > options[CANDIDATES[-1]][1], u  # 4 bits lose more than 8
+        assert options[forms[0]][1] > options[forms[-1]][1], u  # 4 bits lose more than 8
     assert perplexity_change(model, {u: None for u in units(2)}, ids, importance) == pytest.approx(0, abs=1e-9)
     lut4 = perplexity_change(model, {u: CANDIDATES[0] for u in units(2)}, ids, importance)
     lut8 = perplexity_change(model, {u: CANDIDATES[-1] for u in units(2)}, ids, importance)
@@ -1193,3 +1198,63 @@ def test_error_compensating_codes_lower_the_output_error():
         q = np.take_along_axis(grid, c.astype(np.int64), axis=1)
         return float(((x @ (w - q).T) ** 2).sum())
     assert output_error(codes) < 0.8 * output_error(nearest)
+
+
+@pytest.mark.parametrize("c", [Compression("lut4", group_size=4, scaled=True, compensated=True),
+                               Compression("lut6", group_size=8, compensated=True)])
+def test_compensated_lut_codes_lower_the_output_error_in_the_same_bytes(c):
+    """A compensated LUT fit given the inputs' second moments: the same LUT and bytes, codes that
+    lower the layer's output error; without second moments (a table) it is the plain fit."""
+    import dataclasses
+
+    from llama_ane.quantize.fit import fit, roundtrip
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(512, 64)) @ rng.normal(size=(64, 64))
+    w = rng.normal(size=(32, 64)).astype(np.float16)
+    gram = (x.T @ x / len(x)).astype(np.float32)
+    plain = dataclasses.replace(c, compensated=False)
+
+    def output_error(dense):
+        return float(((x @ (dense - w.astype(np.float32)).T) ** 2).sum())
+    mine, theirs = fit(w, c, gram), fit(w, plain, np.diag(gram).copy())
+    assert np.array_equal(mine[1], theirs[1]) and mine[0].shape == w.shape  # the same LUT
+    assert output_error(roundtrip(w, c, gram)) < 0.8 * output_error(roundtrip(w, plain, np.diag(gram).copy()))
+    assert np.array_equal(roundtrip(w, c, None), roundtrip(w, plain, None))
+    assert stored_bytes(w.shape, c) == stored_bytes(w.shape, plain)
+
+
+def test_compensated_forms_round_trip_and_are_labelled():
+    from llama_ane.quantize.auto import _parse_label, from_dict, label
+
+    c = Compression("lut4", group_size=16, scaled=True, compensated=True)
+    assert c.to_dict() == {"scheme": "lut4", "group_size": 16, "block_size": 0, "compensated": True}
+    assert from_dict(c.to_dict(), "x") == c and label(c) == "lut4 group 16, scaled per channel, compensated"
+    assert _parse_label(label(c)) == c and c.device_path == "just-in-time"
+    with pytest.raises(QuantizeError, match="compensated"):
+        from_dict({"scheme": "lut4", "group_size": 16, "block_size": 32, "compensated": True}, "x")
+    with pytest.raises(QuantizeError, match="compensated is a field of LUT"):
+        from_dict({"scheme": "int8", "compensated": True}, "x")
+
+
+def test_units_are_measured_layer_locally_with_a_pass_per_layer(tiny_quality, monkeypatch):
+    """One partial pass per layer (its gain) and one for the table, and the units' estimates are
+    each layer's gain times its own output error: the probed unit's is its measured KL."""
+    from llama_ane.quantize.auto import CANDIDATES, units
+    from llama_ane.quantize.sensitivity import Float32Model, compressed_unit, kl, measure_units
+
+    ckpt, model, ids, importance = tiny_quality
+    calls = []
+    real = Float32Model.log_probs
+    monkeypatch.setattr(Float32Model, "log_probs", lambda self, *a, **k: calls.append(a[1:2]) or real(self, *a, **k))
+    found = measure_units(model, ids, CANDIDATES, importance)
+    assert found["passes"] == len(model.layers) + 1  # each layer's gain, and the table's
+    assert len(calls) == found["passes"] + len(CANDIDATES)  # and the head's own, which runs only the head
+    assert sum(start == (len(model.layers),) for start in calls) == len(CANDIDATES) + 1
+    monkeypatch.setattr(Float32Model, "log_probs", real)
+    inputs, reference = model.trace(ids)
+    values, _ = compressed_unit(model, "layers.1.mlp", CANDIDATES[0], importance)
+    with model.swapped({"layers.1.mlp": values}):
+        measured = kl(reference, model.log_probs(ids, 1, inputs))
+    assert found["costs"]["layers.1.mlp"][CANDIDATES[0]][1] == pytest.approx(measured, rel=1e-4)
+    assert set(found["costs"]) == set(units(2))

@@ -84,10 +84,19 @@ def importance_key(spec: PackageSpec, name: str) -> str | None:
     return "heads" if name.startswith("heads.") else None
 
 
-def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None):
-    """Parameter name inside `spec`'s program -> its input channels' importance, or None."""
+def statistics_key(spec: PackageSpec, name: str, c) -> str | None:
+    """The calibration's key a fit of parameter `name` as `c` reads: its importance, or its inputs'
+    second moments (KEY.gram) for error-compensated codes; None for what has no inputs (a table)."""
+    key = importance_key(spec, name)
+    return f"{key}.gram" if key is not None and c.compensated else key
+
+
+def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None, compressions=lambda name: None):
+    """Parameter name inside `spec`'s program -> its input channels' importance (or, for a form
+    `compressions(name)` that is compensated, its inputs' second moments), or None."""
     def find(name: str) -> np.ndarray | None:
-        key = importance_key(spec, name)
+        c = compressions(name)
+        key = statistics_key(spec, name, c) if c is not None else importance_key(spec, name)
         return importance.get(key) if importance and key else None
     return find
 
@@ -227,7 +236,7 @@ def compress_unit(unit: CompressionUnit, plan: ExportPlan, ckpt: Checkpoint, scr
         else:  # rows of this file's embedding table
             value = PackageWeights(ckpt, np.float16, rows=(spec.rows[0] + piece.start, spec.rows[0] + piece.end))(name)
         c = plan.compression(name, spec)
-        found = importance.get(importance_key(spec, name)) if importance is not None and c.weighted else None
+        found = importance.get(statistics_key(spec, name, c)) if importance is not None and c.weighted else None
         payload = compress(value, c, found)
         arrays = {"codes": payload.codes, "table": payload.table, "offset": payload.offset, "scale": payload.scale}
         part = scratch / (piece.file + ".partial")  # raw .npy files: no zip to checksum on either side
@@ -291,7 +300,7 @@ def build_package(spec: PackageSpec, plan: ExportPlan, ckpt: Checkpoint, folder:
         prog = build_program(spec.model, functions, plan.config, weights, dtype=dtype,
                              opset=getattr(ct.target, o.target), layers=list(spec.layers),
                              context_length=o.context_length, suffix_length=o.suffix_length, rows=spec.rows,
-                             compressions=lambda name: plan.compression(name, spec), importance=importance_of(spec, importance),
+                             compressions=lambda name: plan.compression(name, spec), importance=importance_of(spec, importance, lambda name: plan.compression(name, spec)),
                              multifunction=o.multifunction)
         path = folder / spec.file
         save_program(prog, path, SPECIFICATION_VERSIONS[o.target], o.multifunction)
@@ -647,7 +656,8 @@ def _convert_all(plan: ExportPlan, ckpt: Checkpoint, folder: Path, workers: int,
             first, last = u.pieces[0], u.pieces[-1]
             what = f"compressing {first.name}" + (f" to {last.name}" if last.name != first.name else "") + \
                 f" of {u.spec.file}"
-            keys = tuple(importance_key(p.spec, p.name) for p in u.pieces if plan.compression(p.name, p.spec).weighted)
+            keys = tuple(statistics_key(p.spec, p.name, c) for p in u.pieces
+                         if (c := plan.compression(p.name, p.spec)).weighted)
             jobs.append(_Job(what, u.spec, _Task("compress_unit", (u, plan, ckpt, scratch, found)), u.weights,
                              builds=False, reusable=True, keys=keys))
     # a package is built as soon as its weights are compressed (builds come first once ready: the

@@ -53,17 +53,19 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
     return [i for i in ids if i < ckpt.config.vocab_size]
 
 
-def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None) -> dict:
+def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None,
+              grams: bool = False) -> dict:
     """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
     float32, one layer at a time, on the first `calibration_tokens(config)` tokens of
-    `calibration_text`.
+    `calibration_text` (with `grams`, also each projection's input second moments, which
+    error-compensated LUT codes are chosen against).
     `on_found(key, array)` gets each layer's as soon as it is known (see activation_importance).
     The exporter runs it as one of its worker jobs, beside the compression it feeds."""
     from ..reference import activation_importance
 
     t0 = time.perf_counter()
     ids = text_ids(ckpt, calibration_text(), calibration_tokens(ckpt.config))
-    importance = activation_importance(ckpt, ids, on_found)
+    importance = activation_importance(ckpt, ids, on_found, grams)
     say(f"calibrated on {len(ids)} tokens in {time.perf_counter() - t0:.1f} s")
     return importance
 
@@ -104,7 +106,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
     units' measurement, each choice's check) shows its steps done and an ETA (export.progress.StepProgress)."""
     import functools
 
-    from ..quantize.auto import CHECK_TOKENS, SENSITIVITY_TOKENS
+    from ..quantize.auto import CANDIDATES, CHECK_TOKENS, SENSITIVITY_TOKENS
     from ..quantize.schemes import QuantizeError
     from .progress import StepProgress
 
@@ -125,7 +127,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
             if len(seen) > 1:
                 bar.advance(f"layer {len(seen) - 1} of {layers}")
     try:
-        importance = calibrate(ckpt, say, on_found)
+        importance = calibrate(ckpt, say, on_found, grams=any(c.compensated for c in CANDIDATES))
     finally:
         bar.close()
     return choose_recipe(quality_model(ckpt), text_ids(ckpt, calibration_text(), SENSITIVITY_TOKENS),
@@ -145,7 +147,8 @@ def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[s
     forms = {u: quantize.compression(part_of_unit(u), target, None if quantize.recipe is None else u)
              for u in units(ckpt.config.num_hidden_layers)}
     ids = text_ids(ckpt, eval_text(), CHECK_TOKENS)
-    change = perplexity_change(quality_model(ckpt), forms, ids, calibrate(ckpt, say))
+    grams = any(c is not None and c.compensated for c in forms.values())
+    change = perplexity_change(quality_model(ckpt), forms, ids, calibrate(ckpt, say, grams=grams))
     say(f"quality: perplexity {change:+.2f}% against fp16 on {len(ids)} tokens of the eval text")
     if change > WARN_PCT:
         say(f"warning: these weights lose {change:.0f}% perplexity (more than {WARN_PCT:g}%). Use --quantize auto "

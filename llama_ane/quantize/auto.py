@@ -3,8 +3,9 @@
 The model is cut into units: "embeddings", "lm_head", and "layers.N.attention" / "layers.N.mlp"
 for every decoder layer N. Each unit may take any of CANDIDATES (forms the Neural Engine
 decompresses just in time: grouped LUTs of 4, 6 and 8 bits) or stay fp16. What a unit costs in
-quality is measured (quantize.sensitivity): the KL divergence of the model's next-token
-distribution from fp16's when that unit alone is compressed, on calibration text. For small
+quality is estimated (quantize.sensitivity): the KL divergence of the model's next-token
+distribution from fp16's when that unit alone is compressed, on calibration text, as its layer's
+output error times that layer's measured gain. For small
 errors the extra negative log-likelihood of text is about that KL, and the units' KLs add, so a
 recipe's perplexity increase is estimated as exp(sum of its units' KL) - 1.
 
@@ -30,13 +31,16 @@ from .schemes import PARTS, SCHEMES, Compression, QuantizeError
 
 DEFAULT_BUDGET_PCT = 5.0  # --quantize-budget: perplexity increase allowed, percent
 WARN_PCT = 10.0  # a measured increase beyond this is said plainly at export
-CANDIDATES = (Compression("lut4", group_size=16, block_size=0, scaled=True), Compression("lut6", group_size=8),
+CANDIDATES = (Compression("lut4", group_size=16, block_size=0, scaled=True, compensated=True),
+              Compression("lut6", group_size=8, compensated=True),
               Compression("lut8", group_size=16))  # Apple's guide: groups of 8 or 16 keep LUTs fast; the
-# per-channel scale halves lut4's loss on SmolLM2 (both are decompressed just in time on the ANE)
+# per-channel scale halves lut4's loss on SmolLM2 (both are decompressed just in time on the ANE);
+# compensated codes are the same ops and bytes with less output error (the table takes plain ones)
+FORM_FIELDS = ("scheme", "group_size", "block_size", "symmetric", "compensated")  # of a form's JSON
 RECIPE_FORMAT = "llama-ane-quantize-recipe"
 RECIPE_VERSION = 1
 MAX_RETRIES = 3  # re-choices after a measured increase over the budget
-SENSITIVITY_TOKENS = 128  # of the calibration text, each unit's KL is measured on (one pass per unit and form)
+SENSITIVITY_TOKENS = 128  # of the calibration text, each unit's KL is estimated on
 CHECK_TOKENS = 512  # of the eval text, a whole recipe is measured on
 
 _LAYER_WEIGHT = re.compile(r"layers\.(\d+)\.(mlp\.)?\w*proj\.weight")
@@ -76,6 +80,8 @@ def label(c: Compression | None) -> str:
         text = f"{c.scheme} " + ("per tensor" if c.group_size == 0 else f"group {c.group_size}")
         if c.scaled:
             text += ", scaled per " + ("channel" if c.block_size == 0 else f"block {c.block_size}")
+        if c.compensated:
+            text += ", compensated"
         return text
     return f"{c.scheme} " + ("per channel" if c.block_size == 0 else f"block {c.block_size}")
 
@@ -88,24 +94,30 @@ def from_dict(d: object, where: str) -> Compression | None:
     scheme = d["scheme"]
     if scheme not in SCHEMES:
         raise QuantizeError(f"{where}: scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
-    unknown = set(d) - {"scheme", "group_size", "block_size", "symmetric"}
+    unknown = set(d) - set(FORM_FIELDS)
     if unknown:
         raise QuantizeError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     for key in ("group_size", "block_size"):
         if key in d and (not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 0):
             raise QuantizeError(f"{where}: {key} must be an integer >= 0, got {d[key]!r}")
-    if "symmetric" in d and not isinstance(d["symmetric"], bool):
-        raise QuantizeError(f"{where}: symmetric must be true or false, got {d['symmetric']!r}")
+    for key in ("symmetric", "compensated"):
+        if key in d and not isinstance(d[key], bool):
+            raise QuantizeError(f"{where}: {key} must be true or false, got {d[key]!r}")
     if scheme == "none":
         return None
     if scheme.startswith("lut"):
         if "symmetric" in d:
             raise QuantizeError(f"{where}: symmetric is a field of integer schemes, not of {scheme}")
+        compensated = d.get("compensated", False)
+        if compensated and d.get("block_size"):
+            raise QuantizeError(f"{where}: compensated codes need a LUT scaled per channel at most (block_size 0)")
         if "block_size" in d:
-            return Compression(scheme, group_size=d.get("group_size", 0), block_size=d["block_size"], scaled=True)
-        return Compression(scheme, group_size=d.get("group_size", 0))
-    if "group_size" in d:
-        raise QuantizeError(f"{where}: group_size is a field of LUT schemes, not of {scheme}")
+            return Compression(scheme, group_size=d.get("group_size", 0), block_size=d["block_size"], scaled=True,
+                               compensated=compensated)
+        return Compression(scheme, group_size=d.get("group_size", 0), compensated=compensated)
+    for key in ("group_size", "compensated"):
+        if key in d:
+            raise QuantizeError(f"{where}: {key} is a field of LUT schemes, not of {scheme}")
     return Compression(scheme, block_size=d.get("block_size", 0), symmetric=d.get("symmetric", False))
 
 
@@ -317,7 +329,7 @@ def weights_label(quantization: dict) -> str:
             continue
         try:
             described[part] = label(from_dict({k: v for k, v in d.items()
-                                               if k in ("scheme", "group_size", "block_size", "symmetric")}, part))
+                                               if k in FORM_FIELDS}, part))
         except QuantizeError:
             described[part] = str(d.get("scheme"))
     if not described or all(v == "fp16" for v in described.values()):
@@ -353,7 +365,7 @@ def device_paths(quantization: dict) -> dict[str, str]:
             out[part] = ", ".join(forms)
             continue
         try:
-            c = from_dict({k: v for k, v in d.items() if k in ("scheme", "group_size", "block_size", "symmetric")},
+            c = from_dict({k: v for k, v in d.items() if k in FORM_FIELDS},
                           part)
         except QuantizeError:
             out[part] = str(d.get("scheme"))
@@ -367,14 +379,16 @@ def _parse_label(text: str) -> Compression | None:
     for c in _LABELLED:
         if label(c) == text:
             return c
-    m = re.fullmatch(r"(lut\d) (?:group (\d+)|per tensor)(?:, scaled per (?:block (\d+)|(?:per )?channel))?", text)
+    m = re.fullmatch(r"(lut\d) (?:group (\d+)|per tensor)(?:, scaled per (?:block (\d+)|(?:per )?channel))?"
+                     r"(, compensated)?", text)
     # ("scaled per per channel": how exports before the fix spelled a per-channel scale)
     if m is None or m.group(1) not in SCHEMES:
         return None
     group = int(m.group(2) or 0)
     if ", scaled" in text:
-        return Compression(m.group(1), group_size=group, block_size=int(m.group(3) or 0), scaled=True)
-    return Compression(m.group(1), group_size=group)
+        return Compression(m.group(1), group_size=group, block_size=int(m.group(3) or 0), scaled=True,
+                           compensated=bool(m.group(4)))
+    return Compression(m.group(1), group_size=group, compensated=bool(m.group(4)))
 
 
 _LABELLED = CANDIDATES

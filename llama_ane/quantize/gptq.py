@@ -18,23 +18,26 @@ DAMPING = 0.01  # of the mean of H's diagonal, added to it: keeps the factorisat
 BLOCK = 128  # columns whose updates are applied to the rest at once
 
 
-def inverse_factor(hessian: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor of H^-1 (H damped), float64."""
+def inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 (H damped: `damping` times the mean of its diagonal
+    added to it), float64."""
     h = hessian.to(torch.float64).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
-    h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
+    h += damping * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
     inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
     return torch.linalg.cholesky(inverse, upper=True)
 
 
-def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor) -> np.ndarray:
+def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor, damping: float = DAMPING,
+           factor: torch.Tensor | None = None) -> np.ndarray:
     """Codes (uint8, weight's shape (out, in)) into each row's ascending `values` (out, K), chosen
-    column by column with each column's rounding error compensated in the later ones."""
-    w = torch.from_numpy(np.asarray(weight, np.float32)).to(torch.float64).clone()
-    grid = torch.from_numpy(np.asarray(values, np.float64))
+    column by column with each column's rounding error compensated in the later ones. `factor`:
+    `inverse_factor(hessian, damping)` when already found."""
+    w = torch.from_numpy(np.array(weight, np.float32))  # float32 updates (the factor is found in float64)
+    grid = torch.from_numpy(np.asarray(values, np.float32))
     midpoints = ((grid[:, 1:] + grid[:, :-1]) / 2).contiguous()
-    factor = inverse_factor(hessian)
+    factor = (inverse_factor(hessian, damping) if factor is None else factor).to(torch.float32)
     rows, cols = w.shape
     codes = torch.empty(rows, cols, dtype=torch.long)
     for start in range(0, cols, BLOCK):
@@ -44,7 +47,7 @@ def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor) -> np.
         f = factor[start:end, start:end]
         for i in range(end - start):
             column = block[:, i]
-            code = torch.searchsorted(midpoints, column[:, None].contiguous()).squeeze(1)
+            code = (midpoints < column[:, None]).sum(1)  # searchsorted's left index, faster for so few values
             codes[:, start + i] = code
             error = (column - grid.gather(1, code[:, None]).squeeze(1)) / f[i, i]
             block[:, i:] -= error[:, None] * f[i, i:][None, :]

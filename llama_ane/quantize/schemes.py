@@ -74,6 +74,8 @@ class Compression:
     block_size: int = 0  # int, scaled LUT: input channels per scale (0: one scale per output channel)
     symmetric: bool = False  # int: no offset (before iOS18), else a scale and an offset per block
     scaled: bool = False  # LUT: its values times a scale and shifted by an offset per row and block
+    compensated: bool = False  # LUT: codes chosen to cancel each other's output error (quantize.gptq),
+    # against the calibration's input second moments; the same ops and bytes as plain codes
 
     @property
     def kind(self) -> str:
@@ -105,6 +107,8 @@ class Compression:
             out["group_size"] = self.group_size
             if self.scaled:
                 out["block_size"] = self.block_size
+            if self.compensated:
+                out["compensated"] = True
         elif self.kind == "int":
             out["block_size"] = self.block_size
             out["symmetric"] = self.symmetric

@@ -3,12 +3,11 @@
 `Float32Model` holds a checkpoint's decoder layers (transformers' modules, built by the caller)
 with the embedding table, the final norm and the LM head, and runs token ids through them with any
 unit's weights swapped for their compressed-then-decompressed values. The inputs of every layer on
-the uncompressed model are kept, so measuring a unit runs only the layers from its own on.
+the uncompressed model are kept, so a unit's own layer can run alone on them.
 
-`measure_units` gives, for every unit and form, its bytes and the KL divergence of the model's
-next-token distribution from the uncompressed one when that unit alone is compressed (see
-quantize.auto), and the importance-weighted squared error of its weights: the cheap proxy, whose
-rank correlation with the measured KL says how well it would have ranked the units.
+`measure_units` gives, for every unit and form, its bytes and an estimate of the KL divergence of
+the model's next-token distribution from the uncompressed one when that unit alone is compressed
+(see quantize.auto): its layer's output error times that layer's measured gain.
 `perplexity_change` runs a whole recipe on other text, end to end.
 """
 
@@ -17,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -28,7 +27,6 @@ from .fit import roundtrip
 from .schemes import Compression, stored_bytes
 
 KEPT_BYTES = 1 << 30  # decompressed units kept for measuring recipes (SmolLM2's three forms fit)
-MEASURED_FORMS = 2  # candidates run through the model per unit (lut4, lut6); lut8's KL comes from the proxy
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -85,15 +83,20 @@ class Float32Model:
             inputs.append(x)
             return inputs, self._log_probs(x)
 
-    def log_probs(self, ids: list[int], start: int = 0, inputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Log-probs (T, V) on `ids`, from layer `start` on (its input taken from `inputs`, a
-        `trace`, past the table: start 0 looks the tokens up); start = len(layers) runs only the
-        final norm and the head."""
+    def log_probs(self, ids: list[int], start: int = 0, inputs=None) -> torch.Tensor:
+        """Log-probs (T, V) on `ids`, from layer `start` on (its input `inputs[start]`: a `trace`,
+        or {start: a tensor}; without, start 0 looks the tokens up); start = len(layers) runs only
+        the final norm and the head."""
         with torch.no_grad():
-            x = self.embed[torch.tensor(ids)][None] if inputs is None or start == 0 else inputs[start]
+            x = self.embed[torch.tensor(ids)][None] if inputs is None else inputs[start]
             for layer in self.layers[start:]:
                 x = self._layer(layer, x, len(ids))
             return self._log_probs(x)
+
+    def run_layer(self, n: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `n` alone on its input `x` (1, T, C)."""
+        with torch.no_grad():
+            return self._layer(self.layers[n], x, x.shape[1])
 
     def _layer(self, layer, x: torch.Tensor, tokens: int) -> torch.Tensor:
         positions = torch.arange(tokens)[None]
@@ -116,36 +119,34 @@ def nll(log_probs: torch.Tensor, ids: list[int]) -> float:
 
 
 def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
-                    importance: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, float]:
+                    importance: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
     """The unit's weights compressed as `c` says and decompressed (fitted as the export fits them,
-    from fp16), their stored bytes, and the proxy: the importance-weighted squared error. Kept
-    (as fp16) in `model.kept` while it holds less than KEPT_BYTES, for `perplexity_change`."""
+    from fp16), and their stored bytes. Kept (as fp16) in `model.kept` while it holds less than
+    KEPT_BYTES, for `perplexity_change`."""
     kept = model.kept.get((unit, c))
     if kept is not None:
-        return {name: v.astype(np.float32) for name, v in kept[0].items()}, kept[1], kept[2]
-    values, size, error = {}, 0, 0.0
+        return {name: v.astype(np.float32) for name, v in kept[0].items()}, kept[1]
+    values, size = {}, 0
     for name, tensor in model.weights(unit).items():
         fp16 = tensor.to(torch.float16).numpy()
         shape = tuple(fp16.shape)
         if c is None:
             values[name], size = fp16.astype(np.float32), size + stored_bytes(shape, None)
             continue
-        weight = importance.get("heads" if unit == "lm_head" else name) if c.weighted else None
-        dense = roundtrip(fp16, c, weight)
-        diff = (dense - fp16.astype(np.float32)) ** 2
-        error += float((diff * (1 if weight is None else weight[None, :])).sum())
-        values[name], size = dense, size + stored_bytes(shape, c)
+        key = "heads" if unit == "lm_head" else name
+        weight = importance.get(f"{key}.gram" if c.compensated else key) if c.weighted else None
+        values[name], size = roundtrip(fp16, c, weight), size + stored_bytes(shape, c)
     held = sum(v.nbytes // 2 for v in values.values())
     if c is not None and model.kept_bytes + held <= KEPT_BYTES:
-        model.kept[(unit, c)] = ({n: v.astype(np.float16) for n, v in values.items()}, size, error)
+        model.kept[(unit, c)] = ({n: v.astype(np.float16) for n, v in values.items()}, size)
         model.kept_bytes += held
-    return values, size, error
+    return values, size
 
 
-def start_of(unit: str, layers: int) -> int:
-    """The first layer a unit's compression changes (`layers`: only the head)."""
+def layer_of(unit: str, layers: int) -> int:
+    """The layer whose output a unit's compression first changes (-1: the table, `layers`: the head)."""
     if unit == "embeddings":
-        return 0
+        return -1
     if unit == "lm_head":
         return layers
     return int(unit.split(".")[1])
@@ -153,47 +154,46 @@ def start_of(unit: str, layers: int) -> int:
 
 def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compression, ...],
                   importance: dict[str, np.ndarray], say: Callable[[str], None] = lambda _: None,
-                  measured: int = MEASURED_FORMS, on_unit: Callable[[str], None] = lambda _: None) -> dict:
+                  on_unit: Callable[[str], None] = lambda _: None) -> dict:
     """{unit: {form: (bytes, KL)}} for every unit and candidate form (and fp16, KL 0) on `ids`.
 
-    The first `measured` candidates (the fewest bits) are run through the model; the KL of each
-    later one is its last measured neighbour's scaled by their proxy errors' ratio (the KL of a
-    small weight error grows with its square, which the proxy is). "proxy_rank_correlation" is
-    the Spearman correlation over units between the first candidate's proxy error and its KL:
-    how well the proxy alone would have ranked the units. `on_unit(note)` follows each unit measured
-    ("layers.3.mlp: lut4 KL 0.0123")."""
+    Layer-local: the inputs of every layer are captured once, and each unit and form runs only
+    its own layer on them, giving the mean squared error of the layer's output (the table's rows,
+    for the embeddings). Per layer one pass runs from there to the end, with the first candidate
+    of its MLP (the largest error): the KL it causes over that error is the layer's gain, and
+    every unit of the layer is estimated as gain x its error (a small error's KL grows with its
+    square, which the error is). The LM head is measured directly (only the head runs). The table
+    (looked up: no inputs to compensate) and the head (a vocabulary of rows, slow to compensate)
+    take the candidates without compensation. So a
+    model of N layers costs N + 1 partial passes and one run of a single layer per unit and form,
+    instead of a pass per unit and form. `on_unit(note)` follows each unit ("layers.3.mlp: lut4
+    KL 0.0123")."""
     t0 = time.perf_counter()
     inputs, reference = model.trace(ids)
     n = len(model.layers)
     costs: dict[str, dict] = {}
-    proxy, kls = [], []
-    for unit in units(n):
-        _, fp16_bytes, _ = compressed_unit(model, unit, None, importance)
+    gains: dict[int, float] = {}
+    for unit in reversed(units(n)):  # the MLP (which probes the layer's gain) before the attention
+        _, fp16_bytes = compressed_unit(model, unit, None, importance)
         costs[unit] = {None: (fp16_bytes, 0.0)}
-        last = None  # (proxy error, KL) of the last measured form
-        for i, c in enumerate(candidates):
-            values, size, error = compressed_unit(model, unit, c, importance)
-            if i < measured or last is None:
-                with model.swapped({unit: values}):
-                    divergence = max(kl(reference, model.log_probs(ids, start_of(unit, n), inputs)), 0.0)
-                last = (error, divergence)
-            else:
-                divergence = last[1] * error / max(last[0], 1e-30)
-            costs[unit][c] = (size, divergence)
-            if i == 0 and unit != "embeddings":  # the table is looked up: no input channels to weigh
-                proxy.append(error)
-                kls.append(divergence)
-        on_unit(f"{unit}: {candidates[0].scheme} KL {costs[unit][candidates[0]][1]:.4g}")
-    say(f"measured {len(costs)} units on {len(ids)} tokens in {time.perf_counter() - t0:.0f} s")
-    return {"costs": costs, "proxy_rank_correlation": spearman(proxy, kls)}
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    if len(a) < 3:
-        return None
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    r = np.corrcoef(ra, rb)[0, 1]
-    return None if math.isnan(r) else round(float(r), 3)
+        layer = layer_of(unit, n)
+        for c in (candidates if 0 <= layer < n else [replace(c, compensated=False) for c in candidates]):
+            values, size = compressed_unit(model, unit, c, importance)
+            with model.swapped({unit: values}):
+                if layer == n:
+                    costs[unit][c] = (size, max(kl(reference, model.log_probs(ids, n, inputs)), 0.0))
+                    continue
+                out = model.embed[torch.tensor(ids)][None] if layer < 0 else model.run_layer(layer, inputs[layer])
+            error = float(((out - inputs[layer + 1]) ** 2).sum(-1).mean())
+            if layer not in gains:
+                divergence = max(kl(reference, model.log_probs(ids, layer + 1, {layer + 1: out})), 0.0)
+                gains[layer] = divergence / max(error, 1e-30)
+            costs[unit][c] = (size, gains[layer] * error)
+        on_unit(f"{unit}: {candidates[0].scheme} KL {list(costs[unit].values())[1][1]:.4g}")
+    costs = {u: costs[u] for u in units(n)}
+    say(f"measured {len(costs)} units on {len(ids)} tokens in {time.perf_counter() - t0:.0f} s "
+        f"({len(gains)} partial passes)")
+    return {"costs": costs, "passes": len(gains)}
 
 
 def perplexity_change(model: Float32Model, forms: dict[str, Compression | None], ids: list[int],
@@ -260,8 +260,7 @@ def choose_recipe(model: Float32Model, calibration_ids: list[int], check_ids: li
         say(f"auto: {size / 1e6:.1f} MB of weights, perplexity {estimated:+.2f}% estimated, {measured:+.2f}% "
             f"measured on {len(check_ids)} tokens of {check_text} (budget {budget_pct:g}%)")
         recipe = Recipe(forms, budget_pct, round(estimated, 2), round(measured, 2),
-                        f"{len(check_ids)} tokens of {check_text}",
-                        {"proxy_rank_correlation": found["proxy_rank_correlation"]})
+                        f"{len(check_ids)} tokens of {check_text}")
         if measured <= budget_pct:
             return recipe
         best = recipe
