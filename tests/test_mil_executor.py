@@ -7,7 +7,9 @@ tightly in fp32 mode (weights kept fp32 in the package), loosely in fp16 mode (f
 
 from __future__ import annotations
 
+import gc
 import tempfile
+import weakref
 
 import numpy as np
 import pytest
@@ -203,6 +205,38 @@ def test_general_ops_fp32_match_torch(tmp_path):
     ref = torch_reference(module, example)
     for name, r in zip(names, ref):
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def pymil_ops() -> int:
+    """How many pymil operations are alive (reachable or not yet collected)."""
+    from coremltools.converters.mil.mil import Operation
+
+    return sum(isinstance(o, Operation) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("widen_weights", [True, False])
+def test_a_dropped_executor_leaves_no_program_behind(tmp_path, block_packages, widen_weights):
+    """An executor keeps no pymil object: one would keep its whole program (every op and a copy of
+    every weight, in reference cycles) alive until some later collection. Dropped, the executor is
+    freed with everything it held, automatic collection off (streamed scoring holds one package at a
+    time). The general ops include a grouped conv with a bias."""
+    torch.manual_seed(3)
+    general = convert_torch(General(), {"x": torch.randn(1, 8, 9, 7), "y": torch.randn(1, 4, 6)},
+                            tmp_path / "gen.mlpackage", fp16=False, out_names=list("abcdefg"))
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for path in (general, block_packages["fp16"]):
+            before = pymil_ops()
+            executor = PackageExecutor(path, precision="fp32", widen_weights=widen_weights)
+            held = weakref.ref(executor)
+            del executor
+            assert held() is None, path.name
+            assert pymil_ops() == before, path.name
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_builder_ops_match_numpy(tmp_path):

@@ -102,8 +102,9 @@ def conv(op, ctx: BuildContext):
 
     weight_is_const = ctx.is_const(op.weight)
     bias_var = op.inputs.get("bias")
+    has_bias = bias_var is not None  # the kernels keep no pymil Var: it would keep the whole program alive
     bias = None
-    if bias_var is not None:
+    if has_bias:
         bias = ctx.prepared(bias_var, "f32", _f32) if ctx.is_const(bias_var) else None
 
     if pointwise:
@@ -114,7 +115,7 @@ def conv(op, ctx: BuildContext):
             w = w2 if w2 is not None else _f32(a["weight"]).reshape(c_out, -1)
             x = _f32(a["x"]).reshape(x_shape[0], x_shape[1], -1)
             y = weight_matmul(w, x)
-            if bias_var is not None:
+            if has_bias:
                 y += bias_col if bias_col is not None else _f32(a["bias"]).reshape(c_out, 1)
             return y.reshape(out_shape)
 
@@ -147,7 +148,7 @@ def conv(op, ctx: BuildContext):
         w = wg if wg is not None else _f32(a["weight"]).reshape(groups, cout_g, -1)
         y = np.einsum("ngpk,gok->ngop", cols, w, optimize=True)  # (N, g, C_out/g, P)
         y = y.reshape((n, c_out) + s_out)
-        if bias_var is not None:
+        if has_bias:
             b = bias if bias is not None else _f32(a["bias"])
             y += b.reshape((1, c_out) + (1,) * spatial)
         return y
