@@ -466,16 +466,22 @@ class _RequestLog:
         scope[_USAGE] = usage = []
         t0 = time.perf_counter()
 
+        answered = False
+
         async def sent(message):
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body") and not answered:
+                answered = True  # no longer open once its last bytes are handed over: a client may read
+                self.server.in_flight -= 1  # them, and stop the server, before this task runs again
             await send(message)
         self.server.in_flight += 1
         try:
             await self.app(scope, receive, sent)
         finally:
-            self.server.in_flight -= 1
+            if not answered:
+                self.server.in_flight -= 1
             prompt = cached = completion = 0
             for h, counts_prompt in usage:
                 completion += h.tokens
