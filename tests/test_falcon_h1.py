@@ -182,8 +182,11 @@ def test_state_bytes_and_flops():
     net = Mamba2Shape(4, 8, 2, 16, K, EPS)
     assert net.state_bytes() == 4 * 16 * 8 * 2
     assert net.as_delta.state_shape == net.state_shape and net.as_delta.conv_channels == net.conv_channels
-    assert net.ssd_flops(1) == 2 * (4 + 4 + 2 * 16 + 2 * 4 * 8 * 16 + 4 * 8)
-    assert net.ssd_flops(64) > 64 * net.ssd_flops(1)
+    from llama_ane.contract.layer_costs import Mamba2
+
+    macs = lambda s: Mamba2.macs(net.heads, net.groups, net.state, net.head_dim, s)  # noqa: E731
+    assert macs(1) == 4 + 4 + 2 * 16 + 2 * 4 * 8 * 16 + 4 * 8
+    assert macs(64) > 64 * macs(1)
 
 
 # --- the family ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..config import LlamaConfig
 from ..model import names as N
-from ..model.functions import BRANCHES, DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, delta_span, squarings, ssd_macs
+from ..model.functions import BRANCHES, DELTA_BRANCHES, DELTA_NEW, DELTA_STATE, delta_span, squarings
 
 DTYPE_BYTES = {"float16": 2, "float32": 4, "int32": 4}
 
@@ -119,13 +119,12 @@ class DeltaNet:
         S^3 log2(S). Where the layer runs its window in spans (DeltaShape.span: beta up to 2), each span
         costs this with S its own length. A cascade step ("decode_branches") runs it with S = 1 for each
         of its B branches, each from its own state."""
-        delta = manifest["cache"].get("delta")
-        layers = len(set(delta["layers"]) - set(manifest["config"].get("mamba_layers") or [])) if delta else 0
+        layers, sequences, s = _window_steps(manifest, function, tokens, mamba=False)
         if not layers:
             return 0.0
+        delta = manifest["cache"]["delta"]
         g = manifest["config"]["delta_key_heads"]
         h, dk, dv = delta["heads"], delta["key_dim"], delta["value_dim"]
-        sequences, s = (tokens, 1) if function == BRANCHES else (1, tokens)
         span = delta_span(manifest["config"].get("delta_beta_scale", 1.0)) or s
         macs = sum(h * t * t + h * t ** 3 + 2 * g * t * t * dk + 2 * h * t ** 3 * max(squarings(t) - 1, 0)
                    + 3 * h * dk * dv * t + 2 * h * dv * t * t for t in [min(span, s - a) for a in range(0, s, span)])
@@ -139,15 +138,36 @@ class Mamba2:
     conv states, costed by `DeltaNet` and `ShortConv`; what is their own is the SSD form's flops."""
 
     def flops(self, manifest: dict, function: str, tokens: int) -> float:
-        """2 per multiply-add of the SSD form over the step's window (functions.ssd_macs: it solves
-        nothing, unlike the delta rule), per mixer; a cascade step runs it with S = 1 for each branch."""
-        delta = manifest["cache"].get("delta")
-        layers = len(set(delta["layers"]) & set(manifest["config"].get("mamba_layers") or [])) if delta else 0
+        """2 per multiply-add of the SSD form over the step's window (`macs`: it solves nothing,
+        unlike the delta rule), per mixer; a cascade step runs it with S = 1 for each branch."""
+        layers, sequences, s = _window_steps(manifest, function, tokens, mamba=True)
         if not layers:
             return 0.0
-        sequences, s = (tokens, 1) if function == BRANCHES else (1, tokens)
-        macs = ssd_macs(delta["heads"], manifest["config"]["delta_key_heads"], delta["key_dim"], delta["value_dim"], s)
-        return 2.0 * macs * sequences * layers
+        delta = manifest["cache"]["delta"]
+        return 2.0 * self.macs(delta["heads"], manifest["config"]["delta_key_heads"], delta["key_dim"],
+                               delta["value_dim"], s) * sequences * layers
+
+    @staticmethod
+    def macs(heads: int, groups: int, state: int, head_dim: int, s: int) -> int:
+        """Multiply-adds of one mixer's SSD form over a window of S tokens (layers.mamba2.ssd), H heads
+        of width P, G groups, state size N: the decays summed up to each token (H S^2) and pairwise
+        (H S^3), C.B between the window's tokens (G S^2 N), the state read against C and the window's
+        B u^T added to it (2 H N P S), the updates read out (H P S^2)."""
+        h, g, n, p = heads, groups, state, head_dim
+        return h * s * s + h * s ** 3 + g * s * s * n + 2 * h * n * p * s + h * p * s * s
+
+
+def _window_steps(manifest: dict, function: str, tokens: int, mamba: bool) -> tuple[int, int, int]:
+    """For the layers keeping their states in cache.delta, Mamba-2 mixers (`mamba`) or the delta
+    rule's (the others): how many there are, and the sequences and window a step of `function` over
+    `tokens` runs each on (a cascade step, "decode_branches", runs S = 1 for each of its branches)."""
+    delta = manifest["cache"].get("delta")
+    if not delta:
+        return 0, 0, 0
+    mixers = set(manifest["config"].get("mamba_layers") or [])
+    layers = len(set(delta["layers"]) & mixers if mamba else set(delta["layers"]) - mixers)
+    sequences, s = (tokens, 1) if function == BRANCHES else (1, tokens)
+    return layers, sequences, s
 
 
 ATTENTION = Attention()

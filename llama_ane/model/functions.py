@@ -96,15 +96,6 @@ def delta_span(beta_scale: float) -> int:
     return SPAN if beta_scale > 1 else 0
 
 
-def ssd_macs(heads: int, groups: int, state: int, head_dim: int, s: int) -> int:
-    """Multiply-adds of a Mamba-2 mixer's SSD form over a window of S tokens (layers.mamba2.ssd), H heads
-    of width P, G groups, state size N: the decays summed up to each token (H S^2) and pairwise
-    (H S^3), C.B between the window's tokens (G S^2 N), the state read against C and the window's
-    B u^T added to it (2 H N P S), the updates read out (H P S^2)."""
-    h, g, n, p = heads, groups, state, head_dim
-    return h * s * s + h * s ** 3 + g * s * s * n + 2 * h * n * p * s + h * p * s * s
-
-
 SPAN = 4  # tokens per span of the delta rule where beta reaches 2 (layers.delta_net.DeltaShape.span)
 
 

@@ -42,8 +42,8 @@ delta_new (the cascade: delta_branches -> delta_new per branch). `Mamba2Shape.as
 DeltaShape of the same states: G key heads of width N, H value heads of width P, Q conv channels.
 
 Costs. `Mamba2Shape.state_bytes` is a layer's recurrent state, read and written whole every step
-(as the delta rule's); `ssd_flops` counts the window's matmuls; the projections, the convolution
-and the gate's norm are weights, counted as the device model counts weights.
+(as the delta rule's); contract/layer_costs.Mamba2 counts the window's matmuls; the projections,
+the convolution and the gate's norm are weights, counted as the device model counts weights.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from ...config import LlamaConfig
-from ..functions import ssd_macs
 from .delta_net import (DeltaShape, columns, columns_mil, decayed_updates, decayed_updates_mil, heads, heads_mil,
                         real_tokens, real_tokens_mil, window_decays, window_decays_mil)
 from .ops import Graph, RMSNorm, conv1x1, conv_mil, mb, rms_norm_mil, silu_mil, softplus_mil
@@ -109,9 +108,6 @@ class Mamba2Shape:
         """The recurrent state's bytes, read and written whole every step."""
         return self.heads * self.state * self.head_dim * itemsize
 
-    def ssd_flops(self, s: int) -> int:
-        """The matmuls of `ssd` over a window of S tokens, 2 flops per multiply-add (functions.ssd_macs)."""
-        return 2 * ssd_macs(self.heads, self.groups, self.state, self.head_dim, s)
 
 
 def mamba_shape(cfg: LlamaConfig) -> Mamba2Shape:
