@@ -900,7 +900,7 @@ def test_forms_are_labelled_in_plain_words():
     from llama_ane.quantize.auto import CANDIDATES, _parse_label, label
 
     assert [label(c) for c in CANDIDATES] == ["lut4 group 16, scaled per channel, compensated",
-                                              "lut6 group 8, compensated", "lut8 group 16"]
+                                              "lut6 group 8", "lut8 group 16"]
     assert label(Compression("lut4", group_size=0, block_size=32, scaled=True)) == "lut4 per tensor, scaled per block 32"
     assert label(Compression("int8", block_size=0, symmetric=True)) == "int8 per channel"
     assert label(Compression("int4", block_size=32)) == "int4 block 32" and label(None) == "fp16"
@@ -924,7 +924,7 @@ def test_a_recipe_is_labelled_exactly():
     text = recipe_label(sixty_units())
     assert text.startswith("55 of 60 units lut6, 5 lut4 ("), text
     assert "attention lut6;" in text and "mlp 24 lut6, 5 lut4;" in text and "embeddings lut6;" in text
-    assert "lut6: group 8, compensated" in text and "lut4: group 16, scaled per channel, compensated" in text
+    assert "lut6: group 8;" in text and "lut4: group 16, scaled per channel, compensated" in text
     assert text in (Path(__file__).parents[1] / "docs" / "quantization.md").read_text()  # the docs' example
     described = QuantizeOptions.from_recipe(Recipe(sixty_units(), budget_pct=5.0)).describe("iOS18")
     assert weights_label(described) == f"auto recipe: {text}"

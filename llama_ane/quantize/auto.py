@@ -32,10 +32,11 @@ from .schemes import PARTS, SCHEMES, Compression, QuantizeError
 DEFAULT_BUDGET_PCT = 5.0  # --quantize-budget: perplexity increase allowed, percent
 WARN_PCT = 10.0  # a measured increase beyond this is said plainly at export
 CANDIDATES = (Compression("lut4", group_size=16, block_size=0, scaled=True, compensated=True),
-              Compression("lut6", group_size=8, compensated=True),
+              Compression("lut6", group_size=8),
               Compression("lut8", group_size=16))  # Apple's guide: groups of 8 or 16 keep LUTs fast; the
 # per-channel scale halves lut4's loss on SmolLM2 (both are decompressed just in time on the ANE);
-# compensated codes are the same ops and bytes with less output error (the table takes plain ones)
+# compensated codes are the same ops and bytes with less output error at 4 bits (the table takes plain
+# ones); at 6 bits they fit the calibration text at the cost of other text, so lut6 takes plain codes
 FORM_FIELDS = ("scheme", "group_size", "block_size", "symmetric", "compensated")  # of a form's JSON
 RECIPE_FORMAT = "llama-ane-quantize-recipe"
 RECIPE_VERSION = 1
