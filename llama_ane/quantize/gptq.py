@@ -19,14 +19,15 @@ BLOCK = 128  # columns whose updates are applied to the rest at once
 
 
 def inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
-    """The upper Cholesky factor of H^-1 (H damped: `damping` times the mean of its diagonal
-    added to it), float64."""
+    """The upper Cholesky factor U of H^-1 (U^T U = H^-1; H damped: `damping` times the mean of its
+    diagonal added to it), float64. With P the reversal of H's order, P H P = L L^T gives
+    U = P L^-1 P: one factorisation and one triangular solve."""
     h = hessian.to(torch.float64).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     h += damping * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inverse, upper=True)
+    low = torch.linalg.cholesky(h.flip(0, 1))
+    return torch.linalg.solve_triangular(low, torch.eye(h.shape[0], dtype=h.dtype), upper=False).flip(0, 1)
 
 
 def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor, damping: float = DAMPING,
@@ -34,23 +35,23 @@ def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor, dampin
     """Codes (uint8, weight's shape (out, in)) into each row's ascending `values` (out, K), chosen
     column by column with each column's rounding error compensated in the later ones. `factor`:
     `inverse_factor(hessian, damping)` when already found."""
-    w = torch.from_numpy(np.array(weight, np.float32))  # float32 updates (the factor is found in float64)
+    wt = torch.from_numpy(np.array(weight, np.float32).T.copy())  # (in, out): float32 updates, a column contiguous
     grid = torch.from_numpy(np.asarray(values, np.float32))
     midpoints = ((grid[:, 1:] + grid[:, :-1]) / 2).contiguous()
     factor = (inverse_factor(hessian, damping) if factor is None else factor).to(torch.float32)
-    rows, cols = w.shape
-    codes = torch.empty(rows, cols, dtype=torch.long)
+    cols, rows = wt.shape
+    codes = torch.empty(cols, rows, dtype=torch.long)
     for start in range(0, cols, BLOCK):
         end = min(cols, start + BLOCK)
-        block = w[:, start:end].clone()
+        block = wt[start:end].clone()
         errors = torch.zeros_like(block)
         f = factor[start:end, start:end]
         for i in range(end - start):
-            column = block[:, i]
-            code = (midpoints < column[:, None]).sum(1)  # searchsorted's left index, faster for so few values
-            codes[:, start + i] = code
+            column = block[i]
+            code = torch.searchsorted(midpoints, column[:, None]).squeeze(1)  # each row's nearest value (left on ties)
+            codes[start + i] = code
             error = (column - grid.gather(1, code[:, None]).squeeze(1)) / f[i, i]
-            block[:, i:] -= error[:, None] * f[i, i:][None, :]
-            errors[:, i] = error
-        w[:, end:] -= errors @ factor[start:end, end:]
-    return codes.numpy().astype(np.uint8)
+            block[i:] -= f[i, i:, None] * error[None, :]
+            errors[i] = error
+        wt[end:] -= factor[start:end, end:].T @ errors
+    return codes.T.numpy().astype(np.uint8)
