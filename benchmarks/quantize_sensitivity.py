@@ -70,13 +70,12 @@ def timed(model, ids, importance) -> tuple[float, dict[str, float], int]:
 def smollm2() -> dict:
     from llama_ane.checkpoint.loader import load_checkpoint
     from llama_ane.export import quality
-    from llama_ane.quantize.auto import SENSITIVITY_TOKENS
 
     row = {"model": "SmolLM2-135M (embedded)", **stamp()}
     ckpt = load_checkpoint(None)
     importance = quality.calibrate(ckpt, print, grams=True)
     model = quality.quality_model(ckpt)
-    ids = quality.text_ids(ckpt, quality.calibration_text(), SENSITIVITY_TOKENS)
+    ids = quality.sensitivity_ids(ckpt)
     seconds, per_unit, passes = timed(model, ids, importance)
     return {**row, "layers": len(model.layers), "units": len(per_unit), "tokens": len(ids), "passes": passes,
             "seconds": round(seconds, 1), "kind": "measured"}

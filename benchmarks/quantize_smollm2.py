@@ -70,14 +70,14 @@ def auto_recipes(budgets: dict[str, float], folder: Path) -> dict[str, dict]:
     name -> {"file": recipe path, "seconds": ..., "recipe": its JSON}."""
     from llama_ane.checkpoint.loader import load_checkpoint
     from llama_ane.export import quality
-    from llama_ane.quantize.auto import CANDIDATES, CHECK_TOKENS, SENSITIVITY_TOKENS
+    from llama_ane.quantize.auto import CANDIDATES, CHECK_TOKENS
     from llama_ane.quantize.sensitivity import choose_recipe, measure_units
 
     t0 = time.perf_counter()
     ckpt = load_checkpoint(None)
     importance = quality.calibrate(ckpt, print, grams=True)
     model = quality.quality_model(ckpt)
-    ids = quality.text_ids(ckpt, quality.calibration_text(), SENSITIVITY_TOKENS)
+    ids = quality.sensitivity_ids(ckpt)
     check = quality.text_ids(ckpt, quality.eval_text(), CHECK_TOKENS)
     found = measure_units(model, ids, CANDIDATES, importance, print)
     measured_s = time.perf_counter() - t0

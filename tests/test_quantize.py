@@ -969,6 +969,18 @@ def tiny_quality(tiny_checkpoint):
     return ckpt, quality.quality_model(ckpt), ids, quality.calibrate(ckpt, lambda _: None, grams=True)
 
 
+def test_units_are_measured_on_text_the_calibration_did_not_read(tiny_quality):
+    """Compensated codes fit the calibration's tokens: `auto` measures the units on the tokens after them."""
+    from llama_ane.export import quality
+    from llama_ane.quantize.auto import SENSITIVITY_TOKENS
+
+    ckpt = tiny_quality[0]
+    read = quality.calibration_tokens(ckpt.config)
+    every = quality.text_ids(ckpt, quality.calibration_text(), 1 << 20)
+    assert len(every) >= read + SENSITIVITY_TOKENS  # the shipped text is long enough
+    assert quality.sensitivity_ids(ckpt) == every[read:read + SENSITIVITY_TOKENS]
+
+
 def test_the_float32_model_is_transformers_model(tiny_quality):
     from llama_ane.reference import transformers_logits
 

@@ -53,6 +53,17 @@ def text_ids(ckpt, text: str, tokens: int) -> list[int]:
     return [i for i in ids if i < ckpt.config.vocab_size]
 
 
+def sensitivity_ids(ckpt) -> list[int]:
+    """The tokens `--quantize auto` measures each unit on: SENSITIVITY_TOKENS of the calibration
+    text after those `calibrate` reads. Compensated codes are chosen against the statistics of
+    those it reads, and fit them better than other text: measured on them, a compensated unit
+    would look cheaper than it is."""
+    from ..quantize.auto import SENSITIVITY_TOKENS
+
+    skip = calibration_tokens(ckpt.config)
+    return text_ids(ckpt, calibration_text(), skip + SENSITIVITY_TOKENS)[skip:]
+
+
 def calibrate(ckpt, say: Callable[[str], None], on_found: Callable[[str, object], None] | None = None,
               grams: bool = False) -> dict:
     """The activation statistics LUT fits and int4 ranges are weighted by: the checkpoint run in
@@ -106,7 +117,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
     units' measurement, each choice's check) shows its steps done and an ETA (export.progress.StepProgress)."""
     import functools
 
-    from ..quantize.auto import CANDIDATES, CHECK_TOKENS, SENSITIVITY_TOKENS
+    from ..quantize.auto import CANDIDATES, CHECK_TOKENS
     from ..quantize.schemes import QuantizeError
     from .progress import StepProgress
 
@@ -130,7 +141,7 @@ def auto_recipe(ckpt, budget_pct: float, say: Callable[[str], None], progress: b
         importance = calibrate(ckpt, say, on_found, grams=any(c.compensated for c in CANDIDATES))
     finally:
         bar.close()
-    return choose_recipe(quality_model(ckpt), text_ids(ckpt, calibration_text(), SENSITIVITY_TOKENS),
+    return choose_recipe(quality_model(ckpt), sensitivity_ids(ckpt),
                          text_ids(ckpt, eval_text(), CHECK_TOKENS), importance, budget_pct, "the eval text", say,
                          phase=phase)
 

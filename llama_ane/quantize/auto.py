@@ -41,7 +41,7 @@ FORM_FIELDS = ("scheme", "group_size", "block_size", "symmetric", "compensated")
 RECIPE_FORMAT = "llama-ane-quantize-recipe"
 RECIPE_VERSION = 1
 MAX_RETRIES = 3  # re-choices after a measured increase over the budget
-SENSITIVITY_TOKENS = 128  # of the calibration text, each unit's KL is estimated on
+SENSITIVITY_TOKENS = 128  # of the calibration text after the calibration's own, each unit's KL is estimated on
 CHECK_TOKENS = 512  # of the eval text, a whole recipe is measured on
 
 _LAYER_WEIGHT = re.compile(r"layers\.(\d+)\.(mlp\.)?\w*proj\.weight")
