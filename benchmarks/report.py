@@ -203,6 +203,12 @@ def quantize_sensitivity(d: dict) -> tuple[list[str], list[Row]]:
     return header, rows
 
 
+def quantize_forms(d: dict) -> tuple[list[str], list[Row]]:
+    header = ["row", "weights MB", "perplexity", "change vs float32"]
+    return header, [([r, d], [r["row"], _num(r["weights_mb"], 1), _num(r["perplexity"], 3), f"{r['change_pct']:+.2f}%"])
+                    for r in d["rows"]]
+
+
 def runahead_gpu(d: dict) -> tuple[list[str], list[Row]]:
     header = ["context", "method", "TTFT ms", "kind", "bounds"]
     return header, [([r, d], [r["context"], r["method"], _num(r["ttft_ms"], 1),
@@ -292,6 +298,10 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                              "Llama-3.2-1B-shaped model with random weights (some of its layers, the 16-layer time "
                              "extrapolated and labelled so), with the load average when the row started.",
                              [quantize_sensitivity]),
+    "quantize_forms": ("LUT forms part by part on SmolLM2", "python benchmarks/quantize_forms.py",
+                       "Float32 in torch, perplexity on the held-out prose with the named parts in one form and "
+                       "every other part lut6 (groups of 8, plain codes); the weights' compressed bytes.",
+                       [quantize_forms]),
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
               "once against one after another; greedy answers of equal length, the fastest of the runs. "
