@@ -3,6 +3,7 @@ and tiny exports whose compressed programs run on the mil and torch backends ali
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -979,6 +980,24 @@ def test_units_are_measured_on_text_the_calibration_did_not_read(tiny_quality):
     every = quality.text_ids(ckpt, quality.calibration_text(), 1 << 20)
     assert len(every) >= read + SENSITIVITY_TOKENS  # the shipped text is long enough
     assert quality.sensitivity_ids(ckpt) == every[read:read + SENSITIVITY_TOKENS]
+
+
+def test_the_table_is_measured_on_the_groups_of_its_looked_up_rows_alone(tiny_quality):
+    """Fitting only the groups of rows the tokens fall in gives those rows what fitting the whole table gives."""
+    from llama_ane.quantize.auto import CANDIDATES
+    from llama_ane.quantize.fit import roundtrip
+    from llama_ane.quantize.sensitivity import looked_up_rows
+
+    _, model, ids, importance = tiny_quality
+    table = model.embed.to(torch.float16).numpy()
+    ids = ids[:6]
+    assert len({i // 8 for i in ids}) < table.shape[0] // 16  # a few of the table's groups
+    for c in (None, *[dataclasses.replace(c, compensated=False) for c in CANDIDATES]):
+        whole = table.astype(np.float32) if c is None else roundtrip(table, c, importance.get("embed_tokens.weight"))
+        rows, size = looked_up_rows(model, ids, c, importance)
+        assert size == stored_bytes(table.shape, c)
+        want, original = torch.from_numpy(whole)[torch.tensor(ids)], torch.from_numpy(table[ids]).float()
+        assert torch.equal(rows[0], want) and (c is None or not torch.equal(want, original))
 
 
 def test_the_float32_model_is_transformers_model(tiny_quality):

@@ -143,6 +143,29 @@ def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
     return values, size
 
 
+def looked_up_rows(model: Float32Model, ids: list[int], c: Compression | None,
+                   importance: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:
+    """The rows of `ids` (1, T, C) of the table compressed as `c` says and decompressed, and the
+    whole table's stored bytes. A grouped LUT's fit of a group of rows reads only those rows, so
+    only the groups holding the tokens are fitted: the rows the whole table's fit gives them (up
+    to where Lloyd's iterations stop, which kmeans decides for a batch of groups at once), for a
+    fraction of the work (a vocabulary of 128k rows against the few hundred tokens measured on)."""
+    table = model.embed
+    size = stored_bytes(tuple(table.shape), c)
+    if c is None:
+        return table[torch.tensor(ids)][None].to(torch.float16).to(torch.float32), size
+    group = c.group_size if c.kind == "lut" and c.group_size else 0
+    if not group:
+        values, _ = compressed_unit(model, "embeddings", c, importance)
+        return torch.from_numpy(values["embed_tokens.weight"])[torch.tensor(ids)][None], size
+    groups = torch.unique(torch.tensor(ids) // group)
+    rows = (groups[:, None] * group + torch.arange(group)).reshape(-1)  # every row of those groups
+    weight = importance.get("embed_tokens.weight") if c.weighted else None
+    fitted = torch.from_numpy(roundtrip(table[rows].to(torch.float16).numpy(), c, weight))
+    at = torch.searchsorted(rows, torch.tensor(ids))
+    return fitted[at][None], size
+
+
 def layer_of(unit: str, layers: int) -> int:
     """The layer whose output a unit's compression first changes (-1: the table, `layers`: the head)."""
     if unit == "embeddings":
@@ -158,8 +181,8 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
     """{unit: {form: (bytes, KL)}} for every unit and candidate form (and fp16, KL 0) on `ids`.
 
     Layer-local: the inputs of every layer are captured once, and each unit and form runs only
-    its own layer on them, giving the mean squared error of the layer's output (the table's rows,
-    for the embeddings). Per layer one pass runs from there to the end, with the first candidate
+    its own layer on them, giving the mean squared error of the layer's output (the looked-up
+    rows, for the embeddings: only the groups holding them are fitted, `looked_up_rows`). Per layer one pass runs from there to the end, with the first candidate
     of its MLP (the largest error): the KL it causes over that error is the layer's gain, and
     every unit of the layer is estimated as gain x its error (a small error's KL grows with its
     square, which the error is). The LM head is measured directly (only the head runs). The table
@@ -178,12 +201,15 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
         costs[unit] = {None: (fp16_bytes, 0.0)}
         layer = layer_of(unit, n)
         for c in (candidates if 0 <= layer < n else [replace(c, compensated=False) for c in candidates]):
-            values, size = compressed_unit(model, unit, c, importance)
-            with model.swapped({unit: values}):
-                if layer == n:
-                    costs[unit][c] = (size, max(kl(reference, model.log_probs(ids, n, inputs)), 0.0))
-                    continue
-                out = model.embed[torch.tensor(ids)][None] if layer < 0 else model.run_layer(layer, inputs[layer])
+            if layer < 0:
+                out, size = looked_up_rows(model, ids, c, importance)
+            else:
+                values, size = compressed_unit(model, unit, c, importance)
+                with model.swapped({unit: values}):
+                    if layer == n:
+                        costs[unit][c] = (size, max(kl(reference, model.log_probs(ids, n, inputs)), 0.0))
+                        continue
+                    out = model.run_layer(layer, inputs[layer])
             error = float(((out - inputs[layer + 1]) ** 2).sum(-1).mean())
             if layer not in gains:
                 divergence = max(kl(reference, model.log_probs(ids, layer + 1, {layer + 1: out})), 0.0)
