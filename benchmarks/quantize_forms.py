@@ -9,6 +9,13 @@ benchmarks/heldout_prose.txt with the weights decompressed (quantize.sensitivity
 That text is read neither by the calibration nor by `--quantize auto`'s check. The bytes are the
 compressed weights' (quantize.schemes.stored_bytes), without the packages' other files.
 
+The last row tries a form the export does not make yet: activation-aware scales before
+palettization. Each MLP's input channels are scaled by s = (mean square activation)^(ALPHA/2)
+(normalised to a mean of 1), folded exactly into the weights around them (the norm before
+gate_proj and up_proj divided by s, their columns times s; up_proj's rows divided by t and
+down_proj's columns times t, t from down_proj's inputs), so the float32 model is unchanged and
+the LUTs of the scaled weights give the channels that carry the most signal finer steps.
+
 It compares forms quickly, in one process; `benchmarks/quantize_smollm2.py` measures whole exports
 on the mil backend.
 
@@ -17,6 +24,7 @@ on the mil backend.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -32,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "quantize_forms.json"
 HELD_OUT = ROOT / "benchmarks" / "heldout_prose.txt"
+ALPHA = 0.25  # the activation-aware scales' exponent
 
 
 def forms() -> dict:
@@ -46,7 +55,51 @@ def forms() -> dict:
         "MLPs lut4 scaled per channel, compensated": {"mlp": lut4c},
         "embeddings lut4 scaled per channel": {"embeddings": lut4},
         "LM head lut4 scaled per channel": {"lm_head": lut4},
+        f"MLPs lut4 scaled per channel, compensated, activation-aware scales ({ALPHA})": {"mlp": lut4c, "scaled": True},
     }, lut6
+
+
+@contextlib.contextmanager
+def activation_scaled(model, importance: dict, alpha: float):
+    """Within the block, every MLP's input channels scaled as the module docstring says, and the
+    calibration's statistics of the scaled inputs in `importance` (restored after)."""
+    import numpy as np
+    import torch
+
+    saved_layers = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in model.layers]
+    saved = dict(importance)
+
+    def scales(key: str) -> np.ndarray:
+        s = np.maximum(saved[key].astype(np.float64), 1e-12) ** (alpha / 2)
+        return (s / s.mean()).astype(np.float32)
+
+    def rescaled(key: str, s: np.ndarray) -> None:
+        importance[key] = saved[key] / s ** 2
+        importance[f"{key}.gram"] = (saved[f"{key}.gram"] / s[:, None] / s[None, :]).astype(np.float32)
+
+    try:
+        with torch.no_grad():
+            for n, layer in enumerate(model.layers):
+                mlp = layer.mlp
+                s = scales(f"layers.{n}.mlp.gate_proj.weight")
+                layer.post_attention_layernorm.weight.data /= torch.from_numpy(s)
+                for name in ("gate_proj", "up_proj"):
+                    mlp.get_submodule(name).weight.data *= torch.from_numpy(s)[None, :]
+                    rescaled(f"layers.{n}.mlp.{name}.weight", s)
+                t = scales(f"layers.{n}.mlp.down_proj.weight")
+                mlp.up_proj.weight.data /= torch.from_numpy(t)[:, None]
+                mlp.down_proj.weight.data *= torch.from_numpy(t)[None, :]
+                rescaled(f"layers.{n}.mlp.down_proj.weight", t)
+        model.kept.clear()
+        model.kept_bytes = 0
+        yield
+    finally:
+        for layer, state in zip(model.layers, saved_layers):
+            layer.load_state_dict(state)
+        importance.clear()
+        importance.update(saved)
+        model.kept.clear()
+        model.kept_bytes = 0
 
 
 def main() -> int:
@@ -69,16 +122,21 @@ def main() -> int:
     table, lut6 = forms()
     for name, parts in table.items():
         t0 = time.perf_counter()
-        values, size = {}, 0
-        for unit in units(len(model.layers)):
-            c = parts.get(part_of_unit(unit), lut6)
-            values[unit], stored = compressed_unit(model, unit, c, importance)
-            size += stored
-        with model.swapped(values):
-            after = nll(model.log_probs(ids), ids)
+        parts = dict(parts)
+        scaled = parts.pop("scaled", False)
+        with activation_scaled(model, importance, ALPHA) if scaled else contextlib.nullcontext():
+            folded = math.exp(nll(model.log_probs(ids), ids)) if scaled else None  # the scales alone: unchanged
+            values, size = {}, 0
+            for unit in units(len(model.layers)):
+                c = parts.get(part_of_unit(unit), lut6)
+                values[unit], stored = compressed_unit(model, unit, c, importance)
+                size += stored
+            with model.swapped(values):
+                after = nll(model.log_probs(ids), ids)
         row = {"row": name, "forms": {p: label(c) for p, c in parts.items()}, "weights_mb": round(size / 1e6, 2),
                "perplexity": round(math.exp(after), 3), "change_pct": round(100 * (math.exp(after - base) - 1), 2),
-               "seconds": round(time.perf_counter() - t0, 1)}
+               "seconds": round(time.perf_counter() - t0, 1),
+               **({"float32_perplexity_with_scales": round(folded, 3)} if scaled else {})}
         print(f"{name}: {row['weights_mb']} MB of weights, perplexity {row['perplexity']} ({row['change_pct']:+.2f}%)",
               flush=True)
         rows.append(row)
