@@ -56,6 +56,7 @@ def forms() -> dict:
         "embeddings lut4 scaled per channel": {"embeddings": lut4},
         "LM head lut4 scaled per channel": {"lm_head": lut4},
         f"MLPs lut4 scaled per channel, compensated, activation-aware scales ({ALPHA})": {"mlp": lut4c, "scaled": True},
+        f"lut6, activation-aware scales in the MLPs ({ALPHA})": {"scaled": True},
     }, lut6
 
 
