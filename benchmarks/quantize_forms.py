@@ -43,20 +43,22 @@ HELD_OUT = ROOT / "benchmarks" / "heldout_prose.txt"
 ALPHA = 0.25  # the activation-aware scales' exponent
 
 
-def forms() -> dict:
+def forms() -> tuple[dict, object]:
+    """Row name -> (part -> its form, every other part lut6; whether the MLPs take activation-aware
+    scales), and lut6."""
     from llama_ane.quantize.schemes import Compression
 
     lut6, lut4 = Compression("lut6", group_size=8), Compression("lut4", group_size=16, block_size=0, scaled=True)
     lut6c, lut4c = replace(lut6, compensated=True), replace(lut4, compensated=True)
     return {
-        "lut6 (plain codes)": {},
-        "lut6, compensated codes in the layers": {"attention": lut6c, "mlp": lut6c},
-        "MLPs lut4 scaled per channel": {"mlp": lut4},
-        "MLPs lut4 scaled per channel, compensated": {"mlp": lut4c},
-        "embeddings lut4 scaled per channel": {"embeddings": lut4},
-        "LM head lut4 scaled per channel": {"lm_head": lut4},
-        f"MLPs lut4 scaled per channel, compensated, activation-aware scales ({ALPHA})": {"mlp": lut4c, "scaled": True},
-        f"lut6, activation-aware scales in the MLPs ({ALPHA})": {"scaled": True},
+        "lut6 (plain codes)": ({}, False),
+        "lut6, compensated codes in the layers": ({"attention": lut6c, "mlp": lut6c}, False),
+        "MLPs lut4 scaled per channel": ({"mlp": lut4}, False),
+        "MLPs lut4 scaled per channel, compensated": ({"mlp": lut4c}, False),
+        "embeddings lut4 scaled per channel": ({"embeddings": lut4}, False),
+        "LM head lut4 scaled per channel": ({"lm_head": lut4}, False),
+        f"MLPs lut4 scaled per channel, compensated, activation-aware scales ({ALPHA})": ({"mlp": lut4c}, True),
+        f"lut6, activation-aware scales in the MLPs ({ALPHA})": ({}, True),
     }, lut6
 
 
@@ -121,10 +123,8 @@ def main() -> int:
     print(f"float32: perplexity {math.exp(base):.3f} on {len(ids)} tokens of {HELD_OUT.name}")
     rows = []
     table, lut6 = forms()
-    for name, parts in table.items():
+    for name, (parts, scaled) in table.items():
         t0 = time.perf_counter()
-        parts = dict(parts)
-        scaled = parts.pop("scaled", False)
         with activation_scaled(model, importance, ALPHA) if scaled else contextlib.nullcontext():
             folded = math.exp(nll(model.log_probs(ids), ids)) if scaled else None  # the scales alone: unchanged
             values, size = {}, 0

@@ -87,8 +87,9 @@ def importance_key(spec: PackageSpec, name: str) -> str | None:
 def statistics_key(spec: PackageSpec, name: str, c) -> str | None:
     """The calibration's key a fit of parameter `name` as `c` reads: its importance, or its inputs'
     second moments (KEY.gram) for error-compensated codes; None for what has no inputs (a table)."""
-    key = importance_key(spec, name)
-    return f"{key}.gram" if key is not None and c.compensated else key
+    from ..quantize.fit import statistics_key as fitted_key
+
+    return fitted_key(importance_key(spec, name), c)
 
 
 def importance_of(spec: PackageSpec, importance: dict[str, np.ndarray] | None, compressions=lambda name: None):

@@ -17,6 +17,13 @@ COMPENSATION_DAMPING = 1.0  # of the mean of the second moments' diagonal: a cal
 # prose at 0.3 and 1.0, more at 0.01)
 
 
+def statistics_key(key: str | None, c: Compression | None) -> str | None:
+    """The calibration's key a fit as `c` reads for a weight whose inputs' statistics are under
+    `key`: its second moments (KEY.gram) for error-compensated codes, else the key itself (None:
+    the weight has no inputs, a table)."""
+    return f"{key}.gram" if key is not None and c is not None and c.compensated else key
+
+
 def fit(value: np.ndarray, c: Compression, importance: np.ndarray | None = None) -> tuple:
     """Compress `value` (fp16, shape (out, in, ...)) as `c` says, LUTs and int4 ranges weighted by
     `importance` (per input channel) when given. `importance` may instead be the inputs' second

@@ -35,7 +35,8 @@ def assign(weight: np.ndarray, values: np.ndarray, hessian: torch.Tensor, dampin
     """Codes (uint8, weight's shape (out, in)) into each row's ascending `values` (out, K), chosen
     column by column with each column's rounding error compensated in the later ones. `factor`:
     `inverse_factor(hessian, damping)` when already found."""
-    wt = torch.from_numpy(np.array(weight, np.float32).T.copy())  # (in, out): float32 updates, a column contiguous
+    wt = torch.from_numpy(np.array(np.asarray(weight, np.float32).T, order="C"))  # (in, out), a copy: float32
+    # updates, a column contiguous
     grid = torch.from_numpy(np.asarray(values, np.float32))
     midpoints = ((grid[:, 1:] + grid[:, :-1]) / 2).contiguous()
     factor = (inverse_factor(hessian, damping) if factor is None else factor).to(torch.float32)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .auto import CANDIDATES, MAX_RETRIES, Recipe, change_pct, choose, nll_of_pct, tally, units
-from .fit import roundtrip
+from .fit import roundtrip, statistics_key
 from .schemes import Compression, stored_bytes
 
 KEPT_BYTES = 1 << 30  # decompressed units kept for measuring recipes (SmolLM2's three forms fit)
@@ -118,6 +118,12 @@ def nll(log_probs: torch.Tensor, ids: list[int]) -> float:
     return float(-log_probs[:-1].gather(1, targets[:, None]).to(torch.float64).mean())
 
 
+def statistics(importance: dict[str, np.ndarray], key: str, c: Compression) -> np.ndarray | None:
+    """What the fit of weight `key` as `c` reads of the calibration (quantize.fit): its inputs'
+    second moments for compensated codes, their mean squares for other weighted forms, else None."""
+    return importance.get(statistics_key(key, c)) if c.weighted else None
+
+
 def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
                     importance: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
     """The unit's weights compressed as `c` says and decompressed (fitted as the export fits them,
@@ -133,9 +139,8 @@ def compressed_unit(model: Float32Model, unit: str, c: Compression | None,
         if c is None:
             values[name], size = fp16.astype(np.float32), size + stored_bytes(shape, None)
             continue
-        key = "heads" if unit == "lm_head" else name
-        weight = importance.get(f"{key}.gram" if c.compensated else key) if c.weighted else None
-        values[name], size = roundtrip(fp16, c, weight), size + stored_bytes(shape, c)
+        values[name], size = (roundtrip(fp16, c, statistics(importance, "heads" if unit == "lm_head" else name, c)),
+                              size + stored_bytes(shape, c))
     held = sum(v.nbytes // 2 for v in values.values())
     if c is not None and model.kept_bytes + held <= KEPT_BYTES:
         model.kept[(unit, c)] = ({n: v.astype(np.float16) for n, v in values.items()}, size)
@@ -160,8 +165,8 @@ def looked_up_rows(model: Float32Model, ids: list[int], c: Compression | None,
         return torch.from_numpy(values["embed_tokens.weight"])[torch.tensor(ids)][None], size
     groups = torch.unique(torch.tensor(ids) // group)
     rows = (groups[:, None] * group + torch.arange(group)).reshape(-1)  # every row of those groups
-    weight = importance.get("embed_tokens.weight") if c.weighted else None
-    fitted = torch.from_numpy(roundtrip(table[rows].to(torch.float16).numpy(), c, weight))
+    fitted = torch.from_numpy(roundtrip(table[rows].to(torch.float16).numpy(), c,
+                                        statistics(importance, "embed_tokens.weight", c)))
     at = torch.searchsorted(rows, torch.tensor(ids))
     return fitted[at][None], size
 
@@ -182,10 +187,10 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
 
     Layer-local: the inputs of every layer are captured once, and each unit and form runs only
     its own layer on them, giving the mean squared error of the layer's output (the looked-up
-    rows, for the embeddings: only the groups holding them are fitted, `looked_up_rows`). Per layer one pass runs from there to the end, with the first candidate
-    of its MLP (the largest error): the KL it causes over that error is the layer's gain, and
-    every unit of the layer is estimated as gain x its error (a small error's KL grows with its
-    square, which the error is). The LM head is measured directly (only the head runs). The table
+    rows, for the embeddings: only the groups holding them are fitted, `looked_up_rows`). Per
+    layer one pass runs from there to the end, with the first candidate of its MLP (the largest
+    error): the KL it causes over that error is the layer's gain, and every unit of the layer is
+    estimated as gain x its error (a small error's KL grows with its square, which the error is). The LM head is measured directly (only the head runs). The table
     (looked up: no inputs to compensate) and the head (a vocabulary of rows, slow to compensate)
     take the candidates without compensation. So a
     model of N layers costs N + 1 partial passes and one run of a single layer per unit and form,

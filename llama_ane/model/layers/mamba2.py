@@ -109,7 +109,6 @@ class Mamba2Shape:
         return self.heads * self.state * self.head_dim * itemsize
 
 
-
 def mamba_shape(cfg: LlamaConfig) -> Mamba2Shape:
     """The Mamba-2 mixers' sizes of a config (Falcon-H1's: LlamaConfig.mamba_layers)."""
     return Mamba2Shape(cfg.delta_value_heads, cfg.delta_value_dim, cfg.delta_key_heads, cfg.delta_key_dim,
