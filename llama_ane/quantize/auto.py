@@ -13,7 +13,8 @@ recipe's perplexity increase is estimated as exp(sum of its units' KL) - 1.
 KL, every unit takes the form of least bytes + lambda * KL, and lambda is bisected to the
 cheapest that fits (a Lagrangian relaxation of the multiple-choice knapsack). The export then
 measures the chosen recipe end to end on other text and, when the measured increase exceeds the
-budget, tightens the estimate's budget by the ratio and chooses again.
+budget, or well under it, scales the estimate's budget by the ratio and chooses again; the
+fewest bytes measured within the budget win.
 
 A recipe is JSON (`Recipe.save` / `Recipe.load`): `--quantize-recipe FILE` reuses one, and the
 manifest records it.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .schemes import PARTS, SCHEMES, Compression, QuantizeError
@@ -32,15 +33,18 @@ from .schemes import PARTS, SCHEMES, Compression, QuantizeError
 DEFAULT_BUDGET_PCT = 5.0  # --quantize-budget: perplexity increase allowed, percent
 WARN_PCT = 10.0  # a measured increase beyond this is said plainly at export
 CANDIDATES = (Compression("lut4", group_size=16, block_size=0, scaled=True, compensated=True),
-              Compression("lut6", group_size=8),
+              Compression("lut6", group_size=8, compensated=True),
               Compression("lut8", group_size=16))  # Apple's guide: groups of 8 or 16 keep LUTs fast; the
 # per-channel scale halves lut4's loss on SmolLM2 (both are decompressed just in time on the ANE);
-# compensated codes are the same ops and bytes with less output error at 4 bits (the table takes plain
-# ones); at 6 bits they fit the calibration text at the cost of other text, so lut6 takes plain codes
+# compensated codes are the same ops and bytes with less output error (the table, which is looked
+# up, takes plain ones)
 FORM_FIELDS = ("scheme", "group_size", "block_size", "symmetric", "compensated")  # of a form's JSON
 RECIPE_FORMAT = "llama-ane-quantize-recipe"
 RECIPE_VERSION = 1
-MAX_RETRIES = 3  # re-choices after a measured increase over the budget
+MAX_RETRIES = 3  # re-choices after the first, each checked end to end
+CLOSE = 0.8  # a choice measured within the budget and over this share of it is not chosen again
+STEP = 4.0  # the most one re-choice scales the estimate's budget by, either way
+RETARGETS = 30  # targets tried (no check) for a re-choice that differs from every choice checked
 SENSITIVITY_TOKENS = 128  # of the calibration text after the calibration's own, each unit's KL is estimated on
 CHECK_TOKENS = 512  # of the eval text, a whole recipe is measured on
 
@@ -285,12 +289,19 @@ def tally(forms: dict[str, Compression | None], name=short) -> str:
 def recipe_label(forms: dict[str, Compression | None]) -> str:
     """A recipe exactly: its units per form, then per part, then what each scheme's form is:
     "5 of 8 units lut6, 2 lut8, 1 lut4 (embeddings lut8; attention lut6; mlp 2 lut6, 1 lut4;
-    lm_head lut8; lut8: group 16; lut6: group 8; lut4: group 16, scaled per channel)". Forms are
-    named by their scheme where each scheme has one form in the recipe, else in full."""
+    lm_head lut8; lut8: group 16; lut6: group 8, compensated; lut4: group 16, scaled per channel)".
+    Forms are named by their scheme where each scheme has one form in the recipe, up to
+    compensated codes taken by whole parts ("lut6: group 8, compensated (plain in embeddings)":
+    the table is looked up, so never compensated); else in full."""
+    plain = {c: (None if c is None else replace(c, compensated=False)) for c in forms.values()}
     schemes: dict[str, set] = {}
     for c in forms.values():
-        schemes.setdefault(short(c), set()).add(c)
-    name = short if all(len(v) == 1 for v in schemes.values()) else label
+        schemes.setdefault(short(c), set()).add(plain[c])
+    by_part: dict[tuple, set] = {}  # (part, scheme) -> compensated or not
+    for u, c in forms.items():
+        by_part.setdefault((part_of_unit(u), short(c)), set()).add(c is not None and c.compensated)
+    name = short if all(len(v) == 1 for v in schemes.values()) and all(len(v) == 1 for v in by_part.values()) \
+        else label
     parts = []
     for part in PARTS:
         mine = {u: c for u, c in forms.items() if part_of_unit(u) == part}
@@ -298,8 +309,16 @@ def recipe_label(forms: dict[str, Compression | None]) -> str:
             counts = tally(mine, name)
             parts.append(f"{part} " + (name(next(iter(mine.values()))) if counts.startswith(("all ", "1 unit"))
                                        else counts.replace(f" of {len(mine)} units", "")))
-    spelled = [f"{c.scheme}: {label(c).removeprefix(c.scheme + ' ')}" for c in dict.fromkeys(forms.values())
-               if c is not None] if name is short else []
+    spelled = []
+    if name is short:
+        for scheme, (c,) in schemes.items():
+            if c is None:
+                continue
+            ways = {p: way.pop() for (p, s), way in by_part.items() if s == scheme}
+            text = f"{scheme}: {label(replace(c, compensated=any(ways.values()))).removeprefix(scheme + ' ')}"
+            if any(ways.values()) and not all(ways.values()):
+                text += f" (plain in {', '.join(p for p in PARTS if ways.get(p) is False)})"
+            spelled.append(text)
     return f"{tally(forms, name)} ({'; '.join(parts + spelled)})"
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .auto import CANDIDATES, MAX_RETRIES, Recipe, change_pct, choose, nll_of_pct, tally, units
+from .auto import CANDIDATES, CLOSE, MAX_RETRIES, RETARGETS, STEP, Recipe, change_pct, choose, nll_of_pct, tally, units
 from .fit import roundtrip, statistics_key
 from .schemes import Compression, stored_bytes
 
@@ -191,8 +191,7 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
     layer one pass runs from there to the end, with the first candidate of its MLP (the largest
     error): the KL it causes over that error is the layer's gain, and every unit of the layer is
     estimated as gain x its error (a small error's KL grows with its square, which the error is). The LM head is measured directly (only the head runs). The table
-    (looked up: no inputs to compensate) and the head (a vocabulary of rows, slow to compensate)
-    take the candidates without compensation. So a
+    (looked up: no inputs to compensate) takes the candidates without compensation. So a
     model of N layers costs N + 1 partial passes and one run of a single layer per unit and form,
     instead of a pass per unit and form. `on_unit(note)` follows each unit ("layers.3.mlp: lut4
     KL 0.0123")."""
@@ -205,7 +204,7 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
         _, fp16_bytes = compressed_unit(model, unit, None, importance)
         costs[unit] = {None: (fp16_bytes, 0.0)}
         layer = layer_of(unit, n)
-        for c in (candidates if 0 <= layer < n else [replace(c, compensated=False) for c in candidates]):
+        for c in (candidates if layer >= 0 else [replace(c, compensated=False) for c in candidates]):
             if layer < 0:
                 out, size = looked_up_rows(model, ids, c, importance)
             else:
@@ -262,9 +261,8 @@ def choose_recipe(model: Float32Model, calibration_ids: list[int], check_ids: li
                   phase: Callable = _NoProgress) -> Recipe:
     """`--quantize auto`: measure every unit on `calibration_ids`, choose the fewest bytes whose
     estimated perplexity increase fits `budget_pct`, then measure that recipe on `check_ids` (text
-    the choice never saw); over the budget, the estimate's budget shrinks by the ratio and the
-    choice runs again (at most MAX_RETRIES times; the last measured recipe within budget wins,
-    else the last one). `found`: `measure_units`' result, when measured before (for several budgets).
+    the choice never saw), and choose again (`search`) until one measures close under the budget.
+    `found`: `measure_units`' result, when measured before (for several budgets).
     `phase(desc, total, unit=...)` makes the progress of each phase (export.progress.StepProgress:
     `.advance(note)`, `.close()`); each choice is said as it is made, before it is checked."""
     if found is None:
@@ -275,10 +273,8 @@ def choose_recipe(model: Float32Model, calibration_ids: list[int], check_ids: li
         finally:
             bar.close()
     costs = found["costs"]
-    target = nll_of_pct(budget_pct)
-    best = None
-    for attempt in range(MAX_RETRIES + 1):
-        forms = choose(costs, target)
+
+    def measure(forms: dict, attempt: int) -> Recipe:
         estimated = change_pct(sum(costs[u][f][1] for u, f in forms.items()))
         size = sum(costs[u][f][0] for u, f in forms.items())
         say(f"auto: choice {attempt + 1}: {tally(forms)}; {size / 1e6:.1f} MB of weights, perplexity "
@@ -290,11 +286,47 @@ def choose_recipe(model: Float32Model, calibration_ids: list[int], check_ids: li
             bar.close()
         say(f"auto: {size / 1e6:.1f} MB of weights, perplexity {estimated:+.2f}% estimated, {measured:+.2f}% "
             f"measured on {len(check_ids)} tokens of {check_text} (budget {budget_pct:g}%)")
-        recipe = Recipe(forms, budget_pct, round(estimated, 2), round(measured, 2),
-                        f"{len(check_ids)} tokens of {check_text}")
-        if measured <= budget_pct:
-            return recipe
-        best = recipe
-        if attempt < MAX_RETRIES:
-            target *= nll_of_pct(budget_pct) / max(nll_of_pct(measured), 1e-12)
-    return best
+        return Recipe(forms, budget_pct, round(estimated, 2), round(measured, 2),
+                      f"{len(check_ids)} tokens of {check_text}", extra={"weight_bytes": size})
+
+    return search(costs, budget_pct, measure)
+
+
+def search(costs: dict, budget_pct: float, measure: Callable[[dict, int], Recipe]) -> Recipe:
+    """The recipe of fewest bytes that `measure(forms, attempt)` finds within `budget_pct`, over at
+    most MAX_RETRIES + 1 choices. The estimate's budget (the target `choose` fits) starts at the
+    budget and moves by the ratio of the budget to what the last choice measured, both ways: down
+    when a choice measured over the budget, up when it left room (estimates run high as well as
+    low), within the targets already seen to measure within and over. It stops once a choice
+    measures within the budget and over CLOSE of it, or when no target between those seen chooses
+    anything new. Without a choice within the budget, the one that measured least wins."""
+    budget = nll_of_pct(budget_pct)
+    target, within, over = budget, 0.0, math.inf  # targets whose choices measured within / over the budget
+    seen: dict[frozenset, Recipe] = {}
+    tighter = False  # whether the last choice measured over the budget
+    for attempt in range(MAX_RETRIES + 1):
+        forms = choose(costs, target)
+        for _ in range(RETARGETS):  # a choice already measured: move on the way the last one pointed
+            if frozenset(forms.items()) not in seen:
+                break
+            target = (target + within) / 2 if tighter else (target + over) / 2 if over < math.inf else target * 2
+            forms = choose(costs, target)
+        else:
+            break
+        recipe = seen[frozenset(forms.items())] = measure(forms, attempt)
+        tighter = recipe.measured_pct > budget_pct
+        if not tighter:
+            within = max(within, target)
+            if recipe.measured_pct >= CLOSE * budget_pct:
+                break
+        else:
+            over = min(over, target)
+        ratio = budget / nll_of_pct(recipe.measured_pct) if recipe.measured_pct > 0 else STEP
+        target = min(max(target * ratio, target / STEP), target * STEP)
+        if not within < target < over:
+            target = (math.sqrt(within * over) if within > 0 and over < math.inf
+                      else over / 2 if over < math.inf else within * STEP)
+    fits = [r for r in seen.values() if r.measured_pct <= budget_pct]
+    if fits:
+        return min(fits, key=lambda r: (r.extra["weight_bytes"], r.measured_pct))
+    return min(seen.values(), key=lambda r: r.measured_pct)
