@@ -104,6 +104,16 @@ def test_rank_search_is_searchsorted_and_its_sums(n, weighted):
         assert torch.allclose(mass, want_mass, rtol=0, atol=1e-5)
     assert (ranks[:, :2] == 0).all() and (ranks[:, -2:] == n).all()
 
+
+def test_starting_centroids_of_one_group_larger_than_float32_counts():
+    """A LUT per tensor of SmolLM2's table (49152 x 576 values, past float32's exact integers)."""
+    from llama_ane.quantize.kmeans import companded_start
+
+    n = 49152 * 576
+    start = companded_start(torch.arange(n, dtype=torch.float32)[None], 64)
+    assert start.shape == (1, 64) and 0 < start[0, 0] < start[0, -1] < n - 1
+
+
 def test_weighted_kmeans_lowers_the_weighted_error():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((32, 64, 1, 1)).astype(np.float16)

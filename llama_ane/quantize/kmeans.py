@@ -168,7 +168,7 @@ def companded_start(xs: torch.Tensor, clusters: int, points: int = COMPANDING_PO
     """
     g, n = xs.shape
     m = min(points, n - 1) if n > 1 else 1
-    ranks = torch.linspace(0, n - 1, m + 1).round().long()
+    ranks = torch.linspace(0, n - 1, m + 1, dtype=torch.float64).round().long()  # float32 rounds past 2^24
     at = xs[:, ranks].to(torch.float64)  # (G, m+1) values at evenly spaced ranks
     level = torch.zeros(g, m + 1, dtype=torch.float64)
     level[:, 1:] = torch.cumsum((at[:, 1:] - at[:, :-1]).clamp_min(0) ** (2 / 3), dim=1)
