@@ -204,9 +204,9 @@ def quantize_sensitivity(d: dict) -> tuple[list[str], list[Row]]:
 
 
 def quantize_forms(d: dict) -> tuple[list[str], list[Row]]:
-    header = ["row", "weights MB", "perplexity", "change vs float32"]
-    return header, [([r, d], [r["row"], _num(r["weights_mb"], 1), _num(r["perplexity"], 3), f"{r['change_pct']:+.2f}%"])
-                    for r in d["rows"]]
+    header = ["row", "weights MB", "perplexity", "change vs float32", "mean KL"]
+    return header, [([r, d], [r["row"], _num(r["weights_mb"], 1), _num(r["perplexity"], 3), f"{r['change_pct']:+.2f}%",
+                              _num(r.get("mean_kl"), 4)]) for r in d["rows"]]
 
 
 def runahead_gpu(d: dict) -> tuple[list[str], list[Row]]:
@@ -299,8 +299,9 @@ BENCHMARKS: dict[str, tuple[str, str, str, list[Renderer]]] = {
                              "extrapolated and labelled so), with the load average when the row started.",
                              [quantize_sensitivity]),
     "quantize_forms": ("LUT forms part by part on SmolLM2", "python benchmarks/quantize_forms.py",
-                       "Float32 in torch, perplexity on the held-out prose with the named parts in one form and "
-                       "every other part lut6 (groups of 8, plain codes); the weights' compressed bytes.",
+                       "Float32 in torch, perplexity and mean KL from float32 on the held-out prose with the "
+                       "named parts in one form and every other part lut6 (groups of 8, plain codes); the "
+                       "weights' compressed bytes.",
                        [quantize_forms]),
     "serve": ("Server: concurrent clients on one tiny export", "python benchmarks/serve.py --repeats 5 --threads 1",
               "`llama-ane serve` (torch, fp32) under 1-8 clients asking about one shared document, all at "
