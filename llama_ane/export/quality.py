@@ -152,7 +152,7 @@ def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[s
     if unmeasured(ckpt):
         say(f"quality: not measured for {ckpt.config.model_type} checkpoints; check it with llama-ane eval")
         return float("nan")
-    from ..quantize.auto import CHECK_TOKENS, WARN_PCT, part_of_unit, units
+    from ..quantize.auto import CHECK_TOKENS, DEFAULT_BUDGET_PCT, WARN_PCT, part_of_unit, units
     from ..quantize.sensitivity import perplexity_change
 
     forms = {u: quantize.compression(part_of_unit(u), target, None if quantize.recipe is None else u)
@@ -163,6 +163,7 @@ def check_quality(ckpt, quantize: QuantizeOptions, target: str, say: Callable[[s
     say(f"quality: perplexity {change:+.2f}% against fp16 on {len(ids)} tokens of the eval text")
     if change > WARN_PCT:
         say(f"warning: these weights lose {change:.0f}% perplexity (more than {WARN_PCT:g}%). Use --quantize auto "
-            "(the fewest bytes within --quantize-budget, default 5%), a larger scheme, or, for a GPU deployment "
-            "on macOS, a LUT scaled per block (--lut-block-size 32, or the block size of a GGUF source)")
+            f"(the fewest bytes within --quantize-budget, default {DEFAULT_BUDGET_PCT:g}%), a larger scheme, or, "
+            "for a GPU deployment on macOS, a LUT scaled per block (--lut-block-size 32, or the block size of a "
+            "GGUF source)")
     return change
