@@ -23,12 +23,12 @@ class ExportProgress:
             self.work = {p.file: p.dense_bytes + OVERHEAD_BYTES for p in plan.packages}  # its work, in build bytes
             for u in compression_units(plan):
                 self.work[u.spec.file] += COMPRESS_BYTES * u.weights
-            self.filled = dict.fromkeys(self.share, 0.0)
+            self.filled = dict.fromkeys(self.share, 0)
             total = sum(self.share.values())
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", dynamic_ncols=True)
 
     def _fill(self, file: str, amount: float) -> None:
-        amount = min(amount, self.share[file] - self.filled[file])
+        amount = min(int(amount), self.share[file] - self.filled[file])  # whole bytes: the bar ends at its total
         self.filled[file] += amount
         self.bar.update(amount)
 
