@@ -22,7 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .auto import CANDIDATES, CLOSE, MAX_RETRIES, RETARGETS, STEP, Recipe, change_pct, choose, nll_of_pct, tally, units
+from .auto import (CANDIDATES, CLOSE, MAX_RETRIES, RETARGETS, STEP, Recipe, change_pct, choose, nll_of_pct, tally,
+                   units)
 from .fit import roundtrip, statistics_key
 from .schemes import Compression, stored_bytes
 
@@ -190,11 +191,11 @@ def measure_units(model: Float32Model, ids: list[int], candidates: tuple[Compres
     rows, for the embeddings: only the groups holding them are fitted, `looked_up_rows`). Per
     layer one pass runs from there to the end, with the first candidate of its MLP (the largest
     error): the KL it causes over that error is the layer's gain, and every unit of the layer is
-    estimated as gain x its error (a small error's KL grows with its square, which the error is). The LM head is measured directly (only the head runs). The table
-    (looked up: no inputs to compensate) takes the candidates without compensation. So a
-    model of N layers costs N + 1 partial passes and one run of a single layer per unit and form,
-    instead of a pass per unit and form. `on_unit(note)` follows each unit ("layers.3.mlp: lut4
-    KL 0.0123")."""
+    estimated as gain x its error (a small error's KL grows with its square, which the error is).
+    The LM head is measured directly (only the head runs). The table (looked up: no inputs to
+    compensate) takes the candidates without compensation. So a model of N layers costs N + 1
+    partial passes and one run of a single layer per unit and form, instead of a pass per unit and
+    form. `on_unit(note)` follows each unit ("layers.3.mlp: lut4 KL 0.0123")."""
     t0 = time.perf_counter()
     inputs, reference = model.trace(ids)
     n = len(model.layers)
