@@ -294,15 +294,12 @@ def recipe_label(forms: dict[str, Compression | None]) -> str:
     Forms are named by their scheme where each scheme has one form in the recipe, up to
     compensated codes taken by whole parts ("lut6: group 8, compensated (plain in embeddings)":
     the table is looked up, so never compensated); else in full."""
-    plain = {c: (None if c is None else replace(c, compensated=False)) for c in forms.values()}
-    schemes: dict[str, set] = {}
-    for c in forms.values():
-        schemes.setdefault(short(c), set()).add(plain[c])
-    by_part: dict[tuple, set] = {}  # (part, scheme) -> compensated or not
+    schemes: dict[str, set] = {}  # scheme -> its forms, compensated or not
+    by_part: dict[tuple, set] = {}  # (part, scheme) -> whether its units are compensated
     for u, c in forms.items():
+        schemes.setdefault(short(c), set()).add(None if c is None else replace(c, compensated=False))
         by_part.setdefault((part_of_unit(u), short(c)), set()).add(c is not None and c.compensated)
-    name = short if all(len(v) == 1 for v in schemes.values()) and all(len(v) == 1 for v in by_part.values()) \
-        else label
+    name = short if all(len(v) == 1 for v in (*schemes.values(), *by_part.values())) else label
     parts = []
     for part in PARTS:
         mine = {u: c for u, c in forms.items() if part_of_unit(u) == part}
@@ -315,7 +312,7 @@ def recipe_label(forms: dict[str, Compression | None]) -> str:
         for scheme, (c,) in schemes.items():
             if c is None:
                 continue
-            ways = {p: way.pop() for (p, s), way in by_part.items() if s == scheme}
+            ways = {p: next(iter(way)) for (p, s), way in by_part.items() if s == scheme}
             text = f"{scheme}: {label(replace(c, compensated=any(ways.values()))).removeprefix(scheme + ' ')}"
             if any(ways.values()) and not all(ways.values()):
                 text += f" (plain in {', '.join(p for p in PARTS if ways.get(p) is False)})"

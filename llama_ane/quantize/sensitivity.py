@@ -310,23 +310,26 @@ def search(costs: dict, budget_pct: float, measure: Callable[[dict, int], Recipe
         for _ in range(RETARGETS):  # a choice already measured: move on the way the last one pointed
             if frozenset(forms.items()) not in seen:
                 break
-            target = (target + within) / 2 if tighter else (target + over) / 2 if over < math.inf else target * 2
+            toward = within if tighter else over
+            target = (target + toward) / 2 if toward < math.inf else target * 2
             forms = choose(costs, target)
         else:
             break
         recipe = seen[frozenset(forms.items())] = measure(forms, attempt)
         tighter = recipe.measured_pct > budget_pct
-        if not tighter:
+        if tighter:
+            over = min(over, target)
+        else:
             within = max(within, target)
             if recipe.measured_pct >= CLOSE * budget_pct:
                 break
-        else:
-            over = min(over, target)
         ratio = budget / nll_of_pct(recipe.measured_pct) if recipe.measured_pct > 0 else STEP
         target = min(max(target * ratio, target / STEP), target * STEP)
-        if not within < target < over:
-            target = (math.sqrt(within * over) if within > 0 and over < math.inf
-                      else over / 2 if over < math.inf else within * STEP)
+        if not within < target < over:  # past a target already measured: between the two
+            if over == math.inf:
+                target = within * STEP
+            else:
+                target = math.sqrt(within * over) if within > 0 else over / 2
     fits = [r for r in seen.values() if r.measured_pct <= budget_pct]
     if fits:
         return min(fits, key=lambda r: (r.extra["weight_bytes"], r.measured_pct))
