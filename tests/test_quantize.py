@@ -589,7 +589,7 @@ def test_compression_units_cover_each_compressed_weight_once(tiny_checkpoint, mo
         pieces = [p for u in units for p in u.pieces]
         assert sorted(pieces, key=lambda p: p.file) == sorted(convert.weight_rows(plan), key=lambda p: p.file)
         for spec in plan.packages:
-            wanted = convert.compressed_weights(plan, spec)
+            wanted = plan.compressed_weights(spec)
             mine = [p for p in pieces if p.spec == spec]
             assert {u.name for u in mine} == set(wanted)
             for name, shape in wanted.items():
@@ -622,7 +622,7 @@ def test_a_package_built_from_compressed_units_is_the_one_built_alone(tiny_check
     for unit in convert.compression_units(plan):
         convert.compress_unit(unit, plan, ckpt, scratch)
     for spec in plan.packages:
-        if not convert.compressed_weights(plan, spec):
+        if not plan.compressed_weights(spec):
             continue
         built = {}
         for how, payloads in (("alone", None), ("units", scratch)):

@@ -33,7 +33,7 @@ import torch
 from ..config import LlamaConfig
 from ..errors import LlamaANEError
 from ..families import FAMILIES, Family
-from .loader import TensorInfo
+from .tensors import TensorInfo
 
 if TYPE_CHECKING:
     from gguf import GGUFReader

@@ -12,15 +12,16 @@ import math
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import LlamaANEError
 from ..config import LlamaConfig
 from ..hub import cached_repo, locate
+from .mapping import check_tensors
+from .tensors import Checkpoint, CheckpointError, TensorInfo
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,55 +44,6 @@ SAFETENSORS_FLOATS = ("F32", "F16", "BF16")
 TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                        "language_model.lm_head.": "lm_head."}
 TEXT_MODEL_HEAD = "lm_head."  # transformers 5 keeps the LM head at the top level
-
-
-class CheckpointError(LlamaANEError, ValueError):
-    """A checkpoint we cannot read; the message says what is wrong and what to do."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What a checkpoint's header says of one tensor, before any of its data is read: its shape
-    (as Hugging Face lays it out) and its stored dtype (a safetensors or GGML type name)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass
-class Checkpoint:
-    """A loaded checkpoint: its config, a tensor getter by HF name, and its tokenizer files.
-
-    `get_rows(name, start, end)`, where the format allows it, reads rows start..end-1 of a tensor
-    without the rest (safetensors slices); otherwise `rows` reads the tensor and slices it.
-    """
-
-    name: str
-    config: LlamaConfig
-    source: dict
-    tokenizer_dir: Path
-    get: Callable[[str], torch.Tensor]
-    _tmp: list = field(default_factory=list, repr=False)
-    get_rows: Callable[[str, int, int], torch.Tensor] | None = None
-    tensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
-
-    def tensor(self, hf_name: str) -> torch.Tensor:
-        try:
-            return self.get(hf_name)
-        except KeyError:
-            raise self._missing(hf_name) from None
-
-    def rows(self, hf_name: str, start: int, end: int) -> torch.Tensor:
-        """Rows start..end-1 of tensor `hf_name` (e.g. a part of the vocabulary of an embedding table)."""
-        if self.get_rows is None:
-            return self.tensor(hf_name)[start:end]
-        try:
-            return self.get_rows(hf_name, start, end)
-        except KeyError:
-            raise self._missing(hf_name) from None
-
-    def _missing(self, hf_name: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {self.name} has no tensor {hf_name!r}; is it a complete LlamaForCausalLM?")
 
 
 def default_gguf_path() -> Path:
@@ -300,7 +252,6 @@ def text_model_names(names) -> dict[str, str]:
 
 
 def _check_tensors(ckpt: Checkpoint, dtypes: tuple[str, ...], allowed: str) -> None:
-    from .mapping import check_tensors  # the mapping knows each family's tensors; it imports this module
 
     check_tensors(ckpt.config, ckpt.tensors, ckpt.name, dtypes, allowed)
 

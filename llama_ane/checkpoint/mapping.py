@@ -16,7 +16,7 @@ from ..families.gemma4_text import PER_LAYER_TENSORS
 from ..families.lfm2 import CONV_BIASES, CONV_TENSORS
 from ..families.phi3 import FUSED_SHAPES, FUSED_TENSORS
 from ..families.qwen3_5_text import GATED_HALF
-from .loader import Checkpoint, CheckpointError, TensorInfo
+from .tensors import Checkpoint, CheckpointError, TensorInfo
 
 
 HF_LAYER_NAMES = {**LAYER_TENSORS, **FAMILY_TENSORS}

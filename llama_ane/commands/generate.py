@@ -90,7 +90,6 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
                                        f"{'--prompt' if prompt is not None else '--prompt-file'}")
         if prompt_cache is not None and not prompt_cache.parent.is_dir():
             raise InvalidArgumentError(f"--prompt-cache {prompt_cache}: the folder {prompt_cache.parent} does not exist")
-        from ..runtime.chat import has_template
         from .session import check_wrapping, load_model
 
         if speculative is not None:
@@ -98,7 +97,7 @@ def command(out, prompt, prompt_file, questions, samples, raw, chat, system, max
         loaded = load_model(out, backend, revision=revision, **({} if precision is None else {"precision": precision}))
         model = loaded.model
         try:
-            wrap = not raw and has_template(model)
+            wrap = not raw and model.has_chat_template
             if (chat or system is not None) and not wrap:
                 raise InvalidArgumentError(f"{'--chat' if chat else '--system'} needs a chat template, and this "
                                            f"export records none; drop {'--chat' if chat else '--system'}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from .._version import __version__
 from ..model.functions import per_layer_rows
 from ..model.lm_head import ROW_UNIT, vocab_splits
-from .sizing import group_heads, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
+from .sizing import group_heads, layer_shapes, layer_weight_bytes, plan_chunks, vocab_row_ranges, weight_part
 from ..config import LlamaConfig
 from ..limits import BYTES_PER_WEIGHT, MAX_FUNCTIONS_PER_PACKAGE, PRECISION_DTYPES, weight_budget
 from ..quantize import Compression, check_divides, stored_bytes
@@ -21,7 +21,7 @@ from .manifest import new_manifest
 from .options import (COREAI, COREAI_SUFFIX, FIRST_BUCKET, FOLD_CHOICES, KV_CACHE_CHOICES, MAX_BUCKETS,
                       MULTIFUNCTION_TARGETS, TARGETS, ExportOptions, ExportOptionsError, auto_buckets, auto_kv_cache,
                       check_coreai)
-from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_specs, ring_length
+from .specs import chunk_model_name, embeddings_model_name, lm_head_model_name, model_kind, model_specs, ring_length
 from ..checkpoint.loader import Checkpoint, load_checkpoint
 
 
@@ -86,6 +86,26 @@ class ExportPlan:
             _, j, rest = name.split(".", 2)
             name = f"layers.{spec.layers[int(j)]}.{rest}"
         return self.options.quantize.compression(part, self.options.target, unit_of(name))
+
+    def compressed_weights(self, spec: "PackageSpec") -> dict[str, tuple[int, ...]]:
+        """The compressed weights of package `spec` and their shapes (out, in): names as its program
+        uses them ("layers.j.*" for the j-th layer of a chunk, "heads.j.weight" for vocabulary split j)."""
+        cfg, kind = self.config, model_kind(spec.model)
+        if kind == "chunk":
+            found = {f"layers.{j}.{name}": shape for j, n in enumerate(spec.layers)
+                     for name, shape in layer_shapes(cfg, n).items()}
+            if spec.rows is not None:  # the last chunk carrying the LM head
+                found.update((f"heads.{j}.weight", (n, cfg.hidden_size)) for j, n in enumerate(vocab_splits(cfg.vocab_size)))
+        elif kind in ("embeddings", "embeddings_part"):
+            found = {"embed_tokens.weight": (spec.rows[1] - spec.rows[0], cfg.hidden_size)}
+        elif kind == "lm_head":
+            splits = vocab_splits(cfg.vocab_size)
+            starts = [sum(splits[:j]) for j in range(len(splits))]
+            found = {f"heads.{j}.weight": (splits[j], cfg.hidden_size) for j in range(len(splits))
+                     if spec.rows[0] <= starts[j] < spec.rows[1]}
+        else:
+            found = {}
+        return {name: shape for name, shape in found.items() if self.compression(name, spec) is not None}
 
     @property
     def files(self) -> dict[tuple[str, str], tuple[str, str]]:

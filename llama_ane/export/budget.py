@@ -57,9 +57,7 @@ COMPRESS_BYTES = int(0.45 * GIB)  # a compression worker: one unit's fp16 weight
 def held_bytes(plan: ExportPlan, package: PackageSpec) -> int:
     """Bytes of weights a package's build holds: fp16 (or fp32) weights, compressed ones as their
     one-byte codes."""
-    from .convert import compressed_weights
-
-    codes = sum(math.prod(shape) for shape in compressed_weights(plan, package).values())
+    codes = sum(math.prod(shape) for shape in plan.compressed_weights(package).values())
     return package.dense_bytes - codes  # 2 bytes per fp16 weight, 1 per code
 
 

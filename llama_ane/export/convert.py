@@ -43,11 +43,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..contract.sizing import layer_shapes
 from ..model.lm_head import vocab_splits
 from ..errors import LlamaANEError
 from ..contract.plan import ExportPlan, PackageSpec
-from ..contract.specs import model_kind
 from ..checkpoint.loader import Checkpoint
 
 SPECIFICATION_VERSIONS = {"iOS16": 7, "macOS13": 7, "iOS17": 8, "macOS14": 8, "iOS18": 9, "macOS15": 9}
@@ -158,33 +156,12 @@ class CompressionUnit:
 UNIT_WEIGHTS = 1 << 24  # weights per compression job: a large weight is cut into row blocks, small ones grouped
 
 
-def compressed_weights(plan: ExportPlan, spec: PackageSpec) -> dict[str, tuple[int, ...]]:
-    """The compressed weights of package `spec` and their shapes (out, in): names as its program
-    uses them ("layers.j.*" for the j-th layer of a chunk, "heads.j.weight" for vocabulary split j)."""
-    cfg, kind = plan.config, model_kind(spec.model)
-    if kind == "chunk":
-        found = {f"layers.{j}.{name}": shape for j, n in enumerate(spec.layers)
-                 for name, shape in layer_shapes(cfg, n).items()}
-        if spec.rows is not None:  # the last chunk carrying the LM head
-            found.update((f"heads.{j}.weight", (n, cfg.hidden_size)) for j, n in enumerate(vocab_splits(cfg.vocab_size)))
-    elif kind in ("embeddings", "embeddings_part"):
-        found = {"embed_tokens.weight": (spec.rows[1] - spec.rows[0], cfg.hidden_size)}
-    elif kind == "lm_head":
-        splits = vocab_splits(cfg.vocab_size)
-        starts = [sum(splits[:j]) for j in range(len(splits))]
-        found = {f"heads.{j}.weight": (splits[j], cfg.hidden_size) for j in range(len(splits))
-                 if spec.rows[0] <= starts[j] < spec.rows[1]}
-    else:
-        found = {}
-    return {name: shape for name, shape in found.items() if plan.compression(name, spec) is not None}
-
-
 def weight_rows(plan: ExportPlan) -> list[WeightRows]:
     """Every compressed weight of `plan`, package by package, cut into row blocks of at most about
     UNIT_WEIGHTS weights (whole LUT groups) where its rows are compressed independently."""
     pieces = []
     for spec in plan.packages:
-        for name, shape in compressed_weights(plan, spec).items():
+        for name, shape in plan.compressed_weights(spec).items():
             c = plan.compression(name, spec)
             rows, row = shape[0], int(np.prod(shape[1:]))
             step = rows

@@ -142,6 +142,14 @@ class Recipe:
     def compression(self, unit: str) -> Compression | None:
         return self.forms.get(unit)
 
+    def part_form(self, part: str | None = None) -> Compression | None:
+        """The most lossy form among `part`'s units (among all units without `part`)."""
+        return most_lossy([c for u, c in self.forms.items() if part is None or part_of_unit(u) == part])
+
+    def part_summary(self, part: str) -> dict[str, int]:
+        """How many of `part`'s units take each form (see `summary`)."""
+        return summary(self.forms, part)
+
     def check(self, layers: int) -> None:
         """Refuse a recipe naming units the model does not have."""
         known = set(units(layers))

@@ -159,11 +159,7 @@ class QuantizeOptions:
         """The compression of `part` for `target` (of its `unit`, e.g. "layers.3.mlp", under a
         recipe; without one, the part's most lossy form), or None for fp16 weights."""
         if self.recipe is not None:
-            from .auto import most_lossy, part_of_unit
-
-            if unit is not None:
-                return self.recipe.compression(unit)
-            return most_lossy([c for u, c in self.recipe.forms.items() if part_of_unit(u) == part])
+            return self.recipe.compression(unit) if unit is not None else self.recipe.part_form(part)
         scheme = self.schemes[part]
         if scheme == "none":
             return None
@@ -220,13 +216,9 @@ class QuantizeOptions:
             c = self.compression(part, target)
             out[part] = {"scheme": "none"} if c is None else {**c.to_dict(), "device_path": c.device_path}
             if self.recipe is not None:
-                from .auto import summary
-
-                out[part]["units"] = summary(self.recipe.forms, part)
+                out[part]["units"] = self.recipe.part_summary(part)
         if self.recipe is not None:
-            from .auto import most_lossy
-
-            worst = most_lossy(list(self.recipe.forms.values()))
+            worst = self.recipe.part_form()
             out["recipe"] = {**self.recipe.to_dict(), "scheme": worst.scheme if worst else "none"}
         return out
 

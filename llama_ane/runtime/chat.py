@@ -11,39 +11,12 @@ tokens are kept.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from ..errors import InvalidArgumentError, LlamaANEError
+from ..errors import InvalidArgumentError
+from .chat_template import template_errors
 from .model import GenerationResult, LlamaANEModel, TokenEvent
-
-
-class ChatTemplateError(LlamaANEError, ValueError):
-    """The export's chat template failed to render a conversation; the message says how."""
-
-
-@contextlib.contextmanager
-def template_errors() -> Iterator[None]:
-    """Turn an exception raised while rendering the chat template into a ChatTemplateError.
-
-    The template is code that came with the checkpoint (jinja, run by transformers): a syntax error,
-    an undefined name, its own raise_exception(...) or a Python error in an expression all surface
-    here, and all are the template's problem, not ours. Our own errors pass through unchanged."""
-    try:
-        yield
-    except LlamaANEError:
-        raise
-    except Exception as e:
-        detail = " ".join(str(e).split()) or "no message"
-        raise ChatTemplateError(f"the export's chat template failed ({type(e).__name__}: {detail}); fix "
-                                "chat_template in its tokenizer_config.json (or chat_template.jinja), or run "
-                                "without the chat template (generate --raw, or raw=True in Python)") from e
-
-
-def has_template(model: LlamaANEModel) -> bool:
-    """Whether the export records a chat template."""
-    return bool(model.manifest["tokenizer"].get("chat_template"))
 
 
 def prompt_ids(model: LlamaANEModel, text: str, system: str | None = None) -> list[int]:

@@ -16,6 +16,7 @@ from ..contract.manifest import model_names, read_manifest
 from .backends.base import Backend
 from .kv_cache import KVCache, load_cache, save_cache
 from .cascade import CascadeDecoder, CascadeOutput
+from .chat_template import template_errors
 from .generate import (OVERFLOW, GenerationResult, TokenEvent, make_drafter, shift_limit, shifted,  # noqa: F401
                        stream_generate)  # GenerationResult, TokenEvent, shift_limit, shifted: importable from here too
 from .pipeline import Pipeline
@@ -146,8 +147,6 @@ class LlamaANEModel:
         if chat:
             if not self.has_chat_template:
                 raise InvalidArgumentError("this model has no chat template: encode the text without chat=True")
-            from .chat import template_errors
-
             with template_errors():
                 return list(self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
