@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .executor import _function_program
+from .executor import _function_program, _young_collections
 from .package import MilPackage, PackageError
 
 
@@ -24,19 +24,20 @@ def read_weights(path: Path, function: str, names: list[str]) -> dict[str, np.nd
     name the function does not hold as a const or constexpr op.
     """
     package = MilPackage(Path(path))
-    program = _function_program(package, function)
     wanted = set(names)
     found: dict[str, np.ndarray] = {}
-    for op in program.functions[function].operations:
-        out = op.outputs[0].name if op.outputs else None
-        if out not in wanted:
-            continue
-        if op.op_type == "const":
-            found[out] = np.asarray(op.outputs[0].val)
-        elif op.op_type.startswith("constexpr_"):
-            found[out] = np.asarray(op.materialized_val_inference())
-    del program
-    gc.collect()  # a pymil program is a graph of reference cycles: free its copies of the weights now
+    with _young_collections():
+        program = _function_program(package, function)
+        for op in program.functions[function].operations:
+            out = op.outputs[0].name if op.outputs else None
+            if out not in wanted:
+                continue
+            if op.op_type == "const":
+                found[out] = np.asarray(op.outputs[0].val)
+            elif op.op_type.startswith("constexpr_"):
+                found[out] = np.asarray(op.materialized_val_inference())
+        del program
+        gc.collect()  # a pymil program is a graph of reference cycles: free its copies of the weights now
     missing = sorted(wanted - set(found))
     if missing:
         raise PackageError(f"{package.name} ({function}) has no weights named {missing[:4]}"
